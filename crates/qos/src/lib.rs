@@ -1,0 +1,2 @@
+//! placeholder
+#![forbid(unsafe_code)]
