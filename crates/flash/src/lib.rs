@@ -1,1 +1,12 @@
-//! placeholder
+//! Storage devices behind one contract ([`Device`] / [`DeviceQueue`]): files and block
+//! devices, memory, null, and the emulated Flash device.
+//!
+//! Architecture invariant: devices prepare work for the dataplane thread's ring or finish it
+//! synchronously; they never start threads or loops of their own on the data path.
+
+pub mod device;
+pub mod emu;
+pub mod error;
+
+pub use device::{Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, OpKind, Submit};
+pub use error::FlashError;

@@ -1,2 +1,7 @@
-//! placeholder
+//! Quality of service for ReFlex: request costs, device profiles, the token scheduler and
+//! admission control. Pure: no I/O, no clock; time comes in as [`Nanos`].
 #![forbid(unsafe_code)]
+
+pub mod time;
+
+pub use time::Nanos;

@@ -1,0 +1,120 @@
+//! The contract between storage devices and the dataplane.
+//!
+//! A [`Device`] is opened once per namespace and shared by all dataplane threads. Each thread
+//! asks it for its own [`DeviceQueue`] and drives that queue from its loop: the queue *prepares*
+//! I/O for the thread's io_uring (file and block devices), finishes it on the spot (memory,
+//! null), or accepts it and later reports completions when polled with the current time (the
+//! emulated Flash device). Devices never run a loop or a thread of their own on the data path.
+//!
+//! Buffers: the dataplane passes the request's slot buffer. For [`Submit::Ring`] the entry
+//! points into that buffer; the dataplane keeps the slot alive until the CQE arrives (that is
+//! the safety contract of pushing the entry). Synchronous and emulated devices copy data during
+//! `submit` and keep no pointer.
+
+use reflex_qos::Nanos;
+
+use crate::FlashError;
+
+/// What one request asks of the device.
+#[derive(Debug)]
+pub enum OpKind<'a> {
+    Read {
+        offset: u64,
+        buf: &'a mut [u8],
+    },
+    Write {
+        offset: u64,
+        buf: &'a [u8],
+        /// Durable when complete (forced unit access).
+        fua: bool,
+    },
+    /// Every write completed before this was submitted becomes durable.
+    Flush,
+    /// The range reads back as zeroes afterwards.
+    Trim {
+        offset: u64,
+        len: u64,
+    },
+}
+
+/// One operation handed to [`DeviceQueue::submit`].
+#[derive(Debug)]
+pub struct DeviceOp<'a> {
+    /// Returned unchanged with the completion (and set as the SQE's user_data for ring I/O).
+    pub user_data: u64,
+    pub kind: OpKind<'a>,
+    /// Index of the buffer in the thread's registered-buffer table, when `buf` lies inside it,
+    /// so file devices can use the fixed-buffer opcodes.
+    pub buf_index: Option<u16>,
+    /// Submission queue (priority class / tenant queue) inside devices that arbitrate between
+    /// queues, such as the emulated device. Others ignore it.
+    pub queue: u16,
+}
+
+/// How a device took an operation.
+#[derive(Debug)]
+pub enum Submit {
+    /// Push this entry on the thread's ring; its CQE (same user_data) completes the
+    /// operation and is interpreted by [`DeviceQueue::complete_ring`].
+    #[cfg(feature = "uring")]
+    Ring(io_uring::squeue::Entry),
+    /// Done already: bytes transferred, or the error.
+    Done(Result<u32, FlashError>),
+    /// Accepted; the completion will come out of [`DeviceQueue::poll_completions`].
+    Pending,
+}
+
+/// A completion reported by [`DeviceQueue::poll_completions`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub user_data: u64,
+    pub result: Result<u32, FlashError>,
+}
+
+/// Static facts about a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub size_bytes: u64,
+    /// Offsets and lengths must be multiples of this (512 for every device we ship).
+    pub block_size: u32,
+    pub read_only: bool,
+    /// Whether TRIM does anything.
+    pub supports_trim: bool,
+    /// Human-readable description for logs, e.g. `file:/data/ns0 (O_DIRECT)`.
+    pub description: String,
+}
+
+/// A storage device (one namespace), shared by the dataplane threads.
+pub trait Device: Send + Sync {
+    fn info(&self) -> &DeviceInfo;
+    /// A queue for one dataplane thread.
+    fn queue(&self) -> Box<dyn DeviceQueue>;
+}
+
+/// One thread's access to a [`Device`]. Not shared between threads.
+pub trait DeviceQueue {
+    /// Start one operation. Offsets and lengths have been validated against
+    /// [`DeviceInfo`] by the caller (asserted inside).
+    fn submit(&mut self, op: DeviceOp<'_>, now: Nanos) -> Submit;
+
+    /// Turn the CQE of a [`Submit::Ring`] operation into its outcome.
+    fn complete_ring(&mut self, user_data: u64, cqe_result: i32) -> Result<u32, FlashError> {
+        let _ = user_data;
+        if cqe_result < 0 {
+            Err(FlashError::Io { errno: -cqe_result })
+        } else {
+            Ok(cqe_result as u32)
+        }
+    }
+
+    /// Completions of [`Submit::Pending`] operations that are due at `now`.
+    fn poll_completions(&mut self, now: Nanos, out: &mut Vec<Completion>) {
+        let _ = (now, out);
+    }
+
+    /// Earliest time at which `poll_completions` may have something; the dataplane bounds
+    /// its sleep by it. `None` when nothing is pending.
+    fn next_deadline(&self) -> Option<Nanos> {
+        None
+    }
+}

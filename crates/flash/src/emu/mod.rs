@@ -1,0 +1,1 @@
+//! The emulated Flash device (see issue 3): placeholder until the model lands.
