@@ -1,1 +1,44 @@
-fn main() {}
+//! `reflex`: the ReFlex command-line tool. Each subcommand lives in its own module.
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod calibrate;
+mod model;
+
+#[derive(Parser)]
+#[command(
+    name = "reflex",
+    version,
+    about = "ReFlex tools: load generator, calibration, models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Open- or closed-loop load generator against a ReFlex server or a local file.
+    Bench(bench::Args),
+    /// Measure a device and write its QoS profile.
+    Calibrate(calibrate::Args),
+    /// Queueing model of NVMe arbitration: per-class throughput and worst-case latency.
+    Model(model::Args),
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Bench(args) => bench::run(args),
+        Command::Calibrate(args) => calibrate::run(args),
+        Command::Model(args) => model::run(args),
+    }
+}

@@ -51,7 +51,12 @@ impl AddAssign for Nanos {
 impl Sub for Nanos {
     type Output = Nanos;
     fn sub(self, rhs: Nanos) -> Nanos {
-        assert!(self.0 >= rhs.0, "time went backwards: {} - {}", self.0, rhs.0);
+        assert!(
+            self.0 >= rhs.0,
+            "time went backwards: {} - {}",
+            self.0,
+            rhs.0
+        );
         Nanos(self.0 - rhs.0)
     }
 }

@@ -1,0 +1,10 @@
+//! `reflex calibrate` (not yet implemented).
+
+use anyhow::{Result, bail};
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> Result<()> {
+    bail!("reflex calibrate is not implemented yet")
+}
