@@ -4,9 +4,16 @@
 //! Architecture invariant: devices prepare work for the dataplane thread's ring or finish it
 //! synchronously; they never start threads or loops of their own on the data path.
 
+pub mod aligned;
+pub mod calibrate;
 pub mod device;
 pub mod emu;
 pub mod error;
+pub mod file;
+pub mod mem;
+pub mod null;
+pub mod queueing;
+pub mod spec;
 
 pub use device::{Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, OpKind, Submit};
 pub use error::FlashError;
