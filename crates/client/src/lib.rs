@@ -1,1 +1,42 @@
-//! placeholder
+//! The ReFlex client library: speak the native protocol v1 (docs/PROTOCOL.md) to `reflexd`.
+//!
+//! Three layers, from the bottom:
+//! - [`ConnectionCore`], sans-IO: encodes requests into a transmit buffer, decodes responses
+//!   from received bytes, tracks outstanding request ids, enforces the server's window and
+//!   never panics on server bytes (violations become a [`ProtocolError`]). Event loops such
+//!   as `reflex bench` drive it with their own sockets (io_uring, epoll).
+//! - [`Client`], blocking: `connect` (TCP_NODELAY, HELLO, capabilities and namespaces), then
+//!   `read`, `write`, `write_fua`, `flush`, `trim`, each returning when answered. A server
+//!   refusal is [`ClientError::Status`] carrying the wire status.
+//! - [`PipelinedClient`]: `submit_*` under ids of the caller's choosing, `poll_io` without
+//!   blocking, `reap` completions in any order.
+//!
+//! HELLO declares the calling process's Linux I/O priority, read with
+//! `ioprio_get(IOPRIO_WHO_PROCESS, 0)` ([`io_priority_of_process`]): run a client under
+//! `ionice -c 1` or `ionice -c 3` and the server sees class 1 or 3 without any code change
+//! ([`ClientOptions::io_priority`] overrides it).
+//!
+//! Architecture invariant: the core has no I/O and no clock; the std drivers own the socket.
+#![deny(unsafe_code)]
+
+mod blocking;
+mod core;
+#[cfg(test)]
+mod core_tests;
+mod driver;
+mod error;
+mod pipelined;
+mod sys;
+mod types;
+
+pub use crate::blocking::Client;
+pub use crate::core::{
+    Completion, ConnectionCore, CoreOptions, IO_SIZE_MAX_BYTES_LIMIT, RECEIVE_BUFFER_MIN,
+    WINDOW_REQUESTS_LIMIT,
+};
+pub use crate::driver::{ClientOptions, HELLO_REQUEST_ID};
+pub use crate::error::{ClientError, ProtocolError, SubmitError};
+pub use crate::pipelined::PipelinedClient;
+pub use crate::sys::io_priority_of_process;
+pub use crate::types::Capabilities;
+pub use reflex_proto::native::{NOTICE_REQUEST_ID, Namespace, Opcode, Status, UnknownStatus};

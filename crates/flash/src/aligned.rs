@@ -1,1 +1,194 @@
-//! Placeholder (dataplane helper).
+//! Page-aligned memory, and the few raw system calls the devices need: the only module of
+//! `reflex-flash` with `unsafe` code.
+//!
+//! Why it exists: O_DIRECT I/O and io_uring registered buffers need memory aligned to the
+//! device's logical block (we always give a whole page), and the memory device needs a region
+//! that every dataplane thread may read and write at once without a Rust data race. Keeping
+//! every raw pointer in this one module makes the unsafe surface small enough to audit:
+//!
+//! - [`AlignedBuf`] owns a zeroed, page-aligned allocation (the dataplane's buffer arena and
+//!   test buffers). Alignment is asserted at creation and wherever a pointer is handed out.
+//! - [`AtomicRegion`] is an anonymous private mapping viewed as `[AtomicU64]`: concurrent
+//!   relaxed loads and stores of whole words are defined behaviour, so `mem:` needs no locks.
+//!   Pages are mapped lazily by the kernel (`MAP_NORESERVE`), so a large `mem:` costs memory
+//!   only for what is written.
+
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
+use std::sync::atomic::AtomicU64;
+
+/// Alignment of every [`AlignedBuf`]: one page, enough for O_DIRECT on any block size we ship.
+pub const PAGE_SIZE: usize = 4096;
+
+const _: () = assert!(PAGE_SIZE.is_power_of_two());
+const _: () = assert!(PAGE_SIZE % 512 == 0);
+
+/// A zero-initialised, page-aligned, heap-allocated byte buffer of fixed size.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: AlignedBuf uniquely owns its allocation (like Box<[u8]>); moving it to another
+// thread moves that ownership, and shared references only give out `&[u8]`.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: as above: `&AlignedBuf` only allows reads through `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Allocates `len` zeroed bytes aligned to [`PAGE_SIZE`]. `len` must be a non-zero
+    /// multiple of the page size. Aborts on allocation failure, like `Vec`.
+    pub fn new_zeroed(len: usize) -> AlignedBuf {
+        assert!(len > 0, "empty aligned buffer");
+        assert!(len % PAGE_SIZE == 0, "aligned buffer length {len} not a page multiple");
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size (asserted above).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else {
+            alloc::handle_alloc_error(layout);
+        };
+        assert!((ptr.as_ptr() as usize) % PAGE_SIZE == 0);
+        AlignedBuf { ptr, len }
+    }
+
+    fn layout(len: usize) -> Layout {
+        match Layout::from_size_align(len, PAGE_SIZE) {
+            Ok(layout) => layout,
+            Err(_) => panic!("aligned buffer length {len} overflows a layout"),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len initialised (zeroed) bytes for as long as self lives,
+        // and `&self` excludes writers through this type.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The start of the buffer, for code that hands parts of it to the kernel (the
+    /// dataplane's registered arena). Whoever writes through it must ensure no reference
+    /// obtained from [`as_slice`](Self::as_slice) overlaps the write.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: ptr was allocated in new_zeroed with exactly this layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf").field("len", &self.len).finish()
+    }
+}
+
+/// A shared memory region of `u64` words that any number of threads may read and write
+/// concurrently (relaxed atomics). Zero until written.
+pub struct AtomicRegion {
+    ptr: NonNull<AtomicU64>,
+    words: usize,
+}
+
+// SAFETY: the region is only ever accessed through `&[AtomicU64]`, which is Send and Sync;
+// the mapping lives until drop.
+unsafe impl Send for AtomicRegion {}
+// SAFETY: see Send.
+unsafe impl Sync for AtomicRegion {}
+
+impl AtomicRegion {
+    /// Maps `size_bytes` (a non-zero multiple of 8) of zeroed anonymous memory.
+    pub fn new(size_bytes: u64) -> std::io::Result<AtomicRegion> {
+        assert!(size_bytes > 0);
+        assert!(size_bytes % 8 == 0);
+        let Ok(len) = usize::try_from(size_bytes) else {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+        };
+        // SAFETY: an anonymous private mapping at a kernel-chosen address touches no existing
+        // memory; the result is checked against MAP_FAILED below.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let Some(ptr) = NonNull::new(raw.cast::<AtomicU64>()) else {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+        };
+        assert!((ptr.as_ptr() as usize) % PAGE_SIZE == 0);
+        Ok(AtomicRegion {
+            ptr,
+            words: len / 8,
+        })
+    }
+
+    pub fn words(&self) -> &[AtomicU64] {
+        // SAFETY: the mapping is readable and writable for `words` u64s, zero-filled by the
+        // kernel (a valid AtomicU64 bit pattern), page-aligned (so 8-byte aligned), and only
+        // ever accessed through atomics; it stays mapped until drop.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.words) }
+    }
+}
+
+impl Drop for AtomicRegion {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping created in new; no reference outlives self.
+        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.words * 8) };
+        debug_assert_eq!(rc, 0);
+    }
+}
+
+impl std::fmt::Debug for AtomicRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AtomicRegion")
+            .field("words", &self.words)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn aligned_buffer_is_aligned_and_zeroed() {
+        let mut buf = AlignedBuf::new_zeroed(3 * PAGE_SIZE);
+        assert_eq!(buf.len(), 3 * PAGE_SIZE);
+        assert_eq!(buf.as_mut_ptr() as usize % PAGE_SIZE, 0);
+        assert!(buf.as_slice().iter().all(|&b| b == 0));
+        buf.as_mut_slice()[5] = 7;
+        assert_eq!(buf.as_slice()[5], 7);
+    }
+
+    #[test]
+    fn atomic_region_reads_zero_and_keeps_writes() {
+        let region = AtomicRegion::new(1 << 20).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(region.words().len(), (1 << 20) / 8);
+        assert_eq!(region.words()[100].load(Ordering::Relaxed), 0);
+        region.words()[100].store(42, Ordering::Relaxed);
+        assert_eq!(region.words()[100].load(Ordering::Relaxed), 42);
+    }
+}

@@ -1,1 +1,179 @@
-//! Placeholder (dataplane helper).
+//! `mem:SIZE`: a RAM-backed device shared by all dataplane threads.
+//!
+//! The memory is an [`AtomicRegion`]: every 8-byte word is read and written with relaxed
+//! atomics, so two threads touching the same block concurrently is defined behaviour (the
+//! result is some interleaving of whole words, as with a real device and no ordering between
+//! in-flight requests) rather than a Rust data race. Offsets and lengths are multiples of the
+//! 512-byte block size, hence of 8. Every operation finishes synchronously ([`Submit::Done`]).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use reflex_qos::Nanos;
+
+use crate::aligned::AtomicRegion;
+use crate::{Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
+
+const WORD_SIZE: usize = 8;
+
+#[derive(Debug)]
+pub struct MemDevice {
+    region: Arc<AtomicRegion>,
+    info: DeviceInfo,
+}
+
+impl MemDevice {
+    /// A zeroed memory device of `size_bytes` (a non-zero multiple of 512).
+    pub fn new(size_bytes: u64) -> Result<MemDevice, FlashError> {
+        let spec = format!("mem:{size_bytes}");
+        if size_bytes == 0 || size_bytes % 512 != 0 {
+            return Err(FlashError::Open {
+                spec,
+                reason: "size must be a non-zero multiple of 512 bytes".into(),
+            });
+        }
+        let region = AtomicRegion::new(size_bytes).map_err(|e| FlashError::Open {
+            spec,
+            reason: format!("cannot map {size_bytes} bytes: {e}"),
+        })?;
+        Ok(MemDevice {
+            region: Arc::new(region),
+            info: DeviceInfo {
+                size_bytes,
+                block_size: 512,
+                read_only: false,
+                supports_trim: true,
+                description: format!("mem ({size_bytes} bytes of RAM)"),
+            },
+        })
+    }
+}
+
+impl Device for MemDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn queue(&self) -> Box<dyn DeviceQueue> {
+        Box::new(MemQueue {
+            region: Arc::clone(&self.region),
+        })
+    }
+}
+
+struct MemQueue {
+    region: Arc<AtomicRegion>,
+}
+
+impl MemQueue {
+    /// The words covering `[offset, offset + len)`; the range was validated by the caller.
+    fn range(&self, offset: u64, len: usize) -> &[std::sync::atomic::AtomicU64] {
+        assert!(offset % WORD_SIZE as u64 == 0, "mem offset {offset} not word aligned");
+        assert!(len % WORD_SIZE == 0, "mem length {len} not word aligned");
+        let first = usize::try_from(offset / WORD_SIZE as u64).unwrap_or(usize::MAX);
+        let words = self.region.words();
+        let end = first.saturating_add(len / WORD_SIZE);
+        assert!(end <= words.len(), "mem range beyond the device");
+        &words[first..end]
+    }
+}
+
+impl DeviceQueue for MemQueue {
+    fn submit(&mut self, op: DeviceOp<'_>, _now: Nanos) -> Submit {
+        match op.kind {
+            OpKind::Read { offset, buf } => {
+                let words = self.range(offset, buf.len());
+                for (chunk, word) in buf.chunks_exact_mut(WORD_SIZE).zip(words) {
+                    chunk.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes());
+                }
+                Submit::Done(Ok(buf.len() as u32))
+            }
+            OpKind::Write { offset, buf, .. } => {
+                let words = self.range(offset, buf.len());
+                for (chunk, word) in buf.chunks_exact(WORD_SIZE).zip(words) {
+                    let mut bytes = [0u8; WORD_SIZE];
+                    bytes.copy_from_slice(chunk);
+                    word.store(u64::from_ne_bytes(bytes), Ordering::Relaxed);
+                }
+                Submit::Done(Ok(buf.len() as u32))
+            }
+            // Memory is as durable as it gets; nothing to flush.
+            OpKind::Flush => Submit::Done(Ok(0)),
+            OpKind::Trim { offset, len } => {
+                let len = usize::try_from(len).unwrap_or(usize::MAX);
+                for word in self.range(offset, len) {
+                    word.store(0, Ordering::Relaxed);
+                }
+                Submit::Done(Ok(0))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn submit(queue: &mut dyn DeviceQueue, kind: OpKind<'_>) -> Result<u32, FlashError> {
+        let op = DeviceOp {
+            user_data: 0,
+            kind,
+            buf_index: None,
+            queue: 0,
+        };
+        match queue.submit(op, Nanos::ZERO) {
+            Submit::Done(result) => result,
+            other => panic!("mem must finish synchronously, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn write_read_trim() {
+        let device = MemDevice::new(1 << 20).unwrap_or_else(|e| panic!("{e}"));
+        let mut queue = device.queue();
+        let data: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+        let written = submit(
+            queue.as_mut(),
+            OpKind::Write {
+                offset: 8192,
+                buf: &data,
+                fua: false,
+            },
+        );
+        assert_eq!(written, Ok(4096));
+        let mut back = vec![0u8; 4096];
+        let read = submit(
+            queue.as_mut(),
+            OpKind::Read {
+                offset: 8192,
+                buf: &mut back,
+            },
+        );
+        assert_eq!(read, Ok(4096));
+        assert_eq!(back, data);
+        let trimmed = submit(
+            queue.as_mut(),
+            OpKind::Trim {
+                offset: 8192,
+                len: 512,
+            },
+        );
+        assert_eq!(trimmed, Ok(0));
+        submit(
+            queue.as_mut(),
+            OpKind::Read {
+                offset: 8192,
+                buf: &mut back,
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(back[..512].iter().all(|&b| b == 0));
+        assert_eq!(back[512..], data[512..]);
+    }
+
+    #[test]
+    fn bad_sizes_are_refused() {
+        assert!(MemDevice::new(0).is_err());
+        assert!(MemDevice::new(1000).is_err());
+    }
+}

@@ -1,1 +1,328 @@
-//! placeholder
+//! `reflexd`, the ReFlex server: remote block storage over TCP with one io_uring dataplane
+//! thread per core (ReFlex paper §3.1).
+//!
+//! Public API:
+//! - [`Config`] (with [`NamespaceConfig`], [`OriginalPortConfig`]): what to serve and how;
+//!   from TOML ([`Config::from_file`]) and flags.
+//! - [`Server::start`] opens the namespaces' devices, binds the listeners (one `SO_REUSEPORT`
+//!   socket per thread and port; port 0 picks a free port shared by all threads), starts the
+//!   dataplane threads and returns a [`ServerHandle`] with the bound addresses.
+//! - [`ServerHandle::shutdown`] behaves like SIGTERM: stop accepting, stop reading new
+//!   requests, finish in-flight I/O and send its responses, flush every device, join.
+//!
+//! Module map: `core` (the per-thread loop and request/connection state machines), `frontend`
+//! (protocol glue over `reflex_proto`), `sched` (the scheduling seam QoS plugs into),
+//! `buffers` (page allocation in the arena), `namespaces`, `config`, and `uring` (the only
+//! module with `unsafe`: ring, registered arena, raw sockets).
+//!
+//! Architecture invariants: the data path allocates nothing, takes no lock and makes no
+//! system call besides one `io_uring_enter` per loop iteration (plus accept-time socket
+//! options); every limit is a named constant or config field; bad input from the network
+//! gets an error status or closes only its own connection, never panics the server.
+
+pub mod buffers;
+pub mod config;
+mod core;
+pub mod frontend;
+pub mod namespaces;
+pub mod sched;
+mod uring;
+
+use std::fs::File;
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+pub use crate::config::{Config, ConfigError, NamespaceConfig, OriginalPortConfig};
+pub use crate::core::{CoreError, CoreStats};
+use crate::core::{Core, CoreSetup};
+use crate::frontend::Frontend;
+use crate::namespaces::NamespaceSet;
+pub use crate::uring::MissingFeature;
+
+/// Listen backlog of every listening socket.
+pub const LISTEN_BACKLOG: i32 = 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Ring(#[from] MissingFeature),
+    #[error("namespace {id}: {source}")]
+    Device {
+        id: u32,
+        source: reflex_flash::FlashError,
+    },
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("dataplane thread {thread}: {message}")]
+    Thread { thread: usize, message: String },
+}
+
+/// Entry point; see the crate doc.
+pub struct Server;
+
+impl Server {
+    pub fn start(config: Config) -> Result<ServerHandle, ServerError> {
+        config.validate()?;
+        Ring::probe()?;
+        let namespaces = open_namespaces(&config)?;
+        let clock_origin = Instant::now();
+
+        // Listeners: per thread, the native port, then each original-protocol port.
+        let mut per_thread: Vec<Vec<(TcpListener, Frontend)>> =
+            (0..config.threads).map(|_| Vec::new()).collect();
+        let native_addr = bind_all(
+            SocketAddr::new(config.listen, config.port),
+            Frontend::Native,
+            &mut per_thread,
+        )?;
+        let mut original_addrs = Vec::new();
+        for original in config.effective_original_ports() {
+            let Some(namespace_index) = namespaces.index_of(original.namespace) else {
+                return Err(ConfigError::Invalid(format!(
+                    "original port serves unknown namespace {}",
+                    original.namespace
+                ))
+                .into());
+            };
+            let addr = bind_all(
+                SocketAddr::new(config.listen, original.port),
+                Frontend::Original { namespace_index },
+                &mut per_thread,
+            )?;
+            original_addrs.push((original.namespace, addr));
+        }
+
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let mut handle = ServerHandle {
+            native_addr,
+            original_addrs,
+            shutdown: Arc::clone(&shutdown),
+            wakers: Vec::new(),
+            threads: Vec::new(),
+        };
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<bool, String>)>();
+        for (thread_index, listeners) in per_thread.into_iter().enumerate() {
+            let waker = Arc::new(uring::eventfd().map_err(|e| ServerError::Thread {
+                thread: thread_index,
+                message: format!("eventfd: {e}"),
+            })?);
+            handle.wakers.push(Arc::clone(&waker));
+            let setup = CoreSetup {
+                thread_index,
+                listeners,
+                namespaces: Arc::clone(&namespaces),
+                poll: config.poll,
+                window: config.window,
+                arena_bytes: config.arena_bytes_per_thread as usize,
+                connections_max: config.connections_per_thread_max,
+                requests_max: config.requests_per_thread_max,
+                register_buffers: config.register_buffers,
+                shutdown: Arc::clone(&shutdown),
+                waker,
+                clock_origin,
+            };
+            let ready = ready_tx.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("reflex-dp-{thread_index}"))
+                .spawn(move || {
+                    let core = match Core::new(setup) {
+                        Ok(core) => core,
+                        Err(e) => {
+                            let _ = ready.send((thread_index, Err(e.to_string())));
+                            return Err(e);
+                        }
+                    };
+                    let _ = ready.send((thread_index, Ok(core.registered_buffers())));
+                    drop(ready);
+                    core.run()
+                });
+            match spawned {
+                Ok(thread) => handle.threads.push(thread),
+                Err(e) => {
+                    return Err(ServerError::Thread {
+                        thread: thread_index,
+                        message: format!("spawn: {e}"),
+                    });
+                }
+            }
+        }
+        drop(ready_tx);
+        let mut registered = Vec::new();
+        for _ in 0..config.threads {
+            match ready_rx.recv() {
+                Ok((_, Ok(is_registered))) => registered.push(is_registered),
+                Ok((thread, Err(message))) => return Err(ServerError::Thread { thread, message }),
+                Err(_) => {
+                    return Err(ServerError::Thread {
+                        thread: 0,
+                        message: "exited during start".into(),
+                    });
+                }
+            }
+        }
+        log_startup(&config, &namespaces, &handle, &registered);
+        Ok(handle)
+    }
+}
+
+use crate::uring::Ring;
+
+fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
+    let mut entries = Vec::new();
+    for namespace in config.effective_namespaces() {
+        let device = reflex_flash::spec::open(&namespace.backend, namespace.size_bytes)
+            .map_err(|source| ServerError::Device {
+                id: namespace.id,
+                source,
+            })?;
+        let block_size = device.info().block_size;
+        if block_size > reflex_proto::native::BLOCK_SIZE_BYTES_DEFAULT {
+            return Err(ServerError::Device {
+                id: namespace.id,
+                source: reflex_flash::FlashError::Open {
+                    spec: namespace.backend.clone(),
+                    reason: format!("block size {block_size} above the protocol's 512"),
+                },
+            });
+        }
+        entries.push((namespace.id, device, namespace.read_only));
+    }
+    Ok(Arc::new(NamespaceSet::new(entries)))
+}
+
+/// Binds one listener per thread on `addr`; with port 0 the first bind picks the port and the
+/// others share it through `SO_REUSEPORT`. Returns the bound address.
+fn bind_all(
+    addr: SocketAddr,
+    frontend: Frontend,
+    per_thread: &mut [Vec<(TcpListener, Frontend)>],
+) -> Result<SocketAddr, ServerError> {
+    let mut bound = addr;
+    for (thread, listeners) in per_thread.iter_mut().enumerate() {
+        let listener = uring::bind_reuseport_listener(bound, LISTEN_BACKLOG)
+            .map_err(|source| ServerError::Bind { addr: bound, source })?;
+        if thread == 0 {
+            bound = listener
+                .local_addr()
+                .map_err(|source| ServerError::Bind { addr, source })?;
+        }
+        listeners.push((listener, frontend));
+    }
+    Ok(bound)
+}
+
+fn log_startup(config: &Config, namespaces: &NamespaceSet, handle: &ServerHandle, registered: &[bool]) {
+    for index in 0..namespaces.len() {
+        let index = index as u16;
+        tracing::info!(
+            namespace = namespaces.id(index),
+            size_bytes = namespaces.size_bytes(index),
+            read_only = namespaces.native_table()[usize::from(index)].read_only,
+            device = %namespaces.info(index).description,
+            "namespace"
+        );
+    }
+    let originals: Vec<String> = handle
+        .original_addrs
+        .iter()
+        .map(|(namespace, addr)| format!("{addr} -> namespace {namespace}"))
+        .collect();
+    let registered_count = registered.iter().filter(|&&r| r).count();
+    tracing::info!(
+        native = %handle.native_addr,
+        original = ?originals,
+        threads = config.threads,
+        mode = if config.poll { "poll" } else { "blocking" },
+        window = config.window,
+        arena_bytes_per_thread = config.arena_bytes_per_thread,
+        registered_buffers = %format!("{registered_count}/{} threads", registered.len()),
+        "reflexd serving"
+    );
+}
+
+/// A running server. Dropping it shuts the server down (like [`ServerHandle::shutdown`]).
+pub struct ServerHandle {
+    native_addr: SocketAddr,
+    original_addrs: Vec<(u32, SocketAddr)>,
+    shutdown: Arc<AtomicBool>,
+    wakers: Vec<Arc<File>>,
+    threads: Vec<JoinHandle<Result<CoreStats, CoreError>>>,
+}
+
+impl ServerHandle {
+    /// Address of the native protocol listener.
+    pub fn native_addr(&self) -> SocketAddr {
+        self.native_addr
+    }
+
+    /// `(namespace id, address)` of every original-protocol listener.
+    pub fn original_addrs(&self) -> &[(u32, SocketAddr)] {
+        &self.original_addrs
+    }
+
+    /// Asks every thread to drain and stop, without waiting.
+    pub fn begin_shutdown(&self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        for waker in &self.wakers {
+            // An eventfd write only fails when the counter would overflow, i.e. when the
+            // thread has been woken already.
+            let _ = (&**waker).write(&1u64.to_ne_bytes());
+        }
+    }
+
+    /// Whether some dataplane thread has exited (only after shutdown, or on a fatal error).
+    pub fn any_thread_finished(&self) -> bool {
+        self.threads.iter().any(|thread| thread.is_finished())
+    }
+
+    /// Shuts down like SIGTERM and waits: stop accepting and reading, finish in-flight I/O
+    /// and responses, flush every device. Returns each thread's counters.
+    pub fn shutdown(mut self) -> Result<Vec<CoreStats>, ServerError> {
+        self.begin_shutdown();
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<Vec<CoreStats>, ServerError> {
+        let mut stats = Vec::new();
+        let mut first_error = None;
+        for (thread, handle) in self.threads.drain(..).enumerate() {
+            match handle.join() {
+                Ok(Ok(core_stats)) => stats.push(core_stats),
+                Ok(Err(e)) => {
+                    first_error.get_or_insert(ServerError::Thread {
+                        thread,
+                        message: e.to_string(),
+                    });
+                }
+                Err(_) => {
+                    first_error.get_or_insert(ServerError::Thread {
+                        thread,
+                        message: "panicked".into(),
+                    });
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(stats),
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.begin_shutdown();
+            let _ = self.join();
+        }
+    }
+}

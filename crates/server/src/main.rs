@@ -1,1 +1,127 @@
-fn main() {}
+//! `reflexd`: the ReFlex server binary. Parses flags over an optional TOML file, starts the
+//! server, and turns SIGINT/SIGTERM into a graceful shutdown (drain, flush, exit 0).
+//! See `docs/OPERATIONS.md`.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use reflex_server::{Config, NamespaceConfig, OriginalPortConfig, Server};
+
+/// ReFlex server: remote NVMe Flash over TCP.
+#[derive(Debug, Parser)]
+#[command(name = "reflexd", version, about)]
+struct Args {
+    /// TOML configuration file (see reflexd.example.toml); flags override it.
+    #[arg(long, short = 'c')]
+    config: Option<PathBuf>,
+    /// Address to listen on (default 127.0.0.1; use 0.0.0.0 to serve the network).
+    #[arg(long)]
+    listen: Option<IpAddr>,
+    /// Native protocol port (default 7070; 0 picks a free port).
+    #[arg(long)]
+    port: Option<u16>,
+    /// A namespace: ID=BACKEND[,size=SIZE][,ro], e.g. 1=file:/data/ns1,size=10G or 2=mem:1G.
+    /// Repeatable; replaces the config file's namespaces. Default: 1=file:./reflex-data/ns1,size=1G.
+    #[arg(long = "namespace", short = 'n')]
+    namespaces: Vec<String>,
+    /// Original ReFlex protocol port: PORT[=NAMESPACE] (namespace 1 if omitted). Repeatable;
+    /// replaces the config file's list. Default: 1234=1.
+    #[arg(long = "original-port")]
+    original_ports: Vec<String>,
+    /// Do not open any original-protocol port.
+    #[arg(long, conflicts_with = "original_ports")]
+    no_original: bool,
+    /// Dataplane threads (default 1).
+    #[arg(long, short = 't')]
+    threads: Option<usize>,
+    /// Spin instead of sleeping when idle (lowest latency; each thread uses a full core).
+    #[arg(long)]
+    poll: bool,
+    /// Outstanding requests per connection (default 128).
+    #[arg(long)]
+    window: Option<u32>,
+    /// Buffer arena per thread, e.g. 32M (a multiple of 1M).
+    #[arg(long)]
+    arena_size: Option<String>,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_target(false)
+        .init();
+    let args = Args::parse();
+    let config = build_config(args)?;
+
+    // Register the signal handlers before any thread starts, so every thread inherits them.
+    let mut signals =
+        signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])
+            .context("installing signal handlers")?;
+    let server = Server::start(config).context("starting reflexd")?;
+    loop {
+        if let Some(signal) = signals.pending().next() {
+            tracing::info!(signal, "shutting down: draining connections and flushing devices");
+            break;
+        }
+        if server.any_thread_finished() {
+            tracing::error!("a dataplane thread stopped unexpectedly; shutting down");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let stats = server.shutdown().context("shutting down")?;
+    let answered: u64 = stats.iter().map(|s| s.requests_answered).sum();
+    tracing::info!(requests_answered = answered, "reflexd stopped");
+    Ok(())
+}
+
+fn build_config(args: Args) -> anyhow::Result<Config> {
+    let mut config = match &args.config {
+        Some(path) => Config::from_file(path)?,
+        None => Config::default(),
+    };
+    if let Some(listen) = args.listen {
+        config.listen = listen;
+    }
+    if let Some(port) = args.port {
+        config.port = port;
+    }
+    if !args.namespaces.is_empty() {
+        config.namespaces = args
+            .namespaces
+            .iter()
+            .map(|text| NamespaceConfig::from_flag(text))
+            .collect::<Result<_, _>>()?;
+    }
+    if args.no_original {
+        config.original_ports = Some(Vec::new());
+    } else if !args.original_ports.is_empty() {
+        config.original_ports = Some(
+            args.original_ports
+                .iter()
+                .map(|text| OriginalPortConfig::from_flag(text))
+                .collect::<Result<_, _>>()?,
+        );
+    }
+    if let Some(threads) = args.threads {
+        config.threads = threads;
+    }
+    if args.poll {
+        config.poll = true;
+    }
+    if let Some(window) = args.window {
+        config.window = window;
+    }
+    if let Some(size) = &args.arena_size {
+        config.arena_bytes_per_thread =
+            reflex_flash::spec::parse_size(size).context("--arena-size")?;
+    }
+    config.validate()?;
+    Ok(config)
+}

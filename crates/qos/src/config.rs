@@ -1,0 +1,165 @@
+//! Configuration knobs of the scheduler and admission control, with the defaults documented in
+//! `docs/QOS.md`. Every bound the scheduler enforces is a named `_max` field here.
+
+use serde::{Deserialize, Serialize};
+
+use crate::time::Nanos;
+use crate::tokens::Tokens;
+
+/// Most dataplane threads that can share one device's global bucket (one bit each in a `u64`).
+pub const THREADS_MAX: usize = 64;
+
+/// Most tenants one registry or scheduler can hold (the original's `MAX_NVME_FLOW_GROUPS`).
+pub const TENANTS_LIMIT: u32 = 1 << 16;
+
+/// Knobs shared by [`crate::TenantRegistry`] and [`crate::Scheduler`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QosConfig {
+    /// How far below zero an LC tenant's balance may fall before it is rate-limited and the
+    /// control plane is told (`NEG_LIMIT`), in tokens, for the whole tenant (split between
+    /// threads like its rate). Paper: 50 tokens; the original code used 100 × write cost.
+    pub deficit_limit_tokens: f64,
+    /// Share of an LC tenant's balance donated to the global bucket once the balance exceeds
+    /// `surplus_rounds` rounds' worth of its rate (paper: 90 %).
+    pub donate_percent: u8,
+    /// How many of its thread's most recent rounds' worth of tokens an LC tenant may keep
+    /// (`POS_LIMIT`; paper: 3).
+    pub surplus_rounds: u8,
+    /// How far the global bucket may go below zero to lend tokens to LC tenants that are at
+    /// their deficit limit; best-effort tenants repay it from their next tokens. 0 turns
+    /// lending off (the paper's algorithm exactly). See `docs/QOS.md` for why it exists.
+    pub loan_max_tokens: f64,
+    /// Cap on the global bucket: tokens the device generates in this window. Donations beyond
+    /// it are discarded, so a thread that stalls cannot let the bucket grow without bound.
+    pub bucket_window_us: u64,
+    /// The device is in read-only mode when no write was submitted for this long.
+    pub read_only_window_us: u64,
+    /// Requests one tenant may have queued on one thread; beyond it enqueue reports
+    /// "queue full" and the dataplane stops reading that tenant's connections.
+    pub tenant_queue_depth_max: u32,
+    /// Requests one thread may have queued over all its tenants (the node pool's size).
+    pub thread_queued_requests_max: u32,
+    /// Tenants one registry (and each scheduler) can hold.
+    pub tenants_max: u32,
+}
+
+impl Default for QosConfig {
+    fn default() -> QosConfig {
+        QosConfig {
+            deficit_limit_tokens: 50.0,
+            donate_percent: 90,
+            surplus_rounds: 3,
+            loan_max_tokens: 50.0,
+            bucket_window_us: 500,
+            read_only_window_us: 5_000,
+            tenant_queue_depth_max: 1024,
+            thread_queued_requests_max: 16_384,
+            tenants_max: 16_384,
+        }
+    }
+}
+
+impl QosConfig {
+    pub fn deficit_limit(&self) -> Tokens {
+        Tokens::from_tokens_f64(self.deficit_limit_tokens)
+    }
+
+    pub fn loan_max(&self) -> Tokens {
+        Tokens::from_tokens_f64(self.loan_max_tokens)
+    }
+
+    pub fn bucket_window(&self) -> Nanos {
+        Nanos::from_micros(self.bucket_window_us)
+    }
+
+    pub fn read_only_window(&self) -> Nanos {
+        Nanos::from_micros(self.read_only_window_us)
+    }
+
+    /// Checks the relations between knobs; the registry and schedulers refuse invalid configs.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let finite_non_negative = |field: &'static str, value: f64| {
+            if value.is_finite() && value >= 0.0 {
+                Ok(())
+            } else {
+                Err(ConfigError::Invalid {
+                    field,
+                    reason: "must be finite and non-negative",
+                })
+            }
+        };
+        finite_non_negative("deficit_limit_tokens", self.deficit_limit_tokens)?;
+        finite_non_negative("loan_max_tokens", self.loan_max_tokens)?;
+        if self.donate_percent > 100 {
+            return Err(ConfigError::Invalid {
+                field: "donate_percent",
+                reason: "must be at most 100",
+            });
+        }
+        if self.surplus_rounds == 0 || usize::from(self.surplus_rounds) > ROUND_HISTORY_MAX {
+            return Err(ConfigError::Invalid {
+                field: "surplus_rounds",
+                reason: "must be between 1 and 8",
+            });
+        }
+        if self.tenant_queue_depth_max == 0 || self.thread_queued_requests_max == 0 {
+            return Err(ConfigError::Invalid {
+                field: "tenant_queue_depth_max",
+                reason: "queues must hold at least one request",
+            });
+        }
+        if self.thread_queued_requests_max >= u32::MAX / 2 {
+            return Err(ConfigError::Invalid {
+                field: "thread_queued_requests_max",
+                reason: "too large",
+            });
+        }
+        if self.tenants_max == 0 || self.tenants_max > TENANTS_LIMIT {
+            return Err(ConfigError::Invalid {
+                field: "tenants_max",
+                reason: "must be between 1 and 65536",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Rounds of history a scheduler keeps for `POS_LIMIT` (bounds `surplus_rounds`).
+pub(crate) const ROUND_HISTORY_MAX: usize = 8;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("QoS configuration field {field} {reason}")]
+    Invalid {
+        field: &'static str,
+        reason: &'static str,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_follow_the_paper() {
+        let config = QosConfig::default();
+        assert_eq!(config.validate(), Ok(()));
+        assert_eq!(config.deficit_limit(), Tokens::from_tokens(50));
+        assert_eq!(config.donate_percent, 90);
+        assert_eq!(config.surplus_rounds, 3);
+    }
+
+    #[test]
+    fn parses_partial_toml_and_rejects_nonsense() {
+        let config: QosConfig = toml::from_str("loan_max_tokens = 0.0").unwrap();
+        assert_eq!(config.loan_max(), Tokens::ZERO);
+        assert_eq!(config.surplus_rounds, 3);
+        let bad = QosConfig {
+            donate_percent: 150,
+            ..QosConfig::default()
+        };
+        assert!(bad.validate().is_err());
+        assert!(toml::from_str::<QosConfig>("no_such_knob = 1").is_err());
+    }
+}

@@ -1,0 +1,399 @@
+//! `reflexd` configuration: namespaces, listening ports, threads and limits, from a TOML file
+//! (`--config`) and command-line flags, with defaults that let a bare `reflexd` serve at once.
+//!
+//! Precedence: built-in defaults, then the file, then flags. `--namespace` flags, when given,
+//! replace the file's namespaces (so one flag is enough to point a configured server at
+//! another backend). Every limit has a named default and a checked range ([`Config::validate`]);
+//! see `docs/OPERATIONS.md` and `reflexd.example.toml` for the operator's view.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
+
+use reflex_flash::spec::parse_size;
+use serde::Deserialize;
+
+/// Native protocol port when none is configured.
+pub const NATIVE_PORT_DEFAULT: u16 = 7070;
+/// Original ReFlex protocol port when none is configured (serves namespace 1).
+pub const ORIGINAL_PORT_DEFAULT: u16 = 1234;
+/// Requests a connection may have outstanding (advertised in HELLO).
+pub const WINDOW_DEFAULT: u32 = 128;
+pub const WINDOW_MAX: u32 = 4096;
+pub const THREADS_MAX: usize = 64;
+/// Buffer arena per dataplane thread: enough for 32 concurrent 1 MiB requests or 8192 4 KiB.
+pub const ARENA_BYTES_PER_THREAD_DEFAULT: u64 = 32 << 20;
+pub const ARENA_BYTES_PER_THREAD_MAX: u64 = 1 << 30;
+pub const CONNECTIONS_PER_THREAD_DEFAULT: u32 = 1024;
+pub const CONNECTIONS_PER_THREAD_MAX: u32 = 65_536;
+/// Request slots per thread: 32 connections at the default window, all full.
+pub const REQUESTS_PER_THREAD_DEFAULT: u32 = 4096;
+pub const REQUESTS_PER_THREAD_MAX: u32 = 1 << 20;
+/// The default namespace: a 1 GiB sparse file under `./reflex-data/`.
+pub const DEFAULT_NAMESPACE_BACKEND: &str = "file:./reflex-data/ns1";
+pub const DEFAULT_NAMESPACE_SIZE_BYTES: u64 = 1 << 30;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("--namespace {text:?}: {message}")]
+    NamespaceFlag { text: String, message: String },
+    #[error("--original-port {text:?}: {message}")]
+    OriginalPortFlag { text: String, message: String },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// A byte count written as a number or a string with a binary suffix (`"1G"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        match Raw::deserialize(deserializer)? {
+            Raw::Number(n) => Ok(ByteSize(n)),
+            Raw::Text(text) => parse_size(&text)
+                .map(ByteSize)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// One namespace: an id clients address and the backend that stores it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceConfig {
+    /// Namespace id on the wire (≥ 1; 0 means "none" in the protocol).
+    pub id: u32,
+    /// Backend spec: `file:PATH` or a bare path, `mem:SIZE`, `null[:SIZE]`, `emu:NAME`.
+    pub backend: String,
+    /// Size; required for `mem` without an inline size and for files that do not exist yet.
+    #[serde(default, deserialize_with = "optional_size")]
+    pub size_bytes: Option<u64>,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+fn optional_size<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+    Option::<ByteSize>::deserialize(deserializer).map(|size| size.map(|s| s.0))
+}
+
+impl NamespaceConfig {
+    /// Parses a `--namespace` flag: `ID=BACKEND[,size=SIZE][,ro]`, e.g.
+    /// `1=file:/data/ns1,size=10G`, `2=mem:1G`, `3=null`, `4=/dev/nvme0n1,ro`.
+    pub fn from_flag(text: &str) -> Result<NamespaceConfig, ConfigError> {
+        let fail = |message: &str| ConfigError::NamespaceFlag {
+            text: text.to_string(),
+            message: message.to_string(),
+        };
+        let (id, rest) = text
+            .split_once('=')
+            .ok_or_else(|| fail("expected ID=BACKEND[,size=SIZE][,ro]"))?;
+        let id: u32 = id
+            .trim()
+            .parse()
+            .map_err(|_| fail("the id must be a positive integer"))?;
+        let mut parts = rest.split(',');
+        let backend = parts.next().unwrap_or_default().trim().to_string();
+        if backend.is_empty() {
+            return Err(fail("missing backend"));
+        }
+        let mut namespace = NamespaceConfig {
+            id,
+            backend,
+            size_bytes: None,
+            read_only: false,
+        };
+        for option in parts {
+            let option = option.trim();
+            if option == "ro" || option == "read_only" {
+                namespace.read_only = true;
+            } else if let Some(size) = option.strip_prefix("size=") {
+                let size = parse_size(size).map_err(|e| fail(&e.to_string()))?;
+                namespace.size_bytes = Some(size);
+            } else {
+                return Err(fail(&format!("unknown option {option:?} (size=SIZE or ro)")));
+            }
+        }
+        Ok(namespace)
+    }
+}
+
+/// A port speaking the original ReFlex protocol; the port selects the namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OriginalPortConfig {
+    /// 0 picks a free port (tests).
+    pub port: u16,
+    pub namespace: u32,
+}
+
+impl OriginalPortConfig {
+    /// Parses `--original-port PORT[=NAMESPACE]` (namespace 1 when omitted).
+    pub fn from_flag(text: &str) -> Result<OriginalPortConfig, ConfigError> {
+        let fail = |message: &str| ConfigError::OriginalPortFlag {
+            text: text.to_string(),
+            message: message.to_string(),
+        };
+        let (port, namespace) = match text.split_once('=') {
+            Some((port, namespace)) => (port, namespace),
+            None => (text, "1"),
+        };
+        Ok(OriginalPortConfig {
+            port: port.trim().parse().map_err(|_| fail("bad port"))?,
+            namespace: namespace
+                .trim()
+                .parse()
+                .map_err(|_| fail("bad namespace id"))?,
+        })
+    }
+}
+
+/// Everything `Server::start` needs.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address every protocol listens on. Loopback by default: exposing storage to the network
+    /// is a decision the operator makes with `--listen 0.0.0.0`.
+    pub listen: IpAddr,
+    /// Native protocol port (0 picks a free one).
+    pub port: u16,
+    /// Original-protocol ports. `None`: port 1234 serving namespace 1 if it exists.
+    pub original_ports: Option<Vec<OriginalPortConfig>>,
+    /// Dataplane threads, each with its own ring, buffers and share of connections.
+    pub threads: usize,
+    /// Spin on the rings instead of sleeping when idle (lowest latency, one busy core each).
+    pub poll: bool,
+    /// Outstanding requests per connection; more are not read until some complete.
+    pub window: u32,
+    #[serde(deserialize_with = "size_bytes")]
+    pub arena_bytes_per_thread: u64,
+    pub connections_per_thread_max: u32,
+    pub requests_per_thread_max: u32,
+    /// Whether to register the arena with the ring (fixed-buffer I/O); off only for testing
+    /// the unregistered path.
+    pub register_buffers: bool,
+    #[serde(rename = "namespace")]
+    pub namespaces: Vec<NamespaceConfig>,
+}
+
+fn size_bytes<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    ByteSize::deserialize(deserializer).map(|size| size.0)
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            port: NATIVE_PORT_DEFAULT,
+            original_ports: None,
+            threads: 1,
+            poll: false,
+            window: WINDOW_DEFAULT,
+            arena_bytes_per_thread: ARENA_BYTES_PER_THREAD_DEFAULT,
+            connections_per_thread_max: CONNECTIONS_PER_THREAD_DEFAULT,
+            requests_per_thread_max: REQUESTS_PER_THREAD_DEFAULT,
+            register_buffers: true,
+            namespaces: Vec::new(),
+        }
+    }
+}
+
+impl Config {
+    pub fn from_toml(text: &str, path_for_errors: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path_for_errors.to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        Config::from_toml(&text, &shown)
+    }
+
+    /// The namespaces to serve: the configured ones, or the default 1 GiB file.
+    pub fn effective_namespaces(&self) -> Vec<NamespaceConfig> {
+        if self.namespaces.is_empty() {
+            vec![NamespaceConfig {
+                id: 1,
+                backend: DEFAULT_NAMESPACE_BACKEND.to_string(),
+                size_bytes: Some(DEFAULT_NAMESPACE_SIZE_BYTES),
+                read_only: false,
+            }]
+        } else {
+            self.namespaces.clone()
+        }
+    }
+
+    /// The original-protocol ports to open.
+    pub fn effective_original_ports(&self) -> Vec<OriginalPortConfig> {
+        match &self.original_ports {
+            Some(ports) => ports.clone(),
+            None => {
+                let has_one = self.effective_namespaces().iter().any(|ns| ns.id == 1);
+                if has_one {
+                    vec![OriginalPortConfig {
+                        port: ORIGINAL_PORT_DEFAULT,
+                        namespace: 1,
+                    }]
+                } else {
+                    Vec::new()
+                }
+            }
+        }
+    }
+
+    /// Checks every field against its documented range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        if self.threads == 0 || self.threads > THREADS_MAX {
+            return invalid(format!("threads {} not in 1..={THREADS_MAX}", self.threads));
+        }
+        if self.window == 0 || self.window > WINDOW_MAX {
+            return invalid(format!("window {} not in 1..={WINDOW_MAX}", self.window));
+        }
+        let arena = self.arena_bytes_per_thread;
+        if arena < 1 << 20 || arena > ARENA_BYTES_PER_THREAD_MAX || arena % (1 << 20) != 0 {
+            return invalid(format!(
+                "arena_bytes_per_thread {arena} must be a multiple of 1 MiB in 1 MiB..=1 GiB"
+            ));
+        }
+        if self.connections_per_thread_max == 0
+            || self.connections_per_thread_max > CONNECTIONS_PER_THREAD_MAX
+        {
+            return invalid(format!(
+                "connections_per_thread_max {} not in 1..={CONNECTIONS_PER_THREAD_MAX}",
+                self.connections_per_thread_max
+            ));
+        }
+        if self.requests_per_thread_max < self.window
+            || self.requests_per_thread_max > REQUESTS_PER_THREAD_MAX
+        {
+            return invalid(format!(
+                "requests_per_thread_max {} not in window..={REQUESTS_PER_THREAD_MAX}",
+                self.requests_per_thread_max
+            ));
+        }
+        let namespaces = self.effective_namespaces();
+        if namespaces.len() > reflex_proto::native::NAMESPACE_COUNT_MAX {
+            return invalid(format!("{} namespaces, at most 256", namespaces.len()));
+        }
+        for (index, namespace) in namespaces.iter().enumerate() {
+            if namespace.id == 0 {
+                return invalid("namespace id 0 is reserved".into());
+            }
+            if namespaces[..index].iter().any(|other| other.id == namespace.id) {
+                return invalid(format!("namespace {} configured twice", namespace.id));
+            }
+        }
+        for original in self.effective_original_ports() {
+            if !namespaces.iter().any(|ns| ns.id == original.namespace) {
+                return invalid(format!(
+                    "original port {} serves namespace {}, which is not configured",
+                    original.port, original.namespace
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_serve_a_file() {
+        let config = Config::default();
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        let namespaces = config.effective_namespaces();
+        assert_eq!(namespaces.len(), 1);
+        assert_eq!(namespaces[0].backend, DEFAULT_NAMESPACE_BACKEND);
+        assert_eq!(config.effective_original_ports()[0].port, ORIGINAL_PORT_DEFAULT);
+        assert!(config.listen.is_loopback());
+    }
+
+    #[test]
+    fn toml_file() {
+        let text = r#"
+            listen = "0.0.0.0"
+            port = 7000
+            threads = 2
+            window = 64
+            arena_bytes_per_thread = "16M"
+            original_ports = [{ port = 1300, namespace = 2 }]
+
+            [[namespace]]
+            id = 1
+            backend = "mem:1G"
+
+            [[namespace]]
+            id = 2
+            backend = "file:/tmp/x"
+            size_bytes = "10G"
+            read_only = true
+        "#;
+        let config = Config::from_toml(text, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(config.port, 7000);
+        assert_eq!(config.arena_bytes_per_thread, 16 << 20);
+        assert_eq!(config.namespaces[1].size_bytes, Some(10 << 30));
+        assert!(config.namespaces[1].read_only);
+        assert_eq!(config.effective_original_ports()[0].port, 1300);
+        assert!(Config::from_toml("bogus = 1", "test").is_err());
+    }
+
+    #[test]
+    fn flags() {
+        let ns = NamespaceConfig::from_flag("3=file:/data/x,size=10G,ro")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ns.id, 3);
+        assert_eq!(ns.backend, "file:/data/x");
+        assert_eq!(ns.size_bytes, Some(10 << 30));
+        assert!(ns.read_only);
+        assert!(NamespaceConfig::from_flag("x=mem:1G").is_err());
+        assert!(NamespaceConfig::from_flag("1=mem:1G,bogus").is_err());
+        assert!(NamespaceConfig::from_flag("1").is_err());
+        let port = OriginalPortConfig::from_flag("1300=2").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((port.port, port.namespace), (1300, 2));
+        let port = OriginalPortConfig::from_flag("1300").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(port.namespace, 1);
+    }
+
+    #[test]
+    fn validation_catches_mistakes() {
+        let bad = |config: Config| assert!(config.validate().is_err(), "{config:?}");
+        bad(Config { threads: 0, ..Config::default() });
+        bad(Config { window: 0, ..Config::default() });
+        bad(Config { arena_bytes_per_thread: 1000, ..Config::default() });
+        let ns = |id| NamespaceConfig {
+            id,
+            backend: "null".into(),
+            size_bytes: None,
+            read_only: false,
+        };
+        bad(Config { namespaces: vec![ns(0)], ..Config::default() });
+        bad(Config { namespaces: vec![ns(1), ns(1)], ..Config::default() });
+        bad(Config {
+            namespaces: vec![ns(2)],
+            original_ports: Some(vec![OriginalPortConfig { port: 1, namespace: 1 }]),
+            ..Config::default()
+        });
+    }
+}
