@@ -9,8 +9,16 @@ use reflex_proto::native::{
 };
 
 const NAMESPACES: [Namespace; 2] = [
-    Namespace { id: 0, size_bytes: 1 << 30, read_only: false },
-    Namespace { id: 1, size_bytes: 1 << 20, read_only: true },
+    Namespace {
+        id: 0,
+        size_bytes: 1 << 30,
+        read_only: false,
+    },
+    Namespace {
+        id: 1,
+        size_bytes: 1 << 20,
+        read_only: true,
+    },
 ];
 
 fuzz_target!(|data: &[u8]| {
@@ -28,9 +36,14 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             Ok(ValidatedRequest::Io(io)) => {
-                let namespace = NAMESPACES.iter().find(|n| n.id == io.namespace_id()).unwrap();
+                let namespace = NAMESPACES
+                    .iter()
+                    .find(|n| n.id == io.namespace_id())
+                    .unwrap();
                 assert!(io.offset_bytes() + u64::from(io.length_bytes()) <= namespace.size_bytes);
-                assert!(io.length_bytes() <= limits.io_size_max_bytes() || io.opcode().as_u8() == 5);
+                assert!(
+                    io.length_bytes() <= limits.io_size_max_bytes() || io.opcode().as_u8() == 5
+                );
             }
             Ok(ValidatedRequest::Control { .. }) | Err(_) => {}
         }

@@ -17,7 +17,10 @@ fuzz_target!(|data: &[u8]| {
                 let namespaces: Result<Vec<_>, _> = entries.collect();
                 if let Ok(namespaces) = namespaces {
                     let mut out = vec![0u8; payload.len()];
-                    assert_eq!(capabilities.encode_into(&namespaces, &mut out), Ok(payload.len()));
+                    assert_eq!(
+                        capabilities.encode_into(&namespaces, &mut out),
+                        Ok(payload.len())
+                    );
                     assert_eq!(out, payload);
                 }
             }

@@ -6,9 +6,7 @@
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use reflex_proto::nbd::{
-    Export, ExportTable, Handshake, HandshakeConfig, Outcome, decode_request,
-};
+use reflex_proto::nbd::{Export, ExportTable, Handshake, HandshakeConfig, Outcome, decode_request};
 
 fn exports() -> Arc<ExportTable> {
     static TABLE: OnceLock<Arc<ExportTable>> = OnceLock::new();
@@ -28,7 +26,10 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let chunk_bytes = usize::from(selector % 32) + 1;
-    let config = HandshakeConfig { block_size_required: selector & 0x80 != 0, options_max: 64 };
+    let config = HandshakeConfig {
+        block_size_required: selector & 0x80 != 0,
+        options_max: 64,
+    };
     let mut handshake = Handshake::new(exports(), config);
     let mut out = [0u8; 512];
     let mut position = 0;

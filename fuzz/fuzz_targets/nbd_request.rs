@@ -22,12 +22,25 @@ fuzz_target!(|data: &[u8]| {
         let reply = match session.validate(&header) {
             Ok(command) => {
                 let range = match command.command() {
-                    Command::Read { offset_bytes, length_bytes }
-                    | Command::Write { offset_bytes, length_bytes, .. }
-                    | Command::Trim { offset_bytes, length_bytes, .. }
-                    | Command::WriteZeroes { offset_bytes, length_bytes, .. } => {
-                        Some((offset_bytes, length_bytes))
+                    Command::Read {
+                        offset_bytes,
+                        length_bytes,
                     }
+                    | Command::Write {
+                        offset_bytes,
+                        length_bytes,
+                        ..
+                    }
+                    | Command::Trim {
+                        offset_bytes,
+                        length_bytes,
+                        ..
+                    }
+                    | Command::WriteZeroes {
+                        offset_bytes,
+                        length_bytes,
+                        ..
+                    } => Some((offset_bytes, length_bytes)),
                     Command::Flush | Command::Disconnect => None,
                 };
                 if let Some((offset_bytes, length_bytes)) = range {

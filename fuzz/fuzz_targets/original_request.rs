@@ -21,10 +21,13 @@ fuzz_target!(|data: &[u8]| {
             assert!(io.length_bytes() > 0 && io.length_bytes() <= limits.io_size_max_bytes);
             assert_eq!(io.offset_bytes() % u64::from(limits.alignment_bytes), 0);
             assert!(io.offset_bytes() + u64::from(io.length_bytes()) <= namespace_size_bytes);
-            assert_eq!(header.request_payload_length_bytes(), match io.opcode() {
-                reflex_proto::original::Opcode::Read => 0,
-                reflex_proto::original::Opcode::Write => u64::from(io.length_bytes()),
-            });
+            assert_eq!(
+                header.request_payload_length_bytes(),
+                match io.opcode() {
+                    reflex_proto::original::Opcode::Read => 0,
+                    reflex_proto::original::Opcode::Write => u64::from(io.length_bytes()),
+                }
+            );
         }
         let payload_bytes = header.request_payload_length_bytes().min(rest.len() as u64) as usize;
         rest = &rest[payload_bytes..];

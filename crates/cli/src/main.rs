@@ -22,6 +22,8 @@ struct Cli {
 enum Command {
     /// Open- or closed-loop load generator against a ReFlex server or a local file.
     Bench(bench::Args),
+    /// Raw TCP ping-pong on loopback: the latency floor of remote access.
+    Pingpong(bench::pingpong::Args),
     /// Measure a device and write its QoS profile.
     Calibrate(calibrate::Args),
     /// Queueing model of NVMe arbitration: per-class throughput and worst-case latency.
@@ -38,6 +40,7 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::Bench(args) => bench::run(args),
+        Command::Pingpong(args) => bench::pingpong::run(args),
         Command::Calibrate(args) => calibrate::run(args),
         Command::Model(args) => model::run(args),
     }

@@ -40,7 +40,10 @@ impl AlignedBuf {
     /// multiple of the page size. Aborts on allocation failure, like `Vec`.
     pub fn new_zeroed(len: usize) -> AlignedBuf {
         assert!(len > 0, "empty aligned buffer");
-        assert!(len % PAGE_SIZE == 0, "aligned buffer length {len} not a page multiple");
+        assert!(
+            len % PAGE_SIZE == 0,
+            "aligned buffer length {len} not a page multiple"
+        );
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size (asserted above).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
@@ -94,7 +97,9 @@ impl Drop for AlignedBuf {
 
 impl std::fmt::Debug for AlignedBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AlignedBuf").field("len", &self.len).finish()
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .finish()
     }
 }
 

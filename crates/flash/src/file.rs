@@ -196,7 +196,9 @@ impl FileQueue {
         assert!(offset % block == 0, "offset {offset} not block aligned");
         assert!(len % block == 0, "length {len} not block aligned");
         assert!(
-            offset.checked_add(len).is_some_and(|end| end <= self.size_bytes),
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= self.size_bytes),
             "range {offset}+{len} beyond {}",
             self.size_bytes
         );
@@ -288,7 +290,10 @@ mod tests {
     fn existing_file_sizes() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let path = dir.path().join("ns");
-        assert!(FileDevice::open(&path, None).is_err(), "missing without size");
+        assert!(
+            FileDevice::open(&path, None).is_err(),
+            "missing without size"
+        );
         drop(FileDevice::open(&path, Some(1 << 20)));
         let whole = FileDevice::open(&path, None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(whole.info().size_bytes, 1 << 20);
@@ -296,6 +301,9 @@ mod tests {
         assert_eq!(prefix.info().size_bytes, 4096);
         let grown = FileDevice::open(&path, Some(2 << 20)).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(grown.info().size_bytes, 2 << 20);
-        assert!(FileDevice::open(&path, Some(1000)).is_err(), "not a block multiple");
+        assert!(
+            FileDevice::open(&path, Some(1000)).is_err(),
+            "not a block multiple"
+        );
     }
 }

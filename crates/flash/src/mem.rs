@@ -68,7 +68,10 @@ struct MemQueue {
 impl MemQueue {
     /// The words covering `[offset, offset + len)`; the range was validated by the caller.
     fn range(&self, offset: u64, len: usize) -> &[std::sync::atomic::AtomicU64] {
-        assert!(offset % WORD_SIZE as u64 == 0, "mem offset {offset} not word aligned");
+        assert!(
+            offset % WORD_SIZE as u64 == 0,
+            "mem offset {offset} not word aligned"
+        );
         assert!(len % WORD_SIZE == 0, "mem length {len} not word aligned");
         let first = usize::try_from(offset / WORD_SIZE as u64).unwrap_or(usize::MAX);
         let words = self.region.words();

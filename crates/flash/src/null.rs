@@ -87,7 +87,10 @@ mod tests {
             buf_index: None,
             queue: 0,
         };
-        assert!(matches!(queue.submit(op, Nanos::ZERO), Submit::Done(Ok(4096))));
+        assert!(matches!(
+            queue.submit(op, Nanos::ZERO),
+            Submit::Done(Ok(4096))
+        ));
         assert!(buf.iter().all(|&b| b == 0));
     }
 }

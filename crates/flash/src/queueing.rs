@@ -75,7 +75,11 @@ fn round_size(weights: &[f64; 3], utilisations: &[f64; 3], index: usize) -> f64 
 
 /// Eq. 1: the throughput class `class` gets at least, whatever the others do.
 /// `None` for the urgent class, which the model does not cover (it is served strictly first).
-pub fn minimum_throughput(weights: &[f64; 3], class: PriorityClass, device_throughput: f64) -> Option<f64> {
+pub fn minimum_throughput(
+    weights: &[f64; 3],
+    class: PriorityClass,
+    device_throughput: f64,
+) -> Option<f64> {
     let index = class_index(class)?;
     Some(weights[index] / weights.iter().sum::<f64>() * device_throughput)
 }
@@ -216,11 +220,15 @@ mod tests {
         // Eq. 3 with a/p = 1/γ is Little's law: q / γ_h.
         let busy = [1.0, 1.0, 0.5];
         let gamma_h =
-            expected_throughput(&WEIGHTS, &busy, PriorityClass::High, f64::INFINITY, gamma).unwrap();
+            expected_throughput(&WEIGHTS, &busy, PriorityClass::High, f64::INFINITY, gamma)
+                .unwrap();
         let latency =
             worst_latency_us(&WEIGHTS, &busy, PriorityClass::High, 64.0, 1.0, 1e6 / gamma).unwrap();
         assert!((latency - 64.0 / gamma_h * 1e6).abs() < 1e-6);
-        assert_eq!(minimum_throughput(&WEIGHTS, PriorityClass::Urgent, gamma), None);
+        assert_eq!(
+            minimum_throughput(&WEIGHTS, PriorityClass::Urgent, gamma),
+            None
+        );
     }
 
     #[test]
@@ -229,10 +237,28 @@ mod tests {
         // High and medium backlogged, low offers 5000/s.
         let rho = utilisations_from_rates(&WEIGHTS, &[None, None, Some(5000.0)], gamma);
         assert_eq!(&rho[..2], &[1.0, 1.0]);
-        let low =
-            expected_throughput(&WEIGHTS, &[1.0, 1.0, rho[2]], PriorityClass::Low, f64::INFINITY, gamma)
-                .unwrap();
-        assert!((low - 5000.0).abs() < 1e-6, "{low}");
+        let utilisations = [1.0, 1.0, rho[2]];
+        let high = expected_throughput(
+            &WEIGHTS,
+            &utilisations,
+            PriorityClass::High,
+            f64::INFINITY,
+            gamma,
+        )
+        .unwrap();
+        let medium = expected_throughput(
+            &WEIGHTS,
+            &utilisations,
+            PriorityClass::Medium,
+            f64::INFINITY,
+            gamma,
+        )
+        .unwrap();
+        assert!(
+            (high + medium + 5000.0 - gamma).abs() < 1e-6,
+            "{high} + {medium}"
+        );
+        assert!((high / medium - 2.0).abs() < 1e-9);
         // A low class offering more than its quota allows is backlogged.
         let rho = utilisations_from_rates(&WEIGHTS, &[None, None, Some(90_000.0)], gamma);
         assert_eq!(rho, [1.0, 1.0, 1.0]);

@@ -1,4 +1,62 @@
-//! Wire formats of ReFlex as sans-IO codecs (crate doc with API summary written at the end).
+//! Wire formats of ReFlex as sans-IO codecs: the native protocol v1, the original ReFlex block
+//! protocol, and NBD. Nothing here opens a socket, reads a clock or uses `unsafe`; the server and
+//! client drivers move bytes, this crate says what they mean.
+//!
+//! Why: parsing, validation and negotiation are where malformed or hostile input meets the
+//! server, so they live in plain, fuzzed, exhaustively tested functions. Decoding separates
+//! "need more bytes" (`Ok(None)`) from "malformed" (a typed `thiserror` error); encoding writes
+//! fixed-size headers into arrays or caller-provided buffers; payloads are never copied or owned
+//! (the driver moves them straight between sockets and its aligned buffers); the data path does
+//! not allocate.
+//!
+//! # API summary
+//!
+//! ## [`native`] — `docs/PROTOCOL.md` §1 (little-endian)
+//! - Server, per request in the receive buffer:
+//!   `native::decode_request(buf) -> Result<Option<(RequestHeader, usize)>, RequestError>`
+//!   (`Err` = wrong magic: close the connection); then
+//!   `header.payload_length_bytes()` bytes follow — consume them whatever happens next; then
+//!   `native::validate_request(&header, &ServerLimits, &namespaces) -> Result<ValidatedRequest, Status>`
+//!   where `namespaces: &[Namespace]` (or any `NamespaceTable`) and `ValidatedRequest` is
+//!   `Io(ValidatedIo)` (getters `op()` = Read/Write{fua}/Flush/Trim, `namespace_id()`,
+//!   `offset_bytes()`, `length_bytes()`, `request_id()`, `opcode()`), `Hello` (decode the 16-byte
+//!   body with `HelloBody::decode`) or `Control { op, body_length_bytes }` (REGISTER/UNREGISTER/
+//!   BIND, bodies still TODO for the QoS work).
+//! - Responses: `ResponseHeader::for_request(&header, status, length).to_bytes()` (24 bytes;
+//!   echoes the raw opcode and the id), `ResponseHeader::notice(len)` for RENEGOTIATE; HELLO's
+//!   body: `Capabilities::from_limits(&limits, window).encode_into(&namespaces, out)`.
+//! - Client: `RequestHeader::{read, write, flush, trim, hello}(..).to_bytes()` (32 bytes),
+//!   `native::decode_response(buf)`, `response.status()` (unknown values are errors, not
+//!   framing), `Capabilities::decode(body) -> (Capabilities, NamespaceEntries)`.
+//! - Enums `Opcode`, `Status` have `from_u8`/`from_u16` returning `UnknownOpcode`/`UnknownStatus`.
+//!
+//! ## [`original`] — `docs/PROTOCOL.md` §2 (little-endian, no status field)
+//! - `original::Header::decode(buf) -> Result<Option<(Header, usize)>, DecodeError>` (bad magic,
+//!   unknown opcode); `header.request_payload_length_bytes()`;
+//!   `original::validate(&header, &Limits, namespace_size_bytes) -> Result<ValidatedIo, Invalid>`.
+//!   Any error: log it and close the connection.
+//! - Response: `validated.response_header().to_bytes()` (read: echo, then data; write:
+//!   `lba_count` 0). Client: `Header::response_payload_length_bytes()`.
+//!
+//! ## [`nbd`] — `docs/NBD.md` (big-endian)
+//! - Handshake: `nbd::ExportTable::new(vec![Export::new(name, size).read_only()...], default)`
+//!   once; per connection `Handshake::new(Arc<ExportTable>, HandshakeConfig)`, then
+//!   `handle_bytes(&buf) -> Result<usize /*consumed*/, HandshakeError /*hard disconnect*/>`,
+//!   `poll_transmit(&mut out) -> usize` (or `pending_output()` + `consume_output(n)`),
+//!   `handle_eof()`, `begin_shutdown()`, and `outcome() -> Option<Outcome>`:
+//!   `Transmission(Session)` (unconsumed input is already transmission), `Aborted`,
+//!   `Disconnected`.
+//! - Transmission: `nbd::decode_request(buf) -> Result<Option<(RequestHeader, usize)>, RequestError>`;
+//!   `header.payload_length_bytes()` (WRITE only, always consumed);
+//!   `session.validate(&header) -> Result<ValidatedCommand, Errno>` (`command()` = Read, Write,
+//!   Flush, Trim, WriteZeroes, Disconnect; `cookie()`); reply headers
+//!   `session.reply_ok(&command) -> Option<ReplyBytes>` (None for DISC; READ data follows) and
+//!   `session.reply_error(cookie, errno)`; lower level `offset_data_chunk`, `error_chunk`,
+//!   `none_chunk`, `SimpleReply`, `ChunkHeader`; `Errno::from_linux_errno` for device errors;
+//!   `session.export_index()` maps back to the namespace and tenant.
+//!
+//! All three decoders are fuzzed (`fuzz/`, targets `native_request`, `native_response`,
+//! `original_request`, `nbd_handshake`, `nbd_request`).
 #![forbid(unsafe_code)]
 
 pub mod native;

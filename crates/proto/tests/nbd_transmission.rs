@@ -265,6 +265,27 @@ fn errno_values_are_the_specs() {
         assert_eq!(Errno::from_u32(value), Ok(errno));
     }
     assert!(Errno::from_u32(2).is_err());
+    let linux = [
+        (1, Errno::Perm),
+        (13, Errno::Perm),
+        (30, Errno::Perm),
+        (28, Errno::NoSpc),
+        (27, Errno::NoSpc),
+    ];
+    let linux = [
+        &linux[..],
+        &[
+            (122, Errno::NoSpc),
+            (12, Errno::NoMem),
+            (5, Errno::Io),
+            (2, Errno::Io),
+            (-1, Errno::Io),
+        ],
+    ]
+    .concat();
+    for (errno, expected) in linux {
+        assert_eq!(Errno::from_linux_errno(errno), expected, "{errno}");
+    }
     for value in 0..=9u16 {
         assert_eq!(
             CommandType::from_u16(value).map(CommandType::as_u16),

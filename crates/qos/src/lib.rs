@@ -7,6 +7,7 @@ pub mod cost;
 pub mod profile;
 mod queue;
 pub mod rates;
+pub mod registry;
 pub mod scheduler;
 pub mod shared;
 pub mod time;
@@ -16,6 +17,7 @@ pub use config::{ConfigError, QosConfig, THREADS_MAX};
 pub use cost::{COST_UNIT_BYTES, CostModel, IoKind, LoadMode, REQUEST_BYTES_MAX};
 pub use profile::{DeviceProfile, TokenLimit};
 pub use rates::{DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates};
+pub use registry::{AdmissionError, Notice, Plan, TenantRegistry, TenantSpec};
 pub use scheduler::{
     Admitted, EnqueueError, Ledger, Policy, Request, RoundSummary, Scheduler, SchedulerEvent,
     TenantStats,

@@ -36,7 +36,8 @@
 //! Invariant (asserted in debug builds after every round, and by [`Scheduler::check`]):
 //! tokens generated + taken from the bucket = spent + given to the bucket + written off + held.
 
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 
 use crate::config::{ConfigError, QosConfig, ROUND_HISTORY_MAX};
@@ -167,8 +168,13 @@ struct Slot {
     queued: u32,
     /// Queued 4 KiB units: reads, writes (for BE demand).
     queued_units: [u64; 2],
-    /// In `lc_list` or `be_list`; otherwise (when Active) in the idle aggregate.
+    /// In `lc_list` or `be_list`.
     listed: bool,
+    /// An LC tenant with an empty queue refilling to `park_limit`, waiting in `refills`.
+    /// Neither listed nor parked (and Active): in the idle aggregate.
+    parked: bool,
+    park_generation: u32,
+    park_limit: i64,
     in_episode: bool,
     /// Enqueue reported full; a QueueRoom event is owed.
     blocked: bool,
@@ -190,6 +196,9 @@ impl Slot {
         queued: 0,
         queued_units: [0; 2],
         listed: false,
+        parked: false,
+        park_generation: 0,
+        park_limit: 0,
         in_episode: false,
         blocked: false,
         events: 0,
@@ -249,6 +258,9 @@ pub struct Scheduler {
     fifo: List,
     lc_list: Vec<u32>,
     be_list: Vec<u32>,
+    /// Parked LC tenants by the time they are full: (due, index, park generation). Entries of
+    /// tenants that left the heap early stay until due or until the heap is compacted.
+    refills: BinaryHeap<Reverse<(Nanos, u32, u32)>>,
     scratch: Vec<u32>,
     lc_cursor: usize,
     be_cursor: usize,
@@ -301,6 +313,7 @@ impl Scheduler {
             pool: Pool::new(config.thread_queued_requests_max),
             fifo: List::EMPTY,
             lc_list: Vec::with_capacity(tenants_max as usize),
+            refills: BinaryHeap::with_capacity(2 * tenants_max as usize),
             be_list: Vec::with_capacity(tenants_max as usize),
             scratch: Vec::with_capacity(tenants_max as usize),
             lc_cursor: 0,
@@ -378,6 +391,8 @@ impl Scheduler {
                     state: SlotState::Active,
                     class: rates.class,
                     stamp: now,
+                    // Keeps stale refill entries of a previous tenant with this id stale.
+                    park_generation: slot.park_generation,
                     ..Slot::VACANT
                 };
                 match (self.policy, rates.class) {
@@ -395,7 +410,7 @@ impl Scheduler {
                 }
             }
             SlotState::Active | SlotState::Retiring => {
-                if slot.listed {
+                if slot.listed || slot.parked {
                     // Earn at the old rate up to now.
                     let earned = accrue(
                         slot.rate_q32[mode.index()],
@@ -406,6 +421,13 @@ impl Scheduler {
                     slot.stats.generated_tokens += Tokens(earned);
                     self.ledger.generated += Tokens(earned);
                     slot.stamp = now;
+                    if slot.parked {
+                        // Its refill time changes with its rate: let the next round re-park it.
+                        slot.parked = false;
+                        slot.park_generation = slot.park_generation.wrapping_add(1);
+                        slot.listed = true;
+                        self.lc_list.push(index as u32);
+                    }
                 } else {
                     for m in 0..2 {
                         self.idle_rate_q32[m] = self.idle_rate_q32[m] - slot.rate_q32[m] + new_q32[m];
@@ -441,14 +463,20 @@ impl Scheduler {
     fn vacate(&mut self, index: usize) {
         let slot = &mut self.slots[index];
         assert_eq!(slot.queued, 0, "vacating a tenant with queued requests");
-        if !slot.listed {
+        assert!(!slot.listed, "vacating a listed tenant");
+        if !slot.parked {
             for m in 0..2 {
                 self.idle_rate_q32[m] -= slot.rate_q32[m];
             }
         }
         self.ledger.written_off += Tokens(slot.balance);
         let events = slot.events;
-        *slot = Slot::VACANT;
+        // A refill entry still in the heap goes stale with the generation.
+        let generation = slot.park_generation.wrapping_add(1);
+        *slot = Slot {
+            park_generation: generation,
+            ..Slot::VACANT
+        };
         // Pending events for a vacated tenant are dropped with it.
         if events != 0 {
             self.events.retain(|&t| t as usize != index);
@@ -519,7 +547,14 @@ impl Scheduler {
         }
         let pushed = match self.policy {
             Policy::Tokens => {
-                if !self.slots[index].listed {
+                let slot = &mut self.slots[index];
+                if slot.parked {
+                    // Still refilling: it keeps its balance and accrual stamp.
+                    slot.parked = false;
+                    slot.park_generation = slot.park_generation.wrapping_add(1);
+                    slot.listed = true;
+                    self.lc_list.push(index as u32);
+                } else if !slot.listed {
                     self.settle_idle(now);
                     let slot = &mut self.slots[index];
                     for m in 0..2 {
@@ -632,6 +667,8 @@ impl Scheduler {
             deadline: None,
         };
 
+        self.release_refills(&mut round);
+
         // LC subround.
         let list = std::mem::take(&mut self.lc_list);
         let start = if list.is_empty() {
@@ -678,6 +715,7 @@ impl Scheduler {
         self.record_round(now);
         self.last_round = now;
         self.deadline = round.deadline;
+        round.summary.device_full = round.device_full;
         #[cfg(debug_assertions)]
         self.check();
         round.summary
@@ -774,6 +812,16 @@ impl Scheduler {
                 self.unlist(index, round.now);
                 return false;
             }
+            // Idle and refilling: wait in the heap until full, costing nothing per round.
+            let rate_q32 = slot.rate_q32[round.mode.index()];
+            let due = time_to_earn(rate_q32, surplus_limit - slot.balance, slot.frac)
+                .map_or(Nanos::MAX, |ns| Nanos(round.now.0.saturating_add(ns)));
+            slot.listed = false;
+            slot.parked = true;
+            slot.park_limit = surplus_limit;
+            let generation = slot.park_generation;
+            self.park(index, due, generation);
+            return false;
         } else if slot.balance > surplus_limit {
             let gift = slot.balance * self.donate_percent / 100;
             slot.balance -= gift;
@@ -781,6 +829,70 @@ impl Scheduler {
             self.pending_donation += gift;
         }
         true
+    }
+
+    fn park(&mut self, index: usize, due: Nanos, generation: u32) {
+        if self.refills.len() == self.refills.capacity() {
+            // Only stale entries can fill it beyond one per tenant: drop them, never grow.
+            let slots = &self.slots;
+            self.refills.retain(|Reverse((_, i, g))| {
+                let slot = &slots[*i as usize];
+                slot.parked && slot.park_generation == *g
+            });
+            assert!(self.refills.len() < self.refills.capacity(), "refill heap bound");
+        }
+        self.refills.push(Reverse((due, index as u32, generation)));
+    }
+
+    /// Moves parked LC tenants that are full by `now` into the idle aggregate, donating what
+    /// they earned beyond their POS_LIMIT since they became full.
+    fn release_refills(&mut self, round: &mut Round) {
+        while let Some(&Reverse((due, index, generation))) = self.refills.peek() {
+            if due > round.now {
+                break;
+            }
+            self.refills.pop();
+            let index = index as usize;
+            let slot = &mut self.slots[index];
+            if !(slot.parked && slot.park_generation == generation) {
+                continue;
+            }
+            let earned = accrue(
+                slot.rate_q32[round.mode.index()],
+                round.now.saturating_since(slot.stamp).0,
+                &mut slot.frac,
+            );
+            slot.stamp = round.now;
+            slot.balance += earned;
+            slot.stats.generated_tokens += Tokens(earned);
+            self.ledger.generated += Tokens(earned);
+            if slot.in_episode && slot.balance >= 0 {
+                slot.in_episode = false;
+                push_event(&mut self.events, slot, index, EVENT_RECOVERED);
+            }
+            let slot = &mut self.slots[index];
+            if slot.balance < slot.park_limit {
+                // The load mode changed its rate meanwhile: wait a little longer.
+                let due = time_to_earn(
+                    slot.rate_q32[round.mode.index()],
+                    slot.park_limit - slot.balance,
+                    slot.frac,
+                )
+                .map_or(Nanos::MAX, |ns| Nanos(round.now.0.saturating_add(ns)));
+                self.park(index, due, generation);
+                continue;
+            }
+            let overflow = slot.balance - slot.park_limit;
+            slot.balance = slot.park_limit;
+            slot.stats.donated_tokens += Tokens(overflow);
+            self.pending_donation += overflow;
+            slot.parked = false;
+            slot.park_generation = slot.park_generation.wrapping_add(1);
+            self.idle_add(index);
+            if self.slots[index].state == SlotState::Retiring {
+                self.vacate(index);
+            }
+        }
     }
 
     /// Lends `cost` to an LC tenant at its deficit limit: first from donations this thread has
@@ -913,6 +1025,7 @@ impl Scheduler {
     fn idle_add(&mut self, index: usize) {
         let slot = &self.slots[index];
         assert!(!slot.listed, "adding a listed tenant to the idle aggregate");
+        assert!(!slot.parked, "adding a parked tenant to the idle aggregate");
         for m in 0..2 {
             self.idle_rate_q32[m] += slot.rate_q32[m];
         }
@@ -1074,8 +1187,19 @@ impl Scheduler {
                     "tenant {index} list membership"
                 );
                 assert_eq!(slot.queue.len(), slot.queued, "tenant {index} queue count");
+                assert!(!(slot.listed && slot.parked), "tenant {index} listed and parked");
                 if !slot.listed {
                     assert_eq!(slot.queued, 0, "idle tenant {index} has queued requests");
+                }
+                if slot.parked {
+                    assert_eq!(slot.class, TenantClass::LatencyCritical, "parked BE tenant {index}");
+                    let entries = self
+                        .refills
+                        .iter()
+                        .filter(|Reverse((_, i, g))| *i as usize == index && *g == slot.park_generation)
+                        .count();
+                    assert_eq!(entries, 1, "parked tenant {index} refill entries");
+                } else if !slot.listed {
                     for m in 0..2 {
                         idle[m] += slot.rate_q32[m];
                     }

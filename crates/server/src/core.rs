@@ -499,8 +499,7 @@ impl Core {
                 || (self.resources_freed && !self.waiters.is_empty())
                 || (self.scheduler.queued_count() > 0
                     && self.device_in_flight < DEVICE_IN_FLIGHT_PER_THREAD_MAX)
-                || (self.phase == Phase::Running && self.shutdown.load(Ordering::Relaxed))
-                || (self.phase == Phase::Finished && self.ops_in_flight == 0)
+                || self.phase_ready()
                 || self.ring.more_in_cq();
             let wait = !self.poll && !busy;
             let timeout = if wait { self.sleep_bound(now) } else { None };
@@ -681,7 +680,36 @@ impl Core {
 
     // ----- Shutdown --------------------------------------------------------------------------
 
+    /// Moves through the shutdown phases as far as their conditions allow.
     fn advance_phase(&mut self, now: Nanos) {
+        loop {
+            let before = self.phase;
+            self.advance_phase_once(now);
+            if self.phase == before {
+                return;
+            }
+        }
+    }
+
+    /// Whether [`advance_phase`](Self::advance_phase) would move on now (the loop must not
+    /// sleep then).
+    fn phase_ready(&self) -> bool {
+        match self.phase {
+            Phase::Running => self.shutdown.load(Ordering::Relaxed),
+            Phase::Draining { .. } => self.drained(),
+            Phase::Flushing => self.flushes_pending == 0,
+            Phase::Finished => self.ops_in_flight == 0,
+        }
+    }
+
+    fn drained(&self) -> bool {
+        self.free_connections.len() == self.connections.len()
+            && self.listeners.iter().all(|l| !l.accept_in_flight)
+            && self.device_in_flight == 0
+            && self.scheduler.queued_count() == 0
+    }
+
+    fn advance_phase_once(&mut self, now: Nanos) {
         match self.phase {
             Phase::Running => {
                 if self.shutdown.load(Ordering::Relaxed) {
@@ -701,13 +729,7 @@ impl Core {
                         }
                     }
                 }
-                let connections_idle = self.free_connections.len() == self.connections.len();
-                let listeners_idle = self.listeners.iter().all(|l| !l.accept_in_flight);
-                if connections_idle
-                    && listeners_idle
-                    && self.device_in_flight == 0
-                    && self.scheduler.queued_count() == 0
-                {
+                if self.drained() {
                     self.start_flush(now);
                 }
             }

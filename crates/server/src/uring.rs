@@ -18,7 +18,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
-use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use io_uring::{IoUring, opcode, squeue, types};
 use reflex_flash::aligned::AlignedBuf;
 
 use crate::buffers::{PAGE_SIZE, PageRun};
@@ -29,7 +29,6 @@ use crate::buffers::{PAGE_SIZE, PageRun};
 pub struct Cqe {
     pub user_data: u64,
     pub result: i32,
-    pub flags: u32,
 }
 
 /// A ring feature the dataplane cannot run without.
@@ -127,10 +126,6 @@ impl Ring {
         }
     }
 
-    pub fn pushed_count(&self) -> u32 {
-        self.pushed_count
-    }
-
     pub fn full_flush_count(&self) -> u64 {
         self.full_flush_count
     }
@@ -142,8 +137,11 @@ impl Ring {
         let result = if !wait {
             // With cooperative task running, completions of socket operations are only
             // posted when the thread enters the kernel; the TASKRUN flag says one is due.
-            let mut submission = self.ring.submission();
-            if self.pushed_count == 0 && !submission.taskrun() && !submission.cq_overflow() {
+            let kernel_wants_entry = {
+                let submission = self.ring.submission();
+                submission.taskrun() || submission.cq_overflow()
+            };
+            if self.pushed_count == 0 && !kernel_wants_entry {
                 return Ok(());
             }
             self.ring.submit()
@@ -177,7 +175,6 @@ impl Ring {
             *slot = Cqe {
                 user_data: entry.user_data(),
                 result: entry.result(),
-                flags: entry.flags(),
             };
             count += 1;
         }
@@ -199,14 +196,6 @@ impl Ring {
         !self.ring.completion().is_empty()
     }
 
-    pub fn cq_overflowed(&mut self) -> bool {
-        self.ring.submission().cq_overflow()
-    }
-}
-
-/// Marker that [`cqueue`] flags are interpreted here only.
-pub fn cqe_has_more(flags: u32) -> bool {
-    cqueue::more(flags)
 }
 
 /// The thread's page-aligned data buffers: one allocation, registered once, carved into
@@ -231,10 +220,6 @@ impl Arena {
             size_bytes,
             leak_on_drop: false,
         }
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        self.size_bytes
     }
 
     fn check(&self, run: PageRun, len: usize) {

@@ -47,6 +47,7 @@ impl Latency {
         self.histogram.reset();
     }
 
+    #[cfg(test)]
     pub fn count(&self) -> u64 {
         self.histogram.len()
     }

@@ -137,10 +137,6 @@ impl Reactor {
         self.connections.len()
     }
 
-    pub fn in_flight(&self) -> usize {
-        self.in_flight
-    }
-
     /// The connection's core. Its own API keeps lent buffers in place; do not replace it.
     pub fn core(&mut self, connection: usize) -> &mut ConnectionCore {
         &mut self.connections[connection].core
@@ -377,13 +373,17 @@ pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
     // SAFETY: `cpu_set_t` is plain data for which all-zero bytes are a valid (empty) set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     if cpu >= libc::CPU_SETSIZE as usize {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, "CPU index too large"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "CPU index too large",
+        ));
     }
     // SAFETY: `cpu` is below CPU_SETSIZE (checked above), so the bit lies inside `set`.
     unsafe { libc::CPU_SET(cpu, &mut set) };
     // SAFETY: `set` is a valid cpu_set_t on our stack and the size passed is its size; pid 0
     // means the calling thread.
-    let result = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    let result =
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
     if result != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -394,7 +394,8 @@ pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
 /// of the default 50 µs slack, so open-loop sends leave close to their intended times.
 pub fn set_timer_slack_ns(slack_ns: u64) -> io::Result<()> {
     // SAFETY: PR_SET_TIMERSLACK takes one integer argument and passes no memory.
-    let result = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, slack_ns as libc::c_ulong, 0, 0, 0) };
+    let result =
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, slack_ns as libc::c_ulong, 0, 0, 0) };
     if result != 0 {
         return Err(io::Error::last_os_error());
     }

@@ -126,7 +126,12 @@ pub struct FillGenerator {
 impl FillGenerator {
     /// Stream `stream_index` of `stream_count` fills its contiguous share of the range (split
     /// at I/O-size boundaries) in chunks of up to `chunk_bytes`.
-    pub fn new(spec: &WorkloadSpec, chunk_bytes: u32, stream_index: u64, stream_count: u64) -> Self {
+    pub fn new(
+        spec: &WorkloadSpec,
+        chunk_bytes: u32,
+        stream_index: u64,
+        stream_count: u64,
+    ) -> Self {
         assert!(chunk_bytes >= spec.io_size_bytes);
         assert!(chunk_bytes.is_multiple_of(spec.io_size_bytes));
         let block_count = u128::from(spec.block_count());
@@ -140,16 +145,12 @@ impl FillGenerator {
         }
     }
 
-    /// Bytes this stream will write in total.
-    pub fn total_bytes(&self) -> u64 {
-        self.end_offset_bytes - self.next_offset_bytes
-    }
-
     pub fn next_op(&mut self) -> Option<Op> {
         if self.next_offset_bytes >= self.end_offset_bytes {
             return None;
         }
-        let length = (self.end_offset_bytes - self.next_offset_bytes).min(u64::from(self.chunk_bytes));
+        let length =
+            (self.end_offset_bytes - self.next_offset_bytes).min(u64::from(self.chunk_bytes));
         let op = Op {
             kind: OpKind::Write,
             offset_bytes: self.next_offset_bytes,

@@ -138,7 +138,11 @@ pub fn fit(sweep: &Sweep, slos_us: &[u64]) -> Result<Fit, CalibrateError> {
     }
     // Latency levels every mixed curve crosses, above the unloaded latency.
     let low = mixed.iter().map(Curve::latency_min).fold(0.0, f64::max) * 1.2;
-    let high = mixed.iter().map(Curve::latency_max).fold(f64::INFINITY, f64::min) * 0.95;
+    let high = mixed
+        .iter()
+        .map(Curve::latency_max)
+        .fold(f64::INFINITY, f64::min)
+        * 0.95;
     if !(low > 0.0 && high > low) {
         return Err(insufficient(format!(
             "mixed curves share no latency range (from {low:.0} to {high:.0} µs)"
@@ -157,7 +161,9 @@ pub fn fit(sweep: &Sweep, slos_us: &[u64]) -> Result<Fit, CalibrateError> {
         .filter(|row: &Vec<(f64, f64)>| row.len() >= 2)
         .collect();
     if log_iops.is_empty() {
-        return Err(insufficient("no latency level crossed by two mixed curves".into()));
+        return Err(insufficient(
+            "no latency level crossed by two mixed curves".into(),
+        ));
     }
     let objective = |write_cost: f64| -> f64 {
         let mut total = 0.0;
@@ -181,7 +187,10 @@ pub fn fit(sweep: &Sweep, slos_us: &[u64]) -> Result<Fit, CalibrateError> {
             let reads = read_only.iops_at(level)?;
             let tokens: Vec<f64> = mixed
                 .iter()
-                .filter_map(|c| c.iops_at(level).map(|i| i * token_factor(c.read_ratio, write_cost)))
+                .filter_map(|c| {
+                    c.iops_at(level)
+                        .map(|i| i * token_factor(c.read_ratio, write_cost))
+                })
                 .collect();
             if tokens.is_empty() {
                 return None;
@@ -199,7 +208,10 @@ pub fn fit(sweep: &Sweep, slos_us: &[u64]) -> Result<Fit, CalibrateError> {
         let level = slo as f64;
         let tokens: Option<Vec<f64>> = mixed
             .iter()
-            .map(|c| c.iops_at_clamped(level).map(|i| i * token_factor(c.read_ratio, write_cost)))
+            .map(|c| {
+                c.iops_at_clamped(level)
+                    .map(|i| i * token_factor(c.read_ratio, write_cost))
+            })
             .collect();
         let (Some(tokens), Some(reads)) = (tokens, read_only.iops_at_clamped(level)) else {
             continue;
@@ -208,7 +220,9 @@ pub fn fit(sweep: &Sweep, slos_us: &[u64]) -> Result<Fit, CalibrateError> {
         let previous = token_limits.last().copied();
         token_limits.push(TokenLimit {
             latency_us_p95: slo,
-            tokens_per_sec: previous.map_or(tokens_per_sec, |p| p.tokens_per_sec.max(tokens_per_sec)).round(),
+            tokens_per_sec: previous
+                .map_or(tokens_per_sec, |p| p.tokens_per_sec.max(tokens_per_sec))
+                .round(),
             reads_per_sec_read_only: previous
                 .map_or(reads, |p| p.reads_per_sec_read_only.max(reads))
                 .round(),

@@ -204,10 +204,14 @@ pub fn sweep(
     progress: &mut dyn FnMut(Progress<'_>),
 ) -> Result<Sweep, CalibrateError> {
     if config.read_ratios.is_empty() || config.sizes.is_empty() {
-        return Err(CalibrateError::Config("need at least one read ratio and one size".into()));
+        return Err(CalibrateError::Config(
+            "need at least one read ratio and one size".into(),
+        ));
     }
     if config.read_ratios.iter().any(|r| !(0.0..=1.0).contains(r)) {
-        return Err(CalibrateError::Config("read ratios must lie in 0..=1".into()));
+        return Err(CalibrateError::Config(
+            "read ratios must lie in 0..=1".into(),
+        ));
     }
     if config.points_per_curve < 2 || config.start_rate_per_sec <= 0.0 {
         return Err(CalibrateError::Config(

@@ -26,7 +26,11 @@ pub struct EmuRunner {
 
 impl EmuRunner {
     /// A steady-state (preconditioned) device; see [`EmuRunner::fresh`].
-    pub fn new(profile: EmuProfile, capacity_bytes: u64, seed: u64) -> Result<EmuRunner, CalibrateError> {
+    pub fn new(
+        profile: EmuProfile,
+        capacity_bytes: u64,
+        seed: u64,
+    ) -> Result<EmuRunner, CalibrateError> {
         let device = EmuDevice::new(profile, capacity_bytes, seed)?;
         Ok(EmuRunner {
             device,
@@ -38,7 +42,11 @@ impl EmuRunner {
 
     /// A never-written device: garbage collection costs nothing until it has been filled, so
     /// calibrating it without preconditioning underestimates the write cost.
-    pub fn fresh(profile: EmuProfile, capacity_bytes: u64, seed: u64) -> Result<EmuRunner, CalibrateError> {
+    pub fn fresh(
+        profile: EmuProfile,
+        capacity_bytes: u64,
+        seed: u64,
+    ) -> Result<EmuRunner, CalibrateError> {
         let mut runner = EmuRunner::new(profile, capacity_bytes, seed)?;
         runner.device.set_fresh();
         Ok(runner)
@@ -91,7 +99,9 @@ impl EmuRunner {
                 submitted += 1;
             }
             let Some(next) = self.device.next_event() else {
-                return Err(CalibrateError::Runner("device idle with writes open".into()));
+                return Err(CalibrateError::Runner(
+                    "device idle with writes open".into(),
+                ));
             };
             now = next;
             out.clear();
@@ -120,7 +130,7 @@ impl EmuRunner {
 impl LoadRunner for EmuRunner {
     fn describe(&self) -> String {
         format!(
-            "emu:{} in virtual time (seed {})",
+            "{} in virtual time (seed {})",
             self.device.profile().name,
             self.seed
         )
@@ -165,8 +175,13 @@ impl LoadRunner for EmuRunner {
                 "rate {rate_per_sec}/s and duration {duration:?} must be positive"
             )));
         }
-        if size_bytes == 0 || size_bytes % 512 != 0 || u64::from(size_bytes) > self.device.capacity_bytes() {
-            return Err(CalibrateError::Config(format!("bad request size {size_bytes}")));
+        if size_bytes == 0
+            || size_bytes % 512 != 0
+            || u64::from(size_bytes) > self.device.capacity_bytes()
+        {
+            return Err(CalibrateError::Config(format!(
+                "bad request size {size_bytes}"
+            )));
         }
         // Start from an idle device at a whole millisecond, so points do not overlap.
         self.drain(Nanos::MAX, &mut |_| {});
@@ -209,7 +224,11 @@ impl LoadRunner for EmuRunner {
                 requests.push((next_arrival, is_read, false));
                 let request = EmuRequest {
                     tag,
-                    kind: if is_read { EmuOpKind::Read } else { EmuOpKind::Write },
+                    kind: if is_read {
+                        EmuOpKind::Read
+                    } else {
+                        EmuOpKind::Write
+                    },
                     offset,
                     len: size_bytes,
                     queue: 0,

@@ -228,7 +228,9 @@ impl<T> Arbiter<T> {
             ArbitrationPolicy::RoundRobin => {}
             ArbitrationPolicy::WeightedRoundRobin { weights } => {
                 if weights.high == 0 || weights.medium == 0 || weights.low == 0 {
-                    return Err(ArbiterError::Config("WRR weights must be at least 1".into()));
+                    return Err(ArbiterError::Config(
+                        "WRR weights must be at least 1".into(),
+                    ));
                 }
             }
             ArbitrationPolicy::DeficitRoundRobin { quantum_bytes } => {
@@ -288,7 +290,11 @@ impl<T> Arbiter<T> {
     }
 
     /// Moves a queue to another class. Commands already waiting in it move along.
-    pub fn set_queue_class(&mut self, queue: u16, class: PriorityClass) -> Result<(), ArbiterError> {
+    pub fn set_queue_class(
+        &mut self,
+        queue: u16,
+        class: PriorityClass,
+    ) -> Result<(), ArbiterError> {
         let Some(&old) = self.class_of.get(usize::from(queue)) else {
             return Err(self.no_such_queue(queue));
         };
@@ -348,8 +354,13 @@ impl<T> Arbiter<T> {
             return None;
         }
         let queue = match self.policy {
-            ArbitrationPolicy::RoundRobin => take_turn(&mut self.all, &self.queues, self.burst),
-            _ if self.pending[0] > 0 => take_turn(&mut self.rings[0], &self.queues, self.burst),
+            ArbitrationPolicy::RoundRobin => {
+                let waiting = self.waiting();
+                take_turn(&mut self.all, &self.queues, self.burst, waiting)
+            }
+            _ if self.pending[0] > 0 => {
+                take_turn(&mut self.rings[0], &self.queues, self.burst, self.pending[0])
+            }
             ArbitrationPolicy::WeightedRoundRobin { .. } => self.pick_weighted(),
             ArbitrationPolicy::DeficitRoundRobin { .. } => self.pick_deficit(),
         };
@@ -390,7 +401,8 @@ impl<T> Arbiter<T> {
             let class = self.current;
             if self.allowance[class] > 0 && self.pending[class] > 0 {
                 self.allowance[class] -= 1;
-                return take_turn(&mut self.rings[class], &self.queues, self.burst);
+                let pending = self.pending[class];
+                return take_turn(&mut self.rings[class], &self.queues, self.burst, pending);
             }
             self.advance_class();
         }
@@ -438,15 +450,27 @@ impl<T> Arbiter<T> {
 }
 
 /// Round robin over the ring's non-empty queues, staying on one queue for up to `burst`
-/// commands.
-fn take_turn<T>(ring: &mut Ring, queues: &[VecDeque<(T, u32)>], burst: u32) -> Option<u16> {
+/// commands. `ring_pending` (commands waiting in the ring's queues) lets the common case of a
+/// single busy queue skip the scan over empty ones.
+fn take_turn<T>(
+    ring: &mut Ring,
+    queues: &[VecDeque<(T, u32)>],
+    burst: u32,
+    ring_pending: u64,
+) -> Option<u16> {
     let count = ring.members.len();
     if count == 0 {
         return None;
     }
     let current = ring.members[ring.cursor % count];
-    if ring.burst_left > 0 && !queues[usize::from(current)].is_empty() {
+    let current_waiting = queues[usize::from(current)].len() as u64;
+    if current_waiting > 0 && ring.burst_left > 0 {
         ring.burst_left -= 1;
+        return Some(current);
+    }
+    if current_waiting > 0 && current_waiting == ring_pending {
+        // The only queue with work: a new turn for it.
+        ring.burst_left = burst - 1;
         return Some(current);
     }
     for step in 1..=count {
@@ -496,42 +520,79 @@ mod tests {
 
     #[test]
     fn round_robin_alternates() {
-        let served = check(config(ArbitrationPolicy::RoundRobin, &[]), &[4096, 8192, 512], 300);
-        assert_eq!(served.iter().map(|s| s.0).collect::<Vec<_>>(), vec![100, 100, 100]);
+        let served = check(
+            config(ArbitrationPolicy::RoundRobin, &[]),
+            &[4096, 8192, 512],
+            300,
+        );
+        assert_eq!(
+            served.iter().map(|s| s.0).collect::<Vec<_>>(),
+            vec![100, 100, 100]
+        );
     }
 
     #[test]
     fn weighted_round_robin_counts_commands() {
         use PriorityClass::*;
-        let weights = ClassWeights { high: 4, medium: 2, low: 1 };
+        let weights = ClassWeights {
+            high: 4,
+            medium: 2,
+            low: 1,
+        };
         let served = check(
-            config(ArbitrationPolicy::WeightedRoundRobin { weights }, &[High, Medium, Low]),
+            config(
+                ArbitrationPolicy::WeightedRoundRobin { weights },
+                &[High, Medium, Low],
+            ),
             &[4096, 8192, 4096],
             700,
         );
-        assert_eq!(served.iter().map(|s| s.0).collect::<Vec<_>>(), vec![400, 200, 100]);
+        assert_eq!(
+            served.iter().map(|s| s.0).collect::<Vec<_>>(),
+            vec![400, 200, 100]
+        );
     }
 
     #[test]
     fn deficit_round_robin_counts_bytes() {
         use PriorityClass::*;
-        let quantum_bytes = ClassWeights { high: 16384, medium: 8192, low: 4096 };
+        let quantum_bytes = ClassWeights {
+            high: 16384,
+            medium: 8192,
+            low: 4096,
+        };
         let served = check(
-            config(ArbitrationPolicy::DeficitRoundRobin { quantum_bytes }, &[High, Medium, Low]),
+            config(
+                ArbitrationPolicy::DeficitRoundRobin { quantum_bytes },
+                &[High, Medium, Low],
+            ),
             &[4096, 8192, 16384],
             7 * 100,
         );
         // Per round: high 4 x 4 KiB, medium 1 x 8 KiB, low one 16 KiB command every 4 rounds.
         let bytes: Vec<u64> = served.iter().map(|s| s.1).collect();
-        assert!((bytes[0] as f64 / bytes[1] as f64 - 2.0).abs() < 0.02, "{served:?}");
-        assert!((bytes[1] as f64 / bytes[2] as f64 - 2.0).abs() < 0.1, "{served:?}");
+        assert!(
+            (bytes[0] as f64 / bytes[1] as f64 - 2.0).abs() < 0.02,
+            "{served:?}"
+        );
+        assert!(
+            (bytes[1] as f64 / bytes[2] as f64 - 2.0).abs() < 0.1,
+            "{served:?}"
+        );
     }
 
     #[test]
     fn urgent_goes_first_and_burst_holds() {
         use PriorityClass::*;
-        let weights = ClassWeights { high: 8, medium: 8, low: 8 };
-        let mut cfg = config(ArbitrationPolicy::WeightedRoundRobin { weights }, &[High, Urgent]);
+        let weights = ClassWeights {
+            high: 8,
+            medium: 8,
+            low: 8,
+        };
+        let mut cfg = config(
+            ArbitrationPolicy::WeightedRoundRobin { weights },
+            &[High, Urgent],
+        );
         cfg.burst = 4;
         let mut arbiter: Arbiter<u32> = Arbiter::new(&cfg, 3, 16).unwrap();
         for i in 0..8 {
@@ -543,7 +604,10 @@ mod tests {
         assert_eq!(arbiter.waiting(), 7);
         assert_eq!(
             arbiter.push(5, 0, 4096),
-            Err(ArbiterError::NoSuchQueue { queue: 5, queue_count: 3 })
+            Err(ArbiterError::NoSuchQueue {
+                queue: 5,
+                queue_count: 3
+            })
         );
     }
 

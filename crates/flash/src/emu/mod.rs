@@ -62,7 +62,7 @@ use reflex_qos::Nanos;
 use thiserror::Error;
 
 pub use arbiter::{
-    ArbitrationConfig, ArbitrationPolicy, ArbiterError, ClassWeights, IoprioError, PriorityClass,
+    ArbiterError, ArbitrationConfig, ArbitrationPolicy, ClassWeights, IoprioError, PriorityClass,
     class_from_ioprio,
 };
 pub use profile::{EmuProfile, EmuProfileError};
@@ -414,7 +414,10 @@ impl EmuDevice {
     }
 
     fn buffer_free(&mut self, pages: u32, at: Nanos) {
-        assert!(self.buffer_used_pages >= u64::from(pages), "buffer accounting");
+        assert!(
+            self.buffer_used_pages >= u64::from(pages),
+            "buffer accounting"
+        );
         self.buffer_used_pages -= u64::from(pages);
         while let Some(&slot) = self.waiting_writes.front() {
             let Some(command) = self.slots[slot as usize] else {
@@ -454,9 +457,9 @@ impl EmuDevice {
 
     fn read_only(&self, at: Nanos) -> bool {
         self.buffer_used_pages == 0
-            && self.last_write_fetch.is_none_or(|last| {
-                at.saturating_since(last).0 >= self.profile.read_only_window_ns
-            })
+            && self
+                .last_write_fetch
+                .is_none_or(|last| at.saturating_since(last).0 >= self.profile.read_only_window_ns)
     }
 
     fn die_of_page(&self, page: u64) -> usize {
@@ -465,7 +468,10 @@ impl EmuDevice {
     }
 
     fn start(&mut self, slot: u32, command: Command, at: Nanos) {
-        assert!(self.slots[slot as usize].is_none(), "slot {slot} taken twice");
+        assert!(
+            self.slots[slot as usize].is_none(),
+            "slot {slot} taken twice"
+        );
         self.slots[slot as usize] = Some(command);
         match command.kind {
             EmuOpKind::Read => {
@@ -490,7 +496,10 @@ impl EmuDevice {
                     self.stats.pages_read_read_only += pages;
                 }
                 self.stats.die_read_ns += pages * read_ns;
-                self.schedule(finish_max + self.profile.controller_ns, Event::Complete { slot });
+                self.schedule(
+                    finish_max + self.profile.controller_ns,
+                    Event::Complete { slot },
+                );
             }
             EmuOpKind::Write => {
                 self.last_write_fetch = Some(at);
@@ -533,7 +542,12 @@ impl EmuDevice {
         self.stats.die_background_ns += pages * work_ns;
         self.schedule(at.0 + self.profile.write_ack_ns, Event::Complete { slot });
         if slices == 0 {
-            self.schedule(at.0, Event::BufferFree { pages: pages as u32 });
+            self.schedule(
+                at.0,
+                Event::BufferFree {
+                    pages: pages as u32,
+                },
+            );
             return;
         }
         let work = WriteWork {

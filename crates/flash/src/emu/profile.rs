@@ -105,7 +105,10 @@ impl EmuProfile {
             return EmuProfile::from_toml(&text);
         }
         let bare = name.strip_prefix("emu-").unwrap_or(name);
-        match SHIPPED_PROFILES.iter().find(|(shipped, _)| *shipped == bare) {
+        match SHIPPED_PROFILES
+            .iter()
+            .find(|(shipped, _)| *shipped == bare)
+        {
             Some((_, text)) => EmuProfile::from_toml(text),
             None => Err(EmuProfileError::UnknownName {
                 name: name.to_string(),
@@ -149,15 +152,22 @@ impl EmuProfile {
     }
 
     pub fn validate(&self) -> Result<(), EmuProfileError> {
-        let invalid = |field: &'static str, reason: String| Err(EmuProfileError::Invalid { field, reason });
+        let invalid =
+            |field: &'static str, reason: String| Err(EmuProfileError::Invalid { field, reason });
         if self.channels == 0 || self.dies_per_channel == 0 {
-            return invalid("channels", "channels and dies_per_channel must be at least 1".into());
+            return invalid(
+                "channels",
+                "channels and dies_per_channel must be at least 1".into(),
+            );
         }
         if u64::from(self.channels) * u64::from(self.dies_per_channel) > u64::from(DIES_MAX) {
             return invalid("dies_per_channel", format!("at most {DIES_MAX} dies"));
         }
         if self.page_bytes < 512 || !self.page_bytes.is_power_of_two() {
-            return invalid("page_bytes", "must be a power of two of at least 512".into());
+            return invalid(
+                "page_bytes",
+                "must be a power of two of at least 512".into(),
+            );
         }
         for (field, value) in [
             ("read_ns", self.read_ns),
@@ -182,11 +192,12 @@ impl EmuProfile {
                 ),
             );
         }
-        Arbiter::<()>::new(&self.arbitration, self.queue_count, self.queue_entries_max)
-            .map_err(|e| EmuProfileError::Invalid {
+        Arbiter::<()>::new(&self.arbitration, self.queue_count, self.queue_entries_max).map_err(
+            |e| EmuProfileError::Invalid {
                 field: "arbitration",
                 reason: e.to_string(),
-            })?;
+            },
+        )?;
         Ok(())
     }
 }

@@ -107,7 +107,9 @@ impl EmuFlash {
 
 fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
     // A panic while holding the lock is a bug already reported; the model stays usable.
-    shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    shared
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Device for EmuFlash {
@@ -228,8 +230,7 @@ impl DeviceQueue for EmuQueue {
             };
             if owner.queue_index == self.queue_index {
                 out.push(completion);
-            } else if let Some(Some(outbox)) = shared.outboxes.get_mut(owner.queue_index as usize)
-            {
+            } else if let Some(Some(outbox)) = shared.outboxes.get_mut(owner.queue_index as usize) {
                 outbox.push(completion);
             }
         }

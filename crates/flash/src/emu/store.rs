@@ -63,7 +63,11 @@ impl PageStore {
 
 /// Splits `[offset, offset + len)` at page boundaries: (page index, offset within the page,
 /// range within the caller's buffer).
-fn for_each_piece(offset: u64, len: usize, mut piece: impl FnMut(u64, usize, std::ops::Range<usize>)) {
+fn for_each_piece(
+    offset: u64,
+    len: usize,
+    mut piece: impl FnMut(u64, usize, std::ops::Range<usize>),
+) {
     let page_bytes = STORE_PAGE_BYTES as u64;
     let mut done = 0usize;
     while done < len {

@@ -245,9 +245,11 @@ impl Handshake {
         count
     }
 
-    /// Feeds received bytes; returns how many were consumed. Fewer than `input.len()` means:
-    /// negotiation ended (the rest is transmission), or output must be sent first, or (never
-    /// otherwise) nothing more can be done. Unconsumed bytes must be offered again.
+    /// Feeds received bytes; returns how many were consumed. A partial header or option is
+    /// consumed and kept inside, so fewer than `input.len()` bytes are consumed only when
+    /// negotiation has ended (see [`outcome`](Self::outcome): after `Transmission` the rest is
+    /// transmission requests) or when [`OUTPUT_PENDING_MAX_BYTES`] of output wait to be sent
+    /// (send them, then offer the rest again).
     pub fn handle_bytes(&mut self, input: &[u8]) -> Result<usize, HandshakeError> {
         if let Some(failure) = &self.failure {
             return Err(failure.clone());

@@ -238,6 +238,21 @@ impl Errno {
     pub const fn as_u32(self) -> u32 {
         self as u32
     }
+
+    /// The NBD error for a Linux `errno` from the backend, as the spec recommends: EDQUOT and
+    /// EFBIG become ENOSPC, permission errors EPERM, anything without an NBD counterpart EIO.
+    pub const fn from_linux_errno(errno: i32) -> Errno {
+        match errno {
+            1 | 13 | 30 => Errno::Perm,    // EPERM, EACCES, EROFS
+            28 | 27 | 122 => Errno::NoSpc, // ENOSPC, EFBIG, EDQUOT
+            12 => Errno::NoMem,            // ENOMEM
+            22 => Errno::Inval,            // EINVAL
+            75 => Errno::Overflow,         // EOVERFLOW
+            95 => Errno::NotSup,           // EOPNOTSUPP
+            108 => Errno::Shutdown,        // ESHUTDOWN
+            _ => Errno::Io,
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -198,7 +198,10 @@ impl Session {
     /// A session on `export` (at `export_index` in the export table). The handshake makes it;
     /// tests and tools may make one directly.
     pub fn new(export_index: usize, export: &Export, structured_replies: bool) -> Session {
-        debug_assert!(export.block_sizes.validate().is_ok());
+        assert!(
+            export.block_sizes.validate().is_ok(),
+            "export block sizes must pass BlockSizes::validate (ExportTable::new checks them)"
+        );
         Session {
             export_index,
             size_bytes: export.size_bytes,
@@ -298,8 +301,9 @@ impl Session {
         {
             return Err(Errno::Inval);
         }
-        let minimum_bytes = u64::from(self.block_sizes.minimum_bytes);
-        if offset_bytes % minimum_bytes != 0 || u64::from(length_bytes) % minimum_bytes != 0 {
+        // `Session::new` asserts a power of two, so a mask replaces two divisions.
+        let block_mask = u64::from(self.block_sizes.minimum_bytes) - 1;
+        if (offset_bytes | u64::from(length_bytes)) & block_mask != 0 {
             return Err(Errno::Inval);
         }
         let in_range = matches!(offset_bytes.checked_add(u64::from(length_bytes)), Some(end) if end <= self.size_bytes);
@@ -399,19 +403,6 @@ pub struct ReplyBytes {
 }
 
 impl ReplyBytes {
-    fn from_parts(parts: &[&[u8]]) -> ReplyBytes {
-        let mut reply = ReplyBytes {
-            bytes: [0; REPLY_BYTES_MAX],
-            length: 0,
-        };
-        for part in parts {
-            let start = reply.length as usize;
-            reply.bytes[start..start + part.len()].copy_from_slice(part);
-            reply.length += part.len() as u8;
-        }
-        reply
-    }
-
     #[inline]
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes[..self.length as usize]
@@ -419,9 +410,15 @@ impl ReplyBytes {
 }
 
 impl<const N: usize> From<[u8; N]> for ReplyBytes {
+    #[inline]
     fn from(bytes: [u8; N]) -> ReplyBytes {
         const { assert!(N <= REPLY_BYTES_MAX) };
-        ReplyBytes::from_parts(&[&bytes])
+        let mut reply = ReplyBytes {
+            bytes: [0; REPLY_BYTES_MAX],
+            length: N as u8,
+        };
+        reply.bytes[..N].copy_from_slice(&bytes);
+        reply
     }
 }
 
@@ -457,7 +454,13 @@ pub struct ChunkHeader {
 impl ChunkHeader {
     #[inline]
     pub fn to_bytes(&self) -> [u8; CHUNK_HEADER_SIZE] {
-        let mut bytes = [0u8; CHUNK_HEADER_SIZE];
+        self.with_payload_room()
+    }
+
+    /// The header in the first 20 bytes of an `N`-byte array, the rest zero for the caller.
+    #[inline]
+    fn with_payload_room<const N: usize>(&self) -> [u8; N] {
+        let mut bytes = [0u8; N];
         let mut f = FieldsMut(&mut bytes);
         f.put_u32_be::<0>(STRUCTURED_REPLY_MAGIC);
         f.put_u16_be::<4>(self.flags);
@@ -493,7 +496,9 @@ pub fn offset_data_chunk(
         cookie,
         length_bytes,
     };
-    ReplyBytes::from_parts(&[&header.to_bytes(), &offset_bytes.to_be_bytes()])
+    let mut bytes: [u8; CHUNK_HEADER_SIZE + 8] = header.with_payload_room();
+    FieldsMut(&mut bytes).put_u64_be::<CHUNK_HEADER_SIZE>(offset_bytes);
+    ReplyBytes::from(bytes)
 }
 
 /// An `ERROR` chunk with no message: header, 32-bit error, 16-bit message length 0.
@@ -506,11 +511,10 @@ pub fn error_chunk(cookie: u64, error: Errno, done: bool) -> ReplyBytes {
         cookie,
         length_bytes: 6,
     };
-    ReplyBytes::from_parts(&[
-        &header.to_bytes(),
-        &error.as_u32().to_be_bytes(),
-        &0u16.to_be_bytes(),
-    ])
+    // Error value, then a message length of 0 (bytes 24..26 stay zero).
+    let mut bytes: [u8; CHUNK_HEADER_SIZE + 6] = header.with_payload_room();
+    FieldsMut(&mut bytes).put_u32_be::<CHUNK_HEADER_SIZE>(error.as_u32());
+    ReplyBytes::from(bytes)
 }
 
 /// A `NONE` chunk with DONE: ends a structured reply whose earlier chunks lacked DONE.

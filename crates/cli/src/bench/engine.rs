@@ -1,0 +1,768 @@
+//! The load engine: bench threads, each driving its channels (connections to a server, or
+//! queues on a local file) from one io_uring loop.
+//!
+//! Why one loop per thread and nothing shared: the bench must drive hundreds of thousands of
+//! requests per second per core. A thread's loop reads the clock once per iteration, issues
+//! every request that is due (closed loop: whenever a slot is free; open loop: when a Poisson
+//! arrival's intended time has passed and a slot is free), arms one send and one receive per
+//! connection, and enters the kernel once. Requests live in fixed slots allocated before the
+//! run; payloads are written straight into the connection's transmit buffer; responses are
+//! parsed in place. Threads share nothing but a channel for once-per-second progress.
+//!
+//! Latency is measured from the *intended* send time: in the open loop that is the arrival
+//! time drawn from the Poisson process, even if the request had to wait for a free slot, so a
+//! slow server cannot hide its queueing by slowing the client (no coordinated omission). In
+//! the closed loop the intended time is when the slot became free.
+//!
+//! Bounds: every run stops issuing at `warmup + duration` (or when its operation quota is
+//! met), then waits at most [`DRAIN_WAIT_MAX`] for answers; the `--verify` fill is bounded by
+//! [`FILL_TIME_MAX`].
+
+use std::fs::File;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Barrier, mpsc};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use rand_xoshiro::rand_core::{Rng, SeedableRng};
+use reflex_client::{ClientOptions, ConnectionCore, PipelinedClient};
+
+use super::pattern::{self, Mismatch};
+use super::stats::Latency;
+use super::uring::{self, Event, Reactor};
+use super::workload::{Arrivals, FillGenerator, Op, OpGenerator, OpKind, WorkloadSpec};
+
+/// Longest wait for outstanding answers after issuing stopped.
+pub const DRAIN_WAIT_MAX: Duration = Duration::from_secs(10);
+/// Longest `--verify` fill.
+pub const FILL_TIME_MAX: Duration = Duration::from_secs(600);
+/// How often threads report progress.
+const PROGRESS_INTERVAL_NS: u64 = 1_000_000_000;
+/// Largest queue depth per channel (slot index must fit the request id and user_data).
+pub const QUEUE_DEPTH_MAX: u32 = 4096;
+
+/// Where the load goes.
+#[derive(Debug, Clone)]
+pub enum Target {
+    Remote {
+        address: SocketAddr,
+        namespace: u32,
+    },
+    Local {
+        /// Opened once; each thread uses a clone of the descriptor.
+        file: std::sync::Arc<File>,
+    },
+}
+
+/// How requests are paced.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Load {
+    /// Keep `queue_depth` requests in flight per channel.
+    Closed { queue_depth: u32 },
+    /// Poisson arrivals at `rate_per_sec` in total, at most `queue_depth_max` in flight per
+    /// channel (later arrivals wait, and their wait counts in their latency).
+    Open {
+        rate_per_sec: f64,
+        queue_depth_max: u32,
+    },
+}
+
+impl Load {
+    pub fn queue_depth_max(&self) -> u32 {
+        match *self {
+            Load::Closed { queue_depth } => queue_depth,
+            Load::Open {
+                queue_depth_max, ..
+            } => queue_depth_max,
+        }
+    }
+}
+
+/// Measuring, or writing the `--verify` pattern over the whole range first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Measure,
+    Fill { chunk_bytes: u32 },
+}
+
+/// One engine run: one row of results (or the fill).
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub target: Target,
+    pub threads: usize,
+    pub channels_per_thread: usize,
+    pub load: Load,
+    pub workload: WorkloadSpec,
+    pub phase: Phase,
+    pub seed: u64,
+    /// `Some(seed)`: writes carry the pattern, reads are checked against it.
+    pub verify_seed: Option<u64>,
+    pub warmup: Duration,
+    pub duration: Duration,
+    /// Measured operations to issue in total (split over channels); `None`: no limit.
+    pub ops_max: Option<u64>,
+    /// Busy-poll the ring instead of sleeping in it.
+    pub spin: bool,
+    /// Pin bench thread `i` to `cpus[i % cpus.len()]`.
+    pub cpus: Vec<usize>,
+}
+
+/// Once-per-second report of one thread.
+pub struct Progress {
+    pub thread_index: usize,
+    /// Operations completed since the thread started (warm-up included).
+    pub completed_ops: u64,
+    /// Latencies recorded since the previous report.
+    pub interval: Latency,
+}
+
+/// What one thread (or, merged, the run) measured.
+#[derive(Clone, Default)]
+pub struct Outcome {
+    pub read: Latency,
+    pub write: Latency,
+    /// Measured operations answered OK.
+    pub measured_ops: u64,
+    /// Bytes moved by those operations.
+    pub measured_bytes: u64,
+    /// From the end of warm-up to the end of the measurement (the duration, or the last
+    /// answer when the operation quota ran out first).
+    pub measured_ns: u64,
+    /// Operations answered with an error or failed by the device.
+    pub errors: u64,
+    pub first_error: Option<String>,
+    pub mismatches: u64,
+    pub first_mismatch: Option<Mismatch>,
+}
+
+impl Outcome {
+    pub fn merge(&mut self, other: &Outcome) {
+        self.read.add(&other.read);
+        self.write.add(&other.write);
+        self.measured_ops += other.measured_ops;
+        self.measured_bytes += other.measured_bytes;
+        self.measured_ns = self.measured_ns.max(other.measured_ns);
+        self.errors += other.errors;
+        if self.first_error.is_none() {
+            self.first_error.clone_from(&other.first_error);
+        }
+        self.mismatches += other.mismatches;
+        if self.first_mismatch.is_none() {
+            self.first_mismatch = other.first_mismatch;
+        }
+    }
+}
+
+/// Connects one pipelined connection for the bench and hands over its parts.
+pub fn connect_channel(address: SocketAddr) -> Result<(TcpStream, ConnectionCore)> {
+    let client = PipelinedClient::connect_with(address, &ClientOptions::default())
+        .with_context(|| format!("connecting to {address}"))?;
+    let (stream, core, _capabilities) = client.into_parts();
+    Ok((stream, core))
+}
+
+/// Runs the engine: all threads, then their merged outcome.
+pub fn run(config: &EngineConfig, progress: Option<&mpsc::Sender<Progress>>) -> Result<Outcome> {
+    assert!(config.threads >= 1);
+    assert!(config.channels_per_thread >= 1);
+    let queue_depth_max = config.load.queue_depth_max();
+    assert!((1..=QUEUE_DEPTH_MAX).contains(&queue_depth_max));
+    let stream_count = (config.threads * config.channels_per_thread) as u64;
+
+    // Connections are made before any thread starts, so a refused connection fails the run
+    // before load begins.
+    let mut per_thread_connections: Vec<Vec<(TcpStream, ConnectionCore)>> = Vec::new();
+    for _ in 0..config.threads {
+        let mut connections = Vec::new();
+        if let Target::Remote { address, .. } = &config.target {
+            for _ in 0..config.channels_per_thread {
+                connections.push(connect_channel(*address)?);
+            }
+        }
+        per_thread_connections.push(connections);
+    }
+
+    let barrier = Barrier::new(config.threads);
+    let outcomes: Vec<Result<Outcome>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = per_thread_connections
+            .into_iter()
+            .enumerate()
+            .map(|(thread_index, connections)| {
+                let barrier = &barrier;
+                let progress = progress.cloned();
+                std::thread::Builder::new()
+                    .name(format!("bench-{thread_index}"))
+                    .spawn_scoped(scope, move || {
+                        let thread =
+                            ThreadRun::new(config, thread_index, stream_count, connections);
+                        // Every thread reaches the barrier, even one that failed to set up.
+                        barrier.wait();
+                        thread?.run(progress.as_ref())
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| match handle {
+                Ok(handle) => handle
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow!("bench thread panicked"))),
+                Err(error) => Err(anyhow!("cannot start bench thread: {error}")),
+            })
+            .collect()
+    });
+    let mut total = Outcome::default();
+    for outcome in outcomes {
+        total.merge(&outcome?);
+    }
+    Ok(total)
+}
+
+/// One in-flight request.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    op: Op,
+    intended_ns: u64,
+    measured: bool,
+}
+
+enum Source {
+    Workload(OpGenerator),
+    Fill(FillGenerator),
+}
+
+struct Channel {
+    stream_index: u64,
+    source: Source,
+    arrivals: Option<Arrivals>,
+    /// Free slot indices (within this channel).
+    free_slots: Vec<u32>,
+    slots: Vec<Slot>,
+    in_flight: usize,
+    queue_depth: usize,
+    /// Measured operations this channel may still issue.
+    quota_remaining: Option<u64>,
+    /// Issues nothing more (quota met, fill done, or past the end).
+    finished: bool,
+    /// Finished because the quota ran out, not because time did.
+    quota_met: bool,
+}
+
+struct ThreadRun<'a> {
+    config: &'a EngineConfig,
+    thread_index: usize,
+    reactor: Reactor,
+    channels: Vec<Channel>,
+    /// Random payload for writes without `--verify`.
+    payload: Vec<u8>,
+    outcome: Outcome,
+    interval: Latency,
+    completed_ops: u64,
+    last_measured_ns: u64,
+    events: Vec<Event>,
+    remote_namespace: u32,
+    remote: bool,
+}
+
+impl<'a> ThreadRun<'a> {
+    fn new(
+        config: &'a EngineConfig,
+        thread_index: usize,
+        stream_count: u64,
+        mut connections: Vec<(TcpStream, ConnectionCore)>,
+    ) -> Result<ThreadRun<'a>> {
+        if let Some(cpu) = config
+            .cpus
+            .get(thread_index % config.cpus.len().max(1))
+            .copied()
+        {
+            uring::pin_current_thread(cpu).with_context(|| format!("pinning to CPU {cpu}"))?;
+        }
+        let _ = uring::set_timer_slack_ns(1);
+        let queue_depth = config.load.queue_depth_max() as usize;
+        let io_size_max = match config.phase {
+            Phase::Measure => config.workload.io_size_bytes,
+            Phase::Fill { chunk_bytes } => chunk_bytes,
+        };
+        let channel_count = config.channels_per_thread;
+        let (remote, remote_namespace, file) = match &config.target {
+            Target::Remote { namespace, .. } => (true, *namespace, None),
+            Target::Local { file } => {
+                let file = file
+                    .try_clone()
+                    .context("duplicating the local file descriptor")?;
+                (
+                    false,
+                    0,
+                    Some((file, channel_count * queue_depth, io_size_max as usize)),
+                )
+            }
+        };
+        for (_, core) in &mut connections {
+            core.reserve(queue_depth, io_size_max);
+        }
+        let entries = (channel_count * (queue_depth + 2) + 8) as u32;
+        let mut reactor =
+            Reactor::new(entries, connections, file).context("setting up io_uring")?;
+
+        let mut payload = vec![0u8; io_size_max as usize];
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(config.seed ^ thread_index as u64);
+        rng.fill_bytes(&mut payload);
+        if !remote {
+            // Local writes without --verify send whatever the slot holds: make it random.
+            for slot in 0..channel_count * queue_depth {
+                reactor
+                    .slot_buffer(slot, payload.len())
+                    .copy_from_slice(&payload);
+            }
+        }
+
+        let channels = (0..channel_count)
+            .map(|channel_index| {
+                let stream_index = (thread_index * channel_count + channel_index) as u64;
+                Channel::new(config, stream_index, stream_count, queue_depth)
+            })
+            .collect();
+        Ok(ThreadRun {
+            config,
+            thread_index,
+            reactor,
+            channels,
+            payload,
+            outcome: Outcome::default(),
+            interval: Latency::new(),
+            completed_ops: 0,
+            last_measured_ns: 0,
+            events: Vec::with_capacity(entries as usize * 2),
+            remote_namespace,
+            remote,
+        })
+    }
+
+    fn run(mut self, progress: Option<&mpsc::Sender<Progress>>) -> Result<Outcome> {
+        let start = Instant::now();
+        let now_ns = |start: Instant| start.elapsed().as_nanos() as u64;
+        let (warmup_ns, end_ns, drain_deadline_ns) = match self.config.phase {
+            Phase::Measure => {
+                let warmup_ns = self.config.warmup.as_nanos() as u64;
+                let end_ns = warmup_ns + self.config.duration.as_nanos() as u64;
+                (warmup_ns, end_ns, end_ns + DRAIN_WAIT_MAX.as_nanos() as u64)
+            }
+            Phase::Fill { .. } => {
+                let end_ns = FILL_TIME_MAX.as_nanos() as u64;
+                (0, end_ns, end_ns)
+            }
+        };
+        for channel in &mut self.channels {
+            channel.start(self.config, 0);
+        }
+        let mut next_progress_ns = PROGRESS_INTERVAL_NS;
+        let mut now = now_ns(start);
+        loop {
+            if now >= end_ns {
+                for channel in &mut self.channels {
+                    channel.finished = true;
+                }
+            }
+            for channel_index in 0..self.channels.len() {
+                self.issue_due(channel_index, now, warmup_ns, end_ns)?;
+            }
+            let outstanding: usize = self.channels.iter().map(|c| c.in_flight).sum();
+            let all_finished = self.channels.iter().all(|c| c.finished);
+            if all_finished && outstanding == 0 {
+                break;
+            }
+            if now >= drain_deadline_ns {
+                match self.config.phase {
+                    Phase::Measure => bail!(
+                        "{outstanding} requests still unanswered {} s after the run ended",
+                        DRAIN_WAIT_MAX.as_secs()
+                    ),
+                    Phase::Fill { .. } => {
+                        bail!(
+                            "--verify fill did not finish within {} s",
+                            FILL_TIME_MAX.as_secs()
+                        )
+                    }
+                }
+            }
+            if self.remote {
+                for connection in 0..self.reactor.connection_count() {
+                    self.reactor.arm_send(connection)?;
+                    if self.channels[connection].in_flight > 0 {
+                        self.reactor.arm_receive(connection)?;
+                    }
+                }
+            }
+            // Sleep until an answer arrives, the next arrival is due, the run ends or
+            // progress is due; spinning only submits.
+            let mut wake_ns = next_progress_ns.min(if all_finished {
+                drain_deadline_ns
+            } else {
+                end_ns
+            });
+            for channel in &self.channels {
+                if let Some(arrivals) = &channel.arrivals
+                    && !channel.finished
+                    && channel.in_flight < channel.queue_depth
+                {
+                    wake_ns = wake_ns.min(arrivals.next_ns());
+                }
+            }
+            let want = usize::from(!self.config.spin);
+            let timeout = Duration::from_nanos(wake_ns.saturating_sub(now).max(1));
+            self.reactor.submit_and_wait(want, Some(timeout))?;
+            now = now_ns(start);
+            self.events.clear();
+            self.reactor.reap(&mut self.events);
+            self.handle_events(now)?;
+            if now >= next_progress_ns {
+                next_progress_ns = now + PROGRESS_INTERVAL_NS;
+                if let Some(progress) = progress {
+                    let _ = progress.send(Progress {
+                        thread_index: self.thread_index,
+                        completed_ops: self.completed_ops,
+                        interval: self.interval.clone(),
+                    });
+                }
+                self.interval.reset();
+            }
+        }
+        let quota_met = self.channels.iter().all(|c| c.quota_met);
+        let measure_end_ns = if quota_met {
+            self.last_measured_ns.min(end_ns)
+        } else {
+            end_ns
+        };
+        self.outcome.measured_ns = measure_end_ns.saturating_sub(warmup_ns);
+        Ok(std::mem::take(&mut self.outcome))
+    }
+
+    /// Issues every request of `channel_index` that is due at `now`.
+    fn issue_due(
+        &mut self,
+        channel_index: usize,
+        now: u64,
+        warmup_ns: u64,
+        end_ns: u64,
+    ) -> Result<()> {
+        let queue_depth = self.channels[channel_index].queue_depth;
+        loop {
+            let channel = &mut self.channels[channel_index];
+            if channel.finished || channel.in_flight >= channel.queue_depth {
+                return Ok(());
+            }
+            let intended_ns = match &channel.arrivals {
+                Some(arrivals) if arrivals.next_ns() > now => return Ok(()),
+                Some(arrivals) => arrivals.next_ns(),
+                None => now,
+            };
+            if intended_ns >= end_ns {
+                channel.finished = true;
+                return Ok(());
+            }
+            let measured = intended_ns >= warmup_ns;
+            if measured && let Some(remaining) = channel.quota_remaining.as_mut() {
+                if *remaining == 0 {
+                    channel.finished = true;
+                    channel.quota_met = true;
+                    return Ok(());
+                }
+                *remaining -= 1;
+            }
+            let op = match &mut channel.source {
+                Source::Workload(generator) => generator.next_op(),
+                Source::Fill(fill) => match fill.next_op() {
+                    Some(op) => op,
+                    None => {
+                        channel.finished = true;
+                        channel.quota_met = true;
+                        return Ok(());
+                    }
+                },
+            };
+            if let Some(arrivals) = channel.arrivals.as_mut() {
+                arrivals.advance();
+            }
+            let Some(slot_index) = channel.free_slots.pop() else {
+                unreachable!("in_flight < queue_depth leaves a free slot");
+            };
+            channel.slots[slot_index as usize] = Slot {
+                op,
+                intended_ns,
+                measured,
+            };
+            channel.in_flight += 1;
+            let verify_seed = self.config.verify_seed;
+            if self.remote {
+                let namespace = self.remote_namespace;
+                let payload = &self.payload;
+                let core = self.reactor.core(channel_index);
+                let submitted = match op.kind {
+                    OpKind::Read => core.submit_read(
+                        u64::from(slot_index),
+                        namespace,
+                        op.offset_bytes,
+                        op.length_bytes,
+                    ),
+                    OpKind::Write => core.submit_write_with(
+                        u64::from(slot_index),
+                        namespace,
+                        op.offset_bytes,
+                        op.length_bytes,
+                        false,
+                        |buf| match verify_seed {
+                            Some(seed) => pattern::fill(seed, op.offset_bytes, buf),
+                            None => buf.copy_from_slice(&payload[..buf.len()]),
+                        },
+                    ),
+                };
+                submitted.context("bench request refused by the connection core")?;
+            } else {
+                let slot = channel_index * queue_depth + slot_index as usize;
+                let length = op.length_bytes as usize;
+                if op.kind == OpKind::Write
+                    && let Some(seed) = verify_seed
+                {
+                    pattern::fill(
+                        seed,
+                        op.offset_bytes,
+                        self.reactor.slot_buffer(slot, length),
+                    );
+                }
+                self.reactor.submit_file(
+                    slot,
+                    op.kind == OpKind::Write,
+                    op.offset_bytes,
+                    length,
+                )?;
+            }
+        }
+    }
+
+    fn handle_events(&mut self, now: u64) -> Result<()> {
+        for event_index in 0..self.events.len() {
+            match self.events[event_index] {
+                Event::Sent { connection, result } => {
+                    if result < 0 {
+                        bail!(
+                            "sending on connection {connection}: {}",
+                            std::io::Error::from_raw_os_error(-result)
+                        );
+                    }
+                }
+                Event::Received { connection, result } => {
+                    if result == 0 {
+                        bail!("the server closed connection {connection}");
+                    }
+                    if result < 0 {
+                        bail!(
+                            "receiving on connection {connection}: {}",
+                            std::io::Error::from_raw_os_error(-result)
+                        );
+                    }
+                    self.complete_remote(connection, now)?;
+                }
+                Event::File { slot, result } => {
+                    self.complete_local(slot, result, now)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn complete_remote(&mut self, channel_index: usize, now: u64) -> Result<()> {
+        let verify_seed = self.config.verify_seed;
+        let core = self.reactor.core(channel_index);
+        let channel = &mut self.channels[channel_index];
+        while let Some(completion) = core
+            .poll_completion()
+            .with_context(|| format!("connection {channel_index}"))?
+        {
+            let Some(slot) = usize::try_from(completion.request_id)
+                .ok()
+                .and_then(|index| channel.slots.get(index))
+                .copied()
+            else {
+                bail!(
+                    "answer for request id {} that the bench never used",
+                    completion.request_id
+                );
+            };
+            let ok = completion.is_ok();
+            let failure = if ok {
+                None
+            } else {
+                completion.result().err().map(|error| error.to_string())
+            };
+            let mismatch = match (verify_seed, slot.op.kind, ok) {
+                (Some(seed), OpKind::Read, true) => {
+                    pattern::check(seed, slot.op.offset_bytes, completion.data)
+                }
+                _ => None,
+            };
+            channel.free_slots.push(completion.request_id as u32);
+            channel.in_flight -= 1;
+            record(
+                &mut self.outcome,
+                &mut self.interval,
+                &mut self.last_measured_ns,
+                slot,
+                now,
+                failure,
+                mismatch,
+            );
+            self.completed_ops += 1;
+        }
+        Ok(())
+    }
+
+    fn complete_local(&mut self, slot_global: usize, result: i32, now: u64) -> Result<()> {
+        let queue_depth = self.channels.first().map_or(1, |c| c.queue_depth);
+        let channel_index = slot_global / queue_depth;
+        let slot_index = slot_global % queue_depth;
+        let Some(channel) = self.channels.get_mut(channel_index) else {
+            bail!("completion for unknown slot {slot_global}");
+        };
+        let slot = channel.slots[slot_index];
+        let length = slot.op.length_bytes as usize;
+        let failure = if result < 0 {
+            Some(format!(
+                "{:?} at {}: {}",
+                slot.op.kind,
+                slot.op.offset_bytes,
+                std::io::Error::from_raw_os_error(-result)
+            ))
+        } else if result as usize != length {
+            Some(format!(
+                "{:?} at {}: {result} of {length} bytes (beyond the end of the file?)",
+                slot.op.kind, slot.op.offset_bytes
+            ))
+        } else {
+            None
+        };
+        channel.free_slots.push(slot_index as u32);
+        channel.in_flight -= 1;
+        let mismatch = match (self.config.verify_seed, slot.op.kind, &failure) {
+            (Some(seed), OpKind::Read, None) => pattern::check(
+                seed,
+                slot.op.offset_bytes,
+                self.reactor.slot_buffer(slot_global, length),
+            ),
+            _ => None,
+        };
+        record(
+            &mut self.outcome,
+            &mut self.interval,
+            &mut self.last_measured_ns,
+            slot,
+            now,
+            failure,
+            mismatch,
+        );
+        self.completed_ops += 1;
+        Ok(())
+    }
+}
+
+/// Accounts one answered request.
+fn record(
+    outcome: &mut Outcome,
+    interval: &mut Latency,
+    last_measured_ns: &mut u64,
+    slot: Slot,
+    now: u64,
+    failure: Option<String>,
+    mismatch: Option<Mismatch>,
+) {
+    let latency_ns = now.saturating_sub(slot.intended_ns);
+    interval.record(latency_ns);
+    if let Some(mismatch) = mismatch {
+        outcome.mismatches += 1;
+        outcome.first_mismatch.get_or_insert(mismatch);
+    }
+    if let Some(failure) = failure {
+        outcome.errors += 1;
+        outcome.first_error.get_or_insert(failure);
+        return;
+    }
+    if !slot.measured {
+        return;
+    }
+    *last_measured_ns = (*last_measured_ns).max(now);
+    outcome.measured_ops += 1;
+    outcome.measured_bytes += u64::from(slot.op.length_bytes);
+    match slot.op.kind {
+        OpKind::Read => outcome.read.record(latency_ns),
+        OpKind::Write => outcome.write.record(latency_ns),
+    }
+}
+
+impl Channel {
+    fn new(
+        config: &EngineConfig,
+        stream_index: u64,
+        stream_count: u64,
+        queue_depth: usize,
+    ) -> Channel {
+        let source = match config.phase {
+            Phase::Measure => Source::Workload(OpGenerator::new(
+                config.workload,
+                config.seed,
+                stream_index,
+                stream_count,
+            )),
+            Phase::Fill { chunk_bytes } => Source::Fill(FillGenerator::new(
+                &config.workload,
+                chunk_bytes,
+                stream_index,
+                stream_count,
+            )),
+        };
+        let quota_remaining = match (config.phase, config.ops_max) {
+            (Phase::Measure, Some(total)) => {
+                // Split exactly: the first `total % streams` channels take one more.
+                let base = total / stream_count;
+                let extra = u64::from(stream_index < total % stream_count);
+                Some(base + extra)
+            }
+            _ => None,
+        };
+        let empty = Slot {
+            op: Op {
+                kind: OpKind::Read,
+                offset_bytes: 0,
+                length_bytes: 0,
+            },
+            intended_ns: 0,
+            measured: false,
+        };
+        Channel {
+            stream_index,
+            source,
+            arrivals: None,
+            free_slots: (0..queue_depth as u32).rev().collect(),
+            slots: vec![empty; queue_depth],
+            in_flight: 0,
+            queue_depth,
+            quota_remaining,
+            finished: false,
+            quota_met: false,
+        }
+    }
+
+    /// Starts the arrival process (open loop) at `start_ns`: each channel gets an equal
+    /// share of the total rate, from its own random stream.
+    fn start(&mut self, config: &EngineConfig, start_ns: u64) {
+        if let (Load::Open { rate_per_sec, .. }, Phase::Measure) = (config.load, config.phase) {
+            let stream_count = (config.threads * config.channels_per_thread) as f64;
+            self.arrivals = Some(Arrivals::new(
+                rate_per_sec / stream_count,
+                config.seed,
+                self.stream_index,
+                start_ns,
+            ));
+        }
+    }
+}

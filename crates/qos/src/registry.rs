@@ -1,0 +1,954 @@
+//! The tenant registry and admission control: control-plane state, never on the data path.
+//!
+//! Admission (paper §3.2.2, §4.3): the device's token rate is the profile's rate at the
+//! strictest LC latency SLO (linear interpolation between rows; outside the table the nearest
+//! row is used and a warning logged). An LC tenant is admitted only if the sum of LC
+//! reservations, IOPS × (r × C(read) + (1 − r) × C(write)), fits in that rate. When every LC
+//! tenant is read-only and no BE tenant is registered, the read-only column applies instead
+//! (IOPS × C(read, 100 %) against reads/s × C(read, 100 %)); a BE tenant that would end that
+//! state while the LC reservations do not fit the mixed rate is refused rather than silently
+//! overcommitting the device (the original code's caveat).
+//!
+//! Every change (register, re-register with a new SLO, unregister, a connection bound, closed
+//! or moved) recomputes all rates and queues [`RateUpdate`]s for the threads whose values
+//! changed; [`TenantRegistry::take_updates`] hands them to the dataplane. A refused change
+//! leaves no state behind.
+//!
+//! A tenant may have connections on several threads; its reservation is counted once, and each
+//! thread gets the share of its rate (and of its deficit limit) proportional to the tenant's
+//! connections there, rebalanced whenever a connection comes, goes, or moves. Shares are split
+//! with the remainder on the thread with most connections, so they sum to the rate exactly.
+//!
+//! Deficit notices: each thread reports when the tenant reaches its deficit limit there and
+//! when it recovers; a tenant is "in an episode" while any thread says so, and the registry
+//! returns one [`Notice::Renegotiate`] per episode.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use crate::config::{ConfigError, QosConfig, THREADS_MAX};
+use crate::cost::{CostModel, LoadMode};
+use crate::profile::{Clamp, DeviceProfile};
+use crate::rates::{DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates};
+use crate::scheduler::SchedulerEvent;
+use crate::tokens::{HumanRate, TokenRate, Tokens};
+
+/// What a tenant asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum TenantSpec {
+    /// `iops` 4 KiB requests per second at `read_percent` reads, with p95 read latency at most
+    /// `latency_us_p95`.
+    LatencyCritical {
+        latency_us_p95: u64,
+        iops: u64,
+        read_percent: u8,
+    },
+    BestEffort,
+}
+
+impl TenantSpec {
+    pub fn class(&self) -> TenantClass {
+        match self {
+            TenantSpec::LatencyCritical { .. } => TenantClass::LatencyCritical,
+            TenantSpec::BestEffort => TenantClass::BestEffort,
+        }
+    }
+
+    fn validate(&self) -> Result<(), AdmissionError> {
+        if let TenantSpec::LatencyCritical {
+            latency_us_p95,
+            iops,
+            read_percent,
+        } = *self
+        {
+            let reason = if latency_us_p95 == 0 {
+                Some("latency SLO must be above 0 µs")
+            } else if iops == 0 {
+                Some("IOPS must be above 0")
+            } else if iops > IOPS_MAX {
+                Some("IOPS above 1,000,000,000")
+            } else if read_percent > 100 {
+                Some("read percentage above 100")
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                return Err(AdmissionError::InvalidSpec { reason });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Largest IOPS a tenant can ask for (keeps reservations far from overflow).
+pub const IOPS_MAX: u64 = 1_000_000_000;
+
+/// A refused registration or an invalid control request. `Display` gives the reason a client
+/// sees (e.g. "needs 196K tokens/s, 82K left at 500 µs").
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum AdmissionError {
+    #[error("needs {}, {} left at {latency_us_p95} µs{}", HumanRate(*needed_tokens_per_sec), HumanCount(*left_tokens_per_sec), if *read_only { " (read-only load)" } else { "" })]
+    Insufficient {
+        needed_tokens_per_sec: f64,
+        left_tokens_per_sec: f64,
+        latency_us_p95: u64,
+        read_only: bool,
+    },
+    #[error("a best-effort tenant would end read-only admission, but the LC reservations need {} under mixed load and only {} fit at {latency_us_p95} µs", HumanRate(*reserved_tokens_per_sec), HumanRate(*mixed_tokens_per_sec))]
+    WouldEndReadOnly {
+        reserved_tokens_per_sec: f64,
+        mixed_tokens_per_sec: f64,
+        latency_us_p95: u64,
+    },
+    #[error("invalid SLO: {reason}")]
+    InvalidSpec { reason: &'static str },
+    #[error("tenant table full ({tenants_max} tenants)")]
+    TooManyTenants { tenants_max: u32 },
+    #[error("{0} is not registered")]
+    UnknownTenant(TenantId),
+    #[error("thread {thread} out of range (the device has {threads} threads)")]
+    NoSuchThread { thread: u16, threads: u16 },
+    #[error("{tenant} has no connection on thread {thread}")]
+    NoConnection { tenant: TenantId, thread: u16 },
+}
+
+/// `82K` without a unit.
+struct HumanCount(f64);
+
+impl fmt::Display for HumanCount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = HumanRate(self.0).to_string();
+        write!(f, "{}", text.trim_end_matches(" tokens/s"))
+    }
+}
+
+/// What the control plane tells a tenant's connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Notice {
+    /// The tenant keeps exceeding its reservation (it reached its deficit limit); it should
+    /// renegotiate its SLO. `episode` counts this tenant's episodes from 1.
+    Renegotiate { tenant: TenantId, episode: u64 },
+}
+
+/// The current allocation, for operators and tests.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Plan {
+    /// The strictest LC latency SLO, which sets the device rate; `None` without LC tenants
+    /// (then the profile's loosest row applies).
+    pub latency_us_p95: Option<u64>,
+    pub clamp: Option<Clamp>,
+    /// Admission used the read-only column (all LC tenants read-only, no BE tenant).
+    pub read_only_admission: bool,
+    pub device_tokens_per_sec: RatePerMode,
+    /// Σ LC reservations (what admission checks).
+    pub lc_reserved_tokens_per_sec: RatePerMode,
+    /// What each BE tenant earns; zero without BE tenants.
+    pub be_tokens_per_sec_each: RatePerMode,
+    /// Spare capacity each LC tenant earns on top of its reservation when there are no BE
+    /// tenants with connections.
+    pub lc_boost_tokens_per_sec_each: RatePerMode,
+    pub lc_tenants: u32,
+    /// BE tenants with at least one connection (N_BE).
+    pub be_tenants_bound: u32,
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    spec: TenantSpec,
+    /// Connections per thread.
+    connections: Vec<u32>,
+    /// Threads that report this tenant at its deficit limit.
+    episode_threads: u64,
+    episodes: u64,
+}
+
+impl Entry {
+    fn connections_total(&self) -> u64 {
+        self.connections.iter().map(|&c| u64::from(c)).sum()
+    }
+}
+
+/// Tenants, admission control and rate computation for one device.
+#[derive(Debug)]
+pub struct TenantRegistry {
+    profile: DeviceProfile,
+    costs: CostModel,
+    config: QosConfig,
+    threads: u16,
+    tenants: BTreeMap<TenantId, Entry>,
+    free_ids: BTreeSet<u32>,
+    next_id: u32,
+    plan: Plan,
+    sent_device: Vec<Option<DeviceRates>>,
+    sent_tenants: Vec<BTreeMap<TenantId, TenantRates>>,
+    outbox: Vec<(u16, RateUpdate)>,
+}
+
+impl TenantRegistry {
+    /// A registry for a device described by a validated `profile`, served by `threads`
+    /// dataplane threads (1 ..= [`THREADS_MAX`]).
+    pub fn new(
+        profile: DeviceProfile,
+        config: QosConfig,
+        threads: u16,
+    ) -> Result<TenantRegistry, ConfigError> {
+        config.validate()?;
+        if threads == 0 || usize::from(threads) > THREADS_MAX {
+            return Err(ConfigError::Invalid {
+                field: "threads",
+                reason: "must be between 1 and 64",
+            });
+        }
+        if profile.validate().is_err() {
+            return Err(ConfigError::Invalid {
+                field: "profile",
+                reason: "is not a valid device profile",
+            });
+        }
+        let costs = CostModel::from_profile(&profile);
+        let mut registry = TenantRegistry {
+            profile,
+            costs,
+            config,
+            threads,
+            tenants: BTreeMap::new(),
+            free_ids: BTreeSet::new(),
+            next_id: 0,
+            plan: Plan {
+                latency_us_p95: None,
+                clamp: None,
+                read_only_admission: false,
+                device_tokens_per_sec: [TokenRate::ZERO; 2],
+                lc_reserved_tokens_per_sec: [TokenRate::ZERO; 2],
+                be_tokens_per_sec_each: [TokenRate::ZERO; 2],
+                lc_boost_tokens_per_sec_each: [TokenRate::ZERO; 2],
+                lc_tenants: 0,
+                be_tenants_bound: 0,
+            },
+            sent_device: vec![None; usize::from(threads)],
+            sent_tenants: vec![BTreeMap::new(); usize::from(threads)],
+            outbox: Vec::new(),
+        };
+        let plan = registry
+            .evaluate(None)
+            .map_err(|_| ConfigError::Invalid {
+                field: "profile",
+                reason: "yields no plan without tenants",
+            })?;
+        registry.commit(plan);
+        Ok(registry)
+    }
+
+    pub fn costs(&self) -> &CostModel {
+        &self.costs
+    }
+
+    pub fn profile(&self) -> &DeviceProfile {
+        &self.profile
+    }
+
+    pub fn config(&self) -> &QosConfig {
+        &self.config
+    }
+
+    pub fn threads(&self) -> u16 {
+        self.threads
+    }
+
+    pub fn plan(&self) -> Plan {
+        self.plan
+    }
+
+    pub fn spec(&self, tenant: TenantId) -> Option<TenantSpec> {
+        self.tenants.get(&tenant).map(|entry| entry.spec)
+    }
+
+    pub fn tenant_count(&self) -> usize {
+        self.tenants.len()
+    }
+
+    /// Admits a new tenant or refuses it (leaving nothing behind).
+    pub fn register(&mut self, spec: TenantSpec) -> Result<TenantId, AdmissionError> {
+        spec.validate()?;
+        if self.tenants.len() >= self.config.tenants_max as usize {
+            return Err(AdmissionError::TooManyTenants {
+                tenants_max: self.config.tenants_max,
+            });
+        }
+        let id = TenantId(match self.free_ids.first() {
+            Some(&id) => id,
+            None => self.next_id,
+        });
+        assert!(id.0 < self.config.tenants_max, "tenant ids are dense");
+        let plan = self.evaluate(Some((id, Some(spec))))?;
+        if !self.free_ids.remove(&id.0) {
+            assert_eq!(id.0, self.next_id, "new ids come from the end");
+            self.next_id += 1;
+        }
+        self.tenants.insert(
+            id,
+            Entry {
+                spec,
+                connections: vec![0; usize::from(self.threads)],
+                episode_threads: 0,
+                episodes: 0,
+            },
+        );
+        self.commit(plan);
+        Ok(id)
+    }
+
+    /// Changes a tenant's SLO. Goes through admission again; on refusal the old SLO stays.
+    pub fn reregister(&mut self, tenant: TenantId, spec: TenantSpec) -> Result<(), AdmissionError> {
+        spec.validate()?;
+        if !self.tenants.contains_key(&tenant) {
+            return Err(AdmissionError::UnknownTenant(tenant));
+        }
+        let plan = self.evaluate(Some((tenant, Some(spec))))?;
+        if let Some(entry) = self.tenants.get_mut(&tenant) {
+            entry.spec = spec;
+        }
+        self.commit(plan);
+        Ok(())
+    }
+
+    /// Removes a tenant; its connections on every thread are dropped from the plan.
+    pub fn unregister(&mut self, tenant: TenantId) -> Result<(), AdmissionError> {
+        if !self.tenants.contains_key(&tenant) {
+            return Err(AdmissionError::UnknownTenant(tenant));
+        }
+        let plan = self.evaluate(Some((tenant, None)))?;
+        self.tenants.remove(&tenant);
+        self.free_ids.insert(tenant.0);
+        self.commit(plan);
+        Ok(())
+    }
+
+    /// A connection of `tenant` is now served by `thread`.
+    pub fn connect(&mut self, tenant: TenantId, thread: u16) -> Result<(), AdmissionError> {
+        self.check_thread(thread)?;
+        let entry = self
+            .tenants
+            .get_mut(&tenant)
+            .ok_or(AdmissionError::UnknownTenant(tenant))?;
+        entry.connections[usize::from(thread)] += 1;
+        self.recompute();
+        Ok(())
+    }
+
+    /// A connection of `tenant` on `thread` closed.
+    pub fn disconnect(&mut self, tenant: TenantId, thread: u16) -> Result<(), AdmissionError> {
+        self.check_thread(thread)?;
+        let entry = self
+            .tenants
+            .get_mut(&tenant)
+            .ok_or(AdmissionError::UnknownTenant(tenant))?;
+        let count = &mut entry.connections[usize::from(thread)];
+        if *count == 0 {
+            return Err(AdmissionError::NoConnection { tenant, thread });
+        }
+        *count -= 1;
+        if *count == 0 {
+            entry.episode_threads &= !(1u64 << thread);
+        }
+        self.recompute();
+        Ok(())
+    }
+
+    /// A connection of `tenant` moved from one thread to another (load balancing).
+    pub fn move_connection(
+        &mut self,
+        tenant: TenantId,
+        from: u16,
+        to: u16,
+    ) -> Result<(), AdmissionError> {
+        self.check_thread(to)?;
+        self.disconnect(tenant, from)?;
+        self.connect(tenant, to)
+    }
+
+    /// Connections of `tenant` per thread.
+    pub fn connections(&self, tenant: TenantId) -> Option<&[u32]> {
+        self.tenants
+            .get(&tenant)
+            .map(|entry| entry.connections.as_slice())
+    }
+
+    /// Rate updates produced since the last call, in the order they must be applied, each
+    /// addressed to a thread.
+    pub fn take_updates(&mut self) -> Vec<(u16, RateUpdate)> {
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// Turns a thread's scheduler event into at most one notice per tenant episode.
+    pub fn handle_event(&mut self, thread: u16, event: SchedulerEvent) -> Option<Notice> {
+        let bit = 1u64 << (u32::from(thread) % 64);
+        match event {
+            SchedulerEvent::DeficitLimitReached { tenant } => {
+                let entry = self.tenants.get_mut(&tenant)?;
+                let started = entry.episode_threads == 0;
+                entry.episode_threads |= bit;
+                if started {
+                    entry.episodes += 1;
+                    return Some(Notice::Renegotiate {
+                        tenant,
+                        episode: entry.episodes,
+                    });
+                }
+                None
+            }
+            SchedulerEvent::DeficitRecovered { tenant } => {
+                if let Some(entry) = self.tenants.get_mut(&tenant) {
+                    entry.episode_threads &= !bit;
+                }
+                None
+            }
+            SchedulerEvent::QueueRoom { .. } => None,
+        }
+    }
+
+    fn check_thread(&self, thread: u16) -> Result<(), AdmissionError> {
+        if thread >= self.threads {
+            return Err(AdmissionError::NoSuchThread {
+                thread,
+                threads: self.threads,
+            });
+        }
+        Ok(())
+    }
+
+    fn recompute(&mut self) {
+        // Connection changes never change admission, only shares.
+        match self.evaluate(None) {
+            Ok(plan) => self.commit(plan),
+            Err(error) => unreachable_plan(&error),
+        }
+    }
+
+    /// The plan after replacing (`Some(spec)`), removing (`None`) or adding the tenant `change`,
+    /// or an error if it does not fit.
+    fn evaluate(
+        &self,
+        change: Option<(TenantId, Option<TenantSpec>)>,
+    ) -> Result<Plan, AdmissionError> {
+        let specs = self.specs_after(change);
+        let lc: Vec<(u64, u64, u8)> = specs
+            .iter()
+            .filter_map(|(_, spec, _)| match *spec {
+                TenantSpec::LatencyCritical {
+                    latency_us_p95,
+                    iops,
+                    read_percent,
+                } => Some((latency_us_p95, iops, read_percent)),
+                TenantSpec::BestEffort => None,
+            })
+            .collect();
+        let be_any = specs
+            .iter()
+            .any(|(_, spec, _)| *spec == TenantSpec::BestEffort);
+        let be_bound = specs
+            .iter()
+            .filter(|(_, spec, bound)| *spec == TenantSpec::BestEffort && *bound)
+            .count() as u32;
+        let strictest = lc.iter().map(|&(latency, _, _)| latency).min();
+        let (rate, clamp) = match strictest {
+            Some(latency) => {
+                let rate = self.profile.rate_at(latency);
+                (rate, rate.clamped)
+            }
+            None => {
+                let last = self.profile.rate_at(u64::MAX);
+                (last, None)
+            }
+        };
+        let device = [
+            TokenRate::from_tokens_per_sec_f64(rate.tokens_per_sec),
+            self.costs.read_only_rate(rate.reads_per_sec_read_only),
+        ];
+        let reserve = |mode: LoadMode| -> TokenRate {
+            TokenRate(
+                lc.iter()
+                    .map(|&(_, iops, read)| self.costs.reservation(iops, read, mode).0)
+                    .sum(),
+            )
+        };
+        let reserved = [reserve(LoadMode::Mixed), reserve(LoadMode::ReadOnly)];
+        let read_only_admission = !lc.is_empty() && !be_any && lc.iter().all(|l| l.2 == 100);
+
+        // The admission check proper.
+        let admission_mode = if read_only_admission {
+            LoadMode::ReadOnly
+        } else {
+            LoadMode::Mixed
+        };
+        let m = admission_mode.index();
+        if reserved[m] > device[m] {
+            let latency_us_p95 = strictest.unwrap_or(0);
+            let candidate = change.and_then(|(id, spec)| spec.map(|s| (id, s)));
+            return Err(match candidate {
+                Some((_, TenantSpec::BestEffort)) => AdmissionError::WouldEndReadOnly {
+                    reserved_tokens_per_sec: reserved[m].as_tokens_per_sec_f64(),
+                    mixed_tokens_per_sec: device[m].as_tokens_per_sec_f64(),
+                    latency_us_p95,
+                },
+                Some((
+                    id,
+                    TenantSpec::LatencyCritical {
+                        iops, read_percent, ..
+                    },
+                )) => {
+                    let needed = self.costs.reservation(iops, read_percent, admission_mode);
+                    let others = reserved[m].0 - needed.0;
+                    let _ = id;
+                    AdmissionError::Insufficient {
+                        needed_tokens_per_sec: needed.as_tokens_per_sec_f64(),
+                        left_tokens_per_sec: (device[m].0.saturating_sub(others)) as f64 / 1e3,
+                        latency_us_p95,
+                        read_only: read_only_admission,
+                    }
+                }
+                // Removing a tenant can only make room, except that it may end read-only
+                // admission (the last read-only LC tenant leaving while a ... ) — it cannot,
+                // as removal never adds a BE tenant or a writer; report generously anyway.
+                None => AdmissionError::Insufficient {
+                    needed_tokens_per_sec: reserved[m].as_tokens_per_sec_f64(),
+                    left_tokens_per_sec: device[m].as_tokens_per_sec_f64(),
+                    latency_us_p95,
+                    read_only: read_only_admission,
+                },
+            });
+        }
+
+        let mut be_each = [TokenRate::ZERO; 2];
+        let mut lc_boost = [TokenRate::ZERO; 2];
+        for mode in LoadMode::ALL {
+            let m = mode.index();
+            let spare = device[m].0.saturating_sub(reserved[m].0);
+            if be_bound > 0 {
+                be_each[m] = TokenRate(spare / u64::from(be_bound));
+            } else if !lc.is_empty() {
+                lc_boost[m] = TokenRate(spare / lc.len() as u64);
+            }
+        }
+        Ok(Plan {
+            latency_us_p95: strictest,
+            clamp,
+            read_only_admission,
+            device_tokens_per_sec: device,
+            lc_reserved_tokens_per_sec: reserved,
+            be_tokens_per_sec_each: be_each,
+            lc_boost_tokens_per_sec_each: lc_boost,
+            lc_tenants: lc.len() as u32,
+            be_tenants_bound: be_bound,
+        })
+    }
+
+    /// (id, spec, has a connection) for every tenant after `change`.
+    fn specs_after(
+        &self,
+        change: Option<(TenantId, Option<TenantSpec>)>,
+    ) -> Vec<(TenantId, TenantSpec, bool)> {
+        let mut specs: Vec<(TenantId, TenantSpec, bool)> = self
+            .tenants
+            .iter()
+            .map(|(&id, entry)| (id, entry.spec, entry.connections_total() > 0))
+            .collect();
+        if let Some((id, spec)) = change {
+            match (specs.iter().position(|(other, _, _)| *other == id), spec) {
+                (Some(at), Some(spec)) => specs[at].1 = spec,
+                (Some(at), None) => {
+                    specs.remove(at);
+                }
+                (None, Some(spec)) => specs.push((id, spec, false)),
+                (None, None) => {}
+            }
+        }
+        specs
+    }
+
+    /// Adopts `plan` and queues the rate updates that differ from what each thread has.
+    fn commit(&mut self, plan: Plan) {
+        if let (Some(clamp), Some(latency)) = (plan.clamp, plan.latency_us_p95) {
+            if self.plan.clamp != plan.clamp || self.plan.latency_us_p95 != plan.latency_us_p95 {
+                tracing::warn!(
+                    latency_us_p95 = latency,
+                    ?clamp,
+                    "latency SLO outside the device profile's table; using the nearest row"
+                );
+            }
+        }
+        self.plan = plan;
+        let threads = usize::from(self.threads);
+        let deficit_limit = self.config.deficit_limit();
+        let mut unbound = [0u64; 2];
+        let mut desired: Vec<BTreeMap<TenantId, TenantRates>> = vec![BTreeMap::new(); threads];
+        for (&id, entry) in &self.tenants {
+            let rates = self.tenant_rates(&entry.spec, &plan);
+            let total = entry.connections_total();
+            if total == 0 {
+                if entry.spec.class() == TenantClass::LatencyCritical {
+                    for m in 0..2 {
+                        unbound[m] += rates[m].0;
+                    }
+                }
+                continue;
+            }
+            let shares: [Vec<u64>; 2] = [
+                split(rates[0].0, &entry.connections),
+                split(rates[1].0, &entry.connections),
+            ];
+            let limits = split(deficit_limit.0.max(0) as u64, &entry.connections);
+            for (thread, &count) in entry.connections.iter().enumerate() {
+                if count == 0 {
+                    continue;
+                }
+                desired[thread].insert(
+                    id,
+                    TenantRates {
+                        tenant: id,
+                        class: entry.spec.class(),
+                        tokens_per_sec: [TokenRate(shares[0][thread]), TokenRate(shares[1][thread])],
+                        deficit_limit: Tokens(limits[thread] as i64),
+                    },
+                );
+            }
+        }
+        let even = vec![1u32; threads];
+        let unbound_shares = [split(unbound[0], &even), split(unbound[1], &even)];
+        let max_rate = plan.device_tokens_per_sec[0].max(plan.device_tokens_per_sec[1]);
+        let window_ns = u128::from(self.config.bucket_window().0);
+        let bucket_max = Tokens((u128::from(max_rate.0) * window_ns / 1_000_000_000) as i64);
+        for (thread, wanted) in desired.into_iter().enumerate() {
+            let device = DeviceRates {
+                costs: self.costs,
+                device_tokens_per_sec: plan.device_tokens_per_sec,
+                unbound_tokens_per_sec: [
+                    TokenRate(unbound_shares[0][thread]),
+                    TokenRate(unbound_shares[1][thread]),
+                ],
+                bucket_max,
+                loan_max: self.config.loan_max(),
+            };
+            let thread_u16 = thread as u16;
+            if self.sent_device[thread] != Some(device) {
+                self.sent_device[thread] = Some(device);
+                self.outbox.push((thread_u16, RateUpdate::Device(device)));
+            }
+            let sent = &mut self.sent_tenants[thread];
+            let gone: Vec<TenantId> = sent
+                .keys()
+                .filter(|id| !wanted.contains_key(id))
+                .copied()
+                .collect();
+            for id in gone {
+                sent.remove(&id);
+                self.outbox.push((thread_u16, RateUpdate::Remove(id)));
+            }
+            for (id, rates) in wanted {
+                if sent.get(&id) != Some(&rates) {
+                    sent.insert(id, rates);
+                    self.outbox.push((thread_u16, RateUpdate::Tenant(rates)));
+                }
+            }
+        }
+    }
+
+    /// A tenant's whole rate (before splitting between threads), per mode.
+    fn tenant_rates(&self, spec: &TenantSpec, plan: &Plan) -> RatePerMode {
+        match *spec {
+            TenantSpec::LatencyCritical {
+                iops, read_percent, ..
+            } => {
+                let mut rates = [TokenRate::ZERO; 2];
+                for mode in LoadMode::ALL {
+                    let m = mode.index();
+                    let mut reservation = self.costs.reservation(iops, read_percent, mode);
+                    // Under read-only admission the mixed reservations may exceed the mixed
+                    // rate; should a write arrive anyway, scale them down to fit the device.
+                    let reserved = plan.lc_reserved_tokens_per_sec[m];
+                    let device = plan.device_tokens_per_sec[m];
+                    if reserved > device {
+                        reservation = reservation.share(device.0, reserved.0);
+                    }
+                    rates[m] = TokenRate(reservation.0 + plan.lc_boost_tokens_per_sec_each[m].0);
+                }
+                rates
+            }
+            TenantSpec::BestEffort => plan.be_tokens_per_sec_each,
+        }
+    }
+}
+
+/// Splits `amount` in proportion to `weights`, rounding down, with the remainder on the
+/// largest weight (the first of equals), so the parts sum to `amount` exactly.
+fn split(amount: u64, weights: &[u32]) -> Vec<u64> {
+    let total: u64 = weights.iter().map(|&w| u64::from(w)).sum();
+    if total == 0 {
+        return vec![0; weights.len()];
+    }
+    let mut parts: Vec<u64> = weights
+        .iter()
+        .map(|&w| (u128::from(amount) * u128::from(w) / u128::from(total)) as u64)
+        .collect();
+    let given: u64 = parts.iter().sum();
+    let largest = weights
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(&a.0)))
+        .map_or(0, |(index, _)| index);
+    parts[largest] += amount - given;
+    parts
+}
+
+fn unreachable_plan(error: &AdmissionError) {
+    // Connections only move shares; the set of tenants and SLOs is unchanged and was admitted.
+    panic!("a connection change made an admitted plan inadmissible: {error}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::TokenLimit;
+
+    /// Device A of the paper: 420K tokens/s at 500 µs, 570K at 2 ms; ~1M read-only IOPS.
+    pub(crate) fn device_a() -> DeviceProfile {
+        DeviceProfile {
+            name: "paper-device-a".into(),
+            write_cost: 10.0,
+            read_only_read_cost: 0.5,
+            token_limits: vec![
+                TokenLimit {
+                    latency_us_p95: 500,
+                    tokens_per_sec: 420_000.0,
+                    reads_per_sec_read_only: 850_000.0,
+                },
+                TokenLimit {
+                    latency_us_p95: 1000,
+                    tokens_per_sec: 500_000.0,
+                    reads_per_sec_read_only: 950_000.0,
+                },
+                TokenLimit {
+                    latency_us_p95: 2000,
+                    tokens_per_sec: 570_000.0,
+                    reads_per_sec_read_only: 1_000_000.0,
+                },
+            ],
+        }
+    }
+
+    fn registry(threads: u16) -> TenantRegistry {
+        TenantRegistry::new(device_a(), QosConfig::default(), threads).unwrap()
+    }
+
+    fn lc(latency_us_p95: u64, iops: u64, read_percent: u8) -> TenantSpec {
+        TenantSpec::LatencyCritical {
+            latency_us_p95,
+            iops,
+            read_percent,
+        }
+    }
+
+    #[test]
+    fn admits_what_fits_and_refuses_with_the_numbers() {
+        let mut r = registry(1);
+        let a = r.register(lc(500, 120_000, 100)).unwrap();
+        let c = r.register(TenantSpec::BestEffort).unwrap();
+        assert_eq!(r.plan().lc_reserved_tokens_per_sec[0], TokenRate::from_tokens_per_sec(120_000));
+        // B (196K) fits: 120K + 196K = 316K <= 420K.
+        let b = r.register(lc(500, 70_000, 80)).unwrap();
+        assert_ne!(a, b);
+        assert_ne!(b, c);
+        // Another B does not: 104K left.
+        let before = r.plan();
+        let updates_before = r.take_updates().len();
+        assert!(updates_before > 0);
+        let error = r.register(lc(500, 70_000, 80)).unwrap_err();
+        assert_eq!(error.to_string(), "needs 196K tokens/s, 104K left at 500 µs");
+        // Nothing left behind: same plan, no updates, the id is reused by the next tenant.
+        assert_eq!(r.plan(), before);
+        assert!(r.take_updates().is_empty());
+        assert_eq!(r.tenant_count(), 3);
+        let d = r.register(TenantSpec::BestEffort).unwrap();
+        assert_eq!(d, TenantId(3));
+    }
+
+    #[test]
+    fn the_strictest_slo_sets_the_rate_and_removal_relaxes_it() {
+        let mut r = registry(1);
+        let loose = r.register(lc(2000, 20_000, 90)).unwrap();
+        assert_eq!(r.plan().device_tokens_per_sec[0], TokenRate::from_tokens_per_sec(570_000));
+        let strict = r.register(lc(750, 10_000, 100)).unwrap();
+        // Interpolated half way between 500 µs (420K) and 1 ms (500K).
+        assert_eq!(r.plan().device_tokens_per_sec[0], TokenRate::from_tokens_per_sec(460_000));
+        assert_eq!(r.plan().clamp, None);
+        r.unregister(strict).unwrap();
+        assert_eq!(r.plan().device_tokens_per_sec[0], TokenRate::from_tokens_per_sec(570_000));
+        // Stricter than the table: clamped to the first row and flagged.
+        r.register(lc(100, 1_000, 100)).unwrap();
+        assert_eq!(r.plan().device_tokens_per_sec[0], TokenRate::from_tokens_per_sec(420_000));
+        assert_eq!(
+            r.plan().clamp,
+            Some(Clamp::StricterThanTable {
+                first_latency_us: 500
+            })
+        );
+        r.unregister(loose).unwrap();
+        assert!(r.unregister(loose).is_err());
+    }
+
+    #[test]
+    fn reregistering_goes_through_admission_again() {
+        let mut r = registry(1);
+        let a = r.register(lc(2000, 100_000, 100)).unwrap();
+        let b = r.register(lc(2000, 20_000, 90)).unwrap();
+        // Tightening B's SLO to 500 µs lowers the rate to 420K; 100K + 38K fits.
+        r.reregister(b, lc(500, 20_000, 90)).unwrap();
+        assert_eq!(r.plan().latency_us_p95, Some(500));
+        // Asking A for 400K IOPS at 500 µs does not fit (438K > 420K); A keeps its old SLO.
+        let error = r.reregister(a, lc(500, 400_000, 100)).unwrap_err();
+        assert_eq!(error.to_string(), "needs 400K tokens/s, 382K left at 500 µs");
+        assert!(matches!(error, AdmissionError::Insufficient { .. }), "{error}");
+        assert_eq!(r.spec(a), Some(lc(2000, 100_000, 100)));
+    }
+
+    #[test]
+    fn read_only_tenants_use_the_read_only_column_until_a_best_effort_tenant_comes() {
+        let mut r = registry(1);
+        // 600K read-only IOPS at 500 µs: 300K read-only tokens of 425K; would not fit mixed.
+        let a = r.register(lc(500, 600_000, 100)).unwrap();
+        assert!(r.plan().read_only_admission);
+        let error = r.register(TenantSpec::BestEffort).unwrap_err();
+        assert!(matches!(error, AdmissionError::WouldEndReadOnly { .. }), "{error}");
+        let error = r.register(lc(500, 1_000, 99)).unwrap_err();
+        assert!(matches!(error, AdmissionError::Insufficient { .. }), "{error}");
+        r.reregister(a, lc(500, 300_000, 100)).unwrap();
+        r.register(TenantSpec::BestEffort).unwrap();
+        assert!(!r.plan().read_only_admission);
+    }
+
+    fn thread_rates(updates: &[(u16, RateUpdate)]) -> BTreeMap<(u16, TenantId), TenantRates> {
+        let mut out = BTreeMap::new();
+        for &(thread, update) in updates {
+            match update {
+                RateUpdate::Tenant(rates) => {
+                    out.insert((thread, rates.tenant), rates);
+                }
+                RateUpdate::Remove(id) => {
+                    out.remove(&(thread, id));
+                }
+                RateUpdate::Device(_) => {}
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_tenant_on_several_threads_is_charged_once() {
+        let mut r = registry(3);
+        let a = r.register(lc(500, 70_000, 80)).unwrap();
+        let c = r.register(TenantSpec::BestEffort).unwrap();
+        for thread in [0, 1, 1, 2] {
+            r.connect(a, thread).unwrap();
+        }
+        r.connect(c, 2).unwrap();
+        let mut updates = r.take_updates();
+        let rates = thread_rates(&updates);
+        let share = |thread: u16| rates[&(thread, a)].tokens_per_sec[0].0;
+        assert_eq!(share(0) + share(1) + share(2), 196_000_000);
+        assert_eq!(share(1), 98_000_000);
+        // BE gets everything else once: 420K - 196K.
+        assert_eq!(rates[&(2, c)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(224_000));
+        // The deficit limit is split the same way.
+        let limits: i64 = (0..3).map(|t| rates[&(t, a)].deficit_limit.0).sum();
+        assert_eq!(limits, Tokens::from_tokens(50).0);
+        // Admission counted 196K once: 224K is left, so a 220K tenant fits.
+        r.register(lc(500, 220_000, 100)).unwrap();
+        // Moving a connection rebalances; closing all on a thread removes the tenant there.
+        r.move_connection(a, 0, 1).unwrap();
+        updates.extend(r.take_updates());
+        let rates = thread_rates(&updates);
+        assert!(!rates.contains_key(&(0, a)));
+        assert_eq!(rates[&(1, a)].tokens_per_sec[0].0 + rates[&(2, a)].tokens_per_sec[0].0, 196_000_000);
+        assert_eq!(r.connections(a), Some(&[0, 3, 1][..]));
+        assert!(r.disconnect(a, 0).is_err());
+        assert!(r.connect(a, 3).is_err());
+    }
+
+    #[test]
+    fn without_best_effort_tenants_spare_capacity_goes_to_lc() {
+        let mut r = registry(1);
+        let a = r.register(lc(500, 120_000, 100)).unwrap();
+        let b = r.register(lc(500, 70_000, 80)).unwrap();
+        r.connect(a, 0).unwrap();
+        r.connect(b, 0).unwrap();
+        let rates = thread_rates(&r.take_updates());
+        // Spare 104K split evenly: 52K each.
+        assert_eq!(rates[&(0, a)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(172_000));
+        assert_eq!(rates[&(0, b)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(248_000));
+        // A BE tenant with a connection takes the spare capacity over.
+        let c = r.register(TenantSpec::BestEffort).unwrap();
+        r.connect(c, 0).unwrap();
+        let rates = thread_rates(&r.take_updates());
+        assert_eq!(rates[&(0, a)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(120_000));
+        assert_eq!(rates[&(0, c)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(104_000));
+    }
+
+    #[test]
+    fn one_notice_per_episode_across_threads() {
+        let mut r = registry(2);
+        let a = r.register(lc(500, 1_000, 100)).unwrap();
+        r.connect(a, 0).unwrap();
+        r.connect(a, 1).unwrap();
+        let hit = SchedulerEvent::DeficitLimitReached { tenant: a };
+        let ok = SchedulerEvent::DeficitRecovered { tenant: a };
+        assert_eq!(
+            r.handle_event(0, hit),
+            Some(Notice::Renegotiate {
+                tenant: a,
+                episode: 1
+            })
+        );
+        assert_eq!(r.handle_event(1, hit), None);
+        assert_eq!(r.handle_event(0, ok), None);
+        assert_eq!(r.handle_event(0, hit), None, "thread 1 still in the episode");
+        assert_eq!(r.handle_event(0, ok), None);
+        assert_eq!(r.handle_event(1, ok), None);
+        assert_eq!(
+            r.handle_event(1, hit),
+            Some(Notice::Renegotiate {
+                tenant: a,
+                episode: 2
+            })
+        );
+    }
+
+    #[test]
+    fn invalid_specs_and_full_tables_are_refused() {
+        let config = QosConfig {
+            tenants_max: 2,
+            ..QosConfig::default()
+        };
+        let mut r = TenantRegistry::new(device_a(), config, 1).unwrap();
+        assert!(matches!(
+            r.register(lc(500, 0, 100)),
+            Err(AdmissionError::InvalidSpec { .. })
+        ));
+        assert!(matches!(
+            r.register(lc(500, 10, 101)),
+            Err(AdmissionError::InvalidSpec { .. })
+        ));
+        r.register(TenantSpec::BestEffort).unwrap();
+        r.register(TenantSpec::BestEffort).unwrap();
+        assert_eq!(
+            r.register(TenantSpec::BestEffort),
+            Err(AdmissionError::TooManyTenants { tenants_max: 2 })
+        );
+    }
+
+    #[test]
+    fn split_sums_exactly() {
+        assert_eq!(split(10, &[1, 1, 1]), vec![4, 3, 3]);
+        assert_eq!(split(10, &[0, 2, 1]), vec![0, 7, 3]);
+        assert_eq!(split(10, &[0, 0]), vec![0, 0]);
+    }
+}

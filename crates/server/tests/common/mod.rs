@@ -1,0 +1,125 @@
+//! Shared helpers for the end-to-end tests: servers on loopback with port 0, a raw native
+//! protocol connection for malformed traffic, and data patterns.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+use std::time::Duration;
+
+use reflex_proto::native::{self, RequestHeader, ResponseHeader};
+use reflex_server::{Config, NamespaceConfig, OriginalPortConfig, Server, ServerHandle};
+
+pub fn namespace(id: u32, backend: &str, size_bytes: Option<u64>) -> NamespaceConfig {
+    NamespaceConfig {
+        id,
+        backend: backend.to_string(),
+        size_bytes,
+        read_only: false,
+    }
+}
+
+/// A small server: 2 threads, 8 MiB arena per thread, window 16, every port picked freely.
+pub fn config(namespaces: Vec<NamespaceConfig>) -> Config {
+    Config {
+        listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        port: 0,
+        original_ports: Some(vec![OriginalPortConfig {
+            port: 0,
+            namespace: namespaces[0].id,
+        }]),
+        threads: 2,
+        window: 16,
+        arena_bytes_per_thread: 8 << 20,
+        connections_per_thread_max: 64,
+        requests_per_thread_max: 256,
+        namespaces,
+        ..Config::default()
+    }
+}
+
+pub fn start(config: Config) -> ServerHandle {
+    Server::start(config).unwrap_or_else(|e| panic!("server start: {e}"))
+}
+
+pub fn mem_server() -> ServerHandle {
+    start(config(vec![namespace(1, "mem:64M", None)]))
+}
+
+/// Bytes that depend on the seed and the position, so misplaced data is caught.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+/// A native-protocol connection driven byte by byte, for requests a well-behaved client
+/// would never send.
+pub struct Raw {
+    pub stream: TcpStream,
+}
+
+impl Raw {
+    pub fn connect(addr: SocketAddr) -> Raw {
+        let stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect: {e}"));
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        stream.set_nodelay(true).unwrap_or_else(|e| panic!("{e}"));
+        Raw { stream }
+    }
+
+    pub fn send(&mut self, header: &RequestHeader, payload: &[u8]) {
+        self.send_bytes(&header.to_bytes());
+        self.send_bytes(payload);
+    }
+
+    pub fn send_bytes(&mut self, bytes: &[u8]) {
+        self.stream
+            .write_all(bytes)
+            .unwrap_or_else(|e| panic!("send: {e}"));
+    }
+
+    /// Reads one response header and its payload.
+    pub fn receive(&mut self) -> (ResponseHeader, Vec<u8>) {
+        let mut header_bytes = [0u8; native::RESPONSE_HEADER_SIZE];
+        self.stream
+            .read_exact(&mut header_bytes)
+            .unwrap_or_else(|e| panic!("receive header: {e}"));
+        let Ok(Some((header, _))) = ResponseHeader::decode(&header_bytes) else {
+            panic!("malformed response header {header_bytes:?}");
+        };
+        let mut payload = vec![0u8; header.length_bytes as usize];
+        self.stream
+            .read_exact(&mut payload)
+            .unwrap_or_else(|e| panic!("receive payload: {e}"));
+        (header, payload)
+    }
+
+    /// Sends a request and returns its response, checking the id is echoed.
+    pub fn call(&mut self, header: &RequestHeader, payload: &[u8]) -> (ResponseHeader, Vec<u8>) {
+        self.send(header, payload);
+        let (response, data) = self.receive();
+        assert_eq!(response.request_id, header.request_id);
+        assert_eq!(response.opcode_raw, header.opcode_raw);
+        (response, data)
+    }
+
+    /// True when the server closed the connection (EOF or reset) rather than answering.
+    pub fn is_closed_by_server(&mut self) -> bool {
+        let mut byte = [0u8; 1];
+        match self.stream.read(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted
+            ),
+        }
+    }
+}

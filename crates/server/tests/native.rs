@@ -1,0 +1,281 @@
+//! End to end over loopback TCP: the native protocol against real files, memory and null.
+
+mod common;
+
+use common::{Raw, config, mem_server, namespace, pattern, start};
+use reflex_client::{Client, ClientError};
+use reflex_proto::native::{RequestHeader, Status};
+
+fn status_of(error: ClientError) -> Status {
+    match error.status() {
+        Some(status) => status,
+        None => panic!("expected an error status, got {error}"),
+    }
+}
+
+#[test]
+fn hello_lists_namespaces_and_window() {
+    let server = start(config(vec![
+        namespace(1, "mem:16M", None),
+        namespace(9, "null:1G", None),
+    ]));
+    let client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    let namespaces = client.namespaces();
+    assert_eq!(namespaces.len(), 2);
+    assert_eq!((namespaces[0].id, namespaces[0].size_bytes), (1, 16 << 20));
+    assert_eq!((namespaces[1].id, namespaces[1].size_bytes), (9, 1 << 30));
+    assert_eq!(client.capabilities().window_requests, 16);
+    assert_eq!(client.capabilities().io_size_max_bytes, 1 << 20);
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn many_connections_write_and_verify_disjoint_ranges() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let path = dir.path().join("ns1");
+    let backend = format!("file:{}", path.display());
+    let server = start(config(vec![namespace(1, &backend, Some(64 << 20))]));
+    let addr = server.native_addr();
+    let workers: Vec<_> = (0..8u64)
+        .map(|worker| {
+            std::thread::spawn(move || {
+                let mut client = Client::connect(addr).unwrap_or_else(|e| panic!("{e}"));
+                let base = worker * (4 << 20);
+                for block in 0..32u64 {
+                    let size = 4096 * (1 + (block as usize % 4));
+                    let data = pattern(worker * 1000 + block, size);
+                    client
+                        .write(1, base + block * 65536, &data)
+                        .unwrap_or_else(|e| panic!("write: {e}"));
+                }
+                for block in 0..32u64 {
+                    let size = 4096 * (1 + (block as usize % 4));
+                    let mut back = vec![0u8; size];
+                    client
+                        .read(1, base + block * 65536, &mut back)
+                        .unwrap_or_else(|e| panic!("read: {e}"));
+                    assert!(back == pattern(worker * 1000 + block, size), "worker {worker} block {block}");
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().unwrap_or_else(|_| panic!("worker panicked"));
+    }
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn one_mebibyte_io_on_file_and_memory() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let backend = format!("file:{}", dir.path().join("big").display());
+    let server = start(config(vec![
+        namespace(1, &backend, Some(16 << 20)),
+        namespace(2, "mem:16M", None),
+    ]));
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    for ns in [1, 2] {
+        let data = pattern(ns.into(), 1 << 20);
+        client.write(ns, 3 << 20, &data).unwrap_or_else(|e| panic!("{e}"));
+        let mut back = vec![0u8; 1 << 20];
+        client.read(ns, 3 << 20, &mut back).unwrap_or_else(|e| panic!("{e}"));
+        assert!(back == data, "namespace {ns}");
+    }
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn bad_requests_get_an_error_and_the_connection_stays_usable() {
+    let server = start(config(vec![namespace(1, "mem:1M", None)]));
+    let mut raw = Raw::connect(server.native_addr());
+    let cases = [
+        (RequestHeader::read(1, 1, 1 << 20, 4096), Status::OutOfRange),
+        (RequestHeader::read(2, 1, (1 << 20) - 512, 1024), Status::OutOfRange),
+        (RequestHeader::read(3, 1, u64::MAX - 511, 512), Status::OutOfRange),
+        (RequestHeader::read(4, 1, 100, 512), Status::Invalid),
+        (RequestHeader::read(5, 1, 0, 100), Status::Invalid),
+        (RequestHeader::read(6, 1, 0, 0), Status::Invalid),
+        (RequestHeader::read(7, 1, 0, (1 << 20) + 512), Status::TooLarge),
+        (RequestHeader::read(8, 2, 0, 512), Status::NoSuchNamespace),
+        (RequestHeader::trim(9, 1, 512, 0), Status::Invalid),
+    ];
+    for (header, expected) in cases {
+        let (response, data) = raw.call(&header, &[]);
+        assert_eq!(response.status(), Ok(expected), "{header:?}");
+        assert!(data.is_empty());
+    }
+    let (response, data) = raw.call(&RequestHeader::read(10, 1, 0, 512), &[]);
+    assert_eq!(response.status(), Ok(Status::Ok));
+    assert_eq!(data.len(), 512);
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn refused_write_payloads_are_skipped_and_the_stream_stays_in_step() {
+    let server = start(config(vec![namespace(1, "mem:4M", None)]));
+    let mut raw = Raw::connect(server.native_addr());
+    // Too large: 2 MiB of payload follows and must be skipped.
+    let big = vec![0xEEu8; 2 << 20];
+    let (response, _) = raw.call(&RequestHeader::write(1, 1, 0, big.len() as u32, false), &big);
+    assert_eq!(response.status(), Ok(Status::TooLarge));
+    // Out of range with a payload; misaligned with a payload.
+    let small = pattern(5, 4096);
+    let (response, _) = raw.call(&RequestHeader::write(2, 1, 4 << 20, 4096, false), &small);
+    assert_eq!(response.status(), Ok(Status::OutOfRange));
+    let (response, _) = raw.call(&RequestHeader::write(3, 1, 7, 4096, false), &small);
+    assert_eq!(response.status(), Ok(Status::Invalid));
+    // A payload-carrying write with a bad flag bit, then a good write and read.
+    let mut flagged = RequestHeader::write(4, 1, 0, 4096, false);
+    flagged.flags = reflex_proto::native::RequestFlags::from_bits_retain(0x8000);
+    let (response, _) = raw.call(&flagged, &small);
+    assert_eq!(response.status(), Ok(Status::Invalid));
+    let (response, _) = raw.call(&RequestHeader::write(5, 1, 8192, 4096, false), &small);
+    assert_eq!(response.status(), Ok(Status::Ok));
+    let (response, data) = raw.call(&RequestHeader::read(6, 1, 8192, 4096), &[]);
+    assert_eq!(response.status(), Ok(Status::Ok));
+    assert!(data == small);
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn unknown_opcode_version_and_control_requests_are_answered() {
+    let server = mem_server();
+    let mut raw = Raw::connect(server.native_addr());
+    let mut unknown = RequestHeader::read(1, 1, 0, 512);
+    unknown.opcode_raw = 0x7f;
+    let (response, _) = raw.call(&unknown, &[]);
+    assert_eq!(response.status(), Ok(Status::Invalid));
+    let mut version = RequestHeader::read(2, 1, 0, 512);
+    version.version = 2;
+    let (response, _) = raw.call(&version, &[]);
+    assert_eq!(response.status(), Ok(Status::UnsupportedVersion));
+    // REGISTER is answered INVALID until tenants exist; its body is skipped.
+    let mut register = RequestHeader::new(reflex_proto::native::Opcode::Register, 3);
+    register.length_bytes = 40;
+    let (response, _) = raw.call(&register, &[0u8; 40]);
+    assert_eq!(response.status(), Ok(Status::Invalid));
+    let (response, data) = raw.call(&RequestHeader::read(4, 1, 0, 512), &[]);
+    assert_eq!(response.status(), Ok(Status::Ok));
+    assert_eq!(data, vec![0u8; 512]);
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn bad_magic_closes_only_that_connection() {
+    let server = mem_server();
+    let mut good = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    good.write(1, 0, &pattern(1, 4096)).unwrap_or_else(|e| panic!("{e}"));
+    let mut bad = Raw::connect(server.native_addr());
+    let mut bytes = RequestHeader::read(1, 1, 0, 512).to_bytes();
+    bytes[..4].copy_from_slice(b"JUNK");
+    bad.send_bytes(&bytes);
+    assert!(bad.is_closed_by_server());
+    let mut back = vec![0u8; 4096];
+    good.read(1, 0, &mut back).unwrap_or_else(|e| panic!("{e}"));
+    assert!(back == pattern(1, 4096));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn flush_fua_and_trim() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let backend = format!("file:{}", dir.path().join("ns").display());
+    let server = start(config(vec![
+        namespace(1, &backend, Some(8 << 20)),
+        namespace(2, "mem:8M", None),
+    ]));
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    for ns in [1, 2] {
+        let data = pattern(7, 64 << 10);
+        client.write(ns, 0, &data).unwrap_or_else(|e| panic!("{e}"));
+        client.flush(ns).unwrap_or_else(|e| panic!("{e}"));
+        client.write_fua(ns, 1 << 20, &data).unwrap_or_else(|e| panic!("{e}"));
+        client.trim(ns, 4096, 8192).unwrap_or_else(|e| panic!("{e}"));
+        let mut back = vec![0u8; 64 << 10];
+        client.read(ns, 0, &mut back).unwrap_or_else(|e| panic!("{e}"));
+        assert!(back[..4096] == data[..4096]);
+        assert!(back[4096..12288].iter().all(|&b| b == 0), "namespace {ns}: trimmed range not zero");
+        assert!(back[12288..] == data[12288..]);
+        client.read(ns, 1 << 20, &mut back).unwrap_or_else(|e| panic!("{e}"));
+        assert!(back == data);
+    }
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn read_only_namespace_refuses_writes() {
+    let mut ro = namespace(1, "mem:1M", None);
+    ro.read_only = true;
+    let server = start(config(vec![ro]));
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    assert!(client.namespaces()[0].read_only);
+    let error = client.write(1, 0, &[1u8; 512]).err().unwrap_or_else(|| panic!("write accepted"));
+    assert_eq!(status_of(error), Status::Permission);
+    let mut back = [0u8; 512];
+    client.read(1, 0, &mut back).unwrap_or_else(|e| panic!("{e}"));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn memory_and_null_backends() {
+    let server = start(config(vec![namespace(1, "mem:8M", None), namespace(2, "null", None)]));
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    let data = pattern(3, 128 << 10);
+    client.write(1, 4096, &data).unwrap_or_else(|e| panic!("{e}"));
+    client.write(2, 4096, &data).unwrap_or_else(|e| panic!("{e}"));
+    let mut back = vec![0u8; 128 << 10];
+    client.read(1, 4096, &mut back).unwrap_or_else(|e| panic!("{e}"));
+    assert!(back == data);
+    // null never stores, and a reused buffer never leaks what the previous request held.
+    client.read(2, 4096, &mut back).unwrap_or_else(|e| panic!("{e}"));
+    assert!(back.iter().all(|&b| b == 0));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn window_backpressure_answers_everything() {
+    let server = mem_server();
+    let mut raw = Raw::connect(server.native_addr());
+    let data = pattern(11, 4096);
+    let (response, _) = raw.call(&RequestHeader::write(0, 1, 0, 4096, false), &data);
+    assert_eq!(response.status(), Ok(Status::Ok));
+    // Four windows' worth of reads and writes, sent before reading any response.
+    let count = 64u64;
+    for id in 1..=count {
+        if id % 2 == 0 {
+            raw.send(&RequestHeader::read(id, 1, 0, 4096), &[]);
+        } else {
+            raw.send(&RequestHeader::write(id, 1, id * 4096, 4096, false), &data);
+        }
+    }
+    let mut seen = vec![false; count as usize + 1];
+    for _ in 1..=count {
+        let (response, payload) = raw.receive();
+        assert_eq!(response.status(), Ok(Status::Ok));
+        let id = response.request_id as usize;
+        assert!(!seen[id], "response {id} twice");
+        seen[id] = true;
+        if id % 2 == 0 {
+            assert!(payload == data);
+        }
+    }
+    assert!(seen[1..].iter().all(|&s| s));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn unregistered_buffers_work_too() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let backend = format!("file:{}", dir.path().join("ns").display());
+    let mut config = config(vec![namespace(1, &backend, Some(4 << 20))]);
+    config.register_buffers = false;
+    let server = start(config);
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    let data = pattern(21, 256 << 10);
+    client.write(1, 0, &data).unwrap_or_else(|e| panic!("{e}"));
+    let mut back = vec![0u8; 256 << 10];
+    client.read(1, 0, &mut back).unwrap_or_else(|e| panic!("{e}"));
+    assert!(back == data);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    assert!(stats.iter().all(|s| !s.registered_buffers));
+}
