@@ -107,9 +107,15 @@ pub fn run(args: Args) -> Result<()> {
     let mut runner = runner_for(&args)?;
     eprintln!("calibrating {}", runner.describe());
     if args.precondition {
+        let mut shown_permille = u64::MAX;
         runner.precondition(&PreconditionPlan::default(), &mut |done| {
-            eprint!("\rpreconditioning {:5.1} %", done * 100.0);
-            let _ = std::io::stderr().flush();
+            // Redraw only when the shown value changes: progress comes per completion.
+            let permille = (done * 1000.0) as u64;
+            if permille != shown_permille {
+                shown_permille = permille;
+                eprint!("\rpreconditioning {:5.1} %", done * 100.0);
+                let _ = std::io::stderr().flush();
+            }
         })?;
         eprintln!();
     }

@@ -566,12 +566,13 @@ impl ConnectionCore {
         }
         let spare_bytes = self.receive.len() - self.receive_end;
         // A response whose header has arrived may need more room than is left.
-        let frame_bytes = ResponseHeader::decode(&self.receive[self.receive_start..])
-            .ok()
-            .flatten()
-            .map_or(0, |(header, _)| {
-                RESPONSE_HEADER_SIZE + header.length_bytes as usize
-            });
+        let frame_bytes =
+            ResponseHeader::decode(&self.receive[self.receive_start..self.receive_end])
+                .ok()
+                .flatten()
+                .map_or(0, |(header, _)| {
+                    RESPONSE_HEADER_SIZE + header.length_bytes as usize
+                });
         let frame_fits = self.receive_start + frame_bytes <= self.receive.len();
         if spare_bytes < RECEIVE_SPARE_MIN || !frame_fits {
             self.receive

@@ -432,3 +432,56 @@ fn large_reads_and_compaction_keep_frames_whole() {
     assert_eq!(seen, vec![4, 2, 0, 3, 1]);
     assert_eq!(core.outstanding_count(), 0);
 }
+
+#[test]
+fn mutated_server_streams_never_panic() {
+    // Deterministic xorshift; each case mutates a valid answer stream in a few places.
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for _case in 0..2000 {
+        let mut core = core_with_window(8);
+        core.submit_read(1, 0, 0, 4096).expect("read");
+        core.submit_write(2, 0, 0, &[0; 512], false).expect("write");
+        core.submit_flush(3, 0).expect("flush");
+        core.submit_hello(4, 0).expect("hello");
+        sent_bytes(&mut core);
+        let mut stream = response(Opcode::Flush, Status::Ok, 3, &[]);
+        stream.extend(response(Opcode::Read, Status::Ok, 1, &[9; 4096]));
+        stream.extend(response(Opcode::Write, Status::IoError, 2, b"bad"));
+        stream.extend(response(
+            Opcode::Hello,
+            Status::Ok,
+            4,
+            &capabilities_body(4, 1 << 20),
+        ));
+        for _ in 0..(next() % 4) {
+            let at = (next() as usize) % stream.len();
+            stream[at] = next() as u8;
+        }
+        if next() % 4 == 0 {
+            let cut = (next() as usize) % stream.len();
+            stream.truncate(cut);
+        }
+        let mut offset = 0;
+        'feed: while offset < stream.len() {
+            let piece = 1 + (next() as usize) % 700;
+            let end = (offset + piece).min(stream.len());
+            offset += core.handle_received_bytes(&stream[offset..end]);
+            loop {
+                match core.poll_completion() {
+                    Ok(Some(completion)) => {
+                        let _ = completion.result();
+                    }
+                    Ok(None) => break,
+                    Err(_) => break 'feed,
+                }
+            }
+        }
+        assert!(core.outstanding_count() <= 4);
+    }
+}

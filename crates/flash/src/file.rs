@@ -146,7 +146,7 @@ fn open_direct_or_buffered(
     fail: &dyn Fn(String) -> FlashError,
 ) -> Result<(File, bool, Option<String>), FlashError> {
     let mut options = OpenOptions::new();
-    options.read(true).write(true).create(true);
+    options.read(true).write(true).create(true).truncate(false);
     options.custom_flags(libc::O_DIRECT);
     match options.open(path) {
         Ok(file) => Ok((file, true, None)),
@@ -155,6 +155,7 @@ fn open_direct_or_buffered(
                 .read(true)
                 .write(true)
                 .create(true)
+                .truncate(false)
                 .open(path)
                 .map_err(|e| fail(format!("cannot open: {e}")))?;
             Ok((file, false, Some(e.to_string())))

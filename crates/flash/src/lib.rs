@@ -9,10 +9,14 @@ pub mod calibrate;
 pub mod device;
 pub mod emu;
 pub mod error;
+/// Files and block devices are driven through io_uring entries: only with the `uring` feature.
+#[cfg(feature = "uring")]
 pub mod file;
 pub mod mem;
 pub mod null;
 pub mod queueing;
+/// Opening devices from specs needs the file device, hence the `uring` feature.
+#[cfg(feature = "uring")]
 pub mod spec;
 
 pub use device::{Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, OpKind, Submit};

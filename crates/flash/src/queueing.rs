@@ -50,7 +50,8 @@ pub struct ClassPrediction {
     pub utilisation: f64,
     /// Eq. 1.
     pub throughput_min: f64,
-    /// Eq. 2 with λ_c = ∞ (the class is backlogged); cap it with [`expected_throughput`].
+    /// Eq. 2 for a backlogged class (ρ = 1); for a class filling ρ < 1 of its quota, the
+    /// share that fill gives it: ρ_c w_c / Σ_k ρ_k w_k · γ.
     pub throughput_expected: f64,
     /// Eq. 3, in µs.
     pub latency_us_max: f64,
@@ -172,14 +173,13 @@ pub fn predict(input: &ModelInput) -> Vec<ClassPrediction> {
                 utilisation: u[index],
                 throughput_min: minimum_throughput(w, class, input.device_throughput)
                     .unwrap_or(0.0),
-                throughput_expected: expected_throughput(
-                    w,
-                    u,
-                    class,
-                    f64::INFINITY,
-                    input.device_throughput,
-                )
-                .unwrap_or(0.0),
+                throughput_expected: if u[index] >= 1.0 {
+                    expected_throughput(w, u, class, f64::INFINITY, input.device_throughput)
+                        .unwrap_or(0.0)
+                } else {
+                    let round: f64 = (0..3).map(|k| u[k].clamp(0.0, 1.0) * w[k]).sum();
+                    u[index].max(0.0) * w[index] / round * input.device_throughput
+                },
                 latency_us_max: worst_latency_us(
                     w,
                     u,

@@ -12,6 +12,7 @@ pub mod scheduler;
 pub mod shared;
 pub mod time;
 pub mod tokens;
+mod wheel;
 
 pub use config::{ConfigError, QosConfig, THREADS_MAX};
 pub use cost::{COST_UNIT_BYTES, CostModel, IoKind, LoadMode, REQUEST_BYTES_MAX};

@@ -39,10 +39,6 @@ impl List {
         self.len
     }
 
-    #[inline]
-    pub(crate) fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 #[derive(Debug)]
@@ -150,13 +146,6 @@ impl Pool {
         true
     }
 
-    /// Gives every node of `list` back, calling `each` on it first.
-    pub(crate) fn drain(&mut self, list: &mut List, mut each: impl FnMut(Node)) {
-        while let Some(node) = self.pop_front(list) {
-            each(node);
-        }
-    }
-
     fn take_free(&mut self) -> Option<u32> {
         let index = self.free.head;
         if index == NIL {
@@ -206,11 +195,9 @@ mod tests {
             .map(|n| n.request)
             .collect();
         assert_eq!(order, vec![1, 3]);
-        assert!(a.is_empty());
+        assert_eq!(a.len(), 0);
         assert_eq!(pool.free_count(), 2);
-        let mut drained = Vec::new();
-        pool.drain(&mut b, |n| drained.push(n.request));
-        assert_eq!(drained, vec![2]);
+        assert_eq!(pool.pop_front(&mut b).map(|n| n.request), Some(2));
         assert_eq!(pool.free_count(), pool.capacity());
     }
 }

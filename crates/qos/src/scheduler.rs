@@ -36,8 +36,7 @@
 //! Invariant (asserted in debug builds after every round, and by [`Scheduler::check`]):
 //! tokens generated + taken from the bucket = spent + given to the bucket + written off + held.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::config::{ConfigError, QosConfig, ROUND_HISTORY_MAX};
@@ -47,6 +46,7 @@ use crate::rates::{DeviceRates, RateUpdate, TenantClass, TenantId, TenantRates, 
 use crate::shared::DeviceShared;
 use crate::time::Nanos;
 use crate::tokens::{TokenRate, Tokens, accrue, amount_over, time_to_earn};
+use crate::wheel::TimerWheel;
 
 /// Whether the scheduler enforces QoS or passes requests through in arrival order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,7 +173,6 @@ struct Slot {
     /// An LC tenant with an empty queue refilling to `park_limit`, waiting in `refills`.
     /// Neither listed nor parked (and Active): in the idle aggregate.
     parked: bool,
-    park_generation: u32,
     park_limit: i64,
     in_episode: bool,
     /// Enqueue reported full; a QueueRoom event is owed.
@@ -197,7 +196,6 @@ impl Slot {
         queued_units: [0; 2],
         listed: false,
         parked: false,
-        park_generation: 0,
         park_limit: 0,
         in_episode: false,
         blocked: false,
@@ -258,9 +256,10 @@ pub struct Scheduler {
     fifo: List,
     lc_list: Vec<u32>,
     be_list: Vec<u32>,
-    /// Parked LC tenants by the time they are full: (due, index, park generation). Entries of
-    /// tenants that left the heap early stay until due or until the heap is compacted.
-    refills: BinaryHeap<Reverse<(Nanos, u32, u32)>>,
+    /// Parked LC tenants by the time they are full.
+    refills: TimerWheel,
+    /// Scratch for tenants the wheel releases in a round.
+    expired: Vec<u32>,
     scratch: Vec<u32>,
     lc_cursor: usize,
     be_cursor: usize,
@@ -313,7 +312,8 @@ impl Scheduler {
             pool: Pool::new(config.thread_queued_requests_max),
             fifo: List::EMPTY,
             lc_list: Vec::with_capacity(tenants_max as usize),
-            refills: BinaryHeap::with_capacity(2 * tenants_max as usize),
+            refills: TimerWheel::new(now),
+            expired: Vec::with_capacity(tenants_max as usize),
             be_list: Vec::with_capacity(tenants_max as usize),
             scratch: Vec::with_capacity(tenants_max as usize),
             lc_cursor: 0,
@@ -380,6 +380,7 @@ impl Scheduler {
         );
         if self.slots.len() <= index {
             self.slots.resize(index + 1, Slot::VACANT);
+            self.refills.ensure(index);
         }
         let mode = self.shared.load_mode(now);
         self.settle_idle(now);
@@ -391,8 +392,6 @@ impl Scheduler {
                     state: SlotState::Active,
                     class: rates.class,
                     stamp: now,
-                    // Keeps stale refill entries of a previous tenant with this id stale.
-                    park_generation: slot.park_generation,
                     ..Slot::VACANT
                 };
                 match (self.policy, rates.class) {
@@ -424,8 +423,9 @@ impl Scheduler {
                     if slot.parked {
                         // Its refill time changes with its rate: let the next round re-park it.
                         slot.parked = false;
-                        slot.park_generation = slot.park_generation.wrapping_add(1);
                         slot.listed = true;
+                        let removed = self.refills.remove(index);
+                        assert!(removed, "parked tenant {index} not in the wheel");
                         self.lc_list.push(index as u32);
                     }
                 } else {
@@ -471,12 +471,10 @@ impl Scheduler {
         }
         self.ledger.written_off += Tokens(slot.balance);
         let events = slot.events;
-        // A refill entry still in the heap goes stale with the generation.
-        let generation = slot.park_generation.wrapping_add(1);
-        *slot = Slot {
-            park_generation: generation,
-            ..Slot::VACANT
-        };
+        if slot.parked {
+            self.refills.remove(index);
+        }
+        *slot = Slot::VACANT;
         // Pending events for a vacated tenant are dropped with it.
         if events != 0 {
             self.events.retain(|&t| t as usize != index);
@@ -551,8 +549,9 @@ impl Scheduler {
                 if slot.parked {
                     // Still refilling: it keeps its balance and accrual stamp.
                     slot.parked = false;
-                    slot.park_generation = slot.park_generation.wrapping_add(1);
                     slot.listed = true;
+                    let removed = self.refills.remove(index);
+                    assert!(removed, "parked tenant {index} not in the wheel");
                     self.lc_list.push(index as u32);
                 } else if !slot.listed {
                     self.settle_idle(now);
@@ -819,8 +818,7 @@ impl Scheduler {
             slot.listed = false;
             slot.parked = true;
             slot.park_limit = surplus_limit;
-            let generation = slot.park_generation;
-            self.park(index, due, generation);
+            self.refills.insert(index, due);
             return false;
         } else if slot.balance > surplus_limit {
             let gift = slot.balance * self.donate_percent / 100;
@@ -831,32 +829,19 @@ impl Scheduler {
         true
     }
 
-    fn park(&mut self, index: usize, due: Nanos, generation: u32) {
-        if self.refills.len() == self.refills.capacity() {
-            // Only stale entries can fill it beyond one per tenant: drop them, never grow.
-            let slots = &self.slots;
-            self.refills.retain(|Reverse((_, i, g))| {
-                let slot = &slots[*i as usize];
-                slot.parked && slot.park_generation == *g
-            });
-            assert!(self.refills.len() < self.refills.capacity(), "refill heap bound");
-        }
-        self.refills.push(Reverse((due, index as u32, generation)));
-    }
-
     /// Moves parked LC tenants that are full by `now` into the idle aggregate, donating what
     /// they earned beyond their POS_LIMIT since they became full.
     fn release_refills(&mut self, round: &mut Round) {
-        while let Some(&Reverse((due, index, generation))) = self.refills.peek() {
-            if due > round.now {
-                break;
-            }
-            self.refills.pop();
+        if self.refills.len() == 0 {
+            return;
+        }
+        let mut expired = std::mem::take(&mut self.expired);
+        expired.clear();
+        self.refills.expire(round.now, &mut expired);
+        for &index in &expired {
             let index = index as usize;
             let slot = &mut self.slots[index];
-            if !(slot.parked && slot.park_generation == generation) {
-                continue;
-            }
+            assert!(slot.parked, "wheel released unparked tenant {index}");
             let earned = accrue(
                 slot.rate_q32[round.mode.index()],
                 round.now.saturating_since(slot.stamp).0,
@@ -879,7 +864,7 @@ impl Scheduler {
                     slot.frac,
                 )
                 .map_or(Nanos::MAX, |ns| Nanos(round.now.0.saturating_add(ns)));
-                self.park(index, due, generation);
+                self.refills.insert(index, due);
                 continue;
             }
             let overflow = slot.balance - slot.park_limit;
@@ -887,12 +872,12 @@ impl Scheduler {
             slot.stats.donated_tokens += Tokens(overflow);
             self.pending_donation += overflow;
             slot.parked = false;
-            slot.park_generation = slot.park_generation.wrapping_add(1);
             self.idle_add(index);
             if self.slots[index].state == SlotState::Retiring {
                 self.vacate(index);
             }
         }
+        self.expired = expired;
     }
 
     /// Lends `cost` to an LC tenant at its deficit limit: first from donations this thread has
@@ -1191,14 +1176,9 @@ impl Scheduler {
                 if !slot.listed {
                     assert_eq!(slot.queued, 0, "idle tenant {index} has queued requests");
                 }
+                assert_eq!(slot.parked, self.refills.contains(index), "tenant {index} parking");
                 if slot.parked {
                     assert_eq!(slot.class, TenantClass::LatencyCritical, "parked BE tenant {index}");
-                    let entries = self
-                        .refills
-                        .iter()
-                        .filter(|Reverse((_, i, g))| *i as usize == index && *g == slot.park_generation)
-                        .count();
-                    assert_eq!(entries, 1, "parked tenant {index} refill entries");
                 } else if !slot.listed {
                     for m in 0..2 {
                         idle[m] += slot.rate_q32[m];

@@ -17,8 +17,10 @@
 //! capped at `bucket_max`, so a thread that stops taking part (say, blocked in its ring) cannot
 //! let the bucket grow without bound before it leaves the reset set.
 //!
-//! Accounting counters (relaxed atomics) let tests check that no token is created or lost:
-//! `deposited - taken - discarded == balance`.
+//! Accounting: the bucket counts only what it throws away (`discarded`, a relaxed atomic that
+//! is touched only when something is thrown away); what goes in and out is on each thread's
+//! [`crate::Ledger`], so `Σ to_bucket − Σ from_bucket − discarded == balance` checks that no
+//! token is created or lost without adding atomics to every deposit.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
@@ -40,8 +42,6 @@ pub struct DeviceShared {
     participants: AtomicU64,
     rounds_done: AtomicU64,
     resets: AtomicU64,
-    deposited: AtomicI64,
-    taken: AtomicI64,
     discarded: AtomicI64,
 }
 
@@ -49,10 +49,6 @@ pub struct DeviceShared {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BucketStats {
     pub balance: Tokens,
-    /// Everything put in (donations, leftovers, repayments), before the cap.
-    pub deposited: Tokens,
-    /// Everything taken out (claims and loans).
-    pub taken: Tokens,
     /// Thrown away by resets and by the cap.
     pub discarded: Tokens,
     pub resets: u64,
@@ -70,8 +66,6 @@ impl DeviceShared {
             participants: AtomicU64::new(0),
             rounds_done: AtomicU64::new(0),
             resets: AtomicU64::new(0),
-            deposited: AtomicI64::new(0),
-            taken: AtomicI64::new(0),
             discarded: AtomicI64::new(0),
         }
     }
@@ -120,14 +114,15 @@ impl DeviceShared {
                 kept = next - balance;
                 Some(next)
             });
-        self.deposited.fetch_add(amount.0, Ordering::Relaxed);
-        self.discarded.fetch_add(amount.0 - kept, Ordering::Relaxed);
+        if kept < amount.0 {
+            self.discarded.fetch_add(amount.0 - kept, Ordering::Relaxed);
+        }
         Tokens(kept)
     }
 
     /// Takes up to `want` from the positive balance; returns what was taken.
     pub(crate) fn claim(&self, want: Tokens) -> Tokens {
-        if want.0 <= 0 {
+        if want.0 <= 0 || self.bucket.load(Ordering::Acquire) <= 0 {
             return Tokens::ZERO;
         }
         let mut got = 0;
@@ -137,9 +132,6 @@ impl DeviceShared {
                 got = want.0.min(balance.max(0));
                 (got > 0).then_some(balance - got)
             });
-        if got > 0 {
-            self.taken.fetch_add(got, Ordering::Relaxed);
-        }
         Tokens(got)
     }
 
@@ -147,17 +139,12 @@ impl DeviceShared {
     pub(crate) fn borrow(&self, want: Tokens) -> bool {
         assert!(want.0 > 0, "borrowing nothing");
         let floor = -self.loan_max.load(Ordering::Relaxed);
-        let ok = self
-            .bucket
+        self.bucket
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |balance| {
                 let next = balance - want.0;
                 (next >= floor).then_some(next)
             })
-            .is_ok();
-        if ok {
-            self.taken.fetch_add(want.0, Ordering::Relaxed);
-        }
-        ok
+            .is_ok()
     }
 
     /// Outstanding loans (the bucket's negative part).
@@ -185,18 +172,33 @@ impl DeviceShared {
     }
 
     fn finish_round_bits(&self, bit: u64) -> bool {
-        let done = self.rounds_done.fetch_or(bit, Ordering::AcqRel) | bit;
         let participants = self.participants.load(Ordering::Acquire);
-        if participants == 0 || done & participants != participants {
+        if participants == 0 {
             return false;
         }
-        if self
-            .rounds_done
-            .compare_exchange(done, 0, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
-            // Another thread changed the set meanwhile; whoever completes it next resets.
-            return false;
+        if participants != bit {
+            let done = self.rounds_done.fetch_or(bit, Ordering::AcqRel) | bit;
+            if done & participants != participants {
+                return false;
+            }
+            if self
+                .rounds_done
+                .compare_exchange(done, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                // Another thread changed the set meanwhile; whoever completes it next resets.
+                return false;
+            }
+        }
+        // (A lone participant completes the set with every round: no bits to keep.)
+        self.reset_bucket();
+        true
+    }
+
+    fn reset_bucket(&self) {
+        self.resets.fetch_add(1, Ordering::Relaxed);
+        if self.bucket.load(Ordering::Acquire) <= 0 {
+            return;
         }
         let mut thrown = 0;
         let _ = self
@@ -205,16 +207,14 @@ impl DeviceShared {
                 thrown = balance.max(0);
                 Some(balance.min(0))
             });
-        self.discarded.fetch_add(thrown, Ordering::Relaxed);
-        self.resets.fetch_add(1, Ordering::Relaxed);
-        true
+        if thrown > 0 {
+            self.discarded.fetch_add(thrown, Ordering::Relaxed);
+        }
     }
 
     pub fn stats(&self) -> BucketStats {
         BucketStats {
             balance: Tokens(self.bucket.load(Ordering::Acquire)),
-            deposited: Tokens(self.deposited.load(Ordering::Relaxed)),
-            taken: Tokens(self.taken.load(Ordering::Relaxed)),
             discarded: Tokens(self.discarded.load(Ordering::Relaxed)),
             resets: self.resets.load(Ordering::Relaxed),
         }
@@ -239,41 +239,73 @@ mod tests {
         shared
     }
 
-    fn check_accounting(shared: &DeviceShared) {
-        let s = shared.stats();
-        assert_eq!(s.deposited - s.taken - s.discarded, s.balance, "{s:?}");
+    /// Tracks what the tests put in and took out, like the threads' ledgers do.
+    #[derive(Default)]
+    struct Book {
+        deposited: i64,
+        taken: i64,
+    }
+
+    impl Book {
+        fn deposit(&mut self, b: &DeviceShared, tokens: i64) -> Tokens {
+            self.deposited += Tokens::from_tokens(tokens).0;
+            b.deposit(Tokens::from_tokens(tokens))
+        }
+        fn claim(&mut self, b: &DeviceShared, tokens: i64) -> Tokens {
+            let got = b.claim(Tokens::from_tokens(tokens));
+            self.taken += got.0;
+            got
+        }
+        fn borrow(&mut self, b: &DeviceShared, tokens: i64) -> bool {
+            let ok = b.borrow(Tokens::from_tokens(tokens));
+            if ok {
+                self.taken += Tokens::from_tokens(tokens).0;
+            }
+            ok
+        }
+        fn check(&self, b: &DeviceShared) {
+            let s = b.stats();
+            assert_eq!(
+                Tokens(self.deposited - self.taken) - s.discarded,
+                s.balance,
+                "{s:?}"
+            );
+        }
     }
 
     #[test]
     fn deposits_are_capped_and_claims_take_only_the_positive_part() {
         let b = shared();
-        assert_eq!(b.deposit(Tokens::from_tokens(70)), Tokens::from_tokens(70));
-        assert_eq!(b.deposit(Tokens::from_tokens(70)), Tokens::from_tokens(30));
-        assert_eq!(b.claim(Tokens::from_tokens(150)), Tokens::from_tokens(100));
-        assert_eq!(b.claim(Tokens::from_tokens(1)), Tokens::ZERO);
-        check_accounting(&b);
+        let mut book = Book::default();
+        assert_eq!(book.deposit(&b, 70), Tokens::from_tokens(70));
+        assert_eq!(book.deposit(&b, 70), Tokens::from_tokens(30));
+        assert_eq!(book.claim(&b, 150), Tokens::from_tokens(100));
+        assert_eq!(book.claim(&b, 1), Tokens::ZERO);
+        book.check(&b);
     }
 
     #[test]
     fn loans_stop_at_the_floor_and_deposits_repay_them() {
         let b = shared();
-        assert!(b.borrow(Tokens::from_tokens(30)));
-        assert!(!b.borrow(Tokens::from_tokens(30)));
-        assert!(b.borrow(Tokens::from_tokens(20)));
+        let mut book = Book::default();
+        assert!(book.borrow(&b, 30));
+        assert!(!book.borrow(&b, 30));
+        assert!(book.borrow(&b, 20));
         assert_eq!(b.debt(), Tokens::from_tokens(50));
-        assert_eq!(b.claim(Tokens::from_tokens(1)), Tokens::ZERO);
-        b.deposit(Tokens::from_tokens(60));
+        assert_eq!(book.claim(&b, 1), Tokens::ZERO);
+        book.deposit(&b, 60);
         assert_eq!(b.debt(), Tokens::ZERO);
         assert_eq!(b.stats().balance, Tokens::from_tokens(10));
-        check_accounting(&b);
+        book.check(&b);
     }
 
     #[test]
     fn bucket_resets_once_every_participant_finished_a_round() {
         let b = shared();
+        let mut book = Book::default();
         b.join(0);
         b.join(3);
-        b.deposit(Tokens::from_tokens(10));
+        book.deposit(&b, 10);
         assert!(!b.finish_round(0));
         assert!(!b.finish_round(0));
         assert_eq!(b.stats().balance, Tokens::from_tokens(10));
@@ -281,16 +313,21 @@ mod tests {
         assert_eq!(b.stats().balance, Tokens::ZERO);
         assert_eq!(b.stats().resets, 1);
         // Debt survives a reset.
-        assert!(b.borrow(Tokens::from_tokens(5)));
+        assert!(book.borrow(&b, 5));
         b.finish_round(0);
         assert!(b.finish_round(3));
         assert_eq!(b.stats().balance, Tokens::from_tokens(-5));
         // A thread leaving completes the set for the others.
         b.finish_round(0);
-        b.deposit(Tokens::from_tokens(20));
+        book.deposit(&b, 25);
         b.leave(3);
         assert_eq!(b.stats().balance, Tokens::ZERO);
-        check_accounting(&b);
+        book.check(&b);
+        // Alone, every round resets.
+        book.deposit(&b, 7);
+        assert!(b.finish_round(0));
+        assert_eq!(b.stats().balance, Tokens::ZERO);
+        book.check(&b);
     }
 
     #[test]

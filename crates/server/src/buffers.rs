@@ -75,7 +75,10 @@ impl PageAllocator {
     pub fn new(page_count: u32) -> PageAllocator {
         let max_pages = 1u32 << ORDER_MAX;
         assert!(page_count > 0);
-        assert!(page_count % max_pages == 0, "{page_count} pages not a multiple of {max_pages}");
+        assert!(
+            page_count % max_pages == 0,
+            "{page_count} pages not a multiple of {max_pages}"
+        );
         let len = page_count as usize;
         let mut allocator = PageAllocator {
             page_count,

@@ -85,7 +85,9 @@ pub struct NamespaceConfig {
     pub read_only: bool,
 }
 
-fn optional_size<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+fn optional_size<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u64>, D::Error> {
     Option::<ByteSize>::deserialize(deserializer).map(|size| size.map(|s| s.0))
 }
 
@@ -123,7 +125,9 @@ impl NamespaceConfig {
                 let size = parse_size(size).map_err(|e| fail(&e.to_string()))?;
                 namespace.size_bytes = Some(size);
             } else {
-                return Err(fail(&format!("unknown option {option:?} (size=SIZE or ro)")));
+                return Err(fail(&format!(
+                    "unknown option {option:?} (size=SIZE or ro)"
+                )));
             }
         }
         Ok(namespace)
@@ -269,7 +273,7 @@ impl Config {
             return invalid(format!("window {} not in 1..={WINDOW_MAX}", self.window));
         }
         let arena = self.arena_bytes_per_thread;
-        if arena < 1 << 20 || arena > ARENA_BYTES_PER_THREAD_MAX || arena % (1 << 20) != 0 {
+        if !((1 << 20)..=ARENA_BYTES_PER_THREAD_MAX).contains(&arena) || arena % (1 << 20) != 0 {
             return invalid(format!(
                 "arena_bytes_per_thread {arena} must be a multiple of 1 MiB in 1 MiB..=1 GiB"
             ));
@@ -298,7 +302,10 @@ impl Config {
             if namespace.id == 0 {
                 return invalid("namespace id 0 is reserved".into());
             }
-            if namespaces[..index].iter().any(|other| other.id == namespace.id) {
+            if namespaces[..index]
+                .iter()
+                .any(|other| other.id == namespace.id)
+            {
                 return invalid(format!("namespace {} configured twice", namespace.id));
             }
         }
@@ -325,7 +332,10 @@ mod tests {
         let namespaces = config.effective_namespaces();
         assert_eq!(namespaces.len(), 1);
         assert_eq!(namespaces[0].backend, DEFAULT_NAMESPACE_BACKEND);
-        assert_eq!(config.effective_original_ports()[0].port, ORIGINAL_PORT_DEFAULT);
+        assert_eq!(
+            config.effective_original_ports()[0].port,
+            ORIGINAL_PORT_DEFAULT
+        );
         assert!(config.listen.is_loopback());
     }
 
@@ -379,21 +389,53 @@ mod tests {
     #[test]
     fn validation_catches_mistakes() {
         let bad = |config: Config| assert!(config.validate().is_err(), "{config:?}");
-        bad(Config { threads: 0, ..Config::default() });
-        bad(Config { window: 0, ..Config::default() });
-        bad(Config { arena_bytes_per_thread: 1000, ..Config::default() });
+        bad(Config {
+            threads: 0,
+            ..Config::default()
+        });
+        bad(Config {
+            window: 0,
+            ..Config::default()
+        });
+        bad(Config {
+            arena_bytes_per_thread: 1000,
+            ..Config::default()
+        });
         let ns = |id| NamespaceConfig {
             id,
             backend: "null".into(),
             size_bytes: None,
             read_only: false,
         };
-        bad(Config { namespaces: vec![ns(0)], ..Config::default() });
-        bad(Config { namespaces: vec![ns(1), ns(1)], ..Config::default() });
         bad(Config {
-            namespaces: vec![ns(2)],
-            original_ports: Some(vec![OriginalPortConfig { port: 1, namespace: 1 }]),
+            namespaces: vec![ns(0)],
             ..Config::default()
         });
+        bad(Config {
+            namespaces: vec![ns(1), ns(1)],
+            ..Config::default()
+        });
+        bad(Config {
+            namespaces: vec![ns(2)],
+            original_ports: Some(vec![OriginalPortConfig {
+                port: 1,
+                namespace: 1,
+            }]),
+            ..Config::default()
+        });
+    }
+}
+
+#[cfg(test)]
+mod example_file {
+    use super::*;
+
+    #[test]
+    fn the_shipped_example_parses_and_validates() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../reflexd.example.toml");
+        let config = Config::from_file(Path::new(path)).unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(config.namespaces.len(), 3);
+        assert_eq!(config, Config { namespaces: config.namespaces.clone(), original_ports: config.original_ports.clone(), ..Config::default() });
     }
 }

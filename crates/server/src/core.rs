@@ -108,7 +108,11 @@ mod token {
             0xE => Kind::Flush,
             _ => return None,
         };
-        Some((kind, ((user_data >> 32) as u32) & GENERATION_MASK, user_data as u32))
+        Some((
+            kind,
+            ((user_data >> 32) as u32) & GENERATION_MASK,
+            user_data as u32,
+        ))
     }
 
     pub fn next_generation(generation: u32) -> u32 {
@@ -383,8 +387,9 @@ impl Core {
             };
         let page_count = (setup.arena_bytes / crate::buffers::PAGE_SIZE) as u32;
         let requests: Box<[Request]> = (0..setup.requests_max).map(|_| Request::empty()).collect();
-        let connections: Box<[Connection]> =
-            (0..setup.connections_max).map(|_| Connection::empty()).collect();
+        let connections: Box<[Connection]> = (0..setup.connections_max)
+            .map(|_| Connection::empty())
+            .collect();
         let queues = (0..setup.namespaces.len())
             .map(|index| setup.namespaces.device(index as u16).queue())
             .collect();
@@ -515,7 +520,10 @@ impl Core {
                 deadline = Some(deadline.map_or(due, |d| d.min(due)));
             }
         }
-        if let Phase::Draining { deadline: drain, .. } = self.phase {
+        if let Phase::Draining {
+            deadline: drain, ..
+        } = self.phase
+        {
             deadline = Some(deadline.map_or(drain, |d| d.min(drain)));
         }
         deadline.map(|due| Duration::from_nanos(due.saturating_since(now).0.max(1_000)))
@@ -647,7 +655,10 @@ impl Core {
         let stream = uring::adopt_accepted(result);
         let Some(index) = self.free_connections.pop() else {
             self.stats.connections_refused_full += 1;
-            tracing::warn!(thread = self.thread_index, "connection table full; closing a new connection");
+            tracing::warn!(
+                thread = self.thread_index,
+                "connection table full; closing a new connection"
+            );
             drop(stream);
             self.arm_accept(listener_index);
             return;
@@ -718,7 +729,10 @@ impl Core {
             }
             Phase::Draining { deadline, aborted } => {
                 if !aborted && now >= deadline {
-                    tracing::warn!(thread = self.thread_index, "drain timeout: closing connections that still have responses pending");
+                    tracing::warn!(
+                        thread = self.thread_index,
+                        "drain timeout: closing connections that still have responses pending"
+                    );
                     self.phase = Phase::Draining {
                         deadline,
                         aborted: true,
@@ -831,7 +845,10 @@ impl Core {
     fn transition(&mut self, index: u32, to: RequestState) {
         let request = &mut self.requests[index as usize];
         let from = request.state;
-        assert!(from.can_become(to), "request {index}: illegal {from:?} -> {to:?}");
+        assert!(
+            from.can_become(to),
+            "request {index}: illegal {from:?} -> {to:?}"
+        );
         request.state = to;
         self.stats.requests_per_state[from as usize] -= 1;
         self.stats.requests_per_state[to as usize] += 1;
@@ -972,7 +989,8 @@ impl Core {
         let frontend = self.connections[connection_index as usize].frontend;
         let request = &mut self.requests[index as usize];
         let tag = request.tag;
-        let Some(header_len) = frontend.encode_response(&tag, status, data_bytes, &mut request.header)
+        let Some(header_len) =
+            frontend.encode_response(&tag, status, data_bytes, &mut request.header)
         else {
             tracing::warn!(thread = self.thread_index, %status,
                 "request failed on a protocol without status; closing the connection");
@@ -1180,7 +1198,10 @@ impl Core {
 
     fn on_recv(&mut self, index: u32, generation: u32, result: i32, now: Nanos) {
         let connection = &mut self.connections[index as usize];
-        assert_eq!(connection.generation, generation, "stale receive completion");
+        assert_eq!(
+            connection.generation, generation,
+            "stale receive completion"
+        );
         assert!(connection.recv_in_flight);
         connection.recv_in_flight = false;
         if connection.state == ConnectionState::Closing || connection.draining {
@@ -1263,14 +1284,18 @@ impl Core {
         let run = request.run;
         let kind = match io.kind {
             IoKind::Read => {
-                let Some(run) = run else { panic!("read without a run") };
+                let Some(run) = run else {
+                    panic!("read without a run")
+                };
                 OpKind::Read {
                     offset: io.offset_bytes,
                     buf: self.arena.run_mut(run, length),
                 }
             }
             IoKind::Write { fua } => {
-                let Some(run) = run else { panic!("write without a run") };
+                let Some(run) = run else {
+                    panic!("write without a run")
+                };
                 OpKind::Write {
                     offset: io.offset_bytes,
                     buf: self.arena.run(run, length),
@@ -1323,8 +1348,12 @@ impl Core {
             Ok(bytes) if io.kind.has_data() && bytes != io.length_bytes => {
                 // A short transfer: never send the unfilled part of the buffer.
                 self.stats.io_errors += 1;
-                tracing::warn!(thread = self.thread_index, expected = io.length_bytes, bytes,
-                    "short device transfer; answering I/O error");
+                tracing::warn!(
+                    thread = self.thread_index,
+                    expected = io.length_bytes,
+                    bytes,
+                    "short device transfer; answering I/O error"
+                );
                 Status::IoError
             }
             Ok(_) => Status::Ok,
@@ -1460,14 +1489,19 @@ impl Core {
                 self.connections[index as usize].send_offset_bytes = progress;
                 progress = 0;
                 let mut cursor = head;
-                while cursor != NONE && self.requests[cursor as usize].state == RequestState::Sending {
+                while cursor != NONE
+                    && self.requests[cursor as usize].state == RequestState::Sending
+                {
                     self.transition(cursor, RequestState::Completed);
                     cursor = self.requests[cursor as usize].next;
                 }
                 break;
             }
         }
-        assert_eq!(progress, 0, "kernel reported more bytes sent than were queued");
+        assert_eq!(
+            progress, 0,
+            "kernel reported more bytes sent than were queued"
+        );
         let state = self.connections[index as usize].state;
         if state == ConnectionState::Closing {
             self.drop_send_queue(index);
@@ -1510,10 +1544,16 @@ impl Core {
         if connection.state != ConnectionState::Open {
             return;
         }
-        tracing::debug!(thread = self.thread_index, connection = index, reason, "closing connection");
+        tracing::debug!(
+            thread = self.thread_index,
+            connection = index,
+            reason,
+            "closing connection"
+        );
         connection.state = ConnectionState::Closing;
         let generation = connection.generation;
-        let (recv_in_flight, send_in_flight) = (connection.recv_in_flight, connection.send_in_flight);
+        let (recv_in_flight, send_in_flight) =
+            (connection.recv_in_flight, connection.send_in_flight);
         if recv_in_flight {
             self.cancel(token::encode(Kind::Recv, generation, index));
         } else if let Some(request) = self.connections[index as usize].recv_into.take() {
@@ -1579,9 +1619,20 @@ mod tests {
 
     #[test]
     fn tokens_round_trip() {
-        for kind in [Kind::Accept, Kind::Recv, Kind::Send, Kind::Device, Kind::Wake, Kind::Cancel, Kind::Flush] {
+        for kind in [
+            Kind::Accept,
+            Kind::Recv,
+            Kind::Send,
+            Kind::Device,
+            Kind::Wake,
+            Kind::Cancel,
+            Kind::Flush,
+        ] {
             let user_data = token::encode(kind, 0x0abc_def1, 0xffff_fffe);
-            assert_eq!(token::decode(user_data), Some((kind, 0x0abc_def1, 0xffff_fffe)));
+            assert_eq!(
+                token::decode(user_data),
+                Some((kind, 0x0abc_def1, 0xffff_fffe))
+            );
         }
         assert_eq!(token::decode(0), None);
         assert_eq!(token::next_generation(token::GENERATION_MASK), 0);

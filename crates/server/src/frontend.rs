@@ -31,7 +31,9 @@ const _: () = assert!(original::HEADER_SIZE <= RESPONSE_HEADER_SIZE_MAX);
 pub enum Frontend {
     Native,
     /// The original ReFlex block protocol; the listening port fixed the namespace.
-    Original { namespace_index: u16 },
+    Original {
+        namespace_index: u16,
+    },
 }
 
 /// What a response must echo, kept in the request slot from decode to send.
@@ -120,7 +122,8 @@ impl Frontend {
                 opcode_raw,
                 request_id,
             } => {
-                let header = native::ResponseHeader::new(opcode_raw, status, request_id, data_bytes);
+                let header =
+                    native::ResponseHeader::new(opcode_raw, status, request_id, data_bytes);
                 let bytes = header.to_bytes();
                 out[..bytes.len()].copy_from_slice(&bytes);
                 Some(bytes.len())
@@ -270,7 +273,10 @@ mod tests {
             Decoded::Request {
                 header_bytes: 32,
                 payload_bytes: 0,
-                tag: Tag::Native { opcode_raw: 2, request_id: 5 },
+                tag: Tag::Native {
+                    opcode_raw: 2,
+                    request_id: 5,
+                },
                 action: Action::Io(IoRequest {
                     kind: IoKind::Read,
                     namespace_index: 0,
@@ -286,13 +292,19 @@ mod tests {
             Decoded::Request {
                 header_bytes: 32,
                 payload_bytes: 512,
-                tag: Tag::Native { opcode_raw: 3, request_id: 6 },
+                tag: Tag::Native {
+                    opcode_raw: 3,
+                    request_id: 6,
+                },
                 action: Action::Reply(Status::OutOfRange),
             },
         );
         let mut bad = read;
         bad[0] = b'X';
-        assert!(matches!(Frontend::Native.decode(&bad, &namespaces()), Decoded::Close(_)));
+        assert!(matches!(
+            Frontend::Native.decode(&bad, &namespaces()),
+            Decoded::Close(_)
+        ));
         let hello = native::RequestHeader::hello(9).to_bytes();
         check(Frontend::Native, &hello, Decoded::NeedMore);
         let mut with_body = hello.to_vec();
@@ -303,7 +315,10 @@ mod tests {
             Decoded::Request {
                 header_bytes: 48,
                 payload_bytes: 0,
-                tag: Tag::Native { opcode_raw: 1, request_id: 9 },
+                tag: Tag::Native {
+                    opcode_raw: 1,
+                    request_id: 9,
+                },
                 action: Action::Hello,
             },
         );
@@ -319,12 +334,30 @@ mod tests {
             lba_count: 8,
         };
         let decoded = frontend.decode(&header.to_bytes(), &namespaces());
-        assert!(matches!(decoded, Decoded::Request { payload_bytes: 4096, .. }));
-        let beyond = original::Header { lba: 1 << 20, ..header };
-        assert!(matches!(frontend.decode(&beyond.to_bytes(), &namespaces()), Decoded::Close(_)));
+        assert!(matches!(
+            decoded,
+            Decoded::Request {
+                payload_bytes: 4096,
+                ..
+            }
+        ));
+        let beyond = original::Header {
+            lba: 1 << 20,
+            ..header
+        };
+        assert!(matches!(
+            frontend.decode(&beyond.to_bytes(), &namespaces()),
+            Decoded::Close(_)
+        ));
         let tag = Tag::Original { response: header };
         let mut out = [0u8; RESPONSE_HEADER_SIZE_MAX];
-        assert_eq!(frontend.encode_response(&tag, Status::IoError, 0, &mut out), None);
-        assert_eq!(frontend.encode_response(&tag, Status::Ok, 0, &mut out), Some(24));
+        assert_eq!(
+            frontend.encode_response(&tag, Status::IoError, 0, &mut out),
+            None
+        );
+        assert_eq!(
+            frontend.encode_response(&tag, Status::Ok, 0, &mut out),
+            Some(24)
+        );
     }
 }

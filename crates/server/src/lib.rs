@@ -37,8 +37,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 pub use crate::config::{Config, ConfigError, NamespaceConfig, OriginalPortConfig};
-pub use crate::core::{CoreError, CoreStats};
 use crate::core::{Core, CoreSetup};
+pub use crate::core::{CoreError, CoreStats};
 use crate::frontend::Frontend;
 use crate::namespaces::NamespaceSet;
 pub use crate::uring::MissingFeature;
@@ -179,11 +179,12 @@ use crate::uring::Ring;
 fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
     let mut entries = Vec::new();
     for namespace in config.effective_namespaces() {
-        let device = reflex_flash::spec::open(&namespace.backend, namespace.size_bytes)
-            .map_err(|source| ServerError::Device {
+        let device = reflex_flash::spec::open(&namespace.backend, namespace.size_bytes).map_err(
+            |source| ServerError::Device {
                 id: namespace.id,
                 source,
-            })?;
+            },
+        )?;
         let block_size = device.info().block_size;
         if block_size > reflex_proto::native::BLOCK_SIZE_BYTES_DEFAULT {
             return Err(ServerError::Device {
@@ -208,8 +209,12 @@ fn bind_all(
 ) -> Result<SocketAddr, ServerError> {
     let mut bound = addr;
     for (thread, listeners) in per_thread.iter_mut().enumerate() {
-        let listener = uring::bind_reuseport_listener(bound, LISTEN_BACKLOG)
-            .map_err(|source| ServerError::Bind { addr: bound, source })?;
+        let listener = uring::bind_reuseport_listener(bound, LISTEN_BACKLOG).map_err(|source| {
+            ServerError::Bind {
+                addr: bound,
+                source,
+            }
+        })?;
         if thread == 0 {
             bound = listener
                 .local_addr()
@@ -220,7 +225,12 @@ fn bind_all(
     Ok(bound)
 }
 
-fn log_startup(config: &Config, namespaces: &NamespaceSet, handle: &ServerHandle, registered: &[bool]) {
+fn log_startup(
+    config: &Config,
+    namespaces: &NamespaceSet,
+    handle: &ServerHandle,
+    registered: &[bool],
+) {
     for index in 0..namespaces.len() {
         let index = index as u16;
         tracing::info!(

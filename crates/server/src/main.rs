@@ -2,6 +2,7 @@
 //! server, and turns SIGINT/SIGTERM into a graceful shutdown (drain, flush, exit 0).
 //! See `docs/OPERATIONS.md`.
 
+use std::io::IsTerminal;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -55,18 +56,25 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_target(false)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let args = Args::parse();
     let config = build_config(args)?;
 
     // Register the signal handlers before any thread starts, so every thread inherits them.
-    let mut signals =
-        signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])
-            .context("installing signal handlers")?;
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+    ])
+    .context("installing signal handlers")?;
     let server = Server::start(config).context("starting reflexd")?;
     loop {
         if let Some(signal) = signals.pending().next() {
-            tracing::info!(signal, "shutting down: draining connections and flushing devices");
+            tracing::info!(
+                signal,
+                "shutting down: draining connections and flushing devices"
+            );
             break;
         }
         if server.any_thread_finished() {

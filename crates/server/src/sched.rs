@@ -69,7 +69,10 @@ impl FifoScheduler {
 
 impl Scheduler for FifoScheduler {
     fn enqueue(&mut self, io: QueuedIo, _now: Nanos) {
-        assert!(self.queue.len() < self.capacity, "scheduler beyond the request table");
+        assert!(
+            self.queue.len() < self.capacity,
+            "scheduler beyond the request table"
+        );
         self.queue.push_back(io);
     }
 

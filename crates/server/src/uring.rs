@@ -55,10 +55,14 @@ impl Ring {
         let ring = IoUring::builder()
             .setup_cqsize(cq_entries)
             .setup_single_issuer()
-            .setup_coop_taskrun()
+            .setup_defer_taskrun()
             .setup_taskrun_flag()
             .build(sq_entries)
-            .or_else(|_| IoUring::builder().setup_cqsize(cq_entries).build(sq_entries))?;
+            .or_else(|_| {
+                IoUring::builder()
+                    .setup_cqsize(cq_entries)
+                    .build(sq_entries)
+            })?;
         Ok(Ring {
             ring,
             pushed_count: 0,
@@ -195,7 +199,6 @@ impl Ring {
     pub fn more_in_cq(&mut self) -> bool {
         !self.ring.completion().is_empty()
     }
-
 }
 
 /// The thread's page-aligned data buffers: one allocation, registered once, carved into
@@ -304,7 +307,13 @@ pub fn bind_reuseport_listener(addr: SocketAddr, backlog: i32) -> io::Result<Tcp
     }
     let (storage, len) = socket_address(addr);
     // SAFETY: storage holds a valid sockaddr of `len` bytes for the socket's family.
-    let rc = unsafe { libc::bind(fd.as_raw_fd(), (&storage as *const libc::sockaddr_storage).cast(), len) };
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&storage as *const libc::sockaddr_storage).cast(),
+            len,
+        )
+    };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }

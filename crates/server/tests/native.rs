@@ -54,7 +54,10 @@ fn many_connections_write_and_verify_disjoint_ranges() {
                     client
                         .read(1, base + block * 65536, &mut back)
                         .unwrap_or_else(|e| panic!("read: {e}"));
-                    assert!(back == pattern(worker * 1000 + block, size), "worker {worker} block {block}");
+                    assert!(
+                        back == pattern(worker * 1000 + block, size),
+                        "worker {worker} block {block}"
+                    );
                 }
             })
         })
@@ -76,9 +79,13 @@ fn one_mebibyte_io_on_file_and_memory() {
     let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
     for ns in [1, 2] {
         let data = pattern(ns.into(), 1 << 20);
-        client.write(ns, 3 << 20, &data).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .write(ns, 3 << 20, &data)
+            .unwrap_or_else(|e| panic!("{e}"));
         let mut back = vec![0u8; 1 << 20];
-        client.read(ns, 3 << 20, &mut back).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .read(ns, 3 << 20, &mut back)
+            .unwrap_or_else(|e| panic!("{e}"));
         assert!(back == data, "namespace {ns}");
     }
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
@@ -90,12 +97,21 @@ fn bad_requests_get_an_error_and_the_connection_stays_usable() {
     let mut raw = Raw::connect(server.native_addr());
     let cases = [
         (RequestHeader::read(1, 1, 1 << 20, 4096), Status::OutOfRange),
-        (RequestHeader::read(2, 1, (1 << 20) - 512, 1024), Status::OutOfRange),
-        (RequestHeader::read(3, 1, u64::MAX - 511, 512), Status::OutOfRange),
+        (
+            RequestHeader::read(2, 1, (1 << 20) - 512, 1024),
+            Status::OutOfRange,
+        ),
+        (
+            RequestHeader::read(3, 1, u64::MAX - 511, 512),
+            Status::OutOfRange,
+        ),
         (RequestHeader::read(4, 1, 100, 512), Status::Invalid),
         (RequestHeader::read(5, 1, 0, 100), Status::Invalid),
         (RequestHeader::read(6, 1, 0, 0), Status::Invalid),
-        (RequestHeader::read(7, 1, 0, (1 << 20) + 512), Status::TooLarge),
+        (
+            RequestHeader::read(7, 1, 0, (1 << 20) + 512),
+            Status::TooLarge,
+        ),
         (RequestHeader::read(8, 2, 0, 512), Status::NoSuchNamespace),
         (RequestHeader::trim(9, 1, 512, 0), Status::Invalid),
     ];
@@ -116,7 +132,10 @@ fn refused_write_payloads_are_skipped_and_the_stream_stays_in_step() {
     let mut raw = Raw::connect(server.native_addr());
     // Too large: 2 MiB of payload follows and must be skipped.
     let big = vec![0xEEu8; 2 << 20];
-    let (response, _) = raw.call(&RequestHeader::write(1, 1, 0, big.len() as u32, false), &big);
+    let (response, _) = raw.call(
+        &RequestHeader::write(1, 1, 0, big.len() as u32, false),
+        &big,
+    );
     assert_eq!(response.status(), Ok(Status::TooLarge));
     // Out of range with a payload; misaligned with a payload.
     let small = pattern(5, 4096);
@@ -164,7 +183,8 @@ fn unknown_opcode_version_and_control_requests_are_answered() {
 fn bad_magic_closes_only_that_connection() {
     let server = mem_server();
     let mut good = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
-    good.write(1, 0, &pattern(1, 4096)).unwrap_or_else(|e| panic!("{e}"));
+    good.write(1, 0, &pattern(1, 4096))
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut bad = Raw::connect(server.native_addr());
     let mut bytes = RequestHeader::read(1, 1, 0, 512).to_bytes();
     bytes[..4].copy_from_slice(b"JUNK");
@@ -189,14 +209,25 @@ fn flush_fua_and_trim() {
         let data = pattern(7, 64 << 10);
         client.write(ns, 0, &data).unwrap_or_else(|e| panic!("{e}"));
         client.flush(ns).unwrap_or_else(|e| panic!("{e}"));
-        client.write_fua(ns, 1 << 20, &data).unwrap_or_else(|e| panic!("{e}"));
-        client.trim(ns, 4096, 8192).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .write_fua(ns, 1 << 20, &data)
+            .unwrap_or_else(|e| panic!("{e}"));
+        client
+            .trim(ns, 4096, 8192)
+            .unwrap_or_else(|e| panic!("{e}"));
         let mut back = vec![0u8; 64 << 10];
-        client.read(ns, 0, &mut back).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .read(ns, 0, &mut back)
+            .unwrap_or_else(|e| panic!("{e}"));
         assert!(back[..4096] == data[..4096]);
-        assert!(back[4096..12288].iter().all(|&b| b == 0), "namespace {ns}: trimmed range not zero");
+        assert!(
+            back[4096..12288].iter().all(|&b| b == 0),
+            "namespace {ns}: trimmed range not zero"
+        );
         assert!(back[12288..] == data[12288..]);
-        client.read(ns, 1 << 20, &mut back).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .read(ns, 1 << 20, &mut back)
+            .unwrap_or_else(|e| panic!("{e}"));
         assert!(back == data);
     }
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
@@ -209,25 +240,41 @@ fn read_only_namespace_refuses_writes() {
     let server = start(config(vec![ro]));
     let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
     assert!(client.namespaces()[0].read_only);
-    let error = client.write(1, 0, &[1u8; 512]).err().unwrap_or_else(|| panic!("write accepted"));
+    let error = client
+        .write(1, 0, &[1u8; 512])
+        .err()
+        .unwrap_or_else(|| panic!("write accepted"));
     assert_eq!(status_of(error), Status::Permission);
     let mut back = [0u8; 512];
-    client.read(1, 0, &mut back).unwrap_or_else(|e| panic!("{e}"));
+    client
+        .read(1, 0, &mut back)
+        .unwrap_or_else(|e| panic!("{e}"));
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]
 fn memory_and_null_backends() {
-    let server = start(config(vec![namespace(1, "mem:8M", None), namespace(2, "null", None)]));
+    let server = start(config(vec![
+        namespace(1, "mem:8M", None),
+        namespace(2, "null", None),
+    ]));
     let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
     let data = pattern(3, 128 << 10);
-    client.write(1, 4096, &data).unwrap_or_else(|e| panic!("{e}"));
-    client.write(2, 4096, &data).unwrap_or_else(|e| panic!("{e}"));
+    client
+        .write(1, 4096, &data)
+        .unwrap_or_else(|e| panic!("{e}"));
+    client
+        .write(2, 4096, &data)
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut back = vec![0u8; 128 << 10];
-    client.read(1, 4096, &mut back).unwrap_or_else(|e| panic!("{e}"));
+    client
+        .read(1, 4096, &mut back)
+        .unwrap_or_else(|e| panic!("{e}"));
     assert!(back == data);
     // null never stores, and a reused buffer never leaks what the previous request held.
-    client.read(2, 4096, &mut back).unwrap_or_else(|e| panic!("{e}"));
+    client
+        .read(2, 4096, &mut back)
+        .unwrap_or_else(|e| panic!("{e}"));
     assert!(back.iter().all(|&b| b == 0));
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }
@@ -274,8 +321,105 @@ fn unregistered_buffers_work_too() {
     let data = pattern(21, 256 << 10);
     client.write(1, 0, &data).unwrap_or_else(|e| panic!("{e}"));
     let mut back = vec![0u8; 256 << 10];
-    client.read(1, 0, &mut back).unwrap_or_else(|e| panic!("{e}"));
+    client
+        .read(1, 0, &mut back)
+        .unwrap_or_else(|e| panic!("{e}"));
     assert!(back == data);
     let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
     assert!(stats.iter().all(|s| !s.registered_buffers));
+}
+
+#[test]
+fn emulated_device_completes_on_its_own_clock() {
+    // Completions come from poll_completions at the model's due time: the blocking loop must
+    // wake for them by itself (its sleep is bounded by next_deadline).
+    let server = start(config(vec![namespace(1, "emu:device-a-small", Some(64 << 20))]));
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    let data = pattern(5, 16 << 10);
+    for block in 0..8u64 {
+        client.write(1, block * (16 << 10), &data).unwrap_or_else(|e| panic!("{e}"));
+    }
+    client.flush(1).unwrap_or_else(|e| panic!("{e}"));
+    let mut back = vec![0u8; 16 << 10];
+    for block in 0..8u64 {
+        client.read(1, block * (16 << 10), &mut back).unwrap_or_else(|e| panic!("{e}"));
+        assert!(back == data, "block {block}");
+    }
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn large_pipelined_reads_survive_partial_sends() {
+    // 16 MiB of responses queued at once cannot fit the socket buffers, so the server's
+    // gathered sendmsg completes short and resumes mid-response.
+    let server = start(config(vec![namespace(1, "mem:8M", None)]));
+    let mut raw = Raw::connect(server.native_addr());
+    let blocks: Vec<Vec<u8>> = (0..4u64).map(|seed| pattern(seed + 100, 1 << 20)).collect();
+    for (index, block) in blocks.iter().enumerate() {
+        let header = RequestHeader::write(index as u64, 1, (index as u64) << 20, 1 << 20, false);
+        let (response, _) = raw.call(&header, block);
+        assert_eq!(response.status(), Ok(Status::Ok));
+    }
+    for id in 0..16u64 {
+        raw.send(&RequestHeader::read(100 + id, 1, (id % 4) << 20, 1 << 20), &[]);
+    }
+    let mut seen = [false; 16];
+    for _ in 0..16 {
+        let (response, data) = raw.receive();
+        assert_eq!(response.status(), Ok(Status::Ok));
+        let id = (response.request_id - 100) as usize;
+        assert!(!seen[id]);
+        seen[id] = true;
+        assert!(data == blocks[id % 4], "read {id}");
+    }
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn an_exhausted_arena_makes_requests_wait_not_fail() {
+    // One thread with a 2 MiB arena and three connections each pipelining eight 1 MiB
+    // writes: most requests must wait for a buffer, and every one is answered.
+    let mut config = config(vec![namespace(1, "mem:32M", None)]);
+    config.threads = 1;
+    config.arena_bytes_per_thread = 2 << 20;
+    let server = start(config);
+    let addr = server.native_addr();
+    let workers: Vec<_> = (0..3u64)
+        .map(|worker| {
+            std::thread::spawn(move || {
+                let mut raw = Raw::connect(addr);
+                let data = pattern(worker, 1 << 20);
+                let writer = {
+                    let mut stream = raw.stream.try_clone().unwrap_or_else(|e| panic!("{e}"));
+                    let data = data.clone();
+                    std::thread::spawn(move || {
+                        use std::io::Write;
+                        for block in 0..8u64 {
+                            let offset = (worker * 8 + block) << 20;
+                            let header = RequestHeader::write(block, 1, offset, 1 << 20, false);
+                            stream.write_all(&header.to_bytes()).unwrap_or_else(|e| panic!("{e}"));
+                            stream.write_all(&data).unwrap_or_else(|e| panic!("{e}"));
+                        }
+                    })
+                };
+                for _ in 0..8 {
+                    let (response, _) = raw.receive();
+                    assert_eq!(response.status(), Ok(Status::Ok));
+                }
+                writer.join().unwrap_or_else(|_| panic!("writer panicked"));
+                for block in 0..8u64 {
+                    let offset = (worker * 8 + block) << 20;
+                    let (response, back) = raw.call(&RequestHeader::read(50 + block, 1, offset, 1 << 20), &[]);
+                    assert_eq!(response.status(), Ok(Status::Ok));
+                    assert!(back == data, "worker {worker} block {block}");
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().unwrap_or_else(|_| panic!("worker panicked"));
+    }
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    assert!(stats[0].buffer_waits > 0, "the arena never ran out: {stats:?}");
+    assert_eq!(stats[0].requests_per_state[0], 256, "every request slot is free again");
 }

@@ -134,6 +134,9 @@ pub struct Outcome {
     pub first_error: Option<String>,
     pub mismatches: u64,
     pub first_mismatch: Option<Mismatch>,
+    /// Open loop: arrivals due before the end that never found a free slot (the server fell
+    /// behind the target rate). They are not in the latency figures.
+    pub unissued_ops: u64,
 }
 
 impl Outcome {
@@ -151,6 +154,7 @@ impl Outcome {
         if self.first_mismatch.is_none() {
             self.first_mismatch = other.first_mismatch;
         }
+        self.unissued_ops += other.unissued_ops;
     }
 }
 
@@ -403,10 +407,9 @@ impl<'a> ThreadRun<'a> {
                 end_ns
             });
             for channel in &self.channels {
-                if let Some(arrivals) = &channel.arrivals
-                    && !channel.finished
-                    && channel.in_flight < channel.queue_depth
-                {
+                let waiting_for_arrival =
+                    !channel.finished && channel.in_flight < channel.queue_depth;
+                if let (true, Some(arrivals)) = (waiting_for_arrival, &channel.arrivals) {
                     wake_ns = wake_ns.min(arrivals.next_ns());
                 }
             }
@@ -427,6 +430,18 @@ impl<'a> ThreadRun<'a> {
                     });
                 }
                 self.interval.reset();
+            }
+        }
+        for channel in &mut self.channels {
+            if channel.quota_met {
+                continue;
+            }
+            if let Some(arrivals) = channel.arrivals.as_mut() {
+                // Bounded: at most rate x duration arrivals exist before the end.
+                while arrivals.next_ns() < end_ns {
+                    self.outcome.unissued_ops += 1;
+                    arrivals.advance();
+                }
             }
         }
         let quota_met = self.channels.iter().all(|c| c.quota_met);
@@ -463,7 +478,7 @@ impl<'a> ThreadRun<'a> {
                 return Ok(());
             }
             let measured = intended_ns >= warmup_ns;
-            if measured && let Some(remaining) = channel.quota_remaining.as_mut() {
+            if let (true, Some(remaining)) = (measured, channel.quota_remaining.as_mut()) {
                 if *remaining == 0 {
                     channel.finished = true;
                     channel.quota_met = true;
@@ -522,9 +537,7 @@ impl<'a> ThreadRun<'a> {
             } else {
                 let slot = channel_index * queue_depth + slot_index as usize;
                 let length = op.length_bytes as usize;
-                if op.kind == OpKind::Write
-                    && let Some(seed) = verify_seed
-                {
+                if let (OpKind::Write, Some(seed)) = (op.kind, verify_seed) {
                     pattern::fill(
                         seed,
                         op.offset_bytes,

@@ -39,7 +39,7 @@ use serde::Serialize;
 use self::engine::{EngineConfig, Load, Outcome, Phase, Progress, Target};
 use self::probe::{ProbeConfig, ProbeTarget};
 use self::stats::{Latency, LatencySummary};
-use self::units::{parse_duration, parse_rate_list, parse_size};
+use self::units::{RateList, parse_duration, parse_rate_list, parse_size};
 use self::workload::{Access, WorkloadSpec};
 
 /// Most threads and connections per thread: bounds sockets, rings and memory.
@@ -82,7 +82,7 @@ pub struct Args {
     /// Open loop: total target rate in operations per second, Poisson arrivals. A list
     /// (50k,100k) or a sweep start:stop:step (10k:100k:10k) gives one row per rate.
     #[arg(long, value_parser = parse_rate_list)]
-    rate: Option<Vec<f64>>,
+    rate: Option<RateList>,
     /// Open loop: most requests in flight per connection (default: the server's window, at
     /// most 256). Later arrivals wait for a slot and their wait counts in their latency.
     #[arg(long)]
@@ -114,6 +114,10 @@ pub struct Args {
     /// Fill the range with a pattern first, then write the pattern and check every read.
     #[arg(long)]
     verify: bool,
+    /// With --verify: skip the fill and check against the pattern an earlier --verify run
+    /// with the same seed left (e.g. across a server restart).
+    #[arg(long, requires = "verify")]
+    no_fill: bool,
     /// Seed of offsets, arrivals and the verify pattern.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -182,6 +186,8 @@ struct Row {
     /// Closed loop: the queue depth; open loop: the in-flight limit per connection.
     queue_depth: u32,
     rate_target_per_sec: Option<f64>,
+    /// Open loop: arrivals due before the end that never found a free slot.
+    unissued_ops: u64,
     ops: u64,
     iops: f64,
     bandwidth_mib_per_sec: f64,
@@ -221,11 +227,8 @@ pub fn run(args: Args) -> Result<()> {
             let Some(info) = capabilities.namespace(*namespace) else {
                 bail!("the server has no namespace {namespace}");
             };
-            if u64::from(capabilities.block_size_bytes) > 0
-                && !args
-                    .io_size
-                    .is_multiple_of(u64::from(capabilities.block_size_bytes))
-            {
+            let block_size = u64::from(capabilities.block_size_bytes);
+            if block_size > 0 && args.io_size % block_size != 0 {
                 bail!(
                     "--io-size {} is not a multiple of the server's block size {}",
                     args.io_size,
@@ -280,7 +283,7 @@ pub fn run(args: Args) -> Result<()> {
             .iter()
             .map(|&queue_depth| Load::Closed { queue_depth })
             .collect(),
-        Some(rates) => {
+        Some(RateList(rates)) => {
             let queue_depth_max = args.qd_max.unwrap_or(window.min(OPEN_QUEUE_DEPTH_DEFAULT));
             rates
                 .iter()
@@ -326,8 +329,8 @@ pub fn run(args: Args) -> Result<()> {
     };
 
     let fill = match verify_seed {
-        None => None,
-        Some(_) => Some(run_fill(&base, io_size_max, window, args.quiet)?),
+        Some(_) if !args.no_fill => Some(run_fill(&base, io_size_max, window, args.quiet)?),
+        _ => None,
     };
 
     let mut rows = Vec::new();
@@ -406,11 +409,10 @@ fn check_args(args: &Args) -> Result<()> {
     if !(0.0..=1.0).contains(&args.read_ratio) {
         bail!("--read-ratio must be between 0 and 1");
     }
-    if args.io_size == 0 || !args.io_size.is_multiple_of(512) || args.io_size > u64::from(u32::MAX)
-    {
+    if args.io_size == 0 || args.io_size % 512 != 0 || args.io_size > u64::from(u32::MAX) {
         bail!("--io-size must be a positive multiple of 512");
     }
-    if !args.offset.is_multiple_of(args.io_size.min(4096)) {
+    if args.offset % args.io_size.min(4096) != 0 {
         bail!("--offset must be aligned to min(io size, 4 KiB)");
     }
     if args.duration.is_zero() || args.duration > DURATION_MAX {
@@ -633,6 +635,7 @@ fn make_row(load: &Load, outcome: &Outcome, probe: Option<&Outcome>, verify: boo
         load: load_name,
         queue_depth: load.queue_depth_max(),
         rate_target_per_sec,
+        unissued_ops: outcome.unissued_ops,
         ops: outcome.measured_ops,
         iops: outcome.measured_ops as f64 / measured_sec,
         bandwidth_mib_per_sec: outcome.measured_bytes as f64 / measured_sec / (1 << 20) as f64,
@@ -736,6 +739,13 @@ fn print_table(out: &mut impl Write, report: &Report) -> std::io::Result<()> {
                 summary.max_us
             )?;
         }
+        if row.unissued_ops > 0 {
+            writeln!(
+                out,
+                "  {} arrivals never found a free slot before the end: the target rate was not reached",
+                row.unissued_ops
+            )?;
+        }
         if row.errors > 0 {
             writeln!(
                 out,
@@ -764,12 +774,14 @@ fn print_table(out: &mut impl Write, report: &Report) -> std::io::Result<()> {
 /// Fails the run (non-zero exit) on any error or verify mismatch.
 fn check_report(report: &Report) -> Result<()> {
     for row in &report.rows {
-        if let Some(verify) = &row.verify
-            && let Some(offset) = verify.first_mismatch_offset_bytes
-        {
+        let first_mismatch = row.verify.as_ref().and_then(|verify| {
+            verify
+                .first_mismatch_offset_bytes
+                .map(|o| (verify.mismatches, o))
+        });
+        if let Some((mismatches, offset)) = first_mismatch {
             bail!(
-                "verify failed: {} reads did not match the pattern; first mismatch at byte offset {offset}",
-                verify.mismatches
+                "verify failed: {mismatches} reads did not match the pattern; first mismatch at byte offset {offset}"
             );
         }
         if row.errors > 0 {

@@ -79,9 +79,7 @@ pub fn run(config: &ProbeConfig, stop: &AtomicBool) -> Result<Outcome> {
             arrivals.advance();
         }
         let op = generator.next_op();
-        if op.kind == OpKind::Write
-            && let Some(seed) = config.verify_seed
-        {
+        if let (OpKind::Write, Some(seed)) = (op.kind, config.verify_seed) {
             pattern::fill(seed, op.offset_bytes, buffer);
         }
         let sent = Instant::now();
@@ -111,10 +109,11 @@ pub fn run(config: &ProbeConfig, stop: &AtomicBool) -> Result<Outcome> {
                 ));
             }
             Ok(()) => {
-                if op.kind == OpKind::Read
-                    && let Some(seed) = config.verify_seed
-                    && let Some(mismatch) = pattern::check(seed, op.offset_bytes, buffer)
-                {
+                let mismatch = match (op.kind, config.verify_seed) {
+                    (OpKind::Read, Some(seed)) => pattern::check(seed, op.offset_bytes, buffer),
+                    _ => None,
+                };
+                if let Some(mismatch) = mismatch {
                     outcome.mismatches += 1;
                     outcome.first_mismatch.get_or_insert(mismatch);
                 }

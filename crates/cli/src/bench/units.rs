@@ -46,7 +46,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "m" | "min" => value * 60.0,
         other => return Err(format!("unknown duration unit {other:?} in {text:?}")),
     };
-    if !seconds.is_finite() || seconds < 0.0 || seconds > 86_400.0 {
+    if !seconds.is_finite() || !(0.0..=86_400.0).contains(&seconds) {
         return Err(format!("{text:?} is out of range (0 .. 24 h)"));
     }
     Ok(Duration::from_secs_f64(seconds))
@@ -70,8 +70,12 @@ pub fn parse_rate(text: &str) -> Result<f64, String> {
     Ok(rate)
 }
 
+/// Target rates of an open-loop run, one row each.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateList(pub Vec<f64>);
+
 /// `10k,20k,40k` or `start:stop:step` (inclusive of stop).
-pub fn parse_rate_list(text: &str) -> Result<Vec<f64>, String> {
+pub fn parse_rate_list(text: &str) -> Result<RateList, String> {
     let rates = if text.contains(':') {
         let parts: Vec<&str> = text.split(':').collect();
         let [start, stop, step] = parts[..] else {
@@ -98,7 +102,7 @@ pub fn parse_rate_list(text: &str) -> Result<Vec<f64>, String> {
     if rates.is_empty() || rates.len() > RATE_ROWS_MAX {
         return Err(format!("between 1 and {RATE_ROWS_MAX} rates"));
     }
-    Ok(rates)
+    Ok(RateList(rates))
 }
 
 #[cfg(test)]
@@ -119,10 +123,13 @@ mod tests {
         assert!(parse_duration("-1").is_err());
         assert!(parse_duration("3d").is_err());
         assert_eq!(parse_rate("50k"), Ok(50_000.0));
-        assert_eq!(parse_rate_list("10k,20k"), Ok(vec![10_000.0, 20_000.0]));
+        assert_eq!(
+            parse_rate_list("10k,20k"),
+            Ok(RateList(vec![10_000.0, 20_000.0]))
+        );
         assert_eq!(
             parse_rate_list("10k:30k:10k"),
-            Ok(vec![10_000.0, 20_000.0, 30_000.0])
+            Ok(RateList(vec![10_000.0, 20_000.0, 30_000.0]))
         );
         assert!(parse_rate_list("1:1000000:1").is_err());
         assert!(parse_rate_list("0").is_err());

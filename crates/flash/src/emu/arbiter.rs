@@ -358,9 +358,12 @@ impl<T> Arbiter<T> {
                 let waiting = self.waiting();
                 take_turn(&mut self.all, &self.queues, self.burst, waiting)
             }
-            _ if self.pending[0] > 0 => {
-                take_turn(&mut self.rings[0], &self.queues, self.burst, self.pending[0])
-            }
+            _ if self.pending[0] > 0 => take_turn(
+                &mut self.rings[0],
+                &self.queues,
+                self.burst,
+                self.pending[0],
+            ),
             ArbitrationPolicy::WeightedRoundRobin { .. } => self.pick_weighted(),
             ArbitrationPolicy::DeficitRoundRobin { .. } => self.pick_deficit(),
         };

@@ -355,6 +355,11 @@ impl EmuDevice {
         Ok(())
     }
 
+    /// Checks that a trim of `len` bytes at `offset` is aligned and inside the device.
+    pub fn trim_data_check(&self, offset: u64, len: u64) -> Result<(), EmuError> {
+        self.check_range(offset, len)
+    }
+
     /// Pages of data held in memory.
     pub fn stored_pages(&self) -> usize {
         self.store.page_count()

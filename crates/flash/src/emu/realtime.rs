@@ -154,32 +154,31 @@ impl DeviceQueue for EmuQueue {
     fn submit(&mut self, op: DeviceOp<'_>, now: Nanos) -> Submit {
         let mut guard = lock(&self.shared);
         let shared = &mut *guard;
-        let (kind, offset, len, data_result) = match op.kind {
-            OpKind::Read { offset, buf } => {
-                let result = shared.device.read_data(offset, buf);
-                (EmuOpKind::Read, offset, buf.len() as u64, result)
-            }
-            OpKind::Write { offset, buf, .. } => {
-                let result = shared.device.write_data(offset, buf);
-                (EmuOpKind::Write, offset, buf.len() as u64, result)
-            }
-            OpKind::Flush => (EmuOpKind::Flush, 0, 0, Ok(())),
-            OpKind::Trim { offset, len } => {
-                let result = shared.device.trim_data(offset, len);
-                (EmuOpKind::Trim, offset, len, result)
-            }
+        let (kind, offset, len) = match &op.kind {
+            OpKind::Read { offset, buf } => (EmuOpKind::Read, *offset, buf.len() as u64),
+            OpKind::Write { offset, buf, .. } => (EmuOpKind::Write, *offset, buf.len() as u64),
+            OpKind::Flush => (EmuOpKind::Flush, 0, 0),
+            OpKind::Trim { offset, len } => (EmuOpKind::Trim, *offset, *len),
         };
-        if let Err(error) = data_result {
-            return Submit::Done(Err(to_flash_error(&error)));
-        }
+        let Ok(len_u32) = u32::try_from(len) else {
+            return Submit::Done(Err(FlashError::Io {
+                errno: libc::EINVAL,
+            }));
+        };
         let result_bytes = match kind {
-            EmuOpKind::Read | EmuOpKind::Write => len as u32,
+            EmuOpKind::Read | EmuOpKind::Write => len_u32,
             EmuOpKind::Flush | EmuOpKind::Trim => 0,
         };
-        // Trims of any size cost the controller the same: time one block of it.
+        // Trims of any size cost the controller the same: time one block of it, after checking
+        // the whole range.
         let timed_len = match kind {
-            EmuOpKind::Trim => super::EMU_BLOCK_BYTES,
-            _ => len as u32,
+            EmuOpKind::Trim => {
+                if let Err(error) = shared.device.trim_data_check(offset, len) {
+                    return Submit::Done(Err(to_flash_error(&error)));
+                }
+                super::EMU_BLOCK_BYTES
+            }
+            _ => len_u32,
         };
         let tag = match shared.free_tags.pop() {
             Some(tag) => tag,
@@ -188,11 +187,6 @@ impl DeviceQueue for EmuQueue {
                 (shared.owners.len() - 1) as u32
             }
         };
-        shared.owners[tag as usize] = Some(Owner {
-            queue_index: self.queue_index,
-            user_data: op.user_data,
-            result_bytes,
-        });
         let request = EmuRequest {
             tag: u64::from(tag),
             kind,
@@ -200,14 +194,24 @@ impl DeviceQueue for EmuQueue {
             len: timed_len,
             queue: op.queue,
         };
-        match shared.device.submit(now, request) {
-            Ok(()) => Submit::Pending,
-            Err(error) => {
-                shared.owners[tag as usize] = None;
-                shared.free_tags.push(tag);
-                Submit::Done(Err(to_flash_error(&error)))
-            }
+        // The model validates range and queue first, so a refused command changes no data.
+        if let Err(error) = shared.device.submit(now, request) {
+            shared.free_tags.push(tag);
+            return Submit::Done(Err(to_flash_error(&error)));
         }
+        shared.owners[tag as usize] = Some(Owner {
+            queue_index: self.queue_index,
+            user_data: op.user_data,
+            result_bytes,
+        });
+        let copied = match op.kind {
+            OpKind::Read { offset, buf } => shared.device.read_data(offset, buf),
+            OpKind::Write { offset, buf, .. } => shared.device.write_data(offset, buf),
+            OpKind::Flush => Ok(()),
+            OpKind::Trim { offset, len } => shared.device.trim_data(offset, len),
+        };
+        assert!(copied.is_ok(), "range validated by the model: {copied:?}");
+        Submit::Pending
     }
 
     fn poll_completions(&mut self, now: Nanos, out: &mut Vec<Completion>) {
