@@ -21,6 +21,8 @@ fn start_server(backend: String, size_bytes: Option<u64>) -> ServerHandle {
             backend,
             size_bytes,
             read_only: false,
+            name: None,
+            tenant: None,
         }],
         ..Config::default()
     };

@@ -23,6 +23,8 @@ fn namespace(
         backend,
         size_bytes,
         read_only,
+        name: None,
+        tenant: None,
     }
 }
 

@@ -21,7 +21,7 @@ use std::sync::atomic::AtomicU64;
 pub const PAGE_SIZE: usize = 4096;
 
 const _: () = assert!(PAGE_SIZE.is_power_of_two());
-const _: () = assert!(PAGE_SIZE % 512 == 0);
+const _: () = assert!(PAGE_SIZE.is_multiple_of(512));
 
 /// A zero-initialised, page-aligned, heap-allocated byte buffer of fixed size.
 pub struct AlignedBuf {
@@ -41,7 +41,7 @@ impl AlignedBuf {
     pub fn new_zeroed(len: usize) -> AlignedBuf {
         assert!(len > 0, "empty aligned buffer");
         assert!(
-            len % PAGE_SIZE == 0,
+            len.is_multiple_of(PAGE_SIZE),
             "aligned buffer length {len} not a page multiple"
         );
         let layout = Self::layout(len);
@@ -50,7 +50,7 @@ impl AlignedBuf {
         let Some(ptr) = NonNull::new(raw) else {
             alloc::handle_alloc_error(layout);
         };
-        assert!((ptr.as_ptr() as usize) % PAGE_SIZE == 0);
+        assert!((ptr.as_ptr() as usize).is_multiple_of(PAGE_SIZE));
         AlignedBuf { ptr, len }
     }
 
@@ -120,7 +120,7 @@ impl AtomicRegion {
     /// Maps `size_bytes` (a non-zero multiple of 8) of zeroed anonymous memory.
     pub fn new(size_bytes: u64) -> std::io::Result<AtomicRegion> {
         assert!(size_bytes > 0);
-        assert!(size_bytes % 8 == 0);
+        assert!(size_bytes.is_multiple_of(8));
         let Ok(len) = usize::try_from(size_bytes) else {
             return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
         };
@@ -142,7 +142,7 @@ impl AtomicRegion {
         let Some(ptr) = NonNull::new(raw.cast::<AtomicU64>()) else {
             return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
         };
-        assert!((ptr.as_ptr() as usize) % PAGE_SIZE == 0);
+        assert!((ptr.as_ptr() as usize).is_multiple_of(PAGE_SIZE));
         Ok(AtomicRegion {
             ptr,
             words: len / 8,

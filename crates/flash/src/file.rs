@@ -51,12 +51,12 @@ impl FileDevice {
             spec: spec.clone(),
             reason,
         };
-        if let Some(size) = size_bytes {
-            if size == 0 || size % u64::from(FILE_BLOCK_SIZE) != 0 {
-                return Err(fail(format!(
-                    "size {size} must be a non-zero multiple of {FILE_BLOCK_SIZE} bytes"
-                )));
-            }
+        if let Some(size) = size_bytes
+            && (size == 0 || !size.is_multiple_of(u64::from(FILE_BLOCK_SIZE)))
+        {
+            return Err(fail(format!(
+                "size {size} must be a non-zero multiple of {FILE_BLOCK_SIZE} bytes"
+            )));
         }
         let existing = match std::fs::metadata(path) {
             Ok(meta) => Some(meta),
@@ -103,7 +103,7 @@ impl FileDevice {
                 size
             }
         };
-        if size == 0 || size % u64::from(FILE_BLOCK_SIZE) != 0 {
+        if size == 0 || !size.is_multiple_of(u64::from(FILE_BLOCK_SIZE)) {
             return Err(fail(format!(
                 "size {size} must be a non-zero multiple of {FILE_BLOCK_SIZE} bytes"
             )));
@@ -194,8 +194,11 @@ struct FileQueue {
 impl FileQueue {
     fn check_range(&self, offset: u64, len: u64) {
         let block = u64::from(FILE_BLOCK_SIZE);
-        assert!(offset % block == 0, "offset {offset} not block aligned");
-        assert!(len % block == 0, "length {len} not block aligned");
+        assert!(
+            offset.is_multiple_of(block),
+            "offset {offset} not block aligned"
+        );
+        assert!(len.is_multiple_of(block), "length {len} not block aligned");
         assert!(
             offset
                 .checked_add(len)
@@ -208,7 +211,7 @@ impl FileQueue {
     fn check_buffer(&self, address: usize) {
         if self.direct_io {
             assert!(
-                address % FILE_BLOCK_SIZE as usize == 0,
+                address.is_multiple_of(FILE_BLOCK_SIZE as usize),
                 "O_DIRECT buffer {address:#x} not block aligned"
             );
         }

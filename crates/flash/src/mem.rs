@@ -26,7 +26,7 @@ impl MemDevice {
     /// A zeroed memory device of `size_bytes` (a non-zero multiple of 512).
     pub fn new(size_bytes: u64) -> Result<MemDevice, FlashError> {
         let spec = format!("mem:{size_bytes}");
-        if size_bytes == 0 || size_bytes % 512 != 0 {
+        if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
             return Err(FlashError::Open {
                 spec,
                 reason: "size must be a non-zero multiple of 512 bytes".into(),
@@ -69,10 +69,13 @@ impl MemQueue {
     /// The words covering `[offset, offset + len)`; the range was validated by the caller.
     fn range(&self, offset: u64, len: usize) -> &[std::sync::atomic::AtomicU64] {
         assert!(
-            offset % WORD_SIZE as u64 == 0,
+            offset.is_multiple_of(WORD_SIZE as u64),
             "mem offset {offset} not word aligned"
         );
-        assert!(len % WORD_SIZE == 0, "mem length {len} not word aligned");
+        assert!(
+            len.is_multiple_of(WORD_SIZE),
+            "mem length {len} not word aligned"
+        );
         let first = usize::try_from(offset / WORD_SIZE as u64).unwrap_or(usize::MAX);
         let words = self.region.words();
         let end = first.saturating_add(len / WORD_SIZE);

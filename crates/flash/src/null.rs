@@ -19,7 +19,7 @@ pub struct NullDevice {
 impl NullDevice {
     pub fn new(size_bytes: u64) -> NullDevice {
         assert!(size_bytes > 0);
-        assert!(size_bytes % 512 == 0);
+        assert!(size_bytes.is_multiple_of(512));
         NullDevice {
             info: DeviceInfo {
                 size_bytes,

@@ -70,7 +70,7 @@ pub fn open(spec: &str, size_bytes: Option<u64>) -> Result<Arc<dyn Device>, Flas
         }
         "null" => {
             let size = inline_size(rest)?.unwrap_or(NULL_SIZE_DEFAULT_BYTES);
-            if size == 0 || size % 512 != 0 {
+            if size == 0 || !size.is_multiple_of(512) {
                 return Err(fail(format!(
                     "size {size} must be a non-zero multiple of 512 bytes"
                 )));

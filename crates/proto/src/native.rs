@@ -808,7 +808,7 @@ impl ServerLimits {
         if !block_size_bytes.is_power_of_two() || block_size_bytes < 512 {
             return Err(LimitsError::BlockSize(block_size_bytes));
         }
-        if io_size_max_bytes == 0 || io_size_max_bytes % block_size_bytes != 0 {
+        if io_size_max_bytes == 0 || !io_size_max_bytes.is_multiple_of(block_size_bytes) {
             return Err(LimitsError::IoSizeMax(io_size_max_bytes));
         }
         Ok(ServerLimits {

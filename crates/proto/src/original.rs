@@ -21,7 +21,7 @@ pub const SECTOR_SIZE_BYTES: u32 = 512;
 /// The original server's limit: 256 pages of 4 KiB.
 pub const IO_SIZE_MAX_BYTES_DEFAULT: u32 = 1 << 20;
 
-const _: () = assert!(IO_SIZE_MAX_BYTES_DEFAULT % SECTOR_SIZE_BYTES == 0);
+const _: () = assert!(IO_SIZE_MAX_BYTES_DEFAULT.is_multiple_of(SECTOR_SIZE_BYTES));
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u16)]
@@ -223,7 +223,7 @@ pub fn validate(
     namespace_size_bytes: u64,
 ) -> Result<ValidatedIo, Invalid> {
     debug_assert!(limits.alignment_bytes.is_power_of_two());
-    debug_assert!(limits.io_size_max_bytes % limits.alignment_bytes == 0);
+    debug_assert!(limits.io_size_max_bytes.is_multiple_of(limits.alignment_bytes));
     if header.lba_count == 0 {
         return Err(Invalid::ZeroLength);
     }

@@ -76,7 +76,7 @@ impl PageAllocator {
         let max_pages = 1u32 << ORDER_MAX;
         assert!(page_count > 0);
         assert!(
-            page_count % max_pages == 0,
+            page_count.is_multiple_of(max_pages),
             "{page_count} pages not a multiple of {max_pages}"
         );
         let len = page_count as usize;
@@ -247,7 +247,7 @@ mod tests {
             seed ^= seed << 13;
             seed ^= seed >> 7;
             seed ^= seed << 17;
-            if seed % 3 == 0 && !live.is_empty() {
+            if seed.is_multiple_of(3) && !live.is_empty() {
                 let run = live.swap_remove((seed as usize / 3) % live.len());
                 for page in run.first_page..run.first_page + run.page_count() {
                     owner[page as usize] = usize::MAX;
@@ -260,7 +260,7 @@ mod tests {
                 }
                 live.push(run);
             }
-            if step % 1000 == 0 {
+            if step.is_multiple_of(1000) {
                 allocator.check();
             }
         }

@@ -1,5 +1,6 @@
-//! `reflexd` configuration: namespaces, listening ports, threads and limits, from a TOML file
-//! (`--config`) and command-line flags, with defaults that let a bare `reflexd` serve at once.
+//! `reflexd` configuration: namespaces (and the NBD exports and tenant bindings they carry),
+//! listening ports, threads and limits, from a TOML file (`--config`) and command-line flags,
+//! with defaults that let a bare `reflexd` serve at once.
 //!
 //! Precedence: built-in defaults, then the file, then flags. `--namespace` flags, when given,
 //! replace the file's namespaces (so one flag is enough to point a configured server at
@@ -12,10 +13,19 @@ use std::path::Path;
 use reflex_flash::spec::parse_size;
 use serde::Deserialize;
 
+use crate::sched::TenantId;
+
 /// Native protocol port when none is configured.
 pub const NATIVE_PORT_DEFAULT: u16 = 7070;
 /// Original ReFlex protocol port when none is configured (serves namespace 1).
 pub const ORIGINAL_PORT_DEFAULT: u16 = 1234;
+/// NBD port when none is configured (the port IANA assigned to NBD).
+pub const NBD_PORT_DEFAULT: u16 = 10809;
+/// Longest NBD export name reflexd accepts in its configuration: the spec's recommended
+/// limit (it allows 4096), which also keeps a LIST reply of every export small.
+pub const EXPORT_NAME_BYTES_MAX: usize = 256;
+/// Longest tenant name in a namespace's binding.
+pub const TENANT_NAME_BYTES_MAX: usize = 256;
 /// Requests a connection may have outstanding (advertised in HELLO).
 pub const WINDOW_DEFAULT: u32 = 128;
 pub const WINDOW_MAX: u32 = 4096;
@@ -83,6 +93,14 @@ pub struct NamespaceConfig {
     pub size_bytes: Option<u64>,
     #[serde(default)]
     pub read_only: bool,
+    /// NBD export name; `None`: `ns<ID>` (see [`NamespaceConfig::export_name`]).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Tenant whose SLO or best-effort share the NBD connections to this export get
+    /// (`docs/NBD.md`, "Exports, namespaces and tenants"). `None`: the default best-effort
+    /// tenant. Native connections choose their tenant themselves.
+    #[serde(default)]
+    pub tenant: Option<String>,
 }
 
 fn optional_size<'de, D: serde::Deserializer<'de>>(
@@ -92,16 +110,37 @@ fn optional_size<'de, D: serde::Deserializer<'de>>(
 }
 
 impl NamespaceConfig {
-    /// Parses a `--namespace` flag: `ID=BACKEND[,size=SIZE][,ro]`, e.g.
-    /// `1=file:/data/ns1,size=10G`, `2=mem:1G`, `3=null`, `4=/dev/nvme0n1,ro`.
+    /// A writable namespace with no size, name or tenant given.
+    pub fn new(id: u32, backend: impl Into<String>) -> NamespaceConfig {
+        NamespaceConfig {
+            id,
+            backend: backend.into(),
+            size_bytes: None,
+            read_only: false,
+            name: None,
+            tenant: None,
+        }
+    }
+
+    /// The name NBD clients use for this namespace: the configured one, or `ns<ID>`.
+    pub fn export_name(&self) -> String {
+        match &self.name {
+            Some(name) => name.clone(),
+            None => format!("ns{}", self.id),
+        }
+    }
+
+    /// Parses a `--namespace` flag: `ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT]`,
+    /// e.g. `1=file:/data/ns1,size=10G`, `2=mem:1G,name=scratch`, `3=null`,
+    /// `4=/dev/nvme0n1,ro`, `5=mem:1G,tenant=analytics`.
     pub fn from_flag(text: &str) -> Result<NamespaceConfig, ConfigError> {
         let fail = |message: &str| ConfigError::NamespaceFlag {
             text: text.to_string(),
             message: message.to_string(),
         };
-        let (id, rest) = text
-            .split_once('=')
-            .ok_or_else(|| fail("expected ID=BACKEND[,size=SIZE][,ro]"))?;
+        let (id, rest) = text.split_once('=').ok_or_else(|| {
+            fail("expected ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT]")
+        })?;
         let id: u32 = id
             .trim()
             .parse()
@@ -111,12 +150,7 @@ impl NamespaceConfig {
         if backend.is_empty() {
             return Err(fail("missing backend"));
         }
-        let mut namespace = NamespaceConfig {
-            id,
-            backend,
-            size_bytes: None,
-            read_only: false,
-        };
+        let mut namespace = NamespaceConfig::new(id, backend);
         for option in parts {
             let option = option.trim();
             if option == "ro" || option == "read_only" {
@@ -124,9 +158,13 @@ impl NamespaceConfig {
             } else if let Some(size) = option.strip_prefix("size=") {
                 let size = parse_size(size).map_err(|e| fail(&e.to_string()))?;
                 namespace.size_bytes = Some(size);
+            } else if let Some(name) = option.strip_prefix("name=") {
+                namespace.name = Some(name.to_string());
+            } else if let Some(tenant) = option.strip_prefix("tenant=") {
+                namespace.tenant = Some(tenant.to_string());
             } else {
                 return Err(fail(&format!(
-                    "unknown option {option:?} (size=SIZE or ro)"
+                    "unknown option {option:?} (size=SIZE, ro, name=NAME or tenant=TENANT)"
                 )));
             }
         }
@@ -164,6 +202,30 @@ impl OriginalPortConfig {
     }
 }
 
+/// The NBD listener (`docs/NBD.md`). Exports are the namespaces, under their
+/// [`NamespaceConfig::export_name`].
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NbdConfig {
+    /// Whether to listen for NBD at all.
+    pub enabled: bool,
+    /// 0 picks a free port.
+    pub port: u16,
+    /// The export a client gets when it asks for the empty name; `None`: the first namespace
+    /// in the configuration.
+    pub default_export: Option<String>,
+}
+
+impl Default for NbdConfig {
+    fn default() -> NbdConfig {
+        NbdConfig {
+            enabled: true,
+            port: NBD_PORT_DEFAULT,
+            default_export: None,
+        }
+    }
+}
+
 /// Everything `Server::start` needs.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -175,6 +237,8 @@ pub struct Config {
     pub port: u16,
     /// Original-protocol ports. `None`: port 1234 serving namespace 1 if it exists.
     pub original_ports: Option<Vec<OriginalPortConfig>>,
+    /// The NBD listener: on port 10809 unless configured otherwise.
+    pub nbd: NbdConfig,
     /// Dataplane threads, each with its own ring, buffers and share of connections.
     pub threads: usize,
     /// Spin on the rings instead of sleeping when idle (lowest latency, one busy core each).
@@ -202,6 +266,7 @@ impl Default for Config {
             listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
             port: NATIVE_PORT_DEFAULT,
             original_ports: None,
+            nbd: NbdConfig::default(),
             threads: 1,
             poll: false,
             window: WINDOW_DEFAULT,
@@ -235,10 +300,8 @@ impl Config {
     pub fn effective_namespaces(&self) -> Vec<NamespaceConfig> {
         if self.namespaces.is_empty() {
             vec![NamespaceConfig {
-                id: 1,
-                backend: DEFAULT_NAMESPACE_BACKEND.to_string(),
                 size_bytes: Some(DEFAULT_NAMESPACE_SIZE_BYTES),
-                read_only: false,
+                ..NamespaceConfig::new(1, DEFAULT_NAMESPACE_BACKEND)
             }]
         } else {
             self.namespaces.clone()
@@ -263,6 +326,36 @@ impl Config {
         }
     }
 
+    /// The export a client naming the empty string gets: the configured default, or the first
+    /// namespace's export.
+    pub fn effective_default_export(&self) -> Option<String> {
+        match &self.nbd.default_export {
+            Some(name) => Some(name.clone()),
+            None => self
+                .effective_namespaces()
+                .first()
+                .map(NamespaceConfig::export_name),
+        }
+    }
+
+    /// The tenants namespaces are bound to, each with the id the dataplane's requests carry
+    /// to the scheduler ([`crate::sched::QueuedIo::tenant`]): 1, 2, … in order of first
+    /// appearance in the namespace list (0 is the default best-effort tenant). Until the
+    /// tenant registry of the QoS work resolves names itself, this is how a scheduler learns
+    /// which id stands for which configured tenant; the startup log lists the same table.
+    pub fn tenant_ids(&self) -> Vec<(String, TenantId)> {
+        let mut ids: Vec<(String, TenantId)> = Vec::new();
+        for namespace in self.effective_namespaces() {
+            if let Some(tenant) = &namespace.tenant
+                && !ids.iter().any(|(name, _)| name == tenant)
+            {
+                let id = ids.len() as TenantId + 1;
+                ids.push((tenant.clone(), id));
+            }
+        }
+        ids
+    }
+
     /// Checks every field against its documented range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
@@ -273,7 +366,9 @@ impl Config {
             return invalid(format!("window {} not in 1..={WINDOW_MAX}", self.window));
         }
         let arena = self.arena_bytes_per_thread;
-        if !((1 << 20)..=ARENA_BYTES_PER_THREAD_MAX).contains(&arena) || arena % (1 << 20) != 0 {
+        if !((1 << 20)..=ARENA_BYTES_PER_THREAD_MAX).contains(&arena)
+            || !arena.is_multiple_of(1 << 20)
+        {
             return invalid(format!(
                 "arena_bytes_per_thread {arena} must be a multiple of 1 MiB in 1 MiB..=1 GiB"
             ));
@@ -316,6 +411,39 @@ impl Config {
                     original.port, original.namespace
                 ));
             }
+        }
+        let names: Vec<String> = namespaces
+            .iter()
+            .map(NamespaceConfig::export_name)
+            .collect();
+        for (index, (namespace, name)) in namespaces.iter().zip(&names).enumerate() {
+            if name.is_empty() || name.len() > EXPORT_NAME_BYTES_MAX || name.contains('\0') {
+                return invalid(format!(
+                    "namespace {}: export name {name:?} must be 1..={EXPORT_NAME_BYTES_MAX} bytes without NUL",
+                    namespace.id
+                ));
+            }
+            if names[..index].contains(name) {
+                return invalid(format!(
+                    "namespace {}: export name {name:?} is taken by another namespace",
+                    namespace.id
+                ));
+            }
+            if let Some(tenant) = &namespace.tenant
+                && (tenant.is_empty() || tenant.len() > TENANT_NAME_BYTES_MAX)
+            {
+                return invalid(format!(
+                    "namespace {}: tenant name {tenant:?} must be 1..={TENANT_NAME_BYTES_MAX} bytes",
+                    namespace.id
+                ));
+            }
+        }
+        if let Some(default) = &self.nbd.default_export
+            && !names.contains(default)
+        {
+            return invalid(format!(
+                "nbd.default_export {default:?} is not the export name of any namespace"
+            ));
         }
         Ok(())
     }
@@ -384,6 +512,88 @@ mod tests {
         assert_eq!((port.port, port.namespace), (1300, 2));
         let port = OriginalPortConfig::from_flag("1300").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(port.namespace, 1);
+        let ns = NamespaceConfig::from_flag("5=mem:1G,name=scratch,tenant=analytics")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ns.name.as_deref(), Some("scratch"));
+        assert_eq!(ns.tenant.as_deref(), Some("analytics"));
+        assert_eq!(ns.export_name(), "scratch");
+        assert_eq!(NamespaceConfig::new(9, "null").export_name(), "ns9");
+    }
+
+    #[test]
+    fn nbd_exports_and_tenants() {
+        let text = r#"
+            [nbd]
+            port = 10900
+            default_export = "scratch"
+
+            [[namespace]]
+            id = 1
+            backend = "mem:1G"
+            tenant = "gold"
+
+            [[namespace]]
+            id = 2
+            backend = "mem:1G"
+            name = "scratch"
+            tenant = "bronze"
+
+            [[namespace]]
+            id = 3
+            backend = "null"
+            tenant = "gold"
+        "#;
+        let config = Config::from_toml(text, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert!(config.nbd.enabled);
+        assert_eq!(config.nbd.port, 10900);
+        assert_eq!(
+            config.effective_default_export().as_deref(),
+            Some("scratch")
+        );
+        assert_eq!(
+            config.tenant_ids(),
+            vec![("gold".to_string(), 1), ("bronze".to_string(), 2)]
+        );
+        let defaults = Config::default();
+        assert_eq!(defaults.nbd.port, NBD_PORT_DEFAULT);
+        assert_eq!(defaults.effective_default_export().as_deref(), Some("ns1"));
+        assert!(defaults.tenant_ids().is_empty());
+        let disabled =
+            Config::from_toml("[nbd]\nenabled = false", "test").unwrap_or_else(|e| panic!("{e}"));
+        assert!(!disabled.nbd.enabled);
+        assert!(Config::from_toml("[nbd]\nbogus = 1", "test").is_err());
+    }
+
+    #[test]
+    fn bad_export_names_and_tenants() {
+        let bad = |namespaces: Vec<NamespaceConfig>, default_export: Option<&str>| {
+            let config = Config {
+                namespaces,
+                nbd: NbdConfig {
+                    default_export: default_export.map(str::to_string),
+                    ..NbdConfig::default()
+                },
+                original_ports: Some(Vec::new()),
+                ..Config::default()
+            };
+            assert!(config.validate().is_err(), "{config:?}");
+        };
+        let named = |id, name: &str| NamespaceConfig {
+            name: Some(name.to_string()),
+            ..NamespaceConfig::new(id, "null")
+        };
+        // A configured name colliding with another namespace's default name.
+        bad(vec![NamespaceConfig::new(1, "null"), named(2, "ns1")], None);
+        bad(vec![named(1, "")], None);
+        bad(vec![named(1, "a\0b")], None);
+        bad(vec![named(1, &"x".repeat(EXPORT_NAME_BYTES_MAX + 1))], None);
+        bad(vec![NamespaceConfig::new(1, "null")], Some("nope"));
+        let tenant = NamespaceConfig {
+            tenant: Some(String::new()),
+            ..NamespaceConfig::new(1, "null")
+        };
+        bad(vec![tenant], None);
     }
 
     #[test]
@@ -401,12 +611,7 @@ mod tests {
             arena_bytes_per_thread: 1000,
             ..Config::default()
         });
-        let ns = |id| NamespaceConfig {
-            id,
-            backend: "null".into(),
-            size_bytes: None,
-            read_only: false,
-        };
+        let ns = |id| NamespaceConfig::new(id, "null");
         bad(Config {
             namespaces: vec![ns(0)],
             ..Config::default()
@@ -436,6 +641,13 @@ mod example_file {
         let config = Config::from_file(Path::new(path)).unwrap_or_else(|e| panic!("{e}"));
         config.validate().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(config.namespaces.len(), 3);
-        assert_eq!(config, Config { namespaces: config.namespaces.clone(), original_ports: config.original_ports.clone(), ..Config::default() });
+        assert_eq!(
+            config,
+            Config {
+                namespaces: config.namespaces.clone(),
+                original_ports: config.original_ports.clone(),
+                ..Config::default()
+            }
+        );
     }
 }

@@ -22,8 +22,14 @@
 //!
 //! Request lifecycle ([`RequestState`], counted and asserted on every transition):
 //! `Free → (NeedBuffer →) [Receiving →] Queued → Submitted → Completed ⇄ Sending → Free`;
-//! immediate replies (errors, HELLO) go `Free/NeedBuffer → Completed`. A request belonging to
-//! a closing connection is freed as soon as no kernel operation uses it.
+//! immediate replies (errors, HELLO, NBD handshake output) go `Free/NeedBuffer → Completed`;
+//! a request with several device operations (`steps`: NBD WRITE_ZEROES in chunks, a flush for
+//! FUA) goes back `Submitted → Queued` between them. A request belonging to a closing
+//! connection is freed as soon as no kernel operation uses it.
+//!
+//! Shutdown: listeners close; connections stop reading and close once their in-flight
+//! requests are answered, except NBD sessions, which keep reading and answer new requests
+//! ESHUTDOWN until then (`Connection::drain_reading`); then every device is flushed.
 //!
 //! WRITE payloads: bytes already in the connection's receive buffer are copied into the
 //! request's run and the missing remainder is received directly into the run (no second
@@ -41,13 +47,15 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types};
 use reflex_flash::{DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
-use reflex_proto::native::Status;
 use reflex_qos::Nanos;
 
-use crate::buffers::{PageAllocator, PageRun, order_for};
-use crate::frontend::{Action, Decoded, Frontend, IoKind, RESPONSE_HEADER_SIZE_MAX, Tag};
+use crate::buffers::{PageAllocator, PageRun, RUN_SIZE_MAX, order_for};
+use crate::frontend::{
+    Action, Answer, Decoded, Frontend, IoKind, NbdExports, Protocol, RESPONSE_HEADER_SIZE_MAX, Tag,
+};
 use crate::namespaces::NamespaceSet;
 use crate::sched::{FifoScheduler, IoClass, QueuedIo, Scheduler};
+use crate::steps::{self, IoStep, Next, Start};
 use crate::uring::{self, Arena, Cqe, Ring};
 
 /// Completions handled per iteration (the paper's adaptive batching cap).
@@ -67,7 +75,7 @@ pub const DEVICE_IN_FLIGHT_PER_THREAD_MAX: u32 = 1024;
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 const _: () = assert!(BATCH_MAX <= RING_CQ_ENTRIES as usize);
-const _: () = assert!(SEND_IOVECS_MAX >= 2 && SEND_IOVECS_MAX % 2 == 0);
+const _: () = assert!(SEND_IOVECS_MAX >= 2 && SEND_IOVECS_MAX.is_multiple_of(2));
 const _: () = assert!(SEND_IOVECS_MAX <= 1024); // IOV_MAX
 const _: () = assert!(
     reflex_proto::native::REQUEST_HEADER_SIZE + reflex_proto::native::HELLO_BODY_SIZE
@@ -144,7 +152,7 @@ impl RequestState {
                 | (NeedBuffer, Receiving | Queued | Completed | Free)
                 | (Receiving, Queued | Free)
                 | (Queued, Submitted | Free)
-                | (Submitted, Completed | Free)
+                | (Submitted, Completed | Queued | Free)
                 | (Completed, Sending | Free)
                 | (Sending, Completed | Free)
         )
@@ -157,6 +165,8 @@ struct Request {
     connection_index: u32,
     tag: Tag,
     action: Action,
+    /// The device operation the request is at (most requests have one step).
+    step: IoStep,
     run: Option<PageRun>,
     /// WRITE payload bytes in the run so far.
     received_bytes: u32,
@@ -175,7 +185,8 @@ impl Request {
             generation: 0,
             connection_index: NONE,
             tag: Tag::None,
-            action: Action::Reply(Status::Ok),
+            action: Action::Reply(Answer::Ok),
+            step: IoStep::Primary,
             run: None,
             received_bytes: 0,
             header: [0; RESPONSE_HEADER_SIZE_MAX],
@@ -218,8 +229,11 @@ struct Connection {
     recv_into: Option<u32>,
     /// No more receives: the peer closed its side, or the server is draining.
     read_closed: bool,
-    /// Shutdown: parse nothing new, answer what is in flight, then close.
+    /// Shutdown: answer what is in flight, then close.
     draining: bool,
+    /// While draining, keep reading and answer new requests with a refusal (NBD's
+    /// ESHUTDOWN) until nothing is outstanding; otherwise parse nothing new.
+    drain_reading: bool,
     /// Payload bytes of a refused request still to discard.
     skip_bytes: u64,
     /// The request at the head of the stream waiting for a buffer run.
@@ -253,6 +267,7 @@ impl Connection {
             recv_into: None,
             read_closed: false,
             draining: false,
+            drain_reading: false,
             skip_bytes: 0,
             stalled: None,
             outstanding: 0,
@@ -271,7 +286,7 @@ impl Connection {
 
 struct Listener {
     socket: Option<TcpListener>,
-    frontend: Frontend,
+    protocol: Protocol,
     accept_in_flight: bool,
     /// No free connection slot: re-armed when one frees.
     paused: bool,
@@ -319,8 +334,10 @@ pub enum CoreError {
 /// What a thread needs to start.
 pub struct CoreSetup {
     pub thread_index: usize,
-    pub listeners: Vec<(TcpListener, Frontend)>,
+    pub listeners: Vec<(TcpListener, Protocol)>,
     pub namespaces: Arc<NamespaceSet>,
+    /// The NBD export table, when the server listens for NBD.
+    pub nbd_exports: Option<Arc<NbdExports>>,
     pub poll: bool,
     pub window: u32,
     pub arena_bytes: usize,
@@ -330,6 +347,8 @@ pub struct CoreSetup {
     pub shutdown: Arc<AtomicBool>,
     pub waker: Arc<File>,
     pub clock_origin: Instant,
+    /// The thread's scheduler; `None` is the FIFO passthrough.
+    pub scheduler: Option<Box<dyn Scheduler + Send>>,
 }
 
 pub struct Core {
@@ -344,8 +363,12 @@ pub struct Core {
     free_connections: Vec<u32>,
     listeners: Vec<Listener>,
     namespaces: Arc<NamespaceSet>,
+    nbd_exports: Option<Arc<NbdExports>>,
     queues: Vec<Box<dyn DeviceQueue>>,
-    scheduler: Box<dyn Scheduler>,
+    /// Per namespace: whether the device discards (it says so and has not refused one on
+    /// this thread). NBD TRIM and WRITE_ZEROES skip the discard where it does not.
+    discards: Vec<bool>,
+    scheduler: Box<dyn Scheduler + Send>,
     parse_ready: VecDeque<u32>,
     send_ready: VecDeque<u32>,
     waiters: VecDeque<u32>,
@@ -396,9 +419,9 @@ impl Core {
         let listeners = setup
             .listeners
             .into_iter()
-            .map(|(socket, frontend)| Listener {
+            .map(|(socket, protocol)| Listener {
                 socket: Some(socket),
-                frontend,
+                protocol,
                 accept_in_flight: false,
                 paused: false,
             })
@@ -418,9 +441,16 @@ impl Core {
             free_connections: (0..setup.connections_max).rev().collect(),
             connections,
             listeners,
+            discards: (0..setup.namespaces.len())
+                .map(|index| setup.namespaces.info(index as u16).supports_trim)
+                .collect(),
             namespaces: setup.namespaces,
+            nbd_exports: setup.nbd_exports,
             queues,
-            scheduler: Box::new(FifoScheduler::new(setup.requests_max as usize)),
+            scheduler: match setup.scheduler {
+                Some(scheduler) => scheduler,
+                None => Box::new(FifoScheduler::new(setup.requests_max as usize)),
+            },
             parse_ready: VecDeque::with_capacity(setup.connections_max as usize),
             send_ready: VecDeque::with_capacity(setup.connections_max as usize),
             waiters: VecDeque::with_capacity(setup.connections_max as usize),
@@ -637,7 +667,7 @@ impl Core {
         let listener = &mut self.listeners[listener_index as usize];
         assert!(listener.accept_in_flight);
         listener.accept_in_flight = false;
-        let frontend = listener.frontend;
+        let protocol = listener.protocol;
         if !running {
             listener.socket = None;
             if result >= 0 {
@@ -684,8 +714,10 @@ impl Core {
         connection.state = ConnectionState::Open;
         connection.fd = stream.as_raw_fd();
         connection.stream = Some(stream);
-        connection.frontend = frontend;
-        self.issue_recv(index);
+        connection.frontend = Frontend::new(protocol, self.nbd_exports.as_ref());
+        // Parsing first: a protocol may speak before it listens (the NBD greeting); the
+        // others find nothing to parse and receive.
+        self.mark_parse(index);
         self.arm_accept(listener_index);
     }
 
@@ -784,16 +816,48 @@ impl Core {
             }
             let connection = &mut self.connections[index as usize];
             connection.draining = true;
-            connection.read_closed = true;
-            if connection.recv_in_flight {
-                let target = token::encode(Kind::Recv, connection.generation, index);
-                self.cancel(target);
+            let keep_reading = connection.frontend.begin_shutdown();
+            if keep_reading && connection.outstanding > 0 {
+                // In-flight requests finish (a stalled one included); requests arriving
+                // meanwhile are refused; the connection closes once nothing is outstanding
+                // (`stop_reading_if_drained`).
+                connection.drain_reading = true;
+                continue;
             }
+            self.stop_reading(index);
             if let Some(request) = self.connections[index as usize].stalled.take() {
                 self.free_request(request);
             }
             self.maybe_close_idle(index);
         }
+    }
+
+    /// Reads nothing more on a connection: cancels its receive (the completion closes it
+    /// once idle).
+    fn stop_reading(&mut self, index: u32) {
+        let connection = &mut self.connections[index as usize];
+        connection.read_closed = true;
+        connection.drain_reading = false;
+        if connection.recv_in_flight {
+            let target = token::encode(Kind::Recv, connection.generation, index);
+            self.cancel(target);
+        }
+    }
+
+    /// A draining connection that kept reading closes once everything it received is
+    /// answered and sent. Returns whether it stopped.
+    fn stop_reading_if_drained(&mut self, index: u32) -> bool {
+        let connection = &self.connections[index as usize];
+        if !(connection.drain_reading
+            && connection.outstanding == 0
+            && connection.stalled.is_none()
+            && connection.recv_into.is_none())
+        {
+            return false;
+        }
+        self.stop_reading(index);
+        self.maybe_close_idle(index);
+        true
     }
 
     fn start_flush(&mut self, now: Nanos) {
@@ -865,6 +929,7 @@ impl Core {
         request.connection_index = connection_index;
         request.tag = tag;
         request.action = action;
+        request.step = IoStep::Primary;
         request.received_bytes = 0;
         request.header_len = 0;
         request.data_bytes = 0;
@@ -910,12 +975,39 @@ impl Core {
                 let body = self.arena.run_mut(run, size);
                 let length = Frontend::write_hello_body(&self.namespaces, window, body);
                 self.requests[index as usize].run = Some(run);
-                self.respond(index, Status::Ok, length as u32);
+                self.respond(index, Answer::Ok, length as u32);
+                true
+            }
+            Action::Output => {
+                let connection_index = self.requests[index as usize].connection_index;
+                let pending = self.connections[connection_index as usize]
+                    .frontend
+                    .pending_output_bytes();
+                assert!(pending > 0, "an output request without output");
+                let size = pending.min(RUN_SIZE_MAX);
+                let Some(run) = self.pages.allocate(order_for(size)) else {
+                    self.stats.buffer_waits += 1;
+                    return false;
+                };
+                let out = self.arena.run_mut(run, size);
+                let written = self.connections[connection_index as usize]
+                    .frontend
+                    .write_output(out);
+                assert_eq!(written, size);
+                self.requests[index as usize].run = Some(run);
+                self.respond(index, Answer::Ok, written as u32);
                 true
             }
             Action::Io(io) => {
-                if io.kind.has_data() {
-                    let Some(run) = self.pages.allocate(order_for(io.length_bytes as usize)) else {
+                let run_bytes = steps::run_bytes(io.kind, io.length_bytes, RUN_SIZE_MAX);
+                let first =
+                    steps::first_step(io.kind, self.discards[usize::from(io.namespace_index)]);
+                if let Start::Answer(answer) = first {
+                    self.respond(index, answer, 0);
+                    return true;
+                }
+                if run_bytes > 0 {
+                    let Some(run) = self.pages.allocate(order_for(run_bytes)) else {
                         self.stats.buffer_waits += 1;
                         return false;
                     };
@@ -924,10 +1016,27 @@ impl Core {
                 if let IoKind::Write { .. } = io.kind {
                     self.take_write_payload(index, now);
                 } else {
+                    if let Start::Submit(step) = first {
+                        self.set_step(index, step);
+                    }
                     self.enqueue(index, now);
                 }
                 true
             }
+        }
+    }
+
+    /// Moves a request to `step`; a zero fill starts by zeroing the request's run.
+    fn set_step(&mut self, index: u32, step: IoStep) {
+        let request = &mut self.requests[index as usize];
+        let starts_zero_fill = matches!(step, IoStep::ZeroFill { written_bytes: 0 })
+            && !matches!(request.step, IoStep::ZeroFill { .. });
+        request.step = step;
+        if starts_zero_fill {
+            let Some(run) = request.run else {
+                panic!("zero fill without a run");
+            };
+            self.arena.run_mut(run, run.size_bytes()).fill(0);
         }
     }
 
@@ -965,35 +1074,54 @@ impl Core {
         self.scheduler.enqueue(io, now);
     }
 
+    /// What the scheduler sees of the request's current step: its tenant, and the class and
+    /// size of the device operation the step submits.
     fn queued_io(&self, index: u32) -> QueuedIo {
-        let Action::Io(io) = self.requests[index as usize].action else {
+        let request = &self.requests[index as usize];
+        let Action::Io(io) = request.action else {
             panic!("queued request without I/O");
         };
-        let class = match io.kind {
-            IoKind::Read => IoClass::Read,
-            IoKind::Write { .. } => IoClass::Write,
-            IoKind::Flush | IoKind::Trim => IoClass::Other,
+        let (class, size_bytes) = match (request.step, io.kind) {
+            (IoStep::Primary, IoKind::Read) => (IoClass::Read, io.length_bytes),
+            (IoStep::Primary, IoKind::Write { .. }) => (IoClass::Write, io.length_bytes),
+            (IoStep::ZeroFill { written_bytes }, _) => (
+                IoClass::Write,
+                steps::zero_chunk_bytes(io.length_bytes, written_bytes, self.run_bytes(request)),
+            ),
+            (IoStep::FlushAfter, _) => (IoClass::Other, 0),
+            (IoStep::Primary, _) => (IoClass::Other, io.length_bytes),
         };
         QueuedIo {
             request_index: index,
-            tenant: 0,
+            tenant: io.tenant,
             namespace_index: io.namespace_index,
             class,
-            size_bytes: io.length_bytes,
+            size_bytes,
         }
     }
 
+    /// Bytes of the request's run that hold data (or zeroes).
+    fn run_bytes(&self, request: &Request) -> usize {
+        let Action::Io(io) = request.action else {
+            return 0;
+        };
+        steps::run_bytes(io.kind, io.length_bytes, RUN_SIZE_MAX)
+    }
+
     /// Encodes the response header and queues the request for sending.
-    fn respond(&mut self, index: u32, status: Status, data_bytes: u32) {
+    fn respond(&mut self, index: u32, answer: Answer, data_bytes: u32) {
         let connection_index = self.requests[index as usize].connection_index;
-        let frontend = self.connections[connection_index as usize].frontend;
+        let frontend = &self.connections[connection_index as usize].frontend;
         let request = &mut self.requests[index as usize];
         let tag = request.tag;
         let Some(header_len) =
-            frontend.encode_response(&tag, status, data_bytes, &mut request.header)
+            frontend.encode_response(&tag, answer, data_bytes, &mut request.header)
         else {
-            tracing::warn!(thread = self.thread_index, %status,
-                "request failed on a protocol without status; closing the connection");
+            tracing::warn!(
+                thread = self.thread_index,
+                ?answer,
+                "request failed on a protocol without status; closing the connection"
+            );
             self.transition(index, RequestState::Completed);
             self.free_request(index);
             self.abort_connection(connection_index, "failure the protocol cannot report");
@@ -1064,7 +1192,7 @@ impl Core {
             if connection.state != ConnectionState::Open {
                 return;
             }
-            if connection.draining {
+            if connection.draining && !connection.drain_reading {
                 self.maybe_close_idle(index);
                 return;
             }
@@ -1077,7 +1205,9 @@ impl Core {
                 continue;
             }
             if connection.recv_in_flight {
-                return; // Nothing to parse until that receive completes.
+                // Nothing to parse until that receive completes.
+                self.stop_reading_if_drained(index);
+                return;
             }
             if connection.recv_into.is_some() {
                 break; // A payload is being received into its run.
@@ -1098,11 +1228,23 @@ impl Core {
                 self.add_waiter(index);
                 return;
             }
-            let connection = &self.connections[index as usize];
+            let connection = &mut self.connections[index as usize];
             let unparsed = &connection.recv_buffer[connection.recv_start..connection.recv_end];
+            let unparsed_bytes = unparsed.len();
             let decoded = connection.frontend.decode(unparsed, &self.namespaces);
             match decoded {
                 Decoded::NeedMore => break,
+                Decoded::Consumed(count) => {
+                    self.connections[index as usize].recv_start += count;
+                }
+                Decoded::Finish { consumed_bytes } => {
+                    let connection = &mut self.connections[index as usize];
+                    connection.recv_start += consumed_bytes;
+                    connection.read_closed = true;
+                    connection.drain_reading = false;
+                    self.maybe_close_idle(index);
+                    return;
+                }
                 Decoded::Close(reason) => {
                     tracing::info!(thread = self.thread_index, %reason, "closing connection: bad request framing");
                     self.abort_connection(index, "bad framing");
@@ -1115,23 +1257,23 @@ impl Core {
                     action,
                 } => {
                     // A small WRITE is gathered whole in the receive buffer first.
-                    if let Action::Io(io) = action {
-                        if let IoKind::Write { .. } = io.kind {
-                            assert_eq!(payload_bytes, u64::from(io.length_bytes));
-                            let total = header_bytes + io.length_bytes as usize;
-                            if total > unparsed.len() && total <= WRITE_GATHER_BYTES_MAX {
-                                break;
-                            }
+                    if let Action::Io(io) = action
+                        && let IoKind::Write { .. } = io.kind
+                    {
+                        assert_eq!(payload_bytes, u64::from(io.length_bytes));
+                        let total = header_bytes + io.length_bytes as usize;
+                        if total > unparsed_bytes && total <= WRITE_GATHER_BYTES_MAX {
+                            break;
                         }
                     }
                     self.connections[index as usize].recv_start += header_bytes;
                     let request = self.allocate_request(index, tag, action);
                     match action {
-                        Action::Reply(status) => {
+                        Action::Reply(answer) => {
                             self.connections[index as usize].skip_bytes = payload_bytes;
-                            self.respond(request, status, 0);
+                            self.respond(request, answer, 0);
                         }
-                        Action::Hello | Action::Io(_) => {
+                        Action::Hello | Action::Output | Action::Io(_) => {
                             if !self.try_start(request, now) {
                                 self.transition(request, RequestState::NeedBuffer);
                                 self.connections[index as usize].stalled = Some(request);
@@ -1147,7 +1289,7 @@ impl Core {
         let connection = &self.connections[index as usize];
         if connection.read_closed {
             self.maybe_close_idle(index);
-        } else {
+        } else if !self.stop_reading_if_drained(index) {
             self.issue_recv(index);
         }
     }
@@ -1204,7 +1346,9 @@ impl Core {
         );
         assert!(connection.recv_in_flight);
         connection.recv_in_flight = false;
-        if connection.state == ConnectionState::Closing || connection.draining {
+        if connection.state == ConnectionState::Closing
+            || (connection.draining && !connection.drain_reading)
+        {
             if let Some(request) = connection.recv_into.take() {
                 self.free_request(request);
             }
@@ -1282,8 +1426,8 @@ impl Core {
         let user_data = token::encode(Kind::Device, request.generation, index);
         let length = io.length_bytes as usize;
         let run = request.run;
-        let kind = match io.kind {
-            IoKind::Read => {
+        let kind = match (request.step, io.kind) {
+            (IoStep::Primary, IoKind::Read) => {
                 let Some(run) = run else {
                     panic!("read without a run")
                 };
@@ -1292,7 +1436,7 @@ impl Core {
                     buf: self.arena.run_mut(run, length),
                 }
             }
-            IoKind::Write { fua } => {
+            (IoStep::Primary, IoKind::Write { fua }) => {
                 let Some(run) = run else {
                     panic!("write without a run")
                 };
@@ -1302,11 +1446,26 @@ impl Core {
                     fua,
                 }
             }
-            IoKind::Flush => OpKind::Flush,
-            IoKind::Trim => OpKind::Trim {
+            (IoStep::Primary, IoKind::Flush) | (IoStep::FlushAfter, _) => OpKind::Flush,
+            (IoStep::Primary, IoKind::Trim { .. } | IoKind::WriteZeroes { .. }) => OpKind::Trim {
                 offset: io.offset_bytes,
                 len: u64::from(io.length_bytes),
             },
+            (IoStep::ZeroFill { written_bytes }, _) => {
+                let Some(run) = run else {
+                    panic!("zero fill without a run")
+                };
+                let chunk = steps::zero_chunk_bytes(
+                    io.length_bytes,
+                    written_bytes,
+                    self.run_bytes(request),
+                );
+                OpKind::Write {
+                    offset: io.offset_bytes + u64::from(written_bytes),
+                    buf: self.arena.run(run, chunk as usize),
+                    fua: false,
+                }
+            }
         };
         let op = DeviceOp {
             user_data,
@@ -1344,44 +1503,61 @@ impl Core {
             panic!("completing a request without I/O");
         };
         let connection_index = request.connection_index;
-        let status = match result {
-            Ok(bytes) if io.kind.has_data() && bytes != io.length_bytes => {
-                // A short transfer: never send the unfilled part of the buffer.
+        let step = request.step;
+        if steps::reveals_no_discard(io.kind, step, &result) {
+            self.discards[usize::from(io.namespace_index)] = false;
+        }
+        let next = steps::after_step(
+            io.kind,
+            step,
+            io.length_bytes,
+            self.run_bytes(request),
+            &result,
+        );
+        match (&next, &result) {
+            (Next::Done(Answer::DeviceError { .. }), Ok(bytes)) => {
                 self.stats.io_errors += 1;
                 tracing::warn!(
                     thread = self.thread_index,
-                    expected = io.length_bytes,
                     bytes,
+                    ?step,
                     "short device transfer; answering I/O error"
                 );
-                Status::IoError
             }
-            Ok(_) => Status::Ok,
-            Err(FlashError::Unsupported) => Status::Invalid,
-            Err(e) => {
+            (Next::Done(answer), Err(e))
+                if *answer != Answer::Ok && *answer != Answer::Unsupported =>
+            {
                 self.stats.io_errors += 1;
                 tracing::warn!(thread = self.thread_index, error = %e, "device I/O failed");
-                Status::IoError
             }
-        };
-        if status == Status::Ok {
-            match io.kind {
-                IoKind::Read => self.stats.bytes_read += u64::from(io.length_bytes),
-                IoKind::Write { .. } => self.stats.bytes_written += u64::from(io.length_bytes),
-                _ => {}
-            }
+            _ => {}
         }
         if self.connections[connection_index as usize].state == ConnectionState::Closing {
             self.free_request(index);
             self.maybe_finish_close(connection_index);
             return;
         }
-        let data_bytes = if status == Status::Ok && io.kind == IoKind::Read {
+        let answer = match next {
+            Next::Continue(step) => {
+                self.set_step(index, step);
+                self.enqueue(index, now);
+                return;
+            }
+            Next::Done(answer) => answer,
+        };
+        if answer.is_ok() {
+            match io.kind {
+                IoKind::Read => self.stats.bytes_read += u64::from(io.length_bytes),
+                IoKind::Write { .. } => self.stats.bytes_written += u64::from(io.length_bytes),
+                _ => {}
+            }
+        }
+        let data_bytes = if answer.is_ok() && io.kind == IoKind::Read {
             io.length_bytes
         } else {
             0
         };
-        self.respond(index, status, data_bytes);
+        self.respond(index, answer, data_bytes);
     }
 
     // ----- Step five: sending ----------------------------------------------------------------
@@ -1602,6 +1778,8 @@ impl Core {
         assert_eq!(connection.send_head, NONE);
         connection.stream = None; // Closes the socket.
         connection.fd = -1;
+        // Drops per-connection protocol state (an NBD handshake's buffers) now, not at reuse.
+        connection.frontend = Frontend::Native;
         connection.state = ConnectionState::Free;
         connection.generation = token::next_generation(connection.generation);
         self.free_connections.push(index);

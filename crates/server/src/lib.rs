@@ -2,18 +2,23 @@
 //! thread per core (ReFlex paper §3.1).
 //!
 //! Public API:
-//! - [`Config`] (with [`NamespaceConfig`], [`OriginalPortConfig`]): what to serve and how;
-//!   from TOML ([`Config::from_file`]) and flags.
-//! - [`Server::start`] opens the namespaces' devices, binds the listeners (one `SO_REUSEPORT`
-//!   socket per thread and port; port 0 picks a free port shared by all threads), starts the
-//!   dataplane threads and returns a [`ServerHandle`] with the bound addresses.
+//! - [`Config`] (with [`NamespaceConfig`], [`OriginalPortConfig`], [`NbdConfig`]): what to
+//!   serve and how; from TOML ([`Config::from_file`]) and flags.
+//! - [`Server::start`] opens the namespaces' devices, binds the listeners (native, original
+//!   protocol, NBD; one `SO_REUSEPORT` socket per thread and port; port 0 picks a free port
+//!   shared by all threads), starts the dataplane threads and returns a [`ServerHandle`] with
+//!   the bound addresses.
 //! - [`ServerHandle::shutdown`] behaves like SIGTERM: stop accepting, stop reading new
-//!   requests, finish in-flight I/O and send its responses, flush every device, join.
+//!   requests (NBD sessions keep reading and answer ESHUTDOWN until their in-flight requests
+//!   are done; NBD handshakes are closed), finish in-flight I/O and send its responses, flush
+//!   every device, join.
 //!
 //! Module map: `core` (the per-thread loop and request/connection state machines), `frontend`
-//! (protocol glue over `reflex_proto`), `sched` (the scheduling seam QoS plugs into),
-//! `buffers` (page allocation in the arena), `namespaces`, `config`, and `uring` (the only
-//! module with `unsafe`: ring, registered arena, raw sockets).
+//! (protocol glue over `reflex_proto`, the NBD handshake and sessions included), `steps`
+//! (requests that take several device operations: NBD TRIM and WRITE_ZEROES, FUA flushes),
+//! `sched` (the scheduling seam QoS plugs into), `buffers` (page allocation in the arena),
+//! `namespaces`, `config`, and `uring` (the only module with `unsafe`: ring, registered arena,
+//! raw sockets).
 //!
 //! Architecture invariants: the data path allocates nothing, takes no lock and makes no
 //! system call besides one `io_uring_enter` per loop iteration (plus accept-time socket
@@ -26,6 +31,7 @@ mod core;
 pub mod frontend;
 pub mod namespaces;
 pub mod sched;
+mod steps;
 mod uring;
 
 use std::fs::File;
@@ -36,12 +42,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-pub use crate::config::{Config, ConfigError, NamespaceConfig, OriginalPortConfig};
+pub use crate::config::{Config, ConfigError, NamespaceConfig, NbdConfig, OriginalPortConfig};
 use crate::core::{Core, CoreSetup};
 pub use crate::core::{CoreError, CoreStats};
-use crate::frontend::Frontend;
+use crate::frontend::{ExportBinding, NbdExports, Protocol};
 use crate::namespaces::NamespaceSet;
+pub use crate::sched::Scheduler;
 pub use crate::uring::MissingFeature;
+
+/// Makes the scheduler of one dataplane thread: `(thread_index, capacity)`, where capacity is
+/// the thread's request slots (a scheduler never holds more).
+pub type SchedulerFactory = Arc<dyn Fn(usize, usize) -> Box<dyn Scheduler + Send> + Send + Sync>;
 
 /// Listen backlog of every listening socket.
 pub const LISTEN_BACKLOG: i32 = 1024;
@@ -71,17 +82,32 @@ pub struct Server;
 
 impl Server {
     pub fn start(config: Config) -> Result<ServerHandle, ServerError> {
+        Server::start_with_scheduler(config, None)
+    }
+
+    /// Like [`start`](Self::start), with each dataplane thread's scheduler made by
+    /// `scheduler_factory(thread_index, requests_per_thread_max)` (the QoS seam; `None`: FIFO).
+    pub fn start_with_scheduler(
+        config: Config,
+        scheduler_factory: Option<SchedulerFactory>,
+    ) -> Result<ServerHandle, ServerError> {
         config.validate()?;
         Ring::probe()?;
         let namespaces = open_namespaces(&config)?;
         let clock_origin = Instant::now();
 
-        // Listeners: per thread, the native port, then each original-protocol port.
-        let mut per_thread: Vec<Vec<(TcpListener, Frontend)>> =
+        let nbd_exports = if config.nbd.enabled {
+            Some(Arc::new(nbd_exports(&config, &namespaces)?))
+        } else {
+            None
+        };
+
+        // Listeners: per thread, the native port, then each original-protocol port, then NBD.
+        let mut per_thread: Vec<Vec<(TcpListener, Protocol)>> =
             (0..config.threads).map(|_| Vec::new()).collect();
         let native_addr = bind_all(
             SocketAddr::new(config.listen, config.port),
-            Frontend::Native,
+            Protocol::Native,
             &mut per_thread,
         )?;
         let mut original_addrs = Vec::new();
@@ -95,16 +121,25 @@ impl Server {
             };
             let addr = bind_all(
                 SocketAddr::new(config.listen, original.port),
-                Frontend::Original { namespace_index },
+                Protocol::Original { namespace_index },
                 &mut per_thread,
             )?;
             original_addrs.push((original.namespace, addr));
         }
+        let nbd_addr = match &nbd_exports {
+            Some(_) => Some(bind_all(
+                SocketAddr::new(config.listen, config.nbd.port),
+                Protocol::Nbd,
+                &mut per_thread,
+            )?),
+            None => None,
+        };
 
         let shutdown = Arc::new(AtomicBool::new(false));
         let mut handle = ServerHandle {
             native_addr,
             original_addrs,
+            nbd_addr,
             shutdown: Arc::clone(&shutdown),
             wakers: Vec::new(),
             threads: Vec::new(),
@@ -120,6 +155,7 @@ impl Server {
                 thread_index,
                 listeners,
                 namespaces: Arc::clone(&namespaces),
+                nbd_exports: nbd_exports.clone(),
                 poll: config.poll,
                 window: config.window,
                 arena_bytes: config.arena_bytes_per_thread as usize,
@@ -129,6 +165,9 @@ impl Server {
                 shutdown: Arc::clone(&shutdown),
                 waker,
                 clock_origin,
+                scheduler: scheduler_factory
+                    .as_ref()
+                    .map(|factory| factory(thread_index, config.requests_per_thread_max as usize)),
             };
             let ready = ready_tx.clone();
             let spawned = std::thread::Builder::new()
@@ -174,6 +213,42 @@ impl Server {
     }
 }
 
+/// The NBD export table: export `i` is namespace `i`, under its configured name, with its
+/// size (rounded down to the 512-byte minimum block), read-only setting and tenant binding.
+fn nbd_exports(config: &Config, namespaces: &NamespaceSet) -> Result<NbdExports, ServerError> {
+    use reflex_proto::nbd::{BlockSizes, Export};
+    let tenant_ids = config.tenant_ids();
+    let minimum_bytes = u64::from(BlockSizes::default().minimum_bytes);
+    let mut exports = Vec::new();
+    for (index, namespace) in config.effective_namespaces().iter().enumerate() {
+        let namespace_index = index as u16;
+        assert_eq!(namespaces.id(namespace_index), namespace.id);
+        let size_bytes = namespaces.size_bytes(namespace_index) / minimum_bytes * minimum_bytes;
+        let mut export = Export::new(namespace.export_name(), size_bytes)
+            .with_description(format!("reflexd namespace {}", namespace.id));
+        if namespaces.native_table()[index].read_only {
+            export = export.read_only();
+        }
+        let tenant = match &namespace.tenant {
+            None => 0,
+            Some(name) => tenant_ids
+                .iter()
+                .find(|(known, _)| known == name)
+                .map_or(0, |(_, id)| *id),
+        };
+        exports.push((
+            export,
+            ExportBinding {
+                namespace_index,
+                tenant,
+            },
+        ));
+    }
+    let default_export = config.effective_default_export();
+    NbdExports::new(exports, default_export.as_deref())
+        .map_err(|e| ConfigError::Invalid(format!("NBD exports: {e}")).into())
+}
+
 use crate::uring::Ring;
 
 fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
@@ -204,8 +279,8 @@ fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
 /// others share it through `SO_REUSEPORT`. Returns the bound address.
 fn bind_all(
     addr: SocketAddr,
-    frontend: Frontend,
-    per_thread: &mut [Vec<(TcpListener, Frontend)>],
+    protocol: Protocol,
+    per_thread: &mut [Vec<(TcpListener, Protocol)>],
 ) -> Result<SocketAddr, ServerError> {
     let mut bound = addr;
     for (thread, listeners) in per_thread.iter_mut().enumerate() {
@@ -220,7 +295,7 @@ fn bind_all(
                 .local_addr()
                 .map_err(|source| ServerError::Bind { addr, source })?;
         }
-        listeners.push((listener, frontend));
+        listeners.push((listener, protocol));
     }
     Ok(bound)
 }
@@ -231,13 +306,24 @@ fn log_startup(
     handle: &ServerHandle,
     registered: &[bool],
 ) {
+    let effective = config.effective_namespaces();
+    let tenant_ids = config.tenant_ids();
     for index in 0..namespaces.len() {
-        let index = index as u16;
+        let namespace_index = index as u16;
+        let export = effective.get(index).map(NamespaceConfig::export_name);
+        let tenant = effective.get(index).and_then(|ns| ns.tenant.clone());
+        let tenant_id = tenant
+            .as_ref()
+            .and_then(|name| tenant_ids.iter().find(|(known, _)| known == name))
+            .map_or(0, |(_, id)| *id);
         tracing::info!(
-            namespace = namespaces.id(index),
-            size_bytes = namespaces.size_bytes(index),
-            read_only = namespaces.native_table()[usize::from(index)].read_only,
-            device = %namespaces.info(index).description,
+            namespace = namespaces.id(namespace_index),
+            size_bytes = namespaces.size_bytes(namespace_index),
+            read_only = namespaces.native_table()[index].read_only,
+            nbd_export = export.as_deref().unwrap_or_default(),
+            tenant = tenant.as_deref().unwrap_or("(default)"),
+            tenant_id,
+            device = %namespaces.info(namespace_index).description,
             "namespace"
         );
     }
@@ -247,9 +333,15 @@ fn log_startup(
         .map(|(namespace, addr)| format!("{addr} -> namespace {namespace}"))
         .collect();
     let registered_count = registered.iter().filter(|&&r| r).count();
+    let nbd = match handle.nbd_addr {
+        Some(addr) => addr.to_string(),
+        None => "off".to_string(),
+    };
     tracing::info!(
         native = %handle.native_addr,
         original = ?originals,
+        nbd = %nbd,
+        nbd_default_export = config.effective_default_export().unwrap_or_default(),
         threads = config.threads,
         mode = if config.poll { "poll" } else { "blocking" },
         window = config.window,
@@ -263,6 +355,7 @@ fn log_startup(
 pub struct ServerHandle {
     native_addr: SocketAddr,
     original_addrs: Vec<(u32, SocketAddr)>,
+    nbd_addr: Option<SocketAddr>,
     shutdown: Arc<AtomicBool>,
     wakers: Vec<Arc<File>>,
     threads: Vec<JoinHandle<Result<CoreStats, CoreError>>>,
@@ -277,6 +370,11 @@ impl ServerHandle {
     /// `(namespace id, address)` of every original-protocol listener.
     pub fn original_addrs(&self) -> &[(u32, SocketAddr)] {
         &self.original_addrs
+    }
+
+    /// Address of the NBD listener, unless NBD is disabled.
+    pub fn nbd_addr(&self) -> Option<SocketAddr> {
+        self.nbd_addr
     }
 
     /// Asks every thread to drain and stop, without waiting.

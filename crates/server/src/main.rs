@@ -24,8 +24,10 @@ struct Args {
     /// Native protocol port (default 7070; 0 picks a free port).
     #[arg(long)]
     port: Option<u16>,
-    /// A namespace: ID=BACKEND[,size=SIZE][,ro], e.g. 1=file:/data/ns1,size=10G or 2=mem:1G.
-    /// Repeatable; replaces the config file's namespaces. Default: 1=file:./reflex-data/ns1,size=1G.
+    /// A namespace: ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT], e.g.
+    /// 1=file:/data/ns1,size=10G or 2=mem:1G,name=scratch. NAME is its NBD export name
+    /// (default nsID); TENANT is the tenant its NBD clients are charged to. Repeatable;
+    /// replaces the config file's namespaces. Default: 1=file:./reflex-data/ns1,size=1G.
     #[arg(long = "namespace", short = 'n')]
     namespaces: Vec<String>,
     /// Original ReFlex protocol port: PORT[=NAMESPACE] (namespace 1 if omitted). Repeatable;
@@ -35,6 +37,12 @@ struct Args {
     /// Do not open any original-protocol port.
     #[arg(long, conflicts_with = "original_ports")]
     no_original: bool,
+    /// NBD port (default 10809; 0 picks a free port).
+    #[arg(long)]
+    nbd_port: Option<u16>,
+    /// Do not listen for NBD.
+    #[arg(long, conflicts_with = "nbd_port")]
+    no_nbd: bool,
     /// Dataplane threads (default 1).
     #[arg(long, short = 't')]
     threads: Option<usize>,
@@ -116,6 +124,12 @@ fn build_config(args: Args) -> anyhow::Result<Config> {
                 .map(|text| OriginalPortConfig::from_flag(text))
                 .collect::<Result<_, _>>()?,
         );
+    }
+    if args.no_nbd {
+        config.nbd.enabled = false;
+    } else if let Some(port) = args.nbd_port {
+        config.nbd.enabled = true;
+        config.nbd.port = port;
     }
     if let Some(threads) = args.threads {
         config.threads = threads;

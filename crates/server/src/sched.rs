@@ -14,8 +14,12 @@ use std::collections::VecDeque;
 
 use reflex_qos::Nanos;
 
-/// Whom a request is charged to; 0 is the default (best-effort, unregistered) tenant until
-/// connections can BIND to registered tenants.
+/// Whom a request is charged to. 0 is the default (best-effort, unregistered) tenant: native
+/// and original-protocol connections use it until they can BIND to registered tenants. An
+/// NBD export bound to a tenant in the configuration (`tenant = "name"` on the namespace)
+/// gives every request of its NBD connections that tenant's id, as listed by
+/// [`crate::Config::tenant_ids`]; what the id earns (an SLO or a best-effort share) is the
+/// scheduler's business.
 pub type TenantId = u32;
 
 /// What the scheduler needs to know about a request to order and charge it.
@@ -26,6 +30,8 @@ pub struct QueuedIo {
     pub tenant: TenantId,
     /// Index of the namespace (device) in the server's namespace table.
     pub namespace_index: u16,
+    /// The device operation this step submits (a multi-step request, such as an NBD
+    /// WRITE_ZEROES that writes zeroes in chunks, is enqueued once per step).
     pub class: IoClass,
     pub size_bytes: u32,
 }
@@ -34,7 +40,7 @@ pub struct QueuedIo {
 pub enum IoClass {
     Read,
     Write,
-    /// FLUSH and TRIM: not charged as data transfers.
+    /// FLUSH, TRIM and discarding WRITE_ZEROES: not charged as data transfers.
     Other,
 }
 

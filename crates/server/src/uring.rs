@@ -55,7 +55,7 @@ impl Ring {
         let ring = IoUring::builder()
             .setup_cqsize(cq_entries)
             .setup_single_issuer()
-            .setup_defer_taskrun()
+            .setup_coop_taskrun()
             .setup_taskrun_flag()
             .build(sq_entries)
             .or_else(|_| {
@@ -213,10 +213,10 @@ pub struct Arena {
 
 impl Arena {
     pub fn new(size_bytes: usize) -> Arena {
-        assert!(size_bytes % PAGE_SIZE == 0);
+        assert!(size_bytes.is_multiple_of(PAGE_SIZE));
         let mut memory = AlignedBuf::new_zeroed(size_bytes);
         let base = memory.as_mut_ptr();
-        assert!(base as usize % PAGE_SIZE == 0);
+        assert!((base as usize).is_multiple_of(PAGE_SIZE));
         Arena {
             memory: Some(memory),
             base,

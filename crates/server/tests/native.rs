@@ -289,7 +289,7 @@ fn window_backpressure_answers_everything() {
     // Four windows' worth of reads and writes, sent before reading any response.
     let count = 64u64;
     for id in 1..=count {
-        if id % 2 == 0 {
+        if id.is_multiple_of(2) {
             raw.send(&RequestHeader::read(id, 1, 0, 4096), &[]);
         } else {
             raw.send(&RequestHeader::write(id, 1, id * 4096, 4096, false), &data);
@@ -302,7 +302,7 @@ fn window_backpressure_answers_everything() {
         let id = response.request_id as usize;
         assert!(!seen[id], "response {id} twice");
         seen[id] = true;
-        if id % 2 == 0 {
+        if id.is_multiple_of(2) {
             assert!(payload == data);
         }
     }
@@ -333,16 +333,24 @@ fn unregistered_buffers_work_too() {
 fn emulated_device_completes_on_its_own_clock() {
     // Completions come from poll_completions at the model's due time: the blocking loop must
     // wake for them by itself (its sleep is bounded by next_deadline).
-    let server = start(config(vec![namespace(1, "emu:device-a-small", Some(64 << 20))]));
+    let server = start(config(vec![namespace(
+        1,
+        "emu:device-a-small",
+        Some(64 << 20),
+    )]));
     let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
     let data = pattern(5, 16 << 10);
     for block in 0..8u64 {
-        client.write(1, block * (16 << 10), &data).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .write(1, block * (16 << 10), &data)
+            .unwrap_or_else(|e| panic!("{e}"));
     }
     client.flush(1).unwrap_or_else(|e| panic!("{e}"));
     let mut back = vec![0u8; 16 << 10];
     for block in 0..8u64 {
-        client.read(1, block * (16 << 10), &mut back).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .read(1, block * (16 << 10), &mut back)
+            .unwrap_or_else(|e| panic!("{e}"));
         assert!(back == data, "block {block}");
     }
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
@@ -361,7 +369,10 @@ fn large_pipelined_reads_survive_partial_sends() {
         assert_eq!(response.status(), Ok(Status::Ok));
     }
     for id in 0..16u64 {
-        raw.send(&RequestHeader::read(100 + id, 1, (id % 4) << 20, 1 << 20), &[]);
+        raw.send(
+            &RequestHeader::read(100 + id, 1, (id % 4) << 20, 1 << 20),
+            &[],
+        );
     }
     let mut seen = [false; 16];
     for _ in 0..16 {
@@ -397,7 +408,9 @@ fn an_exhausted_arena_makes_requests_wait_not_fail() {
                         for block in 0..8u64 {
                             let offset = (worker * 8 + block) << 20;
                             let header = RequestHeader::write(block, 1, offset, 1 << 20, false);
-                            stream.write_all(&header.to_bytes()).unwrap_or_else(|e| panic!("{e}"));
+                            stream
+                                .write_all(&header.to_bytes())
+                                .unwrap_or_else(|e| panic!("{e}"));
                             stream.write_all(&data).unwrap_or_else(|e| panic!("{e}"));
                         }
                     })
@@ -409,7 +422,8 @@ fn an_exhausted_arena_makes_requests_wait_not_fail() {
                 writer.join().unwrap_or_else(|_| panic!("writer panicked"));
                 for block in 0..8u64 {
                     let offset = (worker * 8 + block) << 20;
-                    let (response, back) = raw.call(&RequestHeader::read(50 + block, 1, offset, 1 << 20), &[]);
+                    let (response, back) =
+                        raw.call(&RequestHeader::read(50 + block, 1, offset, 1 << 20), &[]);
                     assert_eq!(response.status(), Ok(Status::Ok));
                     assert!(back == data, "worker {worker} block {block}");
                 }
@@ -420,6 +434,68 @@ fn an_exhausted_arena_makes_requests_wait_not_fail() {
         worker.join().unwrap_or_else(|_| panic!("worker panicked"));
     }
     let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
-    assert!(stats[0].buffer_waits > 0, "the arena never ran out: {stats:?}");
-    assert_eq!(stats[0].requests_per_state[0], 256, "every request slot is free again");
+    assert!(
+        stats[0].buffer_waits > 0,
+        "the arena never ran out: {stats:?}"
+    );
+    assert_eq!(
+        stats[0].requests_per_state[0], 256,
+        "every request slot is free again"
+    );
+}
+
+#[test]
+fn a_custom_scheduler_sees_every_request() {
+    use reflex_qos::Nanos;
+    use reflex_server::sched::{FifoScheduler, QueuedIo, Scheduler};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// FIFO that counts what passes through: the seam the QoS scheduler plugs into.
+    struct Counting {
+        inner: FifoScheduler,
+        completed: Arc<AtomicU64>,
+    }
+    impl Scheduler for Counting {
+        fn enqueue(&mut self, io: QueuedIo, now: Nanos) {
+            self.inner.enqueue(io, now);
+        }
+        fn dequeue(&mut self, now: Nanos) -> Option<QueuedIo> {
+            self.inner.dequeue(now)
+        }
+        fn on_complete(&mut self, _io: &QueuedIo, _now: Nanos) {
+            self.completed.fetch_add(1, Ordering::Relaxed);
+        }
+        fn queued_count(&self) -> usize {
+            self.inner.queued_count()
+        }
+        fn next_deadline(&self) -> Option<Nanos> {
+            None
+        }
+    }
+
+    let completed = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&completed);
+    let factory: reflex_server::SchedulerFactory = Arc::new(move |_thread, capacity| {
+        Box::new(Counting {
+            inner: FifoScheduler::new(capacity),
+            completed: Arc::clone(&counter),
+        })
+    });
+    let server = reflex_server::Server::start_with_scheduler(
+        config(vec![namespace(1, "mem:1M", None)]),
+        Some(factory),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    let mut back = [0u8; 4096];
+    for _ in 0..10 {
+        client.write(1, 0, &back).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .read(1, 0, &mut back)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    client.flush(1).unwrap_or_else(|e| panic!("{e}"));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(completed.load(Ordering::Relaxed), 21);
 }

@@ -30,9 +30,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// The server the checks run against when `REFLEX_NBD_SERVER` is not set. nbdkit until
-/// reflexd serves NBD; then reflexd.
-const DEFAULT_SERVER_UNDER_TEST: ServerKind = ServerKind::Nbdkit;
+/// The server the checks run against when `REFLEX_NBD_SERVER` is not set.
+const DEFAULT_SERVER_UNDER_TEST: ServerKind = ServerKind::Reflexd;
 /// Size of every export the checks create.
 const EXPORT_SIZE_BYTES: u64 = 64 << 20;
 /// Upper bound for any one external command.
@@ -44,15 +43,15 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Attempts to start a server on a fresh free port (another process may take the port between
 /// our probe and the server's bind).
 const LAUNCH_ATTEMPTS: usize = 3;
-/// Directories searched for tools, system ones first: the `python3` first on a developer's PATH
-/// may be a pyenv one without the `nbd` module that nbdsh needs.
+/// Directories searched for tools, the distribution's first: nbdsh runs the `python3` first on
+/// PATH, and a developer's (pyenv, /usr/local) may lack the `nbd` module from python3-libnbd.
 const SYSTEM_DIRS: [&str; 6] = [
-    "/usr/local/sbin",
-    "/usr/local/bin",
     "/usr/sbin",
     "/usr/bin",
     "/sbin",
     "/bin",
+    "/usr/local/sbin",
+    "/usr/local/bin",
 ];
 const EDGE_CASES_SCRIPT: &str = include_str!("nbd/edge_cases.py");
 
@@ -383,6 +382,9 @@ enum ServerKind {
     QemuNbd,
     /// `nbdkit null`: discards writes, reads zeroes. Only for negative controls.
     NbdkitNull,
+    /// `nbdkit memory` whose extents call the whole disk a hole (extentlist filter, empty
+    /// list): a client that trusts extents reads zeroes. Only for negative controls.
+    NbdkitHoles,
 }
 
 fn server_under_test() -> ServerKind {
@@ -415,7 +417,10 @@ impl ServerKind {
         match self {
             // docs/NBD.md: 512/4096/1 MiB, CAN_MULTI_CONN always, EPERM then ENOSPC. nbdkit is
             // configured to match, but drops SEND_FUA on read-only exports.
-            ServerKind::Reflexd | ServerKind::Nbdkit | ServerKind::NbdkitNull => Expect {
+            ServerKind::Reflexd
+            | ServerKind::Nbdkit
+            | ServerKind::NbdkitNull
+            | ServerKind::NbdkitHoles => Expect {
                 block_size_minimum: 512,
                 block_size_preferred: 4096,
                 block_size_maximum: 1 << 20,
@@ -552,11 +557,46 @@ impl NbdServer {
         let mut push = |arg: &dyn AsRef<OsStr>| args.push(arg.as_ref().to_os_string());
         match self.kind {
             ServerKind::Reflexd => {
-                panic!(
-                    "reflexd does not serve NBD yet; run with REFLEX_NBD_SERVER=nbdkit or qemu-nbd"
-                );
+                // Every export is a namespace of one reflexd, exported under its name; only
+                // the NBD listener is of interest here.
+                for arg in [
+                    "--listen",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--no-original",
+                    "--nbd-port",
+                    &port.to_string(),
+                    "--threads",
+                    "2",
+                    "--arena-size",
+                    "8M",
+                ] {
+                    push(&arg);
+                }
+                for (index, spec) in exports.iter().enumerate() {
+                    let mut namespace = OsString::from(format!("{}=", index + 1));
+                    match &spec.backing {
+                        Backing::Memory => namespace.push(format!("mem:{}", spec.size_bytes)),
+                        Backing::File(path) => {
+                            namespace.push("file:");
+                            namespace.push(path);
+                        }
+                    }
+                    namespace.push(format!(",size={},name={}", spec.size_bytes, spec.name));
+                    if spec.read_only {
+                        namespace.push(",ro");
+                    }
+                    push(&"--namespace");
+                    push(&namespace);
+                }
+                (
+                    "reflexd".into(),
+                    PathBuf::from(env!("CARGO_BIN_EXE_reflexd")),
+                    args,
+                )
             }
-            ServerKind::Nbdkit | ServerKind::NbdkitNull => {
+            ServerKind::Nbdkit | ServerKind::NbdkitNull | ServerKind::NbdkitHoles => {
                 let [spec] = exports else {
                     panic!("one export per nbdkit")
                 };
@@ -575,6 +615,16 @@ impl NbdServer {
                 if spec.read_only {
                     push(&"--readonly");
                 }
+                // Filter parameters go after the plugin name, with the plugin's.
+                let mut filter_parameters = Vec::new();
+                if self.kind == ServerKind::NbdkitHoles {
+                    let list = self.dir.join("no-extents.txt");
+                    write_file(&list, b"");
+                    let mut parameter = OsString::from("extentlist=");
+                    parameter.push(&list);
+                    push(&"--filter=extentlist");
+                    filter_parameters.push(parameter);
+                }
                 match (&spec.backing, self.kind) {
                     (_, ServerKind::NbdkitNull) => {
                         push(&"null");
@@ -590,6 +640,9 @@ impl NbdServer {
                         file.push(path);
                         push(&file);
                     }
+                }
+                for parameter in &filter_parameters {
+                    push(parameter);
                 }
                 let expect = self.kind.expect();
                 push(&format!("exportname={}", spec.name));
@@ -824,8 +877,10 @@ fn nbdinfo_reports_size_flags_and_block_sizes() {
         .failure("an unknown export name");
 }
 
-/// Copies `input` into the export and back out; returns what came back.
-fn nbdcopy_round_trip(uri: &str, input: &Path, output: &Path) -> Vec<u8> {
+/// Copies `input` into the export and back out; returns what came back. `extents: false`
+/// (`--no-extents`) makes nbdcopy read every byte instead of skipping what the server calls
+/// holes.
+fn nbdcopy_round_trip(uri: &str, input: &Path, output: &Path, extents: bool) -> Vec<u8> {
     cmd("nbdcopy")
         .args([OsStr::new("--no-extents"), OsStr::new("--flush")])
         .arg(input)
@@ -833,7 +888,7 @@ fn nbdcopy_round_trip(uri: &str, input: &Path, output: &Path) -> Vec<u8> {
         .success();
     let _ = std::fs::remove_file(output);
     cmd("nbdcopy")
-        .arg("--no-extents")
+        .args(if extents { None } else { Some("--no-extents") })
         .arg(uri)
         .arg(output)
         .success();
@@ -860,7 +915,7 @@ fn nbdcopy_round_trip_and_qemu_img_compare() {
         dir.path(),
     );
     let uri = server.uri(0);
-    let back = nbdcopy_round_trip(&uri, &input, &output);
+    let back = nbdcopy_round_trip(&uri, &input, &output, false);
     assert_eq!(
         first_difference(&back, &data),
         None,
@@ -881,12 +936,32 @@ fn nbdcopy_round_trip_and_qemu_img_compare() {
         vec![export("disk", Backing::Memory, false)],
         dir.path(),
     );
-    let back = nbdcopy_round_trip(&null.uri(0), &input, &output);
+    let back = nbdcopy_round_trip(&null.uri(0), &input, &output, false);
     assert!(
         first_difference(&back, &data).is_some(),
         "negative control: data read back from nbdkit null matched"
     );
     qemu_img_compare(&input, &null.uri(0)).failure("nbdkit null discards writes");
+    drop(null);
+
+    // The trap `--no-extents` avoids: against a server whose extents say "hole" everywhere,
+    // nbdcopy trusting extents copies zeroes; reading every byte gets the data.
+    let holes = NbdServer::launch(
+        ServerKind::NbdkitHoles,
+        vec![export("disk", Backing::Memory, false)],
+        dir.path(),
+    );
+    let trusted = nbdcopy_round_trip(&holes.uri(0), &input, &output, true);
+    assert!(
+        first_difference(&trusted, &data).is_some(),
+        "negative control: nbdcopy trusting extents read the data anyway"
+    );
+    let read_all = nbdcopy_round_trip(&holes.uri(0), &input, &output, false);
+    assert_eq!(
+        first_difference(&read_all, &data),
+        None,
+        "--no-extents missed data"
+    );
 }
 
 /// Runs one check of `nbd/edge_cases.py` through nbdsh.
@@ -1467,7 +1542,7 @@ struct Mount {
 }
 
 impl Mount {
-    fn mount(device: &str, target: &Path, read_only: bool) -> Mount {
+    fn ext4(device: &str, target: &Path, read_only: bool) -> Mount {
         std::fs::create_dir_all(target).unwrap_or_else(|e| panic!("{e}"));
         cmd("mount")
             .args([
@@ -1561,7 +1636,7 @@ fn legacy_ext4_over_nbdfuse_survives_a_server_restart() {
                 &device.device,
             ])
             .success();
-        let mount = Mount::mount(&device.device, &mount_dir, false);
+        let mount = Mount::ext4(&device.device, &mount_dir, false);
         for (name, content) in &files {
             let path = mount.target.join(name);
             if let Some(parent) = path.parent() {
@@ -1589,7 +1664,7 @@ fn legacy_ext4_over_nbdfuse_survives_a_server_restart() {
         );
         let device = LoopDevice::attach(&fuse.file);
         cmd("e2fsck").args(["-f", "-n", &device.device]).success();
-        let mount = Mount::mount(&device.device, &mount_dir, true);
+        let mount = Mount::ext4(&device.device, &mount_dir, true);
         for (name, content) in &files {
             let back = read_file(&mount.target.join(name));
             assert_eq!(

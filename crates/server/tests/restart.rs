@@ -71,6 +71,8 @@ impl Daemon {
                 "--port",
                 "0",
                 "--no-original",
+                "--nbd-port",
+                "0",
                 "--threads",
                 "2",
                 "--arena-size",

@@ -228,7 +228,7 @@ pub fn run(args: Args) -> Result<()> {
                 bail!("the server has no namespace {namespace}");
             };
             let block_size = u64::from(capabilities.block_size_bytes);
-            if block_size > 0 && args.io_size % block_size != 0 {
+            if block_size > 0 && !args.io_size.is_multiple_of(block_size) {
                 bail!(
                     "--io-size {} is not a multiple of the server's block size {}",
                     args.io_size,
@@ -409,10 +409,11 @@ fn check_args(args: &Args) -> Result<()> {
     if !(0.0..=1.0).contains(&args.read_ratio) {
         bail!("--read-ratio must be between 0 and 1");
     }
-    if args.io_size == 0 || args.io_size % 512 != 0 || args.io_size > u64::from(u32::MAX) {
+    if args.io_size == 0 || !args.io_size.is_multiple_of(512) || args.io_size > u64::from(u32::MAX)
+    {
         bail!("--io-size must be a positive multiple of 512");
     }
-    if args.offset % args.io_size.min(4096) != 0 {
+    if !args.offset.is_multiple_of(args.io_size.min(4096)) {
         bail!("--offset must be aligned to min(io size, 4 KiB)");
     }
     if args.duration.is_zero() || args.duration > DURATION_MAX {

@@ -11,15 +11,15 @@
 /// The pattern word at byte offset `offset_bytes` (a multiple of 8).
 #[inline]
 pub fn pattern_word(seed: u64, offset_bytes: u64) -> u64 {
-    debug_assert!(offset_bytes % 8 == 0);
+    debug_assert!(offset_bytes.is_multiple_of(8));
     let mixed = (offset_bytes ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     mixed ^ (mixed >> 29) ^ seed
 }
 
 /// Fills `buf` with the pattern of the bytes at `offset_bytes`.
 pub fn fill(seed: u64, offset_bytes: u64, buf: &mut [u8]) {
-    assert!(offset_bytes % 8 == 0);
-    assert!(buf.len() % 8 == 0);
+    assert!(offset_bytes.is_multiple_of(8));
+    assert!(buf.len().is_multiple_of(8));
     for (index, word) in buf.chunks_exact_mut(8).enumerate() {
         let value = pattern_word(seed, offset_bytes + 8 * index as u64);
         word.copy_from_slice(&value.to_le_bytes());
@@ -37,7 +37,7 @@ pub struct Mismatch {
 
 /// Checks `buf` (read from `offset_bytes`) against the pattern; the first difference.
 pub fn check(seed: u64, offset_bytes: u64, buf: &[u8]) -> Option<Mismatch> {
-    assert!(offset_bytes % 8 == 0);
+    assert!(offset_bytes.is_multiple_of(8));
     for (index, word) in buf.chunks(8).enumerate() {
         let word_offset = offset_bytes + 8 * index as u64;
         let expected = pattern_word(seed, word_offset).to_le_bytes();

@@ -65,7 +65,7 @@ struct SlotArena {
 
 impl SlotArena {
     fn new(slot_count: usize, slot_bytes: usize) -> SlotArena {
-        assert!(slot_bytes % 512 == 0);
+        assert!(slot_bytes.is_multiple_of(512));
         let slot_bytes = slot_bytes.next_multiple_of(SLOT_ALIGNMENT_BYTES);
         let memory = vec![0u8; slot_count * slot_bytes + SLOT_ALIGNMENT_BYTES];
         let address = memory.as_ptr() as usize;
@@ -321,11 +321,11 @@ impl Reactor {
                     self.connections[connection].core.receive_done(received);
                 }
                 Event::File { slot, .. } => {
-                    if let Some(arena) = self.arena.as_mut() {
-                        if arena.in_flight[slot] {
-                            arena.in_flight[slot] = false;
-                            self.in_flight -= 1;
-                        }
+                    if let Some(arena) = self.arena.as_mut()
+                        && arena.in_flight[slot]
+                    {
+                        arena.in_flight[slot] = false;
+                        self.in_flight -= 1;
                     }
                 }
                 _ => {}

@@ -133,7 +133,7 @@ impl FillGenerator {
         stream_count: u64,
     ) -> Self {
         assert!(chunk_bytes >= spec.io_size_bytes);
-        assert!(chunk_bytes % spec.io_size_bytes == 0);
+        assert!(chunk_bytes.is_multiple_of(spec.io_size_bytes));
         let block_count = u128::from(spec.block_count());
         let io_size = u64::from(spec.io_size_bytes);
         let first = (block_count * u128::from(stream_index) / u128::from(stream_count)) as u64;

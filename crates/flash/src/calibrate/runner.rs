@@ -176,7 +176,7 @@ impl LoadRunner for EmuRunner {
             )));
         }
         if size_bytes == 0
-            || size_bytes % 512 != 0
+            || !size_bytes.is_multiple_of(512)
             || u64::from(size_bytes) > self.device.capacity_bytes()
         {
             return Err(CalibrateError::Config(format!(

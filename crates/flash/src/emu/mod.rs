@@ -208,7 +208,7 @@ impl std::fmt::Debug for EmuDevice {
 impl EmuDevice {
     pub fn new(profile: EmuProfile, capacity_bytes: u64, seed: u64) -> Result<EmuDevice, EmuError> {
         profile.validate()?;
-        if capacity_bytes == 0 || capacity_bytes % u64::from(EMU_BLOCK_BYTES) != 0 {
+        if capacity_bytes == 0 || !capacity_bytes.is_multiple_of(u64::from(EMU_BLOCK_BYTES)) {
             return Err(EmuError::Capacity { capacity_bytes });
         }
         let arbiter = arbiter::Arbiter::new(
@@ -367,7 +367,7 @@ impl EmuDevice {
 
     fn check_range(&self, offset: u64, len: u64) -> Result<(), EmuError> {
         let block = u64::from(EMU_BLOCK_BYTES);
-        if len == 0 || offset % block != 0 || len % block != 0 {
+        if len == 0 || !offset.is_multiple_of(block) || !len.is_multiple_of(block) {
             return Err(EmuError::Misaligned { offset, len });
         }
         match offset.checked_add(len) {

@@ -7,18 +7,17 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::time::Duration;
 
 use reflex_proto::native::{self, RequestHeader, ResponseHeader};
-use reflex_server::{Config, NamespaceConfig, OriginalPortConfig, Server, ServerHandle};
+use reflex_server::{Config, NamespaceConfig, NbdConfig, OriginalPortConfig, Server, ServerHandle};
 
 pub fn namespace(id: u32, backend: &str, size_bytes: Option<u64>) -> NamespaceConfig {
     NamespaceConfig {
-        id,
-        backend: backend.to_string(),
         size_bytes,
-        read_only: false,
+        ..NamespaceConfig::new(id, backend)
     }
 }
 
-/// A small server: 2 threads, 8 MiB arena per thread, window 16, every port picked freely.
+/// A small server: 2 threads, 8 MiB arena per thread, window 16, every port (NBD's too)
+/// picked freely.
 pub fn config(namespaces: Vec<NamespaceConfig>) -> Config {
     Config {
         listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -27,6 +26,10 @@ pub fn config(namespaces: Vec<NamespaceConfig>) -> Config {
             port: 0,
             namespace: namespaces[0].id,
         }]),
+        nbd: NbdConfig {
+            port: 0,
+            ..NbdConfig::default()
+        },
         threads: 2,
         window: 16,
         arena_bytes_per_thread: 8 << 20,

@@ -1,0 +1,96 @@
+# Shared helpers for the bench/ scripts (sourced, not run). Bash only.
+#
+# - die / note: messages to stderr.
+# - require TOOL...: fail (never skip) when a tool is missing.
+# - free_port: an unused loopback TCP port.
+# - wait_port PORT PID [SECONDS]: wait until PORT accepts connections while PID lives.
+# - track PID / stop_tracked: processes this script started, stopped by PID on exit
+#   (SIGTERM, then SIGKILL after 5 s); never by name.
+# - cpu_ticks PID: CPU time in clock ticks of PID and all its descendants, including reaped
+#   children (utime + stime + cutime + cstime), for servers that fork per connection.
+# - listener_pid PORT: the process listening on loopback TCP PORT (for daemons that fork).
+# - cpu_busy_ticks CPU: ticks CPU spent not idle (all processes), from /proc/stat.
+# - now_ns: monotonic-enough wall clock in nanoseconds.
+# - fs_type DIR: the filesystem type of DIR (to refuse tmpfs where a disk is wanted).
+
+die() { echo "error: $*" >&2; exit 1; }
+note() { echo "==> $*" >&2; }
+
+require() {
+    local missing=()
+    for tool in "$@"; do
+        command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+    done
+    [ ${#missing[@]} -eq 0 ] || die "missing tools: ${missing[*]} (scripts/test.sh installs them)"
+}
+
+free_port() {
+    /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+wait_port() {
+    local port=$1 pid=$2 seconds=${3:-15} i
+    for ((i = 0; i < seconds * 20; i++)); do
+        kill -0 "$pid" 2>/dev/null || return 1
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+            return 0
+        fi
+        sleep 0.05
+    done
+    return 1
+}
+
+TRACKED_PIDS=()
+track() { TRACKED_PIDS+=("$1"); }
+
+stop_pid() {
+    local pid=$1 i
+    kill -0 "$pid" 2>/dev/null || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < 100; i++)); do
+        kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null || true; return 0; }
+        sleep 0.05
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+}
+
+stop_tracked() {
+    local pid
+    for pid in "${TRACKED_PIDS[@]}"; do
+        stop_pid "$pid"
+    done
+    TRACKED_PIDS=()
+}
+
+descendants() {
+    local pid=$1 child
+    for child in $(cat /proc/"$pid"/task/*/children 2>/dev/null); do
+        echo "$child"
+        descendants "$child"
+    done
+}
+
+cpu_ticks() {
+    local pid=$1 total=0 p fields
+    for p in "$pid" $(descendants "$pid"); do
+        # Fields after the ")" of the command name: state is field 3, utime 14 ... cstime 17.
+        fields=$(sed 's/^.*) //' /proc/"$p"/stat 2>/dev/null) || continue
+        set -- $fields
+        total=$((total + ${12} + ${13} + ${14} + ${15}))
+    done
+    echo "$total"
+}
+
+listener_pid() {
+    ss -H -l -t -n -p "sport = :$1" 2>/dev/null | sed -n 's/.*pid=\([0-9]*\).*/\1/p' | head -1
+}
+
+cpu_busy_ticks() {
+    # cpuN user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait.
+    awk -v cpu="cpu$1" '$1 == cpu { print $2 + $3 + $4 + $7 + $8 + $9 }' /proc/stat
+}
+
+now_ns() { date +%s%N; }
+
+fs_type() { findmnt -n -o FSTYPE --target "$1"; }
