@@ -19,6 +19,9 @@
 #   OUT (docs/results/dataplane.md)
 #   NICE (0): niceness of server and clients; a negative value (as root) shields the
 #   measurement from other work on a shared machine, and is recorded in the results.
+#   RT_PRIO (unset): run server and clients SCHED_FIFO at this priority (chrt -f), so their
+#   wake-ups preempt other work at once; only sensible without SPIN (spinning real-time
+#   tasks would starve the machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +37,15 @@ PORT=${PORT:-17070}
 OUT=${OUT:-docs/results/dataplane.md}
 STEP_TIMEOUT=${STEP_TIMEOUT:-120}
 NICE=${NICE:-0}
+RT_PRIO=${RT_PRIO:-}
+PRIO=(nice -n "$NICE")
+if [ -n "$RT_PRIO" ]; then
+    if [ "$SPIN" = "1" ]; then
+        echo "RT_PRIO with SPIN=1 would starve the machine" >&2
+        exit 1
+    fi
+    PRIO=(chrt -f "$RT_PRIO")
+fi
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 
 log() { echo "==> $*" >&2; }
@@ -92,7 +104,7 @@ trap stop_server EXIT
 # start_server BACKEND: reflexd with one namespace and one dataplane thread on SERVER_CPU.
 start_server() {
     stop_server
-    nice -n "$NICE" taskset -c "$SERVER_CPU" timeout 900 "$REFLEXD" --port "$PORT" --no-original --threads 1 \
+    "${PRIO[@]}" taskset -c "$SERVER_CPU" timeout 900 "$REFLEXD" --port "$PORT" --no-original --threads 1 \
         -n "1=$1" "${SERVER_FLAGS[@]}" >"$WORK/reflexd.log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 1 100); do
@@ -119,14 +131,14 @@ cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 bench() {
     local name=$1
     shift
-    timeout "$STEP_TIMEOUT" nice -n "$NICE" taskset -c "$CLIENT_CPU" "$REFLEX" bench --json -q \
+    timeout "$STEP_TIMEOUT" "${PRIO[@]}" taskset -c "$CLIENT_CPU" "$REFLEX" bench --json -q \
         --warmup "$WARMUP" --duration "$DURATION" "${CLIENT_FLAGS[@]}" "$@" >"$RAW/$name.json"
 }
 
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 log "(a) ping-pong floor"
 for rep in $(seq 1 "$REPS"); do
-    timeout "$STEP_TIMEOUT" nice -n "$NICE" "$REFLEX" pingpong --json --count 20000 --warmup-count 2000 \
+    timeout "$STEP_TIMEOUT" "${PRIO[@]}" "$REFLEX" pingpong --json --count 20000 --warmup-count 2000 \
         --server-cpu "$SERVER_CPU" --client-cpu "$CLIENT_CPU" "${PINGPONG_FLAGS[@]}" \
         >"$RAW/pingpong-$rep.json"
 done
@@ -163,10 +175,10 @@ COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 mkdir -p "$(dirname "$OUT")"
-export RUN_DATE MACHINE COMMIT DIRTY COMMAND DURATION WARMUP SERVER_CPU CLIENT_CPU FILE_SIZE_MIB FS_TYPE SPIN NICE LOAD_BEFORE
+export RUN_DATE MACHINE COMMIT DIRTY COMMAND DURATION WARMUP SERVER_CPU CLIENT_CPU FILE_SIZE_MIB FS_TYPE SPIN NICE RT_PRIO LOAD_BEFORE
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
-COMMAND="REPS=$REPS DURATION=$DURATION WARMUP=$WARMUP SPIN=$SPIN NICE=$NICE bench/dataplane.sh"
+COMMAND="REPS=$REPS DURATION=$DURATION WARMUP=$WARMUP SPIN=$SPIN NICE=$NICE${RT_PRIO:+ RT_PRIO=$RT_PRIO} bench/dataplane.sh"
 python3 - "$RAW" "$REPS" "$OUT" <<'PY'
 import json, statistics, sys, glob, os
 raw, reps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -239,7 +251,8 @@ add(f"- data file: {os.environ['FILE_SIZE_MIB']} MiB written with random data th
     f"(not tmpfs); reflexd serves it as `file:` (O_DIRECT), `reflex bench --local` opens the same file with O_DIRECT; "
     "random 4 KiB reads over the whole file.")
 add("- latencies are measured by `reflex bench` from the intended send time to the parsed response, in µs.")
-add(f"- niceness {os.environ['NICE']}; load average before the run: {os.environ['LOAD_BEFORE']} "
+prio = f"SCHED_FIFO priority {os.environ['RT_PRIO']}" if os.environ.get('RT_PRIO') else f"niceness {os.environ['NICE']}"
+add(f"- {prio}; load average before the run: {os.environ['LOAD_BEFORE']} "
     "(other work on the machine competes for the same 2 cores and shows up as tail latency and lost IOPS).")
 add("")
 add("## Targets")

@@ -5,6 +5,7 @@
 #
 #   bench/peers.sh                  # everything, REPS repetitions, medians
 #   REPS=1 RUNTIME_S=2 bench/peers.sh   # a quick smoke run
+#   QUIET_WAIT_S=600 bench/peers.sh     # wait for a quiet machine before each job
 #
 # Cases, all 4 KiB random reads, one connection:
 #   hot   data in memory (nbdkit memory, reflexd mem:, the others on a tmpfs file):
@@ -26,6 +27,10 @@ DISK_SIZE=${DISK_SIZE:-1G}
 SERVER_CPU=${SERVER_CPU:-1}
 CLIENT_CPU=${CLIENT_CPU:-0}
 PINGPONG_COUNT=${PINGPONG_COUNT:-20000}
+# Before each job, wait up to QUIET_WAIT_S for every CPU to be at most QUIET_MAX_PERCENT busy
+# with other processes (0: do not wait). The report shows how busy the server CPU was anyway.
+QUIET_WAIT_S=${QUIET_WAIT_S:-0}
+QUIET_MAX_PERCENT=${QUIET_MAX_PERCENT:-10}
 DISK_DIR=${DISK_DIR:-/var/tmp/reflex-peers}
 HOT_DIR=${HOT_DIR:-/dev/shm/reflex-peers}
 OUT=${OUT:-target/peers/$(date +%Y%m%d-%H%M%S)}
@@ -262,6 +267,9 @@ run_one() { # case name qd rep
         engine=(--ioengine=nbd --uri="$(uri_of "$key")")
     fi
     local before=0 after=0 start end busy_before busy_after
+    if [ "$QUIET_WAIT_S" -gt 0 ] && ! wait_quiet "$QUIET_MAX_PERCENT" "$QUIET_WAIT_S"; then
+        note "the machine stayed busy for ${QUIET_WAIT_S}s; running anyway"
+    fi
     [ -z "$pid" ] || before=$(cpu_ticks "$pid")
     busy_before=$(cpu_busy_ticks "$SERVER_CPU")
     start=$(now_ns)

@@ -9,7 +9,10 @@
 # - cpu_ticks PID: CPU time in clock ticks of PID and all its descendants, including reaped
 #   children (utime + stime + cutime + cstime), for servers that fork per connection.
 # - listener_pid PORT: the process listening on loopback TCP PORT (for daemons that fork).
-# - cpu_busy_ticks CPU: ticks CPU spent not idle (all processes), from /proc/stat.
+# - cpu_busy_ticks CPU: ticks CPU spent running processes (user + nice + system, any process;
+#   interrupt time left out), from /proc/stat.
+# - wait_quiet MAX_PERCENT SECONDS: wait (at most SECONDS) until, over one second, processes
+#   used at most MAX_PERCENT of every CPU; returns 1 if the machine never got that quiet.
 # - now_ns: monotonic-enough wall clock in nanoseconds.
 # - fs_type DIR: the filesystem type of DIR (to refuse tmpfs where a disk is wanted).
 
@@ -87,8 +90,28 @@ listener_pid() {
 }
 
 cpu_busy_ticks() {
-    # cpuN user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait.
-    awk -v cpu="cpu$1" '$1 == cpu { print $2 + $3 + $4 + $7 + $8 + $9 }' /proc/stat
+    # cpuN user nice system idle iowait irq softirq steal ...
+    awk -v cpu="cpu$1" '$1 == cpu { print $2 + $3 + $4 }' /proc/stat
+}
+
+wait_quiet() {
+    local max_percent=$1 seconds=$2 deadline cpus c busiest before after
+    deadline=$((SECONDS + seconds))
+    cpus=$(nproc)
+    while :; do
+        before=()
+        for ((c = 0; c < cpus; c++)); do before+=("$(cpu_busy_ticks "$c")"); done
+        sleep 1
+        busiest=0
+        for ((c = 0; c < cpus; c++)); do
+            after=$(cpu_busy_ticks "$c")
+            # ticks per second are CLK_TCK (100 on Linux): a delta of N ticks is N % of a CPU.
+            ((after - before[c] > busiest)) && busiest=$((after - before[c]))
+        done
+        ((busiest * 100 / $(getconf CLK_TCK) <= max_percent)) && return 0
+        ((SECONDS < deadline)) || return 1
+        sleep 1
+    done
 }
 
 now_ns() { date +%s%N; }

@@ -18,6 +18,9 @@ from collections import defaultdict
 
 PERCENTILES = ["50.000000", "90.000000", "99.000000", "99.900000"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Above this median share of the server CPU taken by other processes, the report says the run
+# measured contention.
+CONTENTION_WARN = 0.10
 
 
 def load(out):
@@ -164,6 +167,16 @@ def report(machine, labels, summary, pingpong, plot_name):
     )
     add("")
 
+    contention = median([s["foreign"] for (_, name, _), s in summary.items() if name != "local"])
+    if contention is not None and contention > CONTENTION_WARN:
+        add(
+            f"**Contended run.** Other processes used a median {100 * contention:.0f} % of the "
+            "server CPU during the jobs (column \"others on the server CPU\"), so these numbers "
+            "mostly measure the competition for two shared cores; they are not the servers' "
+            "capacity. Rerun on a quiet machine (`QUIET_WAIT_S=600 bench/peers.sh` waits for "
+            "one before each job) before drawing conclusions."
+        )
+        add("")
     nbdkit_per_core = (summary.get(("hot", "nbdkit-memory", 32)) or {}).get("iops_per_core")
     add("## Hot data (in memory), 4 KiB random read")
     add("")

@@ -13,6 +13,10 @@ fn start_server(backend: String, size_bytes: Option<u64>) -> ServerHandle {
         listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
         port: 0,
         original_ports: Some(Vec::new()),
+        nbd: reflex_server::NbdConfig {
+            enabled: false,
+            ..reflex_server::NbdConfig::default()
+        },
         threads: 1,
         window: 32,
         arena_bytes_per_thread: 16 << 20,

@@ -35,6 +35,10 @@ fn start(dir: &tempfile::TempDir) -> ServerHandle {
         listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
         port: 0,
         original_ports: Some(Vec::new()),
+        nbd: reflex_server::NbdConfig {
+            enabled: false,
+            ..reflex_server::NbdConfig::default()
+        },
         threads: 2,
         window: 16,
         arena_bytes_per_thread: 16 << 20,

@@ -223,7 +223,11 @@ pub fn validate(
     namespace_size_bytes: u64,
 ) -> Result<ValidatedIo, Invalid> {
     debug_assert!(limits.alignment_bytes.is_power_of_two());
-    debug_assert!(limits.io_size_max_bytes.is_multiple_of(limits.alignment_bytes));
+    debug_assert!(
+        limits
+            .io_size_max_bytes
+            .is_multiple_of(limits.alignment_bytes)
+    );
     if header.lba_count == 0 {
         return Err(Invalid::ZeroLength);
     }

@@ -282,6 +282,12 @@ fn bind_all(
     protocol: Protocol,
     per_thread: &mut [Vec<(TcpListener, Protocol)>],
 ) -> Result<SocketAddr, ServerError> {
+    if addr.port() != 0 {
+        // SO_REUSEPORT would let this server silently share a port another process already
+        // listens on (say, a second reflexd serving other data): the kernel would spread
+        // clients between the two. A plain bind first refuses that with EADDRINUSE.
+        drop(TcpListener::bind(addr).map_err(|source| ServerError::Bind { addr, source })?);
+    }
     let mut bound = addr;
     for (thread, listeners) in per_thread.iter_mut().enumerate() {
         let listener = uring::bind_reuseport_listener(bound, LISTEN_BACKLOG).map_err(|source| {

@@ -499,3 +499,18 @@ fn a_custom_scheduler_sees_every_request() {
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(completed.load(Ordering::Relaxed), 21);
 }
+
+#[test]
+fn a_port_held_by_another_server_is_refused_not_shared() {
+    let first = common::mem_server();
+    let mut second = common::config(vec![common::namespace(1, "mem:1M", None)]);
+    second.port = first.native_addr().port();
+    match reflex_server::Server::start(second) {
+        Err(reflex_server::ServerError::Bind { addr, source }) => {
+            assert_eq!(addr.port(), first.native_addr().port());
+            assert_eq!(source.kind(), std::io::ErrorKind::AddrInUse);
+        }
+        Err(other) => panic!("expected a bind refusal, got {other}"),
+        Ok(_) => panic!("a second server shared port {}", first.native_addr().port()),
+    }
+}

@@ -362,7 +362,10 @@ impl Export {
         check_string(&self.name).map_err(|_| ExportError::Name(self.name.clone()))?;
         check_string(&self.description).map_err(|_| ExportError::Description(self.name.clone()))?;
         self.block_sizes.validate()?;
-        if !self.size_bytes.is_multiple_of(u64::from(self.block_sizes.minimum_bytes)) {
+        if !self
+            .size_bytes
+            .is_multiple_of(u64::from(self.block_sizes.minimum_bytes))
+        {
             return Err(ExportError::SizeNotAligned {
                 name: self.name.clone(),
                 size_bytes: self.size_bytes,
