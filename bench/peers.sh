@@ -40,6 +40,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 REFLEXD=${REFLEXD:-$CARGO_TARGET_DIR/release/reflexd}
 REFLEX=${REFLEX:-$CARGO_TARGET_DIR/release/reflex}
 PY=/usr/bin/python3
+export PYTHONDONTWRITEBYTECODE=1
 
 [ "$REPS" -ge 1 ] && [ "$REPS" -le 20 ] || die "REPS must be 1..20"
 [ "$RUNTIME_S" -ge 1 ] && [ "$RUNTIME_S" -le 120 ] || die "RUNTIME_S must be 1..120"

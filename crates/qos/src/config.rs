@@ -30,6 +30,10 @@ pub struct QosConfig {
     /// their deficit limit; best-effort tenants repay it from their next tokens. 0 turns
     /// lending off (the paper's algorithm exactly). See `docs/QOS.md` for why it exists.
     pub loan_max_tokens: f64,
+    /// How much an LC tenant may borrow, as a share of its own rate: it earns a loan allowance
+    /// at this percentage of its tokens, capped at its deficit limit, so a tenant that keeps
+    /// sending beyond its reservation is held to at most this much more.
+    pub loan_percent: u8,
     /// Cap on the global bucket: tokens the device generates in this window. Donations beyond
     /// it are discarded, so a thread that stalls cannot let the bucket grow without bound.
     pub bucket_window_us: u64,
@@ -51,6 +55,7 @@ impl Default for QosConfig {
             donate_percent: 90,
             surplus_rounds: 3,
             loan_max_tokens: 50.0,
+            loan_percent: 25,
             bucket_window_us: 500,
             read_only_window_us: 5_000,
             tenant_queue_depth_max: 1024,
@@ -91,6 +96,12 @@ impl QosConfig {
         };
         finite_non_negative("deficit_limit_tokens", self.deficit_limit_tokens)?;
         finite_non_negative("loan_max_tokens", self.loan_max_tokens)?;
+        if self.loan_percent > 100 {
+            return Err(ConfigError::Invalid {
+                field: "loan_percent",
+                reason: "must be at most 100",
+            });
+        }
         if self.donate_percent > 100 {
             return Err(ConfigError::Invalid {
                 field: "donate_percent",

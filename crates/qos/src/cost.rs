@@ -71,7 +71,10 @@ impl CostModel {
             read_read_only: Tokens::from_tokens_f64(profile.read_only_read_cost),
         };
         assert!(model.write.0 > 0, "validated profiles have positive costs");
-        assert!(model.read_read_only.0 > 0, "validated profiles have positive costs");
+        assert!(
+            model.read_read_only.0 > 0,
+            "validated profiles have positive costs"
+        );
         model
     }
 

@@ -38,7 +38,6 @@ impl List {
     pub(crate) fn len(&self) -> u32 {
         self.len
     }
-
 }
 
 #[derive(Debug)]
@@ -56,7 +55,11 @@ impl Pool {
                 size_bytes: 0,
                 kind: IoKind::Read,
                 tenant: NIL,
-                next: if index + 1 == capacity { NIL } else { index + 1 },
+                next: if index + 1 == capacity {
+                    NIL
+                } else {
+                    index + 1
+                },
             })
             .collect();
         Pool {

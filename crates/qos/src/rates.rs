@@ -29,16 +29,23 @@ pub enum TenantClass {
 /// A rate per [`LoadMode`] (index with `mode.index()`).
 pub type RatePerMode = [TokenRate; 2];
 
-pub(crate) fn rate_in(rates: &RatePerMode, mode: LoadMode) -> TokenRate {
-    rates[mode.index()]
-}
-
-/// Device-wide values every thread's scheduler needs.
+/// Device-wide values every thread's scheduler needs. A tenant's effective rate on a thread is
+/// derived from these and its [`TenantRates`] by [`effective_rates`], so a change that affects
+/// every tenant (a new BE tenant changes every BE tenant's share) is one message per thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceRates {
     pub costs: CostModel,
-    /// The device's token rate at the strictest LC SLO, per mode (for reporting).
+    /// The device's token rate at the strictest LC SLO, per mode.
     pub device_tokens_per_sec: RatePerMode,
+    /// Σ LC reservations, per mode. Where it exceeds the device rate (only possible in mixed
+    /// mode under read-only admission, if a write arrives anyway) reservations are scaled down
+    /// to fit.
+    pub lc_reserved_tokens_per_sec: RatePerMode,
+    /// What each BE tenant earns, over all its threads: (device − Σ LC) / N_BE.
+    pub be_tokens_per_sec_each: RatePerMode,
+    /// Spare capacity each LC tenant earns on top of its reservation when no BE tenant has a
+    /// connection: (device − Σ LC) / N_LC.
+    pub lc_boost_tokens_per_sec_each: RatePerMode,
     /// Tokens this thread donates to the global bucket on behalf of reservations that no
     /// thread serves (LC tenants with no connection yet).
     pub unbound_tokens_per_sec: RatePerMode,
@@ -48,16 +55,19 @@ pub struct DeviceRates {
     pub loan_max: Tokens,
 }
 
-/// One tenant's rate on one thread.
+/// One tenant on one thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TenantRates {
     pub tenant: TenantId,
     pub class: TenantClass,
-    /// This thread's share of the tenant's rate, per mode. For LC tenants it is the
-    /// reservation (plus spare capacity when there are no BE tenants); for BE tenants it is
-    /// (device rate − Σ LC reservations) / N_BE.
-    pub tokens_per_sec: RatePerMode,
-    /// This thread's share of the deficit limit (a positive amount; the balance may fall to
+    /// LC: this thread's part of the reservation, per mode (parts over threads sum exactly to
+    /// the reservation). Zero for BE tenants.
+    pub reserved_tokens_per_sec: RatePerMode,
+    /// The tenant's connections on this thread and in all; its share of per-tenant
+    /// device-level rates (BE share, LC boost) is `connections_here / connections_total`.
+    pub connections_here: u32,
+    pub connections_total: u32,
+    /// This thread's part of the deficit limit (a positive amount; the balance may fall to
     /// its negative).
     pub deficit_limit: Tokens,
 }
@@ -71,4 +81,29 @@ pub enum RateUpdate {
     /// The tenant has no connection on this thread any more (or was unregistered). Requests
     /// still queued are served at the last rate before it goes.
     Remove(TenantId),
+}
+
+/// A tenant's token rate on a thread, per mode.
+pub fn effective_rates(device: &DeviceRates, tenant: &TenantRates) -> RatePerMode {
+    let mut rates = [TokenRate::ZERO; 2];
+    let total = u64::from(tenant.connections_total.max(1));
+    let here = u64::from(tenant.connections_here.min(tenant.connections_total));
+    for mode in LoadMode::ALL {
+        let m = mode.index();
+        rates[m] = match tenant.class {
+            TenantClass::LatencyCritical => {
+                let reserved = tenant.reserved_tokens_per_sec[m];
+                let sum = device.lc_reserved_tokens_per_sec[m];
+                let available = device.device_tokens_per_sec[m];
+                let scaled = if sum > available && sum.0 > 0 {
+                    reserved.share(available.0.min(sum.0), sum.0)
+                } else {
+                    reserved
+                };
+                scaled + device.lc_boost_tokens_per_sec_each[m].share(here, total)
+            }
+            TenantClass::BestEffort => device.be_tokens_per_sec_each[m].share(here, total),
+        };
+    }
+    rates
 }

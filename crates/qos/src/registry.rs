@@ -10,8 +10,12 @@
 //! overcommitting the device (the original code's caveat).
 //!
 //! Every change (register, re-register with a new SLO, unregister, a connection bound, closed
-//! or moved) recomputes all rates and queues [`RateUpdate`]s for the threads whose values
-//! changed; [`TenantRegistry::take_updates`] hands them to the dataplane. A refused change
+//! or moved) recomputes the plan from running totals (O(log tenants)) and queues
+//! [`RateUpdate`]s: one [`DeviceRates`] per thread when device-level values moved (device rate,
+//! Σ LC, each BE tenant's share, the LC boost), and [`TenantRates`] only for the tenant that
+//! changed. Each scheduler derives every tenant's effective rate from the two
+//! ([`crate::rates::effective_rates`]), so a new BE tenant is not one message per BE tenant.
+//! [`TenantRegistry::take_updates`] hands the messages to the dataplane. A refused change
 //! leaves no state behind.
 //!
 //! A tenant may have connections on several threads; its reservation is counted once, and each
@@ -163,8 +167,56 @@ struct Entry {
 }
 
 impl Entry {
-    fn connections_total(&self) -> u64 {
-        self.connections.iter().map(|&c| u64::from(c)).sum()
+    fn connections_total(&self) -> u32 {
+        self.connections.iter().sum()
+    }
+}
+
+/// Sums over the registered tenants that admission and the rates depend on, kept up to date
+/// with every change so that a change costs O(log tenants), not O(tenants).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Totals {
+    lc_reserved: [u64; 2],
+    lc_count: u32,
+    /// LC tenants that write (read_percent < 100).
+    lc_writers: u32,
+    be_count: u32,
+    /// BE tenants with at least one connection (N_BE).
+    be_bound: u32,
+    /// LC tenants without a connection, and their reservations.
+    lc_unbound: u32,
+    lc_unbound_reserved: [u64; 2],
+}
+
+impl Totals {
+    fn plus(self, other: Totals) -> Totals {
+        self.combine(other, |a, b| a + b)
+    }
+
+    fn minus(self, other: Totals) -> Totals {
+        self.combine(other, |a, b| {
+            assert!(a >= b, "tenant totals out of step");
+            a - b
+        })
+    }
+
+    fn combine(self, o: Totals, f: impl Fn(u64, u64) -> u64) -> Totals {
+        let g = |a: u32, b: u32| f(u64::from(a), u64::from(b)) as u32;
+        Totals {
+            lc_reserved: [
+                f(self.lc_reserved[0], o.lc_reserved[0]),
+                f(self.lc_reserved[1], o.lc_reserved[1]),
+            ],
+            lc_count: g(self.lc_count, o.lc_count),
+            lc_writers: g(self.lc_writers, o.lc_writers),
+            be_count: g(self.be_count, o.be_count),
+            be_bound: g(self.be_bound, o.be_bound),
+            lc_unbound: g(self.lc_unbound, o.lc_unbound),
+            lc_unbound_reserved: [
+                f(self.lc_unbound_reserved[0], o.lc_unbound_reserved[0]),
+                f(self.lc_unbound_reserved[1], o.lc_unbound_reserved[1]),
+            ],
+        }
     }
 }
 
@@ -176,6 +228,9 @@ pub struct TenantRegistry {
     config: QosConfig,
     threads: u16,
     tenants: BTreeMap<TenantId, Entry>,
+    totals: Totals,
+    /// How many LC tenants have each latency SLO (the first key is the strictest).
+    lc_latencies: BTreeMap<u64, u32>,
     free_ids: BTreeSet<u32>,
     next_id: u32,
     plan: Plan,
@@ -212,6 +267,8 @@ impl TenantRegistry {
             config,
             threads,
             tenants: BTreeMap::new(),
+            totals: Totals::default(),
+            lc_latencies: BTreeMap::new(),
             free_ids: BTreeSet::new(),
             next_id: 0,
             plan: Plan {
@@ -230,12 +287,12 @@ impl TenantRegistry {
             outbox: Vec::new(),
         };
         let plan = registry
-            .evaluate(None)
+            .plan_for(Totals::default(), None, None)
             .map_err(|_| ConfigError::Invalid {
                 field: "profile",
                 reason: "yields no plan without tenants",
             })?;
-        registry.commit(plan);
+        registry.commit(plan, None);
         Ok(registry)
     }
 
@@ -280,7 +337,9 @@ impl TenantRegistry {
             None => self.next_id,
         });
         assert!(id.0 < self.config.tenants_max, "tenant ids are dense");
-        let plan = self.evaluate(Some((id, Some(spec))))?;
+        let added = self.contribution(&spec, false);
+        let totals = self.totals.plus(added);
+        let plan = self.plan_for(totals, Some(&spec), lc_latency(&spec))?;
         if !self.free_ids.remove(&id.0) {
             assert_eq!(id.0, self.next_id, "new ids come from the end");
             self.next_id += 1;
@@ -294,65 +353,80 @@ impl TenantRegistry {
                 episodes: 0,
             },
         );
-        self.commit(plan);
+        self.totals = totals;
+        latency_add(&mut self.lc_latencies, lc_latency(&spec));
+        self.commit(plan, Some(id));
         Ok(id)
     }
 
     /// Changes a tenant's SLO. Goes through admission again; on refusal the old SLO stays.
     pub fn reregister(&mut self, tenant: TenantId, spec: TenantSpec) -> Result<(), AdmissionError> {
         spec.validate()?;
-        if !self.tenants.contains_key(&tenant) {
-            return Err(AdmissionError::UnknownTenant(tenant));
-        }
-        let plan = self.evaluate(Some((tenant, Some(spec))))?;
+        let entry = self
+            .tenants
+            .get(&tenant)
+            .ok_or(AdmissionError::UnknownTenant(tenant))?;
+        let bound = entry.connections_total() > 0;
+        let old = entry.spec;
+        let totals = self
+            .totals
+            .minus(self.contribution(&old, bound))
+            .plus(self.contribution(&spec, bound));
+        let strictest = self.strictest_after(lc_latency(&old), lc_latency(&spec));
+        let plan = self.plan_for_latency(totals, Some(&spec), strictest)?;
         if let Some(entry) = self.tenants.get_mut(&tenant) {
             entry.spec = spec;
         }
-        self.commit(plan);
+        self.totals = totals;
+        latency_remove(&mut self.lc_latencies, lc_latency(&old));
+        latency_add(&mut self.lc_latencies, lc_latency(&spec));
+        self.commit(plan, Some(tenant));
         Ok(())
     }
 
     /// Removes a tenant; its connections on every thread are dropped from the plan.
     pub fn unregister(&mut self, tenant: TenantId) -> Result<(), AdmissionError> {
-        if !self.tenants.contains_key(&tenant) {
-            return Err(AdmissionError::UnknownTenant(tenant));
-        }
-        let plan = self.evaluate(Some((tenant, None)))?;
+        let entry = self
+            .tenants
+            .get(&tenant)
+            .ok_or(AdmissionError::UnknownTenant(tenant))?;
+        let old = entry.spec;
+        let totals = self
+            .totals
+            .minus(self.contribution(&old, entry.connections_total() > 0));
+        let strictest = self.strictest_after(lc_latency(&old), None);
+        let plan = self.plan_for_latency(totals, None, strictest)?;
         self.tenants.remove(&tenant);
         self.free_ids.insert(tenant.0);
-        self.commit(plan);
+        self.totals = totals;
+        latency_remove(&mut self.lc_latencies, lc_latency(&old));
+        self.commit(plan, Some(tenant));
         Ok(())
     }
 
     /// A connection of `tenant` is now served by `thread`.
     pub fn connect(&mut self, tenant: TenantId, thread: u16) -> Result<(), AdmissionError> {
         self.check_thread(thread)?;
-        let entry = self
-            .tenants
-            .get_mut(&tenant)
-            .ok_or(AdmissionError::UnknownTenant(tenant))?;
-        entry.connections[usize::from(thread)] += 1;
-        self.recompute();
-        Ok(())
+        self.change_connections(tenant, |entry| {
+            entry.connections[usize::from(thread)] += 1;
+            Ok(())
+        })
     }
 
     /// A connection of `tenant` on `thread` closed.
     pub fn disconnect(&mut self, tenant: TenantId, thread: u16) -> Result<(), AdmissionError> {
         self.check_thread(thread)?;
-        let entry = self
-            .tenants
-            .get_mut(&tenant)
-            .ok_or(AdmissionError::UnknownTenant(tenant))?;
-        let count = &mut entry.connections[usize::from(thread)];
-        if *count == 0 {
-            return Err(AdmissionError::NoConnection { tenant, thread });
-        }
-        *count -= 1;
-        if *count == 0 {
-            entry.episode_threads &= !(1u64 << thread);
-        }
-        self.recompute();
-        Ok(())
+        self.change_connections(tenant, |entry| {
+            let count = &mut entry.connections[usize::from(thread)];
+            if *count == 0 {
+                return Err(AdmissionError::NoConnection { tenant, thread });
+            }
+            *count -= 1;
+            if *count == 0 {
+                entry.episode_threads &= !(1u64 << thread);
+            }
+            Ok(())
+        })
     }
 
     /// A connection of `tenant` moved from one thread to another (load balancing).
@@ -362,9 +436,53 @@ impl TenantRegistry {
         from: u16,
         to: u16,
     ) -> Result<(), AdmissionError> {
+        self.check_thread(from)?;
         self.check_thread(to)?;
-        self.disconnect(tenant, from)?;
-        self.connect(tenant, to)
+        self.change_connections(tenant, |entry| {
+            let count = &mut entry.connections[usize::from(from)];
+            if *count == 0 {
+                return Err(AdmissionError::NoConnection {
+                    tenant,
+                    thread: from,
+                });
+            }
+            *count -= 1;
+            if *count == 0 {
+                entry.episode_threads &= !(1u64 << from);
+            }
+            entry.connections[usize::from(to)] += 1;
+            Ok(())
+        })
+    }
+
+    /// Applies a change of `tenant`'s connections; admission is unaffected (a tenant's
+    /// reservation counts whether or not it is connected), only shares and N_BE move.
+    fn change_connections(
+        &mut self,
+        tenant: TenantId,
+        change: impl FnOnce(&mut Entry) -> Result<(), AdmissionError>,
+    ) -> Result<(), AdmissionError> {
+        let entry = self
+            .tenants
+            .get_mut(&tenant)
+            .ok_or(AdmissionError::UnknownTenant(tenant))?;
+        let bound_before = entry.connections_total() > 0;
+        change(entry)?;
+        let spec = entry.spec;
+        let bound_after = entry.connections_total() > 0;
+        if bound_before != bound_after {
+            let totals = self
+                .totals
+                .minus(self.contribution(&spec, bound_before))
+                .plus(self.contribution(&spec, bound_after));
+            self.totals = totals;
+        }
+        let strictest = self.lc_latencies.keys().next().copied();
+        match self.plan_for_latency(self.totals, None, strictest) {
+            Ok(plan) => self.commit(plan, Some(tenant)),
+            Err(error) => unreachable_plan(&error),
+        }
+        Ok(())
     }
 
     /// Connections of `tenant` per thread.
@@ -417,65 +535,85 @@ impl TenantRegistry {
         Ok(())
     }
 
-    fn recompute(&mut self) {
-        // Connection changes never change admission, only shares.
-        match self.evaluate(None) {
-            Ok(plan) => self.commit(plan),
-            Err(error) => unreachable_plan(&error),
+    /// What one tenant adds to the totals.
+    fn contribution(&self, spec: &TenantSpec, bound: bool) -> Totals {
+        match *spec {
+            TenantSpec::LatencyCritical {
+                iops, read_percent, ..
+            } => {
+                let reserved = [
+                    self.costs
+                        .reservation(iops, read_percent, LoadMode::Mixed)
+                        .0,
+                    self.costs
+                        .reservation(iops, read_percent, LoadMode::ReadOnly)
+                        .0,
+                ];
+                Totals {
+                    lc_reserved: reserved,
+                    lc_count: 1,
+                    lc_writers: u32::from(read_percent < 100),
+                    lc_unbound: u32::from(!bound),
+                    lc_unbound_reserved: if bound { [0; 2] } else { reserved },
+                    ..Totals::default()
+                }
+            }
+            TenantSpec::BestEffort => Totals {
+                be_count: 1,
+                be_bound: u32::from(bound),
+                ..Totals::default()
+            },
         }
     }
 
-    /// The plan after replacing (`Some(spec)`), removing (`None`) or adding the tenant `change`,
-    /// or an error if it does not fit.
-    fn evaluate(
+    /// The strictest LC SLO after removing one SLO and adding another.
+    fn strictest_after(&self, removed: Option<u64>, added: Option<u64>) -> Option<u64> {
+        let mut remaining = self.lc_latencies.iter().filter_map(|(&latency, &count)| {
+            let count = count - u32::from(removed == Some(latency));
+            (count > 0).then_some(latency)
+        });
+        let first = remaining.next();
+        match (first, added) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The plan with `totals` after adding a tenant whose LC SLO is `added_latency`.
+    fn plan_for(
         &self,
-        change: Option<(TenantId, Option<TenantSpec>)>,
+        totals: Totals,
+        candidate: Option<&TenantSpec>,
+        added_latency: Option<u64>,
     ) -> Result<Plan, AdmissionError> {
-        let specs = self.specs_after(change);
-        let lc: Vec<(u64, u64, u8)> = specs
-            .iter()
-            .filter_map(|(_, spec, _)| match *spec {
-                TenantSpec::LatencyCritical {
-                    latency_us_p95,
-                    iops,
-                    read_percent,
-                } => Some((latency_us_p95, iops, read_percent)),
-                TenantSpec::BestEffort => None,
-            })
-            .collect();
-        let be_any = specs
-            .iter()
-            .any(|(_, spec, _)| *spec == TenantSpec::BestEffort);
-        let be_bound = specs
-            .iter()
-            .filter(|(_, spec, bound)| *spec == TenantSpec::BestEffort && *bound)
-            .count() as u32;
-        let strictest = lc.iter().map(|&(latency, _, _)| latency).min();
+        let strictest = self.strictest_after(None, added_latency);
+        self.plan_for_latency(totals, candidate, strictest)
+    }
+
+    /// The plan for `totals` at the strictest SLO `strictest`, or the refusal of `candidate`.
+    fn plan_for_latency(
+        &self,
+        totals: Totals,
+        candidate: Option<&TenantSpec>,
+        strictest: Option<u64>,
+    ) -> Result<Plan, AdmissionError> {
         let (rate, clamp) = match strictest {
             Some(latency) => {
                 let rate = self.profile.rate_at(latency);
                 (rate, rate.clamped)
             }
-            None => {
-                let last = self.profile.rate_at(u64::MAX);
-                (last, None)
-            }
+            None => (self.profile.rate_at(u64::MAX), None),
         };
         let device = [
             TokenRate::from_tokens_per_sec_f64(rate.tokens_per_sec),
             self.costs.read_only_rate(rate.reads_per_sec_read_only),
         ];
-        let reserve = |mode: LoadMode| -> TokenRate {
-            TokenRate(
-                lc.iter()
-                    .map(|&(_, iops, read)| self.costs.reservation(iops, read, mode).0)
-                    .sum(),
-            )
-        };
-        let reserved = [reserve(LoadMode::Mixed), reserve(LoadMode::ReadOnly)];
-        let read_only_admission = !lc.is_empty() && !be_any && lc.iter().all(|l| l.2 == 100);
-
-        // The admission check proper.
+        let reserved = [
+            TokenRate(totals.lc_reserved[0]),
+            TokenRate(totals.lc_reserved[1]),
+        ];
+        let read_only_admission =
+            totals.lc_count > 0 && totals.lc_writers == 0 && totals.be_count == 0;
         let admission_mode = if read_only_admission {
             LoadMode::ReadOnly
         } else {
@@ -484,32 +622,25 @@ impl TenantRegistry {
         let m = admission_mode.index();
         if reserved[m] > device[m] {
             let latency_us_p95 = strictest.unwrap_or(0);
-            let candidate = change.and_then(|(id, spec)| spec.map(|s| (id, s)));
             return Err(match candidate {
-                Some((_, TenantSpec::BestEffort)) => AdmissionError::WouldEndReadOnly {
+                Some(TenantSpec::BestEffort) => AdmissionError::WouldEndReadOnly {
                     reserved_tokens_per_sec: reserved[m].as_tokens_per_sec_f64(),
                     mixed_tokens_per_sec: device[m].as_tokens_per_sec_f64(),
                     latency_us_p95,
                 },
-                Some((
-                    id,
-                    TenantSpec::LatencyCritical {
-                        iops, read_percent, ..
-                    },
-                )) => {
+                Some(&TenantSpec::LatencyCritical {
+                    iops, read_percent, ..
+                }) => {
                     let needed = self.costs.reservation(iops, read_percent, admission_mode);
-                    let others = reserved[m].0 - needed.0;
-                    let _ = id;
+                    let others = reserved[m].0.saturating_sub(needed.0);
                     AdmissionError::Insufficient {
                         needed_tokens_per_sec: needed.as_tokens_per_sec_f64(),
-                        left_tokens_per_sec: (device[m].0.saturating_sub(others)) as f64 / 1e3,
+                        left_tokens_per_sec: device[m].0.saturating_sub(others) as f64 / 1e3,
                         latency_us_p95,
                         read_only: read_only_admission,
                     }
                 }
-                // Removing a tenant can only make room, except that it may end read-only
-                // admission (the last read-only LC tenant leaving while a ... ) — it cannot,
-                // as removal never adds a BE tenant or a writer; report generously anyway.
+                // Removing a tenant only makes room; report the totals if it ever did not.
                 None => AdmissionError::Insufficient {
                     needed_tokens_per_sec: reserved[m].as_tokens_per_sec_f64(),
                     left_tokens_per_sec: device[m].as_tokens_per_sec_f64(),
@@ -518,16 +649,15 @@ impl TenantRegistry {
                 },
             });
         }
-
         let mut be_each = [TokenRate::ZERO; 2];
         let mut lc_boost = [TokenRate::ZERO; 2];
         for mode in LoadMode::ALL {
             let m = mode.index();
             let spare = device[m].0.saturating_sub(reserved[m].0);
-            if be_bound > 0 {
-                be_each[m] = TokenRate(spare / u64::from(be_bound));
-            } else if !lc.is_empty() {
-                lc_boost[m] = TokenRate(spare / lc.len() as u64);
+            if totals.be_bound > 0 {
+                be_each[m] = TokenRate(spare / u64::from(totals.be_bound));
+            } else if totals.lc_count > 0 {
+                lc_boost[m] = TokenRate(spare / u64::from(totals.lc_count));
             }
         }
         Ok(Plan {
@@ -538,143 +668,147 @@ impl TenantRegistry {
             lc_reserved_tokens_per_sec: reserved,
             be_tokens_per_sec_each: be_each,
             lc_boost_tokens_per_sec_each: lc_boost,
-            lc_tenants: lc.len() as u32,
-            be_tenants_bound: be_bound,
+            lc_tenants: totals.lc_count,
+            be_tenants_bound: totals.be_bound,
         })
     }
 
-    /// (id, spec, has a connection) for every tenant after `change`.
-    fn specs_after(
-        &self,
-        change: Option<(TenantId, Option<TenantSpec>)>,
-    ) -> Vec<(TenantId, TenantSpec, bool)> {
-        let mut specs: Vec<(TenantId, TenantSpec, bool)> = self
-            .tenants
-            .iter()
-            .map(|(&id, entry)| (id, entry.spec, entry.connections_total() > 0))
-            .collect();
-        if let Some((id, spec)) = change {
-            match (specs.iter().position(|(other, _, _)| *other == id), spec) {
-                (Some(at), Some(spec)) => specs[at].1 = spec,
-                (Some(at), None) => {
-                    specs.remove(at);
-                }
-                (None, Some(spec)) => specs.push((id, spec, false)),
-                (None, None) => {}
-            }
-        }
-        specs
-    }
-
-    /// Adopts `plan` and queues the rate updates that differ from what each thread has.
-    fn commit(&mut self, plan: Plan) {
-        if let (Some(clamp), Some(latency)) = (plan.clamp, plan.latency_us_p95) {
-            if self.plan.clamp != plan.clamp || self.plan.latency_us_p95 != plan.latency_us_p95 {
-                tracing::warn!(
-                    latency_us_p95 = latency,
-                    ?clamp,
-                    "latency SLO outside the device profile's table; using the nearest row"
-                );
-            }
+    /// Adopts `plan` and queues the updates: device rates where they changed (one message per
+    /// thread) and the rates of `changed` (the only tenant whose own terms can have moved).
+    fn commit(&mut self, plan: Plan, changed: Option<TenantId>) {
+        if let (Some(clamp), Some(latency)) = (plan.clamp, plan.latency_us_p95)
+            && (self.plan.clamp != plan.clamp || self.plan.latency_us_p95 != plan.latency_us_p95)
+        {
+            tracing::warn!(
+                latency_us_p95 = latency,
+                ?clamp,
+                "latency SLO outside the device profile's table; using the nearest row"
+            );
         }
         self.plan = plan;
+        // The tenant's own messages first: a tenant that leaves a thread is retired there
+        // before the device rates that no longer count it arrive, and keeps its last rate
+        // while its queue drains.
+        if let Some(tenant) = changed {
+            self.send_tenant(tenant);
+        }
         let threads = usize::from(self.threads);
-        let deficit_limit = self.config.deficit_limit();
+        // Reservations nobody serves yet (and their share of spare capacity) are donated, by
+        // every thread evenly.
         let mut unbound = [0u64; 2];
-        let mut desired: Vec<BTreeMap<TenantId, TenantRates>> = vec![BTreeMap::new(); threads];
-        for (&id, entry) in &self.tenants {
-            let rates = self.tenant_rates(&entry.spec, &plan);
-            let total = entry.connections_total();
-            if total == 0 {
-                if entry.spec.class() == TenantClass::LatencyCritical {
-                    for m in 0..2 {
-                        unbound[m] += rates[m].0;
-                    }
-                }
-                continue;
-            }
-            let shares: [Vec<u64>; 2] = [
-                split(rates[0].0, &entry.connections),
-                split(rates[1].0, &entry.connections),
-            ];
-            let limits = split(deficit_limit.0.max(0) as u64, &entry.connections);
-            for (thread, &count) in entry.connections.iter().enumerate() {
-                if count == 0 {
-                    continue;
-                }
-                desired[thread].insert(
-                    id,
-                    TenantRates {
-                        tenant: id,
-                        class: entry.spec.class(),
-                        tokens_per_sec: [TokenRate(shares[0][thread]), TokenRate(shares[1][thread])],
-                        deficit_limit: Tokens(limits[thread] as i64),
-                    },
-                );
-            }
+        for mode in LoadMode::ALL {
+            let m = mode.index();
+            let sum = plan.lc_reserved_tokens_per_sec[m];
+            let available = plan.device_tokens_per_sec[m];
+            let reserved = TokenRate(self.totals.lc_unbound_reserved[m]);
+            let scaled = if sum > available {
+                reserved.share(available.0.min(sum.0), sum.0)
+            } else {
+                reserved
+            };
+            unbound[m] = scaled.0
+                + plan.lc_boost_tokens_per_sec_each[m].0 * u64::from(self.totals.lc_unbound);
         }
         let even = vec![1u32; threads];
         let unbound_shares = [split(unbound[0], &even), split(unbound[1], &even)];
         let max_rate = plan.device_tokens_per_sec[0].max(plan.device_tokens_per_sec[1]);
         let window_ns = u128::from(self.config.bucket_window().0);
         let bucket_max = Tokens((u128::from(max_rate.0) * window_ns / 1_000_000_000) as i64);
-        for (thread, wanted) in desired.into_iter().enumerate() {
+        let per_thread = unbound_shares[0].iter().zip(&unbound_shares[1]).enumerate();
+        for (thread, (&unbound_mixed, &unbound_read_only)) in per_thread {
             let device = DeviceRates {
                 costs: self.costs,
                 device_tokens_per_sec: plan.device_tokens_per_sec,
-                unbound_tokens_per_sec: [
-                    TokenRate(unbound_shares[0][thread]),
-                    TokenRate(unbound_shares[1][thread]),
-                ],
+                lc_reserved_tokens_per_sec: plan.lc_reserved_tokens_per_sec,
+                be_tokens_per_sec_each: plan.be_tokens_per_sec_each,
+                lc_boost_tokens_per_sec_each: plan.lc_boost_tokens_per_sec_each,
+                unbound_tokens_per_sec: [TokenRate(unbound_mixed), TokenRate(unbound_read_only)],
                 bucket_max,
                 loan_max: self.config.loan_max(),
             };
-            let thread_u16 = thread as u16;
             if self.sent_device[thread] != Some(device) {
                 self.sent_device[thread] = Some(device);
-                self.outbox.push((thread_u16, RateUpdate::Device(device)));
-            }
-            let sent = &mut self.sent_tenants[thread];
-            let gone: Vec<TenantId> = sent
-                .keys()
-                .filter(|id| !wanted.contains_key(id))
-                .copied()
-                .collect();
-            for id in gone {
-                sent.remove(&id);
-                self.outbox.push((thread_u16, RateUpdate::Remove(id)));
-            }
-            for (id, rates) in wanted {
-                if sent.get(&id) != Some(&rates) {
-                    sent.insert(id, rates);
-                    self.outbox.push((thread_u16, RateUpdate::Tenant(rates)));
-                }
+                self.outbox
+                    .push((thread as u16, RateUpdate::Device(device)));
             }
         }
     }
 
-    /// A tenant's whole rate (before splitting between threads), per mode.
-    fn tenant_rates(&self, spec: &TenantSpec, plan: &Plan) -> RatePerMode {
-        match *spec {
-            TenantSpec::LatencyCritical {
-                iops, read_percent, ..
-            } => {
-                let mut rates = [TokenRate::ZERO; 2];
-                for mode in LoadMode::ALL {
-                    let m = mode.index();
-                    let mut reservation = self.costs.reservation(iops, read_percent, mode);
-                    // Under read-only admission the mixed reservations may exceed the mixed
-                    // rate; should a write arrive anyway, scale them down to fit the device.
-                    let reserved = plan.lc_reserved_tokens_per_sec[m];
-                    let device = plan.device_tokens_per_sec[m];
-                    if reserved > device {
-                        reservation = reservation.share(device.0, reserved.0);
+    /// Queues `tenant`'s per-thread terms where they changed, and removals where it left.
+    fn send_tenant(&mut self, tenant: TenantId) {
+        let threads = usize::from(self.threads);
+        let mut wanted: Vec<Option<TenantRates>> = vec![None; threads];
+        if let Some(entry) = self.tenants.get(&tenant) {
+            let total = entry.connections_total();
+            if total > 0 {
+                let reserved = self.contribution(&entry.spec, true).lc_reserved;
+                let shares = [
+                    split(reserved[0], &entry.connections),
+                    split(reserved[1], &entry.connections),
+                ];
+                let limits = split(
+                    self.config.deficit_limit().0.max(0) as u64,
+                    &entry.connections,
+                );
+                for (thread, &here) in entry.connections.iter().enumerate() {
+                    if here > 0 {
+                        wanted[thread] = Some(TenantRates {
+                            tenant,
+                            class: entry.spec.class(),
+                            reserved_tokens_per_sec: [
+                                TokenRate(shares[0][thread]),
+                                TokenRate(shares[1][thread]),
+                            ],
+                            connections_here: here,
+                            connections_total: total,
+                            deficit_limit: Tokens(limits[thread] as i64),
+                        });
                     }
-                    rates[m] = TokenRate(reservation.0 + plan.lc_boost_tokens_per_sec_each[m].0);
                 }
-                rates
             }
-            TenantSpec::BestEffort => plan.be_tokens_per_sec_each,
+        }
+        for (thread, wanted) in wanted.into_iter().enumerate() {
+            let sent = &mut self.sent_tenants[thread];
+            match wanted {
+                Some(rates) => {
+                    if sent.get(&tenant) != Some(&rates) {
+                        sent.insert(tenant, rates);
+                        self.outbox.push((thread as u16, RateUpdate::Tenant(rates)));
+                    }
+                }
+                None => {
+                    if sent.remove(&tenant).is_some() {
+                        self.outbox
+                            .push((thread as u16, RateUpdate::Remove(tenant)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn lc_latency(spec: &TenantSpec) -> Option<u64> {
+    match *spec {
+        TenantSpec::LatencyCritical { latency_us_p95, .. } => Some(latency_us_p95),
+        TenantSpec::BestEffort => None,
+    }
+}
+
+fn latency_add(latencies: &mut BTreeMap<u64, u32>, latency: Option<u64>) {
+    if let Some(latency) = latency {
+        *latencies.entry(latency).or_insert(0) += 1;
+    }
+}
+
+fn latency_remove(latencies: &mut BTreeMap<u64, u32>, latency: Option<u64>) {
+    if let Some(latency) = latency {
+        let count = latencies.get_mut(&latency);
+        assert!(count.is_some(), "removing an SLO that is not registered");
+        if let Some(count) = count {
+            *count -= 1;
+            if *count == 0 {
+                latencies.remove(&latency);
+            }
         }
     }
 }
@@ -753,7 +887,10 @@ mod tests {
         let mut r = registry(1);
         let a = r.register(lc(500, 120_000, 100)).unwrap();
         let c = r.register(TenantSpec::BestEffort).unwrap();
-        assert_eq!(r.plan().lc_reserved_tokens_per_sec[0], TokenRate::from_tokens_per_sec(120_000));
+        assert_eq!(
+            r.plan().lc_reserved_tokens_per_sec[0],
+            TokenRate::from_tokens_per_sec(120_000)
+        );
         // B (196K) fits: 120K + 196K = 316K <= 420K.
         let b = r.register(lc(500, 70_000, 80)).unwrap();
         assert_ne!(a, b);
@@ -763,7 +900,10 @@ mod tests {
         let updates_before = r.take_updates().len();
         assert!(updates_before > 0);
         let error = r.register(lc(500, 70_000, 80)).unwrap_err();
-        assert_eq!(error.to_string(), "needs 196K tokens/s, 104K left at 500 µs");
+        assert_eq!(
+            error.to_string(),
+            "needs 196K tokens/s, 104K left at 500 µs"
+        );
         // Nothing left behind: same plan, no updates, the id is reused by the next tenant.
         assert_eq!(r.plan(), before);
         assert!(r.take_updates().is_empty());
@@ -776,16 +916,28 @@ mod tests {
     fn the_strictest_slo_sets_the_rate_and_removal_relaxes_it() {
         let mut r = registry(1);
         let loose = r.register(lc(2000, 20_000, 90)).unwrap();
-        assert_eq!(r.plan().device_tokens_per_sec[0], TokenRate::from_tokens_per_sec(570_000));
+        assert_eq!(
+            r.plan().device_tokens_per_sec[0],
+            TokenRate::from_tokens_per_sec(570_000)
+        );
         let strict = r.register(lc(750, 10_000, 100)).unwrap();
         // Interpolated half way between 500 µs (420K) and 1 ms (500K).
-        assert_eq!(r.plan().device_tokens_per_sec[0], TokenRate::from_tokens_per_sec(460_000));
+        assert_eq!(
+            r.plan().device_tokens_per_sec[0],
+            TokenRate::from_tokens_per_sec(460_000)
+        );
         assert_eq!(r.plan().clamp, None);
         r.unregister(strict).unwrap();
-        assert_eq!(r.plan().device_tokens_per_sec[0], TokenRate::from_tokens_per_sec(570_000));
+        assert_eq!(
+            r.plan().device_tokens_per_sec[0],
+            TokenRate::from_tokens_per_sec(570_000)
+        );
         // Stricter than the table: clamped to the first row and flagged.
         r.register(lc(100, 1_000, 100)).unwrap();
-        assert_eq!(r.plan().device_tokens_per_sec[0], TokenRate::from_tokens_per_sec(420_000));
+        assert_eq!(
+            r.plan().device_tokens_per_sec[0],
+            TokenRate::from_tokens_per_sec(420_000)
+        );
         assert_eq!(
             r.plan().clamp,
             Some(Clamp::StricterThanTable {
@@ -806,8 +958,14 @@ mod tests {
         assert_eq!(r.plan().latency_us_p95, Some(500));
         // Asking A for 400K IOPS at 500 µs does not fit (438K > 420K); A keeps its old SLO.
         let error = r.reregister(a, lc(500, 400_000, 100)).unwrap_err();
-        assert_eq!(error.to_string(), "needs 400K tokens/s, 382K left at 500 µs");
-        assert!(matches!(error, AdmissionError::Insufficient { .. }), "{error}");
+        assert_eq!(
+            error.to_string(),
+            "needs 400K tokens/s, 382K left at 500 µs"
+        );
+        assert!(
+            matches!(error, AdmissionError::Insufficient { .. }),
+            "{error}"
+        );
         assert_eq!(r.spec(a), Some(lc(2000, 100_000, 100)));
     }
 
@@ -818,79 +976,138 @@ mod tests {
         let a = r.register(lc(500, 600_000, 100)).unwrap();
         assert!(r.plan().read_only_admission);
         let error = r.register(TenantSpec::BestEffort).unwrap_err();
-        assert!(matches!(error, AdmissionError::WouldEndReadOnly { .. }), "{error}");
+        assert!(
+            matches!(error, AdmissionError::WouldEndReadOnly { .. }),
+            "{error}"
+        );
         let error = r.register(lc(500, 1_000, 99)).unwrap_err();
-        assert!(matches!(error, AdmissionError::Insufficient { .. }), "{error}");
+        assert!(
+            matches!(error, AdmissionError::Insufficient { .. }),
+            "{error}"
+        );
         r.reregister(a, lc(500, 300_000, 100)).unwrap();
         r.register(TenantSpec::BestEffort).unwrap();
         assert!(!r.plan().read_only_admission);
     }
 
-    fn thread_rates(updates: &[(u16, RateUpdate)]) -> BTreeMap<(u16, TenantId), TenantRates> {
-        let mut out = BTreeMap::new();
-        for &(thread, update) in updates {
-            match update {
-                RateUpdate::Tenant(rates) => {
-                    out.insert((thread, rates.tenant), rates);
+    /// What the threads know after applying every update so far, like the schedulers do.
+    #[derive(Default)]
+    struct View {
+        device: BTreeMap<u16, DeviceRates>,
+        tenants: BTreeMap<(u16, TenantId), TenantRates>,
+    }
+
+    impl View {
+        fn apply(&mut self, updates: Vec<(u16, RateUpdate)>) {
+            for (thread, update) in updates {
+                match update {
+                    RateUpdate::Device(device) => {
+                        self.device.insert(thread, device);
+                    }
+                    RateUpdate::Tenant(rates) => {
+                        self.tenants.insert((thread, rates.tenant), rates);
+                    }
+                    RateUpdate::Remove(id) => {
+                        self.tenants.remove(&(thread, id));
+                    }
                 }
-                RateUpdate::Remove(id) => {
-                    out.remove(&(thread, id));
-                }
-                RateUpdate::Device(_) => {}
             }
         }
-        out
+
+        /// The tenant's mixed-load rate on `thread`, in millitokens per second (0 if absent).
+        fn rate(&self, thread: u16, tenant: TenantId) -> u64 {
+            self.tenants.get(&(thread, tenant)).map_or(0, |rates| {
+                crate::rates::effective_rates(&self.device[&thread], rates)[0].0
+            })
+        }
+
+        fn has(&self, thread: u16, tenant: TenantId) -> bool {
+            self.tenants.contains_key(&(thread, tenant))
+        }
     }
 
     #[test]
     fn a_tenant_on_several_threads_is_charged_once() {
         let mut r = registry(3);
+        let mut view = View::default();
         let a = r.register(lc(500, 70_000, 80)).unwrap();
         let c = r.register(TenantSpec::BestEffort).unwrap();
         for thread in [0, 1, 1, 2] {
             r.connect(a, thread).unwrap();
         }
         r.connect(c, 2).unwrap();
-        let mut updates = r.take_updates();
-        let rates = thread_rates(&updates);
-        let share = |thread: u16| rates[&(thread, a)].tokens_per_sec[0].0;
-        assert_eq!(share(0) + share(1) + share(2), 196_000_000);
-        assert_eq!(share(1), 98_000_000);
+        view.apply(r.take_updates());
+        let share = |view: &View, thread: u16| view.rate(thread, a);
+        assert_eq!(
+            share(&view, 0) + share(&view, 1) + share(&view, 2),
+            196_000_000
+        );
+        assert_eq!(share(&view, 1), 98_000_000);
         // BE gets everything else once: 420K - 196K.
-        assert_eq!(rates[&(2, c)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(224_000));
+        assert_eq!(view.rate(2, c), 224_000_000);
         // The deficit limit is split the same way.
-        let limits: i64 = (0..3).map(|t| rates[&(t, a)].deficit_limit.0).sum();
+        let limits: i64 = (0..3).map(|t| view.tenants[&(t, a)].deficit_limit.0).sum();
         assert_eq!(limits, Tokens::from_tokens(50).0);
         // Admission counted 196K once: 224K is left, so a 220K tenant fits.
         r.register(lc(500, 220_000, 100)).unwrap();
         // Moving a connection rebalances; closing all on a thread removes the tenant there.
         r.move_connection(a, 0, 1).unwrap();
-        updates.extend(r.take_updates());
-        let rates = thread_rates(&updates);
-        assert!(!rates.contains_key(&(0, a)));
-        assert_eq!(rates[&(1, a)].tokens_per_sec[0].0 + rates[&(2, a)].tokens_per_sec[0].0, 196_000_000);
+        view.apply(r.take_updates());
+        assert!(!view.has(0, a));
+        assert_eq!(share(&view, 1) + share(&view, 2), 196_000_000);
         assert_eq!(r.connections(a), Some(&[0, 3, 1][..]));
         assert!(r.disconnect(a, 0).is_err());
         assert!(r.connect(a, 3).is_err());
+        assert!(r.move_connection(a, 0, 1).is_err());
+        // Unregistering removes it everywhere.
+        r.unregister(a).unwrap();
+        view.apply(r.take_updates());
+        assert!(!view.has(1, a) && !view.has(2, a));
     }
 
     #[test]
     fn without_best_effort_tenants_spare_capacity_goes_to_lc() {
         let mut r = registry(1);
+        let mut view = View::default();
         let a = r.register(lc(500, 120_000, 100)).unwrap();
         let b = r.register(lc(500, 70_000, 80)).unwrap();
         r.connect(a, 0).unwrap();
         r.connect(b, 0).unwrap();
-        let rates = thread_rates(&r.take_updates());
+        view.apply(r.take_updates());
         // Spare 104K split evenly: 52K each.
-        assert_eq!(rates[&(0, a)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(172_000));
-        assert_eq!(rates[&(0, b)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(248_000));
-        // A BE tenant with a connection takes the spare capacity over.
+        assert_eq!(view.rate(0, a), 172_000_000);
+        assert_eq!(view.rate(0, b), 248_000_000);
+        // A BE tenant with a connection takes the spare capacity over; only the device
+        // message and the new tenant's need to be sent for that.
         let c = r.register(TenantSpec::BestEffort).unwrap();
         r.connect(c, 0).unwrap();
-        let rates = thread_rates(&r.take_updates());
-        assert_eq!(rates[&(0, a)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(120_000));
-        assert_eq!(rates[&(0, c)].tokens_per_sec[0], TokenRate::from_tokens_per_sec(104_000));
+        let updates = r.take_updates();
+        assert!(
+            updates.len() <= 3,
+            "{} updates for one BE tenant: {updates:?}",
+            updates.len()
+        );
+        view.apply(updates);
+        assert_eq!(view.rate(0, a), 120_000_000);
+        assert_eq!(view.rate(0, c), 104_000_000);
+    }
+
+    #[test]
+    fn unbound_reservations_are_donated_by_the_threads() {
+        let mut r = registry(2);
+        let mut view = View::default();
+        let a = r.register(lc(500, 100_000, 100)).unwrap();
+        let c = r.register(TenantSpec::BestEffort).unwrap();
+        r.connect(c, 0).unwrap();
+        view.apply(r.take_updates());
+        let unbound: u64 = (0..2)
+            .map(|t| view.device[&t].unbound_tokens_per_sec[0].0)
+            .sum();
+        assert_eq!(unbound, 100_000_000);
+        r.connect(a, 1).unwrap();
+        view.apply(r.take_updates());
+        assert_eq!(view.device[&0].unbound_tokens_per_sec[0].0, 0);
+        assert_eq!(view.rate(1, a), 100_000_000);
     }
 
     #[test]
@@ -910,7 +1127,11 @@ mod tests {
         );
         assert_eq!(r.handle_event(1, hit), None);
         assert_eq!(r.handle_event(0, ok), None);
-        assert_eq!(r.handle_event(0, hit), None, "thread 1 still in the episode");
+        assert_eq!(
+            r.handle_event(0, hit),
+            None,
+            "thread 1 still in the episode"
+        );
         assert_eq!(r.handle_event(0, ok), None);
         assert_eq!(r.handle_event(1, ok), None);
         assert_eq!(

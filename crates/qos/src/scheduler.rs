@@ -11,21 +11,25 @@
 //! 4. drain [`Scheduler::poll_event`] (deficit-limit notices go to the control plane);
 //! 5. when blocking, sleep no longer than [`Scheduler::next_deadline`].
 //!
-//! A round costs O(tenants with queued requests or still refilling), not O(tenants): LC tenants
+//! A round costs O(tenants with queued requests + refills due), not O(tenants): LC tenants
 //! that are idle and full, and BE tenants that are idle, are folded into one aggregate rate
-//! whose tokens are donated to the global bucket each round, exactly as Algorithm 1 would have
-//! donated them one tenant at a time.
+//! whose tokens are donated to the global bucket each round, as Algorithm 1 would have donated
+//! them one tenant at a time; LC tenants that went idle below `POS_LIMIT` wait on a timing
+//! wheel (`wheel.rs`) until they are full, costing nothing per round meanwhile.
 //!
 //! Per round, in order:
 //! * the idle aggregate's tokens since the last round go to the global bucket;
-//! * **LC subround**: each listed LC tenant earns reservation × elapsed time; requests are
-//!   submitted while its balance is above its deficit limit; at the limit the tenant is
+//! * refilling LC tenants that are full by now keep `POS_LIMIT`, donate the rest, and idle;
+//! * **LC subround** (from a rotating start): each listed LC tenant earns reservation ×
+//!   elapsed time; requests are submitted while its balance is above its deficit limit; at
+//!   the limit the tenant is
 //!   rate-limited and reported once per episode ([`SchedulerEvent::DeficitLimitReached`]);
 //!   while lending is on it may borrow the exact cost of its next request from the global
 //!   bucket (which may go down to `-loan_max`). With an empty queue the tenant refills up to
 //!   `POS_LIMIT` (its rate × the span of this thread's last `surplus_rounds` rounds) and then
 //!   idles, donating everything beyond; with a non-empty queue and a balance above
-//!   `POS_LIMIT`, `donate_percent` of the balance is donated (the paper's rule);
+//!   `POS_LIMIT`, `donate_percent` of the balance is donated (the paper's rule). A tenant may
+//!   borrow at most `loan_percent` of what it earns (an allowance capped at its deficit limit);
 //! * **BE subround**, round robin from a start that rotates every round: each listed BE tenant
 //!   earns its share × elapsed time, first repays any loan, claims from the bucket what its
 //!   queue needs beyond its balance, submits each request it can pay for, keeps the remainder
@@ -42,7 +46,9 @@ use std::sync::Arc;
 use crate::config::{ConfigError, QosConfig, ROUND_HISTORY_MAX};
 use crate::cost::{CostModel, IoKind, LoadMode, REQUEST_BYTES_MAX};
 use crate::queue::{List, Node, Pool};
-use crate::rates::{DeviceRates, RateUpdate, TenantClass, TenantId, TenantRates, rate_in};
+use crate::rates::{
+    DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates, effective_rates,
+};
 use crate::shared::DeviceShared;
 use crate::time::Nanos;
 use crate::tokens::{TokenRate, Tokens, accrue, amount_over, time_to_earn};
@@ -81,7 +87,9 @@ pub struct Admitted {
 pub enum EnqueueError {
     #[error("{0} is not served by this thread")]
     UnknownTenant(TenantId),
-    #[error("{tenant} has {depth_max} requests queued on this thread; stop reading its connections until it has room")]
+    #[error(
+        "{tenant} has {depth_max} requests queued on this thread; stop reading its connections until it has room"
+    )]
     TenantQueueFull { tenant: TenantId, depth_max: u32 },
     #[error("this thread has {queued_max} requests queued; stop reading until there is room")]
     ThreadQueueFull { tenant: TenantId, queued_max: u32 },
@@ -156,10 +164,15 @@ const EVENT_ROOM: u8 = 4;
 struct Slot {
     state: SlotState,
     class: TenantClass,
+    /// What the control plane sent; the rate below is derived from it and the device rates.
+    terms: TenantRates,
     rate: [TokenRate; 2],
     rate_q32: [u64; 2],
     /// Negative millitokens: the balance may not fall below it by paying from itself.
     deficit_floor: i64,
+    /// LC: what the tenant may still borrow from the bucket (millitokens); grows with its
+    /// earnings at `loan_percent`, up to `-deficit_floor`.
+    loan_allowance: i64,
     balance: i64,
     stamp: Nanos,
     frac: u32,
@@ -185,9 +198,18 @@ impl Slot {
     const VACANT: Slot = Slot {
         state: SlotState::Vacant,
         class: TenantClass::BestEffort,
+        terms: TenantRates {
+            tenant: TenantId(0),
+            class: TenantClass::BestEffort,
+            reserved_tokens_per_sec: [TokenRate::ZERO; 2],
+            connections_here: 0,
+            connections_total: 0,
+            deficit_limit: Tokens::ZERO,
+        },
         rate: [TokenRate::ZERO; 2],
         rate_q32: [0; 2],
         deficit_floor: 0,
+        loan_allowance: 0,
         balance: 0,
         stamp: Nanos::ZERO,
         frac: 0,
@@ -249,6 +271,7 @@ pub struct Scheduler {
     surplus_rounds: usize,
     costs: CostModel,
     lending: bool,
+    loan_percent: i64,
     device_rates: Option<DeviceRates>,
     slots: Vec<Slot>,
     pool: Pool,
@@ -307,6 +330,7 @@ impl Scheduler {
                 read_read_only: Tokens::ONE,
             },
             lending: false,
+            loan_percent: i64::from(config.loan_percent),
             device_rates: None,
             slots: Vec::new(),
             pool: Pool::new(config.thread_queued_requests_max),
@@ -360,14 +384,22 @@ impl Scheduler {
         self.costs = rates.costs;
         self.lending = rates.loan_max.0 > 0;
         self.shared.set_limits(rates.bucket_max, rates.loan_max);
-        for mode in LoadMode::ALL {
-            let m = mode.index();
-            let old = self.unbound_rate_q32[m];
-            let new = rate_in(&rates.unbound_tokens_per_sec, mode).q32();
-            self.idle_rate_q32[m] = self.idle_rate_q32[m] - old + new;
-            self.unbound_rate_q32[m] = new;
-        }
+        let unbound = [
+            rates.unbound_tokens_per_sec[0].q32(),
+            rates.unbound_tokens_per_sec[1].q32(),
+        ];
+        sub_rates(&mut self.idle_rate_q32, self.unbound_rate_q32);
+        add_rates(&mut self.idle_rate_q32, unbound);
+        self.unbound_rate_q32 = unbound;
         self.device_rates = Some(rates);
+        // Every tenant's effective rate may have changed (O(tenants of this thread)). Retiring
+        // tenants keep their last rate until their queue is empty.
+        for index in 0..self.slots.len() {
+            if self.slots[index].state == SlotState::Active {
+                let terms = self.slots[index].terms;
+                self.set_rates(index, effective_rates(&rates, &terms), now);
+            }
+        }
     }
 
     fn apply_tenant(&mut self, rates: TenantRates, now: Nanos) {
@@ -382,65 +414,73 @@ impl Scheduler {
             self.slots.resize(index + 1, Slot::VACANT);
             self.refills.ensure(index);
         }
-        let mode = self.shared.load_mode(now);
         self.settle_idle(now);
-        let new_q32 = [rates.tokens_per_sec[0].q32(), rates.tokens_per_sec[1].q32()];
         let slot = &mut self.slots[index];
-        match slot.state {
-            SlotState::Vacant => {
-                *slot = Slot {
-                    state: SlotState::Active,
-                    class: rates.class,
-                    stamp: now,
-                    ..Slot::VACANT
-                };
-                match (self.policy, rates.class) {
-                    // A new LC tenant starts empty and refills to POS_LIMIT in the list.
-                    (Policy::Tokens, TenantClass::LatencyCritical) => {
-                        slot.listed = true;
-                        self.lc_list.push(index as u32);
-                    }
-                    _ => {
-                        slot.listed = false;
-                        for m in 0..2 {
-                            self.idle_rate_q32[m] += new_q32[m];
-                        }
-                    }
-                }
+        let new_tenant = slot.state == SlotState::Vacant;
+        if new_tenant {
+            // Starts at rate zero; `set_rates` below gives it its rate.
+            *slot = Slot {
+                state: SlotState::Active,
+                class: rates.class,
+                stamp: now,
+                ..Slot::VACANT
+            };
+            if self.policy == Policy::Tokens && rates.class == TenantClass::LatencyCritical {
+                // A new LC tenant starts empty and refills to POS_LIMIT in the list.
+                slot.listed = true;
+                self.lc_list.push(index as u32);
             }
-            SlotState::Active | SlotState::Retiring => {
-                if slot.listed || slot.parked {
-                    // Earn at the old rate up to now.
-                    let earned = accrue(
-                        slot.rate_q32[mode.index()],
-                        now.saturating_since(slot.stamp).0,
-                        &mut slot.frac,
-                    );
-                    slot.balance += earned;
-                    slot.stats.generated_tokens += Tokens(earned);
-                    self.ledger.generated += Tokens(earned);
-                    slot.stamp = now;
-                    if slot.parked {
-                        // Its refill time changes with its rate: let the next round re-park it.
-                        slot.parked = false;
-                        slot.listed = true;
-                        let removed = self.refills.remove(index);
-                        assert!(removed, "parked tenant {index} not in the wheel");
-                        self.lc_list.push(index as u32);
-                    }
-                } else {
-                    for m in 0..2 {
-                        self.idle_rate_q32[m] = self.idle_rate_q32[m] - slot.rate_q32[m] + new_q32[m];
-                    }
-                }
-                slot.state = SlotState::Active;
-                slot.class = rates.class;
-            }
+        } else {
+            // A class change moves the tenant between lists in the next round.
+            slot.state = SlotState::Active;
+            slot.class = rates.class;
         }
-        let slot = &mut self.slots[index];
-        slot.rate = rates.tokens_per_sec;
-        slot.rate_q32 = new_q32;
+        slot.terms = rates;
         slot.deficit_floor = -rates.deficit_limit.0.max(0);
+        if new_tenant {
+            // A new tenant may borrow its full allowance at once.
+            slot.loan_allowance = -slot.deficit_floor;
+        }
+        slot.loan_allowance = slot.loan_allowance.min(-slot.deficit_floor);
+        let effective = self.device_rates.map_or([TokenRate::ZERO; 2], |device| {
+            effective_rates(&device, &rates)
+        });
+        self.set_rates(index, effective, now);
+    }
+
+    /// Changes a tenant's rates at `now` (the idle aggregate must be settled up to `now`).
+    fn set_rates(&mut self, index: usize, rates: RatePerMode, now: Nanos) {
+        let new_q32 = [rates[0].q32(), rates[1].q32()];
+        let mode = self.shared.load_mode(now);
+        let slot = &mut self.slots[index];
+        slot.rate = rates;
+        if slot.rate_q32 == new_q32 {
+            return;
+        }
+        if slot.listed || slot.parked {
+            // Earn at the old rate up to now.
+            let earned = accrue(
+                slot.rate_q32[mode.index()],
+                now.saturating_since(slot.stamp).0,
+                &mut slot.frac,
+            );
+            slot.balance += earned;
+            slot.stats.generated_tokens += Tokens(earned);
+            self.ledger.generated += Tokens(earned);
+            slot.stamp = now;
+            if slot.parked {
+                // Its refill time changes with its rate: let the next round re-park it.
+                slot.parked = false;
+                slot.listed = true;
+                let removed = self.refills.remove(index);
+                assert!(removed, "parked tenant {index} not in the wheel");
+                self.lc_list.push(index as u32);
+            }
+        } else {
+            sub_rates(&mut self.idle_rate_q32, slot.rate_q32);
+            add_rates(&mut self.idle_rate_q32, new_q32);
+        }
+        self.slots[index].rate_q32 = new_q32;
     }
 
     fn remove_tenant(&mut self, tenant: TenantId, now: Nanos) {
@@ -465,9 +505,7 @@ impl Scheduler {
         assert_eq!(slot.queued, 0, "vacating a tenant with queued requests");
         assert!(!slot.listed, "vacating a listed tenant");
         if !slot.parked {
-            for m in 0..2 {
-                self.idle_rate_q32[m] -= slot.rate_q32[m];
-            }
+            sub_rates(&mut self.idle_rate_q32, slot.rate_q32);
         }
         self.ledger.written_off += Tokens(slot.balance);
         let events = slot.events;
@@ -556,12 +594,12 @@ impl Scheduler {
                 } else if !slot.listed {
                     self.settle_idle(now);
                     let slot = &mut self.slots[index];
-                    for m in 0..2 {
-                        self.idle_rate_q32[m] -= slot.rate_q32[m];
-                    }
+                    sub_rates(&mut self.idle_rate_q32, slot.rate_q32);
                     slot.listed = true;
                     slot.stamp = now;
                     slot.frac = 0;
+                    // Idle and full since it left the list: its allowance has refilled too.
+                    slot.loan_allowance = -slot.deficit_floor;
                     match slot.class {
                         TenantClass::LatencyCritical => self.lc_list.push(index as u32),
                         TenantClass::BestEffort => self.be_list.push(index as u32),
@@ -603,7 +641,9 @@ impl Scheduler {
             Policy::Tokens => self.schedule_tokens(now, submit),
             Policy::Fifo => self.schedule_fifo(now, submit),
         };
-        self.release_blocked();
+        if !self.blocked.is_empty() {
+            self.release_blocked();
+        }
         summary
     }
 
@@ -669,43 +709,39 @@ impl Scheduler {
         self.release_refills(&mut round);
 
         // LC subround.
-        let list = std::mem::take(&mut self.lc_list);
-        let start = if list.is_empty() {
-            0
-        } else {
-            self.lc_cursor % list.len()
-        };
-        let mut keep = std::mem::take(&mut self.scratch);
-        keep.clear();
-        for &index in list[start..].iter().chain(list[..start].iter()) {
-            if self.serve_lc(index as usize, &mut round, submit) {
-                keep.push(index);
+        if !self.lc_list.is_empty() {
+            let list = std::mem::take(&mut self.lc_list);
+            let start = self.lc_cursor % list.len();
+            let mut keep = std::mem::take(&mut self.scratch);
+            keep.clear();
+            for &index in list[start..].iter().chain(list[..start].iter()) {
+                if self.serve_lc(index as usize, &mut round, submit) {
+                    keep.push(index);
+                }
             }
+            self.scratch = list;
+            self.lc_list = keep;
+            self.lc_cursor = self.lc_cursor.wrapping_add(1);
         }
-        self.scratch = list;
-        self.lc_list = keep;
-        self.lc_cursor = self.lc_cursor.wrapping_add(1);
 
         // LC surplus becomes visible to BE tenants on every thread.
         self.flush_donations();
 
         // BE subround, round robin from a rotating start.
-        let list = std::mem::take(&mut self.be_list);
-        let start = if list.is_empty() {
-            0
-        } else {
-            self.be_cursor % list.len()
-        };
-        let mut keep = std::mem::take(&mut self.scratch);
-        keep.clear();
-        for &index in list[start..].iter().chain(list[..start].iter()) {
-            if self.serve_be(index as usize, &mut round, submit) {
-                keep.push(index);
+        if !self.be_list.is_empty() {
+            let list = std::mem::take(&mut self.be_list);
+            let start = self.be_cursor % list.len();
+            let mut keep = std::mem::take(&mut self.scratch);
+            keep.clear();
+            for &index in list[start..].iter().chain(list[..start].iter()) {
+                if self.serve_be(index as usize, &mut round, submit) {
+                    keep.push(index);
+                }
             }
+            self.scratch = list;
+            self.be_list = keep;
+            self.be_cursor = self.be_cursor.wrapping_add(1);
         }
-        self.scratch = list;
-        self.be_list = keep;
-        self.be_cursor = self.be_cursor.wrapping_add(1);
 
         self.flush_donations();
         if self.participating {
@@ -738,6 +774,8 @@ impl Scheduler {
         );
         slot.stamp = round.now;
         slot.balance += earned;
+        slot.loan_allowance =
+            (slot.loan_allowance + earned * self.loan_percent / 100).min(-slot.deficit_floor);
         slot.stats.generated_tokens += Tokens(earned);
         self.ledger.generated += Tokens(earned);
         if slot.in_episode && slot.balance >= 0 {
@@ -762,7 +800,8 @@ impl Scheduler {
                 if !lent {
                     let slot = &self.slots[index];
                     let need = slot.deficit_floor - slot.balance + 1;
-                    if let Some(ns) = time_to_earn(slot.rate_q32[round.mode.index()], need, slot.frac)
+                    if let Some(ns) =
+                        time_to_earn(slot.rate_q32[round.mode.index()], need, slot.frac)
                     {
                         round.wake_at(Nanos(round.now.0.saturating_add(ns)));
                     }
@@ -849,6 +888,8 @@ impl Scheduler {
             );
             slot.stamp = round.now;
             slot.balance += earned;
+            slot.loan_allowance =
+                (slot.loan_allowance + earned * self.loan_percent / 100).min(-slot.deficit_floor);
             slot.stats.generated_tokens += Tokens(earned);
             self.ledger.generated += Tokens(earned);
             if slot.in_episode && slot.balance >= 0 {
@@ -883,6 +924,9 @@ impl Scheduler {
     /// Lends `cost` to an LC tenant at its deficit limit: first from donations this thread has
     /// not handed to the bucket yet, then from the global bucket (which may go into debt).
     fn lend(&mut self, index: usize, cost: i64) -> bool {
+        if self.slots[index].loan_allowance < cost {
+            return false;
+        }
         let lent = if self.pending_donation >= cost {
             self.pending_donation -= cost;
             true
@@ -893,7 +937,9 @@ impl Scheduler {
             false
         };
         if lent {
-            self.slots[index].stats.bucket_tokens += Tokens(cost);
+            let slot = &mut self.slots[index];
+            slot.loan_allowance -= cost;
+            slot.stats.bucket_tokens += Tokens(cost);
         }
         lent
     }
@@ -1011,9 +1057,7 @@ impl Scheduler {
         let slot = &self.slots[index];
         assert!(!slot.listed, "adding a listed tenant to the idle aggregate");
         assert!(!slot.parked, "adding a parked tenant to the idle aggregate");
-        for m in 0..2 {
-            self.idle_rate_q32[m] += slot.rate_q32[m];
-        }
+        add_rates(&mut self.idle_rate_q32, slot.rate_q32);
     }
 
     fn flush_donations(&mut self) {
@@ -1048,9 +1092,6 @@ impl Scheduler {
     }
 
     fn release_blocked(&mut self) {
-        if self.blocked.is_empty() {
-            return;
-        }
         let pool_room = self.pool.free_count() > 0;
         let depth_max = self.tenant_queue_depth_max;
         let mut i = 0;
@@ -1119,7 +1160,9 @@ impl Scheduler {
 
     /// Requests this thread holds for `tenant`.
     pub fn queued(&self, tenant: TenantId) -> u32 {
-        self.slots.get(tenant.0 as usize).map_or(0, |slot| slot.queued)
+        self.slots
+            .get(tenant.0 as usize)
+            .map_or(0, |slot| slot.queued)
     }
 
     pub fn tenant_stats(&self, tenant: TenantId) -> Option<TenantStats> {
@@ -1172,17 +1215,26 @@ impl Scheduler {
                     "tenant {index} list membership"
                 );
                 assert_eq!(slot.queue.len(), slot.queued, "tenant {index} queue count");
-                assert!(!(slot.listed && slot.parked), "tenant {index} listed and parked");
+                assert!(
+                    !(slot.listed && slot.parked),
+                    "tenant {index} listed and parked"
+                );
                 if !slot.listed {
                     assert_eq!(slot.queued, 0, "idle tenant {index} has queued requests");
                 }
-                assert_eq!(slot.parked, self.refills.contains(index), "tenant {index} parking");
+                assert_eq!(
+                    slot.parked,
+                    self.refills.contains(index),
+                    "tenant {index} parking"
+                );
                 if slot.parked {
-                    assert_eq!(slot.class, TenantClass::LatencyCritical, "parked BE tenant {index}");
+                    assert_eq!(
+                        slot.class,
+                        TenantClass::LatencyCritical,
+                        "parked BE tenant {index}"
+                    );
                 } else if !slot.listed {
-                    for m in 0..2 {
-                        idle[m] += slot.rate_q32[m];
-                    }
+                    add_rates(&mut idle, slot.rate_q32);
                 }
             }
         }
@@ -1204,6 +1256,20 @@ impl Drop for Scheduler {
         if self.participating {
             self.shared.leave(self.thread_index);
         }
+    }
+}
+
+/// Adds per-mode Q32 rates (the idle aggregate is such a sum).
+fn add_rates(sum: &mut [u64; 2], rates: [u64; 2]) {
+    for (total, rate) in sum.iter_mut().zip(rates) {
+        *total += rate;
+    }
+}
+
+fn sub_rates(sum: &mut [u64; 2], rates: [u64; 2]) {
+    for (total, rate) in sum.iter_mut().zip(rates) {
+        assert!(*total >= rate, "idle aggregate rate below a member's rate");
+        *total -= rate;
     }
 }
 

@@ -262,7 +262,9 @@ mod tests {
                 released += 1;
             }
             out.clear();
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let index = (state >> 33) as usize % 2000;
             if wheel.contains(index) {
                 wheel.remove(index);

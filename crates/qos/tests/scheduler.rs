@@ -4,8 +4,9 @@
 use std::sync::Arc;
 
 use reflex_qos::{
-    Admitted, DeviceProfile, DeviceShared, EnqueueError, IoKind, LoadMode, Nanos, Policy, QosConfig,
-    Request, Scheduler, SchedulerEvent, TenantId, TenantRegistry, TenantSpec, TokenLimit, Tokens,
+    Admitted, DeviceProfile, DeviceShared, EnqueueError, IoKind, LoadMode, Nanos, Policy,
+    QosConfig, Request, Scheduler, SchedulerEvent, TenantId, TenantRegistry, TenantSpec,
+    TokenLimit, Tokens,
 };
 
 fn device_a() -> DeviceProfile {
@@ -137,29 +138,46 @@ fn lc_tenant_bursts_to_its_deficit_limit_then_is_rate_limited_and_reported_once(
     }
     // A pays 1 token per read from a zero balance down to the limit of -50: 50 reads.
     let first = s.round(0, start);
-    let from_a: Vec<u64> = first.iter().filter(|x| x.tenant == a).map(|x| x.token).collect();
-    assert_eq!(from_a, (0..50).collect::<Vec<_>>(), "burst down to the limit, in order");
+    let from_a: Vec<u64> = first
+        .iter()
+        .filter(|x| x.tenant == a)
+        .map(|x| x.token)
+        .collect();
+    assert_eq!(
+        from_a,
+        (0..50).collect::<Vec<_>>(),
+        "burst down to the limit, in order"
+    );
     assert_eq!(
         s.events(0),
         vec![SchedulerEvent::DeficitLimitReached { tenant: a }]
     );
     // It earns 100K tokens/s = 1 token per 10 µs; the next read becomes payable then.
     let deadline = s.threads[0].next_deadline().unwrap();
-    assert!(deadline > start && deadline <= start + us(10), "{deadline:?}");
+    assert!(
+        deadline > start && deadline <= start + us(10),
+        "{deadline:?}"
+    );
     let mut submitted = 50;
     let mut now = start;
     while now < start + us(1000) {
-        now = now + us(10);
+        now += us(10);
         submitted += s.round(0, now).iter().filter(|x| x.tenant == a).count();
     }
     // Rate-limited at exactly its rate: 1 read per 10 µs over 1 ms.
     assert_eq!(submitted, 150);
-    assert!(s.events(0).is_empty(), "no second notice within the episode");
+    assert!(
+        s.events(0).is_empty(),
+        "no second notice within the episode"
+    );
     // Let it drain and recover, then burst again: a second episode, a second notice.
-    now = now + us(2000);
+    now += us(2000);
     s.round(0, now);
     let later = s.events(0);
-    assert!(later.contains(&SchedulerEvent::DeficitRecovered { tenant: a }), "{later:?}");
+    assert!(
+        later.contains(&SchedulerEvent::DeficitRecovered { tenant: a }),
+        "{later:?}"
+    );
     assert_eq!(s.threads[0].queued(a), 0);
     for token in 1000..1200 {
         s.threads[0].enqueue(a, read(token), now).unwrap();
@@ -224,7 +242,7 @@ fn best_effort_tenants_share_evenly_in_tokens_and_never_go_into_deficit() {
             }
         }
         s.round(0, now);
-        now = now + us(7);
+        now += us(7);
     }
     let tokens_c = s.threads[0].tenant_stats(c).unwrap().submitted_tokens;
     let tokens_d = s.threads[0].tenant_stats(d).unwrap().submitted_tokens;
@@ -238,7 +256,10 @@ fn best_effort_tenants_share_evenly_in_tokens_and_never_go_into_deficit() {
     assert!(total >= expected * 0.98, "{total} < {expected}");
     let requests_c = s.threads[0].tenant_stats(c).unwrap().submitted_requests;
     let requests_d = s.threads[0].tenant_stats(d).unwrap().submitted_requests;
-    assert!(requests_d < requests_c, "writes cost more, so D does fewer requests");
+    assert!(
+        requests_d < requests_c,
+        "writes cost more, so D does fewer requests"
+    );
 }
 
 #[test]
@@ -262,10 +283,14 @@ fn idle_lc_reservation_flows_to_best_effort_tenants() {
             s.threads[0].enqueue(c, write(token), now).unwrap();
         }
         s.round(0, now);
-        now = now + us(5);
+        now += us(5);
     }
     // A never sends: C gets its own 220K plus almost all of A's 200K.
-    let used = s.threads[0].tenant_stats(c).unwrap().submitted_tokens.as_tokens_f64();
+    let used = s.threads[0]
+        .tenant_stats(c)
+        .unwrap()
+        .submitted_tokens
+        .as_tokens_f64();
     let rate = used / now.as_secs_f64();
     assert!(rate > 400_000.0, "C used {rate} tokens/s");
     assert!(rate <= 420_000.0 + 100.0, "C used {rate} tokens/s");
@@ -289,7 +314,11 @@ fn full_queues_push_back_and_report_room_later() {
             depth_max: 4
         })
     );
-    assert_eq!(s.threads[0].queued(c), 4, "refused, not dropped, not queued");
+    assert_eq!(
+        s.threads[0].queued(c),
+        4,
+        "refused, not dropped, not queued"
+    );
     s.round(0, us(100));
     assert_eq!(s.events(0), vec![SchedulerEvent::QueueRoom { tenant: c }]);
     s.threads[0].enqueue(c, read(4), us(100)).unwrap();
@@ -319,7 +348,13 @@ fn a_refusing_device_keeps_requests_in_order_and_their_tokens() {
     s.threads[0].check();
     assert!(summary.device_full, "{summary:?} {taken:?}");
     assert_eq!(taken, vec![0, 1, 2]);
-    assert_eq!(s.round(0, us(100)).iter().map(|a| a.token).collect::<Vec<_>>(), (3..10).collect::<Vec<_>>());
+    assert_eq!(
+        s.round(0, us(100))
+            .iter()
+            .map(|a| a.token)
+            .collect::<Vec<_>>(),
+        (3..10).collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -338,12 +373,17 @@ fn qos_off_passes_everything_through_in_arrival_order() {
     let mut expected = Vec::new();
     for token in 0..300 {
         let tenant = if token % 3 == 0 { a } else { c };
-        s.threads[0].enqueue(tenant, write(token), Nanos::ZERO).unwrap();
+        s.threads[0]
+            .enqueue(tenant, write(token), Nanos::ZERO)
+            .unwrap();
         expected.push(token);
     }
     let taken: Vec<u64> = s.round(0, Nanos::ZERO).iter().map(|x| x.token).collect();
     assert_eq!(taken, expected, "no rate limit, FIFO over tenants");
-    assert_eq!(s.threads[0].tenant_stats(a).unwrap().submitted_tokens, Tokens::from_tokens(1000));
+    assert_eq!(
+        s.threads[0].tenant_stats(a).unwrap().submitted_tokens,
+        Tokens::from_tokens(1000)
+    );
 }
 
 #[test]
@@ -386,15 +426,23 @@ fn threads_share_the_bucket_and_it_resets_once_all_finished_a_round() {
         }
         s.round(0, now);
         s.round(1, now);
-        now = now + us(5);
+        now += us(5);
     }
-    let rate = s.threads[1].tenant_stats(c).unwrap().submitted_tokens.as_tokens_f64() / now.as_secs_f64();
+    let rate = s.threads[1]
+        .tenant_stats(c)
+        .unwrap()
+        .submitted_tokens
+        .as_tokens_f64()
+        / now.as_secs_f64();
     assert!(rate > 400_000.0, "C used {rate} tokens/s");
     let stats = s.shared.stats();
     assert!(stats.resets >= 3999, "{stats:?}");
-    let (to, from) = s.threads.iter().fold((Tokens::ZERO, Tokens::ZERO), |(to, from), t| {
-        (to + t.ledger().to_bucket, from + t.ledger().from_bucket)
-    });
+    let (to, from) = s
+        .threads
+        .iter()
+        .fold((Tokens::ZERO, Tokens::ZERO), |(to, from), t| {
+            (to + t.ledger().to_bucket, from + t.ledger().from_bucket)
+        });
     assert_eq!(to - from - stats.discarded, stats.balance, "{stats:?}");
 }
 
@@ -425,10 +473,62 @@ fn a_tenant_on_two_threads_earns_its_reservation_once() {
         for t in 0..2 {
             a_submitted += s.round(t, now).iter().filter(|x| x.tenant == a).count();
         }
-        now = now + us(10);
+        now += us(10);
     }
     // 100K IOPS for 4 ms plus the two threads' deficit limits (25 tokens each).
     let expected = 100_000.0 * (now - start).as_secs_f64() + 50.0;
-    assert!((a_submitted as f64) <= expected + 2.0, "{a_submitted} vs {expected}");
-    assert!((a_submitted as f64) >= expected - 12.0, "{a_submitted} vs {expected}");
+    assert!(
+        (a_submitted as f64) <= expected + 2.0,
+        "{a_submitted} vs {expected}"
+    );
+    assert!(
+        (a_submitted as f64) >= expected - 12.0,
+        "{a_submitted} vs {expected}"
+    );
+}
+
+#[test]
+fn a_removed_tenant_is_served_until_its_queue_is_empty_and_a_class_change_moves_it() {
+    let mut s = Setup::new(1, QosConfig::default(), Policy::Tokens);
+    let c = s.add(TenantSpec::BestEffort, &[0], Nanos::ZERO);
+    let a = s.add(
+        TenantSpec::LatencyCritical {
+            latency_us_p95: 500,
+            iops: 10_000,
+            read_percent: 100,
+        },
+        &[0],
+        Nanos::ZERO,
+    );
+    for token in 0..5 {
+        s.threads[0].enqueue(c, read(token), Nanos::ZERO).unwrap();
+    }
+    // C's last connection closes with five requests queued: they are still served.
+    s.registry.disconnect(c, 0).unwrap();
+    s.sync(us(1));
+    assert_eq!(
+        s.threads[0].enqueue(c, read(99), us(1)),
+        Err(EnqueueError::UnknownTenant(c))
+    );
+    let served: Vec<u64> = s.round(0, us(100)).iter().map(|x| x.token).collect();
+    assert_eq!(served, vec![0, 1, 2, 3, 4]);
+    assert_eq!(s.threads[0].tenant_stats(c), None, "gone once drained");
+    // A becomes best effort: it keeps being served, now from the BE subround.
+    s.registry.reregister(a, TenantSpec::BestEffort).unwrap();
+    s.sync(us(200));
+    for token in 10..13 {
+        s.threads[0].enqueue(a, read(token), us(200)).unwrap();
+    }
+    let mut served = Vec::new();
+    let mut now = us(200);
+    while served.len() < 3 && now < us(10_000) {
+        now += us(50);
+        served.extend(s.round(0, now).iter().map(|x| x.token));
+    }
+    assert_eq!(served, vec![10, 11, 12]);
+    let stats = s.threads[0].tenant_stats(a).unwrap();
+    assert!(
+        stats.balance >= Tokens::ZERO,
+        "a BE tenant is never in deficit: {stats:?}"
+    );
 }

@@ -1,0 +1,154 @@
+//! What a simulation reports, and the tables the `reflex-sim` binary prints.
+
+use std::fmt::Write as _;
+
+use reflex_qos::TenantClass;
+use serde::Serialize;
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TenantReport {
+    pub name: String,
+    #[serde(serialize_with = "class_name")]
+    pub class: TenantClass,
+    /// Refused by admission control (then it sent nothing).
+    pub admitted: bool,
+    pub latency_us_p95: Option<u64>,
+    pub reserved_iops: Option<u64>,
+    /// Open-loop rate; `None` for a closed-loop (saturating) client.
+    pub offered_iops: Option<f64>,
+    /// Open loop: arrivals per second actually generated in the measured window.
+    pub arrived_iops: Option<f64>,
+    /// Completions per second in the measured window.
+    pub iops: f64,
+    /// Reads measured for the latency percentiles.
+    pub reads: u64,
+    pub read_p95_us: f64,
+    pub read_p99_us: f64,
+    /// p95 of the part of read latency spent before the device (client window and scheduler
+    /// queue), to tell scheduling delay from device latency.
+    pub read_wait_p95_us: f64,
+    /// Tokens its requests cost, per second.
+    pub tokens_per_sec: f64,
+    /// LC tenants: p95 within the SLO and (open loop) at least 99 % of the IOPS that arrived.
+    pub slo_met: Option<bool>,
+    /// Renegotiation notices (deficit-limit episodes) the control plane raised.
+    pub notices: u64,
+    /// Arrivals dropped because the client's backlog was full.
+    pub shed: u64,
+    /// Arrivals still held by the client at the end.
+    pub backlog: u64,
+}
+
+fn class_name<S: serde::Serializer>(class: &TenantClass, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match class {
+        TenantClass::LatencyCritical => "LC",
+        TenantClass::BestEffort => "BE",
+    })
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PointReport {
+    pub threads: u16,
+    pub qos: bool,
+    pub seed: u64,
+    pub duration_ms: u64,
+    /// The strictest LC SLO, which set the device rate.
+    pub latency_us_p95: Option<u64>,
+    /// The device's token rate (mixed load) at that SLO.
+    pub device_tokens_per_sec: f64,
+    /// Tokens all tenants' requests cost, per second.
+    pub tokens_used_per_sec: f64,
+    pub tenants: Vec<TenantReport>,
+    /// Admission refusals (tenant and reason).
+    pub refusals: Vec<String>,
+}
+
+impl PointReport {
+    pub fn tenant(&self, name: &str) -> Option<&TenantReport> {
+        self.tenants.iter().find(|t| t.name == name)
+    }
+
+    /// A Markdown table, one row per tenant.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "threads {}, QoS {}, seed {}, {} ms measured; device rate {:.0}K tokens/s{}; used {:.0}K tokens/s",
+            self.threads,
+            if self.qos { "on" } else { "off" },
+            self.seed,
+            self.duration_ms,
+            self.device_tokens_per_sec / 1e3,
+            self.latency_us_p95
+                .map(|l| format!(" at {l} µs"))
+                .unwrap_or_default(),
+            self.tokens_used_per_sec / 1e3,
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "| tenant | class | SLO | sent IOPS | IOPS | read p95 µs | read p99 µs | wait p95 µs | tokens/s | SLO met | notices |"
+        );
+        let _ = writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|");
+        for t in &self.tenants {
+            let class = match t.class {
+                TenantClass::LatencyCritical => "LC",
+                TenantClass::BestEffort => "BE",
+            };
+            let slo = match (t.reserved_iops, t.latency_us_p95) {
+                (Some(iops), Some(latency)) => format!("{}K @ {latency} µs", iops / 1000),
+                _ => "-".to_string(),
+            };
+            let offered = t
+                .arrived_iops
+                .map(|o| format!("{:.1}K", o / 1e3))
+                .unwrap_or_else(|| "max".to_string());
+            let met = match (t.admitted, t.slo_met) {
+                (false, _) => "refused",
+                (true, Some(true)) => "yes",
+                (true, Some(false)) => "**no**",
+                (true, None) => "-",
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {class} | {slo} | {offered} | {:.1}K | {:.0} | {:.0} | {:.0} | {:.1}K | {met} | {} |",
+                t.name,
+                t.iops / 1e3,
+                t.read_p95_us,
+                t.read_p99_us,
+                t.read_wait_p95_us,
+                t.tokens_per_sec / 1e3,
+                t.notices,
+            );
+        }
+        for refusal in &self.refusals {
+            let _ = writeln!(out, "\nrefused: {refusal}");
+        }
+        out
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ScenarioReport {
+    pub name: String,
+    pub description: String,
+    /// One point per run (several for a sweep).
+    pub points: Vec<(String, PointReport)>,
+}
+
+impl ScenarioReport {
+    pub fn text(&self) -> String {
+        let mut out = format!("## {}\n\n", self.name);
+        if !self.description.is_empty() {
+            let _ = writeln!(out, "{}\n", self.description);
+        }
+        for (label, point) in &self.points {
+            if !label.is_empty() {
+                let _ = writeln!(out, "### {label}\n");
+            }
+            out.push_str(&point.table());
+            out.push('\n');
+        }
+        out
+    }
+}

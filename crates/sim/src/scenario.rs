@@ -1,0 +1,365 @@
+//! Scenario files: TOML descriptions of a simulated ReFlex server and its tenants.
+//!
+//! ```toml
+//! name = "fig5-scenario1"
+//! seed = 1
+//! threads = 1
+//! qos = true                       # false: the scheduler passes requests through (QoS off)
+//! duration_ms = 300                # measured time, after the warm-up
+//! warmup_ms = 50
+//!
+//! [device]
+//! emulated = "device-a"            # emu profile: shipped name or a path (relative to this file)
+//! profile = "../profiles/device-a.toml"   # the calibrated QoS profile the scheduler uses
+//! capacity_gib = 64
+//!
+//! [qos_config]                     # optional QosConfig overrides (docs/QOS.md)
+//! loan_max_tokens = 50.0
+//!
+//! [[tenant]]
+//! name = "A"
+//! class = "lc"                     # or "be"
+//! latency_us_p95 = 500             # LC only: the SLO
+//! iops = 120000                    # LC only: the reservation, 4 KiB I/Os
+//! read_percent = 100               # LC: the reservation's mix; also the load's mix by default
+//! size_bytes = 4096
+//! threads = [0]                    # one connection per entry, on that thread (mod threads)
+//! per_thread = false               # true: one copy of this tenant per thread ("A-0", "A-1", ..)
+//! load = { open_iops = 120000, read_percent = 100 }   # Poisson; or { closed_depth = 32 }
+//!
+//! [sweep]                          # optional: run once per value (Figure 6a)
+//! per_thread_tenants = [0, 1, 2, 4, 8, 12]   # how many per-thread tenants exist
+//! threads_min = 2                  # threads = max(value, threads_min)
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use reflex_qos::{DeviceProfile, QosConfig};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    #[serde(default = "default_threads")]
+    pub threads: u16,
+    #[serde(default = "default_true")]
+    pub qos: bool,
+    pub duration_ms: u64,
+    #[serde(default)]
+    pub warmup_ms: u64,
+    pub device: DeviceSpec,
+    #[serde(default)]
+    pub qos_config: Option<QosConfig>,
+    #[serde(rename = "tenant")]
+    pub tenants: Vec<TenantSpecToml>,
+    #[serde(default)]
+    pub sweep: Option<Sweep>,
+}
+
+fn default_seed() -> u64 {
+    1
+}
+
+fn default_threads() -> u16 {
+    1
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceSpec {
+    /// Emulated-device profile: a shipped name (`device-a`) or a TOML path. Without it the
+    /// simulator uses its fixed-latency test device (`fixed`).
+    #[serde(default)]
+    pub emulated: Option<String>,
+    /// Fixed-latency device instead: servers, read and write service time.
+    #[serde(default)]
+    pub fixed: Option<FixedSpec>,
+    /// Calibrated QoS profile (path, relative to the scenario file).
+    pub profile: String,
+    #[serde(default = "default_capacity_gib")]
+    pub capacity_gib: u64,
+}
+
+fn default_capacity_gib() -> u64 {
+    64
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FixedSpec {
+    pub servers: usize,
+    pub read_us: u64,
+    pub write_us: u64,
+    #[serde(default = "default_fixed_depth")]
+    pub queue_depth_max: usize,
+}
+
+fn default_fixed_depth() -> usize {
+    4096
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClassToml {
+    Lc,
+    Be,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSpecToml {
+    pub name: String,
+    pub class: ClassToml,
+    #[serde(default)]
+    pub latency_us_p95: Option<u64>,
+    #[serde(default)]
+    pub iops: Option<u64>,
+    #[serde(default = "default_read_percent")]
+    pub read_percent: u8,
+    #[serde(default = "default_size")]
+    pub size_bytes: u32,
+    #[serde(default = "default_connection")]
+    pub threads: Vec<u16>,
+    #[serde(default)]
+    pub per_thread: bool,
+    pub load: LoadToml,
+}
+
+fn default_read_percent() -> u8 {
+    100
+}
+
+fn default_size() -> u32 {
+    4096
+}
+
+fn default_connection() -> Vec<u16> {
+    vec![0]
+}
+
+/// How a tenant's clients send.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadToml {
+    /// Open loop: Poisson arrivals at this rate.
+    #[serde(default)]
+    pub open_iops: Option<u64>,
+    /// Closed loop: keep this many requests outstanding (a saturating client).
+    #[serde(default)]
+    pub closed_depth: Option<u32>,
+    /// Read share of the load; defaults to the tenant's `read_percent`.
+    #[serde(default)]
+    pub read_percent: Option<u8>,
+    /// Open loop: requests a client keeps in flight before it holds further arrivals back
+    /// (their latency still counts from when they were due).
+    #[serde(default = "default_window")]
+    pub window: u32,
+}
+
+fn default_window() -> u32 {
+    1024
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sweep {
+    pub per_thread_tenants: Vec<u16>,
+    #[serde(default = "default_threads")]
+    pub threads_min: u16,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("cannot read {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("{path}: {reason}")]
+    Parse { path: String, reason: String },
+    #[error("scenario {name}: {reason}")]
+    Invalid { name: String, reason: String },
+}
+
+/// A scenario with its paths resolved.
+#[derive(Clone, Debug)]
+pub struct LoadedScenario {
+    pub scenario: Scenario,
+    pub profile: DeviceProfile,
+    /// Directory the scenario's relative paths are resolved against.
+    pub base_dir: PathBuf,
+}
+
+impl Scenario {
+    pub fn from_toml(text: &str, path: &str) -> Result<Scenario, ScenarioError> {
+        let scenario: Scenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
+            path: path.to_string(),
+            reason: e.to_string(),
+        })?;
+        scenario.validate()?;
+        Ok(scenario)
+    }
+
+    fn invalid(&self, reason: impl Into<String>) -> ScenarioError {
+        ScenarioError::Invalid {
+            name: self.name.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ScenarioError> {
+        if self.threads == 0 || usize::from(self.threads) > reflex_qos::THREADS_MAX {
+            return Err(self.invalid("threads must be between 1 and 64"));
+        }
+        if self.duration_ms == 0 {
+            return Err(self.invalid("duration_ms must be above 0"));
+        }
+        if self.tenants.is_empty() {
+            return Err(self.invalid("no tenants"));
+        }
+        if self.device.emulated.is_some() == self.device.fixed.is_some() {
+            return Err(self.invalid("device needs exactly one of `emulated` and `fixed`"));
+        }
+        for tenant in &self.tenants {
+            let name = &tenant.name;
+            if tenant.class == ClassToml::Lc
+                && (tenant.latency_us_p95.is_none() || tenant.iops.is_none())
+            {
+                return Err(self.invalid(format!("LC tenant {name} needs latency_us_p95 and iops")));
+            }
+            if tenant.load.open_iops.is_some() == tenant.load.closed_depth.is_some() {
+                return Err(self.invalid(format!(
+                    "tenant {name}: load needs open_iops or closed_depth"
+                )));
+            }
+            if tenant.load.open_iops == Some(0) || tenant.load.closed_depth == Some(0) {
+                return Err(self.invalid(format!("tenant {name}: load must be above 0")));
+            }
+            if tenant.load.window == 0 {
+                return Err(self.invalid(format!("tenant {name}: window must be above 0")));
+            }
+            if tenant.threads.is_empty() && !tenant.per_thread {
+                return Err(self.invalid(format!("tenant {name} has no connection")));
+            }
+            if tenant.size_bytes == 0 || tenant.size_bytes % 512 != 0 || tenant.size_bytes > 1 << 20
+            {
+                return Err(self.invalid(format!(
+                    "tenant {name}: size_bytes must be a multiple of 512 up to 1 MiB"
+                )));
+            }
+            if tenant.read_percent > 100 || tenant.load.read_percent.is_some_and(|r| r > 100) {
+                return Err(self.invalid(format!("tenant {name}: read_percent above 100")));
+            }
+        }
+        if let Some(sweep) = &self.sweep {
+            if sweep.per_thread_tenants.is_empty() {
+                return Err(self.invalid("sweep has no values"));
+            }
+            if sweep
+                .per_thread_tenants
+                .iter()
+                .any(|&n| usize::from(n.max(sweep.threads_min)) > reflex_qos::THREADS_MAX)
+            {
+                return Err(self.invalid("sweep needs more than 64 threads"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads a scenario file and the device profile it names.
+pub fn load(path: &Path) -> Result<LoadedScenario, ScenarioError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ScenarioError::Read {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let scenario = Scenario::from_toml(&text, &path.display().to_string())?;
+    let base_dir = path
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let profile_path = base_dir.join(&scenario.device.profile);
+    let profile_text = std::fs::read_to_string(&profile_path).map_err(|e| ScenarioError::Read {
+        path: profile_path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let profile = DeviceProfile::from_toml(&profile_text).map_err(|e| ScenarioError::Parse {
+        path: profile_path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    Ok(LoadedScenario {
+        scenario,
+        profile,
+        base_dir,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+        name = "t"
+        duration_ms = 10
+        [device]
+        fixed = { servers = 4, read_us = 80, write_us = 800 }
+        profile = "p.toml"
+        [[tenant]]
+        name = "A"
+        class = "lc"
+        latency_us_p95 = 500
+        iops = 1000
+        load = { open_iops = 1000 }
+    "#;
+
+    fn check_invalid(text: &str, expected: &str) {
+        match Scenario::from_toml(text, "t.toml") {
+            Err(error) => assert!(
+                error.to_string().contains(expected),
+                "{error} does not say {expected:?}"
+            ),
+            Ok(scenario) => panic!("accepted {scenario:?}"),
+        }
+    }
+
+    #[test]
+    fn parses_a_minimal_scenario_with_defaults() {
+        let scenario = Scenario::from_toml(GOOD, "t.toml").unwrap();
+        assert_eq!(scenario.threads, 1);
+        assert!(scenario.qos);
+        assert_eq!(scenario.tenants[0].threads, vec![0]);
+        assert_eq!(scenario.tenants[0].load.window, 1024);
+    }
+
+    #[test]
+    fn refuses_what_cannot_run() {
+        check_invalid(
+            &GOOD.replace("iops = 1000\n", ""),
+            "needs latency_us_p95 and iops",
+        );
+        check_invalid(
+            &GOOD.replace("load = { open_iops = 1000 }", "load = { }"),
+            "open_iops or closed_depth",
+        );
+        check_invalid(
+            &GOOD.replace("duration_ms = 10", "duration_ms = 0"),
+            "duration_ms",
+        );
+        check_invalid(
+            &GOOD.replace("name = \"t\"", "name = \"t\"\nthreads = 65"),
+            "threads",
+        );
+        check_invalid(
+            &GOOD.replace("fixed = {", "emulated = \"device-a\"\nfixed = {"),
+            "exactly one",
+        );
+        check_invalid(&GOOD.replace("class = \"lc\"", "class = \"xx\""), "t.toml");
+        check_invalid(&format!("{GOOD}\nunknown = 1"), "t.toml");
+    }
+}
