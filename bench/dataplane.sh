@@ -6,14 +6,18 @@
 #   (b) 4 KiB random-read IOPS at QD32 on a `mem` namespace with 1 dataplane thread, and the
 #       server's CPU time from /proc/PID/stat (utime + stime) -> IOPS per server core;
 #   (c) remote vs local IOPS at QD32 on the O_DIRECT file.
-# The server runs pinned to SERVER_CPU, every client to CLIENT_CPU (taskset). Every step is
+# The server runs pinned to SERVER_CPU, the remote clients to CLIENT_CPU (taskset), and the
+# local baseline on SERVER_CPU: local Flash is what an application on the server machine sees.
+# SERVER_CPU defaults to the CPU that takes the data disk's interrupts, so the server is not
+# charged a cross-CPU wake-up per completion that the local run does not pay. Every step is
 # bounded in time. Results go to docs/results/dataplane.md (markdown) and the raw JSON of
 # every run to $WORK/raw/.
 #
 # Usage: bench/dataplane.sh                 (defaults below)
 #        REPS=5 DURATION=10s SPIN=1 bench/dataplane.sh
 # Environment:
-#   REPS (3)  DURATION (5s)  WARMUP (1s)  FILE_SIZE_MIB (1024)  SERVER_CPU (0)  CLIENT_CPU (1)
+#   REPS (3)  DURATION (5s)  WARMUP (1s)  FILE_SIZE_MIB (1024)
+#   SERVER_CPU (the data disk's interrupt CPU, else 0)  CLIENT_CPU (another CPU)
 #   SPIN (0: server and clients sleep when idle; 1: reflexd --poll, clients --spin)
 #   WORK (target/bench-dataplane: must be on a disk, not tmpfs)  PORT (17070)
 #   OUT (docs/results/dataplane.md)
@@ -29,10 +33,28 @@ REPS=${REPS:-3}
 DURATION=${DURATION:-5s}
 WARMUP=${WARMUP:-1s}
 FILE_SIZE_MIB=${FILE_SIZE_MIB:-1024}
-SERVER_CPU=${SERVER_CPU:-0}
-CLIENT_CPU=${CLIENT_CPU:-1}
-SPIN=${SPIN:-0}
 WORK=${WORK:-target/bench-dataplane}
+# disk_irq_cpu DIR: the CPU that received most interrupts of the virtio/NVMe device holding DIR.
+disk_irq_cpu() {
+    local source disk device irq_names
+    source=$(df --output=source "$1" 2>/dev/null | tail -1)
+    disk=$(lsblk -no pkname "$source" 2>/dev/null | head -1)
+    disk=${disk:-$(basename "$source")}
+    device=$(basename "$(readlink -f "/sys/block/$disk/device" 2>/dev/null)" 2>/dev/null)
+    case "$device" in
+        virtio*) irq_names="$device-req" ;;
+        nvme*) irq_names="${disk%n*}q" ;;
+        *) return 1 ;;
+    esac
+    awk -v name="$irq_names" 'index($NF, name) == 1 {
+        for (cpu = 2; cpu <= NF - 3; cpu++) count[cpu - 2] += $cpu }
+        END { best = -1; for (c in count) if (best < 0 || count[c] > count[best]) best = c;
+              if (best < 0) exit 1; print best }' /proc/interrupts
+}
+mkdir -p "$WORK"
+SERVER_CPU=${SERVER_CPU:-$(disk_irq_cpu "$WORK" || echo 0)}
+CLIENT_CPU=${CLIENT_CPU:-$(( (SERVER_CPU + 1) % $(nproc) ))}
+SPIN=${SPIN:-0}
 PORT=${PORT:-17070}
 OUT=${OUT:-docs/results/dataplane.md}
 STEP_TIMEOUT=${STEP_TIMEOUT:-120}
@@ -127,11 +149,13 @@ start_server() {
 # cpu_ticks PID: utime + stime of a process, in clock ticks.
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
-# bench NAME ARGS...: one `reflex bench` run pinned to CLIENT_CPU, JSON kept in $RAW/NAME.json.
-bench() {
-    local name=$1
-    shift
-    timeout "$STEP_TIMEOUT" "${PRIO[@]}" taskset -c "$CLIENT_CPU" "$REFLEX" bench --json -q \
+# bench NAME ARGS...: one remote `reflex bench` run pinned to CLIENT_CPU, JSON in $RAW/NAME.json.
+bench() { bench_on "$CLIENT_CPU" "$@"; }
+# bench_on CPU NAME ARGS...: the same, pinned to CPU.
+bench_on() {
+    local cpu=$1 name=$2
+    shift 2
+    timeout "$STEP_TIMEOUT" "${PRIO[@]}" taskset -c "$cpu" "$REFLEX" bench --json -q \
         --warmup "$WARMUP" --duration "$DURATION" "${CLIENT_FLAGS[@]}" "$@" >"$RAW/$name.json"
 }
 
@@ -147,9 +171,9 @@ log "(a, c) remote and local on the O_DIRECT file"
 start_server "file:$DATA"
 for rep in $(seq 1 "$REPS"); do
     bench "remote-file-qd1-$rep" -s "127.0.0.1:$PORT" --qd 1
-    bench "local-file-qd1-$rep" --local "$DATA" --qd 1
+    bench_on "$SERVER_CPU" "local-file-qd1-$rep" --local "$DATA" --qd 1
     bench "remote-file-qd32-$rep" -s "127.0.0.1:$PORT" --qd 32
-    bench "local-file-qd32-$rep" --local "$DATA" --qd 32
+    bench_on "$SERVER_CPU" "local-file-qd32-$rep" --local "$DATA" --qd 32
 done
 stop_server
 
@@ -244,9 +268,10 @@ add(f"- machine: {os.environ['MACHINE']}")
 add(f"- commit: {os.environ['COMMIT']}{os.environ['DIRTY']}")
 add(f"- command: `{os.environ['COMMAND']}`")
 add(f"- each figure is the median of {reps} runs of {os.environ['DURATION']} after {os.environ['WARMUP']} of warm-up; "
-    f"reflexd pinned to CPU {os.environ['SERVER_CPU']} with 1 dataplane thread "
-    f"({'polling (--poll)' if spin else 'blocking (sleeps in the ring when idle)'}), every client pinned to CPU "
-    f"{os.environ['CLIENT_CPU']} ({'--spin' if spin else 'sleeping in the ring'}); loopback TCP.")
+    f"reflexd pinned to CPU {os.environ['SERVER_CPU']} (the data disk's interrupt CPU unless overridden) with 1 dataplane thread "
+    f"({'polling (--poll)' if spin else 'blocking (sleeps in the ring when idle)'}), remote clients pinned to CPU "
+    f"{os.environ['CLIENT_CPU']} ({'--spin' if spin else 'sleeping in the ring'}), the local baseline on the server's CPU "
+    f"(local Flash is what an application on the server machine sees); loopback TCP.")
 add(f"- data file: {os.environ['FILE_SIZE_MIB']} MiB written with random data through O_DIRECT on {os.environ['FS_TYPE']} "
     f"(not tmpfs); reflexd serves it as `file:` (O_DIRECT), `reflex bench --local` opens the same file with O_DIRECT; "
     "random 4 KiB reads over the whole file.")

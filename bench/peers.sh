@@ -260,8 +260,12 @@ run_one() { # case name qd rep
         ${EPHEMERAL[$key]}
         [ -z "${SERVERS[$key]:-}" ] || [ "$case" != hot ] || fill_over_nbd "$key"
     fi
+    # The local baseline runs on the server's CPU: local Flash is what an application on the
+    # server machine sees, and that CPU takes the disk's interrupts in the default pinning.
+    local fio_cpu=$CLIENT_CPU
     if [ "$name" = local ]; then
         engine=(--ioengine=io_uring --direct=1 --filename="$DISK_FILE")
+        fio_cpu=$SERVER_CPU
     else
         [ -n "${SERVERS[$key]:-}" ] || return 0
         read -r pid _ _ <<<"${SERVERS[$key]}"
@@ -274,7 +278,7 @@ run_one() { # case name qd rep
     [ -z "$pid" ] || before=$(cpu_ticks "$pid")
     busy_before=$(cpu_busy_ticks "$SERVER_CPU")
     start=$(now_ns)
-    if ! taskset -c "$CLIENT_CPU" fio --name="$case-$name" "${engine[@]}" --rw=randread --bs=4k \
+    if ! taskset -c "$fio_cpu" fio --name="$case-$name" "${engine[@]}" --rw=randread --bs=4k \
         --iodepth="$qd" --size="$size" --time_based --runtime="$RUNTIME_S" \
         --norandommap --randrepeat=0 --clat_percentiles=0 --lat_percentiles=1 \
         --percentile_list=50:90:99:99.9 --output-format=json --output="$json"; then
