@@ -42,6 +42,6 @@ echo "==> cargo test"
 cargo test --workspace --release -q
 if [ -d fuzz ]; then
     echo "==> fuzz targets build"
-    (cd fuzz && cargo +nightly fuzz build -O -s none -q 2>/dev/null || cargo +nightly fuzz build -O -q)
+    (cd fuzz && cargo +nightly fuzz build -O)
 fi
 echo "==> all tests passed"
