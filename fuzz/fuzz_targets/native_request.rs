@@ -1,11 +1,13 @@
 //! Raw bytes as a server's receive buffer of pipelined native requests: every header that
 //! decodes re-encodes to the same bytes, validation never panics, and payloads are skipped by
-//! the length the codec announces, exactly as the server does.
+//! the length the codec announces, exactly as the server does; tenant bodies (REGISTER,
+//! UNREGISTER, BIND) that decode re-encode to the same bytes.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use reflex_proto::native::{
-    HelloBody, Namespace, ServerLimits, ValidatedRequest, decode_request, validate_request,
+    ControlOp, HelloBody, Namespace, RegisterBody, ServerLimits, ValidatedRequest,
+    decode_handle, decode_request, encode_handle, validate_request,
 };
 
 const NAMESPACES: [Namespace; 2] = [
@@ -45,7 +47,25 @@ fuzz_target!(|data: &[u8]| {
                     io.length_bytes() <= limits.io_size_max_bytes() || io.opcode().as_u8() == 5
                 );
             }
-            Ok(ValidatedRequest::Control { .. }) | Err(_) => {}
+            Ok(ValidatedRequest::Control {
+                op,
+                body_length_bytes,
+            }) => {
+                assert_eq!(body_length_bytes, header.payload_length_bytes());
+                match op {
+                    ControlOp::Register => {
+                        if let Ok(body) = RegisterBody::decode(payload) {
+                            assert_eq!(body.to_bytes()[..], payload[..]);
+                        }
+                    }
+                    ControlOp::Unregister | ControlOp::Bind => {
+                        if let Ok(handle) = decode_handle(payload) {
+                            assert_eq!(encode_handle(handle)[..], payload[..]);
+                        }
+                    }
+                }
+            }
+            Err(_) => {}
         }
         rest = &rest[payload_bytes..];
     }

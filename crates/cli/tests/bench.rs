@@ -27,6 +27,7 @@ fn start_server(backend: String, size_bytes: Option<u64>) -> ServerHandle {
             read_only: false,
             name: None,
             tenant: None,
+            profile: None,
         }],
         ..Config::default()
     };

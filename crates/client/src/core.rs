@@ -30,10 +30,10 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use reflex_proto::native::{
-    CAPABILITIES_SIZE_MAX, CONTROL_BODY_MAX_BYTES, HELLO_BODY_SIZE, HelloBody,
+    CAPABILITIES_SIZE_MAX, CONTROL_BODY_MAX_BYTES, HANDLE_BODY_SIZE, HELLO_BODY_SIZE, HelloBody,
     IO_SIZE_MAX_BYTES_DEFAULT, NOTICE_REQUEST_ID, Opcode, REQUEST_HEADER_SIZE,
-    RESPONSE_HEADER_SIZE, RequestFlags, RequestHeader, ResponseHeader, Status, UnknownStatus,
-    VERSION,
+    RESPONSE_HEADER_SIZE, RegisterBody, RenegotiateBody, RequestFlags, RequestHeader,
+    ResponseHeader, Status, UnknownStatus, VERSION, decode_handle, encode_handle,
 };
 
 use crate::error::{ClientError, ProtocolError, SubmitError};
@@ -104,10 +104,27 @@ impl<'a> Completion<'a> {
         }
     }
 
+    /// The body of a RENEGOTIATE notice; `None` for anything else (or a malformed body).
+    pub fn notice(&self) -> Option<RenegotiateBody> {
+        if !self.is_notice() {
+            return None;
+        }
+        RenegotiateBody::decode(self.data).ok()
+    }
+
+    /// The tenant handle of an accepted REGISTER, or its refusal as a typed error.
+    pub fn tenant_handle(&self) -> Result<u64, ClientError> {
+        let body = self.result()?;
+        decode_handle(body).map_err(|error| ProtocolError::TenantBody(error).into())
+    }
+
     /// The data on success, or the refusal as a typed error.
     pub fn result(&self) -> Result<&'a [u8], ClientError> {
         match self.status() {
             Ok(Status::Ok) => Ok(self.data),
+            Ok(Status::Refused) => Err(ClientError::Refused {
+                reason: self.reason().unwrap_or_default(),
+            }),
             Ok(status) => Err(ClientError::Status {
                 opcode: self.opcode,
                 status,
@@ -411,6 +428,25 @@ impl ConnectionCore {
         Ok(())
     }
 
+    /// Queues a REGISTER (a new tenant, or with `body.handle` set a new SLO for one).
+    pub fn submit_register(
+        &mut self,
+        request_id: u64,
+        body: &RegisterBody,
+    ) -> Result<(), SubmitError> {
+        self.submit_control(request_id, Opcode::Register, &body.to_bytes())
+    }
+
+    /// Queues an UNREGISTER of tenant `handle`.
+    pub fn submit_unregister(&mut self, request_id: u64, handle: u64) -> Result<(), SubmitError> {
+        self.submit_control(request_id, Opcode::Unregister, &encode_handle(handle))
+    }
+
+    /// Queues a BIND: this connection's I/O is charged to tenant `handle` (0: the default).
+    pub fn submit_bind(&mut self, request_id: u64, handle: u64) -> Result<(), SubmitError> {
+        self.submit_control(request_id, Opcode::Bind, &encode_handle(handle))
+    }
+
     fn check_io_size(&self, length_bytes: u32) -> Result<(), SubmitError> {
         if length_bytes > self.max_io_size {
             return Err(SubmitError::TooLarge {
@@ -694,7 +730,12 @@ impl ConnectionCore {
                 outstanding.read_length_bytes,
             )?,
             Opcode::Hello => check_length(opcode, length, 0, CAPABILITIES_SIZE_MAX as u32)?,
-            Opcode::Register => check_length(opcode, length, 0, CONTROL_BODY_MAX)?,
+            Opcode::Register => check_length(
+                opcode,
+                length,
+                HANDLE_BODY_SIZE as u32,
+                HANDLE_BODY_SIZE as u32,
+            )?,
             Opcode::Write
             | Opcode::Flush
             | Opcode::Trim

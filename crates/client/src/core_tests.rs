@@ -485,3 +485,100 @@ fn mutated_server_streams_never_panic() {
         assert!(core.outstanding_count() <= 4);
     }
 }
+
+#[test]
+fn tenant_requests_encode_their_bodies_and_decode_their_answers() {
+    use reflex_proto::native::{
+        RegisterBody, RenegotiateBody, TenantClassRequest, decode_handle, encode_handle,
+    };
+    let mut core = core_with_window(4);
+    let body = RegisterBody {
+        namespace_id: 1,
+        class: TenantClassRequest::LatencyCritical {
+            latency_us_p95: 500,
+            iops: 12_000,
+            read_percent: 100,
+        },
+        read_only: false,
+        handle: 0,
+    };
+    core.submit_register(1, &body).expect("register");
+    core.submit_bind(2, 9).expect("bind");
+    core.submit_unregister(3, 9).expect("unregister");
+    let sent = sent_bytes(&mut core);
+    let (header, used) = reflex_proto::native::decode_request(&sent)
+        .expect("framing")
+        .expect("whole");
+    assert_eq!(header.opcode(), Ok(Opcode::Register));
+    assert_eq!(
+        RegisterBody::decode(&sent[used..used + 32]),
+        Ok(body),
+        "the body follows the header"
+    );
+    let rest = &sent[used + 32..];
+    let (bind, used) = reflex_proto::native::decode_request(rest)
+        .expect("framing")
+        .expect("whole");
+    assert_eq!(bind.opcode(), Ok(Opcode::Bind));
+    assert_eq!(decode_handle(&rest[used..used + 8]), Ok(9));
+
+    let mut answers = response(Opcode::Register, Status::Ok, 1, &encode_handle(42));
+    answers.extend(response(Opcode::Bind, Status::Ok, 2, &[]));
+    answers.extend(response(
+        Opcode::Unregister,
+        Status::Refused,
+        3,
+        b"needs 36K tokens/s, 5K left at 500 \xc2\xb5s",
+    ));
+    let notice = RenegotiateBody {
+        handle: 42,
+        episode: 1,
+        reserved_iops: 12_000,
+        reserved_tokens_per_sec: 12_000,
+        observed_iops: 20_000,
+    };
+    answers.extend(response(
+        Opcode::Renegotiate,
+        Status::Ok,
+        NOTICE_REQUEST_ID,
+        &notice.to_bytes(),
+    ));
+    feed(&mut core, &answers);
+    let completion = core.poll_completion().expect("ok").expect("register");
+    assert_eq!(completion.tenant_handle().expect("handle"), 42);
+    let completion = core.poll_completion().expect("ok").expect("bind");
+    assert!(completion.result().is_ok());
+    let completion = core.poll_completion().expect("ok").expect("refused");
+    match completion.result() {
+        Err(ClientError::Refused { reason }) => {
+            assert_eq!(reason, "needs 36K tokens/s, 5K left at 500 µs")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let completion = core.poll_completion().expect("ok").expect("notice");
+    assert_eq!(completion.notice(), Some(notice));
+}
+
+#[test]
+fn a_register_answer_without_a_handle_breaks_the_connection() {
+    let mut core = core_with_window(1);
+    core.submit_register(
+        1,
+        &reflex_proto::native::RegisterBody {
+            namespace_id: 1,
+            class: reflex_proto::native::TenantClassRequest::BestEffort,
+            read_only: false,
+            handle: 0,
+        },
+    )
+    .expect("register");
+    sent_bytes(&mut core);
+    feed(
+        &mut core,
+        &response(Opcode::Register, Status::Ok, 1, &[1, 2, 3]),
+    );
+    assert!(matches!(
+        core.poll_completion(),
+        Err(ProtocolError::UnexpectedLength { .. })
+    ));
+}

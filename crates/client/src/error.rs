@@ -49,6 +49,8 @@ pub enum ProtocolError {
     Capabilities(#[from] BodyError),
     #[error("HELLO answered OK without capabilities")]
     NoCapabilities,
+    #[error("malformed tenant body: {0}")]
+    TenantBody(BodyError),
 }
 
 /// Everything a blocking or pipelined client call can fail with.
@@ -77,6 +79,10 @@ pub enum ClientError {
         status_raw: u16,
         reason: Option<String>,
     },
+    /// REGISTER refused by the server's admission control, with its reason (e.g. "needs
+    /// 196K tokens/s, 82K left at 500 µs"). Nothing was registered.
+    #[error("registration refused: {reason}")]
+    Refused { reason: String },
     #[error("request not accepted: {0}")]
     Submit(#[from] SubmitError),
     /// The server closed the connection.
@@ -96,6 +102,7 @@ impl ClientError {
     pub fn status(&self) -> Option<Status> {
         match self {
             ClientError::Status { status, .. } => Some(*status),
+            ClientError::Refused { .. } => Some(Status::Refused),
             _ => None,
         }
     }

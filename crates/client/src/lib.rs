@@ -10,6 +10,11 @@
 //!   refusal is [`ClientError::Status`] carrying the wire status.
 //! - [`PipelinedClient`]: `submit_*` under ids of the caller's choosing, `poll_io` without
 //!   blocking, `reap` completions in any order.
+//! - Tenants (`docs/QOS.md`): `Client::register_lc(ns, latency_us, iops, read_percent)`,
+//!   `register_be(ns)`, `register(&RegisterBody)` (read-only tenants, new SLOs) return a
+//!   tenant handle or [`ClientError::Refused`] `{ reason }`; `bind(handle)`,
+//!   `unregister(handle)`; RENEGOTIATE notices through `poll_notice`/`wait_notice` (blocking)
+//!   or `reap` (pipelined and event loops).
 //!
 //! HELLO declares the calling process's Linux I/O priority, read with
 //! `ioprio_get(IOPRIO_WHO_PROCESS, 0)` ([`io_priority_of_process`]): run a client under
@@ -29,7 +34,7 @@ mod pipelined;
 mod sys;
 mod types;
 
-pub use crate::blocking::Client;
+pub use crate::blocking::{Client, NOTICES_BUFFERED_MAX};
 pub use crate::core::{
     Completion, ConnectionCore, CoreOptions, IO_SIZE_MAX_BYTES_LIMIT, RECEIVE_BUFFER_MIN,
     WINDOW_REQUESTS_LIMIT,
@@ -39,4 +44,7 @@ pub use crate::error::{ClientError, ProtocolError, SubmitError};
 pub use crate::pipelined::PipelinedClient;
 pub use crate::sys::io_priority_of_process;
 pub use crate::types::Capabilities;
-pub use reflex_proto::native::{NOTICE_REQUEST_ID, Namespace, Opcode, Status, UnknownStatus};
+pub use reflex_proto::native::{
+    NO_TENANT_HANDLE, NOTICE_REQUEST_ID, Namespace, Opcode, RegisterBody, RenegotiateBody, Status,
+    TenantClassRequest, UnknownStatus,
+};

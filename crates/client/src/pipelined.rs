@@ -5,7 +5,9 @@
 //! takes and receives what has arrived), the file descriptor can be registered with epoll
 //! (readable always, writable while [`PipelinedClient::wants_write`]), and
 //! [`PipelinedClient::reap`] hands out buffered completions without I/O. For simple callers
-//! [`PipelinedClient::wait`] blocks until at least one completion is buffered.
+//! [`PipelinedClient::wait`] blocks until at least one completion is buffered. RENEGOTIATE
+//! notices come out of `reap` like completions ([`Completion::is_notice`],
+//! [`Completion::notice`]).
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
@@ -135,6 +137,24 @@ impl PipelinedClient {
         self.driver
             .core
             .submit_trim(request_id, namespace, offset, length_bytes)
+    }
+
+    /// A REGISTER; its completion's [`Completion::tenant_handle`] is the handle.
+    pub fn submit_register(
+        &mut self,
+        request_id: u64,
+        body: &reflex_proto::native::RegisterBody,
+    ) -> Result<(), SubmitError> {
+        self.driver.core.submit_register(request_id, body)
+    }
+
+    pub fn submit_unregister(&mut self, request_id: u64, handle: u64) -> Result<(), SubmitError> {
+        self.driver.core.submit_unregister(request_id, handle)
+    }
+
+    /// A BIND: requests submitted after it are charged to `handle` (0: the default tenant).
+    pub fn submit_bind(&mut self, request_id: u64, handle: u64) -> Result<(), SubmitError> {
+        self.driver.core.submit_bind(request_id, handle)
     }
 
     // ----- I/O and completions -----

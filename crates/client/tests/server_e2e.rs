@@ -25,6 +25,7 @@ fn namespace(
         read_only,
         name: None,
         tenant: None,
+        profile: None,
     }
 }
 

@@ -21,7 +21,10 @@
 //!   `Io(ValidatedIo)` (getters `op()` = Read/Write{fua}/Flush/Trim, `namespace_id()`,
 //!   `offset_bytes()`, `length_bytes()`, `request_id()`, `opcode()`), `Hello` (decode the 16-byte
 //!   body with `HelloBody::decode`) or `Control { op, body_length_bytes }` (REGISTER/UNREGISTER/
-//!   BIND, bodies still TODO for the QoS work).
+//!   BIND: decode the body with `RegisterBody::decode` or `decode_handle`).
+//! - Tenant bodies (§1.9): `RegisterBody { namespace_id, class: TenantClassRequest, read_only,
+//!   handle }` (`to_bytes`/`decode`), `encode_handle`/`decode_handle` (UNREGISTER, BIND, the
+//!   REGISTER answer), `RenegotiateBody` (the notice sent with `ResponseHeader::notice`).
 //! - Responses: `ResponseHeader::for_request(&header, status, length).to_bytes()` (24 bytes;
 //!   echoes the raw opcode and the id), `ResponseHeader::notice(len)` for RENEGOTIATE; HELLO's
 //!   body: `Capabilities::from_limits(&limits, window).encode_into(&namespaces, out)`.

@@ -533,6 +533,10 @@ pub enum BodyError {
     BadIoSizeMax { found: u32 },
     #[error("window is 0")]
     WindowZero,
+    #[error("tenant class {found} is neither 1 (latency-critical) nor 2 (best-effort)")]
+    UnknownClass { found: u8 },
+    #[error("invalid tenant body: {reason}")]
+    InvalidTenant { reason: &'static str },
 }
 
 /// Request body of HELLO (§1.5). Flags and reserved bytes are zero in v1.
@@ -768,9 +772,205 @@ impl Iterator for NamespaceEntries<'_> {
 
 impl ExactSizeIterator for NamespaceEntries<'_> {}
 
-// TODO(qos): REGISTER tenant body, UNREGISTER/BIND tenant handle and the RENEGOTIATE notice
-// body are defined with the QoS work (`docs/QOS.md`). Their opcodes are reserved above and
-// `validate_request` bounds their body length, so the server can already skip or refuse them.
+// ---------------------------------------------------------------------------------------------
+// Tenant bodies (§1.9): REGISTER, UNREGISTER, BIND and the RENEGOTIATE notice.
+
+/// Bytes of a REGISTER request body.
+pub const REGISTER_BODY_SIZE: usize = 32;
+/// Bytes of a tenant-handle body: UNREGISTER and BIND requests, and REGISTER's OK answer.
+pub const HANDLE_BODY_SIZE: usize = 8;
+/// Bytes of a RENEGOTIATE notice body.
+pub const RENEGOTIATE_BODY_SIZE: usize = 40;
+/// The handle that names no tenant: in REGISTER, "a new tenant"; in BIND, "back to the
+/// connection's default tenant". The server never hands it out.
+pub const NO_TENANT_HANDLE: u64 = 0;
+
+const _: () = assert!(REGISTER_BODY_SIZE as u32 <= CONTROL_BODY_MAX_BYTES);
+const _: () = assert!(RENEGOTIATE_BODY_SIZE as u32 <= CONTROL_BODY_MAX_BYTES);
+
+/// REGISTER flag bit 0: the tenant may only read (WRITE and TRIM are answered PERMISSION).
+const REGISTER_FLAG_READ_ONLY: u16 = 1;
+const REGISTER_CLASS_LATENCY_CRITICAL: u8 = 1;
+const REGISTER_CLASS_BEST_EFFORT: u8 = 2;
+
+/// What a tenant asks for in REGISTER.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TenantClassRequest {
+    /// A p95 read-latency SLO at a reserved rate of 4 KiB I/Os and read mix.
+    LatencyCritical {
+        latency_us_p95: u32,
+        iops: u64,
+        read_percent: u8,
+    },
+    /// A fair share of whatever latency-critical tenants leave.
+    BestEffort,
+}
+
+/// A REGISTER body (§1.9): a new tenant for one namespace, or a new SLO for an existing one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RegisterBody {
+    /// The namespace whose device the tenant uses; the handle is valid for it only.
+    pub namespace_id: u32,
+    pub class: TenantClassRequest,
+    /// The tenant may only read.
+    pub read_only: bool,
+    /// [`NO_TENANT_HANDLE`] registers a new tenant; any other value asks to change that
+    /// tenant's SLO (admission runs again; on refusal the old SLO stays).
+    pub handle: u64,
+}
+
+impl RegisterBody {
+    pub fn to_bytes(&self) -> [u8; REGISTER_BODY_SIZE] {
+        let mut bytes = [0u8; REGISTER_BODY_SIZE];
+        let mut f = FieldsMut(&mut bytes);
+        match self.class {
+            TenantClassRequest::LatencyCritical {
+                latency_us_p95,
+                iops,
+                read_percent,
+            } => {
+                f.put_u8::<0>(REGISTER_CLASS_LATENCY_CRITICAL);
+                f.put_u8::<1>(read_percent);
+                f.put_u32_le::<8>(latency_us_p95);
+                f.put_u64_le::<16>(iops);
+            }
+            TenantClassRequest::BestEffort => f.put_u8::<0>(REGISTER_CLASS_BEST_EFFORT),
+        }
+        f.put_u16_le::<2>(if self.read_only {
+            REGISTER_FLAG_READ_ONLY
+        } else {
+            0
+        });
+        f.put_u32_le::<4>(self.namespace_id);
+        // Bytes 12..16 are reserved, left zero.
+        f.put_u64_le::<24>(self.handle);
+        bytes
+    }
+
+    /// Decodes a complete body. Checks, in order: length, class, flags, reserved bytes, then
+    /// the class's fields (LC: latency and IOPS above 0, read percentage at most 100; BE: all
+    /// three 0).
+    pub fn decode(body: &[u8]) -> Result<RegisterBody, BodyError> {
+        let bytes: &[u8; REGISTER_BODY_SIZE] =
+            body.try_into().map_err(|_| BodyError::WrongLength {
+                expected_bytes: REGISTER_BODY_SIZE,
+                found_bytes: body.len(),
+            })?;
+        let f = Fields(bytes);
+        let class_raw = f.u8_at::<0>();
+        if class_raw != REGISTER_CLASS_LATENCY_CRITICAL && class_raw != REGISTER_CLASS_BEST_EFFORT {
+            return Err(BodyError::UnknownClass { found: class_raw });
+        }
+        let flags = f.u16_le::<2>();
+        if flags & !REGISTER_FLAG_READ_ONLY != 0 {
+            return Err(BodyError::UnknownFlags {
+                found: u32::from(flags),
+            });
+        }
+        if f.u32_le::<12>() != 0 {
+            return Err(BodyError::ReservedNotZero);
+        }
+        let read_percent = f.u8_at::<1>();
+        let latency_us_p95 = f.u32_le::<8>();
+        let iops = f.u64_le::<16>();
+        let class = if class_raw == REGISTER_CLASS_LATENCY_CRITICAL {
+            let reason = if latency_us_p95 == 0 {
+                Some("latency SLO of 0 µs")
+            } else if iops == 0 {
+                Some("reservation of 0 IOPS")
+            } else if read_percent > 100 {
+                Some("read percentage above 100")
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                return Err(BodyError::InvalidTenant { reason });
+            }
+            TenantClassRequest::LatencyCritical {
+                latency_us_p95,
+                iops,
+                read_percent,
+            }
+        } else {
+            if read_percent != 0 || latency_us_p95 != 0 || iops != 0 {
+                return Err(BodyError::InvalidTenant {
+                    reason: "best-effort tenant with an SLO",
+                });
+            }
+            TenantClassRequest::BestEffort
+        };
+        Ok(RegisterBody {
+            namespace_id: f.u32_le::<4>(),
+            class,
+            read_only: flags & REGISTER_FLAG_READ_ONLY != 0,
+            handle: f.u64_le::<24>(),
+        })
+    }
+}
+
+/// The body of UNREGISTER and BIND requests and of REGISTER's OK answer: one tenant handle.
+pub fn encode_handle(handle: u64) -> [u8; HANDLE_BODY_SIZE] {
+    handle.to_le_bytes()
+}
+
+/// Decodes a tenant-handle body (exactly [`HANDLE_BODY_SIZE`] bytes).
+pub fn decode_handle(body: &[u8]) -> Result<u64, BodyError> {
+    let bytes: [u8; HANDLE_BODY_SIZE] = body.try_into().map_err(|_| BodyError::WrongLength {
+        expected_bytes: HANDLE_BODY_SIZE,
+        found_bytes: body.len(),
+    })?;
+    Ok(u64::from_le_bytes(bytes))
+}
+
+/// The body of a RENEGOTIATE notice (§1.9): the tenant keeps reaching its deficit limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RenegotiateBody {
+    pub handle: u64,
+    /// Deficit episodes of this tenant so far, counting from 1; each brings one notice.
+    pub episode: u64,
+    /// The reservation: 4 KiB IOPS (0 for best-effort tenants) and its tokens per second
+    /// under mixed load.
+    pub reserved_iops: u64,
+    pub reserved_tokens_per_sec: u64,
+    /// Requests per second the tenant sent recently (see `docs/QOS.md`).
+    pub observed_iops: u64,
+}
+
+impl RenegotiateBody {
+    pub fn to_bytes(&self) -> [u8; RENEGOTIATE_BODY_SIZE] {
+        let mut bytes = [0u8; RENEGOTIATE_BODY_SIZE];
+        let mut f = FieldsMut(&mut bytes);
+        f.put_u64_le::<0>(self.handle);
+        f.put_u64_le::<8>(self.episode);
+        f.put_u64_le::<16>(self.reserved_iops);
+        f.put_u64_le::<24>(self.reserved_tokens_per_sec);
+        f.put_u64_le::<32>(self.observed_iops);
+        bytes
+    }
+
+    /// Decodes a complete body. The handle must name a tenant.
+    pub fn decode(body: &[u8]) -> Result<RenegotiateBody, BodyError> {
+        let bytes: &[u8; RENEGOTIATE_BODY_SIZE] =
+            body.try_into().map_err(|_| BodyError::WrongLength {
+                expected_bytes: RENEGOTIATE_BODY_SIZE,
+                found_bytes: body.len(),
+            })?;
+        let f = Fields(bytes);
+        let handle = f.u64_le::<0>();
+        if handle == NO_TENANT_HANDLE {
+            return Err(BodyError::InvalidTenant {
+                reason: "notice for tenant handle 0",
+            });
+        }
+        Ok(RenegotiateBody {
+            handle,
+            episode: f.u64_le::<8>(),
+            reserved_iops: f.u64_le::<16>(),
+            reserved_tokens_per_sec: f.u64_le::<24>(),
+            observed_iops: f.u64_le::<32>(),
+        })
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Validation at the edge.

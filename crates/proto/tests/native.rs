@@ -811,3 +811,213 @@ fn documented_read_example() {
         "52 46 58 52 01 02 02 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tenant bodies (§1.9).
+
+fn lc(latency_us_p95: u32, iops: u64, read_percent: u8) -> TenantClassRequest {
+    TenantClassRequest::LatencyCritical {
+        latency_us_p95,
+        iops,
+        read_percent,
+    }
+}
+
+#[test]
+fn register_bodies_round_trip() {
+    let bodies = [
+        RegisterBody {
+            namespace_id: 1,
+            class: lc(500, 12_000, 100),
+            read_only: false,
+            handle: NO_TENANT_HANDLE,
+        },
+        RegisterBody {
+            namespace_id: u32::MAX,
+            class: lc(u32::MAX, u64::MAX, 0),
+            read_only: true,
+            handle: u64::MAX,
+        },
+        RegisterBody {
+            namespace_id: 7,
+            class: TenantClassRequest::BestEffort,
+            read_only: true,
+            handle: 42,
+        },
+    ];
+    for body in bodies {
+        let bytes = body.to_bytes();
+        assert_eq!(RegisterBody::decode(&bytes), Ok(body));
+    }
+}
+
+#[test]
+fn corrupted_register_bodies() {
+    let good = RegisterBody {
+        namespace_id: 1,
+        class: lc(500, 70_000, 80),
+        read_only: false,
+        handle: 0,
+    }
+    .to_bytes();
+    let check = |at: usize, value: u8, expected: BodyError| {
+        let mut bytes = good;
+        bytes[at] = value;
+        assert_eq!(
+            RegisterBody::decode(&bytes),
+            Err(expected),
+            "byte {at} = {value}"
+        );
+    };
+    check(0, 0, BodyError::UnknownClass { found: 0 });
+    check(0, 3, BodyError::UnknownClass { found: 3 });
+    check(
+        1,
+        101,
+        BodyError::InvalidTenant {
+            reason: "read percentage above 100",
+        },
+    );
+    check(2, 2, BodyError::UnknownFlags { found: 2 });
+    check(3, 1, BodyError::UnknownFlags { found: 0x100 });
+    check(12, 1, BodyError::ReservedNotZero);
+    let mut zero_latency = good;
+    zero_latency[8..12].fill(0);
+    assert_eq!(
+        RegisterBody::decode(&zero_latency),
+        Err(BodyError::InvalidTenant {
+            reason: "latency SLO of 0 µs"
+        })
+    );
+    let mut zero_iops = good;
+    zero_iops[16..24].fill(0);
+    assert_eq!(
+        RegisterBody::decode(&zero_iops),
+        Err(BodyError::InvalidTenant {
+            reason: "reservation of 0 IOPS"
+        })
+    );
+    // A best-effort tenant carries no SLO.
+    let mut best_effort_with_slo = good;
+    best_effort_with_slo[0] = 2;
+    assert_eq!(
+        RegisterBody::decode(&best_effort_with_slo),
+        Err(BodyError::InvalidTenant {
+            reason: "best-effort tenant with an SLO"
+        })
+    );
+    for length in [0, 31, 33] {
+        let bytes = vec![0u8; length];
+        assert_eq!(
+            RegisterBody::decode(&bytes),
+            Err(BodyError::WrongLength {
+                expected_bytes: REGISTER_BODY_SIZE,
+                found_bytes: length
+            })
+        );
+    }
+}
+
+#[test]
+fn handle_and_renegotiate_bodies() {
+    for handle in [0, 1, u64::MAX] {
+        assert_eq!(decode_handle(&encode_handle(handle)), Ok(handle));
+    }
+    assert_eq!(
+        decode_handle(&[1, 2, 3]),
+        Err(BodyError::WrongLength {
+            expected_bytes: HANDLE_BODY_SIZE,
+            found_bytes: 3
+        })
+    );
+    let notice = RenegotiateBody {
+        handle: 9,
+        episode: 3,
+        reserved_iops: 7_000,
+        reserved_tokens_per_sec: 19_838,
+        observed_iops: 21_000,
+    };
+    assert_eq!(RenegotiateBody::decode(&notice.to_bytes()), Ok(notice));
+    let mut no_tenant = notice.to_bytes();
+    no_tenant[..8].fill(0);
+    assert!(matches!(
+        RenegotiateBody::decode(&no_tenant),
+        Err(BodyError::InvalidTenant { .. })
+    ));
+    assert!(RenegotiateBody::decode(&notice.to_bytes()[..39]).is_err());
+}
+
+#[test]
+fn control_requests_validate_without_a_namespace() {
+    let body = RegisterBody {
+        namespace_id: 99,
+        class: TenantClassRequest::BestEffort,
+        read_only: false,
+        handle: 0,
+    }
+    .to_bytes();
+    let header = RequestHeader {
+        length_bytes: body.len() as u32,
+        ..RequestHeader::new(Opcode::Register, 3)
+    };
+    // The body's namespace is the server's business, not the header's.
+    assert_eq!(
+        validate_request(&header, &ServerLimits::default(), &NAMESPACES[..]),
+        Ok(ValidatedRequest::Control {
+            op: ControlOp::Register,
+            body_length_bytes: 32
+        })
+    );
+    assert_eq!(header.payload_length_bytes(), 32);
+}
+
+#[test]
+fn documented_register_example() {
+    let header = RequestHeader {
+        length_bytes: REGISTER_BODY_SIZE as u32,
+        ..RequestHeader::new(Opcode::Register, 2)
+    };
+    let body = RegisterBody {
+        namespace_id: 1,
+        class: lc(500, 12_000, 100),
+        read_only: false,
+        handle: NO_TENANT_HANDLE,
+    };
+    assert_eq!(
+        hex(&header.to_bytes()),
+        "52 46 58 51 01 10 00 00 02 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 20 00 00 00 00 00 00 00"
+    );
+    assert_eq!(
+        hex(&body.to_bytes()),
+        "01 64 00 00 01 00 00 00 f4 01 00 00 00 00 00 00 e0 2e 00 00 00 00 00 00 00 00 00 00 00 00 00 00"
+    );
+    let accepted = ResponseHeader::for_request(&header, Status::Ok, HANDLE_BODY_SIZE as u32);
+    assert_eq!(
+        hex(&accepted.to_bytes()),
+        "52 46 58 52 01 10 00 00 02 00 00 00 00 00 00 00 08 00 00 00 00 00 00 00"
+    );
+    assert_eq!(hex(&encode_handle(1)), "01 00 00 00 00 00 00 00");
+    let reason = "needs 36K tokens/s, 5K left at 500 µs";
+    let refused = ResponseHeader::for_request(&header, Status::Refused, reason.len() as u32);
+    assert_eq!(
+        hex(&refused.to_bytes()),
+        "52 46 58 52 01 10 09 00 02 00 00 00 00 00 00 00 26 00 00 00 00 00 00 00"
+    );
+    let notice = ResponseHeader::notice(RENEGOTIATE_BODY_SIZE as u32);
+    assert_eq!(
+        hex(&notice.to_bytes()),
+        "52 46 58 52 01 20 00 00 ff ff ff ff ff ff ff ff 28 00 00 00 00 00 00 00"
+    );
+    let body = RenegotiateBody {
+        handle: 1,
+        episode: 1,
+        reserved_iops: 12_000,
+        reserved_tokens_per_sec: 12_000,
+        observed_iops: 20_000,
+    };
+    assert_eq!(
+        hex(&body.to_bytes()),
+        "01 00 00 00 00 00 00 00 01 00 00 00 00 00 00 00 e0 2e 00 00 00 00 00 00 \
+         e0 2e 00 00 00 00 00 00 20 4e 00 00 00 00 00 00"
+    );
+}

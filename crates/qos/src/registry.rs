@@ -485,6 +485,14 @@ impl TenantRegistry {
         Ok(())
     }
 
+    /// Deficit episodes of `tenant` so far (each brought one [`Notice::Renegotiate`]) and
+    /// whether one is going on (some thread reports the tenant at its deficit limit).
+    pub fn deficit_episodes(&self, tenant: TenantId) -> Option<(u64, bool)> {
+        self.tenants
+            .get(&tenant)
+            .map(|entry| (entry.episodes, entry.episode_threads != 0))
+    }
+
     /// Connections of `tenant` per thread.
     pub fn connections(&self, tenant: TenantId) -> Option<&[u32]> {
         self.tenants

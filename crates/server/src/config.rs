@@ -1,6 +1,7 @@
-//! `reflexd` configuration: namespaces (and the NBD exports and tenant bindings they carry),
-//! listening ports, threads and limits, from a TOML file (`--config`) and command-line flags,
-//! with defaults that let a bare `reflexd` serve at once.
+//! `reflexd` configuration: namespaces (and the NBD exports, tenant bindings and QoS device
+//! profiles they carry), tenants declared with their SLOs, listening ports, threads and
+//! limits, from a TOML file (`--config`) and command-line flags, with defaults that let a bare
+//! `reflexd` serve at once.
 //!
 //! Precedence: built-in defaults, then the file, then flags. `--namespace` flags, when given,
 //! replace the file's namespaces (so one flag is enough to point a configured server at
@@ -11,9 +12,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
 use reflex_flash::spec::parse_size;
+use reflex_qos::{QosConfig, TenantSpec};
 use serde::Deserialize;
-
-use crate::sched::TenantId;
 
 /// Native protocol port when none is configured.
 pub const NATIVE_PORT_DEFAULT: u16 = 7070;
@@ -26,6 +26,8 @@ pub const NBD_PORT_DEFAULT: u16 = 10809;
 pub const EXPORT_NAME_BYTES_MAX: usize = 256;
 /// Longest tenant name in a namespace's binding.
 pub const TENANT_NAME_BYTES_MAX: usize = 256;
+/// Tenants one configuration may declare.
+pub const TENANTS_CONFIGURED_MAX: usize = 1024;
 /// Requests a connection may have outstanding (advertised in HELLO).
 pub const WINDOW_DEFAULT: u32 = 128;
 pub const WINDOW_MAX: u32 = 4096;
@@ -55,6 +57,8 @@ pub enum ConfigError {
     NamespaceFlag { text: String, message: String },
     #[error("--original-port {text:?}: {message}")]
     OriginalPortFlag { text: String, message: String },
+    #[error("--tenant {text:?}: {message}")]
+    TenantFlag { text: String, message: String },
     #[error("invalid configuration: {0}")]
     Invalid(String),
 }
@@ -101,6 +105,11 @@ pub struct NamespaceConfig {
     /// tenant. Native connections choose their tenant themselves.
     #[serde(default)]
     pub tenant: Option<String>,
+    /// The device profile (`docs/CALIBRATION.md`) the QoS scheduler uses for this namespace,
+    /// a TOML path relative to the working directory. Without one the namespace is served
+    /// first in, first out, without tenants' SLOs (logged at startup).
+    #[serde(default)]
+    pub profile: Option<String>,
 }
 
 fn optional_size<'de, D: serde::Deserializer<'de>>(
@@ -119,6 +128,7 @@ impl NamespaceConfig {
             read_only: false,
             name: None,
             tenant: None,
+            profile: None,
         }
     }
 
@@ -130,16 +140,17 @@ impl NamespaceConfig {
         }
     }
 
-    /// Parses a `--namespace` flag: `ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT]`,
-    /// e.g. `1=file:/data/ns1,size=10G`, `2=mem:1G,name=scratch`, `3=null`,
-    /// `4=/dev/nvme0n1,ro`, `5=mem:1G,tenant=analytics`.
+    /// Parses a `--namespace` flag:
+    /// `ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT][,profile=PATH]`, e.g.
+    /// `1=file:/data/ns1,size=10G`, `2=mem:1G,name=scratch`, `3=null`, `4=/dev/nvme0n1,ro`,
+    /// `5=mem:1G,tenant=analytics`, `6=emu:device-a-small,profile=profiles/device-a-small.toml`.
     pub fn from_flag(text: &str) -> Result<NamespaceConfig, ConfigError> {
         let fail = |message: &str| ConfigError::NamespaceFlag {
             text: text.to_string(),
             message: message.to_string(),
         };
         let (id, rest) = text.split_once('=').ok_or_else(|| {
-            fail("expected ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT]")
+            fail("expected ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT][,profile=PATH]")
         })?;
         let id: u32 = id
             .trim()
@@ -162,9 +173,11 @@ impl NamespaceConfig {
                 namespace.name = Some(name.to_string());
             } else if let Some(tenant) = option.strip_prefix("tenant=") {
                 namespace.tenant = Some(tenant.to_string());
+            } else if let Some(profile) = option.strip_prefix("profile=") {
+                namespace.profile = Some(profile.to_string());
             } else {
                 return Err(fail(&format!(
-                    "unknown option {option:?} (size=SIZE, ro, name=NAME or tenant=TENANT)"
+                    "unknown option {option:?} (size=SIZE, ro, name=NAME, tenant=TENANT or profile=PATH)"
                 )));
             }
         }
@@ -172,25 +185,46 @@ impl NamespaceConfig {
     }
 }
 
-/// A port speaking the original ReFlex protocol; the port selects the namespace.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+/// A port speaking the original ReFlex protocol; the port selects the namespace and, as in
+/// the original server, the tenant its connections are charged to.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OriginalPortConfig {
     /// 0 picks a free port (tests).
     pub port: u16,
     pub namespace: u32,
+    /// Tenant of every connection to this port; `None`: the namespace's tenant
+    /// ([`NamespaceConfig::tenant`]), else its default best-effort tenant.
+    #[serde(default)]
+    pub tenant: Option<String>,
 }
 
 impl OriginalPortConfig {
-    /// Parses `--original-port PORT[=NAMESPACE]` (namespace 1 when omitted).
+    /// A port serving `namespace` as the namespace's own tenant.
+    pub fn new(port: u16, namespace: u32) -> OriginalPortConfig {
+        OriginalPortConfig {
+            port,
+            namespace,
+            tenant: None,
+        }
+    }
+
+    /// Parses `--original-port PORT[=NAMESPACE][,tenant=NAME]` (namespace 1 when omitted).
     pub fn from_flag(text: &str) -> Result<OriginalPortConfig, ConfigError> {
         let fail = |message: &str| ConfigError::OriginalPortFlag {
             text: text.to_string(),
             message: message.to_string(),
         };
-        let (port, namespace) = match text.split_once('=') {
+        let (text_port, tenant) = match text.split_once(',') {
+            Some((head, option)) => match option.trim().strip_prefix("tenant=") {
+                Some(name) => (head, Some(name.to_string())),
+                None => return Err(fail("the only option is tenant=NAME")),
+            },
+            None => (text, None),
+        };
+        let (port, namespace) = match text_port.split_once('=') {
             Some((port, namespace)) => (port, namespace),
-            None => (text, "1"),
+            None => (text_port, "1"),
         };
         Ok(OriginalPortConfig {
             port: port.trim().parse().map_err(|_| fail("bad port"))?,
@@ -198,7 +232,138 @@ impl OriginalPortConfig {
                 .trim()
                 .parse()
                 .map_err(|_| fail("bad namespace id"))?,
+            tenant,
         })
+    }
+}
+
+/// The class of a configured tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TenantClassConfig {
+    /// Latency-critical: `latency_us_p95`, `iops` and `read_percent` are required.
+    Lc,
+    /// Best-effort: a fair share of what LC tenants leave.
+    Be,
+}
+
+/// A tenant declared in the configuration (`[[tenant]]`): bound to namespaces (and so to
+/// their NBD exports) by `tenant = "NAME"` and to original-protocol ports by their `tenant`.
+/// Each namespace with a QoS profile admits it at startup; a refusal stops the server with
+/// the reason.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    pub name: String,
+    pub class: TenantClassConfig,
+    #[serde(default)]
+    pub latency_us_p95: Option<u64>,
+    #[serde(default)]
+    pub iops: Option<u64>,
+    /// Reads among the reserved I/Os, in percent (LC only; default 100).
+    #[serde(default)]
+    pub read_percent: Option<u8>,
+}
+
+impl TenantConfig {
+    /// A best-effort tenant.
+    pub fn best_effort(name: impl Into<String>) -> TenantConfig {
+        TenantConfig {
+            name: name.into(),
+            class: TenantClassConfig::Be,
+            latency_us_p95: None,
+            iops: None,
+            read_percent: None,
+        }
+    }
+
+    /// A latency-critical tenant.
+    pub fn latency_critical(
+        name: impl Into<String>,
+        latency_us_p95: u64,
+        iops: u64,
+        read_percent: u8,
+    ) -> TenantConfig {
+        TenantConfig {
+            name: name.into(),
+            class: TenantClassConfig::Lc,
+            latency_us_p95: Some(latency_us_p95),
+            iops: Some(iops),
+            read_percent: Some(read_percent),
+        }
+    }
+
+    /// What the tenant asks of admission control. Checked by [`Config::validate`].
+    pub fn spec(&self) -> Result<TenantSpec, String> {
+        match self.class {
+            TenantClassConfig::Be => {
+                if self.latency_us_p95.is_some()
+                    || self.iops.is_some()
+                    || self.read_percent.is_some()
+                {
+                    return Err(format!(
+                        "tenant {:?} is best-effort: it takes no latency_us_p95, iops or read_percent",
+                        self.name
+                    ));
+                }
+                Ok(TenantSpec::BestEffort)
+            }
+            TenantClassConfig::Lc => match (self.latency_us_p95, self.iops) {
+                (Some(latency_us_p95), Some(iops)) if latency_us_p95 > 0 && iops > 0 => {
+                    let read_percent = self.read_percent.unwrap_or(100);
+                    if read_percent > 100 {
+                        return Err(format!("tenant {:?}: read_percent above 100", self.name));
+                    }
+                    Ok(TenantSpec::LatencyCritical {
+                        latency_us_p95,
+                        iops,
+                        read_percent,
+                    })
+                }
+                _ => Err(format!(
+                    "latency-critical tenant {:?} needs latency_us_p95 and iops above 0",
+                    self.name
+                )),
+            },
+        }
+    }
+
+    /// Parses `--tenant NAME=be` or `--tenant NAME=lc,latency_us=500,iops=12000[,read_percent=100]`.
+    pub fn from_flag(text: &str) -> Result<TenantConfig, ConfigError> {
+        let fail = |message: &str| ConfigError::TenantFlag {
+            text: text.to_string(),
+            message: message.to_string(),
+        };
+        let (name, rest) = text.split_once('=').ok_or_else(|| {
+            fail("expected NAME=be or NAME=lc,latency_us=US,iops=N[,read_percent=P]")
+        })?;
+        let mut parts = rest.split(',');
+        let mut tenant = match parts.next().map(str::trim) {
+            Some("be") => TenantConfig::best_effort(name.trim()),
+            Some("lc") => TenantConfig {
+                class: TenantClassConfig::Lc,
+                ..TenantConfig::best_effort(name.trim())
+            },
+            _ => return Err(fail("the class must be be or lc")),
+        };
+        for option in parts {
+            let (key, value) = option
+                .trim()
+                .split_once('=')
+                .ok_or_else(|| fail("options are KEY=VALUE"))?;
+            let number: u64 = value.trim().parse().map_err(|_| fail("bad number"))?;
+            match key {
+                "latency_us" | "latency_us_p95" => tenant.latency_us_p95 = Some(number),
+                "iops" => tenant.iops = Some(number),
+                "read_percent" => {
+                    tenant.read_percent =
+                        Some(u8::try_from(number).map_err(|_| fail("read_percent above 100"))?)
+                }
+                _ => return Err(fail("options are latency_us, iops and read_percent")),
+            }
+        }
+        tenant.spec().map_err(|message| fail(&message))?;
+        Ok(tenant)
     }
 }
 
@@ -227,7 +392,7 @@ impl Default for NbdConfig {
 }
 
 /// Everything `Server::start` needs.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// Address every protocol listens on. Loopback by default: exposing storage to the network
@@ -254,6 +419,15 @@ pub struct Config {
     pub register_buffers: bool,
     #[serde(rename = "namespace")]
     pub namespaces: Vec<NamespaceConfig>,
+    /// The QoS scheduler on namespaces with a profile (`docs/QOS.md`); `false` (`--no-qos`)
+    /// serves them first in, first out (tenants, admission and accounting stay), for
+    /// comparison.
+    pub qos: bool,
+    /// Scheduler and admission knobs (`docs/QOS.md` §7).
+    pub qos_config: QosConfig,
+    /// Tenants declared with their class and SLO.
+    #[serde(rename = "tenant")]
+    pub tenants: Vec<TenantConfig>,
 }
 
 fn size_bytes<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
@@ -275,6 +449,9 @@ impl Default for Config {
             requests_per_thread_max: REQUESTS_PER_THREAD_DEFAULT,
             register_buffers: true,
             namespaces: Vec::new(),
+            qos: true,
+            qos_config: QosConfig::default(),
+            tenants: Vec::new(),
         }
     }
 }
@@ -315,10 +492,7 @@ impl Config {
             None => {
                 let has_one = self.effective_namespaces().iter().any(|ns| ns.id == 1);
                 if has_one {
-                    vec![OriginalPortConfig {
-                        port: ORIGINAL_PORT_DEFAULT,
-                        namespace: 1,
-                    }]
+                    vec![OriginalPortConfig::new(ORIGINAL_PORT_DEFAULT, 1)]
                 } else {
                     Vec::new()
                 }
@@ -338,22 +512,36 @@ impl Config {
         }
     }
 
-    /// The tenants namespaces are bound to, each with the id the dataplane's requests carry
-    /// to the scheduler ([`crate::sched::QueuedIo::tenant`]): 1, 2, … in order of first
-    /// appearance in the namespace list (0 is the default best-effort tenant). Until the
-    /// tenant registry of the QoS work resolves names itself, this is how a scheduler learns
-    /// which id stands for which configured tenant; the startup log lists the same table.
-    pub fn tenant_ids(&self) -> Vec<(String, TenantId)> {
-        let mut ids: Vec<(String, TenantId)> = Vec::new();
-        for namespace in self.effective_namespaces() {
-            if let Some(tenant) = &namespace.tenant
-                && !ids.iter().any(|(name, _)| name == tenant)
-            {
-                let id = ids.len() as TenantId + 1;
-                ids.push((tenant.clone(), id));
+    /// The configured tenant called `name`: its declaration, or (for a name only used in a
+    /// binding) a best-effort tenant of that name.
+    pub fn tenant(&self, name: &str) -> TenantConfig {
+        self.tenants
+            .iter()
+            .find(|tenant| tenant.name == name)
+            .cloned()
+            .unwrap_or_else(|| TenantConfig::best_effort(name))
+    }
+
+    /// The names of the tenants bound to namespace `id`, through the namespace itself or an
+    /// original-protocol port serving it, in order of first appearance.
+    pub fn tenants_bound_to(&self, id: u32) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        let namespace_tenant = self
+            .effective_namespaces()
+            .into_iter()
+            .filter(|namespace| namespace.id == id)
+            .filter_map(|namespace| namespace.tenant);
+        let port_tenants = self
+            .effective_original_ports()
+            .into_iter()
+            .filter(|port| port.namespace == id)
+            .filter_map(|port| port.tenant);
+        for name in namespace_tenant.chain(port_tenants) {
+            if !names.contains(&name) {
+                names.push(name);
             }
         }
-        ids
+        names
     }
 
     /// Checks every field against its documented range.
@@ -411,7 +599,37 @@ impl Config {
                     original.port, original.namespace
                 ));
             }
+            if let Some(tenant) = &original.tenant
+                && (tenant.is_empty() || tenant.len() > TENANT_NAME_BYTES_MAX)
+            {
+                return invalid(format!(
+                    "original port {}: tenant name {tenant:?} must be 1..={TENANT_NAME_BYTES_MAX} bytes",
+                    original.port
+                ));
+            }
         }
+        if self.tenants.len() > TENANTS_CONFIGURED_MAX {
+            return invalid(format!(
+                "{} tenants declared, at most {TENANTS_CONFIGURED_MAX}",
+                self.tenants.len()
+            ));
+        }
+        for (index, tenant) in self.tenants.iter().enumerate() {
+            if tenant.name.is_empty() || tenant.name.len() > TENANT_NAME_BYTES_MAX {
+                return invalid(format!(
+                    "tenant name {:?} must be 1..={TENANT_NAME_BYTES_MAX} bytes",
+                    tenant.name
+                ));
+            }
+            if self.tenants[..index].iter().any(|t| t.name == tenant.name) {
+                return invalid(format!("tenant {:?} declared twice", tenant.name));
+            }
+            tenant.spec().map_err(ConfigError::Invalid)?;
+        }
+        self.qos_config
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+
         let names: Vec<String> = namespaces
             .iter()
             .map(NamespaceConfig::export_name)
@@ -521,6 +739,93 @@ mod tests {
     }
 
     #[test]
+    fn tenants_profiles_and_the_qos_switch() {
+        let text = r#"
+            qos = false
+            original_ports = [{ port = 1300, namespace = 1, tenant = "legacy" }]
+
+            [qos_config]
+            deficit_limit_tokens = 20.0
+
+            [[tenant]]
+            name = "gold"
+            class = "lc"
+            latency_us_p95 = 500
+            iops = 12000
+            read_percent = 80
+
+            [[tenant]]
+            name = "legacy"
+            class = "be"
+
+            [[namespace]]
+            id = 1
+            backend = "emu:device-a-small"
+            profile = "profiles/device-a-small.toml"
+            tenant = "gold"
+        "#;
+        let config = Config::from_toml(text, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert!(!config.qos);
+        assert_eq!(config.qos_config.deficit_limit_tokens, 20.0);
+        assert_eq!(
+            config.namespaces[0].profile.as_deref(),
+            Some("profiles/device-a-small.toml")
+        );
+        assert_eq!(
+            config.tenants_bound_to(1),
+            vec!["gold".to_string(), "legacy".to_string()]
+        );
+        assert_eq!(
+            config.tenant("gold").spec(),
+            Ok(TenantSpec::LatencyCritical {
+                latency_us_p95: 500,
+                iops: 12_000,
+                read_percent: 80
+            })
+        );
+        assert_eq!(config.tenant("legacy").spec(), Ok(TenantSpec::BestEffort));
+
+        let bad = |text: &str| {
+            let config = Config::from_toml(text, "test").unwrap_or_else(|e| panic!("{e}"));
+            assert!(config.validate().is_err(), "{text}");
+        };
+        bad("[[tenant]]\nname = \"x\"\nclass = \"lc\"\niops = 5");
+        bad("[[tenant]]\nname = \"x\"\nclass = \"be\"\niops = 5");
+        bad("[[tenant]]\nname = \"x\"\nclass = \"be\"\n[[tenant]]\nname = \"x\"\nclass = \"be\"");
+        bad("[qos_config]\ndonate_percent = 200");
+        assert!(Config::from_toml("[[tenant]]\nname = \"x\"\nclass = \"gold\"", "t").is_err());
+    }
+
+    #[test]
+    fn tenant_and_port_flags() {
+        let tenant = TenantConfig::from_flag("gold=lc,latency_us=500,iops=12000,read_percent=80")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            tenant,
+            TenantConfig::latency_critical("gold", 500, 12_000, 80)
+        );
+        let tenant = TenantConfig::from_flag("batch=be").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(tenant, TenantConfig::best_effort("batch"));
+        assert!(TenantConfig::from_flag("gold=lc,iops=5").is_err());
+        assert!(TenantConfig::from_flag("gold=silver").is_err());
+        assert!(TenantConfig::from_flag("gold").is_err());
+        let port =
+            OriginalPortConfig::from_flag("1300=2,tenant=gold").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            port,
+            OriginalPortConfig {
+                tenant: Some("gold".into()),
+                ..OriginalPortConfig::new(1300, 2)
+            }
+        );
+        assert!(OriginalPortConfig::from_flag("1300=2,gold").is_err());
+        let ns = NamespaceConfig::from_flag("1=emu:device-a-small,profile=p.toml")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ns.profile.as_deref(), Some("p.toml"));
+    }
+
+    #[test]
     fn nbd_exports_and_tenants() {
         let text = r#"
             [nbd]
@@ -551,14 +856,14 @@ mod tests {
             config.effective_default_export().as_deref(),
             Some("scratch")
         );
-        assert_eq!(
-            config.tenant_ids(),
-            vec![("gold".to_string(), 1), ("bronze".to_string(), 2)]
-        );
+        assert_eq!(config.tenants_bound_to(1), vec!["gold".to_string()]);
+        assert_eq!(config.tenants_bound_to(2), vec!["bronze".to_string()]);
+        // Undeclared names are best-effort tenants.
+        assert_eq!(config.tenant("gold"), TenantConfig::best_effort("gold"));
         let defaults = Config::default();
         assert_eq!(defaults.nbd.port, NBD_PORT_DEFAULT);
         assert_eq!(defaults.effective_default_export().as_deref(), Some("ns1"));
-        assert!(defaults.tenant_ids().is_empty());
+        assert!(defaults.tenants_bound_to(1).is_empty());
         let disabled =
             Config::from_toml("[nbd]\nenabled = false", "test").unwrap_or_else(|e| panic!("{e}"));
         assert!(!disabled.nbd.enabled);
@@ -622,10 +927,7 @@ mod tests {
         });
         bad(Config {
             namespaces: vec![ns(2)],
-            original_ports: Some(vec![OriginalPortConfig {
-                port: 1,
-                namespace: 1,
-            }]),
+            original_ports: Some(vec![OriginalPortConfig::new(1, 1)]),
             ..Config::default()
         });
     }

@@ -6,8 +6,11 @@
 //!    and poll devices that complete on their own (the emulated device);
 //! 2. step one: parse the connections that received bytes, validate through the `proto`
 //!    codecs, take a request slot and a buffer run, and enqueue;
-//! 3. scheduling: the per-thread [`Scheduler`] (FIFO now, QoS later) releases requests to the
-//!    devices, which prepare ring entries or finish synchronously;
+//! 3. scheduling: on each namespace with a QoS profile, this thread's ReFlex token scheduler
+//!    (`reflex_qos::Scheduler`, one round per iteration at the iteration's `now`) admits
+//!    requests from its tenants' queues; on the others the per-thread pull [`Scheduler`]
+//!    (FIFO unless a custom one is plugged in) releases them; the devices prepare ring
+//!    entries or finish synchronously;
 //! 4. step two: completed device I/O becomes responses queued on their connections;
 //! 5. one `sendmsg` per connection gathers many responses (header bytes and the data run
 //!    itself: no copy between device buffer and socket);
@@ -21,7 +24,8 @@
 //! grows and no request is dropped.
 //!
 //! Request lifecycle ([`RequestState`], counted and asserted on every transition):
-//! `Free → (NeedBuffer →) [Receiving →] Queued → Submitted → Completed ⇄ Sending → Free`;
+//! `Free → (NeedBuffer →) [Receiving →] [Blocked →] Queued → Submitted → Completed ⇄ Sending →
+//! Free`, where `Blocked` waits for room in a full tenant queue of the QoS scheduler;
 //! immediate replies (errors, HELLO, NBD handshake output) go `Free/NeedBuffer → Completed`;
 //! a request with several device operations (`steps`: NBD WRITE_ZEROES in chunks, a flush for
 //! FUA) goes back `Submitted → Queued` between them. A request belonging to a closing
@@ -31,13 +35,24 @@
 //! requests are answered, except NBD sessions, which keep reading and answer new requests
 //! ESHUTDOWN until then (`Connection::drain_reading`); then every device is flushed.
 //!
+//! QoS (`docs/QOS.md`, "In reflexd"): every I/O to a QoS namespace is charged to a tenant —
+//! the one the connection BINDs to, else the NBD export's or original port's configured
+//! tenant, else the namespace's default best-effort tenant. A connection is counted in the
+//! control plane's registry for each tenant it charged (`Connection::charged`), so each
+//! thread's share of a tenant follows its connections. A full tenant queue never drops a
+//! request: the request waits in `blocked` and its connection is not read until the
+//! scheduler reports room. Control messages (rate updates, revocations, RENEGOTIATE notices)
+//! are applied at most [`crate::control::MESSAGES_PER_ITERATION_MAX`] per iteration, after one
+//! atomic check; control requests and a connection's first I/O to a tenant take the control
+//! plane's lock, off the I/O path.
+//!
 //! WRITE payloads: bytes already in the connection's receive buffer are copied into the
 //! request's run and the missing remainder is received directly into the run (no second
 //! copy), except for small writes (header and payload within [`WRITE_GATHER_BYTES_MAX`]),
 //! which are first gathered whole in the receive buffer so that many small pipelined writes
 //! arrive in one receive.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::net::TcpListener;
 use std::os::fd::AsRawFd;
@@ -47,11 +62,17 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types};
 use reflex_flash::{DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
-use reflex_qos::Nanos;
+use reflex_proto::native::{self as wire, Opcode, RENEGOTIATE_BODY_SIZE, RenegotiateBody, Status};
+use reflex_qos::{Admitted, EnqueueError, Nanos, Policy, QosConfig, SchedulerEvent, TenantId};
 
 use crate::buffers::{PageAllocator, PageRun, RUN_SIZE_MAX, order_for};
+use crate::control::{
+    ControlAnswer, ControlBody, ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX,
+    NamespaceQosSetup, REASON_BYTES_MAX, TenantRef,
+};
 use crate::frontend::{
-    Action, Answer, Decoded, Frontend, IoKind, NbdExports, Protocol, RESPONSE_HEADER_SIZE_MAX, Tag,
+    Action, Answer, ControlRequest, Decoded, Frontend, IoKind, IoRequest, NbdExports, Protocol,
+    RESPONSE_HEADER_SIZE_MAX, Tag,
 };
 use crate::namespaces::NamespaceSet;
 use crate::sched::{FifoScheduler, IoClass, QueuedIo, Scheduler};
@@ -73,7 +94,19 @@ pub const SEND_IOVECS_MAX: usize = 128;
 pub const DEVICE_IN_FLIGHT_PER_THREAD_MAX: u32 = 1024;
 /// How long a shutdown waits for clients to take their last responses.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// RENEGOTIATE notices a connection holds while it cannot send them (window full); beyond
+/// it the oldest is dropped (counted in [`CoreStats::notices_dropped`]).
+pub const NOTICES_PENDING_MAX: usize = 4;
+/// A control answer's body (a handle or a refusal reason) fits one arena page.
+const CONTROL_ANSWER_BYTES_MAX: usize = crate::buffers::PAGE_SIZE;
 
+const _: () = assert!(REASON_BYTES_MAX <= CONTROL_ANSWER_BYTES_MAX);
+const _: () = assert!(RENEGOTIATE_BODY_SIZE <= CONTROL_ANSWER_BYTES_MAX);
+const _: () = assert!(
+    reflex_proto::native::REQUEST_HEADER_SIZE
+        + reflex_proto::native::CONTROL_BODY_MAX_BYTES as usize
+        <= RECV_BUFFER_SIZE / 2
+);
 const _: () = assert!(BATCH_MAX <= RING_CQ_ENTRIES as usize);
 const _: () = assert!(SEND_IOVECS_MAX >= 2 && SEND_IOVECS_MAX.is_multiple_of(2));
 const _: () = assert!(SEND_IOVECS_MAX <= 1024); // IOV_MAX
@@ -139,8 +172,10 @@ pub enum RequestState {
     Submitted = 4,
     Completed = 5,
     Sending = 6,
+    /// Waiting for room in its tenant's queue of the QoS scheduler.
+    Blocked = 7,
 }
-const REQUEST_STATE_COUNT: usize = 7;
+const REQUEST_STATE_COUNT: usize = 8;
 
 impl RequestState {
     /// Legal moves; freeing early is legal only when no kernel operation uses the request.
@@ -148,11 +183,12 @@ impl RequestState {
         use RequestState::*;
         matches!(
             (self, to),
-            (Free, NeedBuffer | Receiving | Queued | Completed)
-                | (NeedBuffer, Receiving | Queued | Completed | Free)
-                | (Receiving, Queued | Free)
+            (Free, NeedBuffer | Receiving | Queued | Blocked | Completed)
+                | (NeedBuffer, Receiving | Queued | Blocked | Completed | Free)
+                | (Receiving, Queued | Blocked | Completed | Free)
+                | (Blocked, Queued | Completed | Free)
                 | (Queued, Submitted | Free)
-                | (Submitted, Completed | Queued | Free)
+                | (Submitted, Completed | Queued | Blocked | Free)
                 | (Completed, Sending | Free)
                 | (Sending, Completed | Free)
         )
@@ -176,6 +212,10 @@ struct Request {
     data_bytes: u32,
     /// Next request in the connection's send queue.
     next: u32,
+    /// When the current step entered a QoS scheduler, and when it went to the device
+    /// (per-tenant wait and device time).
+    queued_at: Nanos,
+    submitted_at: Nanos,
 }
 
 impl Request {
@@ -193,6 +233,8 @@ impl Request {
             header_len: 0,
             data_bytes: 0,
             next: NONE,
+            queued_at: Nanos::ZERO,
+            submitted_at: Nanos::ZERO,
         }
     }
 
@@ -250,6 +292,34 @@ struct Connection {
     in_parse_ready: bool,
     in_send_ready: bool,
     in_waiters: bool,
+    /// The tenant a native BIND chose; `None`: defaults apply.
+    bound: Option<Bound>,
+    /// Tenants this connection is counted for in the control plane's registries (the bound
+    /// one and the defaults its I/O was charged to). Allocated on a connection's first I/O
+    /// to a tenant, kept across the slot's reuse.
+    charged: Vec<Charge>,
+    /// RENEGOTIATE notices waiting for a request slot, oldest first.
+    notices: VecDeque<RenegotiateBody>,
+    /// Requests of this connection waiting in `Core::blocked`; while any do, the connection
+    /// is not read (back-pressure from a full tenant queue).
+    blocked_count: u32,
+}
+
+/// A native connection's BIND.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Bound {
+    tenant: TenantRef,
+    namespace_index: u16,
+    read_only: bool,
+    /// The tenant was unregistered: its I/O is refused (PERMISSION) until the next BIND.
+    revoked: bool,
+}
+
+/// One tenant a connection is counted for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Charge {
+    namespace_index: u16,
+    tenant: TenantRef,
 }
 
 impl Connection {
@@ -280,6 +350,10 @@ impl Connection {
             in_parse_ready: false,
             in_send_ready: false,
             in_waiters: false,
+            bound: None,
+            charged: Vec::new(),
+            notices: VecDeque::new(),
+            blocked_count: 0,
         }
     }
 }
@@ -319,6 +393,104 @@ pub struct CoreStats {
     pub sq_full_flushes: u64,
     pub registered_buffers: bool,
     pub flush_errors: u64,
+    /// Requests that found their tenant's queue full and waited (back-pressure).
+    pub tenant_queue_full_waits: u64,
+    /// Control messages applied (rate updates, revocations, notices).
+    pub control_messages: u64,
+    pub notices_sent: u64,
+    pub notices_dropped: u64,
+    /// What each tenant did on this thread (QoS namespaces only), by handle.
+    pub tenants: Vec<TenantStats>,
+}
+
+/// One tenant's work on one dataplane thread.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TenantStats {
+    pub handle: u64,
+    pub namespace_id: u32,
+    /// Device operations the scheduler admitted (a multi-step request counts each step).
+    pub requests: u64,
+    pub bytes: u64,
+    /// Tokens charged, in millitokens.
+    pub millitokens: i64,
+    /// Deficit episodes that started on this thread.
+    pub deficit_episodes: u64,
+    /// Requests received for it (its demand).
+    pub arrivals: u64,
+    /// Time its admitted requests waited in the scheduler, summed, and the longest wait.
+    pub scheduler_wait_ns: u64,
+    pub scheduler_wait_ns_max: u64,
+    /// Device time (submission to completion) of its requests, summed.
+    pub device_ns: u64,
+}
+
+impl TenantStats {
+    fn add(&mut self, other: &TenantStats) {
+        self.requests += other.requests;
+        self.bytes += other.bytes;
+        self.millitokens += other.millitokens;
+        self.deficit_episodes += other.deficit_episodes;
+        self.arrivals += other.arrivals;
+        self.scheduler_wait_ns += other.scheduler_wait_ns;
+        self.scheduler_wait_ns_max = self.scheduler_wait_ns_max.max(other.scheduler_wait_ns_max);
+        self.device_ns += other.device_ns;
+    }
+}
+
+/// This thread's accounting of one tenant id of a QoS namespace.
+#[derive(Debug, Clone, Default)]
+struct TenantAccount {
+    stats: TenantStats,
+    meter: DemandMeter,
+}
+
+/// The request rate a RENEGOTIATE notice reports: arrivals over the current and the previous
+/// window of [`DEMAND_WINDOW`], measured over at least [`DEMAND_SPAN_MIN`].
+#[derive(Debug, Clone, Copy, Default)]
+struct DemandMeter {
+    current_start: Nanos,
+    current_arrivals: u64,
+    previous_arrivals: u64,
+    previous_ns: u64,
+}
+
+const DEMAND_WINDOW: Nanos = Nanos(1_000_000_000);
+const DEMAND_SPAN_MIN: Nanos = Nanos(10_000_000);
+
+impl DemandMeter {
+    fn starting(now: Nanos) -> DemandMeter {
+        DemandMeter {
+            current_start: now,
+            ..DemandMeter::default()
+        }
+    }
+
+    fn arrival(&mut self, now: Nanos) {
+        let elapsed = now.saturating_since(self.current_start);
+        if elapsed >= DEMAND_WINDOW {
+            self.previous_arrivals = self.current_arrivals;
+            self.previous_ns = elapsed.0;
+            self.current_start = now;
+            self.current_arrivals = 0;
+        }
+        self.current_arrivals += 1;
+    }
+
+    fn iops(&self, now: Nanos) -> u64 {
+        let span_ns =
+            (self.previous_ns + now.saturating_since(self.current_start).0).max(DEMAND_SPAN_MIN.0);
+        let arrivals = self.previous_arrivals + self.current_arrivals;
+        (u128::from(arrivals) * 1_000_000_000 / u128::from(span_ns)) as u64
+    }
+}
+
+/// One QoS namespace on this thread.
+struct NamespaceQos {
+    scheduler: reflex_qos::Scheduler,
+    default_tenant: TenantRef,
+    namespace_id: u32,
+    /// By tenant id; grown when this thread first charges a tenant (control path).
+    accounts: Vec<TenantAccount>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -329,6 +501,8 @@ pub enum CoreError {
     Enter(std::io::Error),
     #[error("eventfd: {0}")]
     Eventfd(std::io::Error),
+    #[error("QoS scheduler: {0}")]
+    Qos(String),
 }
 
 /// What a thread needs to start.
@@ -347,8 +521,14 @@ pub struct CoreSetup {
     pub shutdown: Arc<AtomicBool>,
     pub waker: Arc<File>,
     pub clock_origin: Instant,
-    /// The thread's scheduler; `None` is the FIFO passthrough.
+    /// The thread's scheduler for namespaces without QoS; `None` is the FIFO passthrough.
     pub scheduler: Option<Box<dyn Scheduler + Send>>,
+    pub control: Arc<ControlPlane>,
+    /// Per namespace: its QoS setup, `None` for FIFO.
+    pub qos: Vec<Option<NamespaceQosSetup>>,
+    pub qos_config: QosConfig,
+    /// `false`: QoS namespaces schedule first in, first out (`--no-qos`).
+    pub qos_enabled: bool,
 }
 
 pub struct Core {
@@ -390,6 +570,27 @@ pub struct Core {
     clock_origin: Instant,
     thread_index: usize,
     stats: CoreStats,
+    control: Arc<ControlPlane>,
+    /// Per namespace index.
+    qos: Vec<Option<NamespaceQos>>,
+    /// Requests waiting for room in a full tenant queue, oldest first.
+    blocked: VecDeque<u32>,
+    /// The scheduler reported room since the blocked requests were last retried.
+    queue_room: bool,
+    /// Requests inside the QoS schedulers.
+    qos_queued: u32,
+    /// Whether this thread takes part in the global buckets' round resets (it leaves while
+    /// it sleeps idle).
+    qos_participating: bool,
+    /// A request entered a QoS scheduler since its last round (schedule again before
+    /// sleeping).
+    qos_fresh: bool,
+    /// Scratch: what one scheduling round admitted.
+    admitted: Vec<(u16, Admitted)>,
+    /// Scratch: control messages being applied.
+    messages: Vec<ControlMessage>,
+    /// Accounts of tenant ids that were reused by another tenant on this thread, by handle.
+    retired_accounts: BTreeMap<u64, TenantStats>,
 }
 
 impl Core {
@@ -428,10 +629,37 @@ impl Core {
             .collect();
         let stats = CoreStats {
             registered_buffers: registered,
-            requests_per_state: [setup.requests_max, 0, 0, 0, 0, 0, 0],
+            requests_per_state: [setup.requests_max, 0, 0, 0, 0, 0, 0, 0],
             ..CoreStats::default()
         };
-        Ok(Core {
+        let now = Nanos(setup.clock_origin.elapsed().as_nanos() as u64);
+        let policy = if setup.qos_enabled {
+            Policy::Tokens
+        } else {
+            Policy::Fifo
+        };
+        let mut qos = Vec::with_capacity(setup.qos.len());
+        for (index, namespace) in setup.qos.into_iter().enumerate() {
+            let Some(namespace) = namespace else {
+                qos.push(None);
+                continue;
+            };
+            let scheduler = reflex_qos::Scheduler::new(
+                namespace.shared,
+                setup.thread_index as u16,
+                &setup.qos_config,
+                policy,
+                now,
+            )
+            .map_err(|e| CoreError::Qos(e.to_string()))?;
+            qos.push(Some(NamespaceQos {
+                scheduler,
+                default_tenant: namespace.default_tenant,
+                namespace_id: setup.namespaces.id(index as u16),
+                accounts: Vec::new(),
+            }));
+        }
+        let mut core = Core {
             ring,
             arena,
             pages: PageAllocator::new(page_count),
@@ -471,7 +699,22 @@ impl Core {
             clock_origin: setup.clock_origin,
             thread_index: setup.thread_index,
             stats,
-        })
+            control: setup.control,
+            qos,
+            blocked: VecDeque::with_capacity(setup.requests_max as usize),
+            queue_room: false,
+            qos_queued: 0,
+            qos_participating: true,
+            qos_fresh: false,
+            admitted: Vec::with_capacity(DEVICE_IN_FLIGHT_PER_THREAD_MAX as usize),
+            messages: Vec::with_capacity(MESSAGES_PER_ITERATION_MAX),
+            retired_accounts: BTreeMap::new(),
+        };
+        // The device rates the registries computed at startup.
+        while core.control.has_messages(core.thread_index) {
+            core.apply_control_messages(now);
+        }
+        Ok(core)
     }
 
     pub fn registered_buffers(&self) -> bool {
@@ -493,14 +736,34 @@ impl Core {
                 std::mem::forget(std::mem::take(&mut connection.recv_buffer));
             }
         }
+        for namespace in self.qos.iter().flatten() {
+            let ledger = namespace.scheduler.ledger();
+            tracing::info!(
+                thread = self.thread_index,
+                namespace = namespace.namespace_id,
+                generated = ledger.generated.as_tokens_f64(),
+                from_bucket = ledger.from_bucket.as_tokens_f64(),
+                spent = ledger.spent.as_tokens_f64(),
+                to_bucket = ledger.to_bucket.as_tokens_f64(),
+                written_off = ledger.written_off.as_tokens_f64(),
+                iterations = self.stats.iterations,
+                "scheduler tokens"
+            );
+        }
         result.map(|()| {
             let mut stats = self.stats.clone();
             stats.sq_full_flushes = self.ring.full_flush_count();
+            stats.tenants = self.tenant_stats();
             stats
         })
     }
 
     fn run_loop(&mut self) -> Result<(), CoreError> {
+        // Timed sleeps end at device completions and token deadlines; the default 50 µs of
+        // slack would add up to that much to a request's latency.
+        if let Err(e) = uring::set_timer_slack_ns(1) {
+            tracing::debug!(thread = self.thread_index, error = %e, "timer slack unchanged");
+        }
         self.arm_wake();
         for index in 0..self.listeners.len() {
             self.arm_accept(index as u32);
@@ -515,6 +778,10 @@ impl Core {
                 self.handle_cqe(cqe, now);
             }
             self.poll_devices(now);
+            if self.control.has_messages(self.thread_index) {
+                self.apply_control_messages(now);
+            }
+            self.set_qos_participating(true);
             self.advance_phase(now);
             if self.phase == Phase::Finished && self.ops_in_flight == 0 {
                 return Ok(());
@@ -523,6 +790,7 @@ impl Core {
             self.parse_step(now);
             // 3. Scheduling and device submission.
             self.dispatch_step(now);
+            self.handle_scheduler_events(now);
             // 4. Step two: synchronous completions become responses.
             self.finish_done(now);
             // 5. Sends.
@@ -534,10 +802,18 @@ impl Core {
                 || (self.resources_freed && !self.waiters.is_empty())
                 || (self.scheduler.queued_count() > 0
                     && self.device_in_flight < DEVICE_IN_FLIGHT_PER_THREAD_MAX)
+                || self.queue_room
+                || self.qos_fresh
+                || self.control.has_messages(self.thread_index)
                 || self.phase_ready()
                 || self.ring.more_in_cq();
             let wait = !self.poll && !busy;
             let timeout = if wait { self.sleep_bound(now) } else { None };
+            if wait && self.qos_queued == 0 && self.blocked.is_empty() {
+                // Asleep, this thread finishes no scheduling rounds: let the others reset
+                // the global buckets without it.
+                self.set_qos_participating(false);
+            }
             self.ring.enter(wait, timeout).map_err(CoreError::Enter)?;
         }
     }
@@ -545,6 +821,11 @@ impl Core {
     /// The longest the thread may sleep: until the earliest device or scheduler deadline.
     fn sleep_bound(&self, now: Nanos) -> Option<Duration> {
         let mut deadline = self.scheduler.next_deadline();
+        for namespace in self.qos.iter().flatten() {
+            if let Some(due) = namespace.scheduler.next_deadline() {
+                deadline = Some(deadline.map_or(due, |d| d.min(due)));
+            }
+        }
         for queue in &self.queues {
             if let Some(due) = queue.next_deadline() {
                 deadline = Some(deadline.map_or(due, |d| d.min(due)));
@@ -703,7 +984,17 @@ impl Core {
         let generation = connection.generation;
         let recv_buffer = std::mem::take(&mut connection.recv_buffer);
         let staging = connection.staging.take();
+        let mut charged = std::mem::take(&mut connection.charged);
+        let mut notices = std::mem::take(&mut connection.notices);
+        assert!(
+            charged.is_empty(),
+            "a free connection still counted for a tenant"
+        );
+        charged.clear();
+        notices.clear();
         *connection = Connection::empty();
+        connection.charged = charged;
+        connection.notices = notices;
         connection.generation = generation;
         connection.recv_buffer = if recv_buffer.is_empty() {
             vec![0u8; RECV_BUFFER_SIZE].into_boxed_slice()
@@ -750,6 +1041,8 @@ impl Core {
             && self.listeners.iter().all(|l| !l.accept_in_flight)
             && self.device_in_flight == 0
             && self.scheduler.queued_count() == 0
+            && self.qos_queued == 0
+            && self.blocked.is_empty()
     }
 
     fn advance_phase_once(&mut self, now: Nanos) {
@@ -978,6 +1271,56 @@ impl Core {
                 self.respond(index, Answer::Ok, length as u32);
                 true
             }
+            Action::Control(request) => {
+                let Some(run) = self.pages.allocate(order_for(CONTROL_ANSWER_BYTES_MAX)) else {
+                    self.stats.buffer_waits += 1;
+                    return false;
+                };
+                self.requests[index as usize].run = Some(run);
+                let connection_index = self.requests[index as usize].connection_index;
+                let answer = self.control_request(connection_index, request, now);
+                let body = self.arena.run_mut(run, CONTROL_ANSWER_BYTES_MAX);
+                let length = match &answer.body {
+                    ControlBody::None => 0,
+                    ControlBody::Handle(handle) => {
+                        let bytes = wire::encode_handle(*handle);
+                        body[..bytes.len()].copy_from_slice(&bytes);
+                        bytes.len()
+                    }
+                    ControlBody::Reason(reason) => {
+                        let bytes = reason.as_bytes();
+                        assert!(bytes.len() <= REASON_BYTES_MAX);
+                        body[..bytes.len()].copy_from_slice(bytes);
+                        bytes.len()
+                    }
+                };
+                let answer = match answer.status {
+                    Status::Ok => Answer::Ok,
+                    status => Answer::Native(status),
+                };
+                self.respond(index, answer, length as u32);
+                true
+            }
+            Action::Notice => {
+                let Some(run) = self.pages.allocate(order_for(RENEGOTIATE_BODY_SIZE)) else {
+                    self.stats.buffer_waits += 1;
+                    return false;
+                };
+                let connection_index = self.requests[index as usize].connection_index;
+                let Some(notice) = self.connections[connection_index as usize]
+                    .notices
+                    .pop_front()
+                else {
+                    panic!("a notice request without a pending notice");
+                };
+                self.arena
+                    .run_mut(run, RENEGOTIATE_BODY_SIZE)
+                    .copy_from_slice(&notice.to_bytes());
+                self.requests[index as usize].run = Some(run);
+                self.stats.notices_sent += 1;
+                self.respond(index, Answer::Ok, RENEGOTIATE_BODY_SIZE as u32);
+                true
+            }
             Action::Output => {
                 let connection_index = self.requests[index as usize].connection_index;
                 let pending = self.connections[connection_index as usize]
@@ -1069,9 +1412,91 @@ impl Core {
     }
 
     fn enqueue(&mut self, index: u32, now: Nanos) {
-        self.transition(index, RequestState::Queued);
         let io = self.queued_io(index);
-        self.scheduler.enqueue(io, now);
+        if self.qos[usize::from(io.namespace_index)].is_none() {
+            self.transition(index, RequestState::Queued);
+            self.scheduler.enqueue(io, now);
+            return;
+        }
+        match self.qos_enqueue(index, &io, now) {
+            Ok(()) => self.transition(index, RequestState::Queued),
+            Err(EnqueueError::TenantQueueFull { .. } | EnqueueError::ThreadQueueFull { .. }) => {
+                // Never dropped: it waits, and its connection is not read meanwhile.
+                self.transition(index, RequestState::Blocked);
+                self.blocked.push_back(index);
+                self.stats.tenant_queue_full_waits += 1;
+                let connection_index = self.requests[index as usize].connection_index;
+                self.connections[connection_index as usize].blocked_count += 1;
+            }
+            Err(EnqueueError::UnknownTenant(_) | EnqueueError::TooLarge { .. }) => {
+                // The tenant left this thread (unregistered) while the request was on its
+                // way to the scheduler.
+                self.respond(index, Answer::Native(Status::Permission), 0);
+            }
+        }
+    }
+
+    /// Queues a request in its tenant's queue of the namespace's QoS scheduler.
+    fn qos_enqueue(&mut self, index: u32, io: &QueuedIo, now: Nanos) -> Result<(), EnqueueError> {
+        let (kind, size_bytes) = match io.class {
+            IoClass::Read => (reflex_qos::IoKind::Read, io.size_bytes),
+            IoClass::Write => (reflex_qos::IoKind::Write, io.size_bytes),
+            // Flush and trim are not transfers: charged as one 4 KiB write (`docs/QOS.md` §1).
+            IoClass::Other => (reflex_qos::IoKind::Write, reflex_qos::COST_UNIT_BYTES),
+        };
+        let generation = self.requests[index as usize].generation;
+        let request = reflex_qos::Request {
+            token: (u64::from(generation) << 32) | u64::from(index),
+            size_bytes,
+            kind,
+        };
+        let Some(namespace) = self.qos[usize::from(io.namespace_index)].as_mut() else {
+            panic!("QoS enqueue on a namespace without QoS");
+        };
+        namespace
+            .scheduler
+            .enqueue(TenantId(io.tenant), request, now)?;
+        self.requests[index as usize].queued_at = now;
+        self.qos_queued += 1;
+        self.qos_fresh = true;
+        Ok(())
+    }
+
+    /// Gives blocked requests another try at their tenants' queues, oldest first.
+    fn retry_blocked(&mut self, now: Nanos) {
+        self.queue_room = false;
+        for _ in 0..self.blocked.len() {
+            let Some(index) = self.blocked.pop_front() else {
+                break;
+            };
+            let io = self.queued_io(index);
+            match self.qos_enqueue(index, &io, now) {
+                Ok(()) => {
+                    self.transition(index, RequestState::Queued);
+                    self.unblock(index);
+                }
+                Err(
+                    EnqueueError::TenantQueueFull { .. } | EnqueueError::ThreadQueueFull { .. },
+                ) => {
+                    self.blocked.push_back(index);
+                }
+                Err(EnqueueError::UnknownTenant(_) | EnqueueError::TooLarge { .. }) => {
+                    self.unblock(index);
+                    self.respond(index, Answer::Native(Status::Permission), 0);
+                }
+            }
+        }
+    }
+
+    /// One blocked request of its connection left `blocked`; the last one lets it be read.
+    fn unblock(&mut self, index: u32) {
+        let connection_index = self.requests[index as usize].connection_index;
+        let connection = &mut self.connections[connection_index as usize];
+        assert!(connection.blocked_count > 0);
+        connection.blocked_count -= 1;
+        if connection.blocked_count == 0 && connection.state == ConnectionState::Open {
+            self.mark_parse(connection_index);
+        }
     }
 
     /// What the scheduler sees of the request's current step: its tenant, and the class and
@@ -1093,7 +1518,7 @@ impl Core {
         };
         QueuedIo {
             request_index: index,
-            tenant: io.tenant,
+            tenant: io.tenant.id,
             namespace_index: io.namespace_index,
             class,
             size_bytes,
@@ -1204,6 +1629,27 @@ impl Core {
                 self.connections[index as usize].stalled = None;
                 continue;
             }
+            if !connection.notices.is_empty() && connection.outstanding < self.window {
+                // A RENEGOTIATE notice takes a request slot (and a window place) like a
+                // response, so it waits where a request would.
+                if self.free_requests.is_empty() {
+                    self.add_waiter(index);
+                    return;
+                }
+                let tag = Tag::Native {
+                    opcode_raw: Opcode::Renegotiate.as_u8(),
+                    request_id: wire::NOTICE_REQUEST_ID,
+                };
+                let request = self.allocate_request(index, tag, Action::Notice);
+                if !self.try_start(request, now) {
+                    self.transition(request, RequestState::NeedBuffer);
+                    self.connections[index as usize].stalled = Some(request);
+                    self.add_waiter(index);
+                    return;
+                }
+                continue;
+            }
+            let connection = &mut self.connections[index as usize];
             if connection.recv_in_flight {
                 // Nothing to parse until that receive completes.
                 self.stop_reading_if_drained(index);
@@ -1223,6 +1669,9 @@ impl Core {
             }
             if connection.outstanding >= self.window {
                 return; // Back-pressure: read nothing more until responses go out.
+            }
+            if connection.blocked_count > 0 {
+                return; // Back-pressure: a tenant queue is full; wait for room.
             }
             if self.free_requests.is_empty() {
                 self.add_waiter(index);
@@ -1267,13 +1716,24 @@ impl Core {
                         }
                     }
                     self.connections[index as usize].recv_start += header_bytes;
+                    let action = match action {
+                        Action::Io(io) => match self.charge(index, io, now) {
+                            Ok(io) => Action::Io(io),
+                            Err(status) => Action::Reply(Answer::Native(status)),
+                        },
+                        other => other,
+                    };
                     let request = self.allocate_request(index, tag, action);
                     match action {
                         Action::Reply(answer) => {
                             self.connections[index as usize].skip_bytes = payload_bytes;
                             self.respond(request, answer, 0);
                         }
-                        Action::Hello | Action::Output | Action::Io(_) => {
+                        Action::Hello
+                        | Action::Output
+                        | Action::Io(_)
+                        | Action::Control(_)
+                        | Action::Notice => {
                             if !self.try_start(request, now) {
                                 self.transition(request, RequestState::NeedBuffer);
                                 self.connections[index as usize].stalled = Some(request);
@@ -1414,11 +1874,401 @@ impl Core {
             }
             self.submit_io(index, now);
         }
+        if self.queue_room {
+            self.retry_blocked(now);
+        }
+        self.qos_fresh = false;
+        for namespace_index in 0..self.qos.len() {
+            self.dispatch_qos(namespace_index, now);
+        }
+    }
+
+    /// One scheduling round of a QoS namespace: what it admits goes to the device.
+    fn dispatch_qos(&mut self, namespace_index: usize, now: Nanos) {
+        let room = (DEVICE_IN_FLIGHT_PER_THREAD_MAX - self.device_in_flight) as usize;
+        let Some(namespace) = self.qos[namespace_index].as_mut() else {
+            return;
+        };
+        let mut admitted = std::mem::take(&mut self.admitted);
+        assert!(admitted.is_empty());
+        namespace.scheduler.schedule(now, &mut |request: Admitted| {
+            if admitted.len() >= room {
+                return false; // The device takes no more from this thread now.
+            }
+            admitted.push((namespace_index as u16, request));
+            true
+        });
+        for (_, request) in &admitted {
+            if let Some(account) = namespace.accounts.get_mut(request.tenant.0 as usize) {
+                let queued_at = self.requests[(request.token as u32) as usize].queued_at;
+                let wait_ns = now.saturating_since(queued_at).0;
+                account.stats.requests += 1;
+                account.stats.bytes += u64::from(request.size_bytes);
+                account.stats.millitokens += request.cost.0;
+                account.stats.scheduler_wait_ns += wait_ns;
+                account.stats.scheduler_wait_ns_max = account.stats.scheduler_wait_ns_max.max(wait_ns);
+            }
+        }
+        assert!(admitted.len() <= self.qos_queued as usize);
+        self.qos_queued -= admitted.len() as u32;
+        for &(_, request) in &admitted {
+            let index = request.token as u32;
+            let generation = (request.token >> 32) as u32;
+            let slot = &self.requests[index as usize];
+            assert_eq!(
+                slot.generation, generation,
+                "stale request from the scheduler"
+            );
+            assert_eq!(slot.state, RequestState::Queued);
+            let connection_index = slot.connection_index;
+            if self.connections[connection_index as usize].state == ConnectionState::Closing {
+                self.free_request(index);
+                self.maybe_finish_close(connection_index);
+                continue;
+            }
+            self.submit_io(index, now);
+        }
+        admitted.clear();
+        self.admitted = admitted;
+    }
+
+    /// Scheduler events: room in a full tenant queue (retry the blocked requests next
+    /// iteration), and deficit episodes (to the control plane, which sends RENEGOTIATE).
+    fn handle_scheduler_events(&mut self, now: Nanos) {
+        for namespace_index in 0..self.qos.len() {
+            while let Some(namespace) = self.qos[namespace_index].as_mut() {
+                let Some(event) = namespace.scheduler.poll_event() else {
+                    break;
+                };
+                let observed_iops = match event {
+                    SchedulerEvent::QueueRoom { .. } => {
+                        self.queue_room = true;
+                        continue;
+                    }
+                    SchedulerEvent::DeficitLimitReached { tenant } => {
+                        match namespace.accounts.get_mut(tenant.0 as usize) {
+                            Some(account) => {
+                                account.stats.deficit_episodes += 1;
+                                account.meter.iops(now)
+                            }
+                            None => 0,
+                        }
+                    }
+                    SchedulerEvent::DeficitRecovered { .. } => 0,
+                };
+                self.with_control(now, |control, thread, own| {
+                    control.scheduler_event(
+                        thread,
+                        namespace_index as u16,
+                        event,
+                        observed_iops,
+                        own,
+                    );
+                });
+            }
+        }
+    }
+
+    // ----- Tenants and the control plane ----------------------------------------------------
+
+    /// Calls the control plane for this thread and applies the messages it returns for this
+    /// thread, in order, before anything else happens here.
+    fn with_control<R>(
+        &mut self,
+        now: Nanos,
+        call: impl FnOnce(&ControlPlane, usize, &mut Vec<ControlMessage>) -> R,
+    ) -> R {
+        let mut messages = std::mem::take(&mut self.messages);
+        messages.clear();
+        let result = call(&self.control, self.thread_index, &mut messages);
+        for message in messages.drain(..) {
+            self.apply_message(message, now);
+        }
+        self.messages = messages;
+        result
+    }
+
+    /// Applies up to [`MESSAGES_PER_ITERATION_MAX`] messages waiting in this thread's mailbox.
+    fn apply_control_messages(&mut self, now: Nanos) {
+        let mut messages = std::mem::take(&mut self.messages);
+        messages.clear();
+        self.control
+            .take_messages(self.thread_index, MESSAGES_PER_ITERATION_MAX, &mut messages);
+        for message in messages.drain(..) {
+            self.apply_message(message, now);
+        }
+        self.messages = messages;
+    }
+
+    fn apply_message(&mut self, message: ControlMessage, now: Nanos) {
+        self.stats.control_messages += 1;
+        match message {
+            ControlMessage::Rates {
+                namespace_index,
+                update,
+            } => {
+                if let Some(namespace) = self.qos[usize::from(namespace_index)].as_mut() {
+                    tracing::debug!(thread = self.thread_index, namespace_index, ?update, "rate update");
+                    namespace.scheduler.apply(update, now);
+                }
+            }
+            ControlMessage::Revoke { handle } => {
+                for connection in self.connections.iter_mut() {
+                    if connection.state == ConnectionState::Free {
+                        continue;
+                    }
+                    if let Some(bound) = connection.bound.as_mut()
+                        && bound.tenant.handle == handle
+                    {
+                        bound.revoked = true;
+                    }
+                    // The registry forgot the tenant: nothing to disconnect later.
+                    connection
+                        .charged
+                        .retain(|charge| charge.tenant.handle != handle);
+                }
+            }
+            ControlMessage::Notice { body } => {
+                for index in 0..self.connections.len() {
+                    let connection = &mut self.connections[index];
+                    let charged = connection
+                        .charged
+                        .iter()
+                        .any(|charge| charge.tenant.handle == body.handle);
+                    if connection.state != ConnectionState::Open
+                        || connection.draining
+                        || !matches!(connection.frontend, Frontend::Native)
+                        || !charged
+                    {
+                        continue;
+                    }
+                    if connection.notices.len() >= NOTICES_PENDING_MAX {
+                        connection.notices.pop_front();
+                        self.stats.notices_dropped += 1;
+                    }
+                    connection.notices.push_back(body);
+                    self.mark_parse(index as u32);
+                }
+            }
+        }
+    }
+
+    fn set_qos_participating(&mut self, participating: bool) {
+        if self.qos_participating == participating {
+            return;
+        }
+        self.qos_participating = participating;
+        for namespace in self.qos.iter_mut().flatten() {
+            namespace.scheduler.set_participating(participating);
+        }
+    }
+
+    /// Resolves the tenant of an I/O request and checks the connection may do it: a BIND
+    /// limits the connection to its tenant's namespace (and to reads, for a read-only
+    /// tenant). On a QoS namespace the tenant is the bound one, else the protocol's (NBD
+    /// export, original port), else the namespace's default; the connection is counted for
+    /// it the first time.
+    fn charge(
+        &mut self,
+        connection_index: u32,
+        mut io: IoRequest,
+        now: Nanos,
+    ) -> Result<IoRequest, Status> {
+        let namespace_index = io.namespace_index;
+        let connection = &self.connections[connection_index as usize];
+        let writes = matches!(
+            io.kind,
+            IoKind::Write { .. } | IoKind::Trim { .. } | IoKind::WriteZeroes { .. }
+        );
+        if let Some(bound) = connection.bound
+            && (bound.revoked
+                || bound.namespace_index != namespace_index
+                || (bound.read_only && writes))
+        {
+            return Err(Status::Permission);
+        }
+        let Some(namespace) = self.qos[usize::from(namespace_index)].as_ref() else {
+            return Ok(io);
+        };
+        let tenant = match connection.bound {
+            Some(bound) => bound.tenant,
+            None if !io.tenant.is_none() => io.tenant,
+            None => namespace.default_tenant,
+        };
+        let counted = connection
+            .charged
+            .iter()
+            .any(|charge| charge.tenant.handle == tenant.handle);
+        if !counted {
+            let connected = self.with_control(now, |control, thread, own| {
+                control.connect(thread, tenant.handle, own)
+            });
+            if !connected {
+                return Err(Status::Permission);
+            }
+            self.connections[connection_index as usize]
+                .charged
+                .push(Charge {
+                    namespace_index,
+                    tenant,
+                });
+            self.ensure_account(namespace_index, tenant, now);
+        }
+        if let Some(account) = self.qos[usize::from(namespace_index)]
+            .as_mut()
+            .and_then(|namespace| namespace.accounts.get_mut(tenant.id as usize))
+        {
+            account.stats.arrivals += 1;
+            account.meter.arrival(now);
+        }
+        io.tenant = tenant;
+        Ok(io)
+    }
+
+    /// Makes sure this thread accounts for `tenant` (its id may have served another tenant
+    /// before: that one's figures are kept by handle).
+    fn ensure_account(&mut self, namespace_index: u16, tenant: TenantRef, now: Nanos) {
+        let Some(namespace) = self.qos[usize::from(namespace_index)].as_mut() else {
+            return;
+        };
+        let id = tenant.id as usize;
+        if namespace.accounts.len() <= id {
+            namespace.accounts.resize(id + 1, TenantAccount::default());
+        }
+        let account = &mut namespace.accounts[id];
+        if account.stats.handle == tenant.handle {
+            return;
+        }
+        if account.stats.handle != 0 {
+            let retired = self
+                .retired_accounts
+                .entry(account.stats.handle)
+                .or_insert_with(|| TenantStats {
+                    handle: account.stats.handle,
+                    namespace_id: account.stats.namespace_id,
+                    ..TenantStats::default()
+                });
+            retired.add(&account.stats);
+        }
+        *account = TenantAccount {
+            stats: TenantStats {
+                handle: tenant.handle,
+                namespace_id: namespace.namespace_id,
+                ..TenantStats::default()
+            },
+            meter: DemandMeter::starting(now),
+        };
+    }
+
+    /// A control request of a native connection (REGISTER, UNREGISTER, BIND).
+    fn control_request(
+        &mut self,
+        connection_index: u32,
+        request: ControlRequest,
+        now: Nanos,
+    ) -> ControlAnswer {
+        match request {
+            ControlRequest::Register(body) => {
+                let namespace_index = self.namespaces.index_of(body.namespace_id);
+                self.with_control(now, |control, thread, own| {
+                    control.register(thread, namespace_index, &body, own)
+                })
+            }
+            ControlRequest::Unregister { handle } => self
+                .with_control(now, |control, thread, own| {
+                    control.unregister(thread, handle, own)
+                }),
+            ControlRequest::Bind { handle } => {
+                let status = self.bind(connection_index, handle, now);
+                ControlAnswer {
+                    status,
+                    body: ControlBody::None,
+                }
+            }
+        }
+    }
+
+    /// BIND: the connection's I/O is charged to `handle` from now on (0: back to the
+    /// defaults). It stops counting for every other tenant it was charged to.
+    fn bind(&mut self, connection_index: u32, handle: u64, now: Nanos) -> Status {
+        let connection = &mut self.connections[connection_index as usize];
+        if handle == wire::NO_TENANT_HANDLE {
+            if let Some(bound) = connection.bound.take()
+                && let Some(position) = connection
+                    .charged
+                    .iter()
+                    .position(|charge| charge.tenant.handle == bound.tenant.handle)
+            {
+                connection.charged.swap_remove(position);
+                self.with_control(now, |control, thread, own| {
+                    control.disconnect(thread, std::iter::once(bound.tenant.handle), own);
+                });
+            }
+            return Status::Ok;
+        }
+        if let Some(bound) = connection.bound
+            && bound.tenant.handle == handle
+            && !bound.revoked
+        {
+            return Status::Ok;
+        }
+        let Some(binding) = self.with_control(now, |control, thread, own| {
+            control.bind(thread, handle, own)
+        }) else {
+            return Status::Invalid;
+        };
+        let mut charged = std::mem::take(&mut self.connections[connection_index as usize].charged);
+        if !charged.is_empty() {
+            self.with_control(now, |control, thread, own| {
+                control.disconnect(
+                    thread,
+                    charged.iter().map(|charge| charge.tenant.handle),
+                    own,
+                );
+            });
+        }
+        charged.clear();
+        charged.push(Charge {
+            namespace_index: binding.namespace_index,
+            tenant: binding.tenant,
+        });
+        let connection = &mut self.connections[connection_index as usize];
+        connection.charged = charged;
+        connection.bound = Some(Bound {
+            tenant: binding.tenant,
+            namespace_index: binding.namespace_index,
+            read_only: binding.read_only,
+            revoked: false,
+        });
+        self.ensure_account(binding.namespace_index, binding.tenant, now);
+        Status::Ok
+    }
+
+    /// What each tenant did on this thread.
+    fn tenant_stats(&self) -> Vec<TenantStats> {
+        let mut by_handle = self.retired_accounts.clone();
+        for namespace in self.qos.iter().flatten() {
+            for account in &namespace.accounts {
+                if account.stats.handle == 0 {
+                    continue;
+                }
+                by_handle
+                    .entry(account.stats.handle)
+                    .or_insert_with(|| TenantStats {
+                        handle: account.stats.handle,
+                        namespace_id: account.stats.namespace_id,
+                        ..TenantStats::default()
+                    })
+                    .add(&account.stats);
+            }
+        }
+        by_handle.into_values().collect()
     }
 
     fn submit_io(&mut self, index: u32, now: Nanos) {
         self.transition(index, RequestState::Submitted);
         self.device_in_flight += 1;
+        self.requests[index as usize].submitted_at = now;
         let request = &self.requests[index as usize];
         let Action::Io(io) = request.action else {
             panic!("submitting a request without I/O");
@@ -1497,7 +2347,17 @@ impl Core {
         assert!(self.device_in_flight > 0);
         self.device_in_flight -= 1;
         let queued = self.queued_io(index);
-        self.scheduler.on_complete(&queued, now);
+        match self.qos[usize::from(queued.namespace_index)].as_mut() {
+            None => self.scheduler.on_complete(&queued, now),
+            Some(namespace) => {
+                let device_ns = now
+                    .saturating_since(self.requests[index as usize].submitted_at)
+                    .0;
+                if let Some(account) = namespace.accounts.get_mut(queued.tenant as usize) {
+                    account.stats.device_ns += device_ns;
+                }
+            }
+        }
         let request = &self.requests[index as usize];
         let Action::Io(io) = request.action else {
             panic!("completing a request without I/O");
@@ -1743,6 +2603,19 @@ impl Core {
         if let Some(request) = self.connections[index as usize].stalled.take() {
             self.free_request(request);
         }
+        if self.connections[index as usize].blocked_count > 0 {
+            for _ in 0..self.blocked.len() {
+                let Some(request) = self.blocked.pop_front() else {
+                    break;
+                };
+                if self.requests[request as usize].connection_index == index {
+                    self.free_request(request);
+                } else {
+                    self.blocked.push_back(request);
+                }
+            }
+            self.connections[index as usize].blocked_count = 0;
+        }
         self.maybe_finish_close(index);
     }
 
@@ -1776,6 +2649,23 @@ impl Core {
         assert!(connection.recv_into.is_none());
         assert!(connection.stalled.is_none());
         assert_eq!(connection.send_head, NONE);
+        assert_eq!(connection.blocked_count, 0);
+        connection.bound = None;
+        connection.notices.clear();
+        if !connection.charged.is_empty() {
+            let mut charged = std::mem::take(&mut connection.charged);
+            let now = self.now();
+            self.with_control(now, |control, thread, own| {
+                control.disconnect(
+                    thread,
+                    charged.iter().map(|charge| charge.tenant.handle),
+                    own,
+                );
+            });
+            charged.clear();
+            self.connections[index as usize].charged = charged;
+        }
+        let connection = &mut self.connections[index as usize];
         connection.stream = None; // Closes the socket.
         connection.fd = -1;
         // Drops per-connection protocol state (an NBD handshake's buffers) now, not at reuse.

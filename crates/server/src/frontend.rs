@@ -21,16 +21,24 @@
 //! switches to transmission on the spot: bytes the client pipelined after `NBD_OPT_GO` are
 //! decoded as requests in the same pass. Only the handshake allocates (once per connection);
 //! transmission decoding and reply encoding allocate nothing.
+//!
+//! Tenants: an [`IoRequest`] carries the tenant the protocol chose for it (an NBD export's or
+//! an original-protocol port's configured tenant), or [`TenantRef::NONE`]; the dataplane
+//! resolves the rest (a native connection's BIND, the namespace's default tenant). Native
+//! control requests (REGISTER, UNREGISTER, BIND) arrive whole, body included, as
+//! [`Action::Control`]: their bodies are small and are never received into the I/O arena.
 
 use std::sync::Arc;
 
 use reflex_flash::FlashError;
-use reflex_proto::native::{self, Capabilities, ServerLimits, Status, ValidatedRequest};
+use reflex_proto::native::{
+    self, Capabilities, ControlOp, RegisterBody, ServerLimits, Status, ValidatedRequest,
+};
 use reflex_proto::nbd::{self, Errno, ExportTable, Handshake, HandshakeConfig, Session};
 use reflex_proto::original;
 
+use crate::control::TenantRef;
 use crate::namespaces::NamespaceSet;
-use crate::sched::TenantId;
 
 /// Room for the largest response header of any protocol.
 pub const RESPONSE_HEADER_SIZE_MAX: usize = 32;
@@ -46,9 +54,11 @@ const _: () = assert!(nbd::SIMPLE_REPLY_SIZE <= RESPONSE_HEADER_SIZE_MAX);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
     Native,
-    /// The original ReFlex block protocol; the listening port fixed the namespace.
+    /// The original ReFlex block protocol; the listening port fixed the namespace and the
+    /// tenant (`NONE`: the namespace's).
     Original {
         namespace_index: u16,
+        tenant: TenantRef,
     },
     Nbd,
 }
@@ -57,7 +67,10 @@ pub enum Protocol {
 #[derive(Debug)]
 pub enum Frontend {
     Native,
-    Original { namespace_index: u16 },
+    Original {
+        namespace_index: u16,
+        tenant: TenantRef,
+    },
     Nbd(NbdFrontend),
 }
 
@@ -88,9 +101,9 @@ pub struct IoRequest {
     pub namespace_index: u16,
     pub offset_bytes: u64,
     pub length_bytes: u32,
-    /// Whom the scheduler charges: 0 for native and original connections (until BIND), the
-    /// export's bound tenant for NBD.
-    pub tenant: TenantId,
+    /// Whom the scheduler charges: the NBD export's or original port's configured tenant, or
+    /// `NONE` (native connections; unbound exports and ports), which the dataplane resolves.
+    pub tenant: TenantRef,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,6 +149,23 @@ pub enum Action {
     /// takes a run of [`Frontend::pending_output_bytes`] (at most one maximal run), fills it
     /// with [`Frontend::write_output`] and sends it.
     Output,
+    /// A native tenant request, body decoded (`docs/PROTOCOL.md` §1.9).
+    Control(ControlRequest),
+    /// A RENEGOTIATE notice the dataplane queued on the connection (never decoded).
+    Notice,
+}
+
+/// A native control request with its decoded body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlRequest {
+    Register(RegisterBody),
+    Unregister {
+        handle: u64,
+    },
+    /// `handle` 0: back to the connection's default tenant.
+    Bind {
+        handle: u64,
+    },
 }
 
 /// How a request ended, before any protocol shaped it into a status or an errno.
@@ -187,6 +217,8 @@ impl Answer {
     pub fn nbd_errno(self) -> Errno {
         match self {
             Answer::Nbd(errno) => errno,
+            // The tenant may not do this (unbound from an unregistered tenant, read-only).
+            Answer::Native(Status::Permission) => Errno::Perm,
             Answer::Ok | Answer::Native(_) => Errno::Inval,
             Answer::Unsupported => Errno::Io,
             Answer::DeviceError { errno } => match Errno::from_linux_errno(errno) {
@@ -226,7 +258,13 @@ impl Frontend {
     pub fn new(protocol: Protocol, nbd_exports: Option<&Arc<NbdExports>>) -> Frontend {
         match protocol {
             Protocol::Native => Frontend::Native,
-            Protocol::Original { namespace_index } => Frontend::Original { namespace_index },
+            Protocol::Original {
+                namespace_index,
+                tenant,
+            } => Frontend::Original {
+                namespace_index,
+                tenant,
+            },
             Protocol::Nbd => {
                 let Some(exports) = nbd_exports else {
                     panic!("an NBD listener without an export table");
@@ -241,9 +279,10 @@ impl Frontend {
     pub fn decode(&mut self, input: &[u8], namespaces: &NamespaceSet) -> Decoded {
         match self {
             Frontend::Native => decode_native(input, namespaces),
-            Frontend::Original { namespace_index } => {
-                decode_original(input, *namespace_index, namespaces)
-            }
+            Frontend::Original {
+                namespace_index,
+                tenant,
+            } => decode_original(input, *namespace_index, *tenant, namespaces),
             Frontend::Nbd(nbd) => nbd.decode(input),
         }
     }
@@ -392,8 +431,36 @@ fn decode_native(input: &[u8], namespaces: &NamespaceSet) -> Decoded {
                 action,
             }
         }
-        // Tenants arrive with the QoS work; until then the opcodes are refused politely.
-        Ok(ValidatedRequest::Control { .. }) => reply(Status::Invalid),
+        Ok(ValidatedRequest::Control {
+            op,
+            body_length_bytes,
+        }) => {
+            // Bodies are small (at most 4 KiB, const-asserted to fit the receive buffer):
+            // wait until the whole body is there with its header.
+            let total = header_bytes + body_length_bytes as usize;
+            let Some(body) = input.get(header_bytes..total) else {
+                return Decoded::NeedMore;
+            };
+            let request = match op {
+                ControlOp::Register => RegisterBody::decode(body).map(ControlRequest::Register),
+                ControlOp::Unregister => {
+                    native::decode_handle(body).map(|handle| ControlRequest::Unregister { handle })
+                }
+                ControlOp::Bind => {
+                    native::decode_handle(body).map(|handle| ControlRequest::Bind { handle })
+                }
+            };
+            let action = match request {
+                Ok(request) => Action::Control(request),
+                Err(_) => Action::Reply(Answer::Native(Status::Invalid)),
+            };
+            Decoded::Request {
+                header_bytes: total,
+                payload_bytes: 0,
+                tag,
+                action,
+            }
+        }
         Ok(ValidatedRequest::Io(io)) => {
             let Some(namespace_index) = namespaces.index_of(io.namespace_id()) else {
                 return reply(Status::NoSuchNamespace);
@@ -416,14 +483,19 @@ fn decode_native(input: &[u8], namespaces: &NamespaceSet) -> Decoded {
                     namespace_index,
                     offset_bytes: io.offset_bytes(),
                     length_bytes: io.length_bytes(),
-                    tenant: 0,
+                    tenant: TenantRef::NONE,
                 }),
             }
         }
     }
 }
 
-fn decode_original(input: &[u8], namespace_index: u16, namespaces: &NamespaceSet) -> Decoded {
+fn decode_original(
+    input: &[u8],
+    namespace_index: u16,
+    tenant: TenantRef,
+    namespaces: &NamespaceSet,
+) -> Decoded {
     let (header, header_bytes) = match original::Header::decode(input) {
         Ok(Some(decoded)) => decoded,
         Ok(None) => return Decoded::NeedMore,
@@ -449,7 +521,7 @@ fn decode_original(input: &[u8], namespace_index: u16, namespaces: &NamespaceSet
                     namespace_index,
                     offset_bytes: io.offset_bytes(),
                     length_bytes: io.length_bytes(),
-                    tenant: 0,
+                    tenant,
                 }),
             }
         }
@@ -463,8 +535,9 @@ fn decode_original(input: &[u8], namespace_index: u16, namespaces: &NamespaceSet
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExportBinding {
     pub namespace_index: u16,
-    /// The tenant bound to the export in the configuration; 0 (best effort) when none is.
-    pub tenant: TenantId,
+    /// The tenant bound to the export in the configuration; `NONE` when none is (or the
+    /// namespace has no QoS): the namespace's default tenant.
+    pub tenant: TenantRef,
 }
 
 /// The NBD exports of a server: the codec's table (what clients see) and, at the same index,
@@ -693,7 +766,7 @@ mod tests {
             namespace_index: 0,
             offset_bytes,
             length_bytes,
-            tenant: 0,
+            tenant: TenantRef::NONE,
         })
     }
 
@@ -755,7 +828,10 @@ mod tests {
 
     #[test]
     fn original_requests() {
-        let mut frontend = Frontend::Original { namespace_index: 0 };
+        let mut frontend = Frontend::Original {
+            namespace_index: 0,
+            tenant: TenantRef::NONE,
+        };
         let header = original::Header {
             opcode: original::Opcode::Write,
             handle: [1; 8],
@@ -790,7 +866,7 @@ mod tests {
 
     // ----- NBD -----------------------------------------------------------------------------
 
-    const TENANT: TenantId = 3;
+    const TENANT: TenantRef = TenantRef { handle: 7, id: 3 };
 
     fn nbd_frontend() -> Frontend {
         let exports = NbdExports::new(
@@ -806,7 +882,7 @@ mod tests {
                     nbd::Export::new("ro", 1 << 20).read_only(),
                     ExportBinding {
                         namespace_index: 0,
-                        tenant: 0,
+                        tenant: TenantRef::NONE,
                     },
                 ),
             ],

@@ -11,12 +11,18 @@
 //! - [`ServerHandle::shutdown`] behaves like SIGTERM: stop accepting, stop reading new
 //!   requests (NBD sessions keep reading and answer ESHUTDOWN until their in-flight requests
 //!   are done; NBD handshakes are closed), finish in-flight I/O and send its responses, flush
-//!   every device, join.
+//!   every device, join. It returns each thread's [`CoreStats`], per-tenant figures included
+//!   ([`TenantStats`], summed by [`tenant_totals`]), and logs one line per tenant.
+//! - QoS: namespaces with a `profile` get the ReFlex token scheduler and admission control
+//!   (`docs/QOS.md`); [`ServerHandle::tenant`], [`ServerHandle::tenants`],
+//!   [`ServerHandle::qos_plan`] and [`ServerHandle::tenant_handle`] show the control plane's
+//!   state.
 //!
 //! Module map: `core` (the per-thread loop and request/connection state machines), `frontend`
 //! (protocol glue over `reflex_proto`, the NBD handshake and sessions included), `steps`
 //! (requests that take several device operations: NBD TRIM and WRITE_ZEROES, FUA flushes),
-//! `sched` (the scheduling seam QoS plugs into), `buffers` (page allocation in the arena),
+//! `control` (tenants, admission, the messages to the threads' QoS schedulers), `sched` (the
+//! pull scheduling seam of namespaces without QoS), `buffers` (page allocation in the arena),
 //! `namespaces`, `config`, and `uring` (the only module with `unsafe`: ring, registered arena,
 //! raw sockets).
 //!
@@ -27,6 +33,7 @@
 
 pub mod buffers;
 pub mod config;
+pub mod control;
 mod core;
 pub mod frontend;
 pub mod namespaces;
@@ -34,6 +41,7 @@ pub mod sched;
 mod steps;
 mod uring;
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
@@ -42,16 +50,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-pub use crate::config::{Config, ConfigError, NamespaceConfig, NbdConfig, OriginalPortConfig};
+pub use crate::config::{
+    Config, ConfigError, NamespaceConfig, NbdConfig, OriginalPortConfig, TenantClassConfig,
+    TenantConfig,
+};
+pub use crate::control::{ControlError, TenantInfo};
+use crate::control::{ControlPlane, NamespaceQosSetup, TenantRef};
 use crate::core::{Core, CoreSetup};
-pub use crate::core::{CoreError, CoreStats};
+pub use crate::core::{CoreError, CoreStats, TenantStats};
 use crate::frontend::{ExportBinding, NbdExports, Protocol};
 use crate::namespaces::NamespaceSet;
 pub use crate::sched::Scheduler;
 pub use crate::uring::MissingFeature;
 
-/// Makes the scheduler of one dataplane thread: `(thread_index, capacity)`, where capacity is
-/// the thread's request slots (a scheduler never holds more).
+/// Makes the pull scheduler of one dataplane thread for namespaces without QoS:
+/// `(thread_index, capacity)`, where capacity is the thread's request slots (a scheduler never
+/// holds more).
 pub type SchedulerFactory = Arc<dyn Fn(usize, usize) -> Box<dyn Scheduler + Send> + Send + Sync>;
 
 /// Listen backlog of every listening socket.
@@ -75,6 +89,8 @@ pub enum ServerError {
     },
     #[error("dataplane thread {thread}: {message}")]
     Thread { thread: usize, message: String },
+    #[error(transparent)]
+    Qos(#[from] ControlError),
 }
 
 /// Entry point; see the crate doc.
@@ -85,8 +101,9 @@ impl Server {
         Server::start_with_scheduler(config, None)
     }
 
-    /// Like [`start`](Self::start), with each dataplane thread's scheduler made by
-    /// `scheduler_factory(thread_index, requests_per_thread_max)` (the QoS seam; `None`: FIFO).
+    /// Like [`start`](Self::start), with each dataplane thread's scheduler of namespaces
+    /// without QoS made by `scheduler_factory(thread_index, requests_per_thread_max)` (`None`:
+    /// FIFO).
     pub fn start_with_scheduler(
         config: Config,
         scheduler_factory: Option<SchedulerFactory>,
@@ -96,8 +113,31 @@ impl Server {
         let namespaces = open_namespaces(&config)?;
         let clock_origin = Instant::now();
 
+        let mut wakers = Vec::new();
+        for thread in 0..config.threads {
+            wakers.push(Arc::new(uring::eventfd().map_err(|e| {
+                ServerError::Thread {
+                    thread,
+                    message: format!("eventfd: {e}"),
+                }
+            })?));
+        }
+        let (control, qos) = ControlPlane::start(&config, &namespaces, wakers.clone())?;
+        let control = Arc::new(control);
+        let configured = |namespace_index: u16, name: Option<&String>| -> TenantRef {
+            let (Some(name), Some(Some(setup))) = (name, qos.get(usize::from(namespace_index)))
+            else {
+                return TenantRef::NONE;
+            };
+            setup
+                .tenants
+                .iter()
+                .find(|(known, _)| known == name)
+                .map_or(TenantRef::NONE, |(_, tenant)| *tenant)
+        };
+
         let nbd_exports = if config.nbd.enabled {
-            Some(Arc::new(nbd_exports(&config, &namespaces)?))
+            Some(Arc::new(nbd_exports(&config, &namespaces, &configured)?))
         } else {
             None
         };
@@ -121,7 +161,10 @@ impl Server {
             };
             let addr = bind_all(
                 SocketAddr::new(config.listen, original.port),
-                Protocol::Original { namespace_index },
+                Protocol::Original {
+                    namespace_index,
+                    tenant: configured(namespace_index, original.tenant.as_ref()),
+                },
                 &mut per_thread,
             )?;
             original_addrs.push((original.namespace, addr));
@@ -141,16 +184,14 @@ impl Server {
             original_addrs,
             nbd_addr,
             shutdown: Arc::clone(&shutdown),
-            wakers: Vec::new(),
+            wakers: wakers.clone(),
             threads: Vec::new(),
+            control: Arc::clone(&control),
+            namespaces: Arc::clone(&namespaces),
         };
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<bool, String>)>();
         for (thread_index, listeners) in per_thread.into_iter().enumerate() {
-            let waker = Arc::new(uring::eventfd().map_err(|e| ServerError::Thread {
-                thread: thread_index,
-                message: format!("eventfd: {e}"),
-            })?);
-            handle.wakers.push(Arc::clone(&waker));
+            let waker = Arc::clone(&wakers[thread_index]);
             let setup = CoreSetup {
                 thread_index,
                 listeners,
@@ -168,6 +209,10 @@ impl Server {
                 scheduler: scheduler_factory
                     .as_ref()
                     .map(|factory| factory(thread_index, config.requests_per_thread_max as usize)),
+                control: Arc::clone(&control),
+                qos: qos.clone(),
+                qos_config: config.qos_config.clone(),
+                qos_enabled: config.qos,
             };
             let ready = ready_tx.clone();
             let spawned = std::thread::Builder::new()
@@ -208,16 +253,19 @@ impl Server {
                 }
             }
         }
-        log_startup(&config, &namespaces, &handle, &registered);
+        log_startup(&config, &namespaces, &handle, &registered, &qos);
         Ok(handle)
     }
 }
 
 /// The NBD export table: export `i` is namespace `i`, under its configured name, with its
 /// size (rounded down to the 512-byte minimum block), read-only setting and tenant binding.
-fn nbd_exports(config: &Config, namespaces: &NamespaceSet) -> Result<NbdExports, ServerError> {
+fn nbd_exports(
+    config: &Config,
+    namespaces: &NamespaceSet,
+    configured: &dyn Fn(u16, Option<&String>) -> TenantRef,
+) -> Result<NbdExports, ServerError> {
     use reflex_proto::nbd::{BlockSizes, Export};
-    let tenant_ids = config.tenant_ids();
     let minimum_bytes = u64::from(BlockSizes::default().minimum_bytes);
     let mut exports = Vec::new();
     for (index, namespace) in config.effective_namespaces().iter().enumerate() {
@@ -229,13 +277,7 @@ fn nbd_exports(config: &Config, namespaces: &NamespaceSet) -> Result<NbdExports,
         if namespaces.native_table()[index].read_only {
             export = export.read_only();
         }
-        let tenant = match &namespace.tenant {
-            None => 0,
-            Some(name) => tenant_ids
-                .iter()
-                .find(|(known, _)| known == name)
-                .map_or(0, |(_, id)| *id),
-        };
+        let tenant = configured(namespace_index, namespace.tenant.as_ref());
         exports.push((
             export,
             ExportBinding {
@@ -311,27 +353,52 @@ fn log_startup(
     namespaces: &NamespaceSet,
     handle: &ServerHandle,
     registered: &[bool],
+    qos: &[Option<NamespaceQosSetup>],
 ) {
     let effective = config.effective_namespaces();
-    let tenant_ids = config.tenant_ids();
     for index in 0..namespaces.len() {
         let namespace_index = index as u16;
         let export = effective.get(index).map(NamespaceConfig::export_name);
         let tenant = effective.get(index).and_then(|ns| ns.tenant.clone());
-        let tenant_id = tenant
-            .as_ref()
-            .and_then(|name| tenant_ids.iter().find(|(known, _)| known == name))
-            .map_or(0, |(_, id)| *id);
+        let setup = qos.get(index).and_then(Option::as_ref);
+        let tenant_handle = match (setup, &tenant) {
+            (Some(setup), Some(name)) => setup
+                .tenants
+                .iter()
+                .find(|(known, _)| known == name)
+                .map_or(0, |(_, tenant)| tenant.handle),
+            (Some(setup), None) => setup.default_tenant.handle,
+            (None, _) => 0,
+        };
+        let qos_text = match (
+            setup,
+            effective.get(index).and_then(|ns| ns.profile.clone()),
+        ) {
+            (Some(_), Some(profile)) if config.qos => format!("tokens ({profile})"),
+            (Some(_), Some(profile)) => format!("off: first in, first out ({profile})"),
+            _ => "none: no profile, first in, first out".to_string(),
+        };
         tracing::info!(
             namespace = namespaces.id(namespace_index),
             size_bytes = namespaces.size_bytes(namespace_index),
             read_only = namespaces.native_table()[index].read_only,
             nbd_export = export.as_deref().unwrap_or_default(),
             tenant = tenant.as_deref().unwrap_or("(default)"),
-            tenant_id,
+            tenant_handle,
+            qos = %qos_text,
             device = %namespaces.info(namespace_index).description,
             "namespace"
         );
+        if let Some(plan) = handle.control.plan(namespace_index) {
+            tracing::info!(
+                namespace = namespaces.id(namespace_index),
+                latency_us_p95 = ?plan.latency_us_p95,
+                device_tokens_per_sec = plan.device_tokens_per_sec[0].as_tokens_per_sec_f64(),
+                lc_reserved_tokens_per_sec = plan.lc_reserved_tokens_per_sec[0].as_tokens_per_sec_f64(),
+                lc_tenants = plan.lc_tenants,
+                "QoS plan"
+            );
+        }
     }
     let originals: Vec<String> = handle
         .original_addrs
@@ -365,6 +432,8 @@ pub struct ServerHandle {
     shutdown: Arc<AtomicBool>,
     wakers: Vec<Arc<File>>,
     threads: Vec<JoinHandle<Result<CoreStats, CoreError>>>,
+    control: Arc<ControlPlane>,
+    namespaces: Arc<NamespaceSet>,
 }
 
 impl ServerHandle {
@@ -391,6 +460,31 @@ impl ServerHandle {
             // thread has been woken already.
             let _ = (&**waker).write(&1u64.to_ne_bytes());
         }
+    }
+
+    /// A tenant by its handle: name, SLO, connections per thread.
+    pub fn tenant(&self, handle: u64) -> Option<TenantInfo> {
+        self.control.tenant(handle)
+    }
+
+    /// Every tenant of every QoS namespace.
+    pub fn tenants(&self) -> Vec<TenantInfo> {
+        self.control.tenants()
+    }
+
+    /// The handle of a tenant on a namespace by name: a configured tenant, or `"(default)"`.
+    pub fn tenant_handle(&self, namespace_id: u32, name: &str) -> Option<u64> {
+        self.control
+            .tenants()
+            .into_iter()
+            .find(|tenant| tenant.namespace_id == namespace_id && tenant.name == name)
+            .map(|tenant| tenant.handle)
+    }
+
+    /// The current allocation of a namespace's device (`None`: no QoS on it).
+    pub fn qos_plan(&self, namespace_id: u32) -> Option<reflex_qos::Plan> {
+        let index = self.namespaces.index_of(namespace_id)?;
+        self.control.plan(index)
     }
 
     /// Whether some dataplane thread has exited (only after shutdown, or on a fatal error).
@@ -427,9 +521,53 @@ impl ServerHandle {
         }
         match first_error {
             Some(e) => Err(e),
-            None => Ok(stats),
+            None => {
+                self.log_tenants(&stats);
+                Ok(stats)
+            }
         }
     }
+
+    /// One log line per tenant with what it did over the server's life.
+    fn log_tenants(&self, stats: &[CoreStats]) {
+        for (handle, totals) in tenant_totals(stats) {
+            tracing::info!(
+                handle,
+                tenant = %self.control.name(handle),
+                namespace = totals.namespace_id,
+                requests = totals.requests,
+                arrivals = totals.arrivals,
+                bytes = totals.bytes,
+                tokens = totals.millitokens as f64 / 1000.0,
+                deficit_episodes = totals.deficit_episodes,
+                scheduler_wait_us_mean = totals.scheduler_wait_ns as f64 / 1e3 / totals.requests.max(1) as f64,
+                scheduler_wait_us_max = totals.scheduler_wait_ns_max as f64 / 1e3,
+                device_us_mean = totals.device_ns as f64 / 1e3 / totals.requests.max(1) as f64,
+                "tenant totals"
+            );
+        }
+    }
+}
+
+/// Per-tenant figures summed over threads, by handle.
+pub fn tenant_totals(stats: &[CoreStats]) -> BTreeMap<u64, TenantStats> {
+    let mut totals: BTreeMap<u64, TenantStats> = BTreeMap::new();
+    for tenant in stats.iter().flat_map(|thread| &thread.tenants) {
+        let total = totals.entry(tenant.handle).or_insert_with(|| TenantStats {
+            handle: tenant.handle,
+            namespace_id: tenant.namespace_id,
+            ..TenantStats::default()
+        });
+        total.requests += tenant.requests;
+        total.bytes += tenant.bytes;
+        total.millitokens += tenant.millitokens;
+        total.deficit_episodes += tenant.deficit_episodes;
+        total.arrivals += tenant.arrivals;
+        total.scheduler_wait_ns += tenant.scheduler_wait_ns;
+        total.scheduler_wait_ns_max = total.scheduler_wait_ns_max.max(tenant.scheduler_wait_ns_max);
+        total.device_ns += tenant.device_ns;
+    }
+    totals
 }
 
 impl Drop for ServerHandle {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use reflex_server::{Config, NamespaceConfig, OriginalPortConfig, Server};
+use reflex_server::{Config, NamespaceConfig, OriginalPortConfig, Server, TenantConfig};
 
 /// ReFlex server: remote NVMe Flash over TCP.
 #[derive(Debug, Parser)]
@@ -24,14 +24,24 @@ struct Args {
     /// Native protocol port (default 7070; 0 picks a free port).
     #[arg(long)]
     port: Option<u16>,
-    /// A namespace: ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT], e.g.
-    /// 1=file:/data/ns1,size=10G or 2=mem:1G,name=scratch. NAME is its NBD export name
-    /// (default nsID); TENANT is the tenant its NBD clients are charged to. Repeatable;
-    /// replaces the config file's namespaces. Default: 1=file:./reflex-data/ns1,size=1G.
+    /// A namespace: ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT][,profile=PATH],
+    /// e.g. 1=file:/data/ns1,size=10G or 2=mem:1G,name=scratch. NAME is its NBD export name
+    /// (default nsID); TENANT is the tenant its NBD clients are charged to; PATH is the QoS
+    /// device profile (without one the namespace is served FIFO). Repeatable; replaces the
+    /// config file's namespaces. Default: 1=file:./reflex-data/ns1,size=1G.
     #[arg(long = "namespace", short = 'n')]
     namespaces: Vec<String>,
-    /// Original ReFlex protocol port: PORT[=NAMESPACE] (namespace 1 if omitted). Repeatable;
-    /// replaces the config file's list. Default: 1234=1.
+    /// A tenant: NAME=be or NAME=lc,latency_us=US,iops=N[,read_percent=P]. Bound to
+    /// namespaces and original ports by name; admitted at startup. Repeatable; replaces the
+    /// config file's tenants.
+    #[arg(long = "tenant")]
+    tenants: Vec<String>,
+    /// QoS off: namespaces with a profile are served first in, first out (tenants,
+    /// admission and accounting stay), for comparison.
+    #[arg(long)]
+    no_qos: bool,
+    /// Original ReFlex protocol port: PORT[=NAMESPACE][,tenant=NAME] (namespace 1 if
+    /// omitted). Repeatable; replaces the config file's list. Default: 1234=1.
     #[arg(long = "original-port")]
     original_ports: Vec<String>,
     /// Do not open any original-protocol port.
@@ -93,7 +103,14 @@ fn main() -> anyhow::Result<()> {
     }
     let stats = server.shutdown().context("shutting down")?;
     let answered: u64 = stats.iter().map(|s| s.requests_answered).sum();
-    tracing::info!(requests_answered = answered, "reflexd stopped");
+    let notices: u64 = stats.iter().map(|s| s.notices_sent).sum();
+    let queue_full_waits: u64 = stats.iter().map(|s| s.tenant_queue_full_waits).sum();
+    tracing::info!(
+        requests_answered = answered,
+        renegotiate_notices = notices,
+        tenant_queue_full_waits = queue_full_waits,
+        "reflexd stopped"
+    );
     Ok(())
 }
 
@@ -114,6 +131,16 @@ fn build_config(args: Args) -> anyhow::Result<Config> {
             .iter()
             .map(|text| NamespaceConfig::from_flag(text))
             .collect::<Result<_, _>>()?;
+    }
+    if !args.tenants.is_empty() {
+        config.tenants = args
+            .tenants
+            .iter()
+            .map(|text| TenantConfig::from_flag(text))
+            .collect::<Result<_, _>>()?;
+    }
+    if args.no_qos {
+        config.qos = false;
     }
     if args.no_original {
         config.original_ports = Some(Vec::new());

@@ -137,6 +137,8 @@ pub struct Outcome {
     /// Open loop: arrivals due before the end that never found a free slot (the server fell
     /// behind the target rate). They are not in the latency figures.
     pub unissued_ops: u64,
+    /// RENEGOTIATE notices the server sent on the connections (not answers to requests).
+    pub notices: u64,
 }
 
 impl Outcome {
@@ -155,6 +157,7 @@ impl Outcome {
             self.first_mismatch = other.first_mismatch;
         }
         self.unissued_ops += other.unissued_ops;
+        self.notices += other.notices;
     }
 }
 
@@ -168,12 +171,6 @@ pub fn connect_channel(address: SocketAddr) -> Result<(TcpStream, ConnectionCore
 
 /// Runs the engine: all threads, then their merged outcome.
 pub fn run(config: &EngineConfig, progress: Option<&mpsc::Sender<Progress>>) -> Result<Outcome> {
-    assert!(config.threads >= 1);
-    assert!(config.channels_per_thread >= 1);
-    let queue_depth_max = config.load.queue_depth_max();
-    assert!((1..=QUEUE_DEPTH_MAX).contains(&queue_depth_max));
-    let stream_count = (config.threads * config.channels_per_thread) as u64;
-
     // Connections are made before any thread starts, so a refused connection fails the run
     // before load begins.
     let mut per_thread_connections: Vec<Vec<(TcpStream, ConnectionCore)>> = Vec::new();
@@ -185,6 +182,28 @@ pub fn run(config: &EngineConfig, progress: Option<&mpsc::Sender<Progress>>) -> 
             }
         }
         per_thread_connections.push(connections);
+    }
+    run_with_connections(config, per_thread_connections, progress)
+}
+
+/// Runs the engine on connections the caller made (`connections[thread]`, one per channel;
+/// empty lists for a local target), e.g. connections that REGISTERed and BOUND to a tenant
+/// first (`reflex bench --scenario`).
+pub fn run_with_connections(
+    config: &EngineConfig,
+    per_thread_connections: Vec<Vec<(TcpStream, ConnectionCore)>>,
+    progress: Option<&mpsc::Sender<Progress>>,
+) -> Result<Outcome> {
+    assert!(config.threads >= 1);
+    assert!(config.channels_per_thread >= 1);
+    let queue_depth_max = config.load.queue_depth_max();
+    assert!((1..=QUEUE_DEPTH_MAX).contains(&queue_depth_max));
+    let stream_count = (config.threads * config.channels_per_thread) as u64;
+    assert_eq!(per_thread_connections.len(), config.threads);
+    if let Target::Remote { .. } = config.target {
+        for connections in &per_thread_connections {
+            assert_eq!(connections.len(), config.channels_per_thread);
+        }
     }
 
     let barrier = Barrier::new(config.threads);
@@ -593,6 +612,10 @@ impl<'a> ThreadRun<'a> {
             .poll_completion()
             .with_context(|| format!("connection {channel_index}"))?
         {
+            if completion.is_notice() {
+                self.outcome.notices += 1;
+                continue;
+            }
             let Some(slot) = usize::try_from(completion.request_id)
                 .ok()
                 .and_then(|index| channel.slots.get(index))

@@ -12,11 +12,16 @@
 //!
 //! Output: a table for people on stdout (or `--json` for scripts), a progress line on stderr
 //! once per second, exit status non-zero on any error or mismatch.
+//!
+//! `--scenario FILE` runs several tenants at once instead (`scenario.rs`): each REGISTERs with
+//! its SLO, BINDs its connections and sends its own load; the table is per tenant.
 
 mod engine;
 mod pattern;
 pub mod pingpong;
+pub mod point;
 mod probe;
+pub mod scenario;
 mod stats;
 pub mod units;
 mod uring;
@@ -136,6 +141,21 @@ pub struct Args {
     /// No progress line.
     #[arg(long, short = 'q')]
     quiet: bool,
+    /// Run a multi-tenant scenario file (the `reflex-sim` format, `scenarios/`): each tenant
+    /// registers, binds its connections and sends its load at once; prints per tenant IOPS,
+    /// p95/p99 read latency and whether its SLO was met. Uses --server, --namespace, --spin,
+    /// --cpus, --json, --quiet; the file gives the load and the durations.
+    #[arg(long, value_name = "FILE")]
+    scenario: Option<PathBuf>,
+    /// With --scenario: measurement time instead of the file's duration_ms.
+    #[arg(long, value_parser = parse_duration, requires = "scenario")]
+    scenario_duration: Option<Duration>,
+    /// With --scenario: warm-up instead of the file's warmup_ms.
+    #[arg(long, value_parser = parse_duration, requires = "scenario")]
+    scenario_warmup: Option<Duration>,
+    /// With --scenario: seed instead of the file's.
+    #[arg(long, requires = "scenario")]
+    scenario_seed: Option<u64>,
 }
 
 /// What the run targets, resolved before any row.
@@ -216,6 +236,29 @@ struct VerifyRow {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if let Some(path) = &args.scenario {
+        if args.local.is_some() {
+            bail!("--scenario runs against a server, not --local");
+        }
+        let address = args
+            .server
+            .to_socket_addrs()
+            .with_context(|| format!("resolving {}", args.server))?
+            .next()
+            .with_context(|| format!("{} resolves to no address", args.server))?;
+        let options = scenario::ScenarioOptions {
+            address,
+            namespace: args.namespace,
+            duration: args.scenario_duration,
+            warmup: args.scenario_warmup,
+            seed: args.scenario_seed,
+            spin: args.spin,
+            cpus: args.cpus.clone(),
+            json: args.json,
+            quiet: args.quiet,
+        };
+        return scenario::run(path, &options);
+    }
     check_args(&args)?;
     let io_size_bytes = args.io_size as u32;
     let resolved = resolve_target(&args)?;

@@ -55,6 +55,12 @@ pub struct PointResult {
     /// with the time they had waited when the run gave up on them.
     pub refused: u64,
     pub unfinished: u64,
+    /// Real-time runners measure a point as several back-to-back runs and report the median
+    /// of each figure, so that one burst of someone else's I/O does not become the point's
+    /// p95; this keeps every run's p95 read latency (µs) to show the spread. Empty when the
+    /// point is a single run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub read_latency_us_p95_runs: Vec<f64>,
 }
 
 impl PointResult {
@@ -137,6 +143,30 @@ pub struct SweepConfig {
     pub latency_us_max: f64,
     /// First rate of the doubling search that brackets each curve's knee.
     pub start_rate_per_sec: f64,
+    /// Times an overloaded bracketing point is measured again before the search believes it:
+    /// the search ends only if every repetition is overloaded too. 0 for the exact emulated
+    /// device; real devices on a shared machine see latency spikes that do not come from the
+    /// load, and one spike must not end a curve at a fraction of its knee.
+    #[serde(default)]
+    pub bracket_confirmations: u32,
+    /// Search every curve's end first, then measure load level 1 of every curve, then level
+    /// 2, and so on, instead of one curve after another. A real device's conditions drift
+    /// (other work on the machine, throttling by the host); interleaved, a bad minute spoils a
+    /// few load levels across all curves, which then stand out against their neighbours,
+    /// instead of a whole curve that looks plausible and skews the write cost. The emulated
+    /// device keeps the curve-by-curve order.
+    #[serde(default)]
+    pub interleave_curves: bool,
+    /// The curve's points spread up to the search's end rate times this (at least 1). On a
+    /// real device the search judges overload from short, noisy points; reaching past it makes
+    /// sure each curve's heaviest points are overloaded when measured in full, which the fit
+    /// needs (the curves must share a latency range). 1 for the emulated device.
+    #[serde(default = "ceiling_overshoot_default")]
+    pub ceiling_overshoot: f64,
+}
+
+fn ceiling_overshoot_default() -> f64 {
+    1.0
 }
 
 impl Default for SweepConfig {
@@ -148,6 +178,9 @@ impl Default for SweepConfig {
             points_per_curve: 20,
             latency_us_max: 4000.0,
             start_rate_per_sec: 1000.0,
+            bracket_confirmations: 0,
+            interleave_curves: false,
+            ceiling_overshoot: 1.0,
         }
     }
 }
@@ -195,7 +228,8 @@ pub struct Progress<'a> {
 }
 
 /// Measures every (read ratio, size) curve. Each curve first doubles the rate (short points)
-/// until p95 passes `latency_us_max` or throughput stops following the offered load, then
+/// until p95 passes `latency_us_max` or throughput stops following the offered load (and
+/// stays so for `bracket_confirmations` repetitions), then
 /// measures `points_per_curve` evenly spaced rates up to there, stopping after two points past
 /// `latency_us_max`.
 pub fn sweep(
@@ -213,53 +247,45 @@ pub fn sweep(
             "read ratios must lie in 0..=1".into(),
         ));
     }
+    if !(config.ceiling_overshoot >= 1.0 && config.ceiling_overshoot <= 16.0) {
+        return Err(CalibrateError::Config(
+            "ceiling_overshoot must lie in 1..=16".into(),
+        ));
+    }
     if config.points_per_curve < 2 || config.start_rate_per_sec <= 0.0 {
         return Err(CalibrateError::Config(
             "points_per_curve must be at least 2 and start_rate_per_sec positive".into(),
         ));
     }
-    let duration = Nanos::from_micros(config.duration_us);
-    let bracket_duration = Nanos((duration.0 / 4).max(1));
-    let curve_count = config.read_ratios.len() * config.sizes.len();
+    let curves: Vec<(u32, f64)> = config
+        .sizes
+        .iter()
+        .flat_map(|&size| config.read_ratios.iter().map(move |&ratio| (size, ratio)))
+        .collect();
+    let curve_count = curves.len();
     let mut points = Vec::new();
-    let mut curve_index = 0;
-    for &size_bytes in &config.sizes {
-        for &read_ratio in &config.read_ratios {
-            let mut rate = config.start_rate_per_sec;
-            let mut ceiling = None;
-            for _ in 0..BRACKET_STEPS_MAX {
-                let point = runner.run_point(rate, read_ratio, size_bytes, bracket_duration)?;
-                progress(Progress {
-                    curve_index,
-                    curve_count,
-                    phase: Phase::Bracket,
-                    point: &point,
-                });
-                if overloaded(&point, config.latency_us_max, bracket_duration) {
-                    ceiling = Some(rate);
-                    break;
-                }
-                rate *= 2.0;
-            }
-            let Some(ceiling) = ceiling else {
-                return Err(CalibrateError::Insufficient(format!(
-                    "read ratio {read_ratio}, size {size_bytes}: latency stayed below {} µs up to {rate} requests/s",
-                    config.latency_us_max
-                )));
-            };
+    if !config.interleave_curves {
+        for (curve_index, &(size_bytes, read_ratio)) in curves.iter().enumerate() {
+            let ceiling = bracket(
+                runner,
+                config,
+                curve_index,
+                curve_count,
+                read_ratio,
+                size_bytes,
+                progress,
+            )?;
             let mut past_max = 0;
             for index in 0..config.points_per_curve {
-                let rate = ceiling * f64::from(index + 1) / f64::from(config.points_per_curve);
-                let point = runner.run_point(rate, read_ratio, size_bytes, duration)?;
-                progress(Progress {
-                    curve_index,
-                    curve_count,
-                    phase: Phase::Curve {
-                        index,
-                        count: config.points_per_curve,
-                    },
-                    point: &point,
-                });
+                let point = curve_point(
+                    runner,
+                    config,
+                    (curve_index, curve_count),
+                    (read_ratio, size_bytes),
+                    ceiling,
+                    index,
+                    progress,
+                )?;
                 let over = point.read_latency_us_p95 > config.latency_us_max;
                 points.push(point);
                 if over {
@@ -269,14 +295,119 @@ pub fn sweep(
                     }
                 }
             }
-            curve_index += 1;
+        }
+    } else {
+        let mut ceilings = Vec::with_capacity(curve_count);
+        for (curve_index, &(size_bytes, read_ratio)) in curves.iter().enumerate() {
+            ceilings.push(bracket(
+                runner,
+                config,
+                curve_index,
+                curve_count,
+                read_ratio,
+                size_bytes,
+                progress,
+            )?);
+        }
+        let mut past_max = vec![0u32; curve_count];
+        for index in 0..config.points_per_curve {
+            for (curve_index, &(size_bytes, read_ratio)) in curves.iter().enumerate() {
+                if past_max[curve_index] >= 2 {
+                    continue;
+                }
+                let point = curve_point(
+                    runner,
+                    config,
+                    (curve_index, curve_count),
+                    (read_ratio, size_bytes),
+                    ceilings[curve_index],
+                    index,
+                    progress,
+                )?;
+                if point.read_latency_us_p95 > config.latency_us_max {
+                    past_max[curve_index] += 1;
+                }
+                points.push(point);
+            }
         }
     }
+    debug_assert!(points.len() <= curve_count * config.points_per_curve as usize);
     Ok(Sweep {
         runner: runner.describe(),
         config: config.clone(),
         points,
     })
+}
+
+/// The doubling search of one curve: the first rate found overloaded (and confirmed), times
+/// the overshoot.
+fn bracket(
+    runner: &mut dyn LoadRunner,
+    config: &SweepConfig,
+    curve_index: usize,
+    curve_count: usize,
+    read_ratio: f64,
+    size_bytes: u32,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<f64, CalibrateError> {
+    let bracket_duration = Nanos((Nanos::from_micros(config.duration_us).0 / 4).max(1));
+    let mut rate = config.start_rate_per_sec;
+    for _ in 0..BRACKET_STEPS_MAX {
+        let point = runner.run_point(rate, read_ratio, size_bytes, bracket_duration)?;
+        progress(Progress {
+            curve_index,
+            curve_count,
+            phase: Phase::Bracket,
+            point: &point,
+        });
+        let mut confirmed = overloaded(&point, config.latency_us_max, bracket_duration);
+        for _ in 0..config.bracket_confirmations {
+            if !confirmed {
+                break;
+            }
+            let again = runner.run_point(rate, read_ratio, size_bytes, bracket_duration)?;
+            progress(Progress {
+                curve_index,
+                curve_count,
+                phase: Phase::Bracket,
+                point: &again,
+            });
+            confirmed = overloaded(&again, config.latency_us_max, bracket_duration);
+        }
+        if confirmed {
+            return Ok(rate * config.ceiling_overshoot);
+        }
+        rate *= 2.0;
+    }
+    Err(CalibrateError::Insufficient(format!(
+        "read ratio {read_ratio}, size {size_bytes}: latency stayed below {} µs up to {rate} requests/s",
+        config.latency_us_max
+    )))
+}
+
+/// Point `index` of a curve whose search ended at `ceiling`: `ceiling × (index + 1) / count`.
+fn curve_point(
+    runner: &mut dyn LoadRunner,
+    config: &SweepConfig,
+    (curve_index, curve_count): (usize, usize),
+    (read_ratio, size_bytes): (f64, u32),
+    ceiling: f64,
+    index: u32,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<PointResult, CalibrateError> {
+    let rate = ceiling * f64::from(index + 1) / f64::from(config.points_per_curve);
+    let duration = Nanos::from_micros(config.duration_us);
+    let point = runner.run_point(rate, read_ratio, size_bytes, duration)?;
+    progress(Progress {
+        curve_index,
+        curve_count,
+        phase: Phase::Curve {
+            index,
+            count: config.points_per_curve,
+        },
+        point: &point,
+    });
+    Ok(point)
 }
 
 /// Whether a bracketing point is past the end of the curve: p95 above the limit, requests

@@ -292,6 +292,7 @@ impl LoadRunner for EmuRunner {
             write_latency_us_p95: percentile_us(&mut write_latencies_ns, 0.95),
             refused,
             unfinished,
+            read_latency_us_p95_runs: Vec::new(),
         })
     }
 }

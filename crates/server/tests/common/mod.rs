@@ -22,10 +22,7 @@ pub fn config(namespaces: Vec<NamespaceConfig>) -> Config {
     Config {
         listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
         port: 0,
-        original_ports: Some(vec![OriginalPortConfig {
-            port: 0,
-            namespace: namespaces[0].id,
-        }]),
+        original_ports: Some(vec![OriginalPortConfig::new(0, namespaces[0].id)]),
         nbd: NbdConfig {
             port: 0,
             ..NbdConfig::default()

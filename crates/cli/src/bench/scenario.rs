@@ -1,0 +1,752 @@
+//! `reflex bench --scenario FILE`: several tenants at once against `reflexd`, each with its own
+//! SLO and load, as in the ReFlex paper's Figure 5 — the real-run counterpart of `reflex-sim`.
+//!
+//! Why the simulator's file format: the same scenario file runs in virtual time
+//! (`reflex-sim FILE`) and against a real server (`reflex bench --scenario FILE`), so the two
+//! tables compare like with like. The bench reads the tenants, the seed and the durations;
+//! `[device]`, `threads`, `qos` and `[qos_config]` describe the server, which the operator
+//! starts to match (they are printed, not enforced).
+//!
+//! Per tenant: one control connection REGISTERs it (LC: latency SLO, IOPS, read share; or BE)
+//! and receives its handle; `len(threads)` load connections each BIND to that handle; then
+//! every tenant's load runs at once, one bench thread per tenant (the engine of `reflex bench`,
+//! unchanged): open-loop Poisson at `load.open_iops` with at most `load.window` in flight per
+//! connection, or closed loop at `load.closed_depth`, with the tenant's read share and size.
+//! Latency is from the intended send time. At the end the tenants are unregistered. The
+//! table gives per tenant: sent and achieved IOPS, read p95/p99, whether an LC tenant met its
+//! SLO (p95 within the SLO and at least 99 % of what it sent answered), and RENEGOTIATE
+//! notices; `--json` prints the same as JSON.
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use reflex_client::{Client, ConnectionCore, NO_TENANT_HANDLE, RegisterBody, TenantClassRequest};
+use serde::{Deserialize, Serialize};
+
+use super::engine::{self, EngineConfig, Load, Outcome, Phase, Target};
+use super::stats::LatencySummary;
+use super::workload::{Access, WorkloadSpec};
+
+/// Most tenants one scenario may run (each is a bench thread and its connections).
+pub const TENANTS_MAX: usize = 32;
+/// Most load connections per tenant.
+pub const CONNECTIONS_PER_TENANT_MAX: usize = 64;
+/// Longest measurement a scenario may ask for.
+const DURATION_MAX: Duration = Duration::from_secs(3600);
+/// Open loop: in-flight limit per connection unless the file says otherwise (the server's
+/// window caps it).
+const WINDOW_DEFAULT: u32 = 1024;
+/// An LC tenant meets its SLO when at least this share of what it sent was answered.
+const ANSWERED_SHARE_MIN: f64 = 0.99;
+
+/// A scenario file (the simulator's format; the server-side keys are accepted and shown).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ScenarioFile {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    pub duration_ms: u64,
+    #[serde(default)]
+    pub warmup_ms: u64,
+    /// Server-side: dataplane threads the scenario assumes.
+    #[serde(default)]
+    pub threads: Option<u16>,
+    /// Server-side: whether the scenario assumes QoS on.
+    #[serde(default)]
+    pub qos: Option<bool>,
+    /// Server-side: the device (and its QoS profile) the scenario assumes.
+    #[serde(default)]
+    pub device: Option<toml::Table>,
+    #[serde(default)]
+    pub qos_config: Option<toml::Table>,
+    #[serde(rename = "tenant")]
+    pub tenants: Vec<TenantToml>,
+}
+
+fn default_seed() -> u64 {
+    1
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Class {
+    Lc,
+    Be,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantToml {
+    pub name: String,
+    pub class: Class,
+    #[serde(default)]
+    pub latency_us_p95: Option<u64>,
+    #[serde(default)]
+    pub iops: Option<u64>,
+    #[serde(default = "default_read_percent")]
+    pub read_percent: u8,
+    #[serde(default = "default_size")]
+    pub size_bytes: u32,
+    /// One load connection per entry (the simulator places them on these threads; a real
+    /// server's kernel spreads them).
+    #[serde(default = "default_connection")]
+    pub threads: Vec<u16>,
+    /// Simulator only (a copy of the tenant per thread); refused here.
+    #[serde(default)]
+    pub per_thread: bool,
+    pub load: LoadToml,
+}
+
+fn default_read_percent() -> u8 {
+    100
+}
+
+fn default_size() -> u32 {
+    4096
+}
+
+fn default_connection() -> Vec<u16> {
+    vec![0]
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadToml {
+    #[serde(default)]
+    pub open_iops: Option<u64>,
+    #[serde(default)]
+    pub closed_depth: Option<u32>,
+    #[serde(default)]
+    pub read_percent: Option<u8>,
+    #[serde(default)]
+    pub window: Option<u32>,
+}
+
+impl ScenarioFile {
+    pub fn load(path: &Path) -> Result<ScenarioFile> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let scenario: ScenarioFile =
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        scenario.validate()?;
+        Ok(scenario)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.tenants.is_empty() || self.tenants.len() > TENANTS_MAX {
+            bail!("scenario {}: 1 to {TENANTS_MAX} tenants", self.name);
+        }
+        if self.duration_ms == 0 || Duration::from_millis(self.duration_ms) > DURATION_MAX {
+            bail!("scenario {}: duration_ms must be in 1..=3600000", self.name);
+        }
+        for tenant in &self.tenants {
+            let name = &tenant.name;
+            if tenant.per_thread {
+                bail!("tenant {name}: per_thread tenants exist only in the simulator");
+            }
+            if tenant.threads.is_empty() || tenant.threads.len() > CONNECTIONS_PER_TENANT_MAX {
+                bail!("tenant {name}: 1 to {CONNECTIONS_PER_TENANT_MAX} connections (threads)");
+            }
+            if tenant.class == Class::Lc
+                && (tenant.latency_us_p95.is_none() || tenant.iops.is_none())
+            {
+                bail!("LC tenant {name} needs latency_us_p95 and iops");
+            }
+            if tenant
+                .latency_us_p95
+                .is_some_and(|l| l == 0 || l > u64::from(u32::MAX))
+            {
+                bail!("tenant {name}: latency_us_p95 out of range");
+            }
+            let load = tenant.load;
+            if load.open_iops.is_some() == load.closed_depth.is_some() {
+                bail!("tenant {name}: load needs exactly one of open_iops and closed_depth");
+            }
+            if load.open_iops == Some(0) || load.closed_depth == Some(0) || load.window == Some(0) {
+                bail!("tenant {name}: load values must be above 0");
+            }
+            if tenant.read_percent > 100 || load.read_percent.is_some_and(|r| r > 100) {
+                bail!("tenant {name}: read_percent above 100");
+            }
+            if tenant.size_bytes == 0 || tenant.size_bytes % 512 != 0 || tenant.size_bytes > 1 << 20
+            {
+                bail!("tenant {name}: size_bytes must be a multiple of 512 up to 1 MiB");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the caller (`reflex bench`) decides for a scenario run.
+#[derive(Debug, Clone)]
+pub struct ScenarioOptions {
+    pub address: SocketAddr,
+    /// `None`: the first namespace the server announces.
+    pub namespace: Option<u32>,
+    /// Override the file's durations.
+    pub duration: Option<Duration>,
+    pub warmup: Option<Duration>,
+    pub seed: Option<u64>,
+    pub spin: bool,
+    pub cpus: Vec<usize>,
+    pub json: bool,
+    pub quiet: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ScenarioReport {
+    pub scenario: String,
+    pub description: String,
+    pub server: String,
+    pub namespace: u32,
+    pub seed: u64,
+    pub warmup_sec: f64,
+    pub duration_sec: f64,
+    /// What the file assumes of the server (threads, QoS, device), for the record.
+    pub assumed_threads: Option<u16>,
+    pub assumed_qos: Option<bool>,
+    pub assumed_device: Option<String>,
+    pub assumed_qos_config: Option<String>,
+    pub tenants: Vec<TenantRow>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TenantRow {
+    pub name: String,
+    pub class: Class,
+    pub latency_us_p95: Option<u64>,
+    pub iops_reserved: Option<u64>,
+    pub handle: u64,
+    pub connections: usize,
+    /// Open loop: the target rate; closed loop: `None` (as many as it gets).
+    pub rate_target_per_sec: Option<f64>,
+    pub queue_depth: u32,
+    /// Open loop: arrivals per second in the measurement (answered or never issued).
+    pub sent_iops: Option<f64>,
+    pub iops: f64,
+    pub read: LatencySummary,
+    pub write: LatencySummary,
+    /// LC tenants: read p95 within the SLO and ≥ 99 % of what was sent answered.
+    pub slo_met: Option<bool>,
+    pub notices: u64,
+    pub unissued_ops: u64,
+    pub errors: u64,
+    pub first_error: Option<String>,
+}
+
+/// A tenant ready to run: its handle and its bound load connections.
+struct Prepared {
+    handle: u64,
+    connections: Vec<(TcpStream, ConnectionCore)>,
+    config: EngineConfig,
+}
+
+/// Runs the scenario at `path`, prints the table (or JSON), and fails on request errors.
+pub fn run(path: &Path, options: &ScenarioOptions) -> Result<()> {
+    let scenario = ScenarioFile::load(path)?;
+    let report = execute(&scenario, options)?;
+    let mut stdout = std::io::stdout().lock();
+    if options.json {
+        serde_json::to_writer_pretty(&mut stdout, &report)?;
+        writeln!(stdout)?;
+    } else {
+        print_table(&mut stdout, &report)?;
+    }
+    stdout.flush()?;
+    for tenant in &report.tenants {
+        if tenant.errors > 0 {
+            bail!(
+                "tenant {}: {} requests failed; first: {}",
+                tenant.name,
+                tenant.errors,
+                tenant.first_error.as_deref().unwrap_or("")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Registers the tenants, runs them all at once, unregisters them, and reports.
+pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<ScenarioReport> {
+    let address = options.address;
+    let mut control =
+        Client::connect(address).with_context(|| format!("connecting to {address}"))?;
+    let capabilities = control.capabilities().clone();
+    let namespace = match options.namespace {
+        Some(id) => id,
+        None => match capabilities.namespaces.first() {
+            Some(namespace) => namespace.id,
+            None => bail!("the server at {address} announces no namespace"),
+        },
+    };
+    let Some(info) = capabilities.namespace(namespace) else {
+        bail!("the server has no namespace {namespace}");
+    };
+    let size_bytes = info.size_bytes;
+    let seed = options.seed.unwrap_or(scenario.seed);
+    let warmup = options
+        .warmup
+        .unwrap_or(Duration::from_millis(scenario.warmup_ms));
+    let duration = options
+        .duration
+        .unwrap_or(Duration::from_millis(scenario.duration_ms));
+
+    // Admission first, for every tenant; a refusal undoes the registrations made so far.
+    let mut handles = Vec::new();
+    for tenant in &scenario.tenants {
+        let class = match tenant.class {
+            Class::Lc => TenantClassRequest::LatencyCritical {
+                latency_us_p95: tenant.latency_us_p95.unwrap_or(0) as u32,
+                iops: tenant.iops.unwrap_or(0),
+                read_percent: tenant.read_percent,
+            },
+            Class::Be => TenantClassRequest::BestEffort,
+        };
+        let body = RegisterBody {
+            namespace_id: namespace,
+            class,
+            read_only: false,
+            handle: NO_TENANT_HANDLE,
+        };
+        match control.register(&body) {
+            Ok(handle) => handles.push(handle),
+            Err(error) => {
+                unregister_all(&mut control, &handles);
+                return Err(error).with_context(|| format!("registering tenant {}", tenant.name));
+            }
+        }
+    }
+    let prepared = prepare(
+        scenario, options, namespace, size_bytes, seed, warmup, duration, &handles,
+    );
+    let prepared = match prepared {
+        Ok(prepared) => prepared,
+        Err(error) => {
+            unregister_all(&mut control, &handles);
+            return Err(error);
+        }
+    };
+    if !options.quiet {
+        eprintln!(
+            "scenario {}: {} tenants on {address} namespace {namespace}, {:.1} s warm-up + {:.1} s",
+            scenario.name,
+            scenario.tenants.len(),
+            warmup.as_secs_f64(),
+            duration.as_secs_f64()
+        );
+    }
+    let outcomes: Vec<Result<Outcome>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prepared
+            .into_iter()
+            .map(|tenant| {
+                scope.spawn(move || {
+                    engine::run_with_connections(&tenant.config, vec![tenant.connections], None)
+                        .map(|outcome| (tenant.handle, outcome))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| {
+                handle
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("tenant thread panicked")))
+                    .map(|(_, outcome)| outcome)
+            })
+            .collect()
+    });
+    unregister_all(&mut control, &handles);
+    let mut rows = Vec::new();
+    for ((tenant, handle), outcome) in scenario.tenants.iter().zip(&handles).zip(outcomes) {
+        let outcome = outcome.with_context(|| format!("tenant {}", tenant.name))?;
+        rows.push(row(tenant, *handle, &outcome, capabilities.window_requests));
+    }
+    Ok(ScenarioReport {
+        scenario: scenario.name.clone(),
+        description: scenario.description.clone(),
+        server: address.to_string(),
+        namespace,
+        seed,
+        warmup_sec: warmup.as_secs_f64(),
+        duration_sec: duration.as_secs_f64(),
+        assumed_threads: scenario.threads,
+        assumed_qos: scenario.qos,
+        assumed_device: scenario.device.as_ref().map(table_text),
+        assumed_qos_config: scenario.qos_config.as_ref().map(table_text),
+        tenants: rows,
+    })
+}
+
+fn table_text(table: &toml::Table) -> String {
+    table
+        .iter()
+        .map(|(key, value)| format!("{key}={value}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn unregister_all(control: &mut Client, handles: &[u64]) {
+    for &handle in handles {
+        if let Err(error) = control.unregister(handle) {
+            eprintln!("warning: unregistering tenant handle {handle}: {error}");
+        }
+    }
+}
+
+/// Opens and binds each tenant's load connections and builds its engine run.
+#[allow(clippy::too_many_arguments)]
+fn prepare(
+    scenario: &ScenarioFile,
+    options: &ScenarioOptions,
+    namespace: u32,
+    size_bytes: u64,
+    seed: u64,
+    warmup: Duration,
+    duration: Duration,
+    handles: &[u64],
+) -> Result<Vec<Prepared>> {
+    let mut prepared = Vec::new();
+    for (index, (tenant, &handle)) in scenario.tenants.iter().zip(handles).enumerate() {
+        let mut connections = Vec::new();
+        let mut window = u32::MAX;
+        for _ in &tenant.threads {
+            let mut client = Client::connect(options.address)
+                .with_context(|| format!("tenant {}: connecting", tenant.name))?;
+            client
+                .bind(handle)
+                .with_context(|| format!("tenant {}: BIND", tenant.name))?;
+            window = window.min(client.capabilities().window_requests);
+            let (stream, core, _) = client.into_pipelined().into_parts();
+            connections.push((stream, core));
+        }
+        let io_size_bytes = tenant.size_bytes;
+        let range_length_bytes = size_bytes - size_bytes % u64::from(io_size_bytes);
+        if range_length_bytes == 0 {
+            bail!("namespace {namespace} holds no I/O of {io_size_bytes} bytes");
+        }
+        let read_percent = tenant.load.read_percent.unwrap_or(tenant.read_percent);
+        let window = window.min(engine::QUEUE_DEPTH_MAX);
+        let load = match (tenant.load.open_iops, tenant.load.closed_depth) {
+            (Some(rate), _) => Load::Open {
+                rate_per_sec: rate as f64,
+                queue_depth_max: tenant.load.window.unwrap_or(WINDOW_DEFAULT).min(window),
+            },
+            (None, Some(depth)) => Load::Closed {
+                queue_depth: depth.min(window),
+            },
+            (None, None) => bail!("tenant {}: no load", tenant.name),
+        };
+        let config = EngineConfig {
+            target: Target::Remote {
+                address: options.address,
+                namespace,
+            },
+            threads: 1,
+            channels_per_thread: connections.len(),
+            load,
+            workload: WorkloadSpec {
+                read_ratio: f64::from(read_percent) / 100.0,
+                io_size_bytes,
+                access: Access::Random,
+                range_start_bytes: 0,
+                range_length_bytes,
+            },
+            phase: Phase::Measure,
+            seed: seed ^ ((index as u64 + 1) << 32),
+            verify_seed: None,
+            warmup,
+            duration,
+            ops_max: None,
+            spin: options.spin,
+            cpus: options.cpus.clone(),
+        };
+        prepared.push(Prepared {
+            handle,
+            connections,
+            config,
+        });
+    }
+    Ok(prepared)
+}
+
+fn row(tenant: &TenantToml, handle: u64, outcome: &Outcome, window: u32) -> TenantRow {
+    let measured_sec = (outcome.measured_ns as f64 / 1e9).max(1e-9);
+    let read = outcome.read.summary();
+    let rate_target_per_sec = tenant.load.open_iops.map(|rate| rate as f64);
+    let sent_ops = outcome.measured_ops + outcome.unissued_ops;
+    let sent_iops = rate_target_per_sec.map(|_| sent_ops as f64 / measured_sec);
+    let slo_met = match (tenant.class, tenant.latency_us_p95) {
+        (Class::Lc, Some(latency_us_p95)) => {
+            let answered_enough =
+                outcome.measured_ops as f64 >= ANSWERED_SHARE_MIN * sent_ops as f64;
+            Some(read.p95_us <= latency_us_p95 as f64 && answered_enough && outcome.errors == 0)
+        }
+        _ => None,
+    };
+    let queue_depth = match (tenant.load.open_iops, tenant.load.closed_depth) {
+        (Some(_), _) => tenant.load.window.unwrap_or(WINDOW_DEFAULT).min(window),
+        (None, Some(depth)) => depth.min(window),
+        (None, None) => 0,
+    };
+    TenantRow {
+        name: tenant.name.clone(),
+        class: tenant.class,
+        latency_us_p95: tenant.latency_us_p95,
+        iops_reserved: tenant.iops,
+        handle,
+        connections: tenant.threads.len(),
+        rate_target_per_sec,
+        queue_depth,
+        sent_iops,
+        iops: outcome.measured_ops as f64 / measured_sec,
+        read,
+        write: outcome.write.summary(),
+        slo_met,
+        notices: outcome.notices,
+        unissued_ops: outcome.unissued_ops,
+        errors: outcome.errors,
+        first_error: outcome.first_error.clone(),
+    }
+}
+
+fn human(count: f64) -> String {
+    if count >= 1e6 {
+        format!("{:.2}M", count / 1e6)
+    } else if count >= 1e3 {
+        format!("{:.1}K", count / 1e3)
+    } else {
+        format!("{count:.0}")
+    }
+}
+
+pub fn print_table(out: &mut impl Write, report: &ScenarioReport) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "# scenario {}: {} namespace {}, seed {}, {:.1} s measured after {:.1} s warm-up",
+        report.scenario,
+        report.server,
+        report.namespace,
+        report.seed,
+        report.duration_sec,
+        report.warmup_sec
+    )?;
+    if let Some(device) = &report.assumed_device {
+        writeln!(
+            out,
+            "# the file assumes: device {device}; threads {}; QoS {}",
+            report
+                .assumed_threads
+                .map_or("?".to_string(), |t| t.to_string()),
+            match report.assumed_qos {
+                Some(false) => "off",
+                _ => "on",
+            }
+        )?;
+        if let Some(knobs) = &report.assumed_qos_config {
+            writeln!(out, "# and QoS knobs: {knobs}")?;
+        }
+    }
+    writeln!(
+        out,
+        "| tenant | class | SLO | sent IOPS | IOPS | read p95 µs | read p99 µs | write p95 µs | SLO met | notices |"
+    )?;
+    writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|---|---:|")?;
+    for tenant in &report.tenants {
+        let slo = match (tenant.latency_us_p95, tenant.iops_reserved) {
+            (Some(latency), Some(iops)) => format!("{} @ {latency} µs", human(iops as f64)),
+            _ => "-".to_string(),
+        };
+        let sent = match tenant.sent_iops {
+            Some(sent) => human(sent),
+            None => format!("qd {}", tenant.queue_depth),
+        };
+        let met = match tenant.slo_met {
+            Some(true) => "yes",
+            Some(false) => "**no**",
+            None => "-",
+        };
+        let write_p95 = if tenant.write.count > 0 {
+            format!("{:.0}", tenant.write.p95_us)
+        } else {
+            "-".to_string()
+        };
+        writeln!(
+            out,
+            "| {} | {} | {slo} | {sent} | {} | {:.0} | {:.0} | {write_p95} | {met} | {} |",
+            tenant.name,
+            match tenant.class {
+                Class::Lc => "LC",
+                Class::Be => "BE",
+            },
+            human(tenant.iops),
+            tenant.read.p95_us,
+            tenant.read.p99_us,
+            tenant.notices
+        )?;
+    }
+    writeln!(out, "(latencies from the intended send time)")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(text: &str) -> Result<ScenarioFile> {
+        let scenario: ScenarioFile = toml::from_str(text)?;
+        scenario.validate()?;
+        Ok(scenario)
+    }
+
+    #[test]
+    fn reads_the_simulators_scenarios() {
+        for name in [
+            "fig5-scenario1.toml",
+            "fig5-scenario2.toml",
+            "fig5-scenario1-qos-off.toml",
+        ] {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../scenarios")
+                .join(name);
+            let scenario = ScenarioFile::load(&path).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            assert_eq!(scenario.tenants.len(), 4);
+            assert_eq!(scenario.tenants[0].class, Class::Lc);
+            assert_eq!(scenario.tenants[2].load.closed_depth, Some(32));
+        }
+    }
+
+    /// A real server with the small device's profile on a memory namespace.
+    fn server(qos: bool) -> reflex_server::ServerHandle {
+        let profile = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../profiles/device-a-small.toml")
+            .display()
+            .to_string();
+        let config = reflex_server::Config {
+            listen: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+            port: 0,
+            original_ports: Some(Vec::new()),
+            nbd: reflex_server::NbdConfig {
+                enabled: false,
+                ..reflex_server::NbdConfig::default()
+            },
+            threads: 1,
+            window: 32,
+            arena_bytes_per_thread: 16 << 20,
+            qos,
+            namespaces: vec![reflex_server::NamespaceConfig {
+                size_bytes: Some(64 << 20),
+                profile: Some(profile),
+                ..reflex_server::NamespaceConfig::new(1, "mem:64M")
+            }],
+            ..reflex_server::Config::default()
+        };
+        reflex_server::Server::start(config).unwrap_or_else(|e| panic!("server: {e}"))
+    }
+
+    fn options(server: &reflex_server::ServerHandle) -> ScenarioOptions {
+        ScenarioOptions {
+            address: server.native_addr(),
+            namespace: None,
+            duration: None,
+            warmup: None,
+            seed: None,
+            spin: false,
+            cpus: Vec::new(),
+            json: true,
+            quiet: true,
+        }
+    }
+
+    const TWO_TENANTS: &str = r#"
+        name = "two"
+        duration_ms = 300
+        warmup_ms = 50
+        [device]
+        emulated = "device-a-small"
+        [[tenant]]
+        name = "A"
+        class = "lc"
+        latency_us_p95 = 2000
+        iops = 2000
+        read_percent = 100
+        threads = [0, 0]
+        load = { open_iops = 1000 }
+        [[tenant]]
+        name = "C"
+        class = "be"
+        read_percent = 50
+        load = { closed_depth = 4 }
+    "#;
+
+    #[test]
+    fn tenants_register_bind_run_and_leave() {
+        let server = server(true);
+        let scenario = check(TWO_TENANTS).unwrap_or_else(|e| panic!("{e:#}"));
+        let report = execute(&scenario, &options(&server)).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(report.tenants.len(), 2);
+        let (a, c) = (&report.tenants[0], &report.tenants[1]);
+        assert_eq!(
+            (a.name.as_str(), a.class, a.connections),
+            ("A", Class::Lc, 2)
+        );
+        assert_eq!(c.class, Class::Be);
+        assert_ne!(a.handle, c.handle);
+        for tenant in &report.tenants {
+            assert_eq!(tenant.errors, 0, "{:?}", tenant.first_error);
+            assert!(tenant.iops > 0.0);
+            assert!(tenant.read.count > 0);
+        }
+        assert!(c.write.count > 0, "half of C's I/O writes");
+        assert!(a.slo_met.is_some() && c.slo_met.is_none());
+        assert_eq!(a.rate_target_per_sec, Some(1000.0));
+        // Unregistered at the end: only the namespace's default tenant is left.
+        let tenants = server.tenants();
+        assert_eq!(tenants.len(), 1, "{tenants:?}");
+        let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+        let totals = reflex_server::tenant_totals(&stats);
+        // The server charged each tenant exactly what the bench saw answered (warm-up too).
+        assert!(totals[&a.handle].requests >= a.read.count);
+        assert!(totals[&c.handle].requests >= c.read.count + c.write.count);
+    }
+
+    #[test]
+    fn a_refused_tenant_fails_the_run_and_leaves_nothing_registered() {
+        let server = server(true);
+        // A fits; B, registered after it, does not: A must be unregistered again.
+        let too_big = format!(
+            "{TWO_TENANTS}\n[[tenant]]\nname = \"B\"\nclass = \"lc\"\nlatency_us_p95 = 2000\niops = 500000\nload = {{ open_iops = 10 }}\n"
+        );
+        let scenario = check(&too_big).unwrap_or_else(|e| panic!("{e:#}"));
+        let error = execute(&scenario, &options(&server)).err();
+        let text = error.map(|e| format!("{e:#}")).unwrap_or_default();
+        assert!(
+            text.starts_with("registering tenant B: registration refused: needs"),
+            "{text}"
+        );
+        assert_eq!(server.tenants().len(), 1);
+        server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_run() {
+        let tenant = |extra: &str| {
+            format!(
+                "name = \"t\"\nduration_ms = 10\n[[tenant]]\nname = \"a\"\nclass = \"be\"\n{extra}"
+            )
+        };
+        assert!(check(&tenant("load = { closed_depth = 4 }")).is_ok());
+        assert!(check(&tenant("load = { open_iops = 4, closed_depth = 4 }")).is_err());
+        assert!(check(&tenant("load = { closed_depth = 0 }")).is_err());
+        assert!(check(&tenant("per_thread = true\nload = { closed_depth = 4 }")).is_err());
+        assert!(check(&tenant("size_bytes = 1000\nload = { closed_depth = 4 }")).is_err());
+        assert!(check(&tenant("threads = []\nload = { closed_depth = 4 }")).is_err());
+        let lc_without_slo = "name = \"t\"\nduration_ms = 10\n[[tenant]]\nname = \"a\"\nclass = \"lc\"\nload = { open_iops = 4 }";
+        assert!(check(lc_without_slo).is_err());
+        assert!(check("name = \"t\"\nduration_ms = 10\ntenant = []").is_err());
+    }
+}

@@ -1,0 +1,790 @@
+//! The control plane: tenants, admission control and the messages that keep every dataplane
+//! thread's QoS schedulers in step (`docs/QOS.md`, "In reflexd").
+//!
+//! Why a mutex and mailboxes rather than a thread of its own: control requests (REGISTER,
+//! UNREGISTER, BIND, a connection's first I/O to a namespace, its close, a deficit episode)
+//! are rare next to I/O, and the thread that receives one must see its effect before it reads
+//! the next request of that connection (a BIND followed by a READ in the same receive must
+//! charge the READ to the new tenant). So the receiving dataplane thread performs the change
+//! itself, under [`ControlPlane`]'s lock, off the I/O path: it first takes every message
+//! still waiting for it (so messages reach each thread in the order they were made), changes
+//! the registries, and gets back the messages meant for itself to apply at once; messages for
+//! other threads go to their mailboxes, and the threads are woken through their eventfds.
+//! Each dataplane iteration checks one atomic flag and applies at most
+//! [`MESSAGES_PER_ITERATION_MAX`] waiting messages.
+//!
+//! Tenants: each namespace with a QoS profile has one `reflex_qos::TenantRegistry` (one
+//! device, one admission budget). Every tenant has a **handle** (u64, never reused while the
+//! server runs, never 0) that names it on the wire; the registry's dense `TenantId` (reused
+//! after UNREGISTER) names it inside that namespace's schedulers. Tenants come from three
+//! places: the namespace's default best-effort tenant (registered at startup; what
+//! connections that never BIND are charged to), tenants declared in the configuration and
+//! bound to the namespace or to an original-protocol port (admitted at startup: a refusal
+//! stops the server), and REGISTER requests (admitted at run time; the only ones UNREGISTER
+//! may remove).
+//!
+//! Invariants: a handle maps to exactly one live (namespace, `TenantId`) pair; a connection
+//! is counted in a registry (`connect`) exactly while it is in its connection's charge list
+//! (`core.rs`); lock order is state, then a mailbox.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fs::File;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use reflex_proto::native::{RegisterBody, RenegotiateBody, Status, TenantClassRequest};
+use reflex_qos::{
+    DeviceProfile, DeviceShared, LoadMode, Notice, Plan, RateUpdate, SchedulerEvent, TenantId,
+    TenantRegistry, TenantSpec,
+};
+
+use crate::config::Config;
+use crate::namespaces::NamespaceSet;
+
+/// Control messages one dataplane iteration applies at most (the rest wait for the next).
+pub const MESSAGES_PER_ITERATION_MAX: usize = 64;
+/// Longest REFUSED reason sent on the wire (longer ones are cut at a character boundary).
+pub const REASON_BYTES_MAX: usize = 1024;
+
+/// A tenant as the dataplane addresses it: the wire handle and the registry's id inside its
+/// namespace. [`TenantRef::NONE`] stands for "no tenant chosen": the namespace's default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TenantRef {
+    pub handle: u64,
+    pub id: u32,
+}
+
+impl TenantRef {
+    pub const NONE: TenantRef = TenantRef { handle: 0, id: 0 };
+
+    pub fn is_none(self) -> bool {
+        self.handle == 0
+    }
+}
+
+/// What the control plane tells one dataplane thread.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ControlMessage {
+    /// A rate update for this thread's scheduler of a namespace.
+    Rates {
+        namespace_index: u16,
+        update: RateUpdate,
+    },
+    /// The tenant was unregistered: I/O on connections bound to it is refused (PERMISSION)
+    /// from now on, and they no longer count as its connections.
+    Revoke { handle: u64 },
+    /// Send this RENEGOTIATE notice to every native connection charged to the tenant.
+    Notice { body: RenegotiateBody },
+}
+
+/// A tenant's entry, by handle.
+#[derive(Debug, Clone)]
+pub struct TenantEntry {
+    pub namespace_index: u16,
+    pub id: TenantId,
+    pub name: String,
+    pub spec: TenantSpec,
+    /// Writes and trims are refused.
+    pub read_only: bool,
+    /// Registered over the wire (UNREGISTER may remove it); configured and default tenants
+    /// live as long as the server.
+    pub dynamic: bool,
+}
+
+impl TenantEntry {
+    pub fn tenant_ref(&self, handle: u64) -> TenantRef {
+        TenantRef {
+            handle,
+            id: self.id.0,
+        }
+    }
+}
+
+/// The answer to a control request: a status and what follows the response header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlAnswer {
+    pub status: Status,
+    pub body: ControlBody,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlBody {
+    None,
+    /// REGISTER's OK answer.
+    Handle(u64),
+    /// REFUSED's reason, UTF-8, at most [`REASON_BYTES_MAX`] bytes.
+    Reason(String),
+}
+
+impl ControlAnswer {
+    fn status(status: Status) -> ControlAnswer {
+        ControlAnswer {
+            status,
+            body: ControlBody::None,
+        }
+    }
+
+    fn refused(reason: &str) -> ControlAnswer {
+        let mut end = reason.len().min(REASON_BYTES_MAX);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        ControlAnswer {
+            status: Status::Refused,
+            body: ControlBody::Reason(reason[..end].to_string()),
+        }
+    }
+}
+
+/// What a BIND resolved to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Binding {
+    pub tenant: TenantRef,
+    pub namespace_index: u16,
+    pub read_only: bool,
+}
+
+/// The QoS setup of one namespace, for the dataplane threads.
+#[derive(Debug, Clone)]
+pub struct NamespaceQosSetup {
+    pub shared: Arc<DeviceShared>,
+    /// The tenant of connections that chose none.
+    pub default_tenant: TenantRef,
+    /// Configured tenants admitted on this namespace, by name.
+    pub tenants: Vec<(String, TenantRef)>,
+}
+
+/// A tenant as the operator sees it ([`crate::ServerHandle::tenant`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantInfo {
+    pub handle: u64,
+    pub name: String,
+    pub namespace_id: u32,
+    pub spec: TenantSpec,
+    pub read_only: bool,
+    pub dynamic: bool,
+    /// Its connections on each dataplane thread.
+    pub connections_per_thread: Vec<u32>,
+    /// Deficit episodes so far (one RENEGOTIATE notice each).
+    pub deficit_episodes: u64,
+    /// Whether a deficit episode is going on.
+    pub in_deficit_episode: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("namespace {namespace_id}: cannot read QoS profile {path}: {reason}")]
+    Profile {
+        namespace_id: u32,
+        path: String,
+        reason: String,
+    },
+    #[error("namespace {namespace_id}: tenant {name:?} refused at startup: {reason}")]
+    Refused {
+        namespace_id: u32,
+        name: String,
+        reason: String,
+    },
+    #[error("namespace {namespace_id}: QoS configuration: {reason}")]
+    Qos { namespace_id: u32, reason: String },
+}
+
+struct Mailbox {
+    /// Set when `messages` may be non-empty; read once per dataplane iteration.
+    pending: AtomicBool,
+    messages: Mutex<VecDeque<ControlMessage>>,
+}
+
+struct NamespaceState {
+    namespace_id: u32,
+    registry: TenantRegistry,
+    /// The handle of each registered tenant id.
+    handles: BTreeMap<TenantId, u64>,
+}
+
+struct State {
+    threads: u16,
+    namespaces: Vec<Option<NamespaceState>>,
+    tenants: BTreeMap<u64, TenantEntry>,
+    next_handle: u64,
+    /// Messages for threads other than the registries' rate updates: (thread, message).
+    outbox: Vec<(u16, ControlMessage)>,
+}
+
+/// Tenants, registries and the threads' mailboxes. Shared by the server handle and every
+/// dataplane thread.
+pub struct ControlPlane {
+    state: Mutex<State>,
+    mailboxes: Box<[Mailbox]>,
+    wakers: Vec<Arc<File>>,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("threads", &self.mailboxes.len())
+            .finish()
+    }
+}
+
+impl ControlPlane {
+    /// Builds a registry for every namespace with a profile, admits the configured tenants
+    /// bound to it and registers its default best-effort tenant. `wakers[t]` wakes thread
+    /// `t`. Returns the plane and each namespace's setup (`None`: no profile, FIFO).
+    pub fn start(
+        config: &Config,
+        namespaces: &NamespaceSet,
+        wakers: Vec<Arc<File>>,
+    ) -> Result<(ControlPlane, Vec<Option<NamespaceQosSetup>>), ControlError> {
+        let threads = config.threads as u16;
+        assert!(threads >= 1);
+        assert_eq!(wakers.len(), usize::from(threads));
+        let mut state = State {
+            threads,
+            namespaces: Vec::new(),
+            tenants: BTreeMap::new(),
+            next_handle: 1,
+            outbox: Vec::new(),
+        };
+        let mut setups = Vec::new();
+        for (index, namespace) in config.effective_namespaces().iter().enumerate() {
+            let namespace_index = index as u16;
+            assert_eq!(namespaces.id(namespace_index), namespace.id);
+            let Some(path) = &namespace.profile else {
+                state.namespaces.push(None);
+                setups.push(None);
+                continue;
+            };
+            let profile_error = |reason: String| ControlError::Profile {
+                namespace_id: namespace.id,
+                path: path.clone(),
+                reason,
+            };
+            let text = std::fs::read_to_string(path).map_err(|e| profile_error(e.to_string()))?;
+            let profile =
+                DeviceProfile::from_toml(&text).map_err(|e| profile_error(e.to_string()))?;
+            let registry = TenantRegistry::new(profile, config.qos_config.clone(), threads)
+                .map_err(|e| ControlError::Qos {
+                    namespace_id: namespace.id,
+                    reason: e.to_string(),
+                })?;
+            state.namespaces.push(Some(NamespaceState {
+                namespace_id: namespace.id,
+                registry,
+                handles: BTreeMap::new(),
+            }));
+            let mut tenants = Vec::new();
+            for name in config.tenants_bound_to(namespace.id) {
+                let declared = config.tenant(&name);
+                let spec = declared.spec().map_err(|reason| ControlError::Qos {
+                    namespace_id: namespace.id,
+                    reason,
+                })?;
+                let handle = state
+                    .register(namespace_index, spec, &name, false, false)
+                    .map_err(|reason| ControlError::Refused {
+                        namespace_id: namespace.id,
+                        name: name.clone(),
+                        reason,
+                    })?;
+                tenants.push((name, state.tenant_ref(handle)));
+            }
+            let default_handle = state
+                .register(
+                    namespace_index,
+                    TenantSpec::BestEffort,
+                    "(default)",
+                    false,
+                    false,
+                )
+                .map_err(|reason| ControlError::Refused {
+                    namespace_id: namespace.id,
+                    name: "(default)".into(),
+                    reason,
+                })?;
+            setups.push(Some(NamespaceQosSetup {
+                shared: Arc::new(DeviceShared::new(config.qos_config.read_only_window())),
+                default_tenant: state.tenant_ref(default_handle),
+                tenants,
+            }));
+        }
+        let mailboxes = (0..threads)
+            .map(|_| Mailbox {
+                pending: AtomicBool::new(false),
+                messages: Mutex::new(VecDeque::new()),
+            })
+            .collect();
+        let plane = ControlPlane {
+            state: Mutex::new(state),
+            mailboxes,
+            wakers,
+        };
+        // The registries' first messages (device rates) wait in the mailboxes until each
+        // thread starts; no thread runs yet, so none needs waking.
+        {
+            let mut state = plane.lock();
+            plane.distribute(&mut state, None);
+        }
+        Ok((plane, setups))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock is a bug in this module; the state is still
+        // consistent enough to keep serving (every change is applied or refused whole).
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether messages may be waiting for `thread` (one relaxed atomic load: the hot path).
+    #[inline]
+    pub fn has_messages(&self, thread: usize) -> bool {
+        self.mailboxes[thread].pending.load(Ordering::Acquire)
+    }
+
+    /// Takes up to `max` waiting messages of `thread`, oldest first.
+    pub fn take_messages(&self, thread: usize, max: usize, out: &mut Vec<ControlMessage>) {
+        let mailbox = &self.mailboxes[thread];
+        let mut messages = mailbox
+            .messages
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for _ in 0..max {
+            match messages.pop_front() {
+                Some(message) => out.push(message),
+                None => break,
+            }
+        }
+        mailbox
+            .pending
+            .store(!messages.is_empty(), Ordering::Release);
+    }
+
+    /// Runs `change` on the state for thread `thread` and returns its result with the
+    /// messages `thread` must apply now: first those that were waiting for it, then the new
+    /// ones, in order. Messages for other threads go to their mailboxes.
+    fn change<R>(
+        &self,
+        thread: usize,
+        own: &mut Vec<ControlMessage>,
+        change: impl FnOnce(&mut State) -> R,
+    ) -> R {
+        let mut state = self.lock();
+        self.take_messages(thread, usize::MAX, own);
+        let result = change(&mut state);
+        let woken = self.distribute_to(&mut state, Some(thread), own);
+        drop(state);
+        self.wake(&woken);
+        result
+    }
+
+    /// Moves the registries' updates and the outbox to the mailboxes (startup: no thread to
+    /// serve directly).
+    fn distribute(&self, state: &mut State, own_thread: Option<usize>) {
+        let mut none = Vec::new();
+        let woken = self.distribute_to(state, own_thread, &mut none);
+        assert!(none.is_empty());
+        let _ = woken;
+    }
+
+    /// Returns the other threads that got messages.
+    fn distribute_to(
+        &self,
+        state: &mut State,
+        own_thread: Option<usize>,
+        own: &mut Vec<ControlMessage>,
+    ) -> u64 {
+        let mut woken = 0u64;
+        let mut send = |thread: usize, message: ControlMessage| {
+            if Some(thread) == own_thread {
+                own.push(message);
+                return;
+            }
+            let mailbox = &self.mailboxes[thread];
+            mailbox
+                .messages
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push_back(message);
+            mailbox.pending.store(true, Ordering::Release);
+            woken |= 1u64 << thread;
+        };
+        for (index, namespace) in state.namespaces.iter_mut().enumerate() {
+            let Some(namespace) = namespace else {
+                continue;
+            };
+            for (thread, update) in namespace.registry.take_updates() {
+                send(
+                    usize::from(thread),
+                    ControlMessage::Rates {
+                        namespace_index: index as u16,
+                        update,
+                    },
+                );
+            }
+        }
+        for (thread, message) in state.outbox.drain(..) {
+            send(usize::from(thread), message);
+        }
+        woken
+    }
+
+    fn wake(&self, threads: &u64) {
+        for (thread, waker) in self.wakers.iter().enumerate() {
+            if threads & (1u64 << thread) != 0 {
+                // Fails only when the counter would overflow: the thread is woken already.
+                let _ = (&**waker).write(&1u64.to_ne_bytes());
+            }
+        }
+    }
+
+    // ----- Requests from the dataplane ----------------------------------------------------------
+
+    /// REGISTER on `namespace_index` (`None`: the body names no namespace of this server).
+    pub fn register(
+        &self,
+        thread: usize,
+        namespace_index: Option<u16>,
+        body: &RegisterBody,
+        own: &mut Vec<ControlMessage>,
+    ) -> ControlAnswer {
+        let Some(namespace_index) = namespace_index else {
+            return ControlAnswer::status(Status::NoSuchNamespace);
+        };
+        let spec = match body.class {
+            TenantClassRequest::LatencyCritical {
+                latency_us_p95,
+                iops,
+                read_percent,
+            } => TenantSpec::LatencyCritical {
+                latency_us_p95: u64::from(latency_us_p95),
+                iops,
+                read_percent,
+            },
+            TenantClassRequest::BestEffort => TenantSpec::BestEffort,
+        };
+        self.change(thread, own, |state| {
+            if state.namespace(namespace_index).is_none() {
+                return ControlAnswer::refused(&format!(
+                    "namespace {} has no QoS profile: tenants cannot register",
+                    body.namespace_id
+                ));
+            }
+            if body.handle == 0 {
+                let name = format!("handle {}", state.next_handle);
+                return match state.register(namespace_index, spec, &name, body.read_only, true) {
+                    Ok(handle) => ControlAnswer {
+                        status: Status::Ok,
+                        body: ControlBody::Handle(handle),
+                    },
+                    Err(reason) => ControlAnswer::refused(&reason),
+                };
+            }
+            let Some(entry) = state.tenants.get(&body.handle) else {
+                return ControlAnswer::status(Status::Invalid);
+            };
+            if !entry.dynamic || entry.namespace_index != namespace_index {
+                return ControlAnswer::status(Status::Permission);
+            }
+            if entry.read_only != body.read_only {
+                return ControlAnswer::status(Status::Invalid);
+            }
+            let id = entry.id;
+            let Some(namespace) = state.namespace(namespace_index) else {
+                return ControlAnswer::status(Status::Invalid);
+            };
+            match namespace.registry.reregister(id, spec) {
+                Ok(()) => {
+                    if let Some(entry) = state.tenants.get_mut(&body.handle) {
+                        entry.spec = spec;
+                    }
+                    ControlAnswer {
+                        status: Status::Ok,
+                        body: ControlBody::Handle(body.handle),
+                    }
+                }
+                Err(error) => ControlAnswer::refused(&error.to_string()),
+            }
+        })
+    }
+
+    /// UNREGISTER: removes a tenant registered over the wire.
+    pub fn unregister(
+        &self,
+        thread: usize,
+        handle: u64,
+        own: &mut Vec<ControlMessage>,
+    ) -> ControlAnswer {
+        self.change(thread, own, |state| {
+            let Some(entry) = state.tenants.get(&handle) else {
+                return ControlAnswer::status(Status::Invalid);
+            };
+            if !entry.dynamic {
+                return ControlAnswer::status(Status::Permission);
+            }
+            let (namespace_index, id) = (entry.namespace_index, entry.id);
+            let Some(namespace) = state.namespace(namespace_index) else {
+                return ControlAnswer::status(Status::Invalid);
+            };
+            if let Err(error) = namespace.registry.unregister(id) {
+                tracing::error!(handle, %error, "registry refused to unregister a known tenant");
+                return ControlAnswer::status(Status::Invalid);
+            }
+            namespace.handles.remove(&id);
+            state.tenants.remove(&handle);
+            for thread in 0..state.threads {
+                state
+                    .outbox
+                    .push((thread, ControlMessage::Revoke { handle }));
+            }
+            tracing::info!(handle, "tenant unregistered");
+            ControlAnswer::status(Status::Ok)
+        })
+    }
+
+    /// Looks up a handle for BIND and counts one more connection of it on `thread`.
+    pub fn bind(
+        &self,
+        thread: usize,
+        handle: u64,
+        own: &mut Vec<ControlMessage>,
+    ) -> Option<Binding> {
+        self.change(thread, own, |state| {
+            let entry = state.tenants.get(&handle)?;
+            let binding = Binding {
+                tenant: entry.tenant_ref(handle),
+                namespace_index: entry.namespace_index,
+                read_only: entry.read_only,
+            };
+            state.connect(handle, thread as u16).then_some(binding)
+        })
+    }
+
+    /// Counts a connection of `handle` on `thread`; false when the tenant is gone.
+    pub fn connect(&self, thread: usize, handle: u64, own: &mut Vec<ControlMessage>) -> bool {
+        self.change(thread, own, |state| state.connect(handle, thread as u16))
+    }
+
+    /// A connection of each of `handles` on `thread` is gone (tenants that are gone
+    /// already are skipped).
+    pub fn disconnect(
+        &self,
+        thread: usize,
+        handles: impl Iterator<Item = u64>,
+        own: &mut Vec<ControlMessage>,
+    ) {
+        self.change(thread, own, |state| {
+            for handle in handles {
+                let Some(entry) = state.tenants.get(&handle) else {
+                    continue;
+                };
+                let (namespace_index, id) = (entry.namespace_index, entry.id);
+                if let Some(namespace) = state.namespace(namespace_index)
+                    && let Err(error) = namespace.registry.disconnect(id, thread as u16)
+                {
+                    tracing::error!(handle, %error, "disconnecting a tenant that has no connection here");
+                }
+            }
+        });
+    }
+
+    /// A scheduler event of `thread`: deficit episodes become at most one RENEGOTIATE
+    /// notice per tenant episode, sent to every thread with connections of the tenant.
+    /// `observed_iops_here` is the tenant's recent request rate on `thread`.
+    pub fn scheduler_event(
+        &self,
+        thread: usize,
+        namespace_index: u16,
+        event: SchedulerEvent,
+        observed_iops_here: u64,
+        own: &mut Vec<ControlMessage>,
+    ) {
+        self.change(thread, own, |state| {
+            let Some(namespace) = state.namespace(namespace_index) else {
+                return;
+            };
+            let Some(Notice::Renegotiate { tenant, episode }) =
+                namespace.registry.handle_event(thread as u16, event)
+            else {
+                return;
+            };
+            let Some(&handle) = namespace.handles.get(&tenant) else {
+                return;
+            };
+            let connections = namespace
+                .registry
+                .connections(tenant)
+                .map(<[u32]>::to_vec)
+                .unwrap_or_default();
+            let here = connections.get(thread).copied().unwrap_or(0).max(1);
+            let total: u32 = connections.iter().sum();
+            let (reserved_iops, reserved_tokens_per_sec) = match namespace.registry.spec(tenant) {
+                Some(TenantSpec::LatencyCritical {
+                    iops, read_percent, ..
+                }) => {
+                    let rate =
+                        namespace
+                            .registry
+                            .costs()
+                            .reservation(iops, read_percent, LoadMode::Mixed);
+                    (iops, rate.as_tokens_per_sec_f64().round() as u64)
+                }
+                _ => (0, 0),
+            };
+            let body = RenegotiateBody {
+                handle,
+                episode,
+                reserved_iops,
+                reserved_tokens_per_sec,
+                observed_iops: observed_iops_here.saturating_mul(u64::from(total.max(here)))
+                    / u64::from(here),
+            };
+            let name = state
+                .tenants
+                .get(&handle)
+                .map_or_else(String::new, |entry| entry.name.clone());
+            tracing::info!(
+                handle,
+                tenant = %name,
+                episode,
+                reserved_iops,
+                observed_iops = body.observed_iops,
+                "tenant reached its deficit limit: RENEGOTIATE notice"
+            );
+            for (thread, &count) in connections.iter().enumerate() {
+                if count > 0 {
+                    state
+                        .outbox
+                        .push((thread as u16, ControlMessage::Notice { body }));
+                }
+            }
+        });
+    }
+
+    // ----- Queries (operators, tests) ----------------------------------------------------------
+
+    /// A tenant by handle.
+    pub fn tenant(&self, handle: u64) -> Option<TenantInfo> {
+        let mut state = self.lock();
+        let entry = state.tenants.get(&handle)?.clone();
+        let namespace = state.namespace(entry.namespace_index)?;
+        let (deficit_episodes, in_deficit_episode) = namespace
+            .registry
+            .deficit_episodes(entry.id)
+            .unwrap_or((0, false));
+        Some(TenantInfo {
+            handle,
+            name: entry.name,
+            namespace_id: namespace.namespace_id,
+            spec: entry.spec,
+            read_only: entry.read_only,
+            dynamic: entry.dynamic,
+            connections_per_thread: namespace
+                .registry
+                .connections(entry.id)
+                .map(<[u32]>::to_vec)
+                .unwrap_or_default(),
+            deficit_episodes,
+            in_deficit_episode,
+        })
+    }
+
+    /// Every tenant, by handle.
+    pub fn tenants(&self) -> Vec<TenantInfo> {
+        let handles: Vec<u64> = self.lock().tenants.keys().copied().collect();
+        handles
+            .into_iter()
+            .filter_map(|handle| self.tenant(handle))
+            .collect()
+    }
+
+    /// The current allocation of a namespace's device (`None`: no QoS there).
+    pub fn plan(&self, namespace_index: u16) -> Option<Plan> {
+        let mut state = self.lock();
+        state
+            .namespace(namespace_index)
+            .map(|namespace| namespace.registry.plan())
+    }
+
+    /// The name of a tenant, for logs (including tenants that are gone: their handle).
+    pub fn name(&self, handle: u64) -> String {
+        self.lock()
+            .tenants
+            .get(&handle)
+            .map_or_else(|| format!("handle {handle}"), |entry| entry.name.clone())
+    }
+}
+
+impl State {
+    fn namespace(&mut self, namespace_index: u16) -> Option<&mut NamespaceState> {
+        self.namespaces
+            .get_mut(usize::from(namespace_index))
+            .and_then(Option::as_mut)
+    }
+
+    fn tenant_ref(&self, handle: u64) -> TenantRef {
+        match self.tenants.get(&handle) {
+            Some(entry) => entry.tenant_ref(handle),
+            None => TenantRef::NONE,
+        }
+    }
+
+    /// Admits a tenant; returns its new handle or the refusal's reason.
+    fn register(
+        &mut self,
+        namespace_index: u16,
+        spec: TenantSpec,
+        name: &str,
+        read_only: bool,
+        dynamic: bool,
+    ) -> Result<u64, String> {
+        let handle = self.next_handle;
+        let Some(namespace) = self.namespace(namespace_index) else {
+            return Err("no QoS on this namespace".into());
+        };
+        let id = namespace
+            .registry
+            .register(spec)
+            .map_err(|e| e.to_string())?;
+        namespace.handles.insert(id, handle);
+        let namespace_id = namespace.namespace_id;
+        self.next_handle += 1;
+        self.tenants.insert(
+            handle,
+            TenantEntry {
+                namespace_index,
+                id,
+                name: name.to_string(),
+                spec,
+                read_only,
+                dynamic,
+            },
+        );
+        tracing::info!(
+            handle,
+            tenant = name,
+            namespace = namespace_id,
+            ?spec,
+            "tenant admitted"
+        );
+        Ok(handle)
+    }
+
+    fn connect(&mut self, handle: u64, thread: u16) -> bool {
+        let Some(entry) = self.tenants.get(&handle) else {
+            return false;
+        };
+        let (namespace_index, id) = (entry.namespace_index, entry.id);
+        let Some(namespace) = self.namespace(namespace_index) else {
+            return false;
+        };
+        match namespace.registry.connect(id, thread) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::error!(handle, %error, "cannot count a connection of a known tenant");
+                false
+            }
+        }
+    }
+}
