@@ -23,7 +23,9 @@ const FILE_BYTES: u64 = 16 << 20;
 static HEAVY: Mutex<()> = Mutex::new(());
 
 fn heavy() -> MutexGuard<'static, ()> {
-    HEAVY.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    HEAVY
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn reflex(args: &[&str]) -> Output {

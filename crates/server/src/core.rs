@@ -1906,7 +1906,8 @@ impl Core {
                 account.stats.bytes += u64::from(request.size_bytes);
                 account.stats.millitokens += request.cost.0;
                 account.stats.scheduler_wait_ns += wait_ns;
-                account.stats.scheduler_wait_ns_max = account.stats.scheduler_wait_ns_max.max(wait_ns);
+                account.stats.scheduler_wait_ns_max =
+                    account.stats.scheduler_wait_ns_max.max(wait_ns);
             }
         }
         assert!(admitted.len() <= self.qos_queued as usize);
@@ -2008,7 +2009,12 @@ impl Core {
                 update,
             } => {
                 if let Some(namespace) = self.qos[usize::from(namespace_index)].as_mut() {
-                    tracing::debug!(thread = self.thread_index, namespace_index, ?update, "rate update");
+                    tracing::debug!(
+                        thread = self.thread_index,
+                        namespace_index,
+                        ?update,
+                        "rate update"
+                    );
                     namespace.scheduler.apply(update, now);
                 }
             }

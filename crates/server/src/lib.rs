@@ -564,7 +564,9 @@ pub fn tenant_totals(stats: &[CoreStats]) -> BTreeMap<u64, TenantStats> {
         total.deficit_episodes += tenant.deficit_episodes;
         total.arrivals += tenant.arrivals;
         total.scheduler_wait_ns += tenant.scheduler_wait_ns;
-        total.scheduler_wait_ns_max = total.scheduler_wait_ns_max.max(tenant.scheduler_wait_ns_max);
+        total.scheduler_wait_ns_max = total
+            .scheduler_wait_ns_max
+            .max(tenant.scheduler_wait_ns_max);
         total.device_ns += tenant.device_ns;
     }
     totals

@@ -388,8 +388,11 @@ fn large_pipelined_reads_survive_partial_sends() {
 
 #[test]
 fn an_exhausted_arena_makes_requests_wait_not_fail() {
-    // One thread with a 2 MiB arena and three connections each pipelining eight 1 MiB
-    // writes: most requests must wait for a buffer, and every one is answered.
+    // One thread with a 2 MiB arena. Phase 1: three connections each pipeline eight 1 MiB
+    // writes and read them back. Phase 2 forces exhaustion whatever the timing: one
+    // connection pipelines sixteen 1 MiB reads and does not read the answers until the
+    // socket buffers are full, so answers stuck in sends hold both arena halves and the
+    // later reads must wait for a buffer. Every request is answered, none fails.
     let mut config = config(vec![namespace(1, "mem:32M", None)]);
     config.threads = 1;
     config.arena_bytes_per_thread = 2 << 20;
@@ -433,6 +436,23 @@ fn an_exhausted_arena_makes_requests_wait_not_fail() {
     for worker in workers {
         worker.join().unwrap_or_else(|_| panic!("worker panicked"));
     }
+
+    let mut stalled = Raw::connect(addr);
+    for block in 0..16u64 {
+        stalled.send(
+            &RequestHeader::read(100 + block, 1, block << 20, 1 << 20),
+            &[],
+        );
+    }
+    wait_until_receive_queue_stops_growing(&stalled.stream);
+    for _ in 0..16 {
+        let (response, back) = stalled.receive();
+        assert_eq!(response.status(), Ok(Status::Ok));
+        let block = response.request_id - 100;
+        let expected = pattern(block / 8, 1 << 20);
+        assert!(back == expected, "stalled read of block {block}");
+    }
+
     let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
     assert!(
         stats[0].buffer_waits > 0,
@@ -442,6 +462,31 @@ fn an_exhausted_arena_makes_requests_wait_not_fail() {
         stats[0].requests_per_state[0], 256,
         "every request slot is free again"
     );
+}
+
+/// Polls the bytes queued on `stream` (FIONREAD) until they stop growing for a while: the
+/// sender is then blocked on a full socket. Bounded: gives up after 30 s.
+fn wait_until_receive_queue_stops_growing(stream: &std::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let queued = || {
+        let mut bytes: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one c_int through the pointer, which is live.
+        let rc = unsafe { libc::ioctl(stream.as_raw_fd(), libc::FIONREAD, &mut bytes) };
+        assert_eq!(rc, 0, "FIONREAD: {}", std::io::Error::last_os_error());
+        bytes
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let (mut last, mut unchanged_polls) = (queued(), 0);
+    while unchanged_polls < 20 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        let now = queued();
+        unchanged_polls = if now == last && now > 0 {
+            unchanged_polls + 1
+        } else {
+            0
+        };
+        last = now;
+    }
 }
 
 #[test]

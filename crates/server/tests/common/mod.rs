@@ -112,14 +112,26 @@ impl Raw {
 
     /// True when the server closed the connection (EOF or reset) rather than answering.
     pub fn is_closed_by_server(&mut self) -> bool {
-        let mut byte = [0u8; 1];
-        match self.stream.read(&mut byte) {
-            Ok(0) => true,
-            Ok(_) => false,
-            Err(e) => matches!(
-                e.kind(),
-                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted
-            ),
+        let mut bytes = [0u8; 64];
+        loop {
+            match self.stream.read(&mut bytes) {
+                Ok(0) => return true,
+                Ok(n) => {
+                    eprintln!("expected a close, received {:?}", &bytes[..n]);
+                    return false;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    let closed = matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted
+                    );
+                    if !closed {
+                        eprintln!("expected a close, the read failed: {e} ({:?})", e.kind());
+                    }
+                    return closed;
+                }
+            }
         }
     }
 }
