@@ -1,21 +1,35 @@
 #!/usr/bin/env bash
-# Side-by-side benchmark of NBD servers with one client, fio's nbd engine, on loopback:
-# reflexd, nbdkit (memory and file plugins), qemu-nbd and nbd-server, plus fio's io_uring engine
-# on the same file locally and a raw TCP ping-pong as the latency floor (issue 5, item 3).
+# Side-by-side benchmark of NBD servers on loopback: reflexd, nbdkit (memory and file plugins),
+# qemu-nbd and nbd-server, each loaded by two clients (issue 5, item 3):
+#   fio         the standard client: fio's nbd engine (libnbd, one connection), plus fio's
+#               io_uring engine on the same file locally and a raw TCP ping-pong as the
+#               latency floor;
+#   saturating  `reflex bench --server nbd://...`: the bench engine over NBD, several
+#               connections, requests batched per send, so that the server, not the client,
+#               is the bottleneck (fio's client tops out near 65K IOPS on its core).
 #
 #   bench/peers.sh                  # everything, REPS repetitions, medians
 #   REPS=1 RUNTIME_S=2 bench/peers.sh   # a quick smoke run
+#   SECTIONS=saturating bench/peers.sh  # only the saturating-client section
 #   QUIET_WAIT_S=600 bench/peers.sh     # wait for a quiet machine before each job
 #
-# Cases, all 4 KiB random reads, one connection:
+# Cases of the fio section, all 4 KiB random reads, one connection:
 #   hot   data in memory (nbdkit memory, reflexd mem:, the others on a tmpfs file):
 #         QD1 latency percentiles, QD32 IOPS, each server's CPU time -> IOPS per server core
 #   disk  a file on the root (ext4) disk read with O_DIRECT where the server can (qemu-nbd
 #         cache=none, reflexd, fio locally); nbdkit file uses cache=none (page cache evicted
 #         after each read), nbd-server has no such option and reads through the page cache
 #   floor `reflex pingpong`: TCP round trips of 32 B and 4 KiB messages
-# Servers run pinned to SERVER_CPU, fio and the ping-pong client to CLIENT_CPU (taskset).
-# Writes docs/results/peers.md and docs/img/peers.svg; raw fio JSON stays under $OUT.
+# Cases of the saturating section, 4 KiB random reads, closed loop, no warm-up:
+#   hot   SAT_CONNECTIONS connections x SAT_QD (default 4 x 32) against reflexd (blocking and
+#         --poll), nbdkit memory, qemu-nbd and nbd-server (tmpfs): IOPS, each server's CPU
+#         time -> IOPS per server core
+#   disk  SAT_DISK_CONNECTIONS x SAT_DISK_QD (default 1 x 32) against reflexd (blocking and
+#         --poll), nbdkit file and qemu-nbd on the disk file, next to `reflex bench --local`
+#         (io_uring, O_DIRECT) with the same queue depth on the same file: remote/local ratio
+# Servers run pinned to SERVER_CPU, fio, `reflex bench` and the ping-pong client to CLIENT_CPU
+# (taskset); the local baselines run on SERVER_CPU (see run_one).
+# Writes docs/results/peers.md and docs/img/peers.svg; raw JSON stays under $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib/common.sh
@@ -27,6 +41,12 @@ DISK_SIZE=${DISK_SIZE:-1G}
 SERVER_CPU=${SERVER_CPU:-1}
 CLIENT_CPU=${CLIENT_CPU:-0}
 PINGPONG_COUNT=${PINGPONG_COUNT:-20000}
+# Which sections to run: "fio", "saturating" or both.
+SECTIONS=${SECTIONS:-fio saturating}
+SAT_CONNECTIONS=${SAT_CONNECTIONS:-4}
+SAT_QD=${SAT_QD:-32}
+SAT_DISK_CONNECTIONS=${SAT_DISK_CONNECTIONS:-1}
+SAT_DISK_QD=${SAT_DISK_QD:-32}
 # Before each job, wait up to QUIET_WAIT_S for every CPU to be at most QUIET_MAX_PERCENT busy
 # with other processes (0: do not wait). The report shows how busy the server CPU was anyway.
 QUIET_WAIT_S=${QUIET_WAIT_S:-0}
@@ -44,6 +64,14 @@ export PYTHONDONTWRITEBYTECODE=1
 
 [ "$REPS" -ge 1 ] && [ "$REPS" -le 20 ] || die "REPS must be 1..20"
 [ "$RUNTIME_S" -ge 1 ] && [ "$RUNTIME_S" -le 120 ] || die "RUNTIME_S must be 1..120"
+for value in "$SAT_CONNECTIONS" "$SAT_DISK_CONNECTIONS"; do
+    [ "$value" -ge 1 ] && [ "$value" -le 64 ] || die "SAT_*CONNECTIONS must be 1..64"
+done
+for value in "$SAT_QD" "$SAT_DISK_QD"; do
+    [ "$value" -ge 1 ] && [ "$value" -le 1024 ] || die "SAT_*QD must be 1..1024"
+done
+section() { [[ " $SECTIONS " == *" $1 "* ]]; }
+section fio || section saturating || die "SECTIONS must name fio and/or saturating"
 require fio nbdkit qemu-nbd nbd-server nbdinfo taskset "$PY" cargo
 [ "$(nproc)" -gt "$SERVER_CPU" ] && [ "$(nproc)" -gt "$CLIENT_CPU" ] || die "no CPU $SERVER_CPU/$CLIENT_CPU"
 fio --enghelp=nbd >/dev/null 2>&1 || die "fio lacks the nbd engine"
@@ -57,7 +85,9 @@ case "$(fs_type "$DISK_DIR")" in
     tmpfs | ramfs) die "DISK_DIR=$DISK_DIR is in memory; the disk case needs a disk filesystem" ;;
 esac
 RUNS="$OUT/runs.tsv"
+SAT_RUNS="$OUT/sat.tsv"
 : >"$RUNS"
+: >"$SAT_RUNS"
 trap 'stop_tracked; rm -rf "$HOT_DIR"' EXIT
 trap 'exit 130' INT TERM
 
@@ -82,6 +112,8 @@ fi
     echo "nbd-server=$(nbd-server -V 2>&1 | head -1 | sed 's/.*version //')"
     echo "libnbd=$(nbdinfo --version | tail -1)"
     echo "reps=$REPS runtime_s=$RUNTIME_S hot_size=$HOT_SIZE disk_size=$DISK_SIZE server_cpu=$SERVER_CPU client_cpu=$CLIENT_CPU"
+    echo "sections=$SECTIONS"
+    echo "saturating=hot ${SAT_CONNECTIONS}x QD$SAT_QD, disk ${SAT_DISK_CONNECTIONS}x QD$SAT_DISK_QD"
 } >"$OUT/machine.txt"
 
 # --- Data ---------------------------------------------------------------------------------------
@@ -146,7 +178,7 @@ stop_server() { # key
 
 fill_over_nbd() { # key
     note "filling $1 over NBD"
-    taskset -c "$CLIENT_CPU" fio --name=fill --ioengine=nbd --uri="$(uri_of "$1")" --rw=write \
+    timeout 600 taskset -c "$CLIENT_CPU" fio --name=fill --ioengine=nbd --uri="$(uri_of "$1")" --rw=write \
         --bs=1M --iodepth=4 --size="$HOT_SIZE" --refill_buffers --output="$OUT/fill-$1.txt" \
         || die "filling $1 failed"
 }
@@ -278,7 +310,7 @@ run_one() { # case name qd rep
     [ -z "$pid" ] || before=$(cpu_ticks "$pid")
     busy_before=$(cpu_busy_ticks "$SERVER_CPU")
     start=$(now_ns)
-    if ! taskset -c "$fio_cpu" fio --name="$case-$name" "${engine[@]}" --rw=randread --bs=4k \
+    if ! timeout $((RUNTIME_S + 60)) taskset -c "$fio_cpu" fio --name="$case-$name" "${engine[@]}" --rw=randread --bs=4k \
         --iodepth="$qd" --size="$size" --time_based --runtime="$RUNTIME_S" \
         --norandommap --randrepeat=0 --clat_percentiles=0 --lat_percentiles=1 \
         --percentile_list=50:90:99:99.9 --output-format=json --output="$json"; then
@@ -297,25 +329,97 @@ run_one() { # case name qd rep
         "$((after - before))" "$((end - start))" "$((busy_after - busy_before))" >>"$RUNS"
 }
 
-for ((rep = 1; rep <= REPS; rep++)); do
-    note "repetition $rep of $REPS: ping-pong"
-    if [ -x "$REFLEX" ] && "$REFLEX" pingpong --help >/dev/null 2>&1; then
-        "$REFLEX" pingpong --sizes 32,4k --count "$PINGPONG_COUNT" --server-cpu "$SERVER_CPU" \
-            --client-cpu "$CLIENT_CPU" --json >"$OUT/pingpong-rep$rep.json" \
-            || note "reflex pingpong failed"
+# Servers the saturating section loads (a subset of the fio section's, same instances).
+SAT_HOT_SERVERS=(reflexd-mem reflexd-mem-poll nbdkit-memory qemu-nbd nbd-server)
+SAT_DISK_SERVERS=(local reflexd-file reflexd-file-poll nbdkit-file qemu-nbd)
+declare -A SAT_UNAVAILABLE=()
+if [ ! -x "$REFLEX" ] || ! "$REFLEX" bench --help 2>/dev/null | grep -q 'nbd://'; then
+    for name in "${SAT_HOT_SERVERS[@]}"; do SAT_UNAVAILABLE[hot:$name]="reflex bench has no NBD mode"; done
+    for name in "${SAT_DISK_SERVERS[@]}"; do SAT_UNAVAILABLE[disk:$name]="reflex bench has no NBD mode"; done
+fi
+
+# One `reflex bench` run of the saturating section: closed loop, 4 KiB random reads, one bench
+# thread, no warm-up (the server's CPU time is read around the whole run, so every request it
+# served must be counted), bounded by `timeout`. The local baseline runs on the server's CPU,
+# as in run_one.
+run_sat() { # case name rep
+    local case=$1 name=$2 rep=$3 key="$1:$2" json pid="" connections qd cpu=$CLIENT_CPU
+    [ -z "${SAT_UNAVAILABLE[$key]:-}" ] || return 0
+    if [ "$case" = hot ]; then
+        connections=$SAT_CONNECTIONS qd=$SAT_QD
     else
-        note "reflex pingpong is not available; no latency floor"
+        connections=$SAT_DISK_CONNECTIONS qd=$SAT_DISK_QD
     fi
-    for qd in 1 32; do
-        for name in "${HOT_SERVERS[@]}"; do
-            note "repetition $rep: hot $name QD$qd"
-            run_one hot "$name" "$qd" "$rep"
+    json="$OUT/sat-$case-$name-rep$rep.json"
+    if [ -n "${EPHEMERAL[$key]:-}" ]; then
+        ${EPHEMERAL[$key]}
+        [ -z "${SERVERS[$key]:-}" ] || [ "$case" != hot ] || fill_over_nbd "$key"
+    fi
+    local target=()
+    if [ "$name" = local ]; then
+        target=(--local "$DISK_FILE")
+        cpu=$SERVER_CPU
+    else
+        [ -n "${SERVERS[$key]:-}" ] || return 0
+        read -r pid _ _ <<<"${SERVERS[$key]}"
+        target=(--server "$(uri_of "$key")")
+    fi
+    local before=0 after=0 start end busy_before busy_after
+    if [ "$QUIET_WAIT_S" -gt 0 ] && ! wait_quiet "$QUIET_MAX_PERCENT" "$QUIET_WAIT_S"; then
+        note "the machine stayed busy for ${QUIET_WAIT_S}s; running anyway"
+    fi
+    [ -z "$pid" ] || before=$(cpu_ticks "$pid")
+    busy_before=$(cpu_busy_ticks "$SERVER_CPU")
+    start=$(now_ns)
+    if ! timeout $((RUNTIME_S + 60)) taskset -c "$cpu" "$REFLEX" bench "${target[@]}" \
+        --threads 1 --connections "$connections" --qd "$qd" --io-size 4k --read-ratio 1 \
+        --pattern random --warmup 0 --duration "${RUNTIME_S}s" --seed "$rep" --json -q \
+        >"$json" 2>"$OUT/sat-$case-$name-rep$rep.err"; then
+        note "reflex bench failed: $case $name rep $rep (see $OUT/sat-$case-$name-rep$rep.err)"
+        [ -z "${EPHEMERAL[$key]:-}" ] || stop_server "$key"
+        return 0
+    fi
+    end=$(now_ns)
+    busy_after=$(cpu_busy_ticks "$SERVER_CPU")
+    sleep 0.2 # nbd-server's per-connection children exit and are reaped into its cutime
+    [ -z "$pid" ] || after=$(cpu_ticks "$pid")
+    [ -z "${EPHEMERAL[$key]:-}" ] || stop_server "$key"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$case" "$name" "$qd" "$rep" "$json" \
+        "$((after - before))" "$((end - start))" "$((busy_after - busy_before))" \
+        "$connections" >>"$SAT_RUNS"
+}
+
+for ((rep = 1; rep <= REPS; rep++)); do
+    if section fio; then
+        note "repetition $rep of $REPS: ping-pong"
+        if [ -x "$REFLEX" ] && "$REFLEX" pingpong --help >/dev/null 2>&1; then
+            timeout 600 "$REFLEX" pingpong --sizes 32,4k --count "$PINGPONG_COUNT" \
+                --server-cpu "$SERVER_CPU" --client-cpu "$CLIENT_CPU" --json \
+                >"$OUT/pingpong-rep$rep.json" || note "reflex pingpong failed"
+        else
+            note "reflex pingpong is not available; no latency floor"
+        fi
+        for qd in 1 32; do
+            for name in "${HOT_SERVERS[@]}"; do
+                note "repetition $rep: hot $name QD$qd"
+                run_one hot "$name" "$qd" "$rep"
+            done
+            for name in "${DISK_SERVERS[@]}"; do
+                note "repetition $rep: disk $name QD$qd"
+                run_one disk "$name" "$qd" "$rep"
+            done
         done
-        for name in "${DISK_SERVERS[@]}"; do
-            note "repetition $rep: disk $name QD$qd"
-            run_one disk "$name" "$qd" "$rep"
+    fi
+    if section saturating; then
+        for name in "${SAT_HOT_SERVERS[@]}"; do
+            note "repetition $rep: saturating client, hot $name ${SAT_CONNECTIONS}x QD$SAT_QD"
+            run_sat hot "$name" "$rep"
         done
-    done
+        for name in "${SAT_DISK_SERVERS[@]}"; do
+            note "repetition $rep: saturating client, disk $name ${SAT_DISK_CONNECTIONS}x QD$SAT_DISK_QD"
+            run_sat disk "$name" "$rep"
+        done
+    fi
 done
 echo "load_end=$(cut -d' ' -f1-3 /proc/loadavg)" >>"$OUT/machine.txt"
 
@@ -326,6 +430,16 @@ echo "load_end=$(cut -d' ' -f1-3 /proc/loadavg)" >>"$OUT/machine.txt"
     done
     for name in "${DISK_SERVERS[@]}"; do
         printf 'label\tdisk\t%s\t%s\t%s\n' "$name" "${DISK_LABEL[$name]}" "${UNAVAILABLE[disk:$name]:-}"
+    done
+    for name in "${SAT_HOT_SERVERS[@]}"; do
+        why=${SAT_UNAVAILABLE[hot:$name]:-${UNAVAILABLE[hot:$name]:-}}
+        printf 'label\tsat-hot\t%s\t%s\t%s\n' "$name" "${HOT_LABEL[$name]}" "$why"
+    done
+    for name in "${SAT_DISK_SERVERS[@]}"; do
+        why=${SAT_UNAVAILABLE[disk:$name]:-${UNAVAILABLE[disk:$name]:-}}
+        label=${DISK_LABEL[$name]}
+        [ "$name" != local ] || label="reflex bench --local (io_uring, O_DIRECT)"
+        printf 'label\tsat-disk\t%s\t%s\t%s\n' "$name" "$label" "$why"
     done
 } >"$OUT/labels.tsv"
 stop_tracked

@@ -2,7 +2,7 @@
 //! `reflexd` (started in-process on loopback port 0) or a real temporary file. Every run is
 //! bounded by an operation count, so the assertions are exact counts, never timings.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::process::{Command, Output};
 
 use reflex_server::{Config, NamespaceConfig, Server, ServerHandle};
@@ -10,26 +10,11 @@ use serde_json::Value;
 
 fn start_server(backend: String, size_bytes: Option<u64>) -> ServerHandle {
     let config = Config {
-        listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
-        port: 0,
-        original_ports: Some(Vec::new()),
-        nbd: reflex_server::NbdConfig {
-            enabled: false,
-            ..reflex_server::NbdConfig::default()
-        },
-        threads: 1,
         window: 32,
-        arena_bytes_per_thread: 16 << 20,
-        namespaces: vec![NamespaceConfig {
-            id: 1,
-            backend,
+        ..Config::loopback(vec![NamespaceConfig {
             size_bytes,
-            read_only: false,
-            name: None,
-            tenant: None,
-            profile: None,
-        }],
-        ..Config::default()
+            ..NamespaceConfig::new(1, backend)
+        }])
     };
     Server::start(config).unwrap_or_else(|error| panic!("server start: {error}"))
 }

@@ -3,8 +3,6 @@
 //! one request with every answer matched, and server refusals surfaced as typed errors while
 //! the connection stays usable.
 
-use std::net::{IpAddr, Ipv4Addr};
-
 use reflex_client::{Client, ClientError, Opcode, PipelinedClient, Status, SubmitError};
 use reflex_server::{Config, NamespaceConfig, Server, ServerHandle};
 
@@ -33,16 +31,8 @@ fn namespace(
 fn start(dir: &tempfile::TempDir) -> ServerHandle {
     let file = dir.path().join("ns2.img");
     let config = Config {
-        listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
-        port: 0,
-        original_ports: Some(Vec::new()),
-        nbd: reflex_server::NbdConfig {
-            enabled: false,
-            ..reflex_server::NbdConfig::default()
-        },
         threads: 2,
         window: 16,
-        arena_bytes_per_thread: 16 << 20,
         namespaces: vec![
             namespace(MEM_NAMESPACE, "mem:16M".to_string(), None, false),
             namespace(
@@ -53,7 +43,7 @@ fn start(dir: &tempfile::TempDir) -> ServerHandle {
             ),
             namespace(READ_ONLY_NAMESPACE, "mem:1M".to_string(), None, true),
         ],
-        ..Config::default()
+        ..Config::loopback(Vec::new())
     };
     Server::start(config).unwrap_or_else(|error| panic!("server start: {error}"))
 }

@@ -132,6 +132,13 @@ impl NamespaceConfig {
         }
     }
 
+    /// This namespace with `size_bytes` set (a file created at that size, or the first bytes
+    /// of a device).
+    pub fn sized(mut self, size_bytes: u64) -> NamespaceConfig {
+        self.size_bytes = Some(size_bytes);
+        self
+    }
+
     /// The name NBD clients use for this namespace: the configured one, or `ns<ID>`.
     pub fn export_name(&self) -> String {
         match &self.name {
@@ -457,6 +464,25 @@ impl Default for Config {
 }
 
 impl Config {
+    /// A server embedded in a test or a tool: the native protocol on a free loopback port
+    /// (port 0), no original-protocol ports, NBD off, one thread, a 16 MiB arena; QoS and
+    /// the rest as by default. Callers override fields with struct update syntax.
+    pub fn loopback(namespaces: Vec<NamespaceConfig>) -> Config {
+        Config {
+            listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            port: 0,
+            original_ports: Some(Vec::new()),
+            nbd: NbdConfig {
+                enabled: false,
+                ..NbdConfig::default()
+            },
+            threads: 1,
+            arena_bytes_per_thread: 16 << 20,
+            namespaces,
+            ..Config::default()
+        }
+    }
+
     pub fn from_toml(text: &str, path_for_errors: &str) -> Result<Config, ConfigError> {
         toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path_for_errors.to_string(),

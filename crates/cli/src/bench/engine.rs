@@ -1,5 +1,5 @@
-//! The load engine: bench threads, each driving its channels (connections to a server, or
-//! queues on a local file) from one io_uring loop.
+//! The load engine: bench threads, each driving its channels (connections to a server over
+//! the native protocol or NBD, or queues on a local file) from one io_uring loop.
 //!
 //! Why one loop per thread and nothing shared: the bench must drive hundreds of thousands of
 //! requests per second per core. A thread's loop reads the clock once per iteration, issues
@@ -28,9 +28,11 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
 use reflex_client::{ClientOptions, ConnectionCore, PipelinedClient};
 
+use super::nbd;
 use super::pattern::{self, Mismatch};
 use super::stats::Latency;
 use super::uring::{self, Event, Reactor};
+use super::wire::Wire;
 use super::workload::{Arrivals, FillGenerator, Op, OpGenerator, OpKind, WorkloadSpec};
 
 /// Longest wait for outstanding answers after issuing stopped.
@@ -48,6 +50,11 @@ pub enum Target {
     Remote {
         address: SocketAddr,
         namespace: u32,
+    },
+    /// An NBD server's export (empty name: the server's default export).
+    Nbd {
+        address: SocketAddr,
+        export: String,
     },
     Local {
         /// Opened once; each thread uses a clone of the descriptor.
@@ -173,25 +180,56 @@ pub fn connect_channel(address: SocketAddr) -> Result<(TcpStream, ConnectionCore
 pub fn run(config: &EngineConfig, progress: Option<&mpsc::Sender<Progress>>) -> Result<Outcome> {
     // Connections are made before any thread starts, so a refused connection fails the run
     // before load begins.
-    let mut per_thread_connections: Vec<Vec<(TcpStream, ConnectionCore)>> = Vec::new();
+    let mut per_thread_connections: Vec<Vec<(TcpStream, Wire)>> = Vec::new();
     for _ in 0..config.threads {
         let mut connections = Vec::new();
-        if let Target::Remote { address, .. } = &config.target {
-            for _ in 0..config.channels_per_thread {
-                connections.push(connect_channel(*address)?);
+        for _ in 0..config.channels_per_thread {
+            match &config.target {
+                Target::Remote { address, namespace } => {
+                    let (stream, core) = connect_channel(*address)?;
+                    let namespace = *namespace;
+                    connections.push((stream, Wire::Native { core, namespace }));
+                }
+                Target::Nbd { address, export } => {
+                    let (stream, core, _) = nbd::connect(*address, export)?;
+                    connections.push((stream, Wire::Nbd(core)));
+                }
+                Target::Local { .. } => break,
             }
         }
         per_thread_connections.push(connections);
     }
-    run_with_connections(config, per_thread_connections, progress)
+    run_with_wires(config, per_thread_connections, progress)
 }
 
-/// Runs the engine on connections the caller made (`connections[thread]`, one per channel;
-/// empty lists for a local target), e.g. connections that REGISTERed and BOUND to a tenant
-/// first (`reflex bench --scenario`).
+/// Runs the engine on native connections the caller made (`connections[thread]`, one per
+/// channel), e.g. connections that REGISTERed and BOUND to a tenant first (`reflex bench
+/// --scenario`). The target must be [`Target::Remote`].
 pub fn run_with_connections(
     config: &EngineConfig,
     per_thread_connections: Vec<Vec<(TcpStream, ConnectionCore)>>,
+    progress: Option<&mpsc::Sender<Progress>>,
+) -> Result<Outcome> {
+    let Target::Remote { namespace, .. } = config.target else {
+        bail!("native connections need a native target");
+    };
+    let wires = per_thread_connections
+        .into_iter()
+        .map(|connections| {
+            connections
+                .into_iter()
+                .map(|(stream, core)| (stream, Wire::Native { core, namespace }))
+                .collect()
+        })
+        .collect();
+    run_with_wires(config, wires, progress)
+}
+
+/// Runs the engine on connected channels (`connections[thread]`, one per channel; empty
+/// lists for a local target).
+fn run_with_wires(
+    config: &EngineConfig,
+    per_thread_connections: Vec<Vec<(TcpStream, Wire)>>,
     progress: Option<&mpsc::Sender<Progress>>,
 ) -> Result<Outcome> {
     assert!(config.threads >= 1);
@@ -200,7 +238,7 @@ pub fn run_with_connections(
     assert!((1..=QUEUE_DEPTH_MAX).contains(&queue_depth_max));
     let stream_count = (config.threads * config.channels_per_thread) as u64;
     assert_eq!(per_thread_connections.len(), config.threads);
-    if let Target::Remote { .. } = config.target {
+    if !matches!(config.target, Target::Local { .. }) {
         for connections in &per_thread_connections {
             assert_eq!(connections.len(), config.channels_per_thread);
         }
@@ -284,7 +322,6 @@ struct ThreadRun<'a> {
     completed_ops: u64,
     last_measured_ns: u64,
     events: Vec<Event>,
-    remote_namespace: u32,
     remote: bool,
 }
 
@@ -293,7 +330,7 @@ impl<'a> ThreadRun<'a> {
         config: &'a EngineConfig,
         thread_index: usize,
         stream_count: u64,
-        mut connections: Vec<(TcpStream, ConnectionCore)>,
+        mut connections: Vec<(TcpStream, Wire)>,
     ) -> Result<ThreadRun<'a>> {
         if let Some(cpu) = config
             .cpus
@@ -309,15 +346,14 @@ impl<'a> ThreadRun<'a> {
             Phase::Fill { chunk_bytes } => chunk_bytes,
         };
         let channel_count = config.channels_per_thread;
-        let (remote, remote_namespace, file) = match &config.target {
-            Target::Remote { namespace, .. } => (true, *namespace, None),
+        let (remote, file) = match &config.target {
+            Target::Remote { .. } | Target::Nbd { .. } => (true, None),
             Target::Local { file } => {
                 let file = file
                     .try_clone()
                     .context("duplicating the local file descriptor")?;
                 (
                     false,
-                    0,
                     Some((file, channel_count * queue_depth, io_size_max as usize)),
                 )
             }
@@ -358,7 +394,6 @@ impl<'a> ThreadRun<'a> {
             completed_ops: 0,
             last_measured_ns: 0,
             events: Vec::with_capacity(entries as usize * 2),
-            remote_namespace,
             remote,
         })
     }
@@ -530,29 +565,22 @@ impl<'a> ThreadRun<'a> {
             channel.in_flight += 1;
             let verify_seed = self.config.verify_seed;
             if self.remote {
-                let namespace = self.remote_namespace;
                 let payload = &self.payload;
                 let core = self.reactor.core(channel_index);
-                let submitted = match op.kind {
-                    OpKind::Read => core.submit_read(
-                        u64::from(slot_index),
-                        namespace,
-                        op.offset_bytes,
-                        op.length_bytes,
-                    ),
+                match op.kind {
+                    OpKind::Read => {
+                        core.submit_read(u64::from(slot_index), op.offset_bytes, op.length_bytes)?
+                    }
                     OpKind::Write => core.submit_write_with(
                         u64::from(slot_index),
-                        namespace,
                         op.offset_bytes,
                         op.length_bytes,
-                        false,
                         |buf| match verify_seed {
                             Some(seed) => pattern::fill(seed, op.offset_bytes, buf),
                             None => buf.copy_from_slice(&payload[..buf.len()]),
                         },
-                    ),
-                };
-                submitted.context("bench request refused by the connection core")?;
+                    )?,
+                }
             } else {
                 let slot = channel_index * queue_depth + slot_index as usize;
                 let length = op.length_bytes as usize;
@@ -608,37 +636,32 @@ impl<'a> ThreadRun<'a> {
         let verify_seed = self.config.verify_seed;
         let core = self.reactor.core(channel_index);
         let channel = &mut self.channels[channel_index];
-        while let Some(completion) = core
-            .poll_completion()
-            .with_context(|| format!("connection {channel_index}"))?
+        while let Some(answer) = core
+            .poll_answer()
+            .with_context(|| format!("bad answer on connection {channel_index}; closing it"))?
         {
-            if completion.is_notice() {
+            if answer.notice {
                 self.outcome.notices += 1;
                 continue;
             }
-            let Some(slot) = usize::try_from(completion.request_id)
+            let Some(slot) = usize::try_from(answer.request_id)
                 .ok()
                 .and_then(|index| channel.slots.get(index))
                 .copied()
             else {
                 bail!(
                     "answer for request id {} that the bench never used",
-                    completion.request_id
+                    answer.request_id
                 );
             };
-            let ok = completion.is_ok();
-            let failure = if ok {
-                None
-            } else {
-                completion.result().err().map(|error| error.to_string())
-            };
-            let mismatch = match (verify_seed, slot.op.kind, ok) {
-                (Some(seed), OpKind::Read, true) => {
-                    pattern::check(seed, slot.op.offset_bytes, completion.data)
+            let mismatch = match (verify_seed, slot.op.kind, &answer.failure) {
+                (Some(seed), OpKind::Read, None) => {
+                    pattern::check(seed, slot.op.offset_bytes, answer.data)
                 }
                 _ => None,
             };
-            channel.free_slots.push(completion.request_id as u32);
+            let failure = answer.failure;
+            channel.free_slots.push(answer.request_id as u32);
             channel.in_flight -= 1;
             record(
                 &mut self.outcome,

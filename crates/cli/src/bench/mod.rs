@@ -8,7 +8,9 @@
 //! writes separately, plus the queue-depth-1 probe when `--probe-rate` is set. `--local PATH`
 //! runs the very same engine with io_uring on a file or block device (O_DIRECT), the baseline
 //! that remote access is judged against. `--verify` first writes a pattern over the range,
-//! then patterned writes and checked reads; any mismatch fails the run.
+//! then patterned writes and checked reads; any mismatch fails the run. `--server
+//! nbd://HOST[:PORT][/EXPORT]` runs the same engine over NBD instead of the native protocol
+//! (`nbd.rs`), so that any NBD server can be loaded by a client that batches.
 //!
 //! Output: a table for people on stdout (or `--json` for scripts), a progress line on stderr
 //! once per second, exit status non-zero on any error or mismatch.
@@ -17,6 +19,8 @@
 //! its SLO, BINDs its connections and sends its own load; the table is per tenant.
 
 mod engine;
+mod nbd;
+mod nbd_core;
 mod pattern;
 pub mod pingpong;
 pub mod point;
@@ -25,6 +29,7 @@ pub mod scenario;
 mod stats;
 pub mod units;
 mod uring;
+mod wire;
 mod workload;
 
 use std::fs::{File, OpenOptions};
@@ -42,6 +47,7 @@ use reflex_client::Client;
 use serde::Serialize;
 
 use self::engine::{EngineConfig, Load, Outcome, Phase, Progress, Target};
+use self::nbd::NbdUri;
 use self::probe::{ProbeConfig, ProbeTarget};
 use self::stats::{Latency, LatencySummary};
 use self::units::{RateList, parse_duration, parse_rate_list, parse_size};
@@ -59,10 +65,13 @@ const FILL_CHUNK_MAX_BYTES: u32 = 128 * 1024;
 const FILL_QUEUE_DEPTH: u32 = 16;
 /// Default open-loop in-flight limit per connection when the server's window is larger.
 const OPEN_QUEUE_DEPTH_DEFAULT: u32 = 256;
+/// Largest NBD request the bench sends, whatever the server allows: the spec's safe maximum.
+const NBD_IO_SIZE_MAX_BYTES: u32 = 32 << 20;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Server address (native protocol).
+    /// Server address (native protocol), or nbd://HOST[:PORT][/EXPORT] for an NBD server
+    /// (default port 10809; no export name: the server's default export).
     #[arg(long, short = 's', default_value = "127.0.0.1:7070")]
     server: String,
     /// Run the workload with io_uring on this local file or block device instead of a server
@@ -164,6 +173,10 @@ enum Resolved {
         address: SocketAddr,
         namespace: u32,
     },
+    Nbd {
+        uri: NbdUri,
+        address: SocketAddr,
+    },
     Local {
         path: PathBuf,
         file: Arc<File>,
@@ -174,6 +187,10 @@ enum Resolved {
 #[derive(Serialize)]
 struct Report {
     target: String,
+    /// "native", "nbd" or "local".
+    protocol: &'static str,
+    /// NBD: the export name asked for (empty: the server's default).
+    export: Option<String>,
     local: bool,
     direct_io: Option<bool>,
     namespace: Option<u32>,
@@ -240,6 +257,9 @@ pub fn run(args: Args) -> Result<()> {
         if args.local.is_some() {
             bail!("--scenario runs against a server, not --local");
         }
+        if NbdUri::is_nbd(&args.server) {
+            bail!("--scenario needs the native protocol (tenants), not an nbd:// server");
+        }
         let address = args
             .server
             .to_socket_addrs()
@@ -286,6 +306,24 @@ pub fn run(args: Args) -> Result<()> {
                 capabilities.window_requests,
                 capabilities.io_size_max_bytes,
             )
+        }
+        Resolved::Nbd { uri, address } => {
+            // One handshake up front: sizes and flags, and a clear error for a bad export.
+            let (_, _, export) = nbd::connect(*address, &uri.export)?;
+            let block_size = u64::from(export.minimum_block_bytes());
+            if !args.io_size.is_multiple_of(block_size) || !args.offset.is_multiple_of(block_size) {
+                bail!(
+                    "--io-size and --offset must be multiples of the export's minimum block size {block_size}"
+                );
+            }
+            if export.is_read_only() && (args.read_ratio < 1.0 || args.verify) {
+                bail!(
+                    "NBD export {:?} is read-only: use --read-ratio 1 without --verify",
+                    uri.export
+                );
+            }
+            let io_size_max = export.maximum_payload_bytes().min(NBD_IO_SIZE_MAX_BYTES);
+            (export.size_bytes, engine::QUEUE_DEPTH_MAX, io_size_max)
         }
         Resolved::Local { file, .. } => {
             let mut handle = file.as_ref();
@@ -353,6 +391,10 @@ pub fn run(args: Args) -> Result<()> {
             address: *address,
             namespace: *namespace,
         },
+        Resolved::Nbd { uri, address } => Target::Nbd {
+            address: *address,
+            export: uri.export.clone(),
+        },
         Resolved::Local { file, .. } => Target::Local { file: file.clone() },
     };
     let base = EngineConfig {
@@ -388,6 +430,10 @@ pub fn run(args: Args) -> Result<()> {
                     address: *address,
                     namespace: *namespace,
                 },
+                Resolved::Nbd { uri, address } => ProbeTarget::Nbd {
+                    address: *address,
+                    export: uri.export.clone(),
+                },
                 Resolved::Local { file, .. } => ProbeTarget::Local { file: file.clone() },
             },
             workload,
@@ -408,10 +454,18 @@ pub fn run(args: Args) -> Result<()> {
 
     let (target_text, direct_io, namespace) = match &resolved {
         Resolved::Remote { address, namespace } => (address.to_string(), None, Some(*namespace)),
+        Resolved::Nbd { .. } => (args.server.clone(), None, None),
         Resolved::Local { path, direct, .. } => (path.display().to_string(), Some(*direct), None),
+    };
+    let (protocol, export) = match &resolved {
+        Resolved::Remote { .. } => ("native", None),
+        Resolved::Nbd { uri, .. } => ("nbd", Some(uri.export.clone())),
+        Resolved::Local { .. } => ("local", None),
     };
     let report = Report {
         target: target_text,
+        protocol,
+        export,
         local: matches!(resolved, Resolved::Local { .. }),
         direct_io,
         namespace,
@@ -490,6 +544,14 @@ fn resolve_target(args: &Args) -> Result<Resolved> {
                 file: Arc::new(file),
                 direct,
             })
+        }
+        None if NbdUri::is_nbd(&args.server) => {
+            if args.namespace.is_some() {
+                bail!("--namespace is for the native protocol; name the NBD export in the URI");
+            }
+            let uri = NbdUri::parse(&args.server)?;
+            let address = uri.resolve()?;
+            Ok(Resolved::Nbd { uri, address })
         }
         None => {
             let address = args
@@ -713,6 +775,8 @@ fn print_table(out: &mut impl Write, report: &Report) -> std::io::Result<()> {
                 "buffered"
             }
         )
+    } else if let Some(export) = &report.export {
+        format!("NBD {} export {export:?}", report.target)
     } else {
         format!(
             "remote {} namespace {}",

@@ -5,7 +5,8 @@
 //! their own queueing; the probe never queues behind itself, so it shows what one request
 //! costs while the server carries the load — the unloaded latency of the ReFlex paper's
 //! Table 2 when the load is light. It measures from the actual send, uses the blocking client
-//! (or positioned reads and writes on the local file), and follows the same read ratio,
+//! (the blocking NBD client for an NBD target, positioned reads and writes on a local file),
+//! and follows the same read ratio,
 //! range and `--verify` pattern as the load.
 
 use std::fs::File;
@@ -19,6 +20,7 @@ use anyhow::{Context, Result};
 use reflex_client::Client;
 
 use super::engine::Outcome;
+use super::nbd::BlockingNbd;
 use super::pattern;
 use super::uring::SLOT_ALIGNMENT_BYTES;
 use super::workload::{Arrivals, OpGenerator, OpKind, WorkloadSpec};
@@ -28,6 +30,7 @@ const PROBE_STREAM_INDEX: u64 = u64::MAX / 2;
 
 pub enum ProbeTarget {
     Remote { address: SocketAddr, namespace: u32 },
+    Nbd { address: SocketAddr, export: String },
     Local { file: Arc<File> },
 }
 
@@ -47,7 +50,14 @@ pub fn run(config: &ProbeConfig, stop: &AtomicBool) -> Result<Outcome> {
         ProbeTarget::Remote { address, .. } => {
             Some(Client::connect(address).context("connecting the probe")?)
         }
-        ProbeTarget::Local { .. } => None,
+        ProbeTarget::Nbd { .. } | ProbeTarget::Local { .. } => None,
+    };
+    let mut nbd_client = match &config.target {
+        ProbeTarget::Nbd { address, export } => Some(
+            BlockingNbd::connect(*address, export, config.workload.io_size_bytes)
+                .context("connecting the probe")?,
+        ),
+        _ => None,
     };
     let io_size = config.workload.io_size_bytes as usize;
     // An aligned buffer for O_DIRECT, carved from a larger allocation without unsafe.
@@ -96,6 +106,18 @@ pub fn run(config: &ProbeConfig, stop: &AtomicBool) -> Result<Outcome> {
             (ProbeTarget::Local { file }, _, OpKind::Write) => file
                 .write_all_at(buffer, op.offset_bytes)
                 .map_err(|error| error.to_string()),
+            (ProbeTarget::Nbd { .. }, _, OpKind::Read) => match nbd_client.as_mut() {
+                Some(nbd) => nbd
+                    .read(op.offset_bytes, buffer)
+                    .map_err(|error| format!("{error:#}")),
+                None => Err("probe has no connection".to_string()),
+            },
+            (ProbeTarget::Nbd { .. }, _, OpKind::Write) => match nbd_client.as_mut() {
+                Some(nbd) => nbd
+                    .write(op.offset_bytes, buffer)
+                    .map_err(|error| format!("{error:#}")),
+                None => Err("probe has no connection".to_string()),
+            },
             (ProbeTarget::Remote { .. }, None, _) => Err("probe has no connection".to_string()),
         };
         let latency_ns = sent.elapsed().as_nanos() as u64;

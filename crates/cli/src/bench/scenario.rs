@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use reflex_client::{Client, ConnectionCore, NO_TENANT_HANDLE, RegisterBody, TenantClassRequest};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use super::engine::{self, EngineConfig, Load, Outcome, Phase, Target};
 use super::stats::LatencySummary;
@@ -36,150 +36,58 @@ pub const TENANTS_MAX: usize = 32;
 pub const CONNECTIONS_PER_TENANT_MAX: usize = 64;
 /// Longest measurement a scenario may ask for.
 const DURATION_MAX: Duration = Duration::from_secs(3600);
-/// Open loop: in-flight limit per connection unless the file says otherwise (the server's
-/// window caps it).
-const WINDOW_DEFAULT: u32 = 1024;
 /// An LC tenant meets its SLO when at least this share of what it sent was answered.
 const ANSWERED_SHARE_MIN: f64 = 0.99;
 
-/// A scenario file (the simulator's format; the server-side keys are accepted and shown).
-#[derive(Debug, Clone, Deserialize)]
-pub struct ScenarioFile {
-    pub name: String,
-    #[serde(default)]
-    pub description: String,
-    #[serde(default = "default_seed")]
-    pub seed: u64,
-    pub duration_ms: u64,
-    #[serde(default)]
-    pub warmup_ms: u64,
-    /// Server-side: dataplane threads the scenario assumes.
-    #[serde(default)]
-    pub threads: Option<u16>,
-    /// Server-side: whether the scenario assumes QoS on.
-    #[serde(default)]
-    pub qos: Option<bool>,
-    /// Server-side: the device (and its QoS profile) the scenario assumes.
-    #[serde(default)]
-    pub device: Option<toml::Table>,
-    #[serde(default)]
-    pub qos_config: Option<toml::Table>,
-    #[serde(rename = "tenant")]
-    pub tenants: Vec<TenantToml>,
+/// A scenario file: the simulator's own type and parser, so the two runners cannot drift.
+pub use reflex_sim::scenario::{ClassToml as Class, Scenario as ScenarioFile, TenantSpecToml};
+
+/// Reads and checks a scenario file: the simulator's rules, then what a real run needs.
+pub fn load(path: &Path) -> Result<ScenarioFile> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    parse(&text, &path.display().to_string())
 }
 
-fn default_seed() -> u64 {
-    1
+fn parse(text: &str, origin: &str) -> Result<ScenarioFile> {
+    let scenario = ScenarioFile::from_toml(text, origin)?;
+    validate_for_real_run(&scenario)?;
+    Ok(scenario)
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Class {
-    Lc,
-    Be,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TenantToml {
-    pub name: String,
-    pub class: Class,
-    #[serde(default)]
-    pub latency_us_p95: Option<u64>,
-    #[serde(default)]
-    pub iops: Option<u64>,
-    #[serde(default = "default_read_percent")]
-    pub read_percent: u8,
-    #[serde(default = "default_size")]
-    pub size_bytes: u32,
-    /// One load connection per entry (the simulator places them on these threads; a real
-    /// server's kernel spreads them).
-    #[serde(default = "default_connection")]
-    pub threads: Vec<u16>,
-    /// Simulator only (a copy of the tenant per thread); refused here.
-    #[serde(default)]
-    pub per_thread: bool,
-    pub load: LoadToml,
-}
-
-fn default_read_percent() -> u8 {
-    100
-}
-
-fn default_size() -> u32 {
-    4096
-}
-
-fn default_connection() -> Vec<u16> {
-    vec![0]
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LoadToml {
-    #[serde(default)]
-    pub open_iops: Option<u64>,
-    #[serde(default)]
-    pub closed_depth: Option<u32>,
-    #[serde(default)]
-    pub read_percent: Option<u8>,
-    #[serde(default)]
-    pub window: Option<u32>,
-}
-
-impl ScenarioFile {
-    pub fn load(path: &Path) -> Result<ScenarioFile> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let scenario: ScenarioFile =
-            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-        scenario.validate()?;
-        Ok(scenario)
+/// What the simulator accepts but a real run cannot do.
+fn validate_for_real_run(scenario: &ScenarioFile) -> Result<()> {
+    if scenario.tenants.len() > TENANTS_MAX {
+        bail!("scenario {}: at most {TENANTS_MAX} tenants", scenario.name);
     }
-
-    fn validate(&self) -> Result<()> {
-        if self.tenants.is_empty() || self.tenants.len() > TENANTS_MAX {
-            bail!("scenario {}: 1 to {TENANTS_MAX} tenants", self.name);
-        }
-        if self.duration_ms == 0 || Duration::from_millis(self.duration_ms) > DURATION_MAX {
-            bail!("scenario {}: duration_ms must be in 1..=3600000", self.name);
-        }
-        for tenant in &self.tenants {
-            let name = &tenant.name;
-            if tenant.per_thread {
-                bail!("tenant {name}: per_thread tenants exist only in the simulator");
-            }
-            if tenant.threads.is_empty() || tenant.threads.len() > CONNECTIONS_PER_TENANT_MAX {
-                bail!("tenant {name}: 1 to {CONNECTIONS_PER_TENANT_MAX} connections (threads)");
-            }
-            if tenant.class == Class::Lc
-                && (tenant.latency_us_p95.is_none() || tenant.iops.is_none())
-            {
-                bail!("LC tenant {name} needs latency_us_p95 and iops");
-            }
-            if tenant
-                .latency_us_p95
-                .is_some_and(|l| l == 0 || l > u64::from(u32::MAX))
-            {
-                bail!("tenant {name}: latency_us_p95 out of range");
-            }
-            let load = tenant.load;
-            if load.open_iops.is_some() == load.closed_depth.is_some() {
-                bail!("tenant {name}: load needs exactly one of open_iops and closed_depth");
-            }
-            if load.open_iops == Some(0) || load.closed_depth == Some(0) || load.window == Some(0) {
-                bail!("tenant {name}: load values must be above 0");
-            }
-            if tenant.read_percent > 100 || load.read_percent.is_some_and(|r| r > 100) {
-                bail!("tenant {name}: read_percent above 100");
-            }
-            if tenant.size_bytes == 0 || tenant.size_bytes % 512 != 0 || tenant.size_bytes > 1 << 20
-            {
-                bail!("tenant {name}: size_bytes must be a multiple of 512 up to 1 MiB");
-            }
-        }
-        Ok(())
+    if Duration::from_millis(scenario.duration_ms) > DURATION_MAX {
+        bail!(
+            "scenario {}: duration_ms must be at most 3600000",
+            scenario.name
+        );
     }
+    if scenario.sweep.is_some() {
+        bail!(
+            "scenario {}: sweeps exist only in the simulator",
+            scenario.name
+        );
+    }
+    for tenant in &scenario.tenants {
+        let name = &tenant.name;
+        if tenant.per_thread {
+            bail!("tenant {name}: per_thread tenants exist only in the simulator");
+        }
+        if tenant.threads.is_empty() || tenant.threads.len() > CONNECTIONS_PER_TENANT_MAX {
+            bail!("tenant {name}: 1 to {CONNECTIONS_PER_TENANT_MAX} connections (threads)");
+        }
+        if tenant
+            .latency_us_p95
+            .is_some_and(|l| l == 0 || l > u64::from(u32::MAX))
+        {
+            bail!("tenant {name}: latency_us_p95 out of range");
+        }
+    }
+    Ok(())
 }
 
 /// What the caller (`reflex bench`) decides for a scenario run.
@@ -208,9 +116,9 @@ pub struct ScenarioReport {
     pub warmup_sec: f64,
     pub duration_sec: f64,
     /// What the file assumes of the server (threads, QoS, device), for the record.
-    pub assumed_threads: Option<u16>,
-    pub assumed_qos: Option<bool>,
-    pub assumed_device: Option<String>,
+    pub assumed_threads: u16,
+    pub assumed_qos: bool,
+    pub assumed_device: String,
     pub assumed_qos_config: Option<String>,
     pub tenants: Vec<TenantRow>,
 }
@@ -248,7 +156,7 @@ struct Prepared {
 
 /// Runs the scenario at `path`, prints the table (or JSON), and fails on request errors.
 pub fn run(path: &Path, options: &ScenarioOptions) -> Result<()> {
-    let scenario = ScenarioFile::load(path)?;
+    let scenario = load(path)?;
     let report = execute(&scenario, options)?;
     let mut stdout = std::io::stdout().lock();
     if options.json {
@@ -376,18 +284,22 @@ pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<Sce
         duration_sec: duration.as_secs_f64(),
         assumed_threads: scenario.threads,
         assumed_qos: scenario.qos,
-        assumed_device: scenario.device.as_ref().map(table_text),
-        assumed_qos_config: scenario.qos_config.as_ref().map(table_text),
+        assumed_device: device_text(&scenario.device),
+        assumed_qos_config: scenario
+            .qos_config
+            .as_ref()
+            .map(|config| format!("{config:?}")),
         tenants: rows,
     })
 }
 
-fn table_text(table: &toml::Table) -> String {
-    table
-        .iter()
-        .map(|(key, value)| format!("{key}={value}"))
-        .collect::<Vec<_>>()
-        .join(", ")
+fn device_text(device: &reflex_sim::scenario::DeviceSpec) -> String {
+    let model = match (&device.emulated, &device.fixed) {
+        (Some(name), _) => format!("emu:{name}"),
+        (None, Some(fixed)) => format!("{fixed:?}"),
+        (None, None) => "unspecified".to_string(),
+    };
+    format!("{model}, profile {}", device.profile)
 }
 
 fn unregister_all(control: &mut Client, handles: &[u64]) {
@@ -434,7 +346,7 @@ fn prepare(
         let load = match (tenant.load.open_iops, tenant.load.closed_depth) {
             (Some(rate), _) => Load::Open {
                 rate_per_sec: rate as f64,
-                queue_depth_max: tenant.load.window.unwrap_or(WINDOW_DEFAULT).min(window),
+                queue_depth_max: tenant.load.window.min(window),
             },
             (None, Some(depth)) => Load::Closed {
                 queue_depth: depth.min(window),
@@ -474,7 +386,7 @@ fn prepare(
     Ok(prepared)
 }
 
-fn row(tenant: &TenantToml, handle: u64, outcome: &Outcome, window: u32) -> TenantRow {
+fn row(tenant: &TenantSpecToml, handle: u64, outcome: &Outcome, window: u32) -> TenantRow {
     let measured_sec = (outcome.measured_ns as f64 / 1e9).max(1e-9);
     let read = outcome.read.summary();
     let rate_target_per_sec = tenant.load.open_iops.map(|rate| rate as f64);
@@ -489,7 +401,7 @@ fn row(tenant: &TenantToml, handle: u64, outcome: &Outcome, window: u32) -> Tena
         _ => None,
     };
     let queue_depth = match (tenant.load.open_iops, tenant.load.closed_depth) {
-        (Some(_), _) => tenant.load.window.unwrap_or(WINDOW_DEFAULT).min(window),
+        (Some(_), _) => tenant.load.window.min(window),
         (None, Some(depth)) => depth.min(window),
         (None, None) => 0,
     };
@@ -535,21 +447,15 @@ pub fn print_table(out: &mut impl Write, report: &ScenarioReport) -> std::io::Re
         report.duration_sec,
         report.warmup_sec
     )?;
-    if let Some(device) = &report.assumed_device {
-        writeln!(
-            out,
-            "# the file assumes: device {device}; threads {}; QoS {}",
-            report
-                .assumed_threads
-                .map_or("?".to_string(), |t| t.to_string()),
-            match report.assumed_qos {
-                Some(false) => "off",
-                _ => "on",
-            }
-        )?;
-        if let Some(knobs) = &report.assumed_qos_config {
-            writeln!(out, "# and QoS knobs: {knobs}")?;
-        }
+    writeln!(
+        out,
+        "# the file assumes: device {}; threads {}; QoS {}",
+        report.assumed_device,
+        report.assumed_threads,
+        if report.assumed_qos { "on" } else { "off" }
+    )?;
+    if let Some(knobs) = &report.assumed_qos_config {
+        writeln!(out, "# and QoS knobs: {knobs}")?;
     }
     writeln!(
         out,
@@ -598,9 +504,7 @@ mod tests {
     use super::*;
 
     fn check(text: &str) -> Result<ScenarioFile> {
-        let scenario: ScenarioFile = toml::from_str(text)?;
-        scenario.validate()?;
-        Ok(scenario)
+        parse(text, "test")
     }
 
     #[test]
@@ -609,11 +513,15 @@ mod tests {
             "fig5-scenario1.toml",
             "fig5-scenario2.toml",
             "fig5-scenario1-qos-off.toml",
+            "fig5-small-scenario1.toml",
+            "fig5-small-scenario2.toml",
+            "fig5-small-scenario1-qos-off.toml",
+            "fig5-small-scenario2-qos-off.toml",
         ] {
             let path = Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("../../scenarios")
                 .join(name);
-            let scenario = ScenarioFile::load(&path).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            let scenario = load(&path).unwrap_or_else(|e| panic!("{name}: {e:#}"));
             assert_eq!(scenario.tenants.len(), 4);
             assert_eq!(scenario.tenants[0].class, Class::Lc);
             assert_eq!(scenario.tenants[2].load.closed_depth, Some(32));
@@ -626,24 +534,14 @@ mod tests {
             .join("../../profiles/device-a-small.toml")
             .display()
             .to_string();
+        let namespace = reflex_server::NamespaceConfig {
+            profile: Some(profile),
+            ..reflex_server::NamespaceConfig::new(1, "mem:64M").sized(64 << 20)
+        };
         let config = reflex_server::Config {
-            listen: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-            port: 0,
-            original_ports: Some(Vec::new()),
-            nbd: reflex_server::NbdConfig {
-                enabled: false,
-                ..reflex_server::NbdConfig::default()
-            },
-            threads: 1,
             window: 32,
-            arena_bytes_per_thread: 16 << 20,
             qos,
-            namespaces: vec![reflex_server::NamespaceConfig {
-                size_bytes: Some(64 << 20),
-                profile: Some(profile),
-                ..reflex_server::NamespaceConfig::new(1, "mem:64M")
-            }],
-            ..reflex_server::Config::default()
+            ..reflex_server::Config::loopback(vec![namespace])
         };
         reflex_server::Server::start(config).unwrap_or_else(|e| panic!("server: {e}"))
     }
@@ -668,6 +566,7 @@ mod tests {
         warmup_ms = 50
         [device]
         emulated = "device-a-small"
+        profile = "../profiles/device-a-small.toml"
         [[tenant]]
         name = "A"
         class = "lc"
@@ -732,21 +631,24 @@ mod tests {
         server.shutdown().unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// The head of a scenario file: name, duration and the device it assumes.
+    const DEVICE: &str = "name = \"t\"\nduration_ms = 10\n[device]\nemulated = \"device-a-small\"\nprofile = \"p.toml\"\n";
+
     #[test]
     fn refuses_what_it_cannot_run() {
-        let tenant = |extra: &str| {
-            format!(
-                "name = \"t\"\nduration_ms = 10\n[[tenant]]\nname = \"a\"\nclass = \"be\"\n{extra}"
-            )
-        };
+        let tenant =
+            |extra: &str| format!("{DEVICE}[[tenant]]\nname = \"a\"\nclass = \"be\"\n{extra}");
         assert!(check(&tenant("load = { closed_depth = 4 }")).is_ok());
         assert!(check(&tenant("load = { open_iops = 4, closed_depth = 4 }")).is_err());
         assert!(check(&tenant("load = { closed_depth = 0 }")).is_err());
         assert!(check(&tenant("per_thread = true\nload = { closed_depth = 4 }")).is_err());
         assert!(check(&tenant("size_bytes = 1000\nload = { closed_depth = 4 }")).is_err());
         assert!(check(&tenant("threads = []\nload = { closed_depth = 4 }")).is_err());
-        let lc_without_slo = "name = \"t\"\nduration_ms = 10\n[[tenant]]\nname = \"a\"\nclass = \"lc\"\nload = { open_iops = 4 }";
-        assert!(check(lc_without_slo).is_err());
-        assert!(check("name = \"t\"\nduration_ms = 10\ntenant = []").is_err());
+        let lc_without_slo =
+            format!("{DEVICE}[[tenant]]\nname = \"a\"\nclass = \"lc\"\nload = {{ open_iops = 4 }}");
+        assert!(check(&lc_without_slo).is_err());
+        assert!(check(&format!("{DEVICE}tenant = []")).is_err());
+        let sweep = tenant("load = { closed_depth = 4 }\n[sweep]\nper_thread_tenants = [1]");
+        assert!(check(&sweep).is_err(), "sweeps are simulator-only");
     }
 }

@@ -3,9 +3,9 @@
 //!
 //! Why the reactor owns what it lends: an io_uring operation holds a raw pointer into a
 //! buffer from submission until its completion, so the buffer must neither move nor be freed
-//! in between. The reactor therefore *owns* every lent buffer — the connection cores (whose
-//! transmit and receive buffers do not move while lent: `ConnectionCore` refuses to grow a
-//! lent buffer) and the aligned slot arena of local mode (callers pass a slot index, never a
+//! in between. The reactor therefore *owns* every lent buffer — the connection cores (native
+//! or NBD, see `wire.rs`; their transmit and receive buffers do not move while lent: both
+//! cores refuse to grow a lent buffer) and the aligned slot arena of local mode (callers pass a slot index, never a
 //! pointer) — and its `Drop` cancels and reaps every operation still in flight before any of
 //! them is freed. Completions update the lending state (`transmit_done`, `receive_done`, slot
 //! release) inside the reactor, so a caller cannot forget to.
@@ -17,8 +17,8 @@ use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use super::wire::Wire;
 use io_uring::{IoUring, opcode, squeue, types};
-use reflex_client::ConnectionCore;
 
 /// Alignment of slot buffers: enough for O_DIRECT on 4 KiB-sector devices.
 pub const SLOT_ALIGNMENT_BYTES: usize = 4096;
@@ -51,7 +51,7 @@ pub enum Event {
 
 struct NetConnection {
     stream: TcpStream,
-    core: ConnectionCore,
+    core: Wire,
 }
 
 /// Page-aligned slot buffers carved from one allocation, for O_DIRECT file I/O.
@@ -99,11 +99,11 @@ pub struct Reactor {
 
 impl Reactor {
     /// A ring with room for `entries` operations at once, owning `connections` (socket and
-    /// core after HELLO) and, for local mode, `file` with `slot_count` buffers of
+    /// core after HELLO or the NBD handshake) and, for local mode, `file` with `slot_count` buffers of
     /// `slot_bytes`.
     pub fn new(
         entries: u32,
-        connections: Vec<(TcpStream, ConnectionCore)>,
+        connections: Vec<(TcpStream, Wire)>,
         file: Option<(File, usize, usize)>,
     ) -> io::Result<Reactor> {
         let entries = entries.clamp(8, 32_768).next_power_of_two();
@@ -138,7 +138,7 @@ impl Reactor {
     }
 
     /// The connection's core. Its own API keeps lent buffers in place; do not replace it.
-    pub fn core(&mut self, connection: usize) -> &mut ConnectionCore {
+    pub fn core(&mut self, connection: usize) -> &mut Wire {
         &mut self.connections[connection].core
     }
 

@@ -29,7 +29,9 @@
 
 use std::time::{Duration, Instant};
 
-use reflex_flash::calibrate::{CalibrateError, LoadRunner, PointResult, PreconditionPlan};
+use reflex_flash::calibrate::{
+    CalibrateError, LoadRunner, PointResult, PreconditionPlan, check_point_arguments,
+};
 use reflex_qos::Nanos;
 
 use super::device::{LocalDevice, RemoteDevice};
@@ -362,28 +364,16 @@ impl LoadRunner for RealTimeRunner {
         size_bytes: u32,
         duration: Nanos,
     ) -> Result<PointResult, CalibrateError> {
-        if !(rate_per_sec > 0.0 && rate_per_sec.is_finite()) || duration.0 == 0 {
-            return Err(CalibrateError::Config(format!(
-                "rate {rate_per_sec}/s and duration {duration:?} must be positive"
-            )));
-        }
-        if !(0.0..=1.0).contains(&read_ratio) {
-            return Err(CalibrateError::Config(format!(
-                "read ratio {read_ratio} is not in 0..=1"
-            )));
-        }
+        check_point_arguments(
+            rate_per_sec,
+            read_ratio,
+            size_bytes,
+            duration,
+            self.alignment_bytes,
+            u64::from(self.io_size_max_bytes).min(self.range_length_bytes),
+        )?;
         if read_ratio < 1.0 {
             self.refuse_writes("a point with writes")?;
-        }
-        if size_bytes == 0
-            || !size_bytes.is_multiple_of(self.alignment_bytes)
-            || size_bytes > self.io_size_max_bytes
-            || u64::from(size_bytes) > self.range_length_bytes
-        {
-            return Err(CalibrateError::Config(format!(
-                "request size {size_bytes} must be a positive multiple of {} up to {}",
-                self.alignment_bytes, self.io_size_max_bytes
-            )));
         }
         let mut attempt = 0;
         loop {
@@ -581,7 +571,6 @@ fn point_result(
 #[cfg(test)]
 mod tests {
     use std::io::Read;
-    use std::net::{IpAddr, Ipv4Addr};
 
     use reflex_server::{Config, NamespaceConfig, Server, ServerHandle};
 
@@ -617,26 +606,8 @@ mod tests {
 
     fn start_server(backend: String) -> ServerHandle {
         let config = Config {
-            listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            port: 0,
-            original_ports: Some(Vec::new()),
-            nbd: reflex_server::NbdConfig {
-                enabled: false,
-                ..reflex_server::NbdConfig::default()
-            },
-            threads: 1,
             window: 64,
-            arena_bytes_per_thread: 16 << 20,
-            namespaces: vec![NamespaceConfig {
-                id: 1,
-                backend,
-                size_bytes: Some(FILE_BYTES),
-                read_only: false,
-                name: None,
-                tenant: None,
-                profile: None,
-            }],
-            ..Config::default()
+            ..Config::loopback(vec![NamespaceConfig::new(1, backend).sized(FILE_BYTES)])
         };
         Server::start(config).expect("server start")
     }

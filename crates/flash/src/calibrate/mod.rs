@@ -130,6 +130,39 @@ pub trait LoadRunner {
     ) -> Result<PointResult, CalibrateError>;
 }
 
+/// Checks the arguments of [`LoadRunner::run_point`], the same for every runner: a positive
+/// finite rate and duration, a read ratio in 0..=1, and a size that is a positive multiple of
+/// `alignment_bytes` no larger than `size_max_bytes`.
+pub fn check_point_arguments(
+    rate_per_sec: f64,
+    read_ratio: f64,
+    size_bytes: u32,
+    duration: Nanos,
+    alignment_bytes: u32,
+    size_max_bytes: u64,
+) -> Result<(), CalibrateError> {
+    assert!(alignment_bytes > 0);
+    if !(rate_per_sec > 0.0 && rate_per_sec.is_finite()) || duration.0 == 0 {
+        return Err(CalibrateError::Config(format!(
+            "rate {rate_per_sec}/s and duration {duration:?} must be positive"
+        )));
+    }
+    if !(0.0..=1.0).contains(&read_ratio) {
+        return Err(CalibrateError::Config(format!(
+            "read ratio {read_ratio} is not in 0..=1"
+        )));
+    }
+    if size_bytes == 0
+        || !size_bytes.is_multiple_of(alignment_bytes)
+        || u64::from(size_bytes) > size_max_bytes
+    {
+        return Err(CalibrateError::Config(format!(
+            "request size {size_bytes} must be a positive multiple of {alignment_bytes} up to {size_max_bytes}"
+        )));
+    }
+    Ok(())
+}
+
 /// What to sweep.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SweepConfig {

@@ -170,19 +170,14 @@ impl LoadRunner for EmuRunner {
         size_bytes: u32,
         duration: Nanos,
     ) -> Result<PointResult, CalibrateError> {
-        if !(rate_per_sec > 0.0 && rate_per_sec.is_finite()) || duration.0 == 0 {
-            return Err(CalibrateError::Config(format!(
-                "rate {rate_per_sec}/s and duration {duration:?} must be positive"
-            )));
-        }
-        if size_bytes == 0
-            || !size_bytes.is_multiple_of(512)
-            || u64::from(size_bytes) > self.device.capacity_bytes()
-        {
-            return Err(CalibrateError::Config(format!(
-                "bad request size {size_bytes}"
-            )));
-        }
+        super::check_point_arguments(
+            rate_per_sec,
+            read_ratio,
+            size_bytes,
+            duration,
+            512,
+            self.device.capacity_bytes(),
+        )?;
         // Start from an idle device at a whole millisecond, so points do not overlap.
         self.drain(Nanos::MAX, &mut |_| {});
         let start = Nanos(self.device.now().0.div_ceil(1_000_000) * 1_000_000);

@@ -12,9 +12,15 @@
 //! request is invalid, and encode only reply *headers* — read data goes out zero-copy from
 //! the dataplane's own buffer. All NBD integers are big-endian.
 
+mod client;
 mod handshake;
 mod transmission;
 
+pub use client::{
+    ClientHandshake, ClientHandshakeError, NegotiatedExport, OLDSTYLE_MAGIC,
+    OPTION_REPLY_DATA_MAX_BYTES, OptionRefusal, SimpleReplyError, decode_simple_reply,
+    disconnect_request, flush_request, read_request, write_request,
+};
 pub use handshake::{
     Handshake, HandshakeConfig, HandshakeError, OPTION_DATA_MAX_BYTES, OPTIONS_MAX_DEFAULT,
     OUTPUT_PENDING_MAX_BYTES, Outcome,
