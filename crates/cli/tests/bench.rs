@@ -2,69 +2,26 @@
 //! `reflexd` (started in-process on loopback port 0) or a real temporary file. Every run is
 //! bounded by an operation count, so the assertions are exact counts, never timings.
 
-use std::net::SocketAddr;
-use std::process::{Command, Output};
+mod common;
 
-use reflex_server::{Config, NamespaceConfig, Server, ServerHandle};
+use reflex_server::{Config, NamespaceConfig, ServerHandle};
 use serde_json::Value;
 
-fn start_server(backend: String, size_bytes: Option<u64>) -> ServerHandle {
-    let config = Config {
+use common::{assert_clean_row, assert_verify_fails, bench_ok, reflex};
+
+/// A native-only `reflexd` serving `namespace`; its window of 32 is the deepest queue the
+/// bench may ask for.
+fn start_server(namespace: NamespaceConfig) -> ServerHandle {
+    common::start_server(Config {
         window: 32,
-        ..Config::loopback(vec![NamespaceConfig {
-            size_bytes,
-            ..NamespaceConfig::new(1, backend)
-        }])
-    };
-    Server::start(config).unwrap_or_else(|error| panic!("server start: {error}"))
-}
-
-fn reflex(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_reflex"))
-        .args(args)
-        .output()
-        .unwrap_or_else(|error| panic!("running reflex: {error}"))
-}
-
-/// Runs `reflex bench ARGS --json -q`, expects success, returns the report.
-fn bench_ok(args: &[&str]) -> Value {
-    let mut all = vec!["bench", "--json", "-q"];
-    all.extend_from_slice(args);
-    let output = reflex(&all);
-    assert!(
-        output.status.success(),
-        "reflex {all:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
-        panic!(
-            "bad JSON ({error}): {}",
-            String::from_utf8_lossy(&output.stdout)
-        )
+        ..Config::loopback(vec![namespace])
     })
-}
-
-fn server_arg(address: SocketAddr) -> String {
-    address.to_string()
-}
-
-/// The checks every successful verified row must pass.
-fn assert_clean_row(row: &Value, ops: u64) {
-    assert_eq!(row["ops"], ops, "row: {row}");
-    let reads = row["read"]["count"].as_u64().unwrap_or(0);
-    let writes = row["write"]["count"].as_u64().unwrap_or(0);
-    assert_eq!(reads + writes, ops);
-    assert_eq!(row["errors"], 0);
-    if !row["verify"].is_null() {
-        assert_eq!(row["verify"]["mismatches"], 0);
-        assert!(row["verify"]["first_mismatch_offset_bytes"].is_null());
-    }
 }
 
 #[test]
 fn verify_on_memory_counts_every_operation() {
-    let server = start_server("mem:32M".to_string(), None);
-    let address = server_arg(server.native_addr());
+    let server = start_server(NamespaceConfig::new(1, "mem:32M"));
+    let address = server.native_addr().to_string();
     let report = bench_ok(&[
         "-s",
         &address,
@@ -104,8 +61,9 @@ fn verify_on_memory_counts_every_operation() {
 fn verify_on_a_file_namespace_with_several_queue_depths() {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("ns.img");
-    let server = start_server(format!("file:{}", file.display()), Some(16 << 20));
-    let address = server_arg(server.native_addr());
+    let server =
+        start_server(NamespaceConfig::new(1, format!("file:{}", file.display())).sized(16 << 20));
+    let address = server.native_addr().to_string();
     let report = bench_ok(&[
         "-s",
         &address,
@@ -142,8 +100,8 @@ fn verify_on_a_file_namespace_with_several_queue_depths() {
 
 #[test]
 fn open_loop_rate_list_gives_one_row_per_rate_and_a_probe() {
-    let server = start_server("mem:8M".to_string(), None);
-    let address = server_arg(server.native_addr());
+    let server = start_server(NamespaceConfig::new(1, "mem:8M"));
+    let address = server.native_addr().to_string();
     let report = bench_ok(&[
         "-s",
         &address,
@@ -178,30 +136,9 @@ fn open_loop_rate_list_gives_one_row_per_rate_and_a_probe() {
 
 #[test]
 fn verify_fails_against_a_server_that_discards_writes() {
-    let server = start_server("null:64M".to_string(), None);
-    let address = server_arg(server.native_addr());
-    let output = reflex(&[
-        "bench",
-        "-q",
-        "-s",
-        &address,
-        "--verify",
-        "--ops",
-        "200",
-        "--warmup",
-        "0",
-        "--duration",
-        "60s",
-        "--range",
-        "4M",
-    ]);
-    assert!(
-        !output.status.success(),
-        "verify must fail on a null device"
-    );
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("verify failed"), "stderr: {stderr}");
-    assert!(stderr.contains("offset"), "stderr: {stderr}");
+    let server = start_server(NamespaceConfig::new(1, "null:64M"));
+    let address = server.native_addr().to_string();
+    let output = assert_verify_fails(&address);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(stdout.contains("mismatching reads"), "stdout: {stdout}");
     server.shutdown().expect("shutdown");
@@ -313,8 +250,8 @@ fn verify_without_fill_finds_a_damaged_block_on_a_local_file() {
 
 #[test]
 fn bad_arguments_are_refused() {
-    let server = start_server("mem:8M".to_string(), None);
-    let address = server_arg(server.native_addr());
+    let server = start_server(NamespaceConfig::new(1, "mem:8M"));
+    let address = server.native_addr().to_string();
     for args in [
         vec!["bench", "-s", address.as_str(), "--qd", "0"],
         vec!["bench", "-s", address.as_str(), "--qd", "33"],

@@ -4,85 +4,40 @@
 //! Every run is bounded by an operation count, so the assertions are exact counts, never
 //! timings.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use reflex_server::{Config, NamespaceConfig, Server, ServerHandle};
+use reflex_server::{Config, NamespaceConfig, NbdConfig, ServerHandle};
 use serde_json::Value;
+
+use common::{assert_clean_row, assert_verify_fails, bench_ok, reflex};
 
 /// Longest wait for nbdkit to listen.
 const NBDKIT_START_TIMEOUT: Duration = Duration::from_secs(20);
 
-fn start_reflexd(backend: String, size_bytes: Option<u64>) -> ServerHandle {
-    let config = Config {
-        listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
-        port: 0,
-        original_ports: Some(Vec::new()),
-        nbd: reflex_server::NbdConfig {
+/// A `reflexd` serving `namespace` as the NBD export `disk` on a free loopback port (the
+/// native listener on port 0, the original protocol off).
+fn start_reflexd(namespace: NamespaceConfig) -> ServerHandle {
+    common::start_server(Config {
+        window: 32,
+        nbd: NbdConfig {
             enabled: true,
             port: 0,
             default_export: None,
         },
-        threads: 1,
-        window: 32,
-        arena_bytes_per_thread: 16 << 20,
-        namespaces: vec![NamespaceConfig {
-            id: 1,
-            backend,
-            size_bytes,
-            read_only: false,
+        ..Config::loopback(vec![NamespaceConfig {
             name: Some("disk".to_string()),
-            tenant: None,
-            profile: None,
-        }],
-        ..Config::default()
-    };
-    Server::start(config).unwrap_or_else(|error| panic!("server start: {error}"))
+            ..namespace
+        }])
+    })
 }
 
 fn nbd_uri(server: &ServerHandle, export: &str) -> String {
     let address = server.nbd_addr().expect("NBD is enabled");
     format!("nbd://{address}/{export}")
-}
-
-fn reflex(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_reflex"))
-        .args(args)
-        .output()
-        .unwrap_or_else(|error| panic!("running reflex: {error}"))
-}
-
-/// Runs `reflex bench ARGS --json -q`, expects success, returns the report.
-fn bench_ok(args: &[&str]) -> Value {
-    let mut all = vec!["bench", "--json", "-q"];
-    all.extend_from_slice(args);
-    let output = reflex(&all);
-    assert!(
-        output.status.success(),
-        "reflex {all:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
-        panic!(
-            "bad JSON ({error}): {}",
-            String::from_utf8_lossy(&output.stdout)
-        )
-    })
-}
-
-/// The checks every successful verified row must pass.
-fn assert_clean_row(row: &Value, ops: u64) {
-    assert_eq!(row["ops"], ops, "row: {row}");
-    let reads = row["read"]["count"].as_u64().unwrap_or(0);
-    let writes = row["write"]["count"].as_u64().unwrap_or(0);
-    assert_eq!(reads + writes, ops);
-    assert_eq!(row["errors"], 0, "row: {row}");
-    assert!(row["iops"].as_f64().unwrap_or(0.0) > 0.0, "row: {row}");
-    if !row["verify"].is_null() {
-        assert_eq!(row["verify"]["mismatches"], 0);
-        assert!(row["verify"]["first_mismatch_offset_bytes"].is_null());
-    }
 }
 
 /// Verified reads and writes over several threads and connections, plus the probe.
@@ -130,7 +85,7 @@ fn verified_mixed_run(uri: &str, range: &str, ops: u64) -> Value {
 
 #[test]
 fn nbd_verify_against_reflexd_with_reads_writes_and_several_connections() {
-    let server = start_reflexd("mem:32M".to_string(), None);
+    let server = start_reflexd(NamespaceConfig::new(1, "mem:32M"));
     let uri = nbd_uri(&server, "disk");
     let report = verified_mixed_run(&uri, "8M", 4000);
     assert_eq!(report["export"], "disk");
@@ -173,7 +128,8 @@ fn nbd_verify_against_reflexd_with_reads_writes_and_several_connections() {
 fn nbd_verify_on_a_file_namespace_with_large_sequential_requests() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let file = dir.path().join("ns.img");
-    let server = start_reflexd(format!("file:{}", file.display()), Some(16 << 20));
+    let server =
+        start_reflexd(NamespaceConfig::new(1, format!("file:{}", file.display())).sized(16 << 20));
     let uri = nbd_uri(&server, "disk");
     let report = bench_ok(&[
         "-s",
@@ -203,7 +159,7 @@ fn nbd_verify_on_a_file_namespace_with_large_sequential_requests() {
 
 #[test]
 fn nbd_unknown_export_fails_the_handshake_with_a_clear_error() {
-    let server = start_reflexd("mem:8M".to_string(), None);
+    let server = start_reflexd(NamespaceConfig::new(1, "mem:8M"));
     let uri = nbd_uri(&server, "no-such-export");
     let output = reflex(&["bench", "-q", "-s", &uri, "--ops", "10", "--warmup", "0"]);
     assert!(!output.status.success(), "an unknown export must fail");
@@ -313,23 +269,5 @@ fn nbd_verify_fails_against_a_server_that_discards_writes() {
         return;
     };
     let uri = format!("nbd://{}", nbdkit.address);
-    let output = reflex(&[
-        "bench",
-        "-q",
-        "-s",
-        &uri,
-        "--verify",
-        "--ops",
-        "200",
-        "--warmup",
-        "0",
-        "--duration",
-        "60s",
-        "--range",
-        "4M",
-    ]);
-    assert!(!output.status.success(), "verify must fail on nbdkit null");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("verify failed"), "stderr: {stderr}");
-    assert!(stderr.contains("offset"), "stderr: {stderr}");
+    assert_verify_fails(&uri);
 }

@@ -17,7 +17,7 @@
 //!   id, READ data borrowed from the receive buffer without a copy) until it returns `None`.
 //!
 //! Lending and moving: while a send or receive is in flight, its buffer is the kernel's, so
-//! the core never reallocates or compacts a lent buffer. A submit that would need to grow a
+//! the core never reallocates or compacts a lent buffer ([`StreamBuffers`] keeps that contract). A submit that would need to grow a
 //! lent buffer fails with [`SubmitError::BuffersBusy`]; [`ConnectionCore::reserve`] sizes the
 //! buffers up front so an event loop never sees that.
 //!
@@ -30,13 +30,14 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use reflex_proto::native::{
-    CAPABILITIES_SIZE_MAX, CONTROL_BODY_MAX_BYTES, HANDLE_BODY_SIZE, HELLO_BODY_SIZE, HelloBody,
-    IO_SIZE_MAX_BYTES_DEFAULT, NOTICE_REQUEST_ID, Opcode, REQUEST_HEADER_SIZE,
+    BodyError, CAPABILITIES_SIZE_MAX, CONTROL_BODY_MAX_BYTES, HANDLE_BODY_SIZE, HELLO_BODY_SIZE,
+    HelloBody, IO_SIZE_MAX_BYTES_DEFAULT, NOTICE_REQUEST_ID, Opcode, REQUEST_HEADER_SIZE,
     RESPONSE_HEADER_SIZE, RegisterBody, RenegotiateBody, RequestFlags, RequestHeader,
     ResponseHeader, Status, UnknownStatus, VERSION, decode_handle, encode_handle,
 };
 
 use crate::error::{ClientError, ProtocolError, SubmitError};
+use crate::stream_buffers::StreamBuffers;
 use crate::types::Capabilities;
 
 /// Largest `max_io_size` the client accepts from a server: it bounds the receive buffer.
@@ -45,6 +46,8 @@ pub const IO_SIZE_MAX_BYTES_LIMIT: u32 = 16 << 20;
 pub const WINDOW_REQUESTS_LIMIT: u32 = 65_536;
 /// Payload bound of an error reason, a REGISTER answer or a notice.
 const CONTROL_BODY_MAX: u32 = CONTROL_BODY_MAX_BYTES;
+/// Transmit capacity of a new core: many 4 KiB writes before the first `reserve`.
+const TRANSMIT_CAPACITY_BYTES_INITIAL: usize = 64 * 1024;
 /// Smallest receive buffer: room for many 4 KiB responses per receive.
 pub const RECEIVE_BUFFER_MIN: usize = 256 * 1024;
 /// Below this much free space at the end, `receive_start` compacts the buffer first.
@@ -181,15 +184,8 @@ fn is_ok(header: &ResponseHeader) -> bool {
 
 /// One native-protocol connection, without I/O. See the module doc for how to drive it.
 pub struct ConnectionCore {
-    transmit: Vec<u8>,
-    /// Bytes at the front of `transmit` already sent.
-    transmit_sent_bytes: usize,
-    transmit_in_flight: bool,
-    /// Always fully initialised; `receive_start..receive_end` holds unparsed bytes.
-    receive: Vec<u8>,
-    receive_start: usize,
-    receive_end: usize,
-    receive_in_flight: bool,
+    /// Requests to send and responses received but not yet polled.
+    buffers: StreamBuffers,
     outstanding: IdMap,
     window: u32,
     max_io_size: u32,
@@ -204,13 +200,11 @@ impl ConnectionCore {
         let mut outstanding = IdMap::default();
         outstanding.reserve(window as usize);
         ConnectionCore {
-            transmit: Vec::with_capacity(64 * 1024),
-            transmit_sent_bytes: 0,
-            transmit_in_flight: false,
-            receive: vec![0; RECEIVE_BUFFER_MIN],
-            receive_start: 0,
-            receive_end: 0,
-            receive_in_flight: false,
+            buffers: StreamBuffers::new(
+                TRANSMIT_CAPACITY_BYTES_INITIAL,
+                RECEIVE_BUFFER_MIN,
+                RECEIVE_SPARE_MIN,
+            ),
             outstanding,
             window,
             max_io_size: IO_SIZE_MAX_BYTES_DEFAULT,
@@ -250,15 +244,15 @@ impl ConnectionCore {
 
     /// Bytes submitted but not yet handed to `transmit_done`.
     pub fn transmit_pending_bytes(&self) -> usize {
-        self.transmit.len() - self.transmit_sent_bytes
+        self.buffers.transmit_pending_bytes()
     }
 
     pub fn transmit_in_flight(&self) -> bool {
-        self.transmit_in_flight
+        self.buffers.transmit_in_flight()
     }
 
     pub fn receive_in_flight(&self) -> bool {
-        self.receive_in_flight
+        self.buffers.receive_in_flight()
     }
 
     // ----- commands -----
@@ -267,23 +261,16 @@ impl ConnectionCore {
     /// `io_size_bytes` of payload each can be submitted and answered without growing again.
     /// Event loops call this once before lending buffers to the kernel.
     pub fn reserve(&mut self, requests: usize, io_size_bytes: u32) {
-        assert!(!self.transmit_in_flight);
-        assert!(!self.receive_in_flight);
         let io_size_bytes = io_size_bytes.min(self.max_io_size) as usize;
         let frame_bytes = REQUEST_HEADER_SIZE + io_size_bytes;
         // Unsent frames of every outstanding request plus the same again of sent bytes not
         // yet compacted away (compaction waits for the lent range to come back).
         let transmit_bytes = 2 * requests * frame_bytes;
-        if self.transmit.capacity() < transmit_bytes {
-            self.transmit.reserve(transmit_bytes - self.transmit.len());
-        }
-        self.outstanding
-            .reserve(requests.saturating_sub(self.outstanding.len()));
         let receive_bytes =
             (RESPONSE_HEADER_SIZE + io_size_bytes + RECEIVE_SPARE_MIN).max(RECEIVE_BUFFER_MIN);
-        if self.receive.len() < receive_bytes {
-            self.receive.resize(receive_bytes, 0);
-        }
+        self.buffers.reserve(transmit_bytes, receive_bytes);
+        self.outstanding
+            .reserve(requests.saturating_sub(self.outstanding.len()));
     }
 
     /// Queues a HELLO announcing the client's I/O priority (`class << 13 | level`).
@@ -476,34 +463,17 @@ impl ConnectionCore {
         let payload_bytes = header.payload_length_bytes() as usize;
         let frame_bytes = REQUEST_HEADER_SIZE + payload_bytes;
         let receive_needed = RESPONSE_HEADER_SIZE + read_length_bytes as usize + RECEIVE_SPARE_MIN;
-        let transmit_fits = self.transmit.len() + frame_bytes <= self.transmit.capacity();
-        let receive_fits = receive_needed <= self.receive.len();
-        if (!transmit_fits && self.transmit_in_flight) || (!receive_fits && self.receive_in_flight)
-        {
-            return Err(SubmitError::BuffersBusy);
-        }
-        if !transmit_fits {
-            self.compact_transmit();
-            self.transmit.reserve(frame_bytes);
-        }
-        if !receive_fits {
-            self.receive.resize(receive_needed, 0);
-        }
-        Ok(())
+        self.buffers
+            .make_room(frame_bytes, receive_needed)
+            .map_err(|_| SubmitError::BuffersBusy)
     }
 
     fn push_frame(&mut self, opcode: Opcode, header: &RequestHeader, fill: impl FnOnce(&mut [u8])) {
         assert_eq!(header.opcode_raw, opcode.as_u8());
         let payload_bytes = header.payload_length_bytes() as usize;
-        let start = self.transmit.len();
         // Growth was settled by `admit`: a lent buffer must not move.
-        assert!(start + REQUEST_HEADER_SIZE + payload_bytes <= self.transmit.capacity());
-        self.transmit.extend_from_slice(&header.to_bytes());
-        if payload_bytes > 0 {
-            let payload_start = self.transmit.len();
-            self.transmit.resize(payload_start + payload_bytes, 0);
-            fill(&mut self.transmit[payload_start..]);
-        }
+        self.buffers
+            .push_frame(&header.to_bytes(), payload_bytes, fill);
         let previous = self.outstanding.insert(
             header.request_id,
             Outstanding {
@@ -519,38 +489,17 @@ impl ConnectionCore {
         assert!(self.outstanding.len() <= self.window as usize);
     }
 
-    fn compact_transmit(&mut self) {
-        assert!(!self.transmit_in_flight);
-        if self.transmit_sent_bytes > 0 {
-            self.transmit.drain(..self.transmit_sent_bytes);
-            self.transmit_sent_bytes = 0;
-        }
-    }
-
     // ----- output -----
 
     /// Lends the unsent bytes for one send; `None` when there are none or a send is already
     /// in flight. Must be followed by exactly one [`ConnectionCore::transmit_done`].
     pub fn transmit_start(&mut self) -> Option<&[u8]> {
-        if self.transmit_in_flight || self.transmit_pending_bytes() == 0 {
-            return None;
-        }
-        self.transmit_in_flight = true;
-        Some(&self.transmit[self.transmit_sent_bytes..])
+        self.buffers.transmit_start()
     }
 
     /// `sent_bytes` of the lent bytes were sent (0 after a failed send).
     pub fn transmit_done(&mut self, sent_bytes: usize) {
-        assert!(self.transmit_in_flight);
-        assert!(sent_bytes <= self.transmit_pending_bytes());
-        self.transmit_in_flight = false;
-        self.transmit_sent_bytes += sent_bytes;
-        if self.transmit_sent_bytes == self.transmit.len() {
-            self.transmit.clear();
-            self.transmit_sent_bytes = 0;
-        } else if self.transmit_sent_bytes * 2 >= self.transmit.len() {
-            self.compact_transmit();
-        }
+        self.buffers.transmit_done(sent_bytes);
     }
 
     // ----- input -----
@@ -559,63 +508,18 @@ impl ConnectionCore {
     /// buffer is full of complete responses (poll them first). Must be followed by exactly
     /// one [`ConnectionCore::receive_done`].
     pub fn receive_start(&mut self) -> Option<&mut [u8]> {
-        if self.receive_in_flight {
-            return None;
-        }
-        self.compact_receive();
-        if self.receive_end == self.receive.len() {
-            return None;
-        }
-        self.receive_in_flight = true;
-        Some(&mut self.receive[self.receive_end..])
+        self.buffers.receive_start(front_frame_bytes)
     }
 
     /// `received_bytes` arrived in the lent space (0 after a failed receive).
     pub fn receive_done(&mut self, received_bytes: usize) {
-        assert!(self.receive_in_flight);
-        assert!(received_bytes <= self.receive.len() - self.receive_end);
-        self.receive_in_flight = false;
-        self.receive_end += received_bytes;
+        self.buffers.receive_done(received_bytes);
     }
 
     /// Copies bytes in (for drivers that own their buffers, and tests); returns how many
     /// were taken, which is fewer than offered only when the buffer is full.
     pub fn handle_received_bytes(&mut self, bytes: &[u8]) -> usize {
-        let Some(space) = self.receive_start() else {
-            return 0;
-        };
-        let taken = space.len().min(bytes.len());
-        space[..taken].copy_from_slice(&bytes[..taken]);
-        self.receive_done(taken);
-        taken
-    }
-
-    fn compact_receive(&mut self) {
-        assert!(!self.receive_in_flight);
-        if self.receive_start == self.receive_end {
-            self.receive_start = 0;
-            self.receive_end = 0;
-            return;
-        }
-        if self.receive_start == 0 {
-            return;
-        }
-        let spare_bytes = self.receive.len() - self.receive_end;
-        // A response whose header has arrived may need more room than is left.
-        let frame_bytes =
-            ResponseHeader::decode(&self.receive[self.receive_start..self.receive_end])
-                .ok()
-                .flatten()
-                .map_or(0, |(header, _)| {
-                    RESPONSE_HEADER_SIZE + header.length_bytes as usize
-                });
-        let frame_fits = self.receive_start + frame_bytes <= self.receive.len();
-        if spare_bytes < RECEIVE_SPARE_MIN || !frame_fits {
-            self.receive
-                .copy_within(self.receive_start..self.receive_end, 0);
-            self.receive_end -= self.receive_start;
-            self.receive_start = 0;
-        }
+        self.buffers.receive_copy(bytes, front_frame_bytes)
     }
 
     // ----- events -----
@@ -631,9 +535,7 @@ impl ConnectionCore {
         let Some(frame) = self.peek_frame()? else {
             return Ok(None);
         };
-        let data_start = self.receive_start + RESPONSE_HEADER_SIZE;
-        let data_end = data_start + frame.header.length_bytes as usize;
-        self.receive_start = data_end;
+        let frame_bytes = RESPONSE_HEADER_SIZE + frame.header.length_bytes as usize;
         if frame.header.request_id == NOTICE_REQUEST_ID && frame.opcode == Opcode::Renegotiate {
             // Notices are not in the outstanding table.
         } else {
@@ -641,18 +543,24 @@ impl ConnectionCore {
             assert!(removed.is_some());
         }
         if frame.opcode == Opcode::Hello && is_ok(&frame.header) {
-            self.accept_capabilities(data_start, data_end)?;
+            // `peek_frame` saw the whole frame buffered.
+            let body = &self.buffers.received()[RESPONSE_HEADER_SIZE..frame_bytes];
+            self.accept_capabilities(Capabilities::decode(body))?;
         }
+        let frame_received = self.buffers.take_received(frame_bytes);
         Ok(Some(Completion {
             request_id: frame.header.request_id,
             opcode: frame.opcode,
             status_raw: frame.header.status_raw,
-            data: &self.receive[data_start..data_end],
+            data: &frame_received[RESPONSE_HEADER_SIZE..],
         }))
     }
 
-    fn accept_capabilities(&mut self, start: usize, end: usize) -> Result<(), ProtocolError> {
-        let capabilities = match Capabilities::decode(&self.receive[start..end]) {
+    fn accept_capabilities(
+        &mut self,
+        decoded: Result<Capabilities, BodyError>,
+    ) -> Result<(), ProtocolError> {
+        let capabilities = match decoded {
             Ok(capabilities) => capabilities,
             Err(error) => return Err(self.break_with(ProtocolError::Capabilities(error))),
         };
@@ -676,7 +584,7 @@ impl ConnectionCore {
         if let Some(error) = &self.broken {
             return Err(error.clone());
         }
-        let buffered = &self.receive[self.receive_start..self.receive_end];
+        let buffered = self.buffers.received();
         let header = match ResponseHeader::decode(buffered) {
             Ok(None) => return Ok(None),
             Ok(Some((header, _))) => header,
@@ -747,6 +655,12 @@ impl ConnectionCore {
     }
 }
 
+/// Length of the response at the front of `unread` once its header has arrived.
+fn front_frame_bytes(unread: &[u8]) -> Option<usize> {
+    let (header, _) = ResponseHeader::decode(unread).ok().flatten()?;
+    Some(RESPONSE_HEADER_SIZE + header.length_bytes as usize)
+}
+
 fn check_length(opcode: Opcode, got: u32, min: u32, max: u32) -> Result<(), ProtocolError> {
     if got < min || got > max {
         return Err(ProtocolError::UnexpectedLength {
@@ -768,10 +682,7 @@ impl std::fmt::Debug for ConnectionCore {
             .field("window", &self.window)
             .field("outstanding", &self.outstanding.len())
             .field("transmit_pending_bytes", &self.transmit_pending_bytes())
-            .field(
-                "receive_buffered_bytes",
-                &(self.receive_end - self.receive_start),
-            )
+            .field("receive_buffered_bytes", &self.buffers.received().len())
             .field("broken", &self.broken)
             .finish()
     }

@@ -5,6 +5,8 @@
 //!   from received bytes, tracks outstanding request ids, enforces the server's window and
 //!   never panics on server bytes (violations become a [`ProtocolError`]). Event loops such
 //!   as `reflex bench` drive it with their own sockets (io_uring, epoll).
+//!   Its transmit and receive buffers are a [`StreamBuffers`], which other stream protocols'
+//!   cores (the NBD core of `reflex bench`) reuse for the same lending contract.
 //! - [`Client`], blocking: `connect` (TCP_NODELAY, HELLO, capabilities and namespaces), then
 //!   `read`, `write`, `write_fua`, `flush`, `trim`, each returning when answered. A server
 //!   refusal is [`ClientError::Status`] carrying the wire status.
@@ -31,6 +33,7 @@ mod core_tests;
 mod driver;
 mod error;
 mod pipelined;
+mod stream_buffers;
 mod sys;
 mod types;
 
@@ -42,6 +45,7 @@ pub use crate::core::{
 pub use crate::driver::{ClientOptions, HELLO_REQUEST_ID};
 pub use crate::error::{ClientError, ProtocolError, SubmitError};
 pub use crate::pipelined::PipelinedClient;
+pub use crate::stream_buffers::{BuffersBusy, StreamBuffers};
 pub use crate::sys::io_priority_of_process;
 pub use crate::types::Capabilities;
 pub use reflex_proto::native::{

@@ -7,12 +7,14 @@
 //! indexed by cookie: a reply's cookie from the network is looked up with a bounds-checked
 //! `get`, never trusted. Requests are encoded into one transmit buffer (so a loop iteration's
 //! requests leave in one send) and replies are parsed in place from one receive buffer, READ
-//! data borrowed without a copy. As with `ConnectionCore`, the driver lends the buffers to the
-//! kernel (`transmit_start`/`transmit_done`, `receive_start`/`receive_done`), and the core never
-//! moves a lent buffer: [`NbdCore::reserve`] sizes both up front. Any reply the client cannot
+//! data borrowed without a copy. As with `ConnectionCore`, both buffers are a
+//! [`StreamBuffers`]: the driver lends them to the kernel (`transmit_start`/`transmit_done`,
+//! `receive_start`/`receive_done`), and a lent buffer never moves: [`NbdCore::reserve`] sizes
+//! both up front. Any reply the client cannot
 //! accept (bad magic, a structured reply, a cookie not outstanding) breaks the connection with
 //! an [`NbdCoreError`], returned again on every later call.
 
+use reflex_client::StreamBuffers;
 use reflex_proto::nbd::{
     Errno, REQUEST_HEADER_SIZE, SIMPLE_REPLY_SIZE, SimpleReplyError, decode_simple_reply,
     read_request, write_request,
@@ -85,14 +87,8 @@ impl NbdCompletion<'_> {
 /// One NBD connection after the handshake. Drive it like `ConnectionCore`: submit, lend the
 /// transmit bytes, lend receive space, poll completions.
 pub struct NbdCore {
-    transmit: Vec<u8>,
-    transmit_sent_bytes: usize,
-    transmit_in_flight: bool,
-    /// Always initialised; `receive_start..receive_end` holds unparsed bytes.
-    receive: Vec<u8>,
-    receive_start: usize,
-    receive_end: usize,
-    receive_in_flight: bool,
+    /// Requests to send and replies received but not yet polled.
+    buffers: StreamBuffers,
     /// Indexed by cookie.
     outstanding: Vec<Option<Outstanding>>,
     outstanding_count: usize,
@@ -109,13 +105,7 @@ impl NbdCore {
     /// A core with no slots; [`NbdCore::reserve`] before submitting.
     pub fn new() -> NbdCore {
         NbdCore {
-            transmit: Vec::new(),
-            transmit_sent_bytes: 0,
-            transmit_in_flight: false,
-            receive: vec![0; RECEIVE_BUFFER_MIN_BYTES],
-            receive_start: 0,
-            receive_end: 0,
-            receive_in_flight: false,
+            buffers: StreamBuffers::new(0, RECEIVE_BUFFER_MIN_BYTES, RECEIVE_SPARE_MIN_BYTES),
             outstanding: Vec::new(),
             outstanding_count: 0,
             broken: None,
@@ -127,27 +117,17 @@ impl NbdCore {
         self.outstanding_count
     }
 
-    fn transmit_pending_bytes(&self) -> usize {
-        self.transmit.len() - self.transmit_sent_bytes
-    }
-
     /// Makes room, while nothing is lent, for cookies `0..requests` with payloads of up to
     /// `io_size_bytes`, so the buffers never grow during the run.
     pub fn reserve(&mut self, requests: usize, io_size_bytes: u32) {
-        assert!(!self.transmit_in_flight && !self.receive_in_flight);
-        if self.outstanding.len() < requests {
-            self.outstanding.resize(requests, None);
-        }
         let frame_bytes = REQUEST_HEADER_SIZE + io_size_bytes as usize;
         // Unsent frames of every request, plus as much again of sent bytes not yet compacted.
         let transmit_bytes = 2 * requests * frame_bytes;
-        if self.transmit.capacity() < transmit_bytes {
-            self.transmit.reserve(transmit_bytes - self.transmit.len());
-        }
         let receive_bytes = (SIMPLE_REPLY_SIZE + io_size_bytes as usize + RECEIVE_SPARE_MIN_BYTES)
             .max(RECEIVE_BUFFER_MIN_BYTES);
-        if self.receive.len() < receive_bytes {
-            self.receive.resize(receive_bytes, 0);
+        self.buffers.reserve(transmit_bytes, receive_bytes);
+        if self.outstanding.len() < requests {
+            self.outstanding.resize(requests, None);
         }
     }
 
@@ -159,8 +139,8 @@ impl NbdCore {
         length_bytes: u32,
     ) -> Result<(), NbdSubmitError> {
         self.admit(cookie, 0, length_bytes)?;
-        self.transmit
-            .extend_from_slice(&read_request(cookie, offset_bytes, length_bytes));
+        self.buffers
+            .push_frame(&read_request(cookie, offset_bytes, length_bytes), 0, |_| {});
         self.record(
             cookie,
             Outstanding {
@@ -179,12 +159,11 @@ impl NbdCore {
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<(), NbdSubmitError> {
         self.admit(cookie, length_bytes, 0)?;
-        self.transmit
-            .extend_from_slice(&write_request(cookie, offset_bytes, length_bytes, 0));
-        let payload_start = self.transmit.len();
-        self.transmit
-            .resize(payload_start + length_bytes as usize, 0);
-        fill(&mut self.transmit[payload_start..]);
+        self.buffers.push_frame(
+            &write_request(cookie, offset_bytes, length_bytes, 0),
+            length_bytes as usize,
+            fill,
+        );
         self.record(
             cookie,
             Outstanding {
@@ -217,20 +196,9 @@ impl NbdCore {
         let frame_bytes = REQUEST_HEADER_SIZE + payload_bytes as usize;
         let receive_needed =
             SIMPLE_REPLY_SIZE + read_length_bytes as usize + RECEIVE_SPARE_MIN_BYTES;
-        let transmit_fits = self.transmit.len() + frame_bytes <= self.transmit.capacity();
-        let receive_fits = receive_needed <= self.receive.len();
-        if (!transmit_fits && self.transmit_in_flight) || (!receive_fits && self.receive_in_flight)
-        {
-            return Err(NbdSubmitError::BuffersBusy);
-        }
-        if !transmit_fits {
-            self.compact_transmit();
-            self.transmit.reserve(frame_bytes);
-        }
-        if !receive_fits {
-            self.receive.resize(receive_needed, 0);
-        }
-        Ok(())
+        self.buffers
+            .make_room(frame_bytes, receive_needed)
+            .map_err(|_| NbdSubmitError::BuffersBusy)
     }
 
     fn record(&mut self, cookie: u64, outstanding: Outstanding) {
@@ -242,106 +210,35 @@ impl NbdCore {
         debug_assert!(self.outstanding_count <= self.outstanding.len());
     }
 
-    fn compact_transmit(&mut self) {
-        assert!(!self.transmit_in_flight);
-        if self.transmit_sent_bytes > 0 {
-            self.transmit.drain(..self.transmit_sent_bytes);
-            self.transmit_sent_bytes = 0;
-        }
-    }
-
     /// Lends the unsent bytes for one send; `None` when there are none or one is in flight.
     pub fn transmit_start(&mut self) -> Option<&[u8]> {
-        if self.transmit_in_flight || self.transmit_pending_bytes() == 0 {
-            return None;
-        }
-        self.transmit_in_flight = true;
-        Some(&self.transmit[self.transmit_sent_bytes..])
+        self.buffers.transmit_start()
     }
 
     /// `sent_bytes` of the lent bytes were sent (0 after a failed send).
     pub fn transmit_done(&mut self, sent_bytes: usize) {
-        assert!(self.transmit_in_flight);
-        assert!(sent_bytes <= self.transmit_pending_bytes());
-        self.transmit_in_flight = false;
-        self.transmit_sent_bytes += sent_bytes;
-        if self.transmit_sent_bytes == self.transmit.len() {
-            self.transmit.clear();
-            self.transmit_sent_bytes = 0;
-        } else if self.transmit_sent_bytes * 2 >= self.transmit.len() {
-            self.compact_transmit();
-        }
+        self.buffers.transmit_done(sent_bytes);
     }
 
     /// Lends free receive space for one receive; `None` when a receive is in flight or the
     /// buffer is full of complete replies (poll them first).
     pub fn receive_start(&mut self) -> Option<&mut [u8]> {
-        if self.receive_in_flight {
-            return None;
-        }
-        self.compact_receive();
-        if self.receive_end == self.receive.len() {
-            return None;
-        }
-        self.receive_in_flight = true;
-        Some(&mut self.receive[self.receive_end..])
+        let outstanding = &self.outstanding;
+        self.buffers
+            .receive_start(|unread| front_frame_bytes(outstanding, unread))
     }
 
     /// `received_bytes` arrived in the lent space (0 after a failed receive).
     pub fn receive_done(&mut self, received_bytes: usize) {
-        assert!(self.receive_in_flight);
-        assert!(received_bytes <= self.receive.len() - self.receive_end);
-        self.receive_in_flight = false;
-        self.receive_end += received_bytes;
+        self.buffers.receive_done(received_bytes);
     }
 
     /// Copies received bytes in (tests); returns how many were taken.
     #[cfg(test)]
     fn handle_received_bytes(&mut self, bytes: &[u8]) -> usize {
-        let Some(space) = self.receive_start() else {
-            return 0;
-        };
-        let taken = space.len().min(bytes.len());
-        space[..taken].copy_from_slice(&bytes[..taken]);
-        self.receive_done(taken);
-        taken
-    }
-
-    fn compact_receive(&mut self) {
-        assert!(!self.receive_in_flight);
-        if self.receive_start == self.receive_end {
-            self.receive_start = 0;
-            self.receive_end = 0;
-            return;
-        }
-        if self.receive_start == 0 {
-            return;
-        }
-        // A READ reply whose header has arrived may need more room than is left.
-        let frame_bytes = self.peek_frame_bytes().unwrap_or(0);
-        let frame_fits = self.receive_start + frame_bytes <= self.receive.len();
-        if self.receive.len() - self.receive_end < RECEIVE_SPARE_MIN_BYTES || !frame_fits {
-            self.receive
-                .copy_within(self.receive_start..self.receive_end, 0);
-            self.receive_end -= self.receive_start;
-            self.receive_start = 0;
-        }
-    }
-
-    /// Length of the reply at the front (header plus READ data), if its header is valid.
-    fn peek_frame_bytes(&self) -> Option<usize> {
-        let buffered = &self.receive[self.receive_start..self.receive_end];
-        let (reply, _) = decode_simple_reply(buffered).ok().flatten()?;
-        let outstanding = self.lookup(reply.cookie)?;
-        Some(frame_bytes(reply.error, outstanding))
-    }
-
-    fn lookup(&self, cookie: u64) -> Option<Outstanding> {
-        usize::try_from(cookie)
-            .ok()
-            .and_then(|index| self.outstanding.get(index))
-            .copied()
-            .flatten()
+        let outstanding = &self.outstanding;
+        self.buffers
+            .receive_copy(bytes, |unread| front_frame_bytes(outstanding, unread))
     }
 
     fn break_with(&mut self, error: NbdCoreError) -> NbdCoreError {
@@ -354,13 +251,13 @@ impl NbdCore {
         if let Some(error) = &self.broken {
             return Err(error.clone());
         }
-        let buffered = &self.receive[self.receive_start..self.receive_end];
+        let buffered = self.buffers.received();
         let reply = match decode_simple_reply(buffered) {
             Ok(None) => return Ok(None),
             Ok(Some((reply, _))) => reply,
             Err(error) => return Err(self.break_with(error.into())),
         };
-        let Some(outstanding) = self.lookup(reply.cookie) else {
+        let Some(outstanding) = lookup(&self.outstanding, reply.cookie) else {
             return Err(self.break_with(NbdCoreError::UnknownCookie(reply.cookie)));
         };
         let frame_bytes = frame_bytes(reply.error, outstanding);
@@ -370,15 +267,30 @@ impl NbdCore {
         // `lookup` found the slot, so the cookie is a valid index.
         self.outstanding[reply.cookie as usize] = None;
         self.outstanding_count -= 1;
-        let data_start = self.receive_start + SIMPLE_REPLY_SIZE;
-        let data_end = self.receive_start + frame_bytes;
-        self.receive_start = data_end;
+        let frame = self.buffers.take_received(frame_bytes);
         Ok(Some(NbdCompletion {
             cookie: reply.cookie,
             error: reply.error,
-            data: &self.receive[data_start..data_end],
+            data: &frame[SIMPLE_REPLY_SIZE..],
         }))
     }
+}
+
+/// The outstanding request under `cookie`; a cookie from the network is checked, not trusted.
+fn lookup(outstanding: &[Option<Outstanding>], cookie: u64) -> Option<Outstanding> {
+    usize::try_from(cookie)
+        .ok()
+        .and_then(|index| outstanding.get(index))
+        .copied()
+        .flatten()
+}
+
+/// Length of the reply at the front of `unread` (header plus READ data), if its header is
+/// valid and its cookie outstanding.
+fn front_frame_bytes(outstanding: &[Option<Outstanding>], unread: &[u8]) -> Option<usize> {
+    let (reply, _) = decode_simple_reply(unread).ok().flatten()?;
+    let request = lookup(outstanding, reply.cookie)?;
+    Some(frame_bytes(reply.error, request))
 }
 
 /// Bytes of a reply: the header, plus the READ data when it succeeded.
