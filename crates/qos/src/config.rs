@@ -46,6 +46,11 @@ pub struct QosConfig {
     pub thread_queued_requests_max: u32,
     /// Tenants one registry (and each scheduler) can hold.
     pub tenants_max: u32,
+    /// The part of a client's p95 that the device never sees (network, client and server
+    /// time), in µs: the device rate is taken from the profile at the strictest LC SLO minus
+    /// this. A profile calibrated on the device itself needs it for SLOs measured at the
+    /// client; 0 (the paper's rule) when the profile was calibrated through the server.
+    pub slo_headroom_us: u64,
 }
 
 impl Default for QosConfig {
@@ -61,6 +66,7 @@ impl Default for QosConfig {
             tenant_queue_depth_max: 1024,
             thread_queued_requests_max: 16_384,
             tenants_max: 16_384,
+            slo_headroom_us: 0,
         }
     }
 }
@@ -72,6 +78,12 @@ impl QosConfig {
 
     pub fn loan_max(&self) -> Tokens {
         Tokens::from_tokens_f64(self.loan_max_tokens)
+    }
+
+    /// The device latency that serves an LC SLO of `latency_us_p95` at the client (at least
+    /// 1 µs, so a headroom larger than the SLO reads the profile's strictest row, clamped).
+    pub fn device_latency_us(&self, latency_us_p95: u64) -> u64 {
+        latency_us_p95.saturating_sub(self.slo_headroom_us).max(1)
     }
 
     pub fn bucket_window(&self) -> Nanos {

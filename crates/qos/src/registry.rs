@@ -607,7 +607,7 @@ impl TenantRegistry {
     ) -> Result<Plan, AdmissionError> {
         let (rate, clamp) = match strictest {
             Some(latency) => {
-                let rate = self.profile.rate_at(latency);
+                let rate = self.profile.rate_at(self.config.device_latency_us(latency));
                 (rate, rate.clamped)
             }
             None => (self.profile.rate_at(u64::MAX), None),
@@ -1148,6 +1148,27 @@ mod tests {
                 tenant: a,
                 episode: 2
             })
+        );
+    }
+
+    #[test]
+    fn the_slo_headroom_reads_the_profile_at_a_stricter_device_latency() {
+        let config = QosConfig {
+            slo_headroom_us: 250,
+            ..QosConfig::default()
+        };
+        let mut r = TenantRegistry::new(device_a(), config, 1).unwrap();
+        // A 1 ms SLO at the client leaves 750 µs for the device: half way between the
+        // 500 µs (420K) and 1 ms (500K) rows, as a 750 µs SLO without headroom.
+        r.register(lc(1000, 10_000, 100)).unwrap();
+        assert_eq!(
+            r.plan().device_tokens_per_sec[0],
+            TokenRate::from_tokens_per_sec(460_000)
+        );
+        assert_eq!(
+            r.plan().latency_us_p95,
+            Some(1000),
+            "the plan keeps the client SLO"
         );
     }
 
