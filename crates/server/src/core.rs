@@ -61,6 +61,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types};
+use reflex_flash::emu::{PriorityClass, class_from_ioprio};
 use reflex_flash::{DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
 use reflex_proto::native::{self as wire, Opcode, RENEGOTIATE_BODY_SIZE, RenegotiateBody, Status};
 use reflex_qos::{Admitted, EnqueueError, Nanos, Policy, QosConfig, SchedulerEvent, TenantId};
@@ -303,6 +304,10 @@ struct Connection {
     /// Requests of this connection waiting in `Core::blocked`; while any do, the connection
     /// is not read (back-pressure from a full tenant queue).
     blocked_count: u32,
+    /// The device submission queue of this connection's I/O: its priority class for devices
+    /// that arbitrate (the emulated device), chosen from the `ionice` class a native client
+    /// declares in HELLO; medium otherwise, as Linux treats a process without a priority.
+    device_queue: u16,
 }
 
 /// A native connection's BIND.
@@ -354,9 +359,13 @@ impl Connection {
             charged: Vec::new(),
             notices: VecDeque::new(),
             blocked_count: 0,
+            device_queue: DEFAULT_DEVICE_QUEUE,
         }
     }
 }
+
+/// Submission queue of connections that declared no I/O priority.
+const DEFAULT_DEVICE_QUEUE: u16 = PriorityClass::Medium.submission_queue();
 
 struct Listener {
     socket: Option<TcpListener>,
@@ -1258,7 +1267,13 @@ impl Core {
         let action = self.requests[index as usize].action;
         match action {
             Action::Reply(_) => panic!("replies need no start"),
-            Action::Hello => {
+            Action::Hello { io_priority } => {
+                let connection_index = self.requests[index as usize].connection_index;
+                // An unknown class or level keeps the default: the priority is a hint.
+                if let Ok(class) = class_from_ioprio(io_priority) {
+                    self.connections[connection_index as usize].device_queue =
+                        class.submission_queue();
+                }
                 let size = Frontend::hello_body_size_max(&self.namespaces);
                 let Some(run) = self.pages.allocate(order_for(size)) else {
                     self.stats.buffer_waits += 1;
@@ -1729,7 +1744,7 @@ impl Core {
                             self.connections[index as usize].skip_bytes = payload_bytes;
                             self.respond(request, answer, 0);
                         }
-                        Action::Hello
+                        Action::Hello { .. }
                         | Action::Output
                         | Action::Io(_)
                         | Action::Control(_)
@@ -2327,7 +2342,7 @@ impl Core {
             user_data,
             kind,
             buf_index: if self.registered { Some(0) } else { None },
-            queue: 0,
+            queue: self.connections[request.connection_index as usize].device_queue,
         };
         match self.queues[usize::from(io.namespace_index)].submit(op, now) {
             Submit::Ring(entry) => {
@@ -2658,6 +2673,7 @@ impl Core {
         assert_eq!(connection.blocked_count, 0);
         connection.bound = None;
         connection.notices.clear();
+        connection.device_queue = DEFAULT_DEVICE_QUEUE;
         if !connection.charged.is_empty() {
             let mut charged = std::mem::take(&mut connection.charged);
             let now = self.now();

@@ -139,8 +139,11 @@ impl IoKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
     Io(IoRequest),
-    /// Answer with the server's capabilities (native HELLO).
-    Hello,
+    /// Answer with the server's capabilities (native HELLO); the client's Linux I/O priority
+    /// (`class << 13 | level`, 0: none) picks the connection's device priority class.
+    Hello {
+        io_priority: u16,
+    },
     /// Answer at once with this (failure) and no body: validation failures, control opcodes
     /// not implemented yet, NBD requests during shutdown. The request's payload, if any, is
     /// skipped.
@@ -421,7 +424,9 @@ fn decode_native(input: &[u8], namespaces: &NamespaceSet) -> Decoded {
                 return Decoded::NeedMore;
             };
             let action = match native::HelloBody::decode(body) {
-                Ok(_) => Action::Hello,
+                Ok(hello) => Action::Hello {
+                    io_priority: hello.io_priority,
+                },
                 Err(_) => Action::Reply(Answer::Native(Status::Invalid)),
             };
             Decoded::Request {
@@ -821,7 +826,25 @@ mod tests {
                     opcode_raw: 1,
                     request_id: 9,
                 },
-                action: Action::Hello,
+                action: Action::Hello { io_priority: 0 },
+            },
+        );
+        // The client's ionice (best effort, level 7) travels with the HELLO.
+        with_body[34] = 0x07;
+        with_body[35] = 0x40;
+        check(
+            Frontend::Native,
+            &with_body,
+            Decoded::Request {
+                header_bytes: 48,
+                payload_bytes: 0,
+                tag: Tag::Native {
+                    opcode_raw: 1,
+                    request_id: 9,
+                },
+                action: Action::Hello {
+                    io_priority: (2 << 13) | 7,
+                },
             },
         );
     }

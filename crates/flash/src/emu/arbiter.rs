@@ -48,6 +48,18 @@ impl PriorityClass {
         }
     }
 
+    /// The submission queue a dataplane uses for requests of this class: [`crate::emu::EmuFlash`]
+    /// puts queues 0–3 in the four classes, so a connection's class (from its tenant or the
+    /// client's `ionice`) reaches the arbiter as a queue number.
+    pub const fn submission_queue(self) -> u16 {
+        match self {
+            PriorityClass::Urgent => 0,
+            PriorityClass::High => 1,
+            PriorityClass::Medium => 2,
+            PriorityClass::Low => 3,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             PriorityClass::Urgent => "urgent",

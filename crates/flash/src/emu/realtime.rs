@@ -75,7 +75,15 @@ impl EmuFlash {
             profile.queue_depth_max,
             profile.arbitration.policy
         );
-        let device = EmuDevice::new(profile, size_bytes, REALTIME_SEED)?;
+        let queue_count = profile.queue_count;
+        let mut device = EmuDevice::new(profile, size_bytes, REALTIME_SEED)?;
+        // One submission queue per priority class (PriorityClass::submission_queue), so the
+        // dataplane can arbitrate by class without knowing the profile's queue layout.
+        if queue_count >= PriorityClass::ALL.len() as u16 {
+            for class in PriorityClass::ALL {
+                device.set_queue_class(class.submission_queue(), class)?;
+            }
+        }
         Ok(EmuFlash {
             info: DeviceInfo {
                 size_bytes,
@@ -92,6 +100,11 @@ impl EmuFlash {
                 scratch: Vec::new(),
             })),
         })
+    }
+
+    /// The priority class of submission queue `queue`; `None` past the profile's queues.
+    pub fn queue_class(&self, queue: u16) -> Option<PriorityClass> {
+        lock(&self.shared).device.queue_class(queue)
     }
 
     /// Puts submission queue `queue` in a priority class (for WRR/DRR arbitration).
@@ -251,5 +264,29 @@ impl DeviceQueue for EmuQueue {
             return Some(Nanos::ZERO);
         }
         shared.device.next_event()
+    }
+}
+
+#[cfg(test)]
+mod class_queue_tests {
+    use super::*;
+
+    #[test]
+    fn the_first_four_queues_are_the_four_priority_classes() {
+        let flash = EmuFlash::open("device-a-small", 64 << 20).unwrap();
+        for class in PriorityClass::ALL {
+            assert_eq!(flash.queue_class(class.submission_queue()), Some(class));
+        }
+        // A client's ionice reaches the class it asks for: RT → urgent, BE 7 → low.
+        let rt = super::super::class_from_ioprio(1 << 13).unwrap();
+        let be7 = super::super::class_from_ioprio((2 << 13) | 7).unwrap();
+        assert_eq!(
+            flash.queue_class(rt.submission_queue()),
+            Some(PriorityClass::Urgent)
+        );
+        assert_eq!(
+            flash.queue_class(be7.submission_queue()),
+            Some(PriorityClass::Low)
+        );
     }
 }
