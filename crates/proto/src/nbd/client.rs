@@ -15,6 +15,7 @@
 //! the server controls is bounded ([`OPTION_REPLY_DATA_MAX_BYTES`]); anything unexpected is a
 //! typed [`ClientHandshakeError`], never a panic.
 
+use super::output::OutputBuffer;
 use super::transmission::{CommandType, RequestHeader};
 use super::{
     BlockSizes, EXPORT_NAME_PADDING_SIZE, GREETING_SIZE, IHAVEOPT, NBD_MAGIC, OPTION_HEADER_SIZE,
@@ -161,7 +162,7 @@ pub enum ClientHandshakeError {
 }
 
 /// Appends an option header (IHAVEOPT, option, data length) to `output`.
-fn push_option_header(output: &mut Vec<u8>, option: u32, data_length: usize) {
+fn push_option_header(output: &mut OutputBuffer, option: u32, data_length: usize) {
     debug_assert!(data_length <= STRING_SIZE_MAX + 8);
     let start = output.len();
     output.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -211,8 +212,7 @@ pub struct ClientHandshake {
     state: State,
     /// The bytes of the message being received: bounded by the largest message accepted.
     staging: Vec<u8>,
-    output: Vec<u8>,
-    output_sent_bytes: usize,
+    output: OutputBuffer,
     server_no_zeroes: bool,
     export: Option<(u64, TransmissionFlags)>,
     block_sizes: Option<BlockSizes>,
@@ -233,8 +233,7 @@ impl ClientHandshake {
             export_name: export_name.to_owned(),
             state: State::Greeting,
             staging: Vec::with_capacity(OPTION_REPLY_HEADER_SIZE),
-            output: Vec::with_capacity(64 + export_name.len()),
-            output_sent_bytes: 0,
+            output: OutputBuffer::with_capacity(64 + export_name.len()),
             server_no_zeroes: false,
             export: None,
             block_sizes: None,
@@ -251,22 +250,12 @@ impl ClientHandshake {
 
     /// Bytes waiting to be sent.
     pub fn pending_output(&self) -> &[u8] {
-        self.output
-            .get(self.output_sent_bytes..)
-            .unwrap_or_default()
+        self.output.pending()
     }
 
     /// Marks `count` bytes of [`pending_output`](Self::pending_output) as sent.
     pub fn consume_output(&mut self, count: usize) {
-        assert!(
-            count <= self.pending_output().len(),
-            "consumed more output than was pending"
-        );
-        self.output_sent_bytes += count;
-        if self.output_sent_bytes == self.output.len() {
-            self.output.clear();
-            self.output_sent_bytes = 0;
-        }
+        self.output.consume(count);
     }
 
     /// The server closed its side before the handshake ended.

@@ -15,6 +15,7 @@
 
 use std::sync::Arc;
 
+use super::output::OutputBuffer;
 use super::transmission::Session;
 use super::{
     EXPORT_NAME_PADDING_SIZE, Export, ExportTable, IHAVEOPT, NBD_MAGIC, OPTION_HEADER_SIZE,
@@ -156,8 +157,7 @@ pub struct Handshake {
     staging: [u8; OPTION_HEADER_SIZE],
     staged_bytes: usize,
     data: Vec<u8>,
-    output: Vec<u8>,
-    output_sent_bytes: usize,
+    output: OutputBuffer,
     client_no_zeroes: bool,
     structured_replies: bool,
     shutting_down: bool,
@@ -176,8 +176,7 @@ impl Handshake {
             staging: [0; OPTION_HEADER_SIZE],
             staged_bytes: 0,
             data: Vec::with_capacity(OPTION_DATA_MAX_BYTES),
-            output: Vec::with_capacity(1024),
-            output_sent_bytes: 0,
+            output: OutputBuffer::with_capacity(1024),
             client_no_zeroes: false,
             structured_replies: false,
             shutting_down: false,
@@ -218,22 +217,12 @@ impl Handshake {
 
     /// Bytes waiting to be sent.
     pub fn pending_output(&self) -> &[u8] {
-        self.output
-            .get(self.output_sent_bytes..)
-            .unwrap_or_default()
+        self.output.pending()
     }
 
     /// Marks `count` bytes of [`pending_output`](Self::pending_output) as sent.
     pub fn consume_output(&mut self, count: usize) {
-        assert!(
-            count <= self.pending_output().len(),
-            "consumed more output than was pending"
-        );
-        self.output_sent_bytes += count;
-        if self.output_sent_bytes == self.output.len() {
-            self.output.clear();
-            self.output_sent_bytes = 0;
-        }
+        self.output.consume(count);
     }
 
     /// Copies pending output into `out`; returns the bytes copied (0: nothing to send).

@@ -14,6 +14,7 @@
 
 mod client;
 mod handshake;
+mod output;
 mod transmission;
 
 pub use client::{
