@@ -434,7 +434,8 @@ pub struct TenantStats {
 }
 
 impl TenantStats {
-    fn add(&mut self, other: &TenantStats) {
+    /// Adds `other`'s counts (the maximum wait: the larger one).
+    pub(crate) fn add(&mut self, other: &TenantStats) {
         self.requests += other.requests;
         self.bytes += other.bytes;
         self.millitokens += other.millitokens;
@@ -2238,17 +2239,7 @@ impl Core {
         }) else {
             return Status::Invalid;
         };
-        let mut charged = std::mem::take(&mut self.connections[connection_index as usize].charged);
-        if !charged.is_empty() {
-            self.with_control(now, |control, thread, own| {
-                control.disconnect(
-                    thread,
-                    charged.iter().map(|charge| charge.tenant.handle),
-                    own,
-                );
-            });
-        }
-        charged.clear();
+        let mut charged = self.release_charges(connection_index, now);
         charged.push(Charge {
             namespace_index: binding.namespace_index,
             tenant: binding.tenant,
@@ -2657,6 +2648,23 @@ impl Core {
         }
     }
 
+    /// Tells the control plane the connection no longer counts for the tenants it was charged
+    /// to, and returns its (now empty) charge list, capacity kept for reuse.
+    fn release_charges(&mut self, connection_index: u32, now: Nanos) -> Vec<Charge> {
+        let mut charged = std::mem::take(&mut self.connections[connection_index as usize].charged);
+        if !charged.is_empty() {
+            self.with_control(now, |control, thread, own| {
+                control.disconnect(
+                    thread,
+                    charged.iter().map(|charge| charge.tenant.handle),
+                    own,
+                );
+            });
+        }
+        charged.clear();
+        charged
+    }
+
     /// Releases the slot once no operation and no request refers to the connection.
     fn maybe_finish_close(&mut self, index: u32) {
         let connection = &mut self.connections[index as usize];
@@ -2675,16 +2683,8 @@ impl Core {
         connection.notices.clear();
         connection.device_queue = DEFAULT_DEVICE_QUEUE;
         if !connection.charged.is_empty() {
-            let mut charged = std::mem::take(&mut connection.charged);
             let now = self.now();
-            self.with_control(now, |control, thread, own| {
-                control.disconnect(
-                    thread,
-                    charged.iter().map(|charge| charge.tenant.handle),
-                    own,
-                );
-            });
-            charged.clear();
+            let charged = self.release_charges(index, now);
             self.connections[index as usize].charged = charged;
         }
         let connection = &mut self.connections[index as usize];

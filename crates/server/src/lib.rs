@@ -558,16 +558,7 @@ pub fn tenant_totals(stats: &[CoreStats]) -> BTreeMap<u64, TenantStats> {
             namespace_id: tenant.namespace_id,
             ..TenantStats::default()
         });
-        total.requests += tenant.requests;
-        total.bytes += tenant.bytes;
-        total.millitokens += tenant.millitokens;
-        total.deficit_episodes += tenant.deficit_episodes;
-        total.arrivals += tenant.arrivals;
-        total.scheduler_wait_ns += tenant.scheduler_wait_ns;
-        total.scheduler_wait_ns_max = total
-            .scheduler_wait_ns_max
-            .max(tenant.scheduler_wait_ns_max);
-        total.device_ns += tenant.device_ns;
+        total.add(tenant);
     }
     totals
 }

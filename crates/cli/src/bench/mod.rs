@@ -252,6 +252,15 @@ struct VerifyRow {
     found_byte: Option<u8>,
 }
 
+/// The first address `HOST:PORT` resolves to.
+fn resolve_server(server: &str) -> Result<SocketAddr> {
+    server
+        .to_socket_addrs()
+        .with_context(|| format!("resolving {server}"))?
+        .next()
+        .with_context(|| format!("{server} resolves to no address"))
+}
+
 pub fn run(args: Args) -> Result<()> {
     if let Some(path) = &args.scenario {
         if args.local.is_some() {
@@ -260,12 +269,7 @@ pub fn run(args: Args) -> Result<()> {
         if NbdUri::is_nbd(&args.server) {
             bail!("--scenario needs the native protocol (tenants), not an nbd:// server");
         }
-        let address = args
-            .server
-            .to_socket_addrs()
-            .with_context(|| format!("resolving {}", args.server))?
-            .next()
-            .with_context(|| format!("{} resolves to no address", args.server))?;
+        let address = resolve_server(&args.server)?;
         let options = scenario::ScenarioOptions {
             address,
             namespace: args.namespace,
@@ -554,12 +558,7 @@ fn resolve_target(args: &Args) -> Result<Resolved> {
             Ok(Resolved::Nbd { uri, address })
         }
         None => {
-            let address = args
-                .server
-                .to_socket_addrs()
-                .with_context(|| format!("resolving {}", args.server))?
-                .next()
-                .with_context(|| format!("{} resolves to no address", args.server))?;
+            let address = resolve_server(&args.server)?;
             let namespace = match args.namespace {
                 Some(namespace) => namespace,
                 None => {

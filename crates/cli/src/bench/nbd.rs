@@ -10,7 +10,7 @@
 //! `reflex_proto::nbd::ClientHandshake`; this module only moves its bytes.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -67,11 +67,7 @@ impl NbdUri {
     }
 
     pub fn resolve(&self) -> Result<SocketAddr> {
-        self.authority
-            .to_socket_addrs()
-            .with_context(|| format!("resolving {}", self.authority))?
-            .next()
-            .with_context(|| format!("{} resolves to no address", self.authority))
+        super::resolve_server(&self.authority)
     }
 }
 
