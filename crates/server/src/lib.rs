@@ -110,6 +110,34 @@ impl Server {
     ) -> Result<ServerHandle, ServerError> {
         config.validate()?;
         Ring::probe()?;
+        // Ports first: a port another process holds stops start-up before any backing file
+        // or directory is created.
+        let mut per_thread: Vec<Vec<(TcpListener, ListenerRole)>> =
+            (0..config.threads).map(|_| Vec::new()).collect();
+        let native_addr = bind_all(
+            SocketAddr::new(config.listen, config.port),
+            ListenerRole::Native,
+            &mut per_thread,
+        )?;
+        let mut original_addrs = Vec::new();
+        for (position, original) in config.effective_original_ports().iter().enumerate() {
+            let addr = bind_all(
+                SocketAddr::new(config.listen, original.port),
+                ListenerRole::Original(position),
+                &mut per_thread,
+            )?;
+            original_addrs.push((original.namespace, addr));
+        }
+        let nbd_addr = if config.nbd.enabled {
+            Some(bind_all(
+                SocketAddr::new(config.listen, config.nbd.port),
+                ListenerRole::Nbd,
+                &mut per_thread,
+            )?)
+        } else {
+            None
+        };
+
         let namespaces = open_namespaces(&config)?;
         let clock_origin = Instant::now();
 
@@ -141,16 +169,7 @@ impl Server {
         } else {
             None
         };
-
-        // Listeners: per thread, the native port, then each original-protocol port, then NBD.
-        let mut per_thread: Vec<Vec<(TcpListener, Protocol)>> =
-            (0..config.threads).map(|_| Vec::new()).collect();
-        let native_addr = bind_all(
-            SocketAddr::new(config.listen, config.port),
-            Protocol::Native,
-            &mut per_thread,
-        )?;
-        let mut original_addrs = Vec::new();
+        let mut original_protocols = Vec::new();
         for original in config.effective_original_ports() {
             let Some(namespace_index) = namespaces.index_of(original.namespace) else {
                 return Err(ConfigError::Invalid(format!(
@@ -159,24 +178,25 @@ impl Server {
                 ))
                 .into());
             };
-            let addr = bind_all(
-                SocketAddr::new(config.listen, original.port),
-                Protocol::Original {
-                    namespace_index,
-                    tenant: configured(namespace_index, original.tenant.as_ref()),
-                },
-                &mut per_thread,
-            )?;
-            original_addrs.push((original.namespace, addr));
+            original_protocols.push(Protocol::Original {
+                namespace_index,
+                tenant: configured(namespace_index, original.tenant.as_ref()),
+            });
         }
-        let nbd_addr = match &nbd_exports {
-            Some(_) => Some(bind_all(
-                SocketAddr::new(config.listen, config.nbd.port),
-                Protocol::Nbd,
-                &mut per_thread,
-            )?),
-            None => None,
+        let protocol_of = |role: ListenerRole| match role {
+            ListenerRole::Native => Protocol::Native,
+            ListenerRole::Original(position) => original_protocols[position],
+            ListenerRole::Nbd => Protocol::Nbd,
         };
+        let per_thread: Vec<Vec<(TcpListener, Protocol)>> = per_thread
+            .into_iter()
+            .map(|listeners| {
+                listeners
+                    .into_iter()
+                    .map(|(socket, role)| (socket, protocol_of(role)))
+                    .collect()
+            })
+            .collect();
 
         let shutdown = Arc::new(AtomicBool::new(false));
         let mut handle = ServerHandle {
@@ -317,18 +337,27 @@ fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
     Ok(Arc::new(NamespaceSet::new(entries)))
 }
 
+/// Which front end a listening socket serves, before the namespaces are open (the original
+/// protocol's by its position in the configured ports).
+#[derive(Debug, Clone, Copy)]
+enum ListenerRole {
+    Native,
+    Original(usize),
+    Nbd,
+}
+
 /// Binds one listener per thread on `addr`; with port 0 the first bind picks the port and the
 /// others share it through `SO_REUSEPORT`. Returns the bound address.
 fn bind_all(
     addr: SocketAddr,
-    protocol: Protocol,
-    per_thread: &mut [Vec<(TcpListener, Protocol)>],
+    role: ListenerRole,
+    per_thread: &mut [Vec<(TcpListener, ListenerRole)>],
 ) -> Result<SocketAddr, ServerError> {
     if addr.port() != 0 {
         // SO_REUSEPORT would let this server silently share a port another process already
         // listens on (say, a second reflexd serving other data): the kernel would spread
         // clients between the two. A plain bind first refuses that with EADDRINUSE.
-        drop(TcpListener::bind(addr).map_err(|source| ServerError::Bind { addr, source })?);
+        drop(bind_exclusive(addr)?);
     }
     let mut bound = addr;
     for (thread, listeners) in per_thread.iter_mut().enumerate() {
@@ -343,9 +372,40 @@ fn bind_all(
                 .local_addr()
                 .map_err(|source| ServerError::Bind { addr, source })?;
         }
-        listeners.push((listener, protocol));
+        listeners.push((listener, role));
     }
     Ok(bound)
+}
+
+/// How long start-up keeps retrying a port that is in use. A reflexd killed with SIGKILL
+/// leaves its listening sockets open until the kernel has torn down its io_uring (an accept
+/// in flight holds the socket), which takes up to a few hundred milliseconds after the
+/// process is gone; a restart inside that window must wait, not fail.
+pub const BIND_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+const BIND_RETRY_INTERVAL: std::time::Duration = std::time::Duration::from_millis(25);
+
+/// A plain (non-`SO_REUSEPORT`) bind of `addr`, retried for [`BIND_RETRY_FOR`] while the
+/// address is in use.
+fn bind_exclusive(addr: SocketAddr) -> Result<TcpListener, ServerError> {
+    let started = Instant::now();
+    let mut logged = false;
+    loop {
+        match TcpListener::bind(addr) {
+            Ok(listener) => return Ok(listener),
+            Err(source)
+                if source.kind() == std::io::ErrorKind::AddrInUse
+                    && started.elapsed() < BIND_RETRY_FOR =>
+            {
+                if !logged {
+                    tracing::warn!(%addr, retry_for = ?BIND_RETRY_FOR,
+                        "address in use (a previous reflexd may still be exiting); retrying");
+                    logged = true;
+                }
+                std::thread::sleep(BIND_RETRY_INTERVAL);
+            }
+            Err(source) => return Err(ServerError::Bind { addr, source }),
+        }
+    }
 }
 
 fn log_startup(

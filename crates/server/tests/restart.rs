@@ -66,13 +66,18 @@ struct Daemon {
 
 impl Daemon {
     fn spawn(namespace_flag: &str) -> Daemon {
+        Daemon::spawn_on(namespace_flag, 0, 0)
+    }
+
+    /// `reflexd` on the given native and NBD ports (0: any free port).
+    fn spawn_on(namespace_flag: &str, port: u16, nbd_port: u16) -> Daemon {
         let mut child = Command::new(env!("CARGO_BIN_EXE_reflexd"))
             .args([
                 "--port",
-                "0",
+                &port.to_string(),
                 "--no-original",
                 "--nbd-port",
-                "0",
+                &nbd_port.to_string(),
                 "--threads",
                 "2",
                 "--arena-size",
@@ -102,6 +107,12 @@ impl Daemon {
         // Keep draining the log so the child never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
         Daemon { child, addr }
+    }
+
+    /// SIGKILL: no drain, no flush, no orderly close of anything.
+    fn kill(mut self) {
+        self.child.kill().unwrap_or_else(|e| panic!("kill -9: {e}"));
+        self.child.wait().unwrap_or_else(|e| panic!("wait: {e}"));
     }
 
     fn terminate(mut self) {
@@ -146,4 +157,67 @@ fn the_binary_flushes_on_sigterm_and_serves_the_data_again() {
     }
     drop(client);
     daemon.terminate();
+}
+
+/// A free TCP port on loopback (free when this returns; the caller binds it soon after).
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
+    listener
+        .local_addr()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .port()
+}
+
+/// Issue 9, item 6: a reflexd killed with SIGKILL keeps its listening sockets until the
+/// kernel has torn down its io_uring; a restart at once on the same ports must wait for them
+/// instead of failing with "Address already in use".
+#[test]
+fn a_restart_right_after_sigkill_binds_the_same_ports() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let flag = format!("1=file:{},size=4M", dir.path().join("ns1").display());
+    let (port, nbd_port) = (free_port(), free_port());
+    let data = pattern(6, 4096);
+    for cycle in 0..5 {
+        let daemon = Daemon::spawn_on(&flag, port, nbd_port);
+        assert_eq!(daemon.addr.port(), port, "cycle {cycle}");
+        let mut client = Client::connect(daemon.addr).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .write(1, 4096 * cycle, &data)
+            .unwrap_or_else(|e| panic!("{e}"));
+        // The connection stays open across the kill, as a real client's would.
+        daemon.kill();
+        drop(client);
+    }
+    let daemon = Daemon::spawn_on(&flag, port, nbd_port);
+    let mut client = Client::connect(daemon.addr).unwrap_or_else(|e| panic!("{e}"));
+    let mut back = vec![0u8; 4096];
+    client
+        .read(1, 0, &mut back)
+        .unwrap_or_else(|e| panic!("{e}"));
+    drop(client);
+    daemon.terminate();
+}
+
+/// Issue 9, item 7: a port conflict stops start-up before the backing file (or its
+/// directory) is created.
+#[test]
+fn a_port_conflict_creates_no_backing_file() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
+    let port = taken.local_addr().unwrap_or_else(|e| panic!("{e}")).port();
+    let backing = dir.path().join("sub").join("ns1");
+    let output = Command::new(env!("CARGO_BIN_EXE_reflexd"))
+        .args(["--port", &port.to_string(), "--no-original", "--no-nbd"])
+        .args([
+            "--namespace",
+            &format!("1=file:{},size=1M", backing.display()),
+        ])
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("in use"), "stderr: {stderr}");
+    assert!(!backing.exists());
+    assert!(!dir.path().join("sub").exists());
 }
