@@ -10,6 +10,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
+use std::time::Duration;
 
 use reflex_flash::spec::parse_size;
 use reflex_qos::{QosConfig, TenantSpec};
@@ -40,6 +41,17 @@ pub const CONNECTIONS_PER_THREAD_MAX: u32 = 65_536;
 /// Request slots per thread: 32 connections at the default window, all full.
 pub const REQUESTS_PER_THREAD_DEFAULT: u32 = 4096;
 pub const REQUESTS_PER_THREAD_MAX: u32 = 1 << 20;
+/// Receive buffer of each connection: request headers and small WRITE payloads (a WRITE of
+/// up to half of it is gathered whole before it is parsed).
+pub const RECV_BUFFER_BYTES_DEFAULT: u64 = 64 << 10;
+pub const RECV_BUFFER_BYTES_MIN: u64 = 16 << 10;
+pub const RECV_BUFFER_BYTES_MAX: u64 = 1 << 20;
+/// Share of a thread's arena one connection may hold by default, in percent.
+pub const CONNECTION_ARENA_PERCENT_DEFAULT: u8 = 25;
+/// Connections of a thread kept for each other listener (a flood on one port cannot take them).
+pub const CONNECTIONS_RESERVED_PER_LISTENER_DEFAULT: u32 = 16;
+/// The completion queue holds at most this many entries (the kernel's limit).
+pub const RING_CQ_ENTRIES_MAX: u32 = 65_536;
 /// The default namespace: a 1 GiB sparse file under `./reflex-data/`.
 pub const DEFAULT_NAMESPACE_BACKEND: &str = "file:./reflex-data/ns1";
 pub const DEFAULT_NAMESPACE_SIZE_BYTES: u64 = 1 << 30;
@@ -398,6 +410,49 @@ impl Default for NbdConfig {
     }
 }
 
+/// How long a connection, a request or a device may take before reflexd gives up on it
+/// (`docs/OPERATIONS.md`, "Limits and timeouts"). Durations as `"10s"`, `"500ms"`, `"2m"`;
+/// `"0s"` turns a timeout off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutsConfig {
+    /// A connection that completes no request (for NBD: no handshake) this long after it was
+    /// accepted is closed.
+    #[serde(with = "humantime_serde")]
+    pub handshake: Duration,
+    /// A connection with nothing outstanding that sends nothing for this long is closed.
+    /// Off by default: NBD clients (qemu, the kernel) stay connected while idle.
+    #[serde(with = "humantime_serde")]
+    pub idle: Duration,
+    /// A request whose header or payload stops arriving for this long closes its connection.
+    #[serde(with = "humantime_serde")]
+    pub receive: Duration,
+    /// A connection whose answers make no progress (the client does not read) for this long
+    /// is closed, and its buffers go back to the others.
+    #[serde(with = "humantime_serde")]
+    pub send: Duration,
+    /// A device operation outstanding this long is answered with an error (ETIMEDOUT; EIO on
+    /// protocols without it) while the device keeps its buffer until it answers.
+    #[serde(with = "humantime_serde")]
+    pub device: Duration,
+    /// How long a shutdown waits for clients to take their last answers.
+    #[serde(with = "humantime_serde")]
+    pub drain: Duration,
+}
+
+impl Default for TimeoutsConfig {
+    fn default() -> TimeoutsConfig {
+        TimeoutsConfig {
+            handshake: Duration::from_secs(10),
+            idle: Duration::ZERO,
+            receive: Duration::from_secs(30),
+            send: Duration::from_secs(60),
+            device: Duration::from_secs(30),
+            drain: Duration::from_secs(10),
+        }
+    }
+}
+
 /// Everything `Server::start` needs.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -420,7 +475,18 @@ pub struct Config {
     #[serde(deserialize_with = "size_bytes")]
     pub arena_bytes_per_thread: u64,
     pub connections_per_thread_max: u32,
+    /// Connections of a thread kept for each other listener.
+    pub connections_reserved_per_listener: u32,
+    /// Open connections of a thread from one address; 0: no limit.
+    pub connections_per_source_max: u32,
     pub requests_per_thread_max: u32,
+    /// Receive buffer of each connection.
+    #[serde(deserialize_with = "size_bytes")]
+    pub recv_buffer_bytes: u64,
+    /// Share of a thread's arena one connection may hold, in percent (at least one 1 MiB
+    /// run): a client that never reads its answers cannot take the others' buffers.
+    pub connection_arena_percent: u8,
+    pub timeouts: TimeoutsConfig,
     /// Whether to register the arena with the ring (fixed-buffer I/O); off only for testing
     /// the unregistered path.
     pub register_buffers: bool,
@@ -453,7 +519,12 @@ impl Default for Config {
             window: WINDOW_DEFAULT,
             arena_bytes_per_thread: ARENA_BYTES_PER_THREAD_DEFAULT,
             connections_per_thread_max: CONNECTIONS_PER_THREAD_DEFAULT,
+            connections_reserved_per_listener: CONNECTIONS_RESERVED_PER_LISTENER_DEFAULT,
+            connections_per_source_max: 0,
             requests_per_thread_max: REQUESTS_PER_THREAD_DEFAULT,
+            recv_buffer_bytes: RECV_BUFFER_BYTES_DEFAULT,
+            connection_arena_percent: CONNECTION_ARENA_PERCENT_DEFAULT,
+            timeouts: TimeoutsConfig::default(),
             register_buffers: true,
             namespaces: Vec::new(),
             qos: true,
@@ -508,6 +579,59 @@ impl Config {
             }]
         } else {
             self.namespaces.clone()
+        }
+    }
+
+    /// Completion-queue entries one thread's ring needs so that no completion can be
+    /// refused: per connection slot a receive, a send and their two cancellations; per
+    /// listener an accept and its cancellation; the device operations in flight and the
+    /// shutdown flushes; the wake-up read and its cancellation. Rounded up to a power of two
+    /// (never below `RING_CQ_ENTRIES_MIN`).
+    pub fn ring_cq_entries(&self) -> u32 {
+        let slots = u64::from(self.connections_per_thread_max)
+            + u64::from(reflex_dataplane::CONNECTION_SLACK);
+        let listeners = 2 + self.effective_original_ports().len() as u64;
+        let needed = 4 * slots
+            + 2 * listeners
+            + u64::from(reflex_dataplane::DEVICE_IN_FLIGHT_PER_THREAD_MAX)
+            + self.effective_namespaces().len() as u64
+            + 2;
+        let needed = needed
+            .next_power_of_two()
+            .max(u64::from(crate::uring::RING_CQ_ENTRIES_MIN));
+        u32::try_from(needed).unwrap_or(u32::MAX)
+    }
+
+    /// The limits every dataplane thread runs within.
+    pub fn limits(&self) -> reflex_dataplane::Limits {
+        let arena_bytes = self.arena_bytes_per_thread as usize;
+        let (connection_pages_max, arena_reserve_pages, connection_pages_share) =
+            reflex_dataplane::Limits::shares_for_arena(
+                arena_bytes,
+                u32::from(self.connection_arena_percent),
+            );
+        let optional = |duration: Duration| {
+            (!duration.is_zero()).then_some(reflex_qos::Nanos(duration.as_nanos() as u64))
+        };
+        reflex_dataplane::Limits {
+            window: self.window,
+            requests_max: self.requests_per_thread_max,
+            connections_max: self.connections_per_thread_max,
+            connections_reserved_per_listener: self.connections_reserved_per_listener,
+            connections_per_source_max: (self.connections_per_source_max > 0)
+                .then_some(self.connections_per_source_max),
+            recv_buffer_bytes: self.recv_buffer_bytes as usize,
+            arena_bytes,
+            connection_pages_max,
+            arena_reserve_pages,
+            connection_pages_share,
+            handshake_timeout: optional(self.timeouts.handshake),
+            idle_timeout: optional(self.timeouts.idle),
+            receive_timeout: optional(self.timeouts.receive),
+            send_timeout: optional(self.timeouts.send),
+            device_timeout: optional(self.timeouts.device),
+            drain_timeout: reflex_qos::Nanos(self.timeouts.drain.as_nanos() as u64),
+            device_in_flight_max: reflex_dataplane::DEVICE_IN_FLIGHT_PER_THREAD_MAX,
         }
     }
 
@@ -595,6 +719,27 @@ impl Config {
                 self.connections_per_thread_max
             ));
         }
+        if !(RECV_BUFFER_BYTES_MIN..=RECV_BUFFER_BYTES_MAX).contains(&self.recv_buffer_bytes) {
+            return invalid(format!(
+                "recv_buffer_bytes {} not in {RECV_BUFFER_BYTES_MIN}..={RECV_BUFFER_BYTES_MAX}",
+                self.recv_buffer_bytes
+            ));
+        }
+        if !(1..=100).contains(&self.connection_arena_percent) {
+            return invalid(format!(
+                "connection_arena_percent {} not in 1..=100",
+                self.connection_arena_percent
+            ));
+        }
+        let cq_entries = self.ring_cq_entries();
+        if cq_entries > RING_CQ_ENTRIES_MAX {
+            return invalid(format!(
+                "connections_per_thread_max {} needs {cq_entries} completion queue entries per \
+                 thread, more than a ring holds ({RING_CQ_ENTRIES_MAX}): use more threads or \
+                 fewer connections per thread",
+                self.connections_per_thread_max
+            ));
+        }
         if self.requests_per_thread_max < self.window
             || self.requests_per_thread_max > REQUESTS_PER_THREAD_MAX
         {
@@ -655,6 +800,7 @@ impl Config {
         self.qos_config
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        self.limits().check().map_err(ConfigError::Invalid)?;
 
         let names: Vec<String> = namespaces
             .iter()

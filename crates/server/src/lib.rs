@@ -18,28 +18,25 @@
 //!   [`ServerHandle::qos_plan`] and [`ServerHandle::tenant_handle`] show the control plane's
 //!   state.
 //!
-//! Module map: `core` (the per-thread loop and request/connection state machines), `frontend`
-//! (protocol glue over `reflex_proto`, the NBD handshake and sessions included), `steps`
-//! (requests that take several device operations: NBD TRIM and WRITE_ZEROES, FUA flushes),
-//! `control` (tenants, admission, the messages to the threads' QoS schedulers), `sched` (the
-//! pull scheduling seam of namespaces without QoS), `buffers` (page allocation in the arena),
-//! `namespaces`, `config`, and `uring` (the only module with `unsafe`: ring, registered arena,
-//! raw sockets).
+//! Module map: `config` (TOML and flags), `uring` (the io_uring driver that runs each
+//! thread's [`reflex_dataplane::Dataplane`]), `sys` (raw socket calls). The dataplane itself
+//! (connections, requests, protocol front ends, tenants and schedulers) is the sans-IO crate
+//! `reflex-dataplane`, which the simulator drives too.
 //!
 //! Architecture invariants: the data path allocates nothing, takes no lock and makes no
 //! system call besides one `io_uring_enter` per loop iteration (plus accept-time socket
 //! options); every limit is a named constant or config field; bad input from the network
 //! gets an error status or closes only its own connection, never panics the server.
+//! `unsafe` only in `uring` and `sys`.
 
-pub mod buffers;
+#![deny(unsafe_code)]
+
 pub mod config;
-pub mod control;
-mod core;
-pub mod frontend;
-pub mod namespaces;
-pub mod sched;
-mod steps;
+#[allow(unsafe_code)]
+mod sys;
 mod uring;
+
+pub use reflex_dataplane as dataplane;
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -50,23 +47,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+pub use reflex_dataplane::control::{ControlError, TenantInfo};
+use reflex_dataplane::control::{
+    ControlPlane, ControlSetup, NamespaceControl, NamespaceQosSetup, TenantRef, Wake,
+};
+use reflex_dataplane::frontend::{ExportBinding, NbdExports, Protocol};
+use reflex_dataplane::namespaces::NamespaceSet;
+pub use reflex_dataplane::{CoreStats, TenantStats};
+use reflex_dataplane::{Dataplane, DataplaneSetup};
+use reflex_qos::{DeviceProfile, Nanos};
+
 pub use crate::config::{
     Config, ConfigError, NamespaceConfig, NbdConfig, OriginalPortConfig, TenantClassConfig,
-    TenantConfig,
+    TenantConfig, TimeoutsConfig,
 };
-pub use crate::control::{ControlError, TenantInfo};
-use crate::control::{ControlPlane, NamespaceQosSetup, TenantRef};
-use crate::core::{Core, CoreSetup};
-pub use crate::core::{CoreError, CoreStats, TenantStats};
-use crate::frontend::{ExportBinding, NbdExports, Protocol};
-use crate::namespaces::NamespaceSet;
-pub use crate::sched::Scheduler;
 pub use crate::uring::MissingFeature;
-
-/// Makes the pull scheduler of one dataplane thread for namespaces without QoS:
-/// `(thread_index, capacity)`, where capacity is the thread's request slots (a scheduler never
-/// holds more).
-pub type SchedulerFactory = Arc<dyn Fn(usize, usize) -> Box<dyn Scheduler + Send> + Send + Sync>;
+use crate::uring::{DriverSetup, UringDriver};
 
 /// Listen backlog of every listening socket.
 pub const LISTEN_BACKLOG: i32 = 1024;
@@ -89,6 +85,12 @@ pub enum ServerError {
     },
     #[error("dataplane thread {thread}: {message}")]
     Thread { thread: usize, message: String },
+    #[error("namespace {namespace_id}: cannot read QoS profile {path}: {reason}")]
+    Profile {
+        namespace_id: u32,
+        path: String,
+        reason: String,
+    },
     #[error(transparent)]
     Qos(#[from] ControlError),
 }
@@ -98,16 +100,6 @@ pub struct Server;
 
 impl Server {
     pub fn start(config: Config) -> Result<ServerHandle, ServerError> {
-        Server::start_with_scheduler(config, None)
-    }
-
-    /// Like [`start`](Self::start), with each dataplane thread's scheduler of namespaces
-    /// without QoS made by `scheduler_factory(thread_index, requests_per_thread_max)` (`None`:
-    /// FIFO).
-    pub fn start_with_scheduler(
-        config: Config,
-        scheduler_factory: Option<SchedulerFactory>,
-    ) -> Result<ServerHandle, ServerError> {
         config.validate()?;
         Ring::probe()?;
         // Ports first: a port another process holds stops start-up before any backing file
@@ -143,21 +135,25 @@ impl Server {
 
         let mut wakers = Vec::new();
         for thread in 0..config.threads {
-            wakers.push(Arc::new(uring::eventfd().map_err(|e| {
+            wakers.push(Arc::new(sys::eventfd().map_err(|e| {
                 ServerError::Thread {
                     thread,
                     message: format!("eventfd: {e}"),
                 }
             })?));
         }
-        let (control, qos) = ControlPlane::start(&config, &namespaces, wakers.clone())?;
+        let control_wakers: Vec<Arc<dyn Wake>> = wakers
+            .iter()
+            .map(|file| Arc::new(EventfdWaker(Arc::clone(file))) as Arc<dyn Wake>)
+            .collect();
+        let (control, qos) =
+            ControlPlane::start(&control_setup(&config)?, &namespaces, control_wakers)?;
         let control = Arc::new(control);
         let configured = |namespace_index: u16, name: Option<&String>| -> TenantRef {
-            let (Some(name), Some(Some(setup))) = (name, qos.get(usize::from(namespace_index)))
-            else {
+            let Some(name) = name else {
                 return TenantRef::NONE;
             };
-            setup
+            qos[usize::from(namespace_index)]
                 .tenants
                 .iter()
                 .find(|(known, _)| known == name)
@@ -188,15 +184,6 @@ impl Server {
             ListenerRole::Original(position) => original_protocols[position],
             ListenerRole::Nbd => Protocol::Nbd,
         };
-        let per_thread: Vec<Vec<(TcpListener, Protocol)>> = per_thread
-            .into_iter()
-            .map(|listeners| {
-                listeners
-                    .into_iter()
-                    .map(|(socket, role)| (socket, protocol_of(role)))
-                    .collect()
-            })
-            .collect();
 
         let shutdown = Arc::new(AtomicBool::new(false));
         let mut handle = ServerHandle {
@@ -209,45 +196,55 @@ impl Server {
             control: Arc::clone(&control),
             namespaces: Arc::clone(&namespaces),
         };
+        let limits = config.limits();
+        let cq_entries = config.ring_cq_entries();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<bool, String>)>();
         for (thread_index, listeners) in per_thread.into_iter().enumerate() {
-            let waker = Arc::clone(&wakers[thread_index]);
-            let setup = CoreSetup {
+            let (sockets, roles): (Vec<TcpListener>, Vec<ListenerRole>) =
+                listeners.into_iter().unzip();
+            let dataplane_setup = DataplaneSetup {
                 thread_index,
-                listeners,
+                listeners: roles.into_iter().map(protocol_of).collect(),
                 namespaces: Arc::clone(&namespaces),
                 nbd_exports: nbd_exports.clone(),
-                poll: config.poll,
-                window: config.window,
-                arena_bytes: config.arena_bytes_per_thread as usize,
-                connections_max: config.connections_per_thread_max,
-                requests_max: config.requests_per_thread_max,
-                register_buffers: config.register_buffers,
-                shutdown: Arc::clone(&shutdown),
-                waker,
-                clock_origin,
-                scheduler: scheduler_factory
-                    .as_ref()
-                    .map(|factory| factory(thread_index, config.requests_per_thread_max as usize)),
+                limits: limits.clone(),
                 control: Arc::clone(&control),
                 qos: qos.clone(),
                 qos_config: config.qos_config.clone(),
-                qos_enabled: config.qos,
+                now: Nanos(clock_origin.elapsed().as_nanos() as u64),
+            };
+            let driver_setup = DriverSetup {
+                listeners: sockets,
+                namespaces: Arc::clone(&namespaces),
+                poll: config.poll,
+                register_buffers: config.register_buffers,
+                shutdown: Arc::clone(&shutdown),
+                waker: Arc::clone(&wakers[thread_index]),
+                clock_origin,
+                cq_entries,
             };
             let ready = ready_tx.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("reflex-dp-{thread_index}"))
                 .spawn(move || {
-                    let core = match Core::new(setup) {
-                        Ok(core) => core,
-                        Err(e) => {
-                            let _ = ready.send((thread_index, Err(e.to_string())));
-                            return Err(e);
+                    let started = Dataplane::new(dataplane_setup)
+                        .map_err(|e| e.to_string())
+                        .and_then(|dataplane| {
+                            UringDriver::new(dataplane, driver_setup)
+                                .map_err(|e| format!("io_uring setup failed: {e}"))
+                        });
+                    let driver = match started {
+                        Ok(driver) => driver,
+                        Err(message) => {
+                            let _ = ready.send((thread_index, Err(message.clone())));
+                            return Err(message);
                         }
                     };
-                    let _ = ready.send((thread_index, Ok(core.registered_buffers())));
+                    let _ = ready.send((thread_index, Ok(driver.registered_buffers())));
                     drop(ready);
-                    core.run()
+                    driver
+                        .run()
+                        .map_err(|e| format!("io_uring_enter failed: {e}"))
                 });
             match spawned {
                 Ok(thread) => handle.threads.push(thread),
@@ -276,6 +273,62 @@ impl Server {
         log_startup(&config, &namespaces, &handle, &registered, &qos);
         Ok(handle)
     }
+}
+
+/// Wakes a sleeping dataplane thread through its eventfd.
+struct EventfdWaker(Arc<File>);
+
+impl Wake for EventfdWaker {
+    fn wake(&self) {
+        // An eventfd write only fails when the counter would overflow, i.e. when the thread
+        // has been woken already.
+        let _ = (&*self.0).write(&1u64.to_ne_bytes());
+    }
+}
+
+/// What the control plane starts from: each namespace's profile (read from its file) and
+/// the configured tenants bound to it.
+fn control_setup(config: &Config) -> Result<ControlSetup, ServerError> {
+    let mut namespaces = Vec::new();
+    for namespace in config.effective_namespaces() {
+        let Some(path) = &namespace.profile else {
+            namespaces.push(NamespaceControl {
+                namespace_id: namespace.id,
+                profile: None,
+                tenants: Vec::new(),
+            });
+            continue;
+        };
+        let profile_error = |reason: String| ServerError::Profile {
+            namespace_id: namespace.id,
+            path: path.clone(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| profile_error(e.to_string()))?;
+        let profile = DeviceProfile::from_toml(&text).map_err(|e| profile_error(e.to_string()))?;
+        let mut tenants = Vec::new();
+        for name in config.tenants_bound_to(namespace.id) {
+            let spec = config
+                .tenant(&name)
+                .spec()
+                .map_err(|reason| ControlError::Qos {
+                    namespace_id: namespace.id,
+                    reason,
+                })?;
+            tenants.push((name, spec));
+        }
+        namespaces.push(NamespaceControl {
+            namespace_id: namespace.id,
+            profile: Some(profile),
+            tenants,
+        });
+    }
+    Ok(ControlSetup {
+        threads: config.threads as u16,
+        qos_config: config.qos_config.clone(),
+        qos_enabled: config.qos,
+        namespaces,
+    })
 }
 
 /// The NBD export table: export `i` is namespace `i`, under its configured name, with its
@@ -361,7 +414,7 @@ fn bind_all(
     }
     let mut bound = addr;
     for (thread, listeners) in per_thread.iter_mut().enumerate() {
-        let listener = uring::bind_reuseport_listener(bound, LISTEN_BACKLOG).map_err(|source| {
+        let listener = sys::bind_reuseport_listener(bound, LISTEN_BACKLOG).map_err(|source| {
             ServerError::Bind {
                 addr: bound,
                 source,
@@ -413,30 +466,25 @@ fn log_startup(
     namespaces: &NamespaceSet,
     handle: &ServerHandle,
     registered: &[bool],
-    qos: &[Option<NamespaceQosSetup>],
+    qos: &[NamespaceQosSetup],
 ) {
     let effective = config.effective_namespaces();
-    for index in 0..namespaces.len() {
+    for (index, setup) in qos.iter().enumerate() {
         let namespace_index = index as u16;
         let export = effective.get(index).map(NamespaceConfig::export_name);
         let tenant = effective.get(index).and_then(|ns| ns.tenant.clone());
-        let setup = qos.get(index).and_then(Option::as_ref);
-        let tenant_handle = match (setup, &tenant) {
-            (Some(setup), Some(name)) => setup
+        let tenant_handle = match &tenant {
+            Some(name) => setup
                 .tenants
                 .iter()
                 .find(|(known, _)| known == name)
                 .map_or(0, |(_, tenant)| tenant.handle),
-            (Some(setup), None) => setup.default_tenant.handle,
-            (None, _) => 0,
+            None => setup.default_tenant.handle,
         };
-        let qos_text = match (
-            setup,
-            effective.get(index).and_then(|ns| ns.profile.clone()),
-        ) {
-            (Some(_), Some(profile)) if config.qos => format!("tokens ({profile})"),
-            (Some(_), Some(profile)) => format!("off: first in, first out ({profile})"),
-            _ => "none: no profile, first in, first out".to_string(),
+        let qos_text = match effective.get(index).and_then(|ns| ns.profile.clone()) {
+            Some(profile) if config.qos => format!("tokens ({profile})"),
+            Some(profile) => format!("off: first in, first out ({profile})"),
+            None => "none: no profile, first in, first out".to_string(),
         };
         tracing::info!(
             namespace = namespaces.id(namespace_index),
@@ -491,7 +539,7 @@ pub struct ServerHandle {
     nbd_addr: Option<SocketAddr>,
     shutdown: Arc<AtomicBool>,
     wakers: Vec<Arc<File>>,
-    threads: Vec<JoinHandle<Result<CoreStats, CoreError>>>,
+    threads: Vec<JoinHandle<Result<CoreStats, String>>>,
     control: Arc<ControlPlane>,
     namespaces: Arc<NamespaceSet>,
 }
@@ -565,11 +613,8 @@ impl ServerHandle {
         for (thread, handle) in self.threads.drain(..).enumerate() {
             match handle.join() {
                 Ok(Ok(core_stats)) => stats.push(core_stats),
-                Ok(Err(e)) => {
-                    first_error.get_or_insert(ServerError::Thread {
-                        thread,
-                        message: e.to_string(),
-                    });
+                Ok(Err(message)) => {
+                    first_error.get_or_insert(ServerError::Thread { thread, message });
                 }
                 Err(_) => {
                     first_error.get_or_insert(ServerError::Thread {

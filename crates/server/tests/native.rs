@@ -490,48 +490,12 @@ fn wait_until_receive_queue_stops_growing(stream: &std::net::TcpStream) {
 }
 
 #[test]
-fn a_custom_scheduler_sees_every_request() {
-    use reflex_qos::Nanos;
-    use reflex_server::sched::{FifoScheduler, QueuedIo, Scheduler};
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicU64, Ordering};
-
-    /// FIFO that counts what passes through: the seam the QoS scheduler plugs into.
-    struct Counting {
-        inner: FifoScheduler,
-        completed: Arc<AtomicU64>,
-    }
-    impl Scheduler for Counting {
-        fn enqueue(&mut self, io: QueuedIo, now: Nanos) {
-            self.inner.enqueue(io, now);
-        }
-        fn dequeue(&mut self, now: Nanos) -> Option<QueuedIo> {
-            self.inner.dequeue(now)
-        }
-        fn on_complete(&mut self, _io: &QueuedIo, _now: Nanos) {
-            self.completed.fetch_add(1, Ordering::Relaxed);
-        }
-        fn queued_count(&self) -> usize {
-            self.inner.queued_count()
-        }
-        fn next_deadline(&self) -> Option<Nanos> {
-            None
-        }
-    }
-
-    let completed = Arc::new(AtomicU64::new(0));
-    let counter = Arc::clone(&completed);
-    let factory: reflex_server::SchedulerFactory = Arc::new(move |_thread, capacity| {
-        Box::new(Counting {
-            inner: FifoScheduler::new(capacity),
-            completed: Arc::clone(&counter),
-        })
-    });
-    let server = reflex_server::Server::start_with_scheduler(
-        config(vec![namespace(1, "mem:1M", None)]),
-        Some(factory),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
+fn a_namespace_without_a_profile_goes_through_the_fifo_scheduler() {
+    // One scheduler path: every device operation of a namespace without a profile passes
+    // through its thread's scheduler (first in, first out) and is charged to the namespace's
+    // default tenant.
+    let server = reflex_server::Server::start(config(vec![namespace(1, "mem:1M", None)]))
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
     let mut back = [0u8; 4096];
     for _ in 0..10 {
@@ -541,8 +505,17 @@ fn a_custom_scheduler_sees_every_request() {
             .unwrap_or_else(|e| panic!("{e}"));
     }
     client.flush(1).unwrap_or_else(|e| panic!("{e}"));
-    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(completed.load(Ordering::Relaxed), 21);
+    assert_eq!(server.qos_plan(1), None, "no profile, no QoS plan");
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let totals = reflex_server::tenant_totals(&stats);
+    assert_eq!(totals.len(), 1, "{totals:?}");
+    let default = totals
+        .values()
+        .next()
+        .unwrap_or_else(|| panic!("no tenant"));
+    assert_eq!(default.requests, 21);
+    assert_eq!(default.arrivals, 21);
+    assert_eq!(default.bytes, 20 * 4096 + 4096);
 }
 
 #[test]

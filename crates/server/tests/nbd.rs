@@ -846,6 +846,8 @@ fn shutdown_closes_handshakes_finishes_sessions_and_refuses_newcomers() {
     let config = Config {
         window: 64,
         arena_bytes_per_thread: 64 << 20,
+        // All 48 READs in flight at once: this connection may use the whole arena.
+        connection_arena_percent: 100,
         requests_per_thread_max: 256,
         ..nbd_config(vec![namespace(1, "mem:8M", None)])
     };

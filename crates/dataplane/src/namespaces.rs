@@ -85,6 +85,11 @@ impl NamespaceSet {
         self.infos[usize::from(index)].size_bytes
     }
 
+    /// Whether writes, trims and write-zeroes are refused (configured so, or the device is).
+    pub fn is_read_only(&self, index: u16) -> bool {
+        self.table[usize::from(index)].read_only
+    }
+
     /// The table the native codec validates against and HELLO advertises.
     pub fn native_table(&self) -> &[native::Namespace] {
         &self.table

@@ -28,18 +28,15 @@
 //! (`core.rs`); lock order is state, then a mailbox.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::fs::File;
-use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use reflex_proto::native::{RegisterBody, RenegotiateBody, Status, TenantClassRequest};
 use reflex_qos::{
-    DeviceProfile, DeviceShared, LoadMode, Notice, Plan, RateUpdate, SchedulerEvent, TenantId,
-    TenantRegistry, TenantSpec,
+    DeviceProfile, DeviceShared, LoadMode, Notice, Plan, Policy, QosConfig, RateUpdate,
+    SchedulerEvent, TenantId, TenantRegistry, TenantSpec, TokenLimit,
 };
 
-use crate::config::Config;
 use crate::namespaces::NamespaceSet;
 
 /// Control messages one dataplane iteration applies at most (the rest wait for the next).
@@ -148,6 +145,8 @@ pub struct Binding {
 /// The QoS setup of one namespace, for the dataplane threads.
 #[derive(Debug, Clone)]
 pub struct NamespaceQosSetup {
+    /// Tokens where the namespace has a profile and QoS is on, first in first out otherwise.
+    pub policy: Policy,
     pub shared: Arc<DeviceShared>,
     /// The tenant of connections that chose none.
     pub default_tenant: TenantRef,
@@ -174,12 +173,6 @@ pub struct TenantInfo {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
-    #[error("namespace {namespace_id}: cannot read QoS profile {path}: {reason}")]
-    Profile {
-        namespace_id: u32,
-        path: String,
-        reason: String,
-    },
     #[error("namespace {namespace_id}: tenant {name:?} refused at startup: {reason}")]
     Refused {
         namespace_id: u32,
@@ -198,6 +191,8 @@ struct Mailbox {
 
 struct NamespaceState {
     namespace_id: u32,
+    /// Without a profile the registry's rate is unlimited and only the default tenant lives.
+    has_profile: bool,
     registry: TenantRegistry,
     /// The handle of each registered tenant id.
     handles: BTreeMap<TenantId, u64>,
@@ -205,7 +200,7 @@ struct NamespaceState {
 
 struct State {
     threads: u16,
-    namespaces: Vec<Option<NamespaceState>>,
+    namespaces: Vec<NamespaceState>,
     tenants: BTreeMap<u64, TenantEntry>,
     next_handle: u64,
     /// Messages for threads other than the registries' rate updates: (thread, message).
@@ -217,7 +212,7 @@ struct State {
 pub struct ControlPlane {
     state: Mutex<State>,
     mailboxes: Box<[Mailbox]>,
-    wakers: Vec<Arc<File>>,
+    wakers: Vec<Arc<dyn Wake>>,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -228,18 +223,46 @@ impl std::fmt::Debug for ControlPlane {
     }
 }
 
+/// How a dataplane thread is woken when a message waits in its mailbox (an eventfd write in
+/// reflexd; nothing in the simulator, which polls every thread's mailbox).
+pub trait Wake: Send + Sync {
+    fn wake(&self);
+}
+
+/// What the control plane starts from: per namespace, its device profile (`None`: no QoS,
+/// served first in, first out) and the configured tenants bound to it.
+#[derive(Debug, Clone)]
+pub struct ControlSetup {
+    pub threads: u16,
+    pub qos_config: QosConfig,
+    /// `false`: every namespace schedules first in, first out (`--no-qos`).
+    pub qos_enabled: bool,
+    pub namespaces: Vec<NamespaceControl>,
+}
+
+#[derive(Debug, Clone)]
+pub struct NamespaceControl {
+    pub namespace_id: u32,
+    pub profile: Option<DeviceProfile>,
+    /// Configured tenants (name, SLO or best effort), admitted at start in this order.
+    pub tenants: Vec<(String, TenantSpec)>,
+}
+
 impl ControlPlane {
-    /// Builds a registry for every namespace with a profile, admits the configured tenants
-    /// bound to it and registers its default best-effort tenant. `wakers[t]` wakes thread
-    /// `t`. Returns the plane and each namespace's setup (`None`: no profile, FIFO).
+    /// Builds a registry for every namespace, admits the configured tenants bound to it and
+    /// registers its default best-effort tenant. A namespace without a profile gets a registry
+    /// of unlimited rate that admits only its default tenant, so every namespace is served by
+    /// the same scheduler (first in, first out there). `wakers[t]` wakes thread `t`. Returns
+    /// the plane and each namespace's setup.
     pub fn start(
-        config: &Config,
+        setup: &ControlSetup,
         namespaces: &NamespaceSet,
-        wakers: Vec<Arc<File>>,
-    ) -> Result<(ControlPlane, Vec<Option<NamespaceQosSetup>>), ControlError> {
-        let threads = config.threads as u16;
+        wakers: Vec<Arc<dyn Wake>>,
+    ) -> Result<(ControlPlane, Vec<NamespaceQosSetup>), ControlError> {
+        let threads = setup.threads;
         assert!(threads >= 1);
         assert_eq!(wakers.len(), usize::from(threads));
+        assert_eq!(setup.namespaces.len(), namespaces.len());
         let mut state = State {
             threads,
             namespaces: Vec::new(),
@@ -248,47 +271,38 @@ impl ControlPlane {
             outbox: Vec::new(),
         };
         let mut setups = Vec::new();
-        for (index, namespace) in config.effective_namespaces().iter().enumerate() {
+        for (index, namespace) in setup.namespaces.iter().enumerate() {
             let namespace_index = index as u16;
-            assert_eq!(namespaces.id(namespace_index), namespace.id);
-            let Some(path) = &namespace.profile else {
-                state.namespaces.push(None);
-                setups.push(None);
-                continue;
-            };
-            let profile_error = |reason: String| ControlError::Profile {
-                namespace_id: namespace.id,
-                path: path.clone(),
-                reason,
-            };
-            let text = std::fs::read_to_string(path).map_err(|e| profile_error(e.to_string()))?;
-            let profile =
-                DeviceProfile::from_toml(&text).map_err(|e| profile_error(e.to_string()))?;
-            let registry = TenantRegistry::new(profile, config.qos_config.clone(), threads)
+            assert_eq!(namespaces.id(namespace_index), namespace.namespace_id);
+            let has_profile = namespace.profile.is_some();
+            let profile = namespace.profile.clone().unwrap_or_else(unlimited_profile);
+            let registry = TenantRegistry::new(profile, setup.qos_config.clone(), threads)
                 .map_err(|e| ControlError::Qos {
-                    namespace_id: namespace.id,
+                    namespace_id: namespace.namespace_id,
                     reason: e.to_string(),
                 })?;
-            state.namespaces.push(Some(NamespaceState {
-                namespace_id: namespace.id,
+            state.namespaces.push(NamespaceState {
+                namespace_id: namespace.namespace_id,
+                has_profile,
                 registry,
                 handles: BTreeMap::new(),
-            }));
+            });
+            if !has_profile && !namespace.tenants.is_empty() {
+                return Err(ControlError::Qos {
+                    namespace_id: namespace.namespace_id,
+                    reason: "tenants are bound to it but it has no QoS profile".into(),
+                });
+            }
             let mut tenants = Vec::new();
-            for name in config.tenants_bound_to(namespace.id) {
-                let declared = config.tenant(&name);
-                let spec = declared.spec().map_err(|reason| ControlError::Qos {
-                    namespace_id: namespace.id,
-                    reason,
-                })?;
+            for (name, spec) in &namespace.tenants {
                 let handle = state
-                    .register(namespace_index, spec, &name, false, false)
+                    .register(namespace_index, *spec, name, false, false)
                     .map_err(|reason| ControlError::Refused {
-                        namespace_id: namespace.id,
+                        namespace_id: namespace.namespace_id,
                         name: name.clone(),
                         reason,
                     })?;
-                tenants.push((name, state.tenant_ref(handle)));
+                tenants.push((name.clone(), state.tenant_ref(handle)));
             }
             let default_handle = state
                 .register(
@@ -299,15 +313,16 @@ impl ControlPlane {
                     false,
                 )
                 .map_err(|reason| ControlError::Refused {
-                    namespace_id: namespace.id,
+                    namespace_id: namespace.namespace_id,
                     name: "(default)".into(),
                     reason,
                 })?;
-            setups.push(Some(NamespaceQosSetup {
-                shared: Arc::new(DeviceShared::new(config.qos_config.read_only_window())),
+            setups.push(NamespaceQosSetup {
+                policy: crate::core::policy_for(has_profile, setup.qos_enabled),
+                shared: Arc::new(DeviceShared::new(setup.qos_config.read_only_window())),
                 default_tenant: state.tenant_ref(default_handle),
                 tenants,
-            }));
+            });
         }
         let mailboxes = (0..threads)
             .map(|_| Mailbox {
@@ -411,9 +426,6 @@ impl ControlPlane {
             woken |= 1u64 << thread;
         };
         for (index, namespace) in state.namespaces.iter_mut().enumerate() {
-            let Some(namespace) = namespace else {
-                continue;
-            };
             for (thread, update) in namespace.registry.take_updates() {
                 send(
                     usize::from(thread),
@@ -433,8 +445,7 @@ impl ControlPlane {
     fn wake(&self, threads: &u64) {
         for (thread, waker) in self.wakers.iter().enumerate() {
             if threads & (1u64 << thread) != 0 {
-                // Fails only when the counter would overflow: the thread is woken already.
-                let _ = (&**waker).write(&1u64.to_ne_bytes());
+                waker.wake();
             }
         }
     }
@@ -465,7 +476,10 @@ impl ControlPlane {
             TenantClassRequest::BestEffort => TenantSpec::BestEffort,
         };
         self.change(thread, own, |state| {
-            if state.namespace(namespace_index).is_none() {
+            if !state
+                .namespace(namespace_index)
+                .is_some_and(|namespace| namespace.has_profile)
+            {
                 return ControlAnswer::refused(&format!(
                     "namespace {} has no QoS profile: tenants cannot register",
                     body.namespace_id
@@ -704,6 +718,7 @@ impl ControlPlane {
         let mut state = self.lock();
         state
             .namespace(namespace_index)
+            .filter(|namespace| namespace.has_profile)
             .map(|namespace| namespace.registry.plan())
     }
 
@@ -718,9 +733,7 @@ impl ControlPlane {
 
 impl State {
     fn namespace(&mut self, namespace_index: u16) -> Option<&mut NamespaceState> {
-        self.namespaces
-            .get_mut(usize::from(namespace_index))
-            .and_then(Option::as_mut)
+        self.namespaces.get_mut(usize::from(namespace_index))
     }
 
     fn tenant_ref(&self, handle: u64) -> TenantRef {
@@ -786,5 +799,20 @@ impl State {
                 false
             }
         }
+    }
+}
+
+/// The profile of a namespace without one: a rate no device reaches, so its first-in,
+/// first-out scheduler never holds a request back for tokens.
+fn unlimited_profile() -> DeviceProfile {
+    DeviceProfile {
+        name: "unlimited (no profile)".into(),
+        write_cost: 1.0,
+        read_only_read_cost: 1.0,
+        token_limits: vec![TokenLimit {
+            latency_us_p95: 1_000_000,
+            tokens_per_sec: 1e9,
+            reads_per_sec_read_only: 1e9,
+        }],
     }
 }

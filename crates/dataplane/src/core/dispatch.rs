@@ -1,0 +1,494 @@
+//! Step three and step two of run to completion: requests enter their namespace's QoS
+//! scheduler, what a scheduling round admits goes to the device, and device results become
+//! answers (or the next step of a multi-step request).
+//!
+//! Every namespace has a `reflex_qos::Scheduler` on every thread: the token scheduler of the
+//! ReFlex paper where the namespace has a device profile and QoS is on, first in, first out
+//! otherwise. A full tenant queue never drops a request: it waits in `blocked` and its
+//! connection is not read until the scheduler reports room.
+//!
+//! A device operation that outlives `device_timeout` is answered with an error at once and its
+//! request is orphaned: the slot and its buffer stay with the device until it returns them,
+//! and the answer goes out in a fresh slot.
+
+use reflex_flash::{DeviceOp, FlashError, OpKind};
+use reflex_qos::{Admitted, EnqueueError, Nanos};
+
+use super::Dataplane;
+use super::ops::{DeviceCommand, DeviceOpId, DeviceOpKind, Op};
+use super::request::{RequestState, Work};
+use crate::buffers::RUN_SIZE_MAX;
+use crate::frontend::{Action, Answer, IoKind};
+use crate::steps::{self, IoStep, Next};
+
+/// What the scheduler charges for a step: a transfer of `size_bytes`, or an operation that
+/// moves no data (FLUSH, TRIM, a discarding WRITE_ZEROES), charged as one 4 KiB write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Charged {
+    Read(u32),
+    Write(u32),
+    Other,
+}
+
+impl Dataplane {
+    /// Queues the request's current step in its namespace's scheduler.
+    pub(super) fn enqueue(&mut self, index: u32, now: Nanos) {
+        match self.qos_enqueue(index, now) {
+            Ok(()) => self.transition(index, RequestState::Queued),
+            Err(EnqueueError::TenantQueueFull { .. } | EnqueueError::ThreadQueueFull { .. }) => {
+                // Never dropped: it waits, and its connection is not read meanwhile.
+                self.transition(index, RequestState::Blocked);
+                self.blocked.push_back(index);
+                self.stats.tenant_queue_full_waits += 1;
+                let connection_index = self.requests[index as usize].connection_index;
+                self.connections[connection_index as usize].blocked_count += 1;
+            }
+            Err(EnqueueError::UnknownTenant(_) | EnqueueError::TooLarge { .. }) => {
+                // The tenant left this thread (unregistered) while the request was on its
+                // way to the scheduler.
+                self.answer_io(
+                    index,
+                    Answer::Native(reflex_proto::native::Status::Permission),
+                );
+            }
+        }
+    }
+
+    fn qos_enqueue(&mut self, index: u32, now: Nanos) -> Result<(), EnqueueError> {
+        let request = &self.requests[index as usize];
+        let io = request.io();
+        let (kind, size_bytes) = match self.charged(index) {
+            Charged::Read(bytes) => (reflex_qos::IoKind::Read, bytes),
+            Charged::Write(bytes) => (reflex_qos::IoKind::Write, bytes),
+            // Not transfers: charged as one 4 KiB write (`docs/QOS.md` §1).
+            Charged::Other => (reflex_qos::IoKind::Write, reflex_qos::COST_UNIT_BYTES),
+        };
+        let token = (u64::from(request.generation) << 32) | u64::from(index);
+        let namespace = &mut self.qos[usize::from(io.namespace_index)];
+        namespace.scheduler.enqueue(
+            reflex_qos::TenantId(io.tenant.id),
+            reflex_qos::Request {
+                token,
+                size_bytes,
+                kind,
+            },
+            now,
+        )?;
+        self.requests[index as usize].queued_at = now;
+        self.qos_queued += 1;
+        self.qos_fresh = true;
+        Ok(())
+    }
+
+    /// Gives blocked requests another try at their tenants' queues, oldest first.
+    fn retry_blocked(&mut self, now: Nanos) {
+        self.queue_room = false;
+        for _ in 0..self.blocked.len() {
+            let Some(index) = self.blocked.pop_front() else {
+                break;
+            };
+            match self.qos_enqueue(index, now) {
+                Ok(()) => {
+                    self.transition(index, RequestState::Queued);
+                    self.unblock(index);
+                }
+                Err(
+                    EnqueueError::TenantQueueFull { .. } | EnqueueError::ThreadQueueFull { .. },
+                ) => {
+                    self.blocked.push_back(index);
+                }
+                Err(EnqueueError::UnknownTenant(_) | EnqueueError::TooLarge { .. }) => {
+                    self.unblock(index);
+                    self.answer_io(
+                        index,
+                        Answer::Native(reflex_proto::native::Status::Permission),
+                    );
+                }
+            }
+        }
+    }
+
+    /// One blocked request of its connection left `blocked`; the last one lets it be read.
+    fn unblock(&mut self, index: u32) {
+        let connection_index = self.requests[index as usize].connection_index;
+        let connection = &mut self.connections[connection_index as usize];
+        assert!(connection.blocked_count > 0);
+        connection.blocked_count -= 1;
+        if connection.blocked_count == 0 && connection.is_open() {
+            self.mark_parse(connection_index);
+        }
+    }
+
+    /// What the scheduler sees of the request's current step.
+    fn charged(&self, index: u32) -> Charged {
+        let Work::Io { io, run, step, .. } = self.requests[index as usize].work else {
+            panic!("charging a request without I/O");
+        };
+        match (step, io.kind) {
+            (IoStep::Primary, IoKind::Read) => Charged::Read(io.length_bytes),
+            (IoStep::Primary, IoKind::Write { .. }) => Charged::Write(io.length_bytes),
+            (IoStep::ZeroFill { written_bytes }, _) => Charged::Write(steps::zero_chunk_bytes(
+                io.length_bytes,
+                written_bytes,
+                run.map_or(0, |run| zero_run_bytes(io, run.size_bytes())),
+            )),
+            (IoStep::FlushAfter, _) | (IoStep::Primary, _) => Charged::Other,
+        }
+    }
+
+    /// Scheduling rounds on every namespace, after the blocked requests had their retry.
+    pub(super) fn dispatch_step(&mut self, now: Nanos) {
+        if self.queue_room {
+            self.retry_blocked(now);
+        }
+        self.qos_fresh = false;
+        for namespace_index in 0..self.qos.len() {
+            self.dispatch_namespace(namespace_index, now);
+        }
+    }
+
+    /// One scheduling round of a namespace: what it admits goes to the device.
+    fn dispatch_namespace(&mut self, namespace_index: usize, now: Nanos) {
+        let room = self
+            .limits
+            .device_in_flight_max
+            .saturating_sub(self.device_in_flight) as usize;
+        let namespace = &mut self.qos[namespace_index];
+        let mut admitted = std::mem::take(&mut self.admitted);
+        assert!(admitted.is_empty());
+        namespace.scheduler.schedule(now, &mut |request: Admitted| {
+            if admitted.len() >= room {
+                return false; // The device takes no more from this thread now.
+            }
+            admitted.push(request);
+            true
+        });
+        for request in &admitted {
+            if let Some(account) = namespace.accounts.get_mut(request.tenant.0 as usize) {
+                let queued_at = self.requests[(request.token as u32) as usize].queued_at;
+                account.admitted(request, now.saturating_since(queued_at).0);
+            }
+        }
+        assert!(admitted.len() <= self.qos_queued as usize);
+        self.qos_queued -= admitted.len() as u32;
+        for request in &admitted {
+            let index = request.token as u32;
+            let generation = (request.token >> 32) as u32;
+            let slot = &self.requests[index as usize];
+            assert_eq!(
+                slot.generation, generation,
+                "stale request from the scheduler"
+            );
+            assert_eq!(slot.state, RequestState::Queued);
+            let connection_index = slot.connection_index;
+            if !self.connections[connection_index as usize].is_open() {
+                self.free_request(index);
+                self.maybe_finish_close(connection_index);
+                continue;
+            }
+            self.submit_io(index, now);
+        }
+        admitted.clear();
+        self.admitted = admitted;
+    }
+
+    fn submit_io(&mut self, index: u32, now: Nanos) {
+        self.transition(index, RequestState::Submitted);
+        self.device_in_flight += 1;
+        let request = &mut self.requests[index as usize];
+        request.submitted_at = now;
+        let Work::Io { io, run, step, .. } = request.work else {
+            panic!("submitting a request without I/O");
+        };
+        let kind = match (step, io.kind) {
+            (IoStep::Primary, IoKind::Read) => DeviceOpKind::Read {
+                offset_bytes: io.offset_bytes,
+                length_bytes: io.length_bytes,
+            },
+            (IoStep::Primary, IoKind::Write { fua }) => DeviceOpKind::Write {
+                offset_bytes: io.offset_bytes,
+                length_bytes: io.length_bytes,
+                fua,
+            },
+            (IoStep::Primary, IoKind::Flush) | (IoStep::FlushAfter, _) => DeviceOpKind::Flush,
+            (IoStep::Primary, IoKind::Trim { .. } | IoKind::WriteZeroes { .. }) => {
+                DeviceOpKind::Trim {
+                    offset_bytes: io.offset_bytes,
+                    length_bytes: io.length_bytes,
+                }
+            }
+            (IoStep::ZeroFill { written_bytes }, _) => {
+                let run_bytes = run.map_or(0, |run| zero_run_bytes(io, run.size_bytes()));
+                DeviceOpKind::Write {
+                    offset_bytes: io.offset_bytes + u64::from(written_bytes),
+                    length_bytes: steps::zero_chunk_bytes(
+                        io.length_bytes,
+                        written_bytes,
+                        run_bytes,
+                    ),
+                    fua: false,
+                }
+            }
+        };
+        let connection_index = request.connection_index;
+        let id = DeviceOpId::Request {
+            index,
+            generation: request.generation,
+        };
+        self.ops.push_back(Op::Device(DeviceCommand {
+            id,
+            namespace_index: io.namespace_index,
+            queue: self.connections[connection_index as usize].device_queue,
+            kind,
+        }));
+    }
+
+    /// The device operation `command` names, with its memory, for the driver to submit:
+    /// `user_data` is passed through, `buf_index` names the registered buffer (the arena)
+    /// when the driver registered it.
+    pub fn device_op(
+        &mut self,
+        command: &DeviceCommand,
+        user_data: u64,
+        buf_index: Option<u16>,
+    ) -> DeviceOp<'_> {
+        let kind = match (command.id, command.kind) {
+            (_, DeviceOpKind::Flush) => OpKind::Flush,
+            (
+                _,
+                DeviceOpKind::Trim {
+                    offset_bytes,
+                    length_bytes,
+                },
+            ) => OpKind::Trim {
+                offset: offset_bytes,
+                len: u64::from(length_bytes),
+            },
+            (
+                DeviceOpId::Request { index, .. },
+                DeviceOpKind::Read {
+                    offset_bytes,
+                    length_bytes,
+                },
+            ) => {
+                let run = self.submitted_run(index);
+                OpKind::Read {
+                    offset: offset_bytes,
+                    buf: self.arena.run_mut(run, length_bytes as usize),
+                }
+            }
+            (
+                DeviceOpId::Request { index, .. },
+                DeviceOpKind::Write {
+                    offset_bytes,
+                    length_bytes,
+                    fua,
+                },
+            ) => {
+                let run = self.submitted_run(index);
+                OpKind::Write {
+                    offset: offset_bytes,
+                    buf: self.arena.run(run, length_bytes as usize),
+                    fua,
+                }
+            }
+            (DeviceOpId::ShutdownFlush { .. }, kind) => {
+                panic!("a shutdown flush carries no data: {kind:?}")
+            }
+        };
+        DeviceOp {
+            user_data,
+            kind,
+            buf_index,
+            queue: command.queue,
+        }
+    }
+
+    /// The namespace of a request's device operation in flight (`None`: no such operation).
+    pub fn device_namespace(&self, id: DeviceOpId) -> Option<u16> {
+        match id {
+            DeviceOpId::ShutdownFlush { namespace_index } => Some(namespace_index),
+            DeviceOpId::Request { index, .. } => match self.requests.get(index as usize)?.work {
+                Work::Io { io, .. } => Some(io.namespace_index),
+                _ => None,
+            },
+        }
+    }
+
+    fn submitted_run(&self, index: u32) -> crate::buffers::PageRun {
+        let request = &self.requests[index as usize];
+        assert_eq!(request.state, RequestState::Submitted);
+        match request.work {
+            Work::Io { run: Some(run), .. } => run,
+            other => panic!("device data for a request without a run: {other:?}"),
+        }
+    }
+
+    /// A device operation finished with `result` (bytes transferred, or the error).
+    pub fn handle_device(&mut self, id: DeviceOpId, result: Result<u32, FlashError>, now: Nanos) {
+        match id {
+            DeviceOpId::Request { index, generation } => {
+                let request = &self.requests[index as usize];
+                assert_eq!(request.generation, generation, "stale device completion");
+                self.complete_io(index, result, now);
+            }
+            DeviceOpId::ShutdownFlush { namespace_index } => {
+                self.on_shutdown_flush(namespace_index, result)
+            }
+        }
+    }
+
+    /// Step two: a device result becomes the next step or the answer.
+    fn complete_io(&mut self, index: u32, result: Result<u32, FlashError>, now: Nanos) {
+        assert!(self.device_in_flight > 0);
+        self.device_in_flight -= 1;
+        let state = self.requests[index as usize].state;
+        if state == RequestState::Orphaned {
+            // Answered with an error when it timed out; the device has given the buffer back.
+            self.free_request(index);
+            return;
+        }
+        assert_eq!(state, RequestState::Submitted);
+        let request = &self.requests[index as usize];
+        let Work::Io { io, run, step, .. } = request.work else {
+            panic!("completing a request without I/O");
+        };
+        let device_ns = now.saturating_since(request.submitted_at).0;
+        let namespace = &mut self.qos[usize::from(io.namespace_index)];
+        if let Some(account) = namespace.accounts.get_mut(io.tenant.id as usize) {
+            account.stats.device_ns += device_ns;
+        }
+        let connection_index = request.connection_index;
+        if steps::reveals_no_discard(io.kind, step, &result) {
+            self.discards[usize::from(io.namespace_index)] = false;
+        }
+        let run_bytes = run.map_or(0, |run| zero_run_bytes(io, run.size_bytes()));
+        let next = steps::after_step(io.kind, step, io.length_bytes, run_bytes, &result);
+        match (&next, &result) {
+            (Next::Done(Answer::DeviceError { .. }), Ok(bytes)) => {
+                self.stats.io_errors += 1;
+                self.device_errors.record(
+                    io.namespace_index,
+                    &format!("short transfer of {bytes} bytes"),
+                    now,
+                );
+            }
+            (Next::Done(answer), Err(e))
+                if *answer != Answer::Ok && *answer != Answer::Unsupported =>
+            {
+                self.stats.io_errors += 1;
+                self.device_errors
+                    .record(io.namespace_index, &e.to_string(), now);
+            }
+            _ => {}
+        }
+        if !self.connections[connection_index as usize].is_open() {
+            self.free_request(index);
+            self.maybe_finish_close(connection_index);
+            return;
+        }
+        let answer = match next {
+            Next::Continue(step) => {
+                self.set_step(index, step);
+                self.enqueue(index, now);
+                return;
+            }
+            Next::Done(answer) => answer,
+        };
+        if answer.is_ok() {
+            match io.kind {
+                IoKind::Read => self.stats.bytes_read += u64::from(io.length_bytes),
+                IoKind::Write { .. } => self.stats.bytes_written += u64::from(io.length_bytes),
+                _ => {}
+            }
+        }
+        self.answer_io(index, answer);
+    }
+
+    /// Answers an I/O request: READ data goes with a successful answer.
+    pub(super) fn answer_io(&mut self, index: u32, answer: Answer) {
+        let Work::Io { io, run, .. } = self.requests[index as usize].work else {
+            panic!("answering a request without I/O");
+        };
+        let body_bytes = if answer.is_ok() && io.kind == IoKind::Read {
+            io.length_bytes
+        } else {
+            0
+        };
+        self.respond(index, answer, run, body_bytes);
+    }
+
+    /// Moves a request to `step`; a zero fill starts by zeroing the request's run.
+    pub(super) fn set_step(&mut self, index: u32, next: IoStep) {
+        let Work::Io { run, step, .. } = &mut self.requests[index as usize].work else {
+            panic!("a step for a request without I/O");
+        };
+        let starts_zero_fill = matches!(next, IoStep::ZeroFill { written_bytes: 0 })
+            && !matches!(*step, IoStep::ZeroFill { .. });
+        *step = next;
+        if starts_zero_fill {
+            let Some(run) = *run else {
+                panic!("zero fill without a run");
+            };
+            self.arena.run_mut(run, run.size_bytes()).fill(0);
+        }
+    }
+
+    /// Requests whose device operation outlived the limit: each is answered with an error
+    /// now (in a fresh slot) and orphaned until the device gives its buffer back.
+    pub(super) fn time_out_device_operations(&mut self, now: Nanos) {
+        let Some(limit) = self.limits.device_timeout else {
+            return;
+        };
+        for index in 0..self.requests.len() as u32 {
+            let request = &self.requests[index as usize];
+            if request.state != RequestState::Submitted
+                || now.saturating_since(request.submitted_at) < limit
+            {
+                continue;
+            }
+            if self.free_requests.is_empty() {
+                return; // Next time: the answer needs a slot.
+            }
+            let connection_index = request.connection_index;
+            let tag = request.tag;
+            let io = request.io();
+            let arrived_at = request.arrived_at;
+            self.stats.device_timeouts += 1;
+            self.device_errors.record(
+                io.namespace_index,
+                "device operation timed out; answered with an error",
+                now,
+            );
+            // The orphan leaves its connection: the connection's window place and pages go to
+            // the answer, the buffer stays with the device.
+            self.transition(index, RequestState::Orphaned);
+            let run_pages = self.requests[index as usize]
+                .work
+                .run()
+                .map_or(0, |run| run.page_count());
+            let connection = &mut self.connections[connection_index as usize];
+            connection.run_pages -= run_pages;
+            connection.outstanding -= 1;
+            if !connection.is_open() {
+                self.maybe_finish_close(connection_index);
+                continue;
+            }
+            let answer = self.allocate_request(
+                connection_index,
+                tag,
+                Action::Reply(Answer::DeviceError {
+                    errno: libc::ETIMEDOUT,
+                }),
+                arrived_at,
+            );
+            let started = self.try_start(answer, now);
+            assert!(started, "an error answer needs no buffer");
+        }
+    }
+}
+
+/// Bytes of a WRITE_ZEROES zero source: its run, up to the request's length.
+fn zero_run_bytes(io: crate::frontend::IoRequest, run_size_bytes: usize) -> usize {
+    steps::run_bytes(io.kind, io.length_bytes, RUN_SIZE_MAX).min(run_size_bytes)
+}

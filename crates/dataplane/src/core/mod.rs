@@ -1,0 +1,380 @@
+//! One dataplane thread as a sans-IO state machine (ReFlex paper §3.1, two-step run to
+//! completion): its connections, requests, buffer arena and per-namespace QoS schedulers.
+//!
+//! The dataplane never touches a socket, a device or a clock. A driver (io_uring or epoll in
+//! reflexd, a virtual network and the emulated device in the simulator) moves bytes and calls,
+//! in each iteration of its loop:
+//! 1. `handle_*` for every completion it reaped (at most [`BATCH_MAX`] per iteration):
+//!    [`Dataplane::handle_accept`], [`Dataplane::handle_recv`], [`Dataplane::handle_sent`],
+//!    [`Dataplane::handle_device`];
+//! 2. [`Dataplane::process`] with the iteration's `now`: control messages, shutdown phases,
+//!    timeouts, then step one (parse and validate received bytes, charge tenants, enqueue),
+//!    the scheduling round of every namespace, and sends;
+//! 3. [`Dataplane::poll_op`] until it returns `None`, issuing each [`Op`] (a device that
+//!    finishes synchronously is reported at once through `handle_device`, after which the
+//!    driver calls `process` again so the answers go out in the same iteration);
+//! 4. it sleeps (blocking mode) no longer than [`Dataplane::next_deadline`] and only when
+//!    [`Dataplane::has_pending_work`] is false, after [`Dataplane::will_sleep`].
+//!
+//! Code map: `ops` (what the driver is asked to do), `request` (slots, work, states),
+//! `connection` (accept, limits, close), `receive` (step one), `dispatch` (schedulers and
+//! device operations, step two), `send` (answers), `tenants` (charging, BIND, control
+//! messages), `shutdown` (phases), `timeouts` (housekeeping), `errors` (device failure log),
+//! `limits`, `stats`.
+//!
+//! Invariants: every request gets exactly one answer; bad input gets an error status, and only
+//! broken framing closes a connection (after answering what came before it); everything is
+//! bounded (connections, request slots, the window per connection, the arena and each
+//! connection's share of it, segments per send, device operations in flight) and running out
+//! of any of it is back-pressure on the connection that needs it, never growth or loss.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use reflex_qos::{Admitted, Nanos, Policy, QosConfig};
+
+use crate::buffers::{PAGE_SIZE, PageAllocator};
+use crate::control::{ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX, NamespaceQosSetup};
+use crate::frontend::{NbdExports, Protocol};
+use crate::memory::Arena;
+use crate::namespaces::NamespaceSet;
+
+mod connection;
+mod dispatch;
+mod errors;
+mod limits;
+mod ops;
+mod receive;
+mod request;
+mod send;
+mod shutdown;
+mod stats;
+mod tenants;
+mod timeouts;
+
+#[cfg(test)]
+mod tests;
+
+use connection::{Connection, Listener};
+use errors::DeviceErrorLog;
+pub use limits::{
+    CONNECTION_SLACK, DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits,
+};
+pub use ops::{AcceptRefused, ConnectionId, DeviceCommand, DeviceOpId, DeviceOpKind, Op};
+pub use request::{GENERATION_MASK, REQUEST_STATE_COUNT, RequestState};
+pub use send::SEND_SEGMENTS_MAX;
+use shutdown::Phase;
+pub use stats::CoreStats;
+use tenants::NamespaceQos;
+pub use tenants::{NOTICES_PENDING_MAX, TenantStats};
+pub use timeouts::HOUSEKEEPING_INTERVAL;
+
+/// Completions a driver handles per iteration (the paper's adaptive batching cap).
+pub const BATCH_MAX: usize = 64;
+
+/// What a dataplane needs to start.
+pub struct DataplaneSetup {
+    pub thread_index: usize,
+    /// The protocol of each of the driver's listeners, by listener index.
+    pub listeners: Vec<Protocol>,
+    pub namespaces: Arc<NamespaceSet>,
+    /// The NBD export table, when a listener speaks NBD.
+    pub nbd_exports: Option<Arc<NbdExports>>,
+    pub limits: Limits,
+    pub control: Arc<ControlPlane>,
+    /// Per namespace: its scheduler setup.
+    pub qos: Vec<NamespaceQosSetup>,
+    pub qos_config: QosConfig,
+    /// The driver's clock when the dataplane starts.
+    pub now: Nanos,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("limits: {0}")]
+    Limits(String),
+    #[error("QoS scheduler: {0}")]
+    Qos(String),
+}
+
+pub struct Dataplane {
+    arena: Arena,
+    pages: PageAllocator,
+    requests: Box<[request::Request]>,
+    free_requests: Vec<u32>,
+    connections: Box<[Connection]>,
+    free_connections: Vec<u32>,
+    /// Connections in the `Open` state (the table's limit counts these).
+    open_connections: u32,
+    connections_by_source: HashMap<IpAddr, u32>,
+    listeners: Vec<Listener>,
+    namespaces: Arc<NamespaceSet>,
+    nbd_exports: Option<Arc<NbdExports>>,
+    limits: Limits,
+    /// Per namespace: whether the device discards (it says so and has not refused one on
+    /// this thread). NBD TRIM and WRITE_ZEROES skip the discard where it does not.
+    discards: Vec<bool>,
+    parse_ready: VecDeque<u32>,
+    send_ready: VecDeque<u32>,
+    /// Connections waiting for a request slot or a buffer run.
+    waiters: VecDeque<u32>,
+    resources_freed: bool,
+    /// Operations for the driver, in order.
+    ops: VecDeque<Op>,
+    phase: Phase,
+    shutdown_requested: bool,
+    flushes_pending: u32,
+    device_in_flight: u32,
+    thread_index: usize,
+    stats: CoreStats,
+    control: Arc<ControlPlane>,
+    /// Per namespace index.
+    qos: Vec<NamespaceQos>,
+    /// Requests waiting for room in a full tenant queue, oldest first.
+    blocked: VecDeque<u32>,
+    /// The scheduler reported room since the blocked requests were last retried.
+    queue_room: bool,
+    /// Requests inside the schedulers.
+    qos_queued: u32,
+    /// Whether this thread takes part in the global buckets' round resets (it leaves while
+    /// it sleeps idle).
+    qos_participating: bool,
+    /// A request entered a scheduler since its last round (schedule again before sleeping).
+    qos_fresh: bool,
+    /// Scratch: what one scheduling round admitted.
+    admitted: Vec<Admitted>,
+    /// Scratch: control messages being applied.
+    messages: Vec<ControlMessage>,
+    /// Accounts of tenant ids that were reused by another tenant on this thread, by handle.
+    retired_accounts: BTreeMap<u64, TenantStats>,
+    device_errors: DeviceErrorLog,
+    housekeeping_at: Nanos,
+    /// The `now` of the last `process` (for work done outside it, such as a close).
+    last_now: Nanos,
+}
+
+impl Dataplane {
+    pub fn new(setup: DataplaneSetup) -> Result<Dataplane, SetupError> {
+        setup.limits.check().map_err(SetupError::Limits)?;
+        assert_eq!(setup.qos.len(), setup.namespaces.len());
+        let limits = setup.limits;
+        let arena = Arena::new(limits.arena_bytes);
+        let page_count = (limits.arena_bytes / PAGE_SIZE) as u32;
+        let requests: Box<[request::Request]> = (0..limits.requests_max)
+            .map(|_| request::Request::empty())
+            .collect();
+        let table_size = limits.connections_max + CONNECTION_SLACK;
+        let connections: Box<[Connection]> = (0..table_size).map(|_| Connection::empty()).collect();
+        let listeners = setup
+            .listeners
+            .into_iter()
+            .map(|protocol| Listener {
+                protocol,
+                accept_in_flight: false,
+                closed: false,
+                connections: 0,
+            })
+            .collect();
+        let mut stats = CoreStats::default();
+        stats.requests_per_state[RequestState::Free as usize] = limits.requests_max;
+        let mut qos = Vec::with_capacity(setup.qos.len());
+        for (index, namespace) in setup.qos.into_iter().enumerate() {
+            let scheduler = reflex_qos::Scheduler::new(
+                namespace.shared,
+                setup.thread_index as u16,
+                &setup.qos_config,
+                namespace.policy,
+                setup.now,
+            )
+            .map_err(|e| SetupError::Qos(e.to_string()))?;
+            qos.push(NamespaceQos {
+                scheduler,
+                default_tenant: namespace.default_tenant,
+                namespace_id: setup.namespaces.id(index as u16),
+                accounts: Vec::new(),
+            });
+        }
+        let namespace_ids = (0..setup.namespaces.len())
+            .map(|index| setup.namespaces.id(index as u16))
+            .collect();
+        let mut dataplane = Dataplane {
+            arena,
+            pages: PageAllocator::new(page_count),
+            free_requests: (0..limits.requests_max).rev().collect(),
+            requests,
+            free_connections: (0..table_size).rev().collect(),
+            connections,
+            open_connections: 0,
+            connections_by_source: HashMap::new(),
+            listeners,
+            discards: (0..setup.namespaces.len())
+                .map(|index| setup.namespaces.info(index as u16).supports_trim)
+                .collect(),
+            namespaces: setup.namespaces,
+            nbd_exports: setup.nbd_exports,
+            parse_ready: VecDeque::with_capacity(table_size as usize),
+            send_ready: VecDeque::with_capacity(table_size as usize),
+            waiters: VecDeque::with_capacity(table_size as usize),
+            resources_freed: false,
+            ops: VecDeque::with_capacity(2 * BATCH_MAX),
+            phase: Phase::Running,
+            shutdown_requested: false,
+            flushes_pending: 0,
+            device_in_flight: 0,
+            thread_index: setup.thread_index,
+            stats,
+            control: setup.control,
+            qos,
+            blocked: VecDeque::with_capacity(limits.requests_max as usize),
+            queue_room: false,
+            qos_queued: 0,
+            qos_participating: true,
+            qos_fresh: false,
+            admitted: Vec::with_capacity(limits.device_in_flight_max as usize),
+            messages: Vec::with_capacity(MESSAGES_PER_ITERATION_MAX),
+            retired_accounts: BTreeMap::new(),
+            device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
+            housekeeping_at: setup.now,
+            last_now: setup.now,
+            limits,
+        };
+        // The device rates the registries computed at startup.
+        while dataplane.control.has_messages(dataplane.thread_index) {
+            dataplane.apply_control_messages(setup.now);
+        }
+        for listener in 0..dataplane.listeners.len() {
+            dataplane.arm_accept(listener as u32);
+        }
+        Ok(dataplane)
+    }
+
+    /// One pass of the iteration's work at `now`: control messages, shutdown phases,
+    /// timeouts, step one (parse), scheduling rounds, and sends. Its operations come out of
+    /// [`Self::poll_op`].
+    pub fn process(&mut self, now: Nanos) {
+        self.last_now = now;
+        if self.control.has_messages(self.thread_index) {
+            self.apply_control_messages(now);
+        }
+        self.set_qos_participating(true);
+        self.advance_phase(now);
+        self.housekeeping(now);
+        self.parse_step(now);
+        self.dispatch_step(now);
+        self.handle_scheduler_events(now);
+        self.send_step(now);
+        self.advance_phase(now);
+    }
+
+    /// The next operation for the driver.
+    pub fn poll_op(&mut self) -> Option<Op> {
+        self.ops.pop_front()
+    }
+
+    /// Whether `process` has work to do without any new completion (the driver must not
+    /// sleep then).
+    pub fn has_pending_work(&self) -> bool {
+        !self.ops.is_empty()
+            || !self.parse_ready.is_empty()
+            || !self.send_ready.is_empty()
+            || (self.resources_freed && !self.waiters.is_empty())
+            || self.queue_room
+            || self.qos_fresh
+            || self.control.has_messages(self.thread_index)
+            || self.phase_ready()
+    }
+
+    /// The driver is about to sleep: a thread with nothing queued leaves the global buckets'
+    /// round resets so the others need not wait for it.
+    pub fn will_sleep(&mut self) {
+        if self.qos_queued == 0 && self.blocked.is_empty() {
+            self.set_qos_participating(false);
+        }
+    }
+
+    /// The earliest time `process` has something to do without a new completion: a
+    /// scheduler refill, the drain deadline, the next timeout sweep.
+    pub fn next_deadline(&self) -> Option<Nanos> {
+        let mut deadline: Option<Nanos> = None;
+        let mut consider = |due: Nanos| deadline = Some(deadline.map_or(due, |d| d.min(due)));
+        for namespace in &self.qos {
+            if let Some(due) = namespace.scheduler.next_deadline() {
+                consider(due);
+            }
+        }
+        if let Phase::Draining { deadline: due, .. } = self.phase {
+            consider(due);
+        }
+        if self.housekeeping_needed() {
+            consider(self.housekeeping_at);
+        }
+        deadline
+    }
+
+    /// The arena's address and size, for a driver that registers it with the kernel.
+    pub fn arena_region(&self) -> (*mut u8, usize) {
+        (self.arena.base_ptr(), self.arena.size_bytes())
+    }
+
+    /// Operations may still use the arena when the dataplane is dropped: never free it.
+    pub fn leak_arena_on_drop(&mut self) {
+        self.arena.leak_on_drop();
+    }
+
+    pub fn thread_index(&self) -> usize {
+        self.thread_index
+    }
+
+    /// Counters, per-tenant figures included.
+    pub fn stats(&self) -> CoreStats {
+        let mut stats = self.stats.clone();
+        stats.tenants = self.tenant_stats();
+        stats
+    }
+
+    /// Counts the driver's iterations and completions into the stats.
+    pub fn count_iteration(&mut self, completions: u64) {
+        self.stats.iterations += 1;
+        self.stats.completions += completions;
+    }
+
+    /// The driver's facts for the stats: registered buffers, full submission queue flushes.
+    pub fn set_driver_stats(&mut self, registered_buffers: bool, sq_full_flushes: u64) {
+        self.stats.registered_buffers = registered_buffers;
+        self.stats.sq_full_flushes = sq_full_flushes;
+    }
+
+    /// Device failures counted on a namespace so far.
+    pub fn device_failures(&self, namespace_index: u16) -> u64 {
+        self.device_errors.total(namespace_index)
+    }
+
+    /// Logs each scheduler's token ledger (at exit).
+    pub fn log_ledgers(&self) {
+        for namespace in &self.qos {
+            let ledger = namespace.scheduler.ledger();
+            tracing::info!(
+                thread = self.thread_index,
+                namespace = namespace.namespace_id,
+                policy = ?namespace.scheduler.policy(),
+                generated = ledger.generated.as_tokens_f64(),
+                from_bucket = ledger.from_bucket.as_tokens_f64(),
+                spent = ledger.spent.as_tokens_f64(),
+                to_bucket = ledger.to_bucket.as_tokens_f64(),
+                written_off = ledger.written_off.as_tokens_f64(),
+                iterations = self.stats.iterations,
+                "scheduler tokens"
+            );
+        }
+    }
+}
+
+/// The scheduling policy of a namespace: tokens where it has a profile and QoS is on.
+pub fn policy_for(has_profile: bool, qos_enabled: bool) -> Policy {
+    if has_profile && qos_enabled {
+        Policy::Tokens
+    } else {
+        Policy::Fifo
+    }
+}

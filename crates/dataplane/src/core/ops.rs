@@ -1,0 +1,91 @@
+//! What the dataplane asks its driver to do ([`Op`]) and the names the driver uses to report
+//! back ([`ConnectionId`], [`DeviceOpId`]).
+//!
+//! Why typed operations: the driver (io_uring in reflexd, epoll where io_uring is missing, a
+//! virtual network in the simulator) only moves bytes. It never decides what to read, what to
+//! send or what to submit to a device; it asks the dataplane for the memory an operation uses
+//! ([`super::Dataplane::receive_space`], [`super::Dataplane::send_segments`],
+//! [`super::Dataplane::device_op`]) and reports each result with one `handle_*` call.
+
+/// A connection slot and its generation: a report for a slot that was closed and reused since
+/// the operation was issued carries the old generation and is caught by an assertion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnectionId {
+    pub index: u32,
+    pub generation: u32,
+}
+
+/// A device operation: a request's current step, or the flush of a namespace at shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeviceOpId {
+    Request { index: u32, generation: u32 },
+    ShutdownFlush { namespace_index: u16 },
+}
+
+/// One operation for the driver, in the order the dataplane wants them issued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Accept one connection on listener `listener` (at most one in flight per listener);
+    /// report it with [`super::Dataplane::handle_accept`].
+    Accept { listener: u32 },
+    /// Stop listening: cancel the accept in flight, if any, and close the socket once it
+    /// has come back (still reported through `handle_accept`).
+    CloseListener { listener: u32 },
+    /// Receive into [`super::Dataplane::receive_space`]; report with
+    /// [`super::Dataplane::handle_recv`].
+    Recv { connection: ConnectionId },
+    /// Send [`super::Dataplane::send_segments`] (one gathered send); report with
+    /// [`super::Dataplane::handle_sent`].
+    Send { connection: ConnectionId },
+    /// Cancel the connection's receive in flight; it still completes (with an error or
+    /// data) through `handle_recv`.
+    CancelRecv { connection: ConnectionId },
+    /// Cancel the connection's send in flight; it still completes through `handle_sent`.
+    CancelSend { connection: ConnectionId },
+    /// Nothing uses the connection any more: close its socket. Its slot may be reused at once.
+    Close { connection: ConnectionId },
+    /// A device operation; its memory through [`super::Dataplane::device_op`], its result
+    /// through [`super::Dataplane::handle_device`].
+    Device(DeviceCommand),
+}
+
+/// A device operation on a namespace's device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceCommand {
+    pub id: DeviceOpId,
+    pub namespace_index: u16,
+    /// The device submission queue (priority class) for devices that arbitrate.
+    pub queue: u16,
+    pub kind: DeviceOpKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceOpKind {
+    Read {
+        offset_bytes: u64,
+        length_bytes: u32,
+    },
+    Write {
+        offset_bytes: u64,
+        length_bytes: u32,
+        fua: bool,
+    },
+    Flush,
+    Trim {
+        offset_bytes: u64,
+        length_bytes: u32,
+    },
+}
+
+/// Why a connection the driver accepted was not taken (the driver closes the socket).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AcceptRefused {
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("the connection table is full")]
+    TableFull,
+    #[error("the listener's share of the connection table is full")]
+    ListenerFull,
+    #[error("too many connections from this address")]
+    SourceFull,
+}

@@ -1,0 +1,527 @@
+//! Step one of run to completion: received bytes become requests.
+//!
+//! A connection is parsed when it received bytes, when its window or the arena opened, or when
+//! something it waited for changed. Parsing stops at the first thing the connection must wait
+//! for: bytes (a receive is issued), a window place, a request slot or a buffer run (the
+//! connection waits in `waiters`), or room in a full tenant queue.
+//!
+//! WRITE payloads: bytes already in the receive buffer are copied into the request's run and
+//! the missing remainder is received straight into the run (no second copy), except for small
+//! writes (header and payload within half the receive buffer), which are first gathered whole
+//! in the receive buffer so that many small pipelined writes arrive in one receive.
+//!
+//! Buffer runs are shared fairly ([`Dataplane::allocate_run`]): a connection may hold at most
+//! a quarter of the arena, and the last eighth is kept for connections that hold little, so
+//! that a client that never reads its answers, or that sends large WRITE headers and then
+//! stalls, cannot take what the others need.
+
+use reflex_flash::emu::class_from_ioprio;
+use reflex_proto::native::{self as wire, Opcode, RENEGOTIATE_BODY_SIZE, Status};
+use reflex_qos::Nanos;
+
+use super::Dataplane;
+use super::connection::ReadState;
+use super::ops::{ConnectionId, Op};
+use super::request::{RequestState, Work};
+use crate::buffers::{PAGE_SIZE, PageRun, RUN_SIZE_MAX, order_for};
+use crate::control::{ControlBody, REASON_BYTES_MAX};
+use crate::frontend::{Action, Answer, Decoded, Frontend, IoKind, Tag};
+use crate::steps::{self, IoStep, Start};
+
+/// A control answer's body (a handle or a refusal reason) fits one arena page.
+const CONTROL_ANSWER_BYTES_MAX: usize = PAGE_SIZE;
+
+const _: () = assert!(REASON_BYTES_MAX <= CONTROL_ANSWER_BYTES_MAX);
+const _: () = assert!(RENEGOTIATE_BODY_SIZE <= CONTROL_ANSWER_BYTES_MAX);
+
+impl Dataplane {
+    pub(super) fn parse_step(&mut self, now: Nanos) {
+        if self.resources_freed {
+            self.resources_freed = false;
+            while let Some(index) = self.waiters.pop_front() {
+                self.connections[index as usize].in_waiters = false;
+                self.mark_parse(index);
+            }
+        }
+        while let Some(index) = self.parse_ready.pop_front() {
+            self.connections[index as usize].in_parse_ready = false;
+            self.parse_connection(index, now);
+        }
+    }
+
+    fn parse_connection(&mut self, index: u32, now: Nanos) {
+        loop {
+            let connection = &mut self.connections[index as usize];
+            if !connection.is_open() {
+                return;
+            }
+            if let Some(request) = connection.stalled {
+                if !self.try_start(request, now) {
+                    self.add_waiter(index);
+                    return;
+                }
+                self.connections[index as usize].stalled = None;
+                continue;
+            }
+            if connection.read == ReadState::Closed
+                && connection.recv_start == connection.recv_end
+                && connection.payload.is_none()
+            {
+                self.maybe_close_idle(index);
+                return;
+            }
+            if !connection.notices.is_empty()
+                && connection.outstanding < self.limits.window
+                && connection.read == ReadState::Open
+            {
+                // A RENEGOTIATE notice takes a request slot (and a window place) like a
+                // response, so it waits where a request would.
+                if self.free_requests.is_empty() {
+                    self.add_waiter(index);
+                    return;
+                }
+                let tag = Tag::Native {
+                    opcode_raw: Opcode::Renegotiate.as_u8(),
+                    request_id: wire::NOTICE_REQUEST_ID,
+                };
+                let request = self.allocate_request(index, tag, Action::Notice, now);
+                if !self.try_start(request, now) {
+                    self.transition(request, RequestState::NeedBuffer);
+                    self.connections[index as usize].stalled = Some(request);
+                    self.add_waiter(index);
+                    return;
+                }
+                continue;
+            }
+            let connection = &mut self.connections[index as usize];
+            if connection.recv_in_flight {
+                // Nothing to parse until that receive completes.
+                self.stop_reading_if_drained(index);
+                return;
+            }
+            if connection.payload.is_some() {
+                break; // A payload is being received into its run.
+            }
+            if connection.skip_bytes > 0 {
+                let available = (connection.recv_end - connection.recv_start) as u64;
+                let skipped = available.min(connection.skip_bytes);
+                connection.recv_start += skipped as usize;
+                connection.skip_bytes -= skipped;
+                if connection.skip_bytes > 0 {
+                    break;
+                }
+            }
+            if connection.outstanding >= self.limits.window {
+                return; // Back-pressure: read nothing more until responses go out.
+            }
+            if connection.blocked_count > 0 {
+                return; // Back-pressure: a tenant queue is full; wait for room.
+            }
+            if self.free_requests.is_empty() {
+                self.add_waiter(index);
+                return;
+            }
+            let connection = &mut self.connections[index as usize];
+            let unparsed = &connection.recv_buffer[connection.recv_start..connection.recv_end];
+            let unparsed_bytes = unparsed.len();
+            let decoded = connection.frontend.decode(unparsed, &self.namespaces);
+            match decoded {
+                Decoded::NeedMore => break,
+                Decoded::Consumed(count) => {
+                    self.connections[index as usize].recv_start += count;
+                }
+                Decoded::Finish { consumed_bytes } => {
+                    let connection = &mut self.connections[index as usize];
+                    connection.recv_start += consumed_bytes;
+                    connection.read = ReadState::Closed;
+                    // Nothing after the end of the session is parsed.
+                    connection.recv_start = connection.recv_end;
+                    self.maybe_close_idle(index);
+                    return;
+                }
+                Decoded::Close(reason) => {
+                    // Broken framing: nothing after it can be parsed, but the requests
+                    // received before it are still answered; then the connection closes.
+                    self.stats.framing_errors += 1;
+                    tracing::info!(
+                        thread = self.thread_index,
+                        source = ?self.connections[index as usize].source,
+                        %reason,
+                        "closing connection after its answers: bad request framing"
+                    );
+                    self.stop_reading(index);
+                    let connection = &mut self.connections[index as usize];
+                    connection.recv_start = connection.recv_end;
+                    self.maybe_close_idle(index);
+                    return;
+                }
+                Decoded::Request {
+                    header_bytes,
+                    payload_bytes,
+                    tag,
+                    action,
+                } => {
+                    // A small WRITE is gathered whole in the receive buffer first.
+                    if let Action::Io(io) = action
+                        && let IoKind::Write { .. } = io.kind
+                    {
+                        assert_eq!(payload_bytes, u64::from(io.length_bytes));
+                        let total = header_bytes + io.length_bytes as usize;
+                        if total > unparsed_bytes && total <= self.write_gather_bytes_max() {
+                            break;
+                        }
+                    }
+                    let connection = &mut self.connections[index as usize];
+                    connection.recv_start += header_bytes;
+                    connection.established = true;
+                    let action = match action {
+                        Action::Io(io) => match self.charge(index, io, now) {
+                            Ok(io) => Action::Io(io),
+                            Err(status) => Action::Reply(Answer::Native(status)),
+                        },
+                        other => other,
+                    };
+                    let request = self.allocate_request(index, tag, action, now);
+                    if let Action::Reply(_) = action {
+                        self.connections[index as usize].skip_bytes = payload_bytes;
+                    }
+                    if !self.try_start(request, now) {
+                        self.transition(request, RequestState::NeedBuffer);
+                        self.connections[index as usize].stalled = Some(request);
+                        self.add_waiter(index);
+                        return;
+                    }
+                }
+            }
+        }
+        // The parser needs more bytes (or a payload is being received).
+        let connection = &self.connections[index as usize];
+        if connection.read == ReadState::Closed {
+            self.maybe_close_idle(index);
+        } else if !self.stop_reading_if_drained(index) {
+            self.issue_recv(index);
+        }
+    }
+
+    /// A WRITE whose header and payload fit in this many bytes is gathered whole in the receive
+    /// buffer; a larger one has its missing part received straight into its run.
+    pub(super) fn write_gather_bytes_max(&self) -> usize {
+        self.limits.recv_buffer_bytes / 2
+    }
+
+    /// Takes a run of at least `size_bytes` for a request of `connection_index`, within the
+    /// connection's fair share of the arena; `None`: wait.
+    pub(super) fn allocate_run(
+        &mut self,
+        connection_index: u32,
+        size_bytes: usize,
+    ) -> Option<PageRun> {
+        let order = order_for(size_bytes);
+        let pages = 1u32 << order;
+        let held = self.connections[connection_index as usize].run_pages;
+        let free = self.pages.free_pages();
+        let within_connection_max = held + pages <= self.limits.connection_pages_max;
+        let plenty_left = free >= pages + self.limits.arena_reserve_pages;
+        let holds_little = held + pages <= self.limits.connection_pages_share;
+        if !(within_connection_max && (plenty_left || holds_little)) {
+            self.stats.buffer_waits += 1;
+            return None;
+        }
+        let Some(run) = self.pages.allocate(order) else {
+            self.stats.buffer_waits += 1;
+            return None;
+        };
+        self.connections[connection_index as usize].run_pages += pages;
+        Some(run)
+    }
+
+    /// Gives a run back; `orphaned`: its connection stopped counting it already.
+    pub(super) fn release_run(&mut self, connection_index: u32, run: PageRun, orphaned: bool) {
+        self.pages.free(run);
+        if !orphaned {
+            let connection = &mut self.connections[connection_index as usize];
+            assert!(connection.run_pages >= run.page_count());
+            connection.run_pages -= run.page_count();
+        }
+    }
+
+    /// Gives the request what it needs to start and moves it on; false when it must wait
+    /// for a buffer run.
+    pub(super) fn try_start(&mut self, index: u32, now: Nanos) -> bool {
+        let Work::Start(action) = self.requests[index as usize].work else {
+            panic!("starting a request that started already");
+        };
+        let connection_index = self.requests[index as usize].connection_index;
+        match action {
+            Action::Reply(answer) => {
+                self.respond(index, answer, None, 0);
+                true
+            }
+            Action::Hello { io_priority } => {
+                // An unknown class or level keeps the default: the priority is a hint.
+                if let Ok(class) = class_from_ioprio(io_priority) {
+                    self.connections[connection_index as usize].device_queue =
+                        class.submission_queue();
+                }
+                let size = Frontend::hello_body_size_max(&self.namespaces);
+                let Some(run) = self.allocate_run(connection_index, size) else {
+                    return false;
+                };
+                let window = self.limits.window;
+                let body = self.arena.run_mut(run, size);
+                let length = Frontend::write_hello_body(&self.namespaces, window, body);
+                self.respond(index, Answer::Ok, Some(run), length as u32);
+                true
+            }
+            Action::Control(request) => {
+                let Some(run) = self.allocate_run(connection_index, CONTROL_ANSWER_BYTES_MAX)
+                else {
+                    return false;
+                };
+                let answer = self.control_request(connection_index, request, now);
+                let body = self.arena.run_mut(run, CONTROL_ANSWER_BYTES_MAX);
+                let length = match &answer.body {
+                    ControlBody::None => 0,
+                    ControlBody::Handle(handle) => {
+                        let bytes = wire::encode_handle(*handle);
+                        body[..bytes.len()].copy_from_slice(&bytes);
+                        bytes.len()
+                    }
+                    ControlBody::Reason(reason) => {
+                        let bytes = reason.as_bytes();
+                        assert!(bytes.len() <= REASON_BYTES_MAX);
+                        body[..bytes.len()].copy_from_slice(bytes);
+                        bytes.len()
+                    }
+                };
+                let status = match answer.status {
+                    Status::Ok => Answer::Ok,
+                    status => Answer::Native(status),
+                };
+                self.respond(index, status, Some(run), length as u32);
+                true
+            }
+            Action::Notice => {
+                let Some(run) = self.allocate_run(connection_index, RENEGOTIATE_BODY_SIZE) else {
+                    return false;
+                };
+                let Some(notice) = self.connections[connection_index as usize]
+                    .notices
+                    .pop_front()
+                else {
+                    panic!("a notice request without a pending notice");
+                };
+                self.arena
+                    .run_mut(run, RENEGOTIATE_BODY_SIZE)
+                    .copy_from_slice(&notice.to_bytes());
+                self.stats.notices_sent += 1;
+                self.respond(index, Answer::Ok, Some(run), RENEGOTIATE_BODY_SIZE as u32);
+                true
+            }
+            Action::Output => {
+                let pending = self.connections[connection_index as usize]
+                    .frontend
+                    .pending_output_bytes();
+                assert!(pending > 0, "an output request without output");
+                let size = pending.min(RUN_SIZE_MAX);
+                let Some(run) = self.allocate_run(connection_index, size) else {
+                    return false;
+                };
+                let out = self.arena.run_mut(run, size);
+                let written = self.connections[connection_index as usize]
+                    .frontend
+                    .write_output(out);
+                assert_eq!(written, size);
+                self.respond(index, Answer::Ok, Some(run), written as u32);
+                true
+            }
+            Action::Io(io) => {
+                let run_bytes = steps::run_bytes(io.kind, io.length_bytes, RUN_SIZE_MAX);
+                let first =
+                    steps::first_step(io.kind, self.discards[usize::from(io.namespace_index)]);
+                if let Start::Answer(answer) = first {
+                    self.respond(index, answer, None, 0);
+                    return true;
+                }
+                let run = if run_bytes > 0 {
+                    let Some(run) = self.allocate_run(connection_index, run_bytes) else {
+                        return false;
+                    };
+                    Some(run)
+                } else {
+                    None
+                };
+                let step = match first {
+                    Start::Submit(step) => step,
+                    Start::Answer(_) => IoStep::Primary,
+                };
+                self.requests[index as usize].work = Work::Io {
+                    io,
+                    run,
+                    step: IoStep::Primary,
+                    received_bytes: 0,
+                };
+                if let IoKind::Write { .. } = io.kind {
+                    self.take_write_payload(index, now);
+                } else {
+                    self.set_step(index, step);
+                    self.enqueue(index, now);
+                }
+                true
+            }
+        }
+    }
+
+    /// Copies the payload bytes already received into the run; receives the rest directly.
+    fn take_write_payload(&mut self, index: u32, now: Nanos) {
+        let request = &self.requests[index as usize];
+        let Work::Io {
+            io, run: Some(run), ..
+        } = request.work
+        else {
+            panic!("payload for a request without a run");
+        };
+        let connection_index = request.connection_index;
+        let connection = &mut self.connections[connection_index as usize];
+        let available = connection.recv_end - connection.recv_start;
+        let length = io.length_bytes as usize;
+        let copied = available.min(length);
+        let target = self.arena.run_mut(run, length);
+        target[..copied].copy_from_slice(
+            &connection.recv_buffer[connection.recv_start..connection.recv_start + copied],
+        );
+        connection.recv_start += copied;
+        self.set_received_bytes(index, copied as u32);
+        if copied == length {
+            self.enqueue(index, now);
+        } else {
+            self.transition(index, RequestState::Receiving);
+            self.connections[connection_index as usize].payload = Some(index);
+        }
+    }
+
+    fn set_received_bytes(&mut self, index: u32, bytes: u32) {
+        match &mut self.requests[index as usize].work {
+            Work::Io { received_bytes, .. } => *received_bytes = bytes,
+            other => panic!("payload for a request without I/O: {other:?}"),
+        }
+    }
+
+    pub(super) fn issue_recv(&mut self, index: u32) {
+        let connection = &mut self.connections[index as usize];
+        if !connection.is_open()
+            || connection.read == ReadState::Closed
+            || connection.recv_in_flight
+        {
+            return;
+        }
+        if connection.payload.is_none() {
+            if connection.recv_start > 0 {
+                connection
+                    .recv_buffer
+                    .copy_within(connection.recv_start..connection.recv_end, 0);
+                connection.recv_end -= connection.recv_start;
+                connection.recv_start = 0;
+            }
+            // Every unit the parser waits for fits in half the buffer (asserted at setup).
+            assert!(
+                connection.recv_end < connection.recv_buffer.len(),
+                "receive buffer full while the parser needs more"
+            );
+        }
+        connection.recv_in_flight = true;
+        let id = connection.id(index);
+        self.stats.receives += 1;
+        self.ops.push_back(Op::Recv { connection: id });
+    }
+
+    /// Where the receive the dataplane asked for on `id` puts its bytes: the free end of the
+    /// receive buffer, or the rest of a WRITE payload's run.
+    pub fn receive_space(&mut self, id: ConnectionId) -> &mut [u8] {
+        let index = self.connection_index(id);
+        let connection = &mut self.connections[index as usize];
+        assert!(connection.recv_in_flight, "receive space without a receive");
+        match connection.payload {
+            None => &mut connection.recv_buffer[connection.recv_end..],
+            Some(request_index) => {
+                let request = &self.requests[request_index as usize];
+                assert_eq!(request.state, RequestState::Receiving);
+                let Work::Io {
+                    io,
+                    run: Some(run),
+                    received_bytes,
+                    ..
+                } = request.work
+                else {
+                    panic!("receiving a payload without a run");
+                };
+                let remaining = (io.length_bytes - received_bytes) as usize;
+                assert!(remaining > 0);
+                let all = self.arena.run_mut(run, io.length_bytes as usize);
+                &mut all[received_bytes as usize..]
+            }
+        }
+    }
+
+    /// A receive finished: `Ok(n)` bytes landed in [`Self::receive_space`] (0: the peer
+    /// closed its side), `Err(errno)`: it failed or was cancelled.
+    pub fn handle_recv(&mut self, id: ConnectionId, result: Result<usize, i32>, now: Nanos) {
+        let index = self.connection_index(id);
+        let connection = &mut self.connections[index as usize];
+        assert!(connection.recv_in_flight);
+        connection.recv_in_flight = false;
+        if !connection.is_open() || connection.read == ReadState::Closed {
+            // Aborted, or stopped reading: what arrived is not parsed.
+            if let Some(request) = connection.payload.take() {
+                self.free_request(request);
+            }
+            if self.connections[index as usize].is_open() {
+                self.maybe_close_idle(index);
+            } else {
+                self.maybe_finish_close(index);
+            }
+            return;
+        }
+        let received = match result {
+            Err(errno) => {
+                if errno != libc::ECONNRESET {
+                    tracing::debug!(thread = self.thread_index, errno, "receive failed");
+                }
+                self.abort_connection(index, "receive error");
+                return;
+            }
+            Ok(0) => {
+                if connection.payload.is_some() {
+                    self.abort_connection(index, "peer closed in the middle of a write payload");
+                    return;
+                }
+                // The peer will send nothing more; answer what it sent, then close.
+                connection.read = ReadState::Closed;
+                self.mark_parse(index);
+                return;
+            }
+            Ok(received) => received,
+        };
+        connection.receive_progress_at = now;
+        self.stats.bytes_received += received as u64;
+        if let Some(request_index) = connection.payload {
+            let request = &mut self.requests[request_index as usize];
+            let Work::Io {
+                io, received_bytes, ..
+            } = &mut request.work
+            else {
+                panic!("receiving a payload without I/O");
+            };
+            *received_bytes += received as u32;
+            assert!(*received_bytes <= io.length_bytes);
+            if *received_bytes == io.length_bytes {
+                self.connections[index as usize].payload = None;
+                self.enqueue(request_index, now);
+            }
+        } else {
+            connection.recv_end += received;
+            assert!(connection.recv_end <= connection.recv_buffer.len());
+        }
+        self.mark_parse(index);
+    }
+}

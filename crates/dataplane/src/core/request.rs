@@ -1,0 +1,224 @@
+//! The request slots of a dataplane: what each request is doing ([`Work`]) and where it is in
+//! its life ([`RequestState`], changed only through [`Dataplane::transition`], which asserts
+//! the move and counts it).
+//!
+//! Lifecycle: `Free → (NeedBuffer →) [Receiving →] [Blocked →] Queued → Submitted → Completed ⇄
+//! Sending → Free`. `NeedBuffer` waits for a buffer run; `Receiving` takes a WRITE payload
+//! straight into its run; `Blocked` waits for room in a full tenant queue; a request with
+//! several device steps goes `Submitted → Queued` between them; `Orphaned` is a request
+//! whose device operation outlived its deadline: its error answer went out in another slot,
+//! and it is freed when the device finally returns its buffer. Immediate answers go straight to
+//! `Completed`. A request of a closing connection is freed as soon as no operation uses it.
+
+use reflex_qos::Nanos;
+
+use super::Dataplane;
+use crate::buffers::PageRun;
+use crate::frontend::{Action, IoRequest, RESPONSE_HEADER_SIZE_MAX, Tag};
+use crate::steps::IoStep;
+
+/// "No request" in the intrusive lists (send queues).
+pub(super) const NONE: u32 = u32::MAX;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum RequestState {
+    Free = 0,
+    NeedBuffer = 1,
+    Receiving = 2,
+    Queued = 3,
+    Submitted = 4,
+    Completed = 5,
+    Sending = 6,
+    /// Waiting for room in its tenant's queue of the QoS scheduler.
+    Blocked = 7,
+    /// Answered already (timed out on the device); waits for the device to give its buffer
+    /// back.
+    Orphaned = 8,
+}
+
+pub const REQUEST_STATE_COUNT: usize = 9;
+
+impl RequestState {
+    /// Legal moves; freeing early is legal only when no operation uses the request.
+    pub(super) fn can_become(self, to: RequestState) -> bool {
+        use RequestState::*;
+        matches!(
+            (self, to),
+            (Free, NeedBuffer | Receiving | Queued | Blocked | Completed)
+                | (NeedBuffer, Receiving | Queued | Blocked | Completed | Free)
+                | (Receiving, Queued | Blocked | Completed | Free)
+                | (Blocked, Queued | Completed | Free)
+                | (Queued, Submitted | Completed | Free)
+                | (Submitted, Completed | Queued | Blocked | Orphaned | Free)
+                | (Orphaned, Free)
+                | (Completed, Sending | Free)
+                | (Sending, Completed | Free)
+        )
+    }
+}
+
+/// What a request does, with exactly the data that work needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Work {
+    /// A free slot.
+    Idle,
+    /// Decoded, not started: waits for what it needs (a request slot had room, a buffer run
+    /// may not).
+    Start(Action),
+    /// Device I/O at `step`; `run` holds READ or WRITE data or the zero-fill source.
+    Io {
+        io: IoRequest,
+        run: Option<PageRun>,
+        step: IoStep,
+        /// WRITE payload bytes in the run so far.
+        received_bytes: u32,
+    },
+    /// The answer: the encoded header in [`Request::header`], then `body_bytes` of `run`
+    /// (READ data, a HELLO or control body, handshake output). A run with no body bytes is
+    /// only waiting to be freed.
+    Response {
+        run: Option<PageRun>,
+        body_bytes: u32,
+    },
+}
+
+impl Work {
+    /// The buffer run the request owns, if any.
+    pub(super) fn run(&self) -> Option<PageRun> {
+        match *self {
+            Work::Io { run, .. } | Work::Response { run, .. } => run,
+            Work::Idle | Work::Start(_) => None,
+        }
+    }
+}
+
+pub(super) struct Request {
+    pub(super) state: RequestState,
+    pub(super) generation: u32,
+    pub(super) connection_index: u32,
+    pub(super) tag: Tag,
+    pub(super) work: Work,
+    pub(super) header: [u8; RESPONSE_HEADER_SIZE_MAX],
+    pub(super) header_len: u8,
+    /// Next request in the connection's send queue.
+    pub(super) next: u32,
+    /// When the request arrived (its first byte was parsed), when its current step entered a
+    /// scheduler, and when that step went to the device.
+    pub(super) arrived_at: Nanos,
+    pub(super) queued_at: Nanos,
+    pub(super) submitted_at: Nanos,
+}
+
+impl Request {
+    pub(super) fn empty() -> Request {
+        Request {
+            state: RequestState::Free,
+            generation: 0,
+            connection_index: NONE,
+            tag: Tag::None,
+            work: Work::Idle,
+            header: [0; RESPONSE_HEADER_SIZE_MAX],
+            header_len: 0,
+            next: NONE,
+            arrived_at: Nanos::ZERO,
+            queued_at: Nanos::ZERO,
+            submitted_at: Nanos::ZERO,
+        }
+    }
+
+    /// Bytes of the response: header and body.
+    pub(super) fn response_len(&self) -> usize {
+        let body_bytes = match self.work {
+            Work::Response { body_bytes, .. } => body_bytes as usize,
+            _ => 0,
+        };
+        usize::from(self.header_len) + body_bytes
+    }
+
+    /// The I/O of a request that does device work; panics otherwise (a dataplane bug).
+    pub(super) fn io(&self) -> IoRequest {
+        match self.work {
+            Work::Io { io, .. } => io,
+            other => panic!("request without I/O: {other:?}"),
+        }
+    }
+}
+
+/// The generation after `generation` (28 bits, so drivers can pack it with an index).
+pub const GENERATION_MASK: u32 = (1 << 28) - 1;
+
+pub(super) fn next_generation(generation: u32) -> u32 {
+    generation.wrapping_add(1) & GENERATION_MASK
+}
+
+impl Dataplane {
+    pub(super) fn transition(&mut self, index: u32, to: RequestState) {
+        let request = &mut self.requests[index as usize];
+        let from = request.state;
+        assert!(
+            from.can_become(to),
+            "request {index}: illegal {from:?} -> {to:?}"
+        );
+        request.state = to;
+        self.stats.requests_per_state[from as usize] -= 1;
+        self.stats.requests_per_state[to as usize] += 1;
+        self.stats.transitions += 1;
+    }
+
+    /// Takes a free slot for a request of `connection_index`; the caller checked that one is
+    /// free and that the connection's window has room.
+    pub(super) fn allocate_request(
+        &mut self,
+        connection_index: u32,
+        tag: Tag,
+        action: Action,
+        now: Nanos,
+    ) -> u32 {
+        let Some(index) = self.free_requests.pop() else {
+            panic!("allocate_request without a free slot (callers check)");
+        };
+        let request = &mut self.requests[index as usize];
+        assert_eq!(request.state, RequestState::Free);
+        assert_eq!(request.work, Work::Idle);
+        request.connection_index = connection_index;
+        request.tag = tag;
+        request.work = Work::Start(action);
+        request.header_len = 0;
+        request.next = NONE;
+        request.arrived_at = now;
+        let connection = &mut self.connections[connection_index as usize];
+        connection.outstanding += 1;
+        assert!(connection.outstanding <= self.limits.window);
+        index
+    }
+
+    /// Frees a request no operation uses: its run goes back to the arena, its window place to
+    /// its connection.
+    pub(super) fn free_request(&mut self, index: u32) {
+        let orphaned = self.requests[index as usize].state == RequestState::Orphaned;
+        self.transition(index, RequestState::Free);
+        let request = &mut self.requests[index as usize];
+        request.generation = next_generation(request.generation);
+        let run = request.work.run();
+        request.work = Work::Idle;
+        let connection_index = request.connection_index;
+        request.connection_index = NONE;
+        if let Some(run) = run {
+            self.release_run(connection_index, run, orphaned);
+        }
+        self.free_requests.push(index);
+        self.resources_freed = true;
+        if orphaned {
+            // Its connection gave the window place back when the request was orphaned.
+            return;
+        }
+        let connection = &mut self.connections[connection_index as usize];
+        assert!(connection.outstanding > 0);
+        connection.outstanding -= 1;
+        if connection.is_open() {
+            // The window may have opened, or the connection may now be idle.
+            self.mark_parse(connection_index);
+        }
+    }
+}

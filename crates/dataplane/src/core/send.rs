@@ -1,0 +1,211 @@
+//! Answers: a finished request's header is encoded by its front end and the request joins its
+//! connection's send queue; one gathered send per connection carries many responses, header
+//! bytes and data runs alike (no copy between a device buffer and the socket).
+//!
+//! A connection has at most one send in flight. A partial send leaves the unsent responses in
+//! the queue with the offset into the first one; they go again in the next send.
+
+use reflex_qos::Nanos;
+
+use super::Dataplane;
+use super::ops::{ConnectionId, Op};
+use super::request::{NONE, RequestState, Work};
+use crate::buffers::PageRun;
+use crate::frontend::Answer;
+
+/// Segments in one gathered send: a header and a body per response.
+pub const SEND_SEGMENTS_MAX: usize = 128;
+
+const _: () = assert!(SEND_SEGMENTS_MAX >= 2 && SEND_SEGMENTS_MAX.is_multiple_of(2));
+const _: () = assert!(SEND_SEGMENTS_MAX <= 1024); // IOV_MAX
+
+impl Dataplane {
+    /// Encodes the response header for `answer` and queues the request for sending, with
+    /// `body_bytes` of `run` after the header (the run is freed with the request).
+    pub(super) fn respond(
+        &mut self,
+        index: u32,
+        answer: Answer,
+        run: Option<PageRun>,
+        body_bytes: u32,
+    ) {
+        let connection_index = self.requests[index as usize].connection_index;
+        let frontend = &self.connections[connection_index as usize].frontend;
+        let request = &mut self.requests[index as usize];
+        match run {
+            Some(run) => assert!(body_bytes as usize <= run.size_bytes()),
+            None => assert_eq!(body_bytes, 0),
+        }
+        request.work = Work::Response { run, body_bytes };
+        let tag = request.tag;
+        let Some(header_len) =
+            frontend.encode_response(&tag, answer, body_bytes, &mut request.header)
+        else {
+            tracing::warn!(
+                thread = self.thread_index,
+                ?answer,
+                "request failed on a protocol without status; closing the connection"
+            );
+            self.transition(index, RequestState::Completed);
+            self.free_request(index);
+            self.abort_connection(connection_index, "failure the protocol cannot report");
+            return;
+        };
+        request.header_len = header_len as u8;
+        self.transition(index, RequestState::Completed);
+        self.stats.requests_answered += 1;
+        let connection = &mut self.connections[connection_index as usize];
+        if connection.send_tail == NONE {
+            connection.send_head = index;
+        } else {
+            self.requests[connection.send_tail as usize].next = index;
+        }
+        connection.send_tail = index;
+        self.mark_send(connection_index);
+    }
+
+    pub(super) fn send_step(&mut self, now: Nanos) {
+        while let Some(index) = self.send_ready.pop_front() {
+            self.connections[index as usize].in_send_ready = false;
+            self.send_connection(index, now);
+        }
+    }
+
+    /// Starts one gathered send of the queued responses (as many as fit in
+    /// [`SEND_SEGMENTS_MAX`]).
+    fn send_connection(&mut self, index: u32, now: Nanos) {
+        let connection = &mut self.connections[index as usize];
+        if !connection.is_open() || connection.send_in_flight || connection.send_head == NONE {
+            return;
+        }
+        let mut segments = 0;
+        let mut sending_count = 0;
+        let mut cursor = connection.send_head;
+        while cursor != NONE && segments + 2 <= SEND_SEGMENTS_MAX {
+            let request = &mut self.requests[cursor as usize];
+            assert_eq!(request.state, RequestState::Completed);
+            segments += 2;
+            request.state = RequestState::Sending;
+            self.stats.requests_per_state[RequestState::Completed as usize] -= 1;
+            self.stats.requests_per_state[RequestState::Sending as usize] += 1;
+            self.stats.transitions += 1;
+            sending_count += 1;
+            cursor = request.next;
+        }
+        assert!(sending_count > 0);
+        if connection.send_offset_bytes == 0 {
+            // The send-progress clock restarts with each send that starts on a response
+            // boundary; a send that resumes a partial one keeps the clock of the last progress.
+            connection.send_progress_at = now;
+        }
+        connection.sending_count = sending_count;
+        connection.send_in_flight = true;
+        let id = connection.id(index);
+        self.stats.sends += 1;
+        self.ops.push_back(Op::Send { connection: id });
+    }
+
+    /// The bytes of the send the dataplane asked for on `id`, in order (at most
+    /// [`SEND_SEGMENTS_MAX`] non-empty slices). They stay valid and unchanged until
+    /// [`Self::handle_sent`].
+    pub fn send_segments(&self, id: ConnectionId, mut segment: impl FnMut(&[u8])) {
+        let index = self.connection_index(id);
+        let connection = &self.connections[index as usize];
+        assert!(connection.send_in_flight, "send segments without a send");
+        let mut skip = connection.send_offset_bytes;
+        let mut cursor = connection.send_head;
+        for _ in 0..connection.sending_count {
+            let request = &self.requests[cursor as usize];
+            assert_eq!(request.state, RequestState::Sending);
+            let header_len = usize::from(request.header_len);
+            if skip < header_len {
+                segment(&request.header[skip..header_len]);
+                skip = 0;
+            } else {
+                skip -= header_len;
+            }
+            if let Work::Response {
+                run: Some(run),
+                body_bytes,
+            } = request.work
+                && body_bytes > 0
+            {
+                assert!(skip < body_bytes as usize);
+                segment(&self.arena.run(run, body_bytes as usize)[skip..]);
+            }
+            skip = 0;
+            cursor = request.next;
+        }
+    }
+
+    /// A send finished: `Ok(n)` bytes of [`Self::send_segments`] went out, `Err(errno)`: it
+    /// failed or was cancelled.
+    pub fn handle_sent(&mut self, id: ConnectionId, result: Result<usize, i32>, now: Nanos) {
+        let index = self.connection_index(id);
+        let connection = &mut self.connections[index as usize];
+        assert!(connection.send_in_flight);
+        connection.send_in_flight = false;
+        let sent = *result.as_ref().unwrap_or(&0);
+        if sent > 0 {
+            connection.send_progress_at = now;
+            self.stats.bytes_sent += sent as u64;
+        }
+        let mut progress = connection.send_offset_bytes + sent;
+        let sending_count = std::mem::take(&mut connection.sending_count);
+        connection.send_offset_bytes = 0;
+        for _ in 0..sending_count {
+            let connection = &mut self.connections[index as usize];
+            let head = connection.send_head;
+            assert_ne!(head, NONE);
+            let total = self.requests[head as usize].response_len();
+            if progress >= total {
+                progress -= total;
+                connection.send_head = self.requests[head as usize].next;
+                if connection.send_head == NONE {
+                    connection.send_tail = NONE;
+                }
+                self.requests[head as usize].next = NONE;
+                self.free_request(head);
+            } else {
+                // Partial progress: the rest of this response and those after it go again.
+                self.connections[index as usize].send_offset_bytes = progress;
+                progress = 0;
+                let mut cursor = head;
+                while cursor != NONE
+                    && self.requests[cursor as usize].state == RequestState::Sending
+                {
+                    self.transition(cursor, RequestState::Completed);
+                    cursor = self.requests[cursor as usize].next;
+                }
+                break;
+            }
+        }
+        assert_eq!(
+            progress, 0,
+            "the driver reported more bytes sent than were queued"
+        );
+        if !self.connections[index as usize].is_open() {
+            self.drop_send_queue(index);
+            self.maybe_finish_close(index);
+            return;
+        }
+        match result {
+            Err(errno) => {
+                if errno != libc::EPIPE && errno != libc::ECONNRESET {
+                    tracing::debug!(thread = self.thread_index, errno, "send failed");
+                }
+                self.abort_connection(index, "send error");
+                return;
+            }
+            Ok(0) => {
+                self.abort_connection(index, "send made no progress");
+                return;
+            }
+            Ok(_) => {}
+        }
+        if self.connections[index as usize].send_head != NONE {
+            self.mark_send(index);
+        }
+        self.maybe_close_idle(index);
+    }
+}

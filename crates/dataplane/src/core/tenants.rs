@@ -1,0 +1,474 @@
+//! Tenants on one dataplane: whom each request is charged to, what each tenant did here, the
+//! control requests of native connections (REGISTER, UNREGISTER, BIND), and the messages and
+//! scheduler events exchanged with the control plane (`crate::control`).
+//!
+//! Every I/O is charged to a tenant: the one the connection BINDs to, else the NBD export's or
+//! original port's configured tenant, else the namespace's default best-effort tenant. A
+//! connection is counted in the control plane's registry for each tenant it charged
+//! (`Connection::charged`), so each thread's share of a tenant follows its connections.
+//! Control messages (rate updates, revocations, RENEGOTIATE notices) are applied at most
+//! [`MESSAGES_PER_ITERATION_MAX`] per iteration after one atomic check; control requests and
+//! a connection's first I/O to a tenant take the control plane's lock, off the I/O path.
+
+use std::collections::BTreeMap;
+
+use reflex_proto::native::{self as wire, Status};
+use reflex_qos::{Admitted, Nanos, SchedulerEvent};
+
+use super::Dataplane;
+use super::connection::{Bound, Charge};
+use crate::control::{
+    ControlAnswer, ControlBody, ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX, TenantRef,
+};
+use crate::frontend::{ControlRequest, Frontend, IoKind, IoRequest};
+
+/// RENEGOTIATE notices a connection holds while it cannot send them (window full); beyond
+/// it the oldest is dropped (counted in `CoreStats::notices_dropped`).
+pub const NOTICES_PENDING_MAX: usize = 4;
+
+/// One tenant's work on one dataplane thread.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TenantStats {
+    pub handle: u64,
+    pub namespace_id: u32,
+    /// Device operations the scheduler admitted (a multi-step request counts each step).
+    pub requests: u64,
+    pub bytes: u64,
+    /// Tokens charged, in millitokens.
+    pub millitokens: i64,
+    /// Deficit episodes that started on this thread.
+    pub deficit_episodes: u64,
+    /// Requests received for it (its demand).
+    pub arrivals: u64,
+    /// Time its admitted requests waited in the scheduler, summed, and the longest wait.
+    pub scheduler_wait_ns: u64,
+    pub scheduler_wait_ns_max: u64,
+    /// Device time (submission to completion) of its requests, summed.
+    pub device_ns: u64,
+}
+
+impl TenantStats {
+    /// Adds `other`'s counts (the maximum wait: the larger one).
+    pub fn add(&mut self, other: &TenantStats) {
+        self.requests += other.requests;
+        self.bytes += other.bytes;
+        self.millitokens += other.millitokens;
+        self.deficit_episodes += other.deficit_episodes;
+        self.arrivals += other.arrivals;
+        self.scheduler_wait_ns += other.scheduler_wait_ns;
+        self.scheduler_wait_ns_max = self.scheduler_wait_ns_max.max(other.scheduler_wait_ns_max);
+        self.device_ns += other.device_ns;
+    }
+}
+
+/// This thread's accounting of one tenant id of a namespace.
+#[derive(Debug, Clone, Default)]
+pub(super) struct TenantAccount {
+    pub(super) stats: TenantStats,
+    meter: DemandMeter,
+}
+
+impl TenantAccount {
+    pub(super) fn admitted(&mut self, request: &Admitted, wait_ns: u64) {
+        self.stats.requests += 1;
+        self.stats.bytes += u64::from(request.size_bytes);
+        self.stats.millitokens += request.cost.0;
+        self.stats.scheduler_wait_ns += wait_ns;
+        self.stats.scheduler_wait_ns_max = self.stats.scheduler_wait_ns_max.max(wait_ns);
+    }
+}
+
+/// The request rate a RENEGOTIATE notice reports: arrivals over the current and the previous
+/// window of [`DEMAND_WINDOW`], measured over at least [`DEMAND_SPAN_MIN`].
+#[derive(Debug, Clone, Copy, Default)]
+struct DemandMeter {
+    current_start: Nanos,
+    current_arrivals: u64,
+    previous_arrivals: u64,
+    previous_ns: u64,
+}
+
+const DEMAND_WINDOW: Nanos = Nanos(1_000_000_000);
+const DEMAND_SPAN_MIN: Nanos = Nanos(10_000_000);
+
+impl DemandMeter {
+    fn starting(now: Nanos) -> DemandMeter {
+        DemandMeter {
+            current_start: now,
+            ..DemandMeter::default()
+        }
+    }
+
+    fn arrival(&mut self, now: Nanos) {
+        let elapsed = now.saturating_since(self.current_start);
+        if elapsed >= DEMAND_WINDOW {
+            self.previous_arrivals = self.current_arrivals;
+            self.previous_ns = elapsed.0;
+            self.current_start = now;
+            self.current_arrivals = 0;
+        }
+        self.current_arrivals += 1;
+    }
+
+    fn iops(&self, now: Nanos) -> u64 {
+        let span_ns =
+            (self.previous_ns + now.saturating_since(self.current_start).0).max(DEMAND_SPAN_MIN.0);
+        let arrivals = self.previous_arrivals + self.current_arrivals;
+        (u128::from(arrivals) * 1_000_000_000 / u128::from(span_ns)) as u64
+    }
+}
+
+/// One namespace's scheduler and tenant accounts on this thread.
+pub(super) struct NamespaceQos {
+    pub(super) scheduler: reflex_qos::Scheduler,
+    pub(super) default_tenant: TenantRef,
+    pub(super) namespace_id: u32,
+    /// By tenant id; grown when this thread first charges a tenant (control path).
+    pub(super) accounts: Vec<TenantAccount>,
+}
+
+impl Dataplane {
+    /// Scheduler events: room in a full tenant queue (retry the blocked requests next
+    /// iteration), and deficit episodes (to the control plane, which sends RENEGOTIATE).
+    pub(super) fn handle_scheduler_events(&mut self, now: Nanos) {
+        for namespace_index in 0..self.qos.len() {
+            loop {
+                let namespace = &mut self.qos[namespace_index];
+                let Some(event) = namespace.scheduler.poll_event() else {
+                    break;
+                };
+                let observed_iops = match event {
+                    SchedulerEvent::QueueRoom { .. } => {
+                        self.queue_room = true;
+                        continue;
+                    }
+                    SchedulerEvent::DeficitLimitReached { tenant } => {
+                        match namespace.accounts.get_mut(tenant.0 as usize) {
+                            Some(account) => {
+                                account.stats.deficit_episodes += 1;
+                                account.meter.iops(now)
+                            }
+                            None => 0,
+                        }
+                    }
+                    SchedulerEvent::DeficitRecovered { .. } => 0,
+                };
+                self.with_control(now, |control, thread, own| {
+                    control.scheduler_event(
+                        thread,
+                        namespace_index as u16,
+                        event,
+                        observed_iops,
+                        own,
+                    );
+                });
+            }
+        }
+    }
+
+    /// Calls the control plane for this thread and applies the messages it returns for this
+    /// thread, in order, before anything else happens here.
+    fn with_control<R>(
+        &mut self,
+        now: Nanos,
+        call: impl FnOnce(&ControlPlane, usize, &mut Vec<ControlMessage>) -> R,
+    ) -> R {
+        let mut messages = std::mem::take(&mut self.messages);
+        messages.clear();
+        let result = call(&self.control, self.thread_index, &mut messages);
+        for message in messages.drain(..) {
+            self.apply_message(message, now);
+        }
+        self.messages = messages;
+        result
+    }
+
+    /// Applies up to [`MESSAGES_PER_ITERATION_MAX`] messages waiting in this thread's mailbox.
+    pub(super) fn apply_control_messages(&mut self, now: Nanos) {
+        let mut messages = std::mem::take(&mut self.messages);
+        messages.clear();
+        self.control
+            .take_messages(self.thread_index, MESSAGES_PER_ITERATION_MAX, &mut messages);
+        for message in messages.drain(..) {
+            self.apply_message(message, now);
+        }
+        self.messages = messages;
+    }
+
+    fn apply_message(&mut self, message: ControlMessage, now: Nanos) {
+        self.stats.control_messages += 1;
+        match message {
+            ControlMessage::Rates {
+                namespace_index,
+                update,
+            } => {
+                tracing::debug!(
+                    thread = self.thread_index,
+                    namespace_index,
+                    ?update,
+                    "rate update"
+                );
+                self.qos[usize::from(namespace_index)]
+                    .scheduler
+                    .apply(update, now);
+            }
+            ControlMessage::Revoke { handle } => {
+                for connection in self.connections.iter_mut() {
+                    if let Some(bound) = connection.bound.as_mut()
+                        && bound.tenant.handle == handle
+                    {
+                        bound.revoked = true;
+                    }
+                    // The registry forgot the tenant: nothing to disconnect later.
+                    connection
+                        .charged
+                        .retain(|charge| charge.tenant.handle != handle);
+                }
+            }
+            ControlMessage::Notice { body } => {
+                let draining = self.phase != super::Phase::Running;
+                for index in 0..self.connections.len() {
+                    let connection = &mut self.connections[index];
+                    let charged = connection
+                        .charged
+                        .iter()
+                        .any(|charge| charge.tenant.handle == body.handle);
+                    if !connection.is_open()
+                        || draining
+                        || !matches!(connection.frontend, Frontend::Native)
+                        || !charged
+                    {
+                        continue;
+                    }
+                    if connection.notices.len() >= NOTICES_PENDING_MAX {
+                        connection.notices.pop_front();
+                        self.stats.notices_dropped += 1;
+                    }
+                    connection.notices.push_back(body);
+                    self.mark_parse(index as u32);
+                }
+            }
+        }
+    }
+
+    pub(super) fn set_qos_participating(&mut self, participating: bool) {
+        if self.qos_participating == participating {
+            return;
+        }
+        self.qos_participating = participating;
+        for namespace in &mut self.qos {
+            namespace.scheduler.set_participating(participating);
+        }
+    }
+
+    /// Resolves the tenant of an I/O request and checks the connection may do it: a BIND
+    /// limits the connection to its tenant's namespace (and to reads, for a read-only
+    /// tenant). The tenant is the bound one, else the protocol's (NBD export, original port),
+    /// else the namespace's default; the connection is counted for it the first time.
+    pub(super) fn charge(
+        &mut self,
+        connection_index: u32,
+        mut io: IoRequest,
+        now: Nanos,
+    ) -> Result<IoRequest, Status> {
+        let namespace_index = io.namespace_index;
+        let connection = &self.connections[connection_index as usize];
+        let writes = matches!(
+            io.kind,
+            IoKind::Write { .. } | IoKind::Trim { .. } | IoKind::WriteZeroes { .. }
+        );
+        if let Some(bound) = connection.bound
+            && (bound.revoked
+                || bound.namespace_index != namespace_index
+                || (bound.read_only && writes))
+        {
+            return Err(Status::Permission);
+        }
+        let namespace = &self.qos[usize::from(namespace_index)];
+        let tenant = match connection.bound {
+            Some(bound) => bound.tenant,
+            None if !io.tenant.is_none() => io.tenant,
+            None => namespace.default_tenant,
+        };
+        let counted = connection
+            .charged
+            .iter()
+            .any(|charge| charge.tenant.handle == tenant.handle);
+        if !counted {
+            let connected = self.with_control(now, |control, thread, own| {
+                control.connect(thread, tenant.handle, own)
+            });
+            if !connected {
+                return Err(Status::Permission);
+            }
+            self.connections[connection_index as usize]
+                .charged
+                .push(Charge {
+                    namespace_index,
+                    tenant,
+                });
+            self.ensure_account(namespace_index, tenant, now);
+        }
+        if let Some(account) = self.qos[usize::from(namespace_index)]
+            .accounts
+            .get_mut(tenant.id as usize)
+        {
+            account.stats.arrivals += 1;
+            account.meter.arrival(now);
+        }
+        io.tenant = tenant;
+        Ok(io)
+    }
+
+    /// Makes sure this thread accounts for `tenant` (its id may have served another tenant
+    /// before: that one's figures are kept by handle).
+    fn ensure_account(&mut self, namespace_index: u16, tenant: TenantRef, now: Nanos) {
+        let namespace = &mut self.qos[usize::from(namespace_index)];
+        let id = tenant.id as usize;
+        if namespace.accounts.len() <= id {
+            namespace.accounts.resize(id + 1, TenantAccount::default());
+        }
+        let account = &mut namespace.accounts[id];
+        if account.stats.handle == tenant.handle {
+            return;
+        }
+        if account.stats.handle != 0 {
+            let retired = self
+                .retired_accounts
+                .entry(account.stats.handle)
+                .or_insert_with(|| TenantStats {
+                    handle: account.stats.handle,
+                    namespace_id: account.stats.namespace_id,
+                    ..TenantStats::default()
+                });
+            retired.add(&account.stats);
+        }
+        *account = TenantAccount {
+            stats: TenantStats {
+                handle: tenant.handle,
+                namespace_id: namespace.namespace_id,
+                ..TenantStats::default()
+            },
+            meter: DemandMeter::starting(now),
+        };
+    }
+
+    /// A control request of a native connection (REGISTER, UNREGISTER, BIND).
+    pub(super) fn control_request(
+        &mut self,
+        connection_index: u32,
+        request: ControlRequest,
+        now: Nanos,
+    ) -> ControlAnswer {
+        match request {
+            ControlRequest::Register(body) => {
+                let namespace_index = self.namespaces.index_of(body.namespace_id);
+                self.with_control(now, |control, thread, own| {
+                    control.register(thread, namespace_index, &body, own)
+                })
+            }
+            ControlRequest::Unregister { handle } => self
+                .with_control(now, |control, thread, own| {
+                    control.unregister(thread, handle, own)
+                }),
+            ControlRequest::Bind { handle } => {
+                let status = self.bind(connection_index, handle, now);
+                ControlAnswer {
+                    status,
+                    body: ControlBody::None,
+                }
+            }
+        }
+    }
+
+    /// BIND: the connection's I/O is charged to `handle` from now on (0: back to the
+    /// defaults). It stops counting for every other tenant it was charged to.
+    fn bind(&mut self, connection_index: u32, handle: u64, now: Nanos) -> Status {
+        let connection = &mut self.connections[connection_index as usize];
+        if handle == wire::NO_TENANT_HANDLE {
+            if let Some(bound) = connection.bound.take()
+                && let Some(position) = connection
+                    .charged
+                    .iter()
+                    .position(|charge| charge.tenant.handle == bound.tenant.handle)
+            {
+                connection.charged.swap_remove(position);
+                self.with_control(now, |control, thread, own| {
+                    control.disconnect(thread, std::iter::once(bound.tenant.handle), own);
+                });
+            }
+            return Status::Ok;
+        }
+        if let Some(bound) = connection.bound
+            && bound.tenant.handle == handle
+            && !bound.revoked
+        {
+            return Status::Ok;
+        }
+        let Some(binding) = self.with_control(now, |control, thread, own| {
+            control.bind(thread, handle, own)
+        }) else {
+            return Status::Invalid;
+        };
+        let mut charged = self.release_charges(connection_index);
+        charged.push(Charge {
+            namespace_index: binding.namespace_index,
+            tenant: binding.tenant,
+        });
+        let connection = &mut self.connections[connection_index as usize];
+        connection.charged = charged;
+        connection.bound = Some(Bound {
+            tenant: binding.tenant,
+            namespace_index: binding.namespace_index,
+            read_only: binding.read_only,
+            revoked: false,
+        });
+        self.ensure_account(binding.namespace_index, binding.tenant, now);
+        Status::Ok
+    }
+
+    /// Tells the control plane the connection no longer counts for the tenants it was charged
+    /// to, and returns its (now empty) charge list, capacity kept for reuse.
+    pub(super) fn release_charges(&mut self, connection_index: u32) -> Vec<Charge> {
+        let mut charged = std::mem::take(&mut self.connections[connection_index as usize].charged);
+        if !charged.is_empty() {
+            let mut messages = std::mem::take(&mut self.messages);
+            messages.clear();
+            self.control.disconnect(
+                self.thread_index,
+                charged.iter().map(|charge| charge.tenant.handle),
+                &mut messages,
+            );
+            // Messages for this thread from a disconnect are rate updates: applied at the
+            // iteration's time like every other message.
+            let now = self.last_now;
+            for message in messages.drain(..) {
+                self.apply_message(message, now);
+            }
+            self.messages = messages;
+        }
+        charged.clear();
+        charged
+    }
+
+    /// What each tenant did on this thread, by handle.
+    pub fn tenant_stats(&self) -> Vec<TenantStats> {
+        let mut by_handle: BTreeMap<u64, TenantStats> = self.retired_accounts.clone();
+        for namespace in &self.qos {
+            for account in &namespace.accounts {
+                if account.stats.handle == 0 {
+                    continue;
+                }
+                by_handle
+                    .entry(account.stats.handle)
+                    .or_insert_with(|| TenantStats {
+                        handle: account.stats.handle,
+                        namespace_id: account.stats.namespace_id,
+                        ..TenantStats::default()
+                    })
+                    .add(&account.stats);
+            }
+        }
+        by_handle.into_values().collect()
+    }
+}

@@ -1,0 +1,405 @@
+//! Protocol front ends: how a connection's bytes become requests and how results become
+//! response headers, for each wire protocol the dataplane serves (native, original ReFlex,
+//! NBD).
+//!
+//! Why a layer of its own: the dataplane loop moves bytes and buffers; it must not know the
+//! shape of any header. A listening port speaks a [`Protocol`]; each connection accepted on it
+//! gets a [`Frontend`] holding that protocol's per-connection state. [`Frontend::decode`]
+//! looks at the unparsed bytes of the receive buffer and says one of: need more bytes; here is
+//! a request (validated through the `proto` codecs, with the number of payload bytes that
+//! follow it in the stream); bytes consumed without a request (NBD handshake traffic);
+//! finish (answer what is outstanding, read nothing more, then close); or close now (broken
+//! framing). [`Frontend::encode_response`] turns a request's [`Tag`] and [`Answer`] into
+//! header bytes, or says the protocol cannot express that answer (the original protocol has no
+//! status field: the connection is closed instead).
+//!
+//! NBD has a handshake before its requests. The frontend drives `reflex_proto::nbd::Handshake`
+//! with the received bytes; whenever the handshake has output to send, `decode` returns an
+//! [`Action::Output`] request, for which the dataplane takes a buffer run, lets the frontend
+//! copy the output into it ([`Frontend::write_output`]) and sends it like READ data, in order
+//! with everything else on the connection. When the handshake yields a session the frontend
+//! switches to transmission on the spot: bytes the client pipelined after `NBD_OPT_GO` are
+//! decoded as requests in the same pass. Only the handshake allocates (once per connection);
+//! transmission decoding and reply encoding allocate nothing.
+//!
+//! Tenants: an [`IoRequest`] carries the tenant the protocol chose for it (an NBD export's or
+//! an original-protocol port's configured tenant), or [`TenantRef::NONE`]; the dataplane
+//! resolves the rest (a native connection's BIND, the namespace's default tenant). Native
+//! control requests (REGISTER, UNREGISTER, BIND) arrive whole, body included, as
+//! [`Action::Control`]: their bodies are small and are never received into the I/O arena.
+
+use std::sync::Arc;
+
+use reflex_flash::FlashError;
+use reflex_proto::native::{self, Capabilities, RegisterBody, Status};
+use reflex_proto::nbd::{self, Errno, Session};
+use reflex_proto::original;
+
+use crate::control::TenantRef;
+use crate::namespaces::NamespaceSet;
+
+mod native_frontend;
+mod nbd_frontend;
+mod original_frontend;
+#[cfg(test)]
+mod tests;
+
+use nbd_frontend::NbdPhase;
+pub use nbd_frontend::{ExportBinding, NbdExports, NbdFrontend};
+
+/// Room for the largest response header of any protocol.
+pub const RESPONSE_HEADER_SIZE_MAX: usize = 32;
+
+const _: () = assert!(native::RESPONSE_HEADER_SIZE <= RESPONSE_HEADER_SIZE_MAX);
+const _: () = assert!(original::HEADER_SIZE <= RESPONSE_HEADER_SIZE_MAX);
+// The largest NBD reply header: an OFFSET_DATA chunk header and its 8-byte offset.
+const _: () = assert!(nbd::CHUNK_HEADER_SIZE + 8 <= RESPONSE_HEADER_SIZE_MAX);
+const _: () = assert!(nbd::SIMPLE_REPLY_SIZE <= RESPONSE_HEADER_SIZE_MAX);
+
+/// The protocol a listening port speaks. Each connection accepted there gets a [`Frontend`]
+/// made by [`Frontend::new`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    Native,
+    /// The original ReFlex block protocol; the listening port fixed the namespace and the
+    /// tenant (`NONE`: the namespace's).
+    Original {
+        namespace_index: u16,
+        tenant: TenantRef,
+    },
+    Nbd,
+}
+
+/// The protocol of a connection, with its per-connection protocol state.
+#[derive(Debug)]
+pub enum Frontend {
+    Native,
+    Original {
+        namespace_index: u16,
+        tenant: TenantRef,
+    },
+    Nbd(NbdFrontend),
+}
+
+/// What a response must echo, kept in the request slot from decode to send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tag {
+    /// No header: the request's run is sent as is (NBD handshake output).
+    None,
+    Native {
+        opcode_raw: u8,
+        request_id: u64,
+    },
+    Original {
+        response: original::Header,
+    },
+    /// A validated NBD command: success replies need its type, offset and length.
+    Nbd(nbd::ValidatedCommand),
+    /// An NBD request refused before any I/O: only its cookie is echoed.
+    NbdRefused {
+        cookie: u64,
+    },
+}
+
+/// A device operation, validated against its namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoRequest {
+    pub kind: IoKind,
+    pub namespace_index: u16,
+    pub offset_bytes: u64,
+    pub length_bytes: u32,
+    /// Whom the scheduler charges: the NBD export's or original port's configured tenant, or
+    /// `NONE` (native connections; unbound exports and ports), which the dataplane resolves.
+    pub tenant: TenantRef,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoKind {
+    Read,
+    Write {
+        fua: bool,
+    },
+    Flush,
+    /// Discard the range (it reads back as zeroes). `hint`: a device that cannot discard
+    /// succeeds anyway (NBD's TRIM is advisory); without it the device's refusal is the answer
+    /// (native TRIM). `fua`: durable before the answer (a flush follows).
+    Trim {
+        fua: bool,
+        hint: bool,
+    },
+    /// Make the range read as zeroes: discard it, or with `no_hole` (or on a device that
+    /// cannot discard) write zeroes from a zeroed run. `fua` as for `Trim`.
+    WriteZeroes {
+        fua: bool,
+        no_hole: bool,
+    },
+}
+
+impl IoKind {
+    /// Whether the request's data travels in a buffer run (READ and WRITE).
+    pub fn has_data(self) -> bool {
+        matches!(self, IoKind::Read | IoKind::Write { .. })
+    }
+}
+
+/// What a decoded request asks the dataplane to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Io(IoRequest),
+    /// Answer with the server's capabilities (native HELLO); the client's Linux I/O priority
+    /// (`class << 13 | level`, 0: none) picks the connection's device priority class.
+    Hello {
+        io_priority: u16,
+    },
+    /// Answer at once with this (failure) and no body: validation failures, control opcodes
+    /// not implemented yet, NBD requests during shutdown. The request's payload, if any, is
+    /// skipped.
+    Reply(Answer),
+    /// Send the protocol output the frontend holds (NBD handshake replies): the dataplane
+    /// takes a run of [`Frontend::pending_output_bytes`] (at most one maximal run), fills it
+    /// with [`Frontend::write_output`] and sends it.
+    Output,
+    /// A native tenant request, body decoded (`docs/PROTOCOL.md` §1.9).
+    Control(ControlRequest),
+    /// A RENEGOTIATE notice the dataplane queued on the connection (never decoded).
+    Notice,
+}
+
+/// A native control request with its decoded body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlRequest {
+    Register(RegisterBody),
+    Unregister {
+        handle: u64,
+    },
+    /// `handle` 0: back to the connection's default tenant.
+    Bind {
+        handle: u64,
+    },
+}
+
+/// How a request ended, before any protocol shaped it into a status or an errno.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    Ok,
+    /// Refused by native validation with this status.
+    Native(Status),
+    /// Refused by NBD validation (or shutdown) with this error.
+    Nbd(Errno),
+    /// The device failed with this Linux errno.
+    DeviceError {
+        errno: i32,
+    },
+    /// The device does not implement the operation.
+    Unsupported,
+}
+
+impl Answer {
+    /// A device's failure as an answer.
+    pub fn from_device(error: &FlashError) -> Answer {
+        match error {
+            FlashError::Io { errno } => Answer::DeviceError { errno: *errno },
+            FlashError::Unsupported => Answer::Unsupported,
+            FlashError::Open { .. } => Answer::DeviceError { errno: libc::EIO },
+        }
+    }
+
+    pub fn is_ok(self) -> bool {
+        self == Answer::Ok
+    }
+
+    /// The native protocol's status for this answer.
+    pub fn native_status(self) -> Status {
+        match self {
+            Answer::Ok => Status::Ok,
+            Answer::Native(status) => status,
+            // Not produced for native requests; the nearest meaning.
+            Answer::Nbd(_) | Answer::Unsupported => Status::Invalid,
+            Answer::DeviceError { .. } => Status::IoError,
+        }
+    }
+
+    /// The NBD error for a failed answer (`docs/NBD.md`, "Error mapping"). Device errors go
+    /// through [`Errno::from_linux_errno`], except the values the spec asks servers not to
+    /// send in our situation (ENOMEM: reflexd applies back-pressure instead; EOVERFLOW and
+    /// ENOTSUP: reserved for DF and fast zero, which are not offered; ESHUTDOWN: means the
+    /// server, not a device): those become EIO, as does an operation the device lacks.
+    pub fn nbd_errno(self) -> Errno {
+        match self {
+            Answer::Nbd(errno) => errno,
+            // The tenant may not do this (unbound from an unregistered tenant, read-only).
+            Answer::Native(Status::Permission) => Errno::Perm,
+            Answer::Ok | Answer::Native(_) => Errno::Inval,
+            Answer::Unsupported => Errno::Io,
+            Answer::DeviceError { errno } => match Errno::from_linux_errno(errno) {
+                Errno::NoMem | Errno::Overflow | Errno::NotSup | Errno::Shutdown => Errno::Io,
+                other => other,
+            },
+        }
+    }
+}
+
+/// The outcome of looking at the unparsed bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decoded {
+    /// Not a whole header yet: receive more.
+    NeedMore,
+    Request {
+        /// Bytes of the buffer the request's header (and small body) occupied.
+        header_bytes: usize,
+        /// Bytes that follow in the stream and belong to this request: a WRITE's data, or a
+        /// payload to skip.
+        payload_bytes: u64,
+        tag: Tag,
+        action: Action,
+    },
+    /// The protocol consumed this many bytes without making a request (NBD handshake).
+    Consumed(usize),
+    /// The peer ended the session cleanly (NBD `ABORT`, `DISC`, end of stream during the
+    /// handshake): consume these bytes, read nothing more, answer what is outstanding, close.
+    Finish { consumed_bytes: usize },
+    /// Broken framing, or a request the protocol cannot refuse politely: close the connection.
+    Close(String),
+}
+
+impl Frontend {
+    /// The state of a new connection accepted on a `protocol` port. NBD needs the export
+    /// table (the server passes it whenever it listens for NBD).
+    pub fn new(protocol: Protocol, nbd_exports: Option<&Arc<NbdExports>>) -> Frontend {
+        match protocol {
+            Protocol::Native => Frontend::Native,
+            Protocol::Original {
+                namespace_index,
+                tenant,
+            } => Frontend::Original {
+                namespace_index,
+                tenant,
+            },
+            Protocol::Nbd => {
+                let Some(exports) = nbd_exports else {
+                    panic!("an NBD listener without an export table");
+                };
+                Frontend::Nbd(NbdFrontend::new(Arc::clone(exports)))
+            }
+        }
+    }
+
+    /// Looks at the unparsed bytes. `&mut self`: a protocol with per-connection state (NBD's
+    /// handshake) advances it here.
+    pub fn decode(&mut self, input: &[u8], namespaces: &NamespaceSet) -> Decoded {
+        match self {
+            Frontend::Native => native_frontend::decode(input, namespaces),
+            Frontend::Original {
+                namespace_index,
+                tenant,
+            } => original_frontend::decode(input, *namespace_index, *tenant, namespaces),
+            Frontend::Nbd(nbd) => nbd.decode(input),
+        }
+    }
+
+    /// Writes the response header for `tag` with `answer` and `data_bytes` of payload; `None`
+    /// when the protocol cannot carry the answer (the caller closes the connection).
+    pub fn encode_response(
+        &self,
+        tag: &Tag,
+        answer: Answer,
+        data_bytes: u32,
+        out: &mut [u8; RESPONSE_HEADER_SIZE_MAX],
+    ) -> Option<usize> {
+        let mut put = |bytes: &[u8]| {
+            out[..bytes.len()].copy_from_slice(bytes);
+            Some(bytes.len())
+        };
+        match *tag {
+            Tag::None => Some(0),
+            Tag::Native {
+                opcode_raw,
+                request_id,
+            } => {
+                let status = answer.native_status();
+                let header =
+                    native::ResponseHeader::new(opcode_raw, status, request_id, data_bytes);
+                put(&header.to_bytes())
+            }
+            Tag::Original { response } => {
+                if !answer.is_ok() {
+                    return None;
+                }
+                put(&response.to_bytes())
+            }
+            Tag::Nbd(command) => {
+                let session = self.nbd_session()?;
+                if answer.is_ok() {
+                    let reply = session.reply_ok(&command)?;
+                    put(reply.as_bytes())
+                } else {
+                    put(session
+                        .reply_error(command.cookie(), answer.nbd_errno())
+                        .as_bytes())
+                }
+            }
+            Tag::NbdRefused { cookie } => {
+                let session = self.nbd_session()?;
+                put(session.reply_error(cookie, answer.nbd_errno()).as_bytes())
+            }
+        }
+    }
+
+    fn nbd_session(&self) -> Option<&Session> {
+        match self {
+            Frontend::Nbd(NbdFrontend {
+                phase: NbdPhase::Transmission(transmission),
+                ..
+            }) => Some(&transmission.session),
+            _ => None,
+        }
+    }
+
+    /// Bytes of protocol output waiting for an [`Action::Output`] request.
+    pub fn pending_output_bytes(&self) -> usize {
+        match self {
+            Frontend::Nbd(NbdFrontend {
+                phase: NbdPhase::Handshake(handshake),
+                ..
+            }) => handshake.pending_output().len(),
+            _ => 0,
+        }
+    }
+
+    /// Moves pending output into `out`; returns the bytes written.
+    pub fn write_output(&mut self, out: &mut [u8]) -> usize {
+        match self {
+            Frontend::Nbd(NbdFrontend {
+                phase: NbdPhase::Handshake(handshake),
+                ..
+            }) => handshake.poll_transmit(out),
+            _ => 0,
+        }
+    }
+
+    /// The server begins shutting down. Returns whether the connection should keep reading
+    /// while its in-flight requests finish: an NBD session does, so that requests arriving in
+    /// the meantime are answered ESHUTDOWN (the spec's graceful shutdown). Everything else
+    /// stops reading at once (an NBD connection still in its handshake included: it is closed
+    /// once the output already queued is sent).
+    pub fn begin_shutdown(&mut self) -> bool {
+        match self {
+            Frontend::Nbd(nbd) => nbd.begin_shutdown(),
+            Frontend::Native | Frontend::Original { .. } => false,
+        }
+    }
+
+    /// Bytes of body an [`Action::Hello`] needs.
+    pub fn hello_body_size_max(namespaces: &NamespaceSet) -> usize {
+        Capabilities::encoded_size(namespaces.native_table().len())
+    }
+
+    /// Writes the capabilities body into `out`; returns its length.
+    pub fn write_hello_body(namespaces: &NamespaceSet, window: u32, out: &mut [u8]) -> usize {
+        let capabilities = Capabilities::from_limits(&namespaces.limits(), window);
+        match capabilities.encode_into(namespaces.native_table(), out) {
+            Ok(length) => length,
+            Err(e) => panic!("capabilities buffer sized from encoded_size: {e}"),
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! NBD: the handshake (`reflex_proto::nbd::Handshake`), then transmission requests validated
+//! against the session the handshake chose.
+
+use std::sync::Arc;
+
+use reflex_proto::nbd::{self, Errno, ExportTable, Handshake, HandshakeConfig, Session};
+
+use super::{Action, Answer, Decoded, IoKind, IoRequest, Tag};
+use crate::control::TenantRef;
+
+// ---------------------------------------------------------------------------------------------
+// NBD
+
+/// Where an export's I/O goes and whom it is charged to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExportBinding {
+    pub namespace_index: u16,
+    /// The tenant bound to the export in the configuration; `NONE` when none is (or the
+    /// namespace has no QoS): the namespace's default tenant.
+    pub tenant: TenantRef,
+}
+
+/// The NBD exports of a server: the codec's table (what clients see) and, at the same index,
+/// each export's namespace and tenant. Built once at start and shared by every connection.
+#[derive(Debug)]
+pub struct NbdExports {
+    table: Arc<ExportTable>,
+    bindings: Vec<ExportBinding>,
+    handshake: HandshakeConfig,
+}
+
+impl NbdExports {
+    /// `exports[i]` is offered as export `i`; `default_name` is the export for the empty name.
+    pub fn new(
+        exports: Vec<(nbd::Export, ExportBinding)>,
+        default_name: Option<&str>,
+    ) -> Result<NbdExports, nbd::ExportError> {
+        let (exports, bindings): (Vec<_>, Vec<_>) = exports.into_iter().unzip();
+        let table = ExportTable::new(exports, default_name)?;
+        Ok(NbdExports {
+            table: Arc::new(table),
+            bindings,
+            handshake: HandshakeConfig::default(),
+        })
+    }
+
+    pub fn table(&self) -> &ExportTable {
+        &self.table
+    }
+
+    pub fn binding(&self, export_index: usize) -> Option<ExportBinding> {
+        self.bindings.get(export_index).copied()
+    }
+}
+
+/// One NBD connection: handshake, then transmission.
+#[derive(Debug)]
+pub struct NbdFrontend {
+    exports: Arc<NbdExports>,
+    pub(super) phase: NbdPhase,
+}
+
+#[derive(Debug)]
+pub(super) enum NbdPhase {
+    /// Boxed: the handshake's buffers are large and gone once transmission begins.
+    Handshake(Box<Handshake>),
+    Transmission(Transmission),
+    /// `NBD_OPT_ABORT` or end of stream during the handshake: nothing more to decode.
+    Ended,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Transmission {
+    pub(super) session: Session,
+    binding: ExportBinding,
+    /// Requests from now on are answered ESHUTDOWN (except DISC).
+    shutting_down: bool,
+    /// `NBD_CMD_DISC` arrived: nothing after it is decoded.
+    disconnected: bool,
+}
+
+impl NbdFrontend {
+    pub(super) fn new(exports: Arc<NbdExports>) -> NbdFrontend {
+        let handshake = Handshake::new(Arc::clone(&exports.table), exports.handshake);
+        NbdFrontend {
+            exports,
+            phase: NbdPhase::Handshake(Box::new(handshake)),
+        }
+    }
+
+    pub(super) fn decode(&mut self, input: &[u8]) -> Decoded {
+        loop {
+            let handshake = match &mut self.phase {
+                NbdPhase::Handshake(handshake) => handshake,
+                NbdPhase::Transmission(transmission) => return transmission.decode(input),
+                NbdPhase::Ended => return Decoded::NeedMore,
+            };
+            // Output first: replies go out in order, and the last ACK before transmission.
+            if !handshake.pending_output().is_empty() {
+                return Decoded::Request {
+                    header_bytes: 0,
+                    payload_bytes: 0,
+                    tag: Tag::None,
+                    action: Action::Output,
+                };
+            }
+            match handshake.outcome() {
+                Some(nbd::Outcome::Transmission(session)) => {
+                    let Some(binding) = self.exports.binding(session.export_index()) else {
+                        return Decoded::Close("the handshake chose an export out of range".into());
+                    };
+                    self.phase = NbdPhase::Transmission(Transmission {
+                        session,
+                        binding,
+                        shutting_down: false,
+                        disconnected: false,
+                    });
+                    // The bytes after NBD_OPT_GO are requests: decode them now.
+                    continue;
+                }
+                Some(nbd::Outcome::Aborted | nbd::Outcome::Disconnected) => {
+                    self.phase = NbdPhase::Ended;
+                    return Decoded::Finish { consumed_bytes: 0 };
+                }
+                None => {}
+            }
+            if input.is_empty() {
+                return Decoded::NeedMore;
+            }
+            return match handshake.handle_bytes(input) {
+                Err(e) => Decoded::Close(format!("NBD handshake: {e}")),
+                Ok(0) if handshake.pending_output().is_empty() && handshake.outcome().is_none() => {
+                    Decoded::NeedMore
+                }
+                Ok(consumed) => Decoded::Consumed(consumed),
+            };
+        }
+    }
+
+    pub(super) fn begin_shutdown(&mut self) -> bool {
+        match &mut self.phase {
+            NbdPhase::Handshake(handshake) => {
+                handshake.begin_shutdown();
+                false
+            }
+            NbdPhase::Transmission(transmission) => {
+                transmission.shutting_down = true;
+                !transmission.disconnected
+            }
+            NbdPhase::Ended => false,
+        }
+    }
+}
+
+impl Transmission {
+    fn decode(&mut self, input: &[u8]) -> Decoded {
+        if self.disconnected {
+            return Decoded::NeedMore;
+        }
+        let (header, header_bytes) = match nbd::decode_request(input) {
+            Ok(Some(decoded)) => decoded,
+            Ok(None) => return Decoded::NeedMore,
+            Err(e) => return Decoded::Close(e.to_string()),
+        };
+        let payload_bytes = u64::from(header.payload_length_bytes());
+        let refuse = |errno: Errno| Decoded::Request {
+            header_bytes,
+            payload_bytes,
+            tag: Tag::NbdRefused {
+                cookie: header.cookie,
+            },
+            action: Action::Reply(Answer::Nbd(errno)),
+        };
+        let is_disconnect = header.command() == Ok(nbd::CommandType::Disc);
+        if self.shutting_down && !is_disconnect {
+            return refuse(Errno::Shutdown);
+        }
+        let command = match self.session.validate(&header) {
+            Ok(command) => command,
+            Err(errno) => return refuse(errno),
+        };
+        let (kind, offset_bytes, length_bytes) = match command.command() {
+            nbd::Command::Disconnect => {
+                self.disconnected = true;
+                return Decoded::Finish {
+                    consumed_bytes: header_bytes,
+                };
+            }
+            nbd::Command::Read {
+                offset_bytes,
+                length_bytes,
+            } => (IoKind::Read, offset_bytes, length_bytes),
+            nbd::Command::Write {
+                offset_bytes,
+                length_bytes,
+                fua,
+            } => (IoKind::Write { fua }, offset_bytes, length_bytes),
+            nbd::Command::Flush => (IoKind::Flush, 0, 0),
+            nbd::Command::Trim {
+                offset_bytes,
+                length_bytes,
+                fua,
+            } => (IoKind::Trim { fua, hint: true }, offset_bytes, length_bytes),
+            nbd::Command::WriteZeroes {
+                offset_bytes,
+                length_bytes,
+                fua,
+                no_hole,
+            } => (
+                IoKind::WriteZeroes { fua, no_hole },
+                offset_bytes,
+                length_bytes,
+            ),
+        };
+        Decoded::Request {
+            header_bytes,
+            payload_bytes,
+            tag: Tag::Nbd(command),
+            action: Action::Io(IoRequest {
+                kind,
+                namespace_index: self.binding.namespace_index,
+                offset_bytes,
+                length_bytes,
+                tenant: self.binding.tenant,
+            }),
+        }
+    }
+}

@@ -1,0 +1,392 @@
+//! Front-end decoding and encoding, one `check` per protocol.
+
+use std::sync::Arc;
+
+use reflex_proto::native::{self, Status};
+use reflex_proto::nbd::{self, Errno};
+use reflex_proto::original;
+
+use super::*;
+
+fn namespaces() -> NamespaceSet {
+    let device: Arc<dyn reflex_flash::Device> =
+        Arc::new(reflex_flash::null::NullDevice::new(1 << 20));
+    NamespaceSet::new(vec![(7, device, false)])
+}
+
+fn check(mut frontend: Frontend, input: &[u8], expected: Decoded) {
+    assert_eq!(frontend.decode(input, &namespaces()), expected);
+}
+
+fn io(kind: IoKind, offset_bytes: u64, length_bytes: u32) -> Action {
+    Action::Io(IoRequest {
+        kind,
+        namespace_index: 0,
+        offset_bytes,
+        length_bytes,
+        tenant: TenantRef::NONE,
+    })
+}
+
+#[test]
+fn native_requests() {
+    let read = native::RequestHeader::read(5, 7, 4096, 4096).to_bytes();
+    check(Frontend::Native, &read[..10], Decoded::NeedMore);
+    check(
+        Frontend::Native,
+        &read,
+        Decoded::Request {
+            header_bytes: 32,
+            payload_bytes: 0,
+            tag: Tag::Native {
+                opcode_raw: 2,
+                request_id: 5,
+            },
+            action: io(IoKind::Read, 4096, 4096),
+        },
+    );
+    let write = native::RequestHeader::write(6, 7, 1 << 20, 512, false).to_bytes();
+    check(
+        Frontend::Native,
+        &write,
+        Decoded::Request {
+            header_bytes: 32,
+            payload_bytes: 512,
+            tag: Tag::Native {
+                opcode_raw: 3,
+                request_id: 6,
+            },
+            action: Action::Reply(Answer::Native(Status::OutOfRange)),
+        },
+    );
+    let mut bad = read;
+    bad[0] = b'X';
+    assert!(matches!(
+        Frontend::Native.decode(&bad, &namespaces()),
+        Decoded::Close(_)
+    ));
+    let hello = native::RequestHeader::hello(9).to_bytes();
+    check(Frontend::Native, &hello, Decoded::NeedMore);
+    let mut with_body = hello.to_vec();
+    with_body.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    check(
+        Frontend::Native,
+        &with_body,
+        Decoded::Request {
+            header_bytes: 48,
+            payload_bytes: 0,
+            tag: Tag::Native {
+                opcode_raw: 1,
+                request_id: 9,
+            },
+            action: Action::Hello { io_priority: 0 },
+        },
+    );
+    // The client's ionice (best effort, level 7) travels with the HELLO.
+    with_body[34] = 0x07;
+    with_body[35] = 0x40;
+    check(
+        Frontend::Native,
+        &with_body,
+        Decoded::Request {
+            header_bytes: 48,
+            payload_bytes: 0,
+            tag: Tag::Native {
+                opcode_raw: 1,
+                request_id: 9,
+            },
+            action: Action::Hello {
+                io_priority: (2 << 13) | 7,
+            },
+        },
+    );
+}
+
+#[test]
+fn original_requests() {
+    let mut frontend = Frontend::Original {
+        namespace_index: 0,
+        tenant: TenantRef::NONE,
+    };
+    let header = original::Header {
+        opcode: original::Opcode::Write,
+        handle: [1; 8],
+        lba: 8,
+        lba_count: 8,
+    };
+    let decoded = frontend.decode(&header.to_bytes(), &namespaces());
+    assert!(matches!(
+        decoded,
+        Decoded::Request {
+            payload_bytes: 4096,
+            ..
+        }
+    ));
+    let beyond = original::Header {
+        lba: 1 << 20,
+        ..header
+    };
+    assert!(matches!(
+        frontend.decode(&beyond.to_bytes(), &namespaces()),
+        Decoded::Close(_)
+    ));
+    let tag = Tag::Original { response: header };
+    let mut out = [0u8; RESPONSE_HEADER_SIZE_MAX];
+    let failure = Answer::DeviceError { errno: libc::EIO };
+    assert_eq!(frontend.encode_response(&tag, failure, 0, &mut out), None);
+    assert_eq!(
+        frontend.encode_response(&tag, Answer::Ok, 0, &mut out),
+        Some(24)
+    );
+}
+
+// ----- NBD -----------------------------------------------------------------------------
+
+const TENANT: TenantRef = TenantRef { handle: 7, id: 3 };
+
+fn nbd_frontend() -> Frontend {
+    let exports = NbdExports::new(
+        vec![
+            (
+                nbd::Export::new("ns7", 1 << 20),
+                ExportBinding {
+                    namespace_index: 0,
+                    tenant: TENANT,
+                },
+            ),
+            (
+                nbd::Export::new("ro", 1 << 20).read_only(),
+                ExportBinding {
+                    namespace_index: 0,
+                    tenant: TenantRef::NONE,
+                },
+            ),
+        ],
+        Some("ns7"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    Frontend::new(Protocol::Nbd, Some(&Arc::new(exports)))
+}
+
+fn option(code: u32, data: &[u8]) -> Vec<u8> {
+    let mut bytes = nbd::IHAVEOPT.to_be_bytes().to_vec();
+    bytes.extend_from_slice(&code.to_be_bytes());
+    bytes.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    bytes.extend_from_slice(data);
+    bytes
+}
+
+fn go(name: &str) -> Vec<u8> {
+    let mut data = (name.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(name.as_bytes());
+    data.extend_from_slice(&0u16.to_be_bytes());
+    option(nbd::option::GO, &data)
+}
+
+fn request(command: nbd::CommandType, flags: u16, cookie: u64, offset: u64, len: u32) -> Vec<u8> {
+    nbd::RequestHeader {
+        flags,
+        command_raw: command.as_u16(),
+        cookie,
+        offset_bytes: offset,
+        length_bytes: len,
+    }
+    .to_bytes()
+    .to_vec()
+}
+
+/// Decodes `input` to the end, collecting output and returning the first request found.
+fn drive(frontend: &mut Frontend, mut input: &[u8], output: &mut Vec<u8>) -> Decoded {
+    let namespaces = namespaces();
+    loop {
+        match frontend.decode(input, &namespaces) {
+            Decoded::Consumed(count) => input = &input[count..],
+            Decoded::Request {
+                action: Action::Output,
+                header_bytes: 0,
+                ..
+            } => {
+                let mut run = vec![0u8; frontend.pending_output_bytes()];
+                assert!(!run.is_empty());
+                let written = frontend.write_output(&mut run);
+                assert_eq!(written, run.len());
+                output.extend_from_slice(&run);
+            }
+            other => return other,
+        }
+    }
+}
+
+fn client_start(name: &str, structured: bool) -> Vec<u8> {
+    let mut input = nbd::client_flags::FIXED_NEWSTYLE.to_be_bytes().to_vec();
+    if structured {
+        input.extend_from_slice(&option(nbd::option::STRUCTURED_REPLY, &[]));
+    }
+    input.extend_from_slice(&go(name));
+    input
+}
+
+#[test]
+fn nbd_handshake_then_pipelined_requests() {
+    let mut frontend = nbd_frontend();
+    let mut output = Vec::new();
+    // Nothing received yet: the greeting goes out first.
+    assert_eq!(drive(&mut frontend, &[], &mut output), Decoded::NeedMore);
+    assert_eq!(output.len(), nbd::GREETING_SIZE);
+    assert_eq!(output[..8], nbd::NBD_MAGIC.to_be_bytes());
+    let mut input = client_start("", false);
+    let read = request(nbd::CommandType::Read, 0, 42, 4096, 8192);
+    input.extend_from_slice(&read);
+    let before = output.len();
+    let decoded = drive(&mut frontend, &input, &mut output);
+    // INFO_EXPORT, INFO_BLOCK_SIZE, ACK: three option replies.
+    assert!(output.len() > before + 3 * nbd::OPTION_REPLY_HEADER_SIZE);
+    let Decoded::Request {
+        header_bytes,
+        payload_bytes,
+        tag,
+        action,
+    } = decoded
+    else {
+        panic!("expected the pipelined READ, got {decoded:?}");
+    };
+    assert_eq!((header_bytes, payload_bytes), (nbd::REQUEST_HEADER_SIZE, 0));
+    assert_eq!(
+        action,
+        Action::Io(IoRequest {
+            kind: IoKind::Read,
+            namespace_index: 0,
+            offset_bytes: 4096,
+            length_bytes: 8192,
+            tenant: TENANT,
+        })
+    );
+    let mut out = [0u8; RESPONSE_HEADER_SIZE_MAX];
+    let length = frontend.encode_response(&tag, Answer::Ok, 8192, &mut out);
+    assert_eq!(length, Some(nbd::SIMPLE_REPLY_SIZE));
+    assert_eq!(out[..4], nbd::SIMPLE_REPLY_MAGIC.to_be_bytes());
+    assert_eq!(out[8..16], 42u64.to_be_bytes());
+    // A device error becomes an NBD errno in a simple reply.
+    let failure = Answer::DeviceError {
+        errno: libc::ENOSPC,
+    };
+    assert_eq!(
+        frontend.encode_response(&tag, failure, 0, &mut out),
+        Some(16)
+    );
+    assert_eq!(out[4..8], (Errno::NoSpc as u32).to_be_bytes());
+}
+
+#[test]
+fn nbd_structured_reads_and_refusals() {
+    let mut frontend = nbd_frontend();
+    let mut output = Vec::new();
+    let mut input = client_start("ro", true);
+    let trim = request(nbd::CommandType::Trim, 0, 7, 0, 4096);
+    input.extend_from_slice(&trim);
+    let Decoded::Request {
+        header_bytes,
+        tag,
+        action,
+        ..
+    } = drive(&mut frontend, &input, &mut output)
+    else {
+        panic!("expected a request");
+    };
+    assert_eq!(header_bytes, nbd::REQUEST_HEADER_SIZE);
+    assert_eq!(tag, Tag::NbdRefused { cookie: 7 });
+    assert_eq!(action, Action::Reply(Answer::Nbd(Errno::Perm)));
+    let mut out = [0u8; RESPONSE_HEADER_SIZE_MAX];
+    let length = frontend.encode_response(&tag, Answer::Nbd(Errno::Perm), 0, &mut out);
+    assert_eq!(length, Some(nbd::CHUNK_HEADER_SIZE + 6));
+    assert_eq!(out[..4], nbd::STRUCTURED_REPLY_MAGIC.to_be_bytes());
+
+    let read = request(nbd::CommandType::Read, 0, 8, 512, 512);
+    let Decoded::Request { tag, .. } = drive(&mut frontend, &read, &mut output) else {
+        panic!("expected a request");
+    };
+    let length = frontend.encode_response(&tag, Answer::Ok, 512, &mut out);
+    assert_eq!(length, Some(nbd::CHUNK_HEADER_SIZE + 8));
+    assert_eq!(out[6..8], nbd::chunk::TYPE_OFFSET_DATA.to_be_bytes());
+    assert_eq!(out[20..28], 512u64.to_be_bytes());
+
+    // A WRITE refused (read-only) still declares its payload so the stream stays in step.
+    let write = request(nbd::CommandType::Write, 0, 9, 0, 1024);
+    let Decoded::Request { payload_bytes, .. } = drive(&mut frontend, &write, &mut output) else {
+        panic!("expected a request");
+    };
+    assert_eq!(payload_bytes, 1024);
+
+    // Shutdown: ESHUTDOWN for new requests, DISC still ends the session.
+    assert!(frontend.begin_shutdown());
+    let Decoded::Request { action, .. } = drive(&mut frontend, &read, &mut output) else {
+        panic!("expected a request");
+    };
+    assert_eq!(action, Action::Reply(Answer::Nbd(Errno::Shutdown)));
+    let disc = request(nbd::CommandType::Disc, 0, 10, 0, 0);
+    assert_eq!(
+        drive(&mut frontend, &disc, &mut output),
+        Decoded::Finish {
+            consumed_bytes: nbd::REQUEST_HEADER_SIZE
+        }
+    );
+    assert_eq!(drive(&mut frontend, &read, &mut output), Decoded::NeedMore);
+}
+
+#[test]
+fn nbd_abort_and_broken_handshakes() {
+    let mut frontend = nbd_frontend();
+    let mut output = Vec::new();
+    let mut input = nbd::client_flags::FIXED_NEWSTYLE.to_be_bytes().to_vec();
+    input.extend_from_slice(&option(nbd::option::ABORT, &[]));
+    assert_eq!(
+        drive(&mut frontend, &input, &mut output),
+        Decoded::Finish { consumed_bytes: 0 }
+    );
+    // Greeting, then the ACK to ABORT.
+    assert_eq!(
+        output.len(),
+        nbd::GREETING_SIZE + nbd::OPTION_REPLY_HEADER_SIZE
+    );
+    assert!(!frontend.begin_shutdown());
+
+    let mut frontend = nbd_frontend();
+    let unknown_flags = 0x80u32.to_be_bytes();
+    assert!(matches!(
+        drive(&mut frontend, &unknown_flags, &mut output),
+        Decoded::Close(_)
+    ));
+    let mut frontend = nbd_frontend();
+    let mut input = client_start("ns7", false);
+    input.extend_from_slice(b"not an NBD request, long enough to decode");
+    assert!(matches!(
+        drive(&mut frontend, &input, &mut output),
+        Decoded::Close(_)
+    ));
+}
+
+#[test]
+fn nbd_error_mapping() {
+    let errno = |linux| Answer::DeviceError { errno: linux }.nbd_errno();
+    assert_eq!(errno(libc::EIO), Errno::Io);
+    assert_eq!(errno(libc::ENOSPC), Errno::NoSpc);
+    assert_eq!(errno(libc::EDQUOT), Errno::NoSpc);
+    assert_eq!(errno(libc::EROFS), Errno::Perm);
+    assert_eq!(errno(libc::EINVAL), Errno::Inval);
+    // Values the spec asks servers not to send here.
+    for linux in [
+        libc::ENOMEM,
+        libc::EOVERFLOW,
+        libc::EOPNOTSUPP,
+        libc::ESHUTDOWN,
+    ] {
+        assert_eq!(errno(linux), Errno::Io, "errno {linux}");
+    }
+    assert_eq!(Answer::Unsupported.nbd_errno(), Errno::Io);
+    assert_eq!(Answer::Nbd(Errno::Perm).nbd_errno(), Errno::Perm);
+    assert_eq!(Answer::Unsupported.native_status(), Status::Invalid);
+    assert_eq!(
+        Answer::DeviceError { errno: libc::EIO }.native_status(),
+        Status::IoError
+    );
+}

@@ -1,0 +1,36 @@
+//! The ReFlex dataplane as a sans-IO state machine: one [`Dataplane`] per thread holds the
+//! connections, requests, buffer arena, protocol front ends and per-namespace QoS schedulers,
+//! and is driven by a driver that moves bytes: io_uring or epoll in `reflexd`
+//! (`reflex-server`), a virtual network and the emulated device in the simulator
+//! (`reflex-sim`). Both run this same code, so what the simulator shows is what the server
+//! does.
+//!
+//! Module map: `core` (the state machine: [`Dataplane`] and its typed [`Op`]s), `frontend`
+//! (native, original ReFlex and NBD protocol glue over `reflex_proto`), `steps` (requests that
+//! take several device operations), `control` (tenants, admission and the messages to the
+//! threads' schedulers), `buffers` (page allocation in the arena), `memory` (the arena itself:
+//! the only module with `unsafe`), `namespaces`.
+//!
+//! Architecture invariants: no socket, no clock, no thread and no io_uring here (time is a
+//! parameter; the crate does not link the ring code); bad input from the network gets an
+//! error status or closes only its own connection, never panics; every limit is a named
+//! constant or a field of [`Limits`].
+
+#![deny(unsafe_code)]
+
+pub mod buffers;
+pub mod control;
+mod core;
+pub mod frontend;
+#[allow(unsafe_code)]
+mod memory;
+pub mod namespaces;
+pub mod steps;
+
+pub use crate::core::{
+    AcceptRefused, BATCH_MAX, CONNECTION_SLACK, ConnectionId, CoreStats,
+    DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Dataplane, DataplaneSetup,
+    DeviceCommand, DeviceOpId, DeviceOpKind, GENERATION_MASK, HOUSEKEEPING_INTERVAL, Limits,
+    NOTICES_PENDING_MAX, Op, REQUEST_STATE_COUNT, RequestState, SEND_SEGMENTS_MAX, SetupError,
+    TenantStats, policy_for,
+};

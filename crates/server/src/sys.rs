@@ -1,0 +1,158 @@
+//! The raw system calls reflexd needs outside io_uring: listeners with `SO_REUSEPORT`,
+//! adopting accepted descriptors, eventfds, timer slack, and socket addresses.
+
+use std::fs::File;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// An all-zero `msghdr` (its layout has private padding on some targets).
+pub fn empty_msghdr() -> libc::msghdr {
+    // SAFETY: msghdr is a plain C struct for which all-zero bytes is a valid value (null
+    // pointers, zero lengths).
+    unsafe { std::mem::zeroed() }
+}
+
+/// A listening TCP socket with `SO_REUSEPORT`, so every dataplane thread has its own
+/// listener on the same port and the kernel spreads connections between them.
+pub fn bind_reuseport_listener(addr: SocketAddr, backlog: i32) -> io::Result<TcpListener> {
+    let domain = match addr {
+        SocketAddr::V4(_) => libc::AF_INET,
+        SocketAddr::V6(_) => libc::AF_INET6,
+    };
+    // SAFETY: plain socket(2); the result is checked before use.
+    let raw = unsafe { libc::socket(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: raw is a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let one: libc::c_int = 1;
+    for option in [libc::SO_REUSEADDR, libc::SO_REUSEPORT] {
+        // SAFETY: the option value points to a live c_int of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                option,
+                (&one as *const libc::c_int).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    let (storage, len) = socket_address(addr);
+    // SAFETY: storage holds a valid sockaddr of `len` bytes for the socket's family.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&storage as *const libc::sockaddr_storage).cast(),
+            len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: listen(2) on a bound socket we own.
+    let rc = unsafe { libc::listen(fd.as_raw_fd(), backlog) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(TcpListener::from(fd))
+}
+
+fn socket_address(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: sockaddr_storage is plain old data; all-zero is valid.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    match addr {
+        SocketAddr::V4(v4) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: v4.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(v4.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and suitably aligned for sockaddr_in.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
+            (storage, size_of::<libc::sockaddr_in>() as libc::socklen_t)
+        }
+        SocketAddr::V6(v6) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: v6.port().to_be(),
+                sin6_flowinfo: v6.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: v6.ip().octets(),
+                },
+                sin6_scope_id: v6.scope_id(),
+            };
+            // SAFETY: sockaddr_storage is larger than and suitably aligned for sockaddr_in6.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
+            (storage, size_of::<libc::sockaddr_in6>() as libc::socklen_t)
+        }
+    }
+}
+
+/// Takes ownership of a descriptor returned by an `Accept` completion.
+pub fn adopt_accepted(raw_fd: i32) -> TcpStream {
+    assert!(raw_fd >= 0);
+    // SAFETY: a non-negative Accept result is a new descriptor owned by nobody else.
+    TcpStream::from(unsafe { OwnedFd::from_raw_fd(raw_fd) })
+}
+
+/// An eventfd used to wake a sleeping dataplane thread (shutdown, control messages).
+pub fn eventfd() -> io::Result<File> {
+    // SAFETY: plain eventfd(2); the result is checked before use.
+    let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: raw is a fresh descriptor that nothing else owns.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(raw) }))
+}
+
+/// Sets the calling thread's timer slack: how late the kernel may end a timed sleep to batch
+/// wake-ups (50 µs by default). The dataplane sleeps until device and token deadlines that
+/// are tens of microseconds apart, so it asks for 1 ns.
+pub fn set_timer_slack_ns(slack_ns: u64) -> io::Result<()> {
+    // SAFETY: PR_SET_TIMERSLACK takes one integer argument and passes no memory.
+    let result =
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, slack_ns as libc::c_ulong, 0, 0, 0) };
+    if result != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The IP address in a `sockaddr_storage` an accept filled in (`None` for another family).
+pub fn peer_ip(storage: &libc::sockaddr_storage) -> Option<IpAddr> {
+    match i32::from(storage.ss_family) {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in, which it is large and
+            // aligned enough for.
+            let sin =
+                unsafe { &*(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+            Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                sin.sin_addr.s_addr,
+            ))))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: as above, for sockaddr_in6.
+            let sin6 = unsafe {
+                &*(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>()
+            };
+            Some(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)))
+        }
+        _ => None,
+    }
+}
+
+/// An all-zero `sockaddr_storage` (for an accept to fill in).
+pub fn empty_sockaddr() -> libc::sockaddr_storage {
+    // SAFETY: sockaddr_storage is plain old data; all-zero is valid.
+    unsafe { std::mem::zeroed() }
+}

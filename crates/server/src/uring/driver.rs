@@ -1,0 +1,582 @@
+//! The io_uring driver of one dataplane thread: it owns the ring, the sockets, the devices'
+//! queues and every raw pointer handed to the kernel, and runs the loop that moves bytes
+//! between them and the sans-IO [`Dataplane`].
+//!
+//! A loop iteration: reap up to [`BATCH_MAX`] completions and report each to the dataplane;
+//! poll the devices that complete on their own (the emulated device); `process`; issue every
+//! operation the dataplane asks for (a device that finishes synchronously is reported at once,
+//! and `process` runs again so its answer goes out in this iteration); one `io_uring_enter`,
+//! which in blocking mode sleeps until a completion, the earliest deadline or a wake-up.
+//!
+//! Memory: receives land in [`Dataplane::receive_space`], sends gather
+//! [`Dataplane::send_segments`] through a per-connection `msghdr` the driver keeps until the
+//! send completes, device I/O uses [`Dataplane::device_op`]'s buffers. The dataplane keeps
+//! each of those regions unchanged until the operation is reported back; the driver keeps its
+//! own (`msghdr`s, accept addresses, the wake-up word) until the completion is reaped, and
+//! never drops the dataplane with an operation in flight (it leaks the arena instead).
+
+use std::fs::File;
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use io_uring::{opcode, squeue, types};
+use reflex_dataplane::namespaces::NamespaceSet;
+use reflex_dataplane::{
+    BATCH_MAX, ConnectionId, CoreStats, Dataplane, DeviceCommand, DeviceOpId, GENERATION_MASK, Op,
+    SEND_SEGMENTS_MAX,
+};
+use reflex_flash::{Completion, DeviceQueue, Submit};
+use reflex_qos::Nanos;
+
+use super::ring::{Cqe, Ring};
+use crate::sys;
+
+pub const RING_SQ_ENTRIES: u32 = 1024;
+/// Completions the ring holds: at most one receive and one send per connection, one accept
+/// per listener, the device operations in flight, cancellations and the wake-up read.
+pub const RING_CQ_ENTRIES_MIN: u32 = 8192;
+
+/// Passes of `process` and issuing per iteration while synchronous devices keep finishing.
+const PASSES_PER_ITERATION_MAX: usize = 4;
+
+/// `user_data`: kind (4 bits) | generation (28 bits) | index (32 bits). Kinds from
+/// [`Kind::Wake`] up are the driver's own operations.
+mod token {
+    use reflex_dataplane::GENERATION_MASK;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[repr(u8)]
+    pub enum Kind {
+        Accept = 1,
+        Recv = 2,
+        Send = 3,
+        Device = 4,
+        Flush = 5,
+        Wake = 0xC,
+        Cancel = 0xD,
+    }
+
+    pub fn encode(kind: Kind, generation: u32, index: u32) -> u64 {
+        ((kind as u64) << 60) | (u64::from(generation & GENERATION_MASK) << 32) | u64::from(index)
+    }
+
+    pub fn decode(user_data: u64) -> Option<(Kind, u32, u32)> {
+        let kind = match user_data >> 60 {
+            1 => Kind::Accept,
+            2 => Kind::Recv,
+            3 => Kind::Send,
+            4 => Kind::Device,
+            5 => Kind::Flush,
+            0xC => Kind::Wake,
+            0xD => Kind::Cancel,
+            _ => return None,
+        };
+        Some((
+            kind,
+            ((user_data >> 32) as u32) & GENERATION_MASK,
+            user_data as u32,
+        ))
+    }
+}
+use token::Kind;
+
+/// The kernel's view of one `sendmsg`: boxed, owned by the driver from push to completion.
+struct SendStaging {
+    msghdr: libc::msghdr,
+    iovecs: [libc::iovec; SEND_SEGMENTS_MAX],
+}
+
+/// One listening socket and the address buffer its accept in flight fills.
+struct ListenerSlot {
+    socket: Option<TcpListener>,
+    accept_in_flight: bool,
+    /// The dataplane closed it: drop the socket when the accept in flight comes back.
+    closing: bool,
+    address: Box<(libc::sockaddr_storage, libc::socklen_t)>,
+}
+
+/// What the driver of one thread needs besides the dataplane.
+pub struct DriverSetup {
+    pub listeners: Vec<TcpListener>,
+    /// The namespaces whose devices the thread opens its queues on.
+    pub namespaces: Arc<NamespaceSet>,
+    pub poll: bool,
+    pub register_buffers: bool,
+    pub shutdown: Arc<AtomicBool>,
+    pub waker: Arc<File>,
+    pub clock_origin: Instant,
+    pub cq_entries: u32,
+}
+
+pub struct UringDriver {
+    // Field order: the ring is dropped before the memory it may point into.
+    ring: Ring,
+    dataplane: Dataplane,
+    listeners: Vec<ListenerSlot>,
+    /// By connection index.
+    sockets: Vec<Option<TcpStream>>,
+    /// By connection index: the staging of the send in flight.
+    staging: Vec<Option<Box<SendStaging>>>,
+    /// Boxed: a staging's address is the kernel's from push to completion, so it must not move
+    /// when the pool grows.
+    #[allow(clippy::vec_box)]
+    spare_staging: Vec<Box<SendStaging>>,
+    queues: Vec<Box<dyn DeviceQueue>>,
+    registered: bool,
+    poll: bool,
+    shutdown: Arc<AtomicBool>,
+    shutdown_begun: bool,
+    waker: Arc<File>,
+    wake_word: Box<u64>,
+    wake_in_flight: bool,
+    wake_cancelled: bool,
+    clock_origin: Instant,
+    /// Operations pushed whose completion has not been reaped.
+    in_flight: u64,
+    cqes: Box<[Cqe; BATCH_MAX]>,
+    polled: Vec<Completion>,
+    /// Synchronous device results reported while issuing (then `process` runs again).
+    finished_synchronously: bool,
+}
+
+impl UringDriver {
+    pub fn new(dataplane: Dataplane, setup: DriverSetup) -> std::io::Result<UringDriver> {
+        let mut ring = Ring::new(RING_SQ_ENTRIES, setup.cq_entries)?;
+        let (base, size_bytes) = dataplane.arena_region();
+        let registered = setup.register_buffers
+            // SAFETY: the arena lives in the dataplane, which the driver owns and drops after
+            // the ring (field order), and it is never moved (a heap allocation).
+            && match unsafe { ring.register_region(base, size_bytes) } {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(thread = dataplane.thread_index(), error = %e,
+                        "cannot register the buffer arena; using unregistered buffers");
+                    false
+                }
+            };
+        let listeners = setup
+            .listeners
+            .into_iter()
+            .map(|socket| ListenerSlot {
+                socket: Some(socket),
+                accept_in_flight: false,
+                closing: false,
+                address: Box::new((sys::empty_sockaddr(), 0)),
+            })
+            .collect();
+        Ok(UringDriver {
+            ring,
+            dataplane,
+            listeners,
+            sockets: Vec::new(),
+            staging: Vec::new(),
+            spare_staging: Vec::new(),
+            queues: (0..setup.namespaces.len())
+                .map(|index| setup.namespaces.device(index as u16).queue())
+                .collect(),
+            registered,
+            poll: setup.poll,
+            shutdown: setup.shutdown,
+            shutdown_begun: false,
+            waker: setup.waker,
+            wake_word: Box::new(0),
+            wake_in_flight: false,
+            wake_cancelled: false,
+            clock_origin: setup.clock_origin,
+            in_flight: 0,
+            cqes: Box::new([Cqe::default(); BATCH_MAX]),
+            polled: Vec::new(),
+            finished_synchronously: false,
+        })
+    }
+
+    pub fn registered_buffers(&self) -> bool {
+        self.registered
+    }
+
+    fn now(&self) -> Nanos {
+        Nanos(self.clock_origin.elapsed().as_nanos() as u64)
+    }
+
+    /// Runs until shutdown has drained every connection and flushed every device.
+    pub fn run(mut self) -> std::io::Result<CoreStats> {
+        let result = self.run_loop();
+        if self.in_flight > 0 || self.dataplane.abandoned_device_operations() > 0 {
+            // Only after an enter error or a device that never answered: never free memory
+            // the kernel may still use.
+            self.dataplane.leak_arena_on_drop();
+            for staging in self.staging.iter_mut() {
+                std::mem::forget(staging.take());
+            }
+            std::mem::forget(std::mem::take(&mut self.wake_word));
+        }
+        self.dataplane.log_ledgers();
+        self.dataplane
+            .set_driver_stats(self.registered, self.ring.full_flush_count());
+        result.map(|()| self.dataplane.stats())
+    }
+
+    fn run_loop(&mut self) -> std::io::Result<()> {
+        // Timed sleeps end at device completions and token deadlines; the default 50 µs of
+        // slack would add up to that much to a request's latency.
+        if let Err(e) = sys::set_timer_slack_ns(1) {
+            tracing::debug!(error = %e, "timer slack unchanged");
+        }
+        self.arm_wake();
+        loop {
+            let now = self.now();
+            let reaped = self.ring.reap(&mut self.cqes[..]);
+            for slot in 0..reaped {
+                let cqe = self.cqes[slot];
+                self.handle_cqe(cqe, now);
+            }
+            self.poll_devices(now);
+            self.dataplane.count_iteration(reaped as u64);
+            if !self.shutdown_begun && self.shutdown.load(Ordering::Relaxed) {
+                self.shutdown_begun = true;
+                self.dataplane.begin_shutdown();
+            }
+            for _ in 0..PASSES_PER_ITERATION_MAX {
+                self.finished_synchronously = false;
+                self.dataplane.process(now);
+                self.issue_ops(now);
+                if !self.finished_synchronously {
+                    break;
+                }
+            }
+            if self.dataplane.is_finished() {
+                if self.wake_in_flight && !self.wake_cancelled {
+                    self.wake_cancelled = true;
+                    self.push_cancel(token::encode(Kind::Wake, 0, 0));
+                }
+                if self.in_flight == 0 {
+                    return Ok(());
+                }
+            }
+            let device_due = self.device_deadline().is_some_and(|due| due <= now);
+            let busy = self.dataplane.has_pending_work()
+                || self.finished_synchronously
+                || device_due
+                || self.ring.more_in_cq();
+            let wait = !self.poll && !busy;
+            let timeout = if wait { self.sleep_bound(now) } else { None };
+            if wait {
+                self.dataplane.will_sleep();
+            }
+            self.ring.enter(wait, timeout)?;
+        }
+    }
+
+    fn device_deadline(&self) -> Option<Nanos> {
+        self.queues
+            .iter()
+            .filter_map(|queue| queue.next_deadline())
+            .min()
+    }
+
+    /// The longest the thread may sleep: until the earliest dataplane or device deadline.
+    fn sleep_bound(&self, now: Nanos) -> Option<Duration> {
+        let deadline = match (self.dataplane.next_deadline(), self.device_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        deadline.map(|due| Duration::from_nanos(due.saturating_since(now).0.max(1_000)))
+    }
+
+    fn handle_cqe(&mut self, cqe: Cqe, now: Nanos) {
+        assert!(self.in_flight > 0, "completion with nothing in flight");
+        self.in_flight -= 1;
+        let Some((kind, generation, index)) = token::decode(cqe.user_data) else {
+            panic!("completion with unknown user_data {:#x}", cqe.user_data);
+        };
+        let result = if cqe.result < 0 {
+            Err(-cqe.result)
+        } else {
+            Ok(cqe.result as usize)
+        };
+        match kind {
+            Kind::Accept => self.on_accept(index, cqe.result, now),
+            Kind::Recv => {
+                let id = ConnectionId { index, generation };
+                self.dataplane.handle_recv(id, result, now);
+            }
+            Kind::Send => {
+                let id = ConnectionId { index, generation };
+                if let Some(staging) = self.staging[index as usize].take() {
+                    self.spare_staging.push(staging);
+                }
+                self.dataplane.handle_sent(id, result, now);
+            }
+            Kind::Device | Kind::Flush => {
+                let id = device_op_id(kind, generation, index);
+                let namespace_index = self.device_namespace(id);
+                let result = self.queues[namespace_index].complete_ring(cqe.user_data, cqe.result);
+                self.dataplane.handle_device(id, result, now);
+            }
+            Kind::Wake => {
+                self.wake_in_flight = false;
+                if !self.dataplane.is_finished() {
+                    self.arm_wake();
+                }
+            }
+            Kind::Cancel => {}
+        }
+    }
+
+    /// The namespace a device operation belongs to (the ring result goes to its queue).
+    fn device_namespace(&self, id: DeviceOpId) -> usize {
+        match id {
+            DeviceOpId::ShutdownFlush { namespace_index } => usize::from(namespace_index),
+            DeviceOpId::Request { .. } => match self.dataplane.device_namespace(id) {
+                Some(namespace_index) => usize::from(namespace_index),
+                None => panic!("device completion for a request without I/O: {id:?}"),
+            },
+        }
+    }
+
+    fn on_accept(&mut self, listener_index: u32, result: i32, now: Nanos) {
+        let slot = &mut self.listeners[listener_index as usize];
+        assert!(slot.accept_in_flight);
+        slot.accept_in_flight = false;
+        let accepted = if result >= 0 {
+            Some(sys::adopt_accepted(result))
+        } else {
+            None
+        };
+        if slot.closing {
+            slot.socket = None;
+        }
+        let peer = sys::peer_ip(&slot.address.0);
+        let report = match &accepted {
+            Some(_) => Ok(peer),
+            None => Err(-result),
+        };
+        match (
+            self.dataplane.handle_accept(listener_index, report, now),
+            accepted,
+        ) {
+            (Ok(id), Some(stream)) => {
+                if let Err(e) = stream.set_nodelay(true) {
+                    tracing::debug!(error = %e, "TCP_NODELAY refused");
+                }
+                let index = id.index as usize;
+                if self.sockets.len() <= index {
+                    self.sockets.resize_with(index + 1, || None);
+                    self.staging.resize_with(index + 1, || None);
+                }
+                assert!(
+                    self.sockets[index].is_none(),
+                    "connection slot still has a socket"
+                );
+                self.sockets[index] = Some(stream);
+            }
+            (Ok(_), None) => panic!("the dataplane took a failed accept"),
+            // Refused: dropping the stream closes it.
+            (Err(_), _) => {}
+        }
+    }
+
+    fn poll_devices(&mut self, now: Nanos) {
+        let mut polled = std::mem::take(&mut self.polled);
+        for queue in self.queues.iter_mut() {
+            queue.poll_completions(now, &mut polled);
+        }
+        for completion in polled.drain(..) {
+            let Some((kind @ (Kind::Device | Kind::Flush), generation, index)) =
+                token::decode(completion.user_data)
+            else {
+                panic!(
+                    "device reported an unknown completion {:#x}",
+                    completion.user_data
+                );
+            };
+            let id = device_op_id(kind, generation, index);
+            self.dataplane.handle_device(id, completion.result, now);
+        }
+        self.polled = polled;
+    }
+
+    // ----- Issuing the dataplane's operations ----------------------------------------------
+
+    fn issue_ops(&mut self, now: Nanos) {
+        while let Some(op) = self.dataplane.poll_op() {
+            match op {
+                Op::Accept { listener } => self.push_accept(listener),
+                Op::CloseListener { listener } => {
+                    let slot = &mut self.listeners[listener as usize];
+                    slot.closing = true;
+                    if slot.accept_in_flight {
+                        self.push_cancel(token::encode(Kind::Accept, 0, listener));
+                    } else {
+                        slot.socket = None;
+                    }
+                }
+                Op::Recv { connection } => self.push_recv(connection),
+                Op::Send { connection } => self.push_send(connection),
+                Op::CancelRecv { connection } => self.push_cancel(token::encode(
+                    Kind::Recv,
+                    connection.generation,
+                    connection.index,
+                )),
+                Op::CancelSend { connection } => self.push_cancel(token::encode(
+                    Kind::Send,
+                    connection.generation,
+                    connection.index,
+                )),
+                Op::Close { connection } => {
+                    // Dropping the stream closes the socket; nothing uses it any more.
+                    self.sockets[connection.index as usize] = None;
+                }
+                Op::Device(command) => self.submit_device(&command, now),
+            }
+        }
+    }
+
+    fn fd(&self, connection: ConnectionId) -> types::Fd {
+        match &self.sockets[connection.index as usize] {
+            Some(stream) => types::Fd(stream.as_raw_fd()),
+            None => panic!("operation on connection {connection:?} without a socket"),
+        }
+    }
+
+    fn push(&mut self, entry: squeue::Entry) {
+        // SAFETY: every entry built in this module points into memory that stays alive and
+        // untouched until its completion: the dataplane's receive space, send segments and
+        // device buffers (the dataplane's contract until the matching `handle_*`), the send
+        // staging and accept addresses (kept in `self` until the completion is reaped), and
+        // the wake-up word (boxed, leaked if the loop ends with it in flight).
+        if let Err(e) = unsafe { self.ring.push(&entry) } {
+            // A failed flush of a full queue: nothing can be submitted; the loop's next enter
+            // reports the error and the thread stops.
+            tracing::error!(error = %e, "submission queue flush failed");
+        }
+        self.in_flight += 1;
+    }
+
+    fn push_cancel(&mut self, target: u64) {
+        let entry = opcode::AsyncCancel::new(target)
+            .build()
+            .user_data(token::encode(Kind::Cancel, 0, 0));
+        self.push(entry);
+    }
+
+    fn arm_wake(&mut self) {
+        assert!(!self.wake_in_flight);
+        let pointer: *mut u64 = &mut *self.wake_word;
+        let entry = opcode::Read::new(types::Fd(self.waker.as_raw_fd()), pointer.cast(), 8)
+            .build()
+            .user_data(token::encode(Kind::Wake, 0, 0));
+        self.push(entry);
+        self.wake_in_flight = true;
+    }
+
+    fn push_accept(&mut self, listener: u32) {
+        let slot = &mut self.listeners[listener as usize];
+        let Some(socket) = &slot.socket else {
+            panic!("accept on a closed listener {listener}");
+        };
+        assert!(!slot.accept_in_flight);
+        slot.accept_in_flight = true;
+        slot.address.0 = sys::empty_sockaddr();
+        slot.address.1 = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        let (storage, length) = &mut *slot.address;
+        let entry = opcode::Accept::new(
+            types::Fd(socket.as_raw_fd()),
+            (storage as *mut libc::sockaddr_storage).cast(),
+            length,
+        )
+        .flags(libc::SOCK_CLOEXEC)
+        .build()
+        .user_data(token::encode(Kind::Accept, 0, listener));
+        self.push(entry);
+    }
+
+    fn push_recv(&mut self, connection: ConnectionId) {
+        let fd = self.fd(connection);
+        let space = self.dataplane.receive_space(connection);
+        let entry = opcode::Recv::new(fd, space.as_mut_ptr(), space.len() as u32)
+            .build()
+            .user_data(token::encode(
+                Kind::Recv,
+                connection.generation,
+                connection.index,
+            ));
+        self.push(entry);
+    }
+
+    fn push_send(&mut self, connection: ConnectionId) {
+        let fd = self.fd(connection);
+        let mut staging = self.spare_staging.pop().unwrap_or_else(|| {
+            Box::new(SendStaging {
+                msghdr: sys::empty_msghdr(),
+                iovecs: [libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                }; SEND_SEGMENTS_MAX],
+            })
+        });
+        let mut count = 0;
+        self.dataplane.send_segments(connection, |segment| {
+            staging.iovecs[count] = libc::iovec {
+                iov_base: segment.as_ptr().cast_mut().cast(),
+                iov_len: segment.len(),
+            };
+            count += 1;
+        });
+        assert!(count > 0);
+        staging.msghdr.msg_iov = staging.iovecs.as_mut_ptr();
+        staging.msghdr.msg_iovlen = count as _;
+        let msghdr: *const libc::msghdr = &staging.msghdr;
+        let index = connection.index as usize;
+        assert!(self.staging[index].is_none(), "two sends in flight");
+        self.staging[index] = Some(staging);
+        let entry = opcode::SendMsg::new(fd, msghdr)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build()
+            .user_data(token::encode(
+                Kind::Send,
+                connection.generation,
+                connection.index,
+            ));
+        self.push(entry);
+    }
+
+    fn submit_device(&mut self, command: &DeviceCommand, now: Nanos) {
+        let user_data = match command.id {
+            DeviceOpId::Request { index, generation } => {
+                token::encode(Kind::Device, generation, index)
+            }
+            DeviceOpId::ShutdownFlush { namespace_index } => {
+                token::encode(Kind::Flush, 0, u32::from(namespace_index))
+            }
+        };
+        let buf_index = if self.registered { Some(0) } else { None };
+        let op = self.dataplane.device_op(command, user_data, buf_index);
+        let queue = &mut self.queues[usize::from(command.namespace_index)];
+        match queue.submit(op, now) {
+            Submit::Ring(entry) => {
+                assert_eq!(entry.get_user_data(), user_data, "device changed user_data");
+                self.push(entry);
+            }
+            Submit::Done(result) => {
+                self.finished_synchronously = true;
+                self.dataplane.handle_device(command.id, result, now);
+            }
+            Submit::Pending => {}
+        }
+    }
+}
+
+fn device_op_id(kind: Kind, generation: u32, index: u32) -> DeviceOpId {
+    match kind {
+        Kind::Flush => DeviceOpId::ShutdownFlush {
+            namespace_index: index as u16,
+        },
+        _ => DeviceOpId::Request { index, generation },
+    }
+}
+
+const _: () = assert!(GENERATION_MASK == (1 << 28) - 1);
