@@ -33,18 +33,20 @@ mod core_tests;
 mod driver;
 mod error;
 mod pipelined;
+mod reconnect;
 mod stream_buffers;
 mod sys;
 mod types;
 
 pub use crate::blocking::{Client, NOTICES_BUFFERED_MAX};
 pub use crate::core::{
-    Completion, ConnectionCore, CoreOptions, IO_SIZE_MAX_BYTES_LIMIT, RECEIVE_BUFFER_MIN,
-    WINDOW_REQUESTS_LIMIT,
+    Completion, ConnectionCore, CoreOptions, IO_SIZE_MAX_BYTES_LIMIT, InterruptedRequest,
+    RECEIVE_BUFFER_MIN, WINDOW_REQUESTS_LIMIT,
 };
 pub use crate::driver::{ClientOptions, HELLO_REQUEST_ID};
 pub use crate::error::{ClientError, ProtocolError, SubmitError};
 pub use crate::pipelined::PipelinedClient;
+pub use crate::reconnect::{JitterSample, ReconnectPolicy, ReconnectSchedule};
 pub use crate::stream_buffers::{BuffersBusy, StreamBuffers};
 pub use crate::sys::io_priority_of_process;
 pub use crate::types::Capabilities;
