@@ -23,10 +23,25 @@
 //! `ionice -c 1` or `ionice -c 3` and the server sees class 1 or 3 without any code change
 //! ([`ClientOptions::io_priority`] overrides it).
 //!
-//! Architecture invariant: the core has no I/O and no clock; the std drivers own the socket.
+//! Surviving server restarts is opt-in: `ClientOptions::default().with_reconnect(policy)`
+//! with a [`ReconnectPolicy`] (`attempts_max`, `backoff_initial`, `backoff_max`,
+//! `give_up_after`). A call that finds the connection ended, reset or (blocking client)
+//! unanswered within the timeout connects again with exponential backoff and jitter
+//! ([`ReconnectSchedule`]), sends HELLO and BINDs the tenant it was bound to, then repeats
+//! the READ, FLUSH and BIND requests left unanswered and reports the WRITE, TRIM, REGISTER
+//! and UNREGISTER ones as [`ClientError::OutcomeUnknown`] with their ranges
+//! ([`InterruptedRequest`]); an acknowledged write is never reported. Failing that, the call
+//! ends with [`ClientError::ReconnectGaveUp`] or [`ClientError::TenantLost`] (a restarted
+//! server forgets tenants registered over the wire). Off by default, because it changes
+//! what a caller must handle: a write can come back of unknown outcome, calls can block for
+//! `give_up_after`, and a FLUSH repeated on a new server covers what that server holds.
+//!
+//! Architecture invariant: the core has no I/O and no clock; the std drivers own the socket,
+//! the clock and the sleeps between reconnection attempts.
 #![deny(unsafe_code)]
 
 mod blocking;
+mod call;
 mod core;
 #[cfg(test)]
 mod core_tests;

@@ -14,6 +14,7 @@
 //! `[d_k / 2, d_k)` ("equal jitter": never a thundering herd, never a busy loop). No attempt
 //! starts more than `give_up_after` after the break, and at most `attempts_max` are made.
 
+use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
 /// How a client that lost its connection tries again. Off unless set in
@@ -116,6 +117,35 @@ impl ReconnectSchedule {
     }
 }
 
+/// The jitter the drivers use: xorshift64*, seeded per client from std's randomly keyed
+/// hasher so that clients started together spread out. Tests pass samples directly to
+/// [`ReconnectPolicy::backoff`] and [`ReconnectSchedule::next_attempt`] instead.
+#[derive(Debug, Clone)]
+pub(crate) struct Jitter {
+    state: u64,
+}
+
+impl Jitter {
+    pub(crate) fn from_entropy() -> Jitter {
+        let seed = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        Jitter::from_seed(seed)
+    }
+
+    pub(crate) fn from_seed(seed: u64) -> Jitter {
+        // xorshift has one fixed point, 0.
+        Jitter { state: seed | 1 }
+    }
+
+    pub(crate) fn next_sample(&mut self) -> JitterSample {
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        (self.state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) as u32
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,5 +238,18 @@ mod tests {
         let wait = policy.backoff(40, u32::MAX);
         assert!(wait >= Duration::MAX / 2);
         assert!(wait < Duration::MAX);
+    }
+
+    #[test]
+    fn seeded_jitter_is_reproducible_and_spreads() {
+        let samples = |seed| {
+            let mut jitter = Jitter::from_seed(seed);
+            (0..64).map(|_| jitter.next_sample()).collect::<Vec<_>>()
+        };
+        assert_eq!(samples(7), samples(7));
+        assert_ne!(samples(7), samples(8));
+        let spread = samples(7);
+        assert!(spread.iter().any(|sample| *sample < u32::MAX / 4));
+        assert!(spread.iter().any(|sample| *sample > u32::MAX / 4 * 3));
     }
 }
