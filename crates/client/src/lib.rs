@@ -35,6 +35,8 @@
 //! server forgets tenants registered over the wire). Off by default, because it changes
 //! what a caller must handle: a write can come back of unknown outcome, calls can block for
 //! `give_up_after`, and a FLUSH repeated on a new server covers what that server holds.
+//! Protocol v1 has no server instance id, so a re-BIND after a restart cannot tell a handle
+//! the new server gave to another tenant from the one it had (`docs/OPERATIONS.md`).
 //!
 //! Architecture invariant: the core has no I/O and no clock; the std drivers own the socket,
 //! the clock and the sleeps between reconnection attempts.

@@ -659,6 +659,36 @@ fn a_tenant_the_restarted_server_does_not_know_is_a_typed_error() {
     server.shutdown().expect("shutdown");
 }
 
+/// FIXME(issue 9): handles restart at 1 with every server, and protocol v1 has no server
+/// instance id in HELLO, so a re-BIND after a restart attaches to whichever tenant got the
+/// same handle on the new server. This asserts today's behaviour; a server epoch in the
+/// capabilities would let the client report `TenantLost` instead.
+#[test]
+fn a_handle_reused_by_the_restarted_server_is_bound_again_unknowingly() {
+    let port = free_port();
+    let server = start_qos_on(port);
+    let mut client = Client::connect_with(("127.0.0.1", port), &reconnecting()).expect("connect");
+    let handle = client.register_be(NAMESPACE).expect("register");
+    client.bind(handle).expect("bind");
+    server.shutdown().expect("shutdown");
+
+    let server = start_qos_on(port);
+    let mut other = Client::connect(("127.0.0.1", port)).expect("connect");
+    let other_handle = other.register_be(NAMESPACE).expect("register");
+    assert_eq!(
+        other_handle, handle,
+        "the new server hands out the same number"
+    );
+    let mut buf = vec![0u8; 4096];
+    client.read(NAMESPACE, 0, &mut buf).expect("read");
+    assert_eq!(client.bound_handle(), handle);
+    let tenant = server.tenant(handle).expect("the other client's tenant");
+    assert_eq!(tenant.connections_per_thread.iter().sum::<u32>(), 1);
+    drop(other);
+    drop(client);
+    server.shutdown().expect("shutdown");
+}
+
 #[test]
 fn without_a_policy_a_restart_fails_the_call_as_before() {
     let backend = file_backend();
