@@ -10,18 +10,32 @@
 //! charges this connection's I/O to it, [`Client::unregister`] removes it. RENEGOTIATE notices
 //! that arrive during any call are kept (the newest [`NOTICES_BUFFERED_MAX`]) for
 //! [`Client::poll_notice`].
+//!
+//! Reconnecting ([`ClientOptions::reconnect`]): a call that finds the connection broken
+//! (end of file, reset, any socket error, or no answer within the timeout) takes the answers
+//! that did arrive, then connects again (HELLO, and BIND to the tenant the connection was
+//! bound to) with the policy's backoff, and goes on: READ, FLUSH and BIND requests left
+//! unanswered are submitted again; WRITE, TRIM, REGISTER and UNREGISTER ones are not, and the
+//! call ends with [`ClientError::OutcomeUnknown`] naming exactly them once everything else is
+//! done (later chunks of a large write are still written). The policy's attempts and time
+//! bound each call. A call that starts on a connection that died while the client was idle
+//! notices it before sending anything, so nothing of that call is ever of unknown outcome.
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
 
 use reflex_proto::native::{
     NO_TENANT_HANDLE, NOTICE_REQUEST_ID, RegisterBody, RenegotiateBody, TenantClassRequest,
 };
 
-use crate::core::{Completion, ConnectionCore};
-use crate::driver::{ClientOptions, HELLO_REQUEST_ID, StreamDriver};
-use crate::error::ClientError;
+use crate::call::{Call, Work};
+use crate::core::{Completion, ConnectionCore, InterruptedRequest};
+use crate::driver::{
+    ClientOptions, HELLO_REQUEST_ID, Outage, ReconnectFailure, Reconnector, StreamDriver,
+};
+use crate::error::{ClientError, ProtocolError};
 use crate::pipelined::PipelinedClient;
 use reflex_proto::native::Namespace;
 
@@ -38,6 +52,10 @@ pub struct Client {
     next_request_id: u64,
     notices_received: u64,
     notices: VecDeque<RenegotiateBody>,
+    /// Present when reconnecting is on.
+    reconnector: Option<Reconnector>,
+    /// False once reconnecting gave up: the next call connects before anything else.
+    connected: bool,
 }
 
 /// Keeps a notice for `poll_notice`, dropping the oldest beyond the bound.
@@ -55,12 +73,6 @@ fn keep_notice(
     }
 }
 
-/// Which transfer a chunked call makes.
-enum Transfer<'a> {
-    Read(&'a mut [u8]),
-    Write { data: &'a [u8], fua: bool },
-}
-
 impl Client {
     /// Connects (TCP_NODELAY), sends HELLO declaring this process's I/O priority, and waits
     /// for the server's capabilities, with the default 30 s limit per call.
@@ -68,27 +80,46 @@ impl Client {
         Client::connect_with(addr, &ClientOptions::default())
     }
 
+    /// Connects with `options`; with [`ClientOptions::reconnect`] set, calls repair a broken
+    /// connection (module docs).
     pub fn connect_with(
         addr: impl ToSocketAddrs,
         options: &ClientOptions,
     ) -> Result<Client, ClientError> {
-        let (driver, capabilities) = StreamDriver::connect(addr, options)?;
+        let (driver, capabilities, reconnector) = StreamDriver::connect(addr, options)?;
         Ok(Client {
             driver,
             capabilities,
             next_request_id: HELLO_REQUEST_ID + 1,
             notices_received: 0,
             notices: VecDeque::new(),
+            reconnector,
+            connected: true,
         })
     }
 
-    /// What the server announced in HELLO.
+    /// What the server announced in HELLO (on the current connection, after a reconnect).
     pub fn capabilities(&self) -> &Capabilities {
         &self.capabilities
     }
 
     pub fn namespaces(&self) -> &[Namespace] {
         &self.capabilities.namespaces
+    }
+
+    /// Connections made after the first one. A FLUSH answered after this changed covers
+    /// what the server holds now: writes acknowledged by a server that then lost them (a
+    /// machine crash, not a process restart) are not brought back by it.
+    pub fn reconnect_count(&self) -> u64 {
+        self.reconnector
+            .as_ref()
+            .map_or(0, |reconnector| reconnector.reconnects)
+    }
+
+    /// The tenant this client's connection is bound to (0: the namespace's default); a
+    /// reconnect binds the new connection to it again.
+    pub fn bound_handle(&self) -> u64 {
+        self.driver.core.bound_handle()
     }
 
     /// RENEGOTIATE notices received so far.
@@ -102,25 +133,35 @@ impl Client {
         self.notices.pop_front()
     }
 
-    /// Waits up to `timeout` for a RENEGOTIATE notice (reading responses meanwhile).
+    /// Waits up to `timeout` for a RENEGOTIATE notice (reading responses meanwhile). With a
+    /// reconnect policy, a connection lost meanwhile is repaired and the wait goes on.
     pub fn wait_notice(
         &mut self,
-        timeout: std::time::Duration,
+        timeout: Duration,
     ) -> Result<Option<RenegotiateBody>, ClientError> {
         if let Some(notice) = self.notices.pop_front() {
             return Ok(Some(notice));
         }
-        let notices = &mut self.notices;
-        let received = &mut self.notices_received;
-        self.driver.drive_for(Some(timeout), |core| {
-            while let Some(completion) = core.poll_completion()? {
-                if completion.is_notice() {
-                    keep_notice(notices, received, &completion);
-                }
+        let deadline = Instant::now() + timeout;
+        let mut call = Call::new(Work::Nothing, self.next_request_id, 1);
+        let mut outage = None;
+        loop {
+            self.ensure_connected(&mut outage, &mut call)?;
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let notices = &mut self.notices;
+            let received = &mut self.notices_received;
+            let result = self.driver.drive_for(Some(remaining), |core| {
+                take_answers(core, &mut call, notices, received)?;
+                Ok(!notices.is_empty())
+            });
+            match result {
+                Ok(_) => return Ok(self.notices.pop_front()),
+                Err(error) => self.recover(error, &mut outage, &mut call)?,
             }
-            Ok(!notices.is_empty())
-        })?;
-        Ok(self.notices.pop_front())
+            if !self.notices.is_empty() || Instant::now() >= deadline {
+                return Ok(self.notices.pop_front());
+            }
+        }
     }
 
     /// Registers a latency-critical tenant on `namespace`: `iops` 4 KiB I/Os per second at
@@ -159,40 +200,47 @@ impl Client {
     /// an existing tenant, which admission control checks again (on refusal the old SLO
     /// stays). Returns the handle.
     pub fn register(&mut self, body: &RegisterBody) -> Result<u64, ClientError> {
-        let request_id = self.take_request_ids(1);
-        self.driver.core.submit_register(request_id, body)?;
-        self.wait_for(request_id, |completion| completion.tenant_handle())
+        let handle = self.call(Work::Register(body))?;
+        Ok(handle.unwrap_or(NO_TENANT_HANDLE))
     }
 
     /// Removes tenant `handle`. Connections bound to it get PERMISSION for their I/O until
     /// they BIND again.
     pub fn unregister(&mut self, handle: u64) -> Result<(), ClientError> {
-        let request_id = self.take_request_ids(1);
-        self.driver.core.submit_unregister(request_id, handle)?;
-        self.wait_single(request_id)
+        self.call(Work::Unregister(handle)).map(|_| ())
     }
 
     /// Charges this connection's I/O to tenant `handle` from now on; `0` goes back to the
     /// namespace's default tenant. The handle is valid only for the namespace it was
     /// registered on (I/O elsewhere gets PERMISSION).
     pub fn bind(&mut self, handle: u64) -> Result<(), ClientError> {
-        let request_id = self.take_request_ids(1);
-        self.driver.core.submit_bind(request_id, handle)?;
-        self.wait_single(request_id)
+        self.call(Work::Bind(handle)).map(|_| ())
     }
 
+    /// The server's address; after a reconnect, the one reached last.
     pub fn peer_addr(&self) -> std::io::Result<SocketAddr> {
         self.driver.stream().peer_addr()
     }
 
     /// Reads `buf.len()` bytes at `offset` of namespace `namespace`.
     pub fn read(&mut self, namespace: u32, offset: u64, buf: &mut [u8]) -> Result<(), ClientError> {
-        self.transfer(namespace, offset, Transfer::Read(buf))
+        self.call(Work::Read {
+            namespace,
+            offset,
+            buf,
+        })
+        .map(|_| ())
     }
 
     /// Writes `data` at `offset`; acknowledged writes are durable after [`Client::flush`].
     pub fn write(&mut self, namespace: u32, offset: u64, data: &[u8]) -> Result<(), ClientError> {
-        self.transfer(namespace, offset, Transfer::Write { data, fua: false })
+        self.call(Work::Write {
+            namespace,
+            offset,
+            data,
+            fua: false,
+        })
+        .map(|_| ())
     }
 
     /// Writes `data` at `offset` with forced unit access: durable when this returns Ok.
@@ -202,14 +250,18 @@ impl Client {
         offset: u64,
         data: &[u8],
     ) -> Result<(), ClientError> {
-        self.transfer(namespace, offset, Transfer::Write { data, fua: true })
+        self.call(Work::Write {
+            namespace,
+            offset,
+            data,
+            fua: true,
+        })
+        .map(|_| ())
     }
 
     /// Makes every write acknowledged so far durable.
     pub fn flush(&mut self, namespace: u32) -> Result<(), ClientError> {
-        let request_id = self.take_request_ids(1);
-        self.driver.core.submit_flush(request_id, namespace)?;
-        self.wait_single(request_id)
+        self.call(Work::Flush { namespace }).map(|_| ())
     }
 
     /// Discards `length_bytes` at `offset`; the range reads back as zeroes.
@@ -219,16 +271,23 @@ impl Client {
         offset: u64,
         length_bytes: u32,
     ) -> Result<(), ClientError> {
-        let request_id = self.take_request_ids(1);
-        self.driver
-            .core
-            .submit_trim(request_id, namespace, offset, length_bytes)?;
-        self.wait_single(request_id)
+        self.call(Work::Trim {
+            namespace,
+            offset,
+            length_bytes,
+        })
+        .map(|_| ())
     }
 
-    /// Turns this connection into a pipelined one (same socket, same capabilities).
+    /// Turns this connection into a pipelined one (same socket, same capabilities, same
+    /// reconnect policy).
     pub fn into_pipelined(self) -> PipelinedClient {
-        PipelinedClient::from_parts(self.driver, self.capabilities)
+        PipelinedClient::from_parts(
+            self.driver,
+            self.capabilities,
+            self.reconnector,
+            self.connected,
+        )
     }
 
     fn take_request_ids(&mut self, count: u64) -> u64 {
@@ -244,108 +303,176 @@ impl Client {
         first
     }
 
-    fn wait_single(&mut self, request_id: u64) -> Result<(), ClientError> {
-        self.wait_for(request_id, |completion| completion.result().map(|_| ()))
-    }
-
-    /// Waits for the answer to `request_id` and maps it.
-    fn wait_for<T>(
-        &mut self,
-        request_id: u64,
-        mut map: impl FnMut(&Completion<'_>) -> Result<T, ClientError>,
-    ) -> Result<T, ClientError> {
-        let mut outcome = None;
-        let notices = &mut self.notices;
-        let received = &mut self.notices_received;
-        self.driver.drive(|core| {
-            while let Some(completion) = core.poll_completion()? {
-                if completion.is_notice() {
-                    keep_notice(notices, received, &completion);
-                } else if completion.request_id == request_id {
-                    outcome = Some(map(&completion));
-                }
-                // Anything else answers a request abandoned after a timeout: dropped.
-            }
-            Ok(outcome.is_some())
-        })?;
-        match outcome {
-            Some(result) => result,
-            None => Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into()),
-        }
-    }
-
-    fn transfer(
-        &mut self,
-        namespace: u32,
-        offset: u64,
-        mut transfer: Transfer<'_>,
-    ) -> Result<(), ClientError> {
-        let total_bytes = match &transfer {
-            Transfer::Read(buf) => buf.len(),
-            Transfer::Write { data, .. } => data.len(),
-        };
+    /// Runs one call to the end: submits its requests up to the window, takes their answers
+    /// and, with a reconnect policy, repairs the connection as often as the policy allows.
+    /// Returns REGISTER's handle.
+    fn call(&mut self, work: Work<'_>) -> Result<Option<u64>, ClientError> {
         let chunk_bytes = self.driver.core.max_io_size().max(1) as usize;
-        // A zero-length request is still sent: the server answers it (INVALID).
-        let chunk_count = total_bytes.div_ceil(chunk_bytes).max(1);
-        let first_id = self.take_request_ids(chunk_count as u64);
-        let mut submitted = 0usize;
-        let mut answered = 0usize;
-        let mut first_error: Option<ClientError> = None;
-        let notices = &mut self.notices;
-        let received = &mut self.notices_received;
-        self.driver.drive(|core: &mut ConnectionCore| {
-            while let Some(completion) = core.poll_completion()? {
-                if completion.is_notice() {
-                    keep_notice(notices, received, &completion);
-                    continue;
-                }
-                let Some(index) = completion
-                    .request_id
-                    .checked_sub(first_id)
-                    .filter(|index| *index < chunk_count as u64)
-                else {
-                    continue;
-                };
-                answered += 1;
-                if let Err(error) = completion.result() {
-                    first_error.get_or_insert(error);
-                    continue;
-                }
-                if let Transfer::Read(buf) = &mut transfer {
-                    let start = index as usize * chunk_bytes;
-                    // The core checked that an OK READ carries exactly the bytes requested.
-                    let end = start + completion.data.len();
-                    if let Some(destination) = buf.get_mut(start..end) {
-                        destination.copy_from_slice(completion.data);
-                    }
-                }
+        let request_count = Call::request_count(&work, chunk_bytes);
+        let first_id = self.take_request_ids(request_count as u64);
+        let mut call = Call::new(work, first_id, chunk_bytes);
+        let mut outage = None;
+        loop {
+            self.ensure_connected(&mut outage, &mut call)?;
+            let notices = &mut self.notices;
+            let received = &mut self.notices_received;
+            let result = self.driver.drive(|core| {
+                take_answers(core, &mut call, notices, received)?;
+                call.submit(core)?;
+                Ok(call.is_done())
+            });
+            match result {
+                Ok(()) => return call.finish(),
+                Err(error) => self.recover(error, &mut outage, &mut call)?,
             }
-            while submitted < chunk_count && core.outstanding_count() < core.window() as usize {
-                let start = submitted * chunk_bytes;
-                let end = (start + chunk_bytes).min(total_bytes);
-                let request_id = first_id + submitted as u64;
-                let chunk_offset = offset.saturating_add(start as u64);
-                match &transfer {
-                    Transfer::Read(_) => {
-                        core.submit_read(request_id, namespace, chunk_offset, (end - start) as u32)?
-                    }
-                    Transfer::Write { data, fua } => core.submit_write(
-                        request_id,
-                        namespace,
-                        chunk_offset,
-                        &data[start..end],
-                        *fua,
-                    )?,
-                }
-                submitted += 1;
+            if call.is_done() {
+                // Everything was answered (or is of unknown outcome) before the break: the
+                // call is over, and the next one connects again.
+                return call.finish();
             }
-            Ok(answered == chunk_count)
-        })?;
-        match first_error {
-            Some(error) => Err(error),
-            None => Ok(()),
         }
     }
+
+    /// After `error` stopped a call: without a policy, or for an error that is not a broken
+    /// connection, returns it. Otherwise takes the answers that arrived before the break,
+    /// hands the interrupted requests to `call`, and reconnects unless `call` is done.
+    fn recover(
+        &mut self,
+        error: ClientError,
+        outage: &mut Option<Outage>,
+        call: &mut Call<'_>,
+    ) -> Result<(), ClientError> {
+        if self.reconnector.is_none() || !error.is_connection_lost() {
+            return Err(error);
+        }
+        self.lose_connection(call)?;
+        if let Some(reconnector) = &self.reconnector {
+            reconnector.note_break(outage, error);
+        }
+        if call.is_done() {
+            return Ok(());
+        }
+        self.reconnect(outage, call.unanswered())
+    }
+
+    /// Makes sure a call starts on a live connection: reconnects when an earlier call gave
+    /// up, and notices a connection that died while the client was idle before anything is
+    /// queued on it (so no request of the call can be of unknown outcome because of it).
+    fn ensure_connected(
+        &mut self,
+        outage: &mut Option<Outage>,
+        call: &mut Call<'_>,
+    ) -> Result<(), ClientError> {
+        if self.reconnector.is_none() {
+            return Ok(());
+        }
+        if self.connected {
+            let error = match self.driver.pump() {
+                Ok(_) if !self.driver.is_closed() => return Ok(()),
+                Ok(_) => ClientError::Closed,
+                Err(error) if error.is_connection_lost() => error,
+                Err(error) => return Err(error),
+            };
+            self.lose_connection(call)?;
+            if let Some(reconnector) = &self.reconnector {
+                reconnector.note_break(outage, error);
+            }
+        } else if outage.is_none()
+            && let Some(reconnector) = &self.reconnector
+        {
+            // An earlier call gave up; this one starts its own outage.
+            reconnector.note_break(outage, ClientError::Closed);
+        }
+        self.reconnect(outage, call.unanswered())
+    }
+
+    /// Takes every answer still buffered or still in the kernel, then ends the connection
+    /// and hands its unanswered requests to `call`.
+    fn lose_connection(&mut self, call: &mut Call<'_>) -> Result<(), ClientError> {
+        if !self.driver.core.is_disconnected() {
+            loop {
+                take_answers(
+                    &mut self.driver.core,
+                    call,
+                    &mut self.notices,
+                    &mut self.notices_received,
+                )?;
+                if !self.driver.salvage_received() {
+                    break;
+                }
+            }
+            let interrupted = self.driver.core.handle_connection_lost();
+            call.interrupt(interrupted);
+        }
+        self.connected = false;
+        Ok(())
+    }
+
+    /// Connects again within `outage`; on failure the error names `unanswered`.
+    fn reconnect(
+        &mut self,
+        outage: &mut Option<Outage>,
+        unanswered: Vec<InterruptedRequest>,
+    ) -> Result<(), ClientError> {
+        let (Some(reconnector), Some(outage)) = (&mut self.reconnector, outage) else {
+            return Ok(());
+        };
+        let bound_handle = self.driver.core.bound_handle();
+        match reconnector.reconnect(outage, bound_handle) {
+            Ok((driver, capabilities)) => {
+                self.install(driver, capabilities);
+                Ok(())
+            }
+            Err(ReconnectFailure::GaveUp {
+                attempts,
+                elapsed,
+                last_error,
+            }) => Err(ClientError::ReconnectGaveUp {
+                attempts,
+                elapsed,
+                last_error: Box::new(last_error),
+                interrupted: unanswered,
+            }),
+            Err(ReconnectFailure::TenantLost {
+                driver,
+                capabilities,
+                handle,
+                refusal,
+            }) => {
+                self.install(*driver, capabilities);
+                Err(ClientError::TenantLost {
+                    handle,
+                    refusal: Box::new(refusal),
+                    interrupted: unanswered,
+                })
+            }
+        }
+    }
+
+    fn install(&mut self, driver: StreamDriver, capabilities: Capabilities) {
+        assert_eq!(driver.core.outstanding_count(), 0);
+        self.driver = driver;
+        self.capabilities = capabilities;
+        self.connected = true;
+    }
+}
+
+/// Takes every buffered answer: notices are kept, answers go to `call`, anything else (the
+/// answer to a request abandoned after a timeout) is dropped.
+fn take_answers(
+    core: &mut ConnectionCore,
+    call: &mut Call<'_>,
+    notices: &mut VecDeque<RenegotiateBody>,
+    received: &mut u64,
+) -> Result<(), ProtocolError> {
+    while let Some(completion) = core.poll_completion()? {
+        if completion.is_notice() {
+            keep_notice(notices, received, &completion);
+        } else {
+            call.take_answer(&completion);
+        }
+    }
+    Ok(())
 }
 
 impl AsRawFd for Client {

@@ -25,6 +25,14 @@
 //! requests never exceed the window; a response is accepted only for an outstanding id with
 //! the same opcode and the length the request implies; any violation breaks the connection
 //! with a [`ProtocolError`] (never a panic), and the error is returned again on every call.
+//!
+//! A core lives as long as one byte stream. When the stream breaks (EOF, reset, timeout),
+//! the driver polls what is buffered and then calls
+//! [`ConnectionCore::handle_connection_lost`], which hands back every request still
+//! unanswered as an [`InterruptedRequest`] (the core remembers enough of each — namespace,
+//! range, tenant handle — to repeat a READ, FLUSH or BIND and to name a WRITE whose fate is
+//! unknown) and leaves the core disconnected. A new stream gets a new core;
+//! [`ConnectionCore::resubmit`] repeats there what is safe to repeat.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -142,12 +150,59 @@ impl<'a> Completion<'a> {
     }
 }
 
-/// What the core remembers about one outstanding request.
+/// What the core remembers about one outstanding request: enough to check its answer, and,
+/// should the connection break first, to repeat it or to say which range it addressed.
 #[derive(Debug, Clone, Copy)]
 struct Outstanding {
     opcode: Opcode,
-    /// READ: bytes requested (the exact payload of an OK response).
-    read_length_bytes: u32,
+    namespace: u32,
+    offset_bytes: u64,
+    /// READ: bytes requested (the exact payload of an OK response); WRITE and TRIM: bytes
+    /// addressed; control requests: 0.
+    length_bytes: u32,
+    fua: bool,
+    /// BIND and UNREGISTER: the handle in the body.
+    handle: Option<u64>,
+    /// Position in submission order, so interrupted requests are repeated in that order.
+    sequence: u64,
+}
+
+/// A request the connection broke under: sent (or queued to be sent) and never answered.
+/// Returned by [`ConnectionCore::handle_connection_lost`]; WRITE, TRIM, REGISTER and
+/// UNREGISTER ones are reported to callers in [`ClientError::OutcomeUnknown`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InterruptedRequest {
+    pub request_id: u64,
+    pub opcode: Opcode,
+    /// READ, WRITE, FLUSH, TRIM: the namespace addressed; control requests: 0.
+    pub namespace: u32,
+    /// READ, WRITE, TRIM: the first byte addressed; otherwise 0.
+    pub offset_bytes: u64,
+    /// READ, WRITE, TRIM: the bytes addressed; otherwise 0.
+    pub length_bytes: u32,
+    /// A WRITE with forced unit access.
+    pub fua: bool,
+    /// BIND and UNREGISTER: the tenant handle.
+    pub handle: Option<u64>,
+}
+
+impl InterruptedRequest {
+    /// Whether repeating the request on a new connection gives the caller what one execution
+    /// would: READ and FLUSH change nothing, and BIND (with its handle known) sets the same
+    /// binding again. WRITE, TRIM, REGISTER and UNREGISTER change the server's state, and the
+    /// caller may have reasons (a later write by someone else) not to repeat them blindly.
+    pub fn is_safe_to_repeat(&self) -> bool {
+        match self.opcode {
+            Opcode::Read | Opcode::Flush => true,
+            Opcode::Bind => self.handle.is_some(),
+            Opcode::Write
+            | Opcode::Trim
+            | Opcode::Register
+            | Opcode::Unregister
+            | Opcode::Hello
+            | Opcode::Renegotiate => false,
+        }
+    }
 }
 
 /// Multiply-shift hashing of client-chosen request ids: the table is private and bounded,
@@ -191,6 +246,13 @@ pub struct ConnectionCore {
     max_io_size: u32,
     capabilities: Option<Capabilities>,
     broken: Option<ProtocolError>,
+    /// Set by `connection_lost`: the stream is gone and nothing more can be sent or received.
+    disconnected: bool,
+    /// Sequence number of the next submitted request.
+    sequence_next: u64,
+    /// The tenant handle of the last BIND answered OK (0: never bound, or bound to the
+    /// default again).
+    bound_handle: u64,
 }
 
 impl ConnectionCore {
@@ -210,6 +272,9 @@ impl ConnectionCore {
             max_io_size: IO_SIZE_MAX_BYTES_DEFAULT,
             capabilities: None,
             broken: None,
+            disconnected: false,
+            sequence_next: 0,
+            bound_handle: 0,
         }
     }
 
@@ -240,6 +305,17 @@ impl ConnectionCore {
 
     pub fn broken(&self) -> Option<&ProtocolError> {
         self.broken.as_ref()
+    }
+
+    /// Whether [`ConnectionCore::handle_connection_lost`] ended this core.
+    pub fn is_disconnected(&self) -> bool {
+        self.disconnected
+    }
+
+    /// The tenant this connection's I/O is charged to, as far as answered BINDs tell: the
+    /// handle of the last BIND answered OK, 0 for the namespace's default tenant.
+    pub fn bound_handle(&self) -> u64 {
+        self.bound_handle
     }
 
     /// Bytes submitted but not yet handed to `transmit_done`.
@@ -285,7 +361,7 @@ impl ConnectionCore {
             ..RequestHeader::new(Opcode::Hello, request_id)
         };
         self.admit(&header, 0)?;
-        self.push_frame(Opcode::Hello, &header, |payload| {
+        self.push_frame(Opcode::Hello, &header, None, |payload| {
             payload.copy_from_slice(&body)
         });
         Ok(())
@@ -302,7 +378,7 @@ impl ConnectionCore {
         self.check_io_size(length_bytes)?;
         let header = RequestHeader::read(request_id, namespace, offset, length_bytes);
         self.admit(&header, length_bytes)?;
-        self.push_frame(Opcode::Read, &header, |_| {});
+        self.push_frame(Opcode::Read, &header, None, |_| {});
         Ok(())
     }
 
@@ -354,7 +430,7 @@ impl ConnectionCore {
             ..RequestHeader::new(Opcode::Write, request_id)
         };
         self.admit(&header, 0)?;
-        self.push_frame(Opcode::Write, &header, fill);
+        self.push_frame(Opcode::Write, &header, None, fill);
         Ok(())
     }
 
@@ -365,7 +441,7 @@ impl ConnectionCore {
             ..RequestHeader::new(Opcode::Flush, request_id)
         };
         self.admit(&header, 0)?;
-        self.push_frame(Opcode::Flush, &header, |_| {});
+        self.push_frame(Opcode::Flush, &header, None, |_| {});
         Ok(())
     }
 
@@ -384,7 +460,7 @@ impl ConnectionCore {
             ..RequestHeader::new(Opcode::Trim, request_id)
         };
         self.admit(&header, 0)?;
-        self.push_frame(Opcode::Trim, &header, |_| {});
+        self.push_frame(Opcode::Trim, &header, None, |_| {});
         Ok(())
     }
 
@@ -411,7 +487,13 @@ impl ConnectionCore {
             ..RequestHeader::new(opcode, request_id)
         };
         self.admit(&header, 0)?;
-        self.push_frame(opcode, &header, |payload| payload.copy_from_slice(body));
+        let handle = match opcode {
+            Opcode::Bind | Opcode::Unregister => decode_handle(body).ok(),
+            _ => None,
+        };
+        self.push_frame(opcode, &header, handle, |payload| {
+            payload.copy_from_slice(body)
+        });
         Ok(())
     }
 
@@ -434,6 +516,23 @@ impl ConnectionCore {
         self.submit_control(request_id, Opcode::Bind, &encode_handle(handle))
     }
 
+    /// Queues an interrupted request again, under the same id, on the new connection this
+    /// core serves. Only for requests [`InterruptedRequest::is_safe_to_repeat`] (asserted):
+    /// the others are the caller's to decide about.
+    pub fn resubmit(&mut self, request: &InterruptedRequest) -> Result<(), SubmitError> {
+        match (request.opcode, request.handle) {
+            (Opcode::Read, _) => self.submit_read(
+                request.request_id,
+                request.namespace,
+                request.offset_bytes,
+                request.length_bytes,
+            ),
+            (Opcode::Flush, _) => self.submit_flush(request.request_id, request.namespace),
+            (Opcode::Bind, Some(handle)) => self.submit_bind(request.request_id, handle),
+            (opcode, _) => panic!("{opcode:?} is not safe to repeat"),
+        }
+    }
+
     fn check_io_size(&self, length_bytes: u32) -> Result<(), SubmitError> {
         if length_bytes > self.max_io_size {
             return Err(SubmitError::TooLarge {
@@ -448,6 +547,9 @@ impl ConnectionCore {
     fn admit(&mut self, header: &RequestHeader, read_length_bytes: u32) -> Result<(), SubmitError> {
         if self.broken.is_some() {
             return Err(SubmitError::Broken);
+        }
+        if self.disconnected {
+            return Err(SubmitError::Disconnected);
         }
         if header.request_id == NOTICE_REQUEST_ID {
             return Err(SubmitError::ReservedId(header.request_id));
@@ -468,23 +570,37 @@ impl ConnectionCore {
             .map_err(|_| SubmitError::BuffersBusy)
     }
 
-    fn push_frame(&mut self, opcode: Opcode, header: &RequestHeader, fill: impl FnOnce(&mut [u8])) {
+    fn push_frame(
+        &mut self,
+        opcode: Opcode,
+        header: &RequestHeader,
+        handle: Option<u64>,
+        fill: impl FnOnce(&mut [u8]),
+    ) {
         assert_eq!(header.opcode_raw, opcode.as_u8());
+        assert!(!self.disconnected);
         let payload_bytes = header.payload_length_bytes() as usize;
         // Growth was settled by `admit`: a lent buffer must not move.
         self.buffers
             .push_frame(&header.to_bytes(), payload_bytes, fill);
+        let addresses_data = matches!(opcode, Opcode::Read | Opcode::Write | Opcode::Trim);
         let previous = self.outstanding.insert(
             header.request_id,
             Outstanding {
                 opcode,
-                read_length_bytes: if opcode == Opcode::Read {
+                namespace: header.namespace_id,
+                offset_bytes: header.offset_bytes,
+                length_bytes: if addresses_data {
                     header.length_bytes
                 } else {
                     0
                 },
+                fua: header.flags.fua(),
+                handle,
+                sequence: self.sequence_next,
             },
         );
+        self.sequence_next += 1;
         assert!(previous.is_none());
         assert!(self.outstanding.len() <= self.window as usize);
     }
@@ -494,6 +610,9 @@ impl ConnectionCore {
     /// Lends the unsent bytes for one send; `None` when there are none or a send is already
     /// in flight. Must be followed by exactly one [`ConnectionCore::transmit_done`].
     pub fn transmit_start(&mut self) -> Option<&[u8]> {
+        if self.disconnected {
+            return None;
+        }
         self.buffers.transmit_start()
     }
 
@@ -508,6 +627,9 @@ impl ConnectionCore {
     /// buffer is full of complete responses (poll them first). Must be followed by exactly
     /// one [`ConnectionCore::receive_done`].
     pub fn receive_start(&mut self) -> Option<&mut [u8]> {
+        if self.disconnected {
+            return None;
+        }
         self.buffers.receive_start(front_frame_bytes)
     }
 
@@ -541,6 +663,15 @@ impl ConnectionCore {
         } else {
             let removed = self.outstanding.remove(&frame.header.request_id);
             assert!(removed.is_some());
+            if let Some(Outstanding {
+                opcode: Opcode::Bind,
+                handle: Some(handle),
+                ..
+            }) = removed
+                && is_ok(&frame.header)
+            {
+                self.bound_handle = handle;
+            }
         }
         if frame.opcode == Opcode::Hello && is_ok(&frame.header) {
             // `peek_frame` saw the whole frame buffered.
@@ -554,6 +685,50 @@ impl ConnectionCore {
             status_raw: frame.header.status_raw,
             data: &frame_received[RESPONSE_HEADER_SIZE..],
         }))
+    }
+
+    /// The byte stream under this core broke (EOF, reset, timeout): returns every request
+    /// still unanswered, in the order it was submitted, and leaves the core disconnected
+    /// (submits fail with [`SubmitError::Disconnected`], nothing more is lent or polled).
+    ///
+    /// Call it after [`ConnectionCore::poll_completion`] returned `None`, with nothing lent:
+    /// an answer that arrived before the break is an answer, and must not be mistaken for an
+    /// interruption (a WRITE acknowledged is never of unknown outcome).
+    pub fn handle_connection_lost(&mut self) -> Vec<InterruptedRequest> {
+        assert!(!self.transmit_in_flight());
+        assert!(!self.receive_in_flight());
+        if cfg!(debug_assertions) && !self.disconnected {
+            let answer_buffered = matches!(self.peek_frame(), Ok(Some(_)));
+            assert!(
+                !answer_buffered,
+                "answers must be polled before the connection is lost"
+            );
+        }
+        self.disconnected = true;
+        let mut interrupted: Vec<(u64, InterruptedRequest)> = self
+            .outstanding
+            .drain()
+            .map(|(request_id, outstanding)| {
+                (
+                    outstanding.sequence,
+                    InterruptedRequest {
+                        request_id,
+                        opcode: outstanding.opcode,
+                        namespace: outstanding.namespace,
+                        offset_bytes: outstanding.offset_bytes,
+                        length_bytes: outstanding.length_bytes,
+                        fua: outstanding.fua,
+                        handle: outstanding.handle,
+                    },
+                )
+            })
+            .collect();
+        interrupted.sort_unstable_by_key(|(sequence, _)| *sequence);
+        assert!(self.outstanding.is_empty());
+        interrupted
+            .into_iter()
+            .map(|(_, request)| request)
+            .collect()
     }
 
     fn accept_capabilities(
@@ -583,6 +758,9 @@ impl ConnectionCore {
     fn peek_frame(&mut self) -> Result<Option<Frame>, ProtocolError> {
         if let Some(error) = &self.broken {
             return Err(error.clone());
+        }
+        if self.disconnected {
+            return Ok(None);
         }
         let buffered = self.buffers.received();
         let header = match ResponseHeader::decode(buffered) {
@@ -634,8 +812,8 @@ impl ConnectionCore {
             Opcode::Read => check_length(
                 opcode,
                 length,
-                outstanding.read_length_bytes,
-                outstanding.read_length_bytes,
+                outstanding.length_bytes,
+                outstanding.length_bytes,
             )?,
             Opcode::Hello => check_length(opcode, length, 0, CAPABILITIES_SIZE_MAX as u32)?,
             Opcode::Register => check_length(

@@ -6,7 +6,7 @@ use reflex_proto::native::{
     RequestFlags, RequestHeader, ResponseError, ResponseHeader, Status,
 };
 
-use crate::core::{ConnectionCore, CoreOptions};
+use crate::core::{ConnectionCore, CoreOptions, InterruptedRequest};
 use crate::error::{ClientError, ProtocolError, SubmitError};
 
 fn core_with_window(window_assumed: u32) -> ConnectionCore {
@@ -581,4 +581,123 @@ fn a_register_answer_without_a_handle_breaks_the_connection() {
         core.poll_completion(),
         Err(ProtocolError::UnexpectedLength { .. })
     ));
+}
+
+/// One of each request, with a distinct id, namespace and range.
+fn submit_one_of_each(core: &mut ConnectionCore) {
+    core.submit_write(10, 1, 4096, &[5u8; 1024], true)
+        .expect("write");
+    core.submit_read(11, 2, 8192, 512).expect("read");
+    core.submit_flush(12, 3).expect("flush");
+    core.submit_trim(13, 1, 1 << 20, 4096).expect("trim");
+    core.submit_bind(14, 77).expect("bind");
+    core.submit_unregister(15, 78).expect("unregister");
+}
+
+#[test]
+fn a_lost_connection_returns_unanswered_requests_in_submission_order() {
+    let mut core = core_with_window(16);
+    submit_one_of_each(&mut core);
+    sent_bytes(&mut core);
+    // The READ and the UNREGISTER were answered before the break: they are not interrupted.
+    let mut answers = response(Opcode::Read, Status::Ok, 11, &[3u8; 512]);
+    answers.extend(response(Opcode::Unregister, Status::Ok, 15, &[]));
+    // Half a header of the next answer: not an answer.
+    answers.extend(&response(Opcode::Write, Status::Ok, 10, &[])[..10]);
+    feed(&mut core, &answers);
+    let answered: Vec<u64> = drain(&mut core).iter().map(|answer| answer.0).collect();
+    assert_eq!(answered, vec![11, 15]);
+
+    let interrupted = core.handle_connection_lost();
+    let request = |request_id, opcode, namespace, offset_bytes, length_bytes| InterruptedRequest {
+        request_id,
+        opcode,
+        namespace,
+        offset_bytes,
+        length_bytes,
+        fua: false,
+        handle: None,
+    };
+    assert_eq!(
+        interrupted,
+        vec![
+            InterruptedRequest {
+                fua: true,
+                ..request(10, Opcode::Write, 1, 4096, 1024)
+            },
+            request(12, Opcode::Flush, 3, 0, 0),
+            request(13, Opcode::Trim, 1, 1 << 20, 4096),
+            InterruptedRequest {
+                handle: Some(77),
+                ..request(14, Opcode::Bind, 0, 0, 0)
+            },
+        ]
+    );
+    let repeatable: Vec<bool> = interrupted
+        .iter()
+        .map(InterruptedRequest::is_safe_to_repeat)
+        .collect();
+    assert_eq!(repeatable, vec![false, true, false, true]);
+    assert!(core.is_disconnected());
+    assert_eq!(core.outstanding_count(), 0);
+    assert_eq!(
+        core.submit_read(20, 1, 0, 512),
+        Err(SubmitError::Disconnected)
+    );
+    assert!(core.transmit_start().is_none());
+    assert!(core.receive_start().is_none());
+    assert_eq!(core.poll_completion(), Ok(None));
+    assert!(
+        core.handle_connection_lost().is_empty(),
+        "a second call finds nothing"
+    );
+}
+
+#[test]
+fn repeated_requests_are_byte_identical_on_the_new_connection() {
+    let mut old = core_with_window(16);
+    submit_one_of_each(&mut old);
+    let first_bytes = sent_bytes(&mut old);
+    let repeatable: Vec<_> = old
+        .handle_connection_lost()
+        .into_iter()
+        .filter(|request| request.is_safe_to_repeat())
+        .collect();
+    assert_eq!(
+        repeatable.iter().map(|r| r.request_id).collect::<Vec<_>>(),
+        vec![11, 12, 14]
+    );
+    let mut new = core_with_window(16);
+    for request in &repeatable {
+        new.resubmit(request).expect("resubmit");
+    }
+    let mut expected = core_with_window(16);
+    expected.submit_read(11, 2, 8192, 512).expect("read");
+    expected.submit_flush(12, 3).expect("flush");
+    expected.submit_bind(14, 77).expect("bind");
+    assert_eq!(sent_bytes(&mut new), sent_bytes(&mut expected));
+    assert_ne!(first_bytes.len(), 0);
+    assert_eq!(new.outstanding_count(), 3);
+}
+
+#[test]
+fn the_bound_handle_follows_answered_binds_only() {
+    let mut core = core_with_window(4);
+    assert_eq!(core.bound_handle(), 0);
+    core.submit_bind(1, 42).expect("bind");
+    sent_bytes(&mut core);
+    assert_eq!(core.bound_handle(), 0, "not bound before the answer");
+    feed(&mut core, &response(Opcode::Bind, Status::Ok, 1, &[]));
+    drain(&mut core);
+    assert_eq!(core.bound_handle(), 42);
+    core.submit_bind(2, 43).expect("bind");
+    sent_bytes(&mut core);
+    feed(&mut core, &response(Opcode::Bind, Status::Invalid, 2, &[]));
+    drain(&mut core);
+    assert_eq!(core.bound_handle(), 42, "a refused BIND changes nothing");
+    core.submit_bind(3, 0).expect("bind");
+    sent_bytes(&mut core);
+    feed(&mut core, &response(Opcode::Bind, Status::Ok, 3, &[]));
+    drain(&mut core);
+    assert_eq!(core.bound_handle(), 0, "back to the default tenant");
 }

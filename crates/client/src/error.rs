@@ -1,10 +1,18 @@
-//! Typed errors of the client, from the three places things go wrong: the caller asked for
+//! Typed errors of the client, from the places things go wrong: the caller asked for
 //! something the connection cannot take now ([`SubmitError`]), the server's bytes broke the
-//! protocol ([`ProtocolError`], after which the connection is unusable), and the server
-//! refused one request ([`ClientError::Status`], after which the connection is fine).
+//! protocol ([`ProtocolError`], after which the connection is unusable), the server refused
+//! one request ([`ClientError::Status`], after which the connection is fine), and the
+//! connection broke ([`ClientError::Closed`], [`ClientError::Io`]; with a
+//! [`crate::ReconnectPolicy`] the client repairs it and reports what it could not repeat in
+//! [`ClientError::OutcomeUnknown`], or fails with [`ClientError::ReconnectGaveUp`] or
+//! [`ClientError::TenantLost`]).
+
+use std::time::Duration;
 
 use reflex_proto::native::{BodyError, Opcode, ResponseError, Status};
 use thiserror::Error;
+
+use crate::core::InterruptedRequest;
 
 /// A request the connection core did not accept. Nothing was queued.
 #[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +36,10 @@ pub enum SubmitError {
     /// The connection is broken by an earlier protocol error.
     #[error("connection is broken")]
     Broken,
+    /// The connection was lost and is not back (reconnecting gave up); an I/O call tries
+    /// again.
+    #[error("disconnected: the connection was lost and is not back")]
+    Disconnected,
 }
 
 /// The server's bytes violate the protocol. The connection cannot be used any more.
@@ -88,6 +100,50 @@ pub enum ClientError {
     /// The server closed the connection.
     #[error("connection closed by the server")]
     Closed,
+    /// The connection broke before these requests were answered, and the client reconnected
+    /// without repeating them: WRITE, TRIM, REGISTER and UNREGISTER change the server's
+    /// state, so each may or may not have taken effect. (A READ or FLUSH is listed only when
+    /// the new server cannot take it again, e.g. a smaller maximum I/O size.) Requests not
+    /// listed were answered: an acknowledged WRITE is never listed. The connection is back
+    /// and the caller decides: rewrite the range, read it back, or give up.
+    #[error(
+        "connection lost with {} request(s) unanswered, outcome unknown{}",
+        requests.len(), first_request_suffix(requests)
+    )]
+    OutcomeUnknown { requests: Vec<InterruptedRequest> },
+    /// Reconnecting failed: `attempts` connection attempts within `elapsed` of the break, the
+    /// last one failing with `last_error`. `interrupted` lists the requests that will never
+    /// be answered (those that change state have an unknown outcome). The client stays
+    /// disconnected; its next call tries again with a fresh budget.
+    #[error("gave up reconnecting after {attempts} attempt(s) in {elapsed:?}: {last_error}")]
+    ReconnectGaveUp {
+        attempts: u32,
+        elapsed: Duration,
+        #[source]
+        last_error: Box<ClientError>,
+        interrupted: Vec<InterruptedRequest>,
+    },
+    /// Reconnected, but the server refused to BIND again the tenant this connection was bound
+    /// to: a restarted server forgets the tenants registered over the wire. The new
+    /// connection is up and charged to the namespace's default tenant (register and bind
+    /// again); nothing was repeated, `interrupted` lists what will never be answered.
+    #[error("tenant {handle} lost across a reconnect: {refusal}")]
+    TenantLost {
+        handle: u64,
+        #[source]
+        refusal: Box<ClientError>,
+        interrupted: Vec<InterruptedRequest>,
+    },
+}
+
+fn first_request_suffix(requests: &[InterruptedRequest]) -> String {
+    match requests.first() {
+        Some(request) => format!(
+            ", first {:?} of {} bytes at {} of namespace {}",
+            request.opcode, request.length_bytes, request.offset_bytes, request.namespace
+        ),
+        None => String::new(),
+    }
 }
 
 fn reason_suffix(reason: &Option<String>) -> String {
@@ -104,6 +160,24 @@ impl ClientError {
             ClientError::Status { status, .. } => Some(*status),
             ClientError::Refused { .. } => Some(Status::Refused),
             _ => None,
+        }
+    }
+
+    /// Whether the connection itself failed (EOF, reset, timeout, any socket error): what a
+    /// [`crate::ReconnectPolicy`] repairs.
+    pub fn is_connection_lost(&self) -> bool {
+        matches!(self, ClientError::Io(_) | ClientError::Closed)
+    }
+
+    /// The requests this error says will never be answered: those of
+    /// [`ClientError::OutcomeUnknown`], [`ClientError::ReconnectGaveUp`] and
+    /// [`ClientError::TenantLost`]; empty for every other error.
+    pub fn unanswered_requests(&self) -> &[InterruptedRequest] {
+        match self {
+            ClientError::OutcomeUnknown { requests } => requests,
+            ClientError::ReconnectGaveUp { interrupted, .. }
+            | ClientError::TenantLost { interrupted, .. } => interrupted,
+            _ => &[],
         }
     }
 }

@@ -23,28 +23,47 @@
 //! `ionice -c 1` or `ionice -c 3` and the server sees class 1 or 3 without any code change
 //! ([`ClientOptions::io_priority`] overrides it).
 //!
-//! Architecture invariant: the core has no I/O and no clock; the std drivers own the socket.
+//! Surviving server restarts is opt-in: `ClientOptions::default().with_reconnect(policy)`
+//! with a [`ReconnectPolicy`] (`attempts_max`, `backoff_initial`, `backoff_max`,
+//! `give_up_after`). A call that finds the connection ended, reset or (blocking client)
+//! unanswered within the timeout connects again with exponential backoff and jitter
+//! ([`ReconnectSchedule`]), sends HELLO and BINDs the tenant it was bound to, then repeats
+//! the READ, FLUSH and BIND requests left unanswered and reports the WRITE, TRIM, REGISTER
+//! and UNREGISTER ones as [`ClientError::OutcomeUnknown`] with their ranges
+//! ([`InterruptedRequest`]); an acknowledged write is never reported. Failing that, the call
+//! ends with [`ClientError::ReconnectGaveUp`] or [`ClientError::TenantLost`] (a restarted
+//! server forgets tenants registered over the wire). Off by default, because it changes
+//! what a caller must handle: a write can come back of unknown outcome, calls can block for
+//! `give_up_after`, and a FLUSH repeated on a new server covers what that server holds.
+//! Protocol v1 has no server instance id, so a re-BIND after a restart cannot tell a handle
+//! the new server gave to another tenant from the one it had (`docs/OPERATIONS.md`).
+//!
+//! Architecture invariant: the core has no I/O and no clock; the std drivers own the socket,
+//! the clock and the sleeps between reconnection attempts.
 #![deny(unsafe_code)]
 
 mod blocking;
+mod call;
 mod core;
 #[cfg(test)]
 mod core_tests;
 mod driver;
 mod error;
 mod pipelined;
+mod reconnect;
 mod stream_buffers;
 mod sys;
 mod types;
 
 pub use crate::blocking::{Client, NOTICES_BUFFERED_MAX};
 pub use crate::core::{
-    Completion, ConnectionCore, CoreOptions, IO_SIZE_MAX_BYTES_LIMIT, RECEIVE_BUFFER_MIN,
-    WINDOW_REQUESTS_LIMIT,
+    Completion, ConnectionCore, CoreOptions, IO_SIZE_MAX_BYTES_LIMIT, InterruptedRequest,
+    RECEIVE_BUFFER_MIN, WINDOW_REQUESTS_LIMIT,
 };
 pub use crate::driver::{ClientOptions, HELLO_REQUEST_ID};
 pub use crate::error::{ClientError, ProtocolError, SubmitError};
 pub use crate::pipelined::PipelinedClient;
+pub use crate::reconnect::{JitterSample, ReconnectPolicy, ReconnectSchedule};
 pub use crate::stream_buffers::{BuffersBusy, StreamBuffers};
 pub use crate::sys::io_priority_of_process;
 pub use crate::types::Capabilities;
