@@ -26,6 +26,8 @@ pub const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Starts tried (on fresh ports after the first failure) before giving up.
 pub const START_ATTEMPTS_MAX: u32 = 3;
 const SERVING_MARKER: &str = "reflexd serving";
+/// reflexd's warning while it retries a port the killed process still holds.
+const PORT_IN_USE_MARKER: &str = "address in use";
 
 /// The three ports reflexd serves on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,11 +70,14 @@ pub struct DaemonConfig {
 pub struct Daemon {
     child: Child,
     pub ports: Ports,
+    /// It logged that a port was still in use and waited for it before serving.
+    pub waited_for_port: bool,
     /// Ends when reflexd's stderr closes.
     log_thread: Option<std::thread::JoinHandle<()>>,
 }
 
 enum LogEvent {
+    PortInUse,
     Serving(String),
     Closed,
 }
@@ -134,24 +139,30 @@ impl Daemon {
         let mut daemon = Daemon {
             child,
             ports,
+            waited_for_port: false,
             log_thread: Some(log_thread),
         };
-        match serving.recv_timeout(START_TIMEOUT) {
-            Ok(LogEvent::Serving(line)) => {
-                let expected = format!("native={}", Ports::address(ports.native));
-                if !line.contains(&expected) {
-                    daemon.kill()?;
-                    bail!("reflexd serves elsewhere than asked ({expected}): {line}");
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            match serving.recv_timeout(remaining) {
+                Ok(LogEvent::PortInUse) => daemon.waited_for_port = true,
+                Ok(LogEvent::Serving(line)) => {
+                    let expected = format!("native={}", Ports::address(ports.native));
+                    if !line.contains(&expected) {
+                        daemon.kill()?;
+                        bail!("reflexd serves elsewhere than asked ({expected}): {line}");
+                    }
+                    return Ok(daemon);
                 }
-                Ok(daemon)
-            }
-            Ok(LogEvent::Closed) | Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let status = daemon.wait_exit()?;
-                bail!("reflexd exited before serving ({status})");
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                daemon.kill()?;
-                bail!("reflexd did not log {SERVING_MARKER:?} within {START_TIMEOUT:?}");
+                Ok(LogEvent::Closed) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = daemon.wait_exit()?;
+                    bail!("reflexd exited before serving ({status})");
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    daemon.kill()?;
+                    bail!("reflexd did not log {SERVING_MARKER:?} within {START_TIMEOUT:?}");
+                }
             }
         }
     }
@@ -222,6 +233,8 @@ fn copy_log(stderr: impl std::io::Read, mut log: File, events: &mpsc::Sender<Log
         let _ = writeln!(log, "{line}");
         if line.contains(SERVING_MARKER) {
             let _ = events.send(LogEvent::Serving(line));
+        } else if line.contains(PORT_IN_USE_MARKER) {
+            let _ = events.send(LogEvent::PortInUse);
         }
     }
     let _ = events.send(LogEvent::Closed);

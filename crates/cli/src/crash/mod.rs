@@ -221,6 +221,8 @@ struct Summary {
     writers_finished_before_kill: u64,
     /// Requests answered with an error (0 expected).
     request_errors: u64,
+    /// Starts in which reflexd found a port still held by the killed process and waited for it.
+    starts_that_waited_for_a_port: u64,
     /// The final SIGTERM ended reflexd with exit status 0.
     clean_shutdown: bool,
     injected: Option<Injected>,
@@ -282,6 +284,7 @@ pub fn run(args: Args) -> Result<()> {
         protocols: BTreeMap::new(),
         cycles: Vec::new(),
         injected: None,
+        starts_that_waited_for_a_port: 0,
         clean_shutdown: false,
         progress: Progress::new(args.quiet),
     };
@@ -367,6 +370,7 @@ struct Run<'a> {
     protocols: BTreeMap<&'static str, ProtocolTotals>,
     cycles: Vec<CycleReport>,
     injected: Option<Injected>,
+    starts_that_waited_for_a_port: u64,
     clean_shutdown: bool,
     progress: Progress,
 }
@@ -403,6 +407,7 @@ impl Run<'_> {
     fn start(&mut self, label: &str) -> Result<Daemon> {
         let daemon = Daemon::start(&self.config, self.ports, label)?;
         self.ports = daemon.ports;
+        self.starts_that_waited_for_a_port += u64::from(daemon.waited_for_port);
         Ok(daemon)
     }
 
@@ -653,6 +658,7 @@ impl Run<'_> {
                 .map(|cycle| cycle.writers_finished_before_kill)
                 .sum(),
             request_errors: self.cycles.iter().map(|cycle| cycle.errors).sum(),
+            starts_that_waited_for_a_port: self.starts_that_waited_for_a_port,
             clean_shutdown: self.clean_shutdown,
             injected: self.injected.clone(),
             duration_secs: self.started.elapsed().as_secs_f64(),
@@ -730,7 +736,10 @@ fn print_summary(summary: &Summary) {
             injected.cycle
         );
     }
-    println!("  clean shutdown at the end: {}", summary.clean_shutdown);
+    println!(
+        "  restarts: {} waited for a port the killed reflexd still held; clean shutdown at the end: {}",
+        summary.starts_that_waited_for_a_port, summary.clean_shutdown
+    );
 }
 
 /// Per-cycle progress on stderr: one rewritten line on a terminal, a line per cycle otherwise.
