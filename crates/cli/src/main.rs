@@ -5,13 +5,14 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod calibrate;
+mod crash;
 mod model;
 
 #[derive(Parser)]
 #[command(
     name = "reflex",
     version,
-    about = "ReFlex tools: load generator, calibration, models"
+    about = "ReFlex tools: load generator, calibration, models, crash test"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -28,6 +29,9 @@ enum Command {
     Calibrate(calibrate::Args),
     /// Queueing model of NVMe arbitration: per-class throughput and worst-case latency.
     Model(model::Args),
+    /// Kill reflexd with SIGKILL mid-write over native, original and NBD, restart it, and
+    /// check every acknowledged write that was made durable.
+    CrashTest(crash::Args),
 }
 
 fn main() -> Result<()> {
@@ -43,5 +47,6 @@ fn main() -> Result<()> {
         Command::Pingpong(args) => bench::pingpong::run(args),
         Command::Calibrate(args) => calibrate::run(args),
         Command::Model(args) => model::run(args),
+        Command::CrashTest(args) => crash::run(args),
     }
 }

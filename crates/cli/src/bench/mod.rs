@@ -19,8 +19,8 @@
 //! its SLO, BINDs its connections and sends its own load; the table is per tenant.
 
 mod engine;
-mod nbd;
-mod nbd_core;
+pub(crate) mod nbd;
+pub(crate) mod nbd_core;
 mod pattern;
 pub mod pingpong;
 pub mod point;

@@ -162,7 +162,9 @@ impl BlockingNbd {
     pub fn write(&mut self, offset_bytes: u64, data: &[u8]) -> Result<()> {
         let length = u32::try_from(data.len())?;
         self.core
-            .submit_write_with(0, offset_bytes, length, |buf| buf.copy_from_slice(data))?;
+            .submit_write_with(0, offset_bytes, length, false, |buf| {
+                buf.copy_from_slice(data);
+            })?;
         self.round_trip(None)
     }
 

@@ -16,8 +16,8 @@
 
 use reflex_client::StreamBuffers;
 use reflex_proto::nbd::{
-    Errno, REQUEST_HEADER_SIZE, SIMPLE_REPLY_SIZE, SimpleReplyError, decode_simple_reply,
-    read_request, write_request,
+    Errno, REQUEST_HEADER_SIZE, SIMPLE_REPLY_SIZE, SimpleReplyError, command_flags,
+    decode_simple_reply, flush_request, read_request, write_request,
 };
 
 /// Smallest receive buffer: room for many 4 KiB replies per receive.
@@ -150,20 +150,37 @@ impl NbdCore {
         Ok(())
     }
 
-    /// Queues a WRITE whose payload `fill` writes in place into the transmit buffer.
+    /// Queues a WRITE whose payload `fill` writes in place into the transmit buffer; with
+    /// `fua` the request carries `NBD_CMD_FLAG_FUA` (the export must advertise `SEND_FUA`).
     pub fn submit_write_with(
         &mut self,
         cookie: u64,
         offset_bytes: u64,
         length_bytes: u32,
+        fua: bool,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<(), NbdSubmitError> {
         self.admit(cookie, length_bytes, 0)?;
+        let flags = if fua { command_flags::FUA } else { 0 };
         self.buffers.push_frame(
-            &write_request(cookie, offset_bytes, length_bytes, 0),
+            &write_request(cookie, offset_bytes, length_bytes, flags),
             length_bytes as usize,
             fill,
         );
+        self.record(
+            cookie,
+            Outstanding {
+                read_length_bytes: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// Queues a FLUSH under `cookie` (the export must advertise `SEND_FLUSH`): its reply comes
+    /// once every write acknowledged before the server received it is durable.
+    pub fn submit_flush(&mut self, cookie: u64) -> Result<(), NbdSubmitError> {
+        self.admit(cookie, 0, 0)?;
+        self.buffers.push_frame(&flush_request(cookie), 0, |_| {});
         self.record(
             cookie,
             Outstanding {
@@ -305,7 +322,7 @@ fn frame_bytes(error: u32, outstanding: Outstanding) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use reflex_proto::nbd::{SimpleReply, decode_request};
+    use reflex_proto::nbd::{CommandType, SimpleReply, decode_request};
 
     use super::*;
 
@@ -329,7 +346,7 @@ mod tests {
         let mut core = NbdCore::new();
         core.reserve(4, 4096);
         core.submit_read(0, 8192, 4096).expect("read");
-        core.submit_write_with(1, 0, 512, |buf| buf.fill(0xab))
+        core.submit_write_with(1, 0, 512, false, |buf| buf.fill(0xab))
             .expect("write");
         assert_eq!(core.outstanding_count(), 2);
         let bytes = sent(&mut core);
@@ -362,6 +379,48 @@ mod tests {
         assert_eq!(core.outstanding_count(), 0);
         // The cookie is free again.
         core.submit_read(0, 0, 4096).expect("cookie reused");
+    }
+
+    #[test]
+    fn fua_writes_and_flushes_carry_their_flags_and_commands() {
+        let mut core = NbdCore::new();
+        core.reserve(2, 4096);
+        core.submit_write_with(0, 4096, 512, true, |buf| buf.fill(1))
+            .expect("write");
+        core.submit_flush(1).expect("flush");
+        let bytes = sent(&mut core);
+        assert_eq!(bytes.len(), 28 + 512 + 28);
+        let (write, _) = decode_request(&bytes).expect("magic").expect("header");
+        assert_eq!(write.flags, command_flags::FUA);
+        let (flush, _) = decode_request(&bytes[28 + 512..])
+            .expect("magic")
+            .expect("header");
+        assert_eq!(
+            (
+                flush.cookie,
+                flush.flags,
+                flush.offset_bytes,
+                flush.length_bytes
+            ),
+            (1, 0, 0, 0)
+        );
+        assert_eq!(flush.command_raw, CommandType::Flush.as_u16());
+        // A flush's reply carries no data.
+        core.handle_received_bytes(&[reply(1, 0), reply(0, 0)].concat());
+        assert_eq!(
+            core.poll_completion()
+                .expect("valid")
+                .expect("flush")
+                .cookie,
+            1
+        );
+        assert_eq!(
+            core.poll_completion()
+                .expect("valid")
+                .expect("write")
+                .cookie,
+            0
+        );
     }
 
     #[test]

@@ -81,7 +81,7 @@ impl Wire {
                 )
                 .context("bench WRITE refused by the connection core"),
             Wire::Nbd(core) => core
-                .submit_write_with(request_id, offset_bytes, length_bytes, fill)
+                .submit_write_with(request_id, offset_bytes, length_bytes, false, fill)
                 .context("bench WRITE refused by the NBD core"),
         }
     }
