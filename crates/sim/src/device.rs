@@ -1,14 +1,19 @@
-//! The device the simulated dataplane threads submit to, as a small virtual-time trait, with a
-//! simple deterministic model for the simulator's own tests and an adapter for the emulated
-//! Flash device (`reflex_flash::emu::EmuDevice`) that the scenarios use.
+//! The devices of the simulated server: timing models behind a small virtual-time trait
+//! ([`SimDevice`]: a deterministic fixed-latency model, and the emulated Flash device
+//! `reflex_flash::emu::EmuDevice`), and [`ModelFlash`], which puts any model behind the
+//! `reflex_flash::Device` contract that the real dataplane's driver uses.
 //!
-//! Why a trait of our own: the simulator needs only "submit at `now`, tell me what completed by
-//! `now`, when is the next completion"; keeping that seam small lets the engine be tested with
-//! a model whose latencies are known exactly.
+//! Why models keep no data: a simulation measures time; the bytes of a READ are whatever its
+//! buffer held (the dataplane answers with them) and a WRITE's bytes are dropped, so a long
+//! run costs no memory for data. Integrity is tested on the real server.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use reflex_flash::{
+    Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit,
+};
 use reflex_qos::{IoKind, Nanos};
 
 /// One I/O as the simulated dataplane hands it to the device.
@@ -28,7 +33,7 @@ pub struct SimDone {
     pub completed_at: Nanos,
 }
 
-pub trait SimDevice {
+pub trait SimDevice: Send {
     /// Queues an I/O at `now`; `false` if the device cannot take it now (the caller keeps it).
     fn submit(&mut self, now: Nanos, io: SimIo) -> bool;
     /// Appends every completion due at or before `now`, in completion order.
@@ -181,6 +186,146 @@ impl SimDevice for EmuSimDevice {
 
     fn capacity_bytes(&self) -> u64 {
         self.device.capacity_bytes()
+    }
+}
+
+/// A timing model as a `reflex_flash::Device`: every dataplane thread's queue submits to the
+/// one model (interference is device-wide) and each completion goes back to the queue that
+/// submitted it.
+pub struct ModelFlash {
+    info: DeviceInfo,
+    shared: Arc<Mutex<ModelShared>>,
+}
+
+struct ModelShared {
+    model: Box<dyn SimDevice>,
+    /// By model tag: (queue index, user_data, bytes the operation moves); `None` when free.
+    owners: Vec<Option<(u32, u64, u32)>>,
+    free_tags: Vec<u64>,
+    /// Completions found by one queue's poll for another queue, until that one polls.
+    outboxes: Vec<Vec<Completion>>,
+    scratch: Vec<SimDone>,
+}
+
+impl ModelFlash {
+    pub fn new(model: Box<dyn SimDevice>, description: &str) -> ModelFlash {
+        let size_bytes = model.capacity_bytes();
+        ModelFlash {
+            info: DeviceInfo {
+                size_bytes,
+                block_size: 512,
+                read_only: false,
+                supports_trim: true,
+                description: format!("{description} (simulated, no data)"),
+            },
+            shared: Arc::new(Mutex::new(ModelShared {
+                model,
+                owners: Vec::new(),
+                free_tags: Vec::new(),
+                outboxes: Vec::new(),
+                scratch: Vec::new(),
+            })),
+        }
+    }
+}
+
+fn lock(shared: &Mutex<ModelShared>) -> MutexGuard<'_, ModelShared> {
+    shared
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Device for ModelFlash {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn queue(&self) -> Box<dyn DeviceQueue> {
+        let mut shared = lock(&self.shared);
+        let queue_index = shared.outboxes.len() as u32;
+        shared.outboxes.push(Vec::new());
+        Box::new(ModelQueue {
+            shared: Arc::clone(&self.shared),
+            queue_index,
+        })
+    }
+}
+
+struct ModelQueue {
+    shared: Arc<Mutex<ModelShared>>,
+    queue_index: u32,
+}
+
+impl DeviceQueue for ModelQueue {
+    fn submit(&mut self, op: DeviceOp<'_>, now: Nanos) -> Submit {
+        let (kind, offset, len, moved) = match &op.kind {
+            OpKind::Read { offset, buf } => {
+                (IoKind::Read, *offset, buf.len() as u32, buf.len() as u32)
+            }
+            OpKind::Write { offset, buf, .. } => {
+                (IoKind::Write, *offset, buf.len() as u32, buf.len() as u32)
+            }
+            // Flushes and trims cost the model one small write.
+            OpKind::Flush => (IoKind::Write, 0, 4096, 0),
+            OpKind::Trim { offset, .. } => (IoKind::Write, *offset, 4096, 0),
+        };
+        let mut guard = lock(&self.shared);
+        let shared = &mut *guard;
+        let tag = match shared.free_tags.pop() {
+            Some(tag) => tag,
+            None => {
+                shared.owners.push(None);
+                shared.owners.len() as u64 - 1
+            }
+        };
+        let io = SimIo {
+            tag,
+            kind,
+            offset,
+            len,
+            queue: op.queue,
+        };
+        if !shared.model.submit(now, io) {
+            shared.free_tags.push(tag);
+            return Submit::Done(Err(FlashError::Io {
+                errno: libc::EAGAIN,
+            }));
+        }
+        shared.owners[tag as usize] = Some((self.queue_index, op.user_data, moved));
+        Submit::Pending
+    }
+
+    fn poll_completions(&mut self, now: Nanos, out: &mut Vec<Completion>) {
+        let mut guard = lock(&self.shared);
+        let shared = &mut *guard;
+        out.append(&mut shared.outboxes[self.queue_index as usize]);
+        let mut scratch = std::mem::take(&mut shared.scratch);
+        shared.model.advance(now, &mut scratch);
+        for done in scratch.drain(..) {
+            let Some((queue_index, user_data, moved)) = shared.owners[done.tag as usize].take()
+            else {
+                panic!("the model completed unknown tag {}", done.tag);
+            };
+            shared.free_tags.push(done.tag);
+            let completion = Completion {
+                user_data,
+                result: Ok(moved),
+            };
+            if queue_index == self.queue_index {
+                out.push(completion);
+            } else {
+                shared.outboxes[queue_index as usize].push(completion);
+            }
+        }
+        shared.scratch = scratch;
+    }
+
+    fn next_deadline(&self) -> Option<Nanos> {
+        let shared = lock(&self.shared);
+        if !shared.outboxes[self.queue_index as usize].is_empty() {
+            return Some(Nanos::ZERO);
+        }
+        shared.model.next_event()
     }
 }
 

@@ -15,15 +15,19 @@
 
 pub mod device;
 pub mod engine;
+pub mod network;
 pub mod report;
 pub mod scenario;
+pub mod server;
 
 use reflex_qos::{Nanos, Policy, TenantSpec};
 
-pub use device::{EmuSimDevice, FixedDevice, SimDevice, SimDone, SimIo};
+pub use device::{EmuSimDevice, FixedDevice, ModelFlash, SimDevice, SimDone, SimIo};
 pub use engine::{Load, SimConfig, SimError, SimTenant};
+pub use network::NetworkModel;
 pub use report::{PointReport, ScenarioReport, TenantReport};
 pub use scenario::{LoadedScenario, Scenario, ScenarioError};
+pub use server::{SocketId, VirtualServer, VirtualServerError, VirtualServerSetup};
 
 use scenario::{ClassToml, TenantSpecToml};
 
@@ -116,6 +120,7 @@ pub fn sim_config(
         warmup: Nanos::from_millis(options.warmup_ms.unwrap_or(scenario.warmup_ms)),
         duration: Nanos::from_millis(options.duration_ms.unwrap_or(scenario.duration_ms)),
         tenants,
+        network: scenario.network.model(),
     }
 }
 
@@ -153,7 +158,10 @@ pub fn run_point(loaded: &LoadedScenario, config: &SimConfig) -> Result<PointRep
     Ok(engine::run(config, device)?)
 }
 
-fn make_device(loaded: &LoadedScenario, seed: u64) -> Result<Box<dyn SimDevice>, RunError> {
+fn make_device(
+    loaded: &LoadedScenario,
+    seed: u64,
+) -> Result<std::sync::Arc<dyn reflex_flash::Device>, RunError> {
     let spec = &loaded.scenario.device;
     let capacity_bytes = spec.capacity_gib << 30;
     if let Some(fixed) = spec.fixed {
@@ -164,7 +172,10 @@ fn make_device(loaded: &LoadedScenario, seed: u64) -> Result<Box<dyn SimDevice>,
             fixed.queue_depth_max,
         );
         device.set_capacity_bytes(capacity_bytes);
-        return Ok(Box::new(device));
+        return Ok(std::sync::Arc::new(ModelFlash::new(
+            Box::new(device),
+            "fixed-latency model",
+        )));
     }
     let name = spec.emulated.as_deref().unwrap_or("device-a");
     let resolved = if name.contains('/') || name.ends_with(".toml") {
@@ -176,5 +187,8 @@ fn make_device(loaded: &LoadedScenario, seed: u64) -> Result<Box<dyn SimDevice>,
         .map_err(|e| RunError::Device(e.to_string()))?;
     let device = reflex_flash::emu::EmuDevice::new(profile, capacity_bytes, seed)
         .map_err(|e| RunError::Device(e.to_string()))?;
-    Ok(Box::new(EmuSimDevice::new(device)))
+    Ok(std::sync::Arc::new(ModelFlash::new(
+        Box::new(EmuSimDevice::new(device)),
+        &format!("emulated {name}"),
+    )))
 }

@@ -24,15 +24,17 @@ pub struct TenantReport {
     pub reads: u64,
     pub read_p95_us: f64,
     pub read_p99_us: f64,
-    /// p95 of the part of read latency spent before the device (client window and scheduler
-    /// queue), to tell scheduling delay from device latency.
-    pub read_wait_p95_us: f64,
+    /// Mean time its device operations waited in the dataplane's QoS scheduler (from the
+    /// server's own per-tenant figures), to tell scheduling delay from device latency.
+    pub scheduler_wait_us_mean: f64,
     /// Tokens its requests cost, per second.
     pub tokens_per_sec: f64,
     /// LC tenants: p95 within the SLO and (open loop) at least 99 % of the IOPS that arrived.
     pub slo_met: Option<bool>,
     /// Renegotiation notices (deficit-limit episodes) the control plane raised.
     pub notices: u64,
+    /// Requests answered with an error status.
+    pub errors: u64,
     /// Arrivals dropped because the client's backlog was full.
     pub shed: u64,
     /// Arrivals still held by the client at the end.
@@ -87,7 +89,7 @@ impl PointReport {
         let _ = writeln!(out);
         let _ = writeln!(
             out,
-            "| tenant | class | SLO | sent IOPS | IOPS | read p95 µs | read p99 µs | wait p95 µs | tokens/s | SLO met | notices |"
+            "| tenant | class | SLO | sent IOPS | IOPS | read p95 µs | read p99 µs | sched wait µs | tokens/s | SLO met | notices |"
         );
         let _ = writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|");
         for t in &self.tenants {
@@ -116,7 +118,7 @@ impl PointReport {
                 t.iops / 1e3,
                 t.read_p95_us,
                 t.read_p99_us,
-                t.read_wait_p95_us,
+                t.scheduler_wait_us_mean,
                 t.tokens_per_sec / 1e3,
                 t.notices,
             );

@@ -13,6 +13,10 @@
 //! profile = "../profiles/device-a.toml"   # the calibrated QoS profile the scheduler uses
 //! capacity_gib = 64
 //!
+//! [network]                        # optional: every connection, both directions
+//! latency_us = 10                  # one-way delay (default 0)
+//! gbit_per_sec = 10                # bandwidth per direction (default 0: unlimited)
+//!
 //! [qos_config]                     # optional QosConfig overrides (docs/QOS.md)
 //! loan_max_tokens = 50.0
 //!
@@ -37,6 +41,28 @@ use std::path::{Path, PathBuf};
 use reflex_qos::{DeviceProfile, QosConfig};
 use serde::{Deserialize, Serialize};
 
+/// The virtual network between the simulated clients and server.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSpec {
+    /// One-way delay of every send, in microseconds.
+    #[serde(default)]
+    pub latency_us: u64,
+    /// Bandwidth of each direction of each connection; 0: unlimited.
+    #[serde(default)]
+    pub gbit_per_sec: u64,
+}
+
+impl NetworkSpec {
+    pub fn model(&self) -> crate::network::NetworkModel {
+        crate::network::NetworkModel {
+            latency: reflex_qos::Nanos(self.latency_us * 1_000),
+            bytes_per_sec: self.gbit_per_sec * 125_000_000,
+            ..crate::network::NetworkModel::default()
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
@@ -55,6 +81,8 @@ pub struct Scenario {
     pub device: DeviceSpec,
     #[serde(default)]
     pub qos_config: Option<QosConfig>,
+    #[serde(default)]
+    pub network: NetworkSpec,
     #[serde(rename = "tenant")]
     pub tenants: Vec<TenantSpecToml>,
     #[serde(default)]

@@ -360,7 +360,7 @@ fn without_lending_clients_at_their_reservation_queue_at_the_scheduler() {
         point.table()
     );
     assert!(
-        b.read_wait_p95_us > 500.0,
+        b.scheduler_wait_us_mean > 500.0,
         "seed {}: the delay is scheduler queueing\n{}",
         point.seed,
         point.table()

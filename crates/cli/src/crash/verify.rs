@@ -25,6 +25,7 @@ pub fn verify_and_settle(address: SocketAddr, model: &mut Model) -> Result<Verif
     let options = ClientOptions {
         timeout: Some(IO_TIMEOUT),
         io_priority: None,
+        reconnect: None,
     };
     let mut client = PipelinedClient::connect_with(address, &options)
         .with_context(|| format!("verifier connecting to {address}"))?;

@@ -326,7 +326,8 @@ fn pick_blocks(
 
 /// One connection of any of the three protocols, driven blocking.
 enum Link {
-    Native(PipelinedClient),
+    /// Boxed: the pipelined client is several times larger than the other links.
+    Native(Box<PipelinedClient>),
     Nbd {
         stream: TcpStream,
         core: NbdCore,
@@ -345,6 +346,7 @@ impl Link {
                 let options = ClientOptions {
                     timeout: Some(IO_TIMEOUT),
                     io_priority: None,
+                    reconnect: None,
                 };
                 let client = PipelinedClient::connect_with(plan.address, &options)
                     .with_context(|| format!("native connection to {}", plan.address))?;
@@ -355,7 +357,7 @@ impl Link {
                         plan.queue_depth
                     );
                 }
-                Ok(Link::Native(client))
+                Ok(Link::Native(Box::new(client)))
             }
             Protocol::Nbd => {
                 let (stream, mut core, export) = nbd_connect(plan.address, "ns1")?;
