@@ -265,12 +265,17 @@ impl DeviceQueue for FileQueue {
         Submit::Ring(entry.user_data(op.user_data))
     }
 
-    fn complete_ring(&mut self, _user_data: u64, cqe_result: i32) -> Result<u32, FlashError> {
-        match cqe_result {
+    fn complete_ring(
+        &mut self,
+        _user_data: u64,
+        cqe_result: i32,
+        _now: Nanos,
+    ) -> Option<Result<u32, FlashError>> {
+        Some(match cqe_result {
             result if result >= 0 => Ok(result as u32),
             result if -result == libc::EOPNOTSUPP => Err(FlashError::Unsupported),
             result => Err(FlashError::Io { errno: -result }),
-        }
+        })
     }
 }
 

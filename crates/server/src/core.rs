@@ -877,9 +877,15 @@ impl Core {
                 let Action::Io(io) = request.action else {
                     panic!("device completion for a request without I/O");
                 };
-                let result = self.queues[usize::from(io.namespace_index)]
-                    .complete_ring(cqe.user_data, cqe.result);
-                self.complete_io(index, result, now);
+                // None: the device deferred the outcome (fault injection); it will come out
+                // of poll_completions and the request stays Submitted until then.
+                if let Some(result) = self.queues[usize::from(io.namespace_index)].complete_ring(
+                    cqe.user_data,
+                    cqe.result,
+                    now,
+                ) {
+                    self.complete_io(index, result, now);
+                }
             }
             Kind::Wake => {
                 self.wake_in_flight = false;
