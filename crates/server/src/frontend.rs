@@ -757,7 +757,8 @@ mod tests {
     use super::*;
 
     fn namespaces() -> NamespaceSet {
-        let device = reflex_flash::spec::open("null:1M", None).unwrap_or_else(|e| panic!("{e}"));
+        let device = reflex_flash::spec::open("null:1M", Default::default())
+            .unwrap_or_else(|e| panic!("{e}"));
         NamespaceSet::new(vec![(7, device, false)])
     }
 
