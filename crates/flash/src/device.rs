@@ -19,9 +19,12 @@
 //! them). The buffer belongs to the device until the kernel's CQE (ring) or `submit`'s return
 //! (anything else); a deferred report does not extend that.
 
+use std::sync::Arc;
+
 use reflex_qos::Nanos;
 
 use crate::FlashError;
+use crate::fault::FaultControls;
 
 /// What one request asks of the device.
 #[derive(Debug)]
@@ -97,6 +100,13 @@ pub trait Device: Send + Sync {
     fn info(&self) -> &DeviceInfo;
     /// A queue for one dataplane thread.
     fn queue(&self) -> Box<dyn DeviceQueue>;
+
+    /// The run-time switch of a fault-injecting device ([`crate::fault`]), so an admin
+    /// interface holding only `Arc<dyn Device>` can change its faults; `None` for every device
+    /// that injects none.
+    fn fault_controls(&self) -> Option<Arc<FaultControls>> {
+        None
+    }
 }
 
 /// One thread's access to a [`Device`]. Not shared between threads.

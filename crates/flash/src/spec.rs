@@ -6,6 +6,7 @@
 //! | `mem:SIZE` | RAM ([`crate::mem`]) |
 //! | `null` or `null:SIZE` | discards writes, reads zeroes ([`crate::null`]) |
 //! | `emu:NAME` | the emulated Flash device with profile `NAME` ([`crate::emu`]) |
+//! | `fault:SPEC` or `fault(KEY=VALUE;...):SPEC` | any of these with injected faults ([`crate::fault`]) |
 //!
 //! The text before the first `:` must be one of those kinds ([`BACKEND_KINDS`]): a typo such
 //! as `foo:bar` is refused rather than taken as a file name, so a path that really contains
@@ -27,13 +28,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::emu::{EMU_SIZE_DEFAULT_BYTES, EmuFlash};
+use crate::fault::FaultDevice;
 use crate::file::FileDevice;
 use crate::mem::MemDevice;
 use crate::null::{NULL_SIZE_DEFAULT_BYTES, NullDevice};
 use crate::{Device, FlashError};
 
 /// The kinds a spec may start with (`KIND:...`).
-pub const BACKEND_KINDS: [&str; 4] = ["file", "mem", "null", "emu"];
+pub const BACKEND_KINDS: [&str; 5] = ["file", "mem", "null", "emu", "fault"];
 
 /// How to open a namespace's device, besides its spec.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -55,6 +57,16 @@ pub fn open(spec: &str, options: OpenOptions) -> Result<Arc<dyn Device>, FlashEr
     let spec_trimmed = spec.trim();
     if spec_trimmed.is_empty() {
         return Err(fail("empty backend spec".into()));
+    }
+    if spec_trimmed.starts_with("fault:")
+        || spec_trimmed.starts_with("fault(")
+        || spec_trimmed == "fault"
+    {
+        let (plan, inner_spec) =
+            crate::fault::split_spec(spec_trimmed).map_err(|e| fail(e.to_string()))?;
+        let inner = open(inner_spec, options)?;
+        let device = FaultDevice::new(inner, plan).map_err(|e| fail(e.to_string()))?;
+        return Ok(Arc::new(device));
     }
     let (kind, rest) = match spec_trimmed.split_once(':') {
         Some((kind, rest)) if BACKEND_KINDS.contains(&kind) => (kind, Some(rest)),
@@ -322,7 +334,7 @@ mod tests {
             size_bytes,
             read_only: true,
         };
-        for spec in ["mem:1M", "null:1M", "emu:device-a-small"] {
+        for spec in ["mem:1M", "null:1M", "emu:device-a-small", "fault:mem:1M"] {
             let device = open(spec, read_only(None)).unwrap_or_else(|e| panic!("{spec}: {e}"));
             assert!(device.info().read_only, "{spec}");
             let data = [1u8; 512];
@@ -359,5 +371,47 @@ mod tests {
         let device = open(&spec, read_only(None)).unwrap_or_else(|e| panic!("{e}"));
         assert!(device.info().read_only);
         assert!(device.info().description.contains("O_RDONLY"));
+    }
+
+    #[test]
+    fn fault_specs() {
+        let device = open("fault:mem:1M", sized(None)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(device.info().size_bytes, 1 << 20);
+        let controls = device
+            .fault_controls()
+            .unwrap_or_else(|| panic!("a fault device has controls"));
+        assert!(controls.plan().is_empty());
+        let device = open(
+            "fault(read_error_rate=1%;delay=5ms;delay_every=10):fault(stall):null",
+            sized(Some(1 << 20)),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(device.info().size_bytes, 1 << 20);
+        let plan = device.fault_controls().map(|c| c.plan());
+        assert_eq!(plan.map(|p| p.read.error_rate), Some(0.01));
+        assert!(open("mem:1M", sized(None)).is_ok_and(|device| device.fault_controls().is_none()));
+
+        for (spec, expected) in [
+            ("fault", "needs an inner backend"),
+            ("fault:", "needs an inner backend"),
+            ("fault():", "needs an inner backend"),
+            ("fault(stall", "no closing"),
+            ("fault(stall)mem:1M", "followed by ':'"),
+            ("fault(bogus=1):mem:1M", "unknown fault parameter \"bogus\""),
+            ("fault(read_error_rate=2):mem:1M", "rate between 0 and 1"),
+            ("fault(delay=5):mem:1M", "duration"),
+            ("fault(delay_every=3):mem:1M", "needs delay"),
+            (
+                "fault(flush_error_lba=1-2):mem:1M",
+                "flush has no block range",
+            ),
+            ("fault(errno=EWHAT):mem:1M", "EIO"),
+            ("fault(seed=1,seed=2):mem:1M", "given twice"),
+            ("fault(read_error_rate=1%):foo:bar", "unknown backend kind"),
+            ("fault:mem", "mem needs a size"),
+        ] {
+            let error = open_error(spec, sized(None));
+            assert!(error.contains(expected), "{spec}: {error}");
+        }
     }
 }
