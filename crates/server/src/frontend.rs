@@ -208,6 +208,9 @@ impl Answer {
             Answer::Native(status) => status,
             // Not produced for native requests; the nearest meaning.
             Answer::Nbd(_) | Answer::Unsupported => Status::Invalid,
+            Answer::DeviceError {
+                errno: libc::ENOSPC | libc::EDQUOT,
+            } => Status::NoSpace,
             Answer::DeviceError { .. } => Status::IoError,
         }
     }
@@ -1144,5 +1147,14 @@ mod tests {
             Answer::DeviceError { errno: libc::EIO }.native_status(),
             Status::IoError
         );
+    }
+
+    #[test]
+    fn out_of_space_has_its_own_native_status() {
+        let status = |linux| Answer::DeviceError { errno: linux }.native_status();
+        assert_eq!(status(libc::ENOSPC), Status::NoSpace);
+        assert_eq!(status(libc::EDQUOT), Status::NoSpace);
+        assert_eq!(status(libc::EIO), Status::IoError);
+        assert_eq!(status(libc::EROFS), Status::IoError);
     }
 }
