@@ -261,6 +261,25 @@ fn error_status_becomes_typed_error_with_reason() {
 }
 
 #[test]
+fn out_of_space_is_a_typed_status_error() {
+    let mut core = core_with_window(1);
+    core.submit_write(7, 0, 0, &[1; 512], false).expect("write");
+    sent_bytes(&mut core);
+    feed(&mut core, &response(Opcode::Write, Status::NoSpace, 7, &[]));
+    let completion = core.poll_completion().expect("ok").expect("buffered");
+    let error = completion.result().expect_err("no space is an error");
+    assert_eq!(error.status(), Some(Status::NoSpace));
+    assert!(matches!(
+        error,
+        ClientError::Status {
+            opcode: Opcode::Write,
+            status: Status::NoSpace,
+            reason: None,
+        }
+    ));
+}
+
+#[test]
 fn unknown_status_is_an_error_not_a_protocol_violation() {
     let mut core = core_with_window(1);
     core.submit_flush(1, 0).expect("flush");

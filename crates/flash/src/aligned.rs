@@ -12,6 +12,8 @@
 //!   relaxed loads and stores of whole words are defined behaviour, so `mem:` needs no locks.
 //!   Pages are mapped lazily by the kernel (`MAP_NORESERVE`), so a large `mem:` costs memory
 //!   only for what is written.
+//! - `test_ring` (tests only) pushes a device's ring entry on a real io_uring and waits for
+//!   its CQE, so file devices are tested through the kernel rather than a mock.
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
@@ -170,6 +172,67 @@ impl std::fmt::Debug for AtomicRegion {
         f.debug_struct("AtomicRegion")
             .field("words", &self.words)
             .finish()
+    }
+}
+
+/// A real io_uring for tests that drive file devices one operation at a time.
+#[cfg(all(test, feature = "uring"))]
+pub(crate) mod test_ring {
+    use io_uring::IoUring;
+    use reflex_qos::Nanos;
+
+    use crate::{DeviceOp, DeviceQueue, FlashError, Submit};
+
+    /// How [`TestRing::submit_and_wait`] ended.
+    #[derive(Debug, PartialEq, Eq)]
+    pub(crate) enum Outcome {
+        /// Complete: `Submit::Done`, or `complete_ring` returned `Some`.
+        Done(Result<u32, FlashError>),
+        /// `Submit::Pending`, or a CQE the queue deferred: `poll_completions` reports it.
+        Deferred,
+    }
+
+    pub(crate) struct TestRing {
+        ring: IoUring,
+    }
+
+    impl TestRing {
+        pub(crate) fn new() -> TestRing {
+            let ring = IoUring::new(8).unwrap_or_else(|e| panic!("io_uring: {e}"));
+            TestRing { ring }
+        }
+
+        /// Submits `op` to `queue` at `submitted_at`; a ring entry is pushed, its CQE awaited
+        /// and handed to `complete_ring` at `completed_at` before this returns.
+        pub(crate) fn submit_and_wait(
+            &mut self,
+            queue: &mut dyn DeviceQueue,
+            op: DeviceOp<'_>,
+            submitted_at: Nanos,
+            completed_at: Nanos,
+        ) -> Outcome {
+            let entry = match queue.submit(op, submitted_at) {
+                Submit::Done(result) => return Outcome::Done(result),
+                Submit::Pending => return Outcome::Deferred,
+                Submit::Ring(entry) => entry,
+            };
+            let user_data = entry.get_user_data();
+            // SAFETY: the entry points into the buffer `op` borrows, and that borrow outlives
+            // this call (it is an argument); the CQE is awaited below before returning, so the
+            // kernel is done with the buffer while it is still borrowed.
+            let pushed = unsafe { self.ring.submission().push(&entry) };
+            assert!(pushed.is_ok(), "an empty ring has room for one entry");
+            let waited = self.ring.submit_and_wait(1);
+            assert!(waited.is_ok(), "io_uring_enter: {waited:?}");
+            let Some(cqe) = self.ring.completion().next() else {
+                panic!("submit_and_wait(1) returned without a CQE");
+            };
+            assert_eq!(cqe.user_data(), user_data);
+            match queue.complete_ring(user_data, cqe.result(), completed_at) {
+                Some(result) => Outcome::Done(result),
+                None => Outcome::Deferred,
+            }
+        }
     }
 }
 

@@ -10,10 +10,21 @@
 //! points into that buffer; the dataplane keeps the slot alive until the CQE arrives (that is
 //! the safety contract of pushing the entry). Synchronous and emulated devices copy data during
 //! `submit` and keep no pointer.
+//!
+//! Completion: every submitted operation completes exactly once, by one of three routes —
+//! [`Submit::Done`] at once; [`DeviceQueue::complete_ring`] returning `Some` for the CQE of a
+//! [`Submit::Ring`] entry; or a [`Completion`] out of [`DeviceQueue::poll_completions`], which
+//! is where [`Submit::Pending`] operations end *and* ring operations whose CQE
+//! `complete_ring` deferred (returned `None`, as the fault injector does to delay or stall
+//! them). The buffer belongs to the device until the kernel's CQE (ring) or `submit`'s return
+//! (anything else); a deferred report does not extend that.
+
+use std::sync::Arc;
 
 use reflex_qos::Nanos;
 
 use crate::FlashError;
+use crate::fault::FaultControls;
 
 /// What one request asks of the device.
 #[derive(Debug)]
@@ -89,6 +100,13 @@ pub trait Device: Send + Sync {
     fn info(&self) -> &DeviceInfo;
     /// A queue for one dataplane thread.
     fn queue(&self) -> Box<dyn DeviceQueue>;
+
+    /// The run-time switch of a fault-injecting device ([`crate::fault`]), so an admin
+    /// interface holding only `Arc<dyn Device>` can change its faults; `None` for every device
+    /// that injects none.
+    fn fault_controls(&self) -> Option<Arc<FaultControls>> {
+        None
+    }
 }
 
 /// One thread's access to a [`Device`]. Not shared between threads.
@@ -97,17 +115,29 @@ pub trait DeviceQueue {
     /// [`DeviceInfo`] by the caller (asserted inside).
     fn submit(&mut self, op: DeviceOp<'_>, now: Nanos) -> Submit;
 
-    /// Turn the CQE of a [`Submit::Ring`] operation into its outcome.
-    fn complete_ring(&mut self, user_data: u64, cqe_result: i32) -> Result<u32, FlashError> {
-        let _ = user_data;
+    /// Turn the CQE of a [`Submit::Ring`] operation, arrived at `now`, into its outcome.
+    ///
+    /// `Some(result)`: the operation is complete. `None`: the device deferred the outcome
+    /// (a fault injector delaying or stalling it); the operation is still in flight and its
+    /// result will come out of [`poll_completions`](Self::poll_completions) under the same
+    /// `user_data`, no earlier than [`next_deadline`](Self::next_deadline) says. The kernel is
+    /// done with the buffer either way.
+    fn complete_ring(
+        &mut self,
+        user_data: u64,
+        cqe_result: i32,
+        now: Nanos,
+    ) -> Option<Result<u32, FlashError>> {
+        let _ = (user_data, now);
         if cqe_result < 0 {
-            Err(FlashError::Io { errno: -cqe_result })
+            Some(Err(FlashError::Io { errno: -cqe_result }))
         } else {
-            Ok(cqe_result as u32)
+            Some(Ok(cqe_result as u32))
         }
     }
 
-    /// Completions of [`Submit::Pending`] operations that are due at `now`.
+    /// Completions due at `now`: of [`Submit::Pending`] operations, and of ring operations
+    /// whose [`complete_ring`](Self::complete_ring) returned `None`.
     fn poll_completions(&mut self, now: Nanos, out: &mut Vec<Completion>) {
         let _ = (now, out);
     }

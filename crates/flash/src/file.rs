@@ -13,6 +13,11 @@
 //! KEEP_SIZE)` on block devices (a discard that guarantees zeroes, falling back to writing
 //! them). The dataplane keeps each buffer alive until its CQE arrives, and treats a short
 //! transfer as an I/O error.
+//!
+//! A read-only namespace opens its file `O_RDONLY`, so not even a bug above this module can
+//! write to it: the queue refuses WRITE and TRIM with `EROFS` before they reach the ring, and
+//! the kernel would answer `EBADF` if one got through. Such a file must already exist and be
+//! at least the configured size (nothing can create or grow it).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
@@ -45,7 +50,12 @@ impl FileDevice {
     /// - Existing regular file: `size_bytes` `None` serves the whole file; a larger size grows
     ///   it sparsely; a smaller size serves only that prefix.
     /// - Block device: serves `size_bytes` or the whole device; larger than the device fails.
-    pub fn open(path: &Path, size_bytes: Option<u64>) -> Result<FileDevice, FlashError> {
+    /// - `read_only`: opened `O_RDONLY`; a missing file, or one smaller than `size_bytes`, fails.
+    pub fn open(
+        path: &Path,
+        size_bytes: Option<u64>,
+        read_only: bool,
+    ) -> Result<FileDevice, FlashError> {
         let spec = format!("file:{}", path.display());
         let fail = |reason: String| FlashError::Open {
             spec: spec.clone(),
@@ -71,6 +81,11 @@ impl FileDevice {
                 return Err(fail("not a regular file or block device".into()));
             }
         } else {
+            if read_only {
+                return Err(fail(
+                    "the file does not exist, and a read-only namespace cannot create it".into(),
+                ));
+            }
             if size_bytes.is_none() {
                 return Err(fail(
                     "the file does not exist; give a size to create it".into(),
@@ -82,7 +97,8 @@ impl FileDevice {
             }
         }
 
-        let (mut file, direct_io, fallback_reason) = open_direct_or_buffered(path, &fail)?;
+        let (mut file, direct_io, fallback_reason) =
+            open_direct_or_buffered(path, read_only, &fail)?;
         let current_size = file
             .seek(SeekFrom::End(0))
             .map_err(|e| fail(format!("cannot find the size: {e}")))?;
@@ -92,6 +108,12 @@ impl FileDevice {
             Some(size) if block_device => {
                 return Err(fail(format!(
                     "size {size} is larger than the block device ({current_size} bytes)"
+                )));
+            }
+            Some(size) if read_only => {
+                return Err(fail(format!(
+                    "size {size} is larger than the file ({current_size} bytes), and a \
+                     read-only namespace cannot grow it"
                 )));
             }
             Some(size) => {
@@ -109,10 +131,13 @@ impl FileDevice {
             )));
         }
         let kind = if block_device { "block device" } else { "file" };
-        let mode = match &fallback_reason {
+        let mut mode = match &fallback_reason {
             None => "O_DIRECT".to_string(),
             Some(reason) => format!("buffered: O_DIRECT refused: {reason}"),
         };
+        if read_only {
+            mode.push_str(", O_RDONLY");
+        }
         if let Some(reason) = &fallback_reason {
             tracing::warn!(path = %path.display(), %reason, "O_DIRECT refused; using buffered I/O");
         }
@@ -121,7 +146,7 @@ impl FileDevice {
             info: DeviceInfo {
                 size_bytes: size,
                 block_size: FILE_BLOCK_SIZE,
-                read_only: false,
+                read_only,
                 supports_trim: true,
                 description: format!("{kind} {} ({mode}, {size} bytes)", path.display()),
             },
@@ -140,22 +165,28 @@ impl FileDevice {
     }
 }
 
-/// Opens read-write with O_DIRECT, or without it when the filesystem refuses (EINVAL).
+/// Opens with O_DIRECT, or without it when the filesystem refuses (EINVAL); read-write
+/// (creating a missing file), or `O_RDONLY` for a read-only namespace.
 fn open_direct_or_buffered(
     path: &Path,
+    read_only: bool,
     fail: &dyn Fn(String) -> FlashError,
 ) -> Result<(File, bool, Option<String>), FlashError> {
-    let mut options = OpenOptions::new();
-    options.read(true).write(true).create(true).truncate(false);
-    options.custom_flags(libc::O_DIRECT);
-    match options.open(path) {
+    let options = |direct: bool| {
+        let mut options = OpenOptions::new();
+        options.read(true);
+        if !read_only {
+            options.write(true).create(true).truncate(false);
+        }
+        if direct {
+            options.custom_flags(libc::O_DIRECT);
+        }
+        options
+    };
+    match options(true).open(path) {
         Ok(file) => Ok((file, true, None)),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
+            let file = options(false)
                 .open(path)
                 .map_err(|e| fail(format!("cannot open: {e}")))?;
             Ok((file, false, Some(e.to_string())))
@@ -173,6 +204,7 @@ impl Device for FileDevice {
         Box::new(FileQueue {
             file: Arc::clone(&self.file),
             size_bytes: self.info.size_bytes,
+            read_only: self.info.read_only,
             direct_io: self.direct_io,
             trim_mode: if self.block_device {
                 libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
@@ -187,6 +219,8 @@ struct FileQueue {
     /// Keeps the descriptor open for as long as any queue (and its in-flight entries) lives.
     file: Arc<File>,
     size_bytes: u64,
+    /// The descriptor is `O_RDONLY`: writes and trims are refused before the ring.
+    read_only: bool,
     direct_io: bool,
     trim_mode: i32,
 }
@@ -220,6 +254,9 @@ impl FileQueue {
 
 impl DeviceQueue for FileQueue {
     fn submit(&mut self, op: DeviceOp<'_>, _now: Nanos) -> Submit {
+        if self.read_only && matches!(op.kind, OpKind::Write { .. } | OpKind::Trim { .. }) {
+            return Submit::Done(Err(FlashError::Io { errno: libc::EROFS }));
+        }
         let fd = types::Fd(self.file.as_raw_fd());
         let entry = match op.kind {
             OpKind::Read { offset, buf } => {
@@ -265,12 +302,17 @@ impl DeviceQueue for FileQueue {
         Submit::Ring(entry.user_data(op.user_data))
     }
 
-    fn complete_ring(&mut self, _user_data: u64, cqe_result: i32) -> Result<u32, FlashError> {
-        match cqe_result {
+    fn complete_ring(
+        &mut self,
+        _user_data: u64,
+        cqe_result: i32,
+        _now: Nanos,
+    ) -> Option<Result<u32, FlashError>> {
+        Some(match cqe_result {
             result if result >= 0 => Ok(result as u32),
             result if -result == libc::EOPNOTSUPP => Err(FlashError::Unsupported),
             result => Err(FlashError::Io { errno: -result }),
-        }
+        })
     }
 }
 
@@ -282,7 +324,8 @@ mod tests {
     fn creates_sparse_file_at_size() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let path = dir.path().join("sub/ns1");
-        let device = FileDevice::open(&path, Some(1 << 30)).unwrap_or_else(|e| panic!("{e}"));
+        let device =
+            FileDevice::open(&path, Some(1 << 30), false).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(device.info().size_bytes, 1 << 30);
         let meta = std::fs::metadata(&path).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(meta.len(), 1 << 30);
@@ -295,19 +338,101 @@ mod tests {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let path = dir.path().join("ns");
         assert!(
-            FileDevice::open(&path, None).is_err(),
+            FileDevice::open(&path, None, false).is_err(),
             "missing without size"
         );
-        drop(FileDevice::open(&path, Some(1 << 20)));
-        let whole = FileDevice::open(&path, None).unwrap_or_else(|e| panic!("{e}"));
+        drop(FileDevice::open(&path, Some(1 << 20), false));
+        let whole = FileDevice::open(&path, None, false).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(whole.info().size_bytes, 1 << 20);
-        let prefix = FileDevice::open(&path, Some(4096)).unwrap_or_else(|e| panic!("{e}"));
+        let prefix = FileDevice::open(&path, Some(4096), false).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(prefix.info().size_bytes, 4096);
-        let grown = FileDevice::open(&path, Some(2 << 20)).unwrap_or_else(|e| panic!("{e}"));
+        let grown = FileDevice::open(&path, Some(2 << 20), false).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(grown.info().size_bytes, 2 << 20);
         assert!(
-            FileDevice::open(&path, Some(1000)).is_err(),
+            FileDevice::open(&path, Some(1000), false).is_err(),
             "not a block multiple"
+        );
+    }
+}
+
+#[cfg(test)]
+mod read_only_tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+    use crate::aligned::AlignedBuf;
+    use crate::aligned::test_ring::{Outcome, TestRing};
+
+    /// Issue 9 item 7: a `ro` namespace's file used to be opened read-write.
+    #[test]
+    fn a_read_only_file_cannot_be_written_through_the_device() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("ro");
+        let original: Vec<u8> = (0..1u32 << 16).map(|i| (i % 253) as u8).collect();
+        std::fs::write(&path, &original).unwrap_or_else(|e| panic!("{e}"));
+
+        let device = FileDevice::open(&path, None, true).unwrap_or_else(|e| panic!("{e}"));
+        assert!(device.info().read_only);
+        // The descriptor itself refuses writes: the kernel says EBADF.
+        let written = device.file.write_at(&[0u8; 512], 0);
+        assert_eq!(
+            written.map_err(|e| e.raw_os_error()),
+            Err(Some(libc::EBADF))
+        );
+
+        let mut queue = device.queue();
+        let mut ring = TestRing::new();
+        let mut buf = AlignedBuf::new_zeroed(4096);
+        buf.as_mut_slice().fill(0xEE);
+        let write = DeviceOp {
+            user_data: 1,
+            kind: OpKind::Write {
+                offset: 0,
+                buf: buf.as_slice(),
+                fua: true,
+            },
+            buf_index: None,
+            queue: 0,
+        };
+        let erofs = Outcome::Done(Err(FlashError::Io { errno: libc::EROFS }));
+        assert_eq!(
+            ring.submit_and_wait(queue.as_mut(), write, Nanos::ZERO, Nanos::ZERO),
+            erofs
+        );
+        let trim = DeviceOp {
+            user_data: 2,
+            kind: OpKind::Trim {
+                offset: 0,
+                len: 4096,
+            },
+            buf_index: None,
+            queue: 0,
+        };
+        assert_eq!(
+            ring.submit_and_wait(queue.as_mut(), trim, Nanos::ZERO, Nanos::ZERO),
+            erofs
+        );
+        // Reads still go through the ring.
+        let read = DeviceOp {
+            user_data: 3,
+            kind: OpKind::Read {
+                offset: 4096,
+                buf: buf.as_mut_slice(),
+            },
+            buf_index: None,
+            queue: 0,
+        };
+        assert_eq!(
+            ring.submit_and_wait(queue.as_mut(), read, Nanos::ZERO, Nanos::ZERO),
+            Outcome::Done(Ok(4096))
+        );
+        assert_eq!(buf.as_slice(), &original[4096..8192]);
+        drop(queue);
+        drop(device);
+        assert_eq!(
+            std::fs::read(&path).unwrap_or_else(|e| panic!("{e}")),
+            original,
+            "the file is unchanged"
         );
     }
 }

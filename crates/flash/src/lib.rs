@@ -1,5 +1,6 @@
 //! Storage devices behind one contract ([`Device`] / [`DeviceQueue`]): files and block
-//! devices, memory, null, and the emulated Flash device.
+//! devices, memory, null, the emulated Flash device, and a fault-injecting wrapper around any
+//! of them ([`fault`]).
 //!
 //! Architecture invariant: devices prepare work for the dataplane thread's ring or finish it
 //! synchronously; they never start threads or loops of their own on the data path.
@@ -9,6 +10,8 @@ pub mod calibrate;
 pub mod device;
 pub mod emu;
 pub mod error;
+/// Fault injection wraps any device; it needs no io_uring, so the simulator can use it.
+pub mod fault;
 /// Files and block devices are driven through io_uring entries: only with the `uring` feature.
 #[cfg(feature = "uring")]
 pub mod file;
@@ -21,3 +24,4 @@ pub mod spec;
 
 pub use device::{Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, OpKind, Submit};
 pub use error::FlashError;
+pub use fault::{FaultControls, FaultDevice, FaultPlan};

@@ -5,6 +5,8 @@
 //! result is some interleaving of whole words, as with a real device and no ordering between
 //! in-flight requests) rather than a Rust data race. Offsets and lengths are multiples of the
 //! 512-byte block size, hence of 8. Every operation finishes synchronously ([`Submit::Done`]).
+//! A read-only device ([`MemDevice::with_read_only`]) refuses writes and trims with `EROFS`,
+//! as the file device does.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -47,6 +49,13 @@ impl MemDevice {
             },
         })
     }
+
+    /// Marks the device read-only (in its [`DeviceInfo`]); its queues then refuse writes and
+    /// trims.
+    pub fn with_read_only(mut self, read_only: bool) -> MemDevice {
+        self.info.read_only = read_only;
+        self
+    }
 }
 
 impl Device for MemDevice {
@@ -57,12 +66,14 @@ impl Device for MemDevice {
     fn queue(&self) -> Box<dyn DeviceQueue> {
         Box::new(MemQueue {
             region: Arc::clone(&self.region),
+            read_only: self.info.read_only,
         })
     }
 }
 
 struct MemQueue {
     region: Arc<AtomicRegion>,
+    read_only: bool,
 }
 
 impl MemQueue {
@@ -86,6 +97,9 @@ impl MemQueue {
 
 impl DeviceQueue for MemQueue {
     fn submit(&mut self, op: DeviceOp<'_>, _now: Nanos) -> Submit {
+        if self.read_only && matches!(op.kind, OpKind::Write { .. } | OpKind::Trim { .. }) {
+            return Submit::Done(Err(FlashError::Io { errno: libc::EROFS }));
+        }
         match op.kind {
             OpKind::Read { offset, buf } => {
                 let words = self.range(offset, buf.len());

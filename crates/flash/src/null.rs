@@ -3,10 +3,11 @@
 //! Reads return zeroes (the buffer is cleared, so a reused dataplane buffer never leaks its
 //! old contents), writes, flushes and trims succeed at once. Everything finishes
 //! synchronously with [`Submit::Done`]; the default size is 1 TiB so any benchmark range fits.
+//! A read-only device ([`NullDevice::with_read_only`]) refuses writes and trims with `EROFS`.
 
 use reflex_qos::Nanos;
 
-use crate::{Device, DeviceInfo, DeviceOp, DeviceQueue, OpKind, Submit};
+use crate::{Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
 
 /// Size of `null` when none is given.
 pub const NULL_SIZE_DEFAULT_BYTES: u64 = 1 << 40;
@@ -30,6 +31,13 @@ impl NullDevice {
             },
         }
     }
+
+    /// Marks the device read-only (in its [`DeviceInfo`]); its queues then refuse writes and
+    /// trims.
+    pub fn with_read_only(mut self, read_only: bool) -> NullDevice {
+        self.info.read_only = read_only;
+        self
+    }
 }
 
 impl Device for NullDevice {
@@ -40,16 +48,21 @@ impl Device for NullDevice {
     fn queue(&self) -> Box<dyn DeviceQueue> {
         Box::new(NullQueue {
             size_bytes: self.info.size_bytes,
+            read_only: self.info.read_only,
         })
     }
 }
 
 struct NullQueue {
     size_bytes: u64,
+    read_only: bool,
 }
 
 impl DeviceQueue for NullQueue {
     fn submit(&mut self, op: DeviceOp<'_>, _now: Nanos) -> Submit {
+        if self.read_only && matches!(op.kind, OpKind::Write { .. } | OpKind::Trim { .. }) {
+            return Submit::Done(Err(FlashError::Io { errno: libc::EROFS }));
+        }
         match op.kind {
             OpKind::Read { offset, buf } => {
                 assert!(offset + buf.len() as u64 <= self.size_bytes);

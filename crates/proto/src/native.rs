@@ -150,6 +150,8 @@ pub enum Status {
     Busy = 7,
     UnsupportedVersion = 8,
     Refused = 9,
+    /// The device is out of space (ENOSPC) or the writer over its quota (EDQUOT).
+    NoSpace = 10,
 }
 
 /// A status value §1.4 does not define; clients treat it as an error.
@@ -171,6 +173,7 @@ impl Status {
             7 => Status::Busy,
             8 => Status::UnsupportedVersion,
             9 => Status::Refused,
+            10 => Status::NoSpace,
             _ => return Err(UnknownStatus(value)),
         })
     }
@@ -198,6 +201,7 @@ impl std::fmt::Display for Status {
             Status::Busy => "server busy",
             Status::UnsupportedVersion => "unsupported protocol version",
             Status::Refused => "refused",
+            Status::NoSpace => "no space left on device",
         };
         f.write_str(name)
     }

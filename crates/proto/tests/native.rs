@@ -86,6 +86,7 @@ fn response_headers_round_trip() {
         ResponseHeader::for_request(&request, Status::Ok, 4096),
         ResponseHeader::for_request(&request, Status::OutOfRange, 0),
         ResponseHeader::notice(32),
+        ResponseHeader::for_request(&request, Status::NoSpace, 0),
         ResponseHeader {
             opcode_raw: 0x77,
             status_raw: 0xffff,
@@ -107,7 +108,11 @@ fn response_headers_round_trip() {
     assert_eq!(headers[0].opcode(), Ok(Opcode::Read));
     assert_eq!(headers[0].request_id, request.request_id);
     assert_eq!(headers[2].request_id, NOTICE_REQUEST_ID);
-    assert_eq!(headers[3].status(), Err(UnknownStatus(0xffff)));
+    assert_eq!(headers[4].status(), Err(UnknownStatus(0xffff)));
+    // Out of space travels as status 10 (bytes 6-7, little endian).
+    let no_space = headers[3].to_bytes();
+    assert_eq!(no_space[6..8], [10, 0]);
+    assert_eq!(headers[3].status(), Ok(Status::NoSpace));
 }
 
 #[test]
@@ -388,9 +393,13 @@ fn enums_convert_both_ways_and_refuse_unknown_values() {
     for value in 0..=u16::MAX {
         match Status::from_u16(value) {
             Ok(status) => assert_eq!(status.as_u16(), value),
-            Err(error) => assert!(value > 9 && error == UnknownStatus(value)),
+            Err(error) => assert!(value > 10 && error == UnknownStatus(value)),
         }
     }
+    assert_eq!(Status::from_u16(10), Ok(Status::NoSpace));
+    assert_eq!(Status::NoSpace.as_u16(), 10);
+    assert!(!Status::NoSpace.is_ok());
+    assert_eq!(Status::NoSpace.to_string(), "no space left on device");
     assert!(RequestFlags::FUA.fua());
     assert_eq!(
         RequestFlags::from_bits_retain(0x8003).unknown_bits(),

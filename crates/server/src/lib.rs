@@ -369,12 +369,16 @@ use crate::uring::Ring;
 fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
     let mut entries = Vec::new();
     for namespace in config.effective_namespaces() {
-        let device = reflex_flash::spec::open(&namespace.backend, namespace.size_bytes).map_err(
-            |source| ServerError::Device {
+        let options = reflex_flash::spec::OpenOptions {
+            size_bytes: namespace.size_bytes,
+            read_only: namespace.read_only,
+        };
+        let device = reflex_flash::spec::open(&namespace.backend, options).map_err(|source| {
+            ServerError::Device {
                 id: namespace.id,
                 source,
-            },
-        )?;
+            }
+        })?;
         let block_size = device.info().block_size;
         if block_size > reflex_proto::native::BLOCK_SIZE_BYTES_DEFAULT {
             return Err(ServerError::Device {

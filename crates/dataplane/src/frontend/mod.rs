@@ -215,6 +215,9 @@ impl Answer {
             Answer::Native(status) => status,
             // Not produced for native requests; the nearest meaning.
             Answer::Nbd(_) | Answer::Unsupported => Status::Invalid,
+            Answer::DeviceError {
+                errno: libc::ENOSPC | libc::EDQUOT,
+            } => Status::NoSpace,
             Answer::DeviceError { .. } => Status::IoError,
         }
     }

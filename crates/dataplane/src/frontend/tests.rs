@@ -390,3 +390,12 @@ fn nbd_error_mapping() {
         Status::IoError
     );
 }
+
+#[test]
+fn out_of_space_has_its_own_native_status() {
+    let status = |linux| Answer::DeviceError { errno: linux }.native_status();
+    assert_eq!(status(libc::ENOSPC), Status::NoSpace);
+    assert_eq!(status(libc::EDQUOT), Status::NoSpace);
+    assert_eq!(status(libc::EIO), Status::IoError);
+    assert_eq!(status(libc::EROFS), Status::IoError);
+}

@@ -11,6 +11,9 @@
 //! `now` comes from the caller (the dataplane reads a monotonic clock once per loop); threads
 //! may hand in slightly different `now`s, and the model never goes back in time.
 //!
+//! A read-only device ([`EmuFlash::with_read_only`]) refuses writes and trims with `EROFS`
+//! before they reach the model.
+//!
 //! The lock is held for a few hundred nanoseconds per call (one heap operation and a 4 KiB
 //! copy per command), far below the 10 µs per request of 100K IOPS.
 
@@ -102,6 +105,13 @@ impl EmuFlash {
         })
     }
 
+    /// Marks the device read-only (in its [`DeviceInfo`]); its queues then refuse writes and
+    /// trims.
+    pub fn with_read_only(mut self, read_only: bool) -> EmuFlash {
+        self.info.read_only = read_only;
+        self
+    }
+
     /// The priority class of submission queue `queue`; `None` past the profile's queues.
     pub fn queue_class(&self, queue: u16) -> Option<PriorityClass> {
         lock(&self.shared).device.queue_class(queue)
@@ -137,6 +147,7 @@ impl Device for EmuFlash {
         Box::new(EmuQueue {
             shared: Arc::clone(&self.shared),
             queue_index,
+            read_only: self.info.read_only,
         })
     }
 }
@@ -144,6 +155,7 @@ impl Device for EmuFlash {
 struct EmuQueue {
     shared: Arc<Mutex<Shared>>,
     queue_index: u32,
+    read_only: bool,
 }
 
 impl Drop for EmuQueue {
@@ -165,6 +177,9 @@ fn to_flash_error(error: &EmuError) -> FlashError {
 
 impl DeviceQueue for EmuQueue {
     fn submit(&mut self, op: DeviceOp<'_>, now: Nanos) -> Submit {
+        if self.read_only && matches!(op.kind, OpKind::Write { .. } | OpKind::Trim { .. }) {
+            return Submit::Done(Err(FlashError::Io { errno: libc::EROFS }));
+        }
         let mut guard = lock(&self.shared);
         let shared = &mut *guard;
         let (kind, offset, len) = match &op.kind {

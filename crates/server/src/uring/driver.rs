@@ -313,8 +313,13 @@ impl UringDriver {
             Kind::Device | Kind::Flush => {
                 let id = device_op_id(kind, generation, index);
                 let namespace_index = self.device_namespace(id);
-                let result = self.queues[namespace_index].complete_ring(cqe.user_data, cqe.result);
-                self.dataplane.handle_device(id, result, now);
+                // None: the device deferred the outcome (fault injection); it comes out of
+                // poll_completions later and the operation stays in flight until then.
+                if let Some(result) =
+                    self.queues[namespace_index].complete_ring(cqe.user_data, cqe.result, now)
+                {
+                    self.dataplane.handle_device(id, result, now);
+                }
             }
             Kind::Wake => {
                 self.wake_in_flight = false;
