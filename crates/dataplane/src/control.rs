@@ -39,6 +39,9 @@ use reflex_qos::{
 
 use crate::namespaces::NamespaceSet;
 
+/// A RENEGOTIATE notice as the control plane makes it (encoded by the native front end).
+pub type NoticeBody = RenegotiateBody;
+
 /// Control messages one dataplane iteration applies at most (the rest wait for the next).
 pub const MESSAGES_PER_ITERATION_MAX: usize = 64;
 /// Longest REFUSED reason sent on the wire (longer ones are cut at a character boundary).
@@ -115,6 +118,20 @@ pub enum ControlBody {
 }
 
 impl ControlAnswer {
+    /// Done, nothing to say.
+    pub fn ok() -> ControlAnswer {
+        ControlAnswer::status(Status::Ok)
+    }
+
+    /// The request named something that does not exist (an unknown handle).
+    pub fn invalid() -> ControlAnswer {
+        ControlAnswer::status(Status::Invalid)
+    }
+
+    pub fn is_ok(&self) -> bool {
+        self.status == Status::Ok
+    }
+
     fn status(status: Status) -> ControlAnswer {
         ControlAnswer {
             status,

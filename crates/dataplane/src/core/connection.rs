@@ -10,13 +10,12 @@ use std::collections::VecDeque;
 use std::net::IpAddr;
 
 use reflex_flash::emu::PriorityClass;
-use reflex_proto::native::RenegotiateBody;
 use reflex_qos::Nanos;
 
 use super::ops::{AcceptRefused, ConnectionId, Op};
 use super::request::{NONE, next_generation};
 use super::{Dataplane, Phase};
-use crate::control::TenantRef;
+use crate::control::{NoticeBody, TenantRef};
 use crate::frontend::{Frontend, Protocol};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,7 +94,7 @@ pub(super) struct Connection {
     /// charged to). Allocated on a first charge, kept across the slot's reuse.
     pub(super) charged: Vec<Charge>,
     /// RENEGOTIATE notices waiting for a request slot, oldest first.
-    pub(super) notices: VecDeque<RenegotiateBody>,
+    pub(super) notices: VecDeque<NoticeBody>,
     /// Requests of this connection waiting for room in a tenant queue; while any do, the
     /// connection is not read (back-pressure).
     pub(super) blocked_count: u32,

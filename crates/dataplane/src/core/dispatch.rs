@@ -46,10 +46,7 @@ impl Dataplane {
             Err(EnqueueError::UnknownTenant(_) | EnqueueError::TooLarge { .. }) => {
                 // The tenant left this thread (unregistered) while the request was on its
                 // way to the scheduler.
-                self.answer_io(
-                    index,
-                    Answer::Native(reflex_proto::native::Status::Permission),
-                );
+                self.answer_io(index, Answer::Permission);
             }
         }
     }
@@ -99,10 +96,7 @@ impl Dataplane {
                 }
                 Err(EnqueueError::UnknownTenant(_) | EnqueueError::TooLarge { .. }) => {
                     self.unblock(index);
-                    self.answer_io(
-                        index,
-                        Answer::Native(reflex_proto::native::Status::Permission),
-                    );
+                    self.answer_io(index, Answer::Permission);
                 }
             }
         }

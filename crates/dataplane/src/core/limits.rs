@@ -87,8 +87,7 @@ impl Limits {
                 self.arena_bytes
             ));
         }
-        let largest_unit = reflex_proto::native::REQUEST_HEADER_SIZE
-            + reflex_proto::native::CONTROL_BODY_MAX_BYTES as usize;
+        let largest_unit = crate::frontend::UNIT_BYTES_MAX;
         if self.recv_buffer_bytes < 2 * largest_unit {
             return Err(format!(
                 "receive buffer of {} bytes cannot hold two of the largest header and body ({largest_unit})",

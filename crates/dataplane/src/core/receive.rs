@@ -16,23 +16,17 @@
 //! stalls, cannot take what the others need.
 
 use reflex_flash::emu::class_from_ioprio;
-use reflex_proto::native::{self as wire, Opcode, RENEGOTIATE_BODY_SIZE, Status};
 use reflex_qos::Nanos;
 
 use super::Dataplane;
 use super::connection::ReadState;
 use super::ops::{ConnectionId, Op};
 use super::request::{RequestState, Work};
-use crate::buffers::{PAGE_SIZE, PageRun, RUN_SIZE_MAX, order_for};
-use crate::control::{ControlBody, REASON_BYTES_MAX};
-use crate::frontend::{Action, Answer, Decoded, Frontend, IoKind, Tag};
+use crate::buffers::{PageRun, RUN_SIZE_MAX, order_for};
+use crate::frontend::{
+    Action, Answer, CONTROL_ANSWER_BYTES_MAX, Decoded, Frontend, IoKind, NOTICE_BODY_BYTES,
+};
 use crate::steps::{self, IoStep, Start};
-
-/// A control answer's body (a handle or a refusal reason) fits one arena page.
-const CONTROL_ANSWER_BYTES_MAX: usize = PAGE_SIZE;
-
-const _: () = assert!(REASON_BYTES_MAX <= CONTROL_ANSWER_BYTES_MAX);
-const _: () = assert!(RENEGOTIATE_BODY_SIZE <= CONTROL_ANSWER_BYTES_MAX);
 
 impl Dataplane {
     pub(super) fn parse_step(&mut self, now: Nanos) {
@@ -80,11 +74,8 @@ impl Dataplane {
                     self.add_waiter(index);
                     return;
                 }
-                let tag = Tag::Native {
-                    opcode_raw: Opcode::Renegotiate.as_u8(),
-                    request_id: wire::NOTICE_REQUEST_ID,
-                };
-                let request = self.allocate_request(index, tag, Action::Notice, now);
+                let request =
+                    self.allocate_request(index, Frontend::notice_tag(), Action::Notice, now);
                 if !self.try_start(request, now) {
                     self.transition(request, RequestState::NeedBuffer);
                     self.connections[index as usize].stalled = Some(request);
@@ -177,7 +168,7 @@ impl Dataplane {
                     let action = match action {
                         Action::Io(io) => match self.charge(index, io, now) {
                             Ok(io) => Action::Io(io),
-                            Err(status) => Action::Reply(Answer::Native(status)),
+                            Err(answer) => Action::Reply(answer),
                         },
                         other => other,
                     };
@@ -280,29 +271,12 @@ impl Dataplane {
                 };
                 let answer = self.control_request(connection_index, request, now);
                 let body = self.arena.run_mut(run, CONTROL_ANSWER_BYTES_MAX);
-                let length = match &answer.body {
-                    ControlBody::None => 0,
-                    ControlBody::Handle(handle) => {
-                        let bytes = wire::encode_handle(*handle);
-                        body[..bytes.len()].copy_from_slice(&bytes);
-                        bytes.len()
-                    }
-                    ControlBody::Reason(reason) => {
-                        let bytes = reason.as_bytes();
-                        assert!(bytes.len() <= REASON_BYTES_MAX);
-                        body[..bytes.len()].copy_from_slice(bytes);
-                        bytes.len()
-                    }
-                };
-                let status = match answer.status {
-                    Status::Ok => Answer::Ok,
-                    status => Answer::Native(status),
-                };
-                self.respond(index, status, Some(run), length as u32);
+                let (answer, length) = Frontend::write_control_answer(&answer, body);
+                self.respond(index, answer, Some(run), length as u32);
                 true
             }
             Action::Notice => {
-                let Some(run) = self.allocate_run(connection_index, RENEGOTIATE_BODY_SIZE) else {
+                let Some(run) = self.allocate_run(connection_index, NOTICE_BODY_BYTES) else {
                     return false;
                 };
                 let Some(notice) = self.connections[connection_index as usize]
@@ -311,11 +285,10 @@ impl Dataplane {
                 else {
                     panic!("a notice request without a pending notice");
                 };
-                self.arena
-                    .run_mut(run, RENEGOTIATE_BODY_SIZE)
-                    .copy_from_slice(&notice.to_bytes());
+                let length =
+                    Frontend::write_notice(&notice, self.arena.run_mut(run, NOTICE_BODY_BYTES));
                 self.stats.notices_sent += 1;
-                self.respond(index, Answer::Ok, Some(run), RENEGOTIATE_BODY_SIZE as u32);
+                self.respond(index, Answer::Ok, Some(run), length as u32);
                 true
             }
             Action::Output => {

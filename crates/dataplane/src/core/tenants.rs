@@ -12,15 +12,14 @@
 
 use std::collections::BTreeMap;
 
-use reflex_proto::native::{self as wire, Status};
 use reflex_qos::{Admitted, Nanos, SchedulerEvent};
 
 use super::Dataplane;
 use super::connection::{Bound, Charge};
 use crate::control::{
-    ControlAnswer, ControlBody, ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX, TenantRef,
+    ControlAnswer, ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX, TenantRef,
 };
-use crate::frontend::{ControlRequest, Frontend, IoKind, IoRequest};
+use crate::frontend::{Answer, ControlRequest, Frontend, IoKind, IoRequest};
 
 /// RENEGOTIATE notices a connection holds while it cannot send them (window full); beyond
 /// it the oldest is dropped (counted in `CoreStats::notices_dropped`).
@@ -270,7 +269,7 @@ impl Dataplane {
         connection_index: u32,
         mut io: IoRequest,
         now: Nanos,
-    ) -> Result<IoRequest, Status> {
+    ) -> Result<IoRequest, Answer> {
         let namespace_index = io.namespace_index;
         let connection = &self.connections[connection_index as usize];
         let writes = matches!(
@@ -282,7 +281,7 @@ impl Dataplane {
                 || bound.namespace_index != namespace_index
                 || (bound.read_only && writes))
         {
-            return Err(Status::Permission);
+            return Err(Answer::Permission);
         }
         let namespace = &self.qos[usize::from(namespace_index)];
         let tenant = match connection.bound {
@@ -299,7 +298,7 @@ impl Dataplane {
                 control.connect(thread, tenant.handle, own)
             });
             if !connected {
-                return Err(Status::Permission);
+                return Err(Answer::Permission);
             }
             self.connections[connection_index as usize]
                 .charged
@@ -371,21 +370,15 @@ impl Dataplane {
                 .with_control(now, |control, thread, own| {
                     control.unregister(thread, handle, own)
                 }),
-            ControlRequest::Bind { handle } => {
-                let status = self.bind(connection_index, handle, now);
-                ControlAnswer {
-                    status,
-                    body: ControlBody::None,
-                }
-            }
+            ControlRequest::Bind { handle } => self.bind(connection_index, handle, now),
         }
     }
 
     /// BIND: the connection's I/O is charged to `handle` from now on (0: back to the
     /// defaults). It stops counting for every other tenant it was charged to.
-    fn bind(&mut self, connection_index: u32, handle: u64, now: Nanos) -> Status {
+    fn bind(&mut self, connection_index: u32, handle: u64, now: Nanos) -> ControlAnswer {
         let connection = &mut self.connections[connection_index as usize];
-        if handle == wire::NO_TENANT_HANDLE {
+        if handle == TenantRef::NONE.handle {
             if let Some(bound) = connection.bound.take()
                 && let Some(position) = connection
                     .charged
@@ -397,18 +390,18 @@ impl Dataplane {
                     control.disconnect(thread, std::iter::once(bound.tenant.handle), own);
                 });
             }
-            return Status::Ok;
+            return ControlAnswer::ok();
         }
         if let Some(bound) = connection.bound
             && bound.tenant.handle == handle
             && !bound.revoked
         {
-            return Status::Ok;
+            return ControlAnswer::ok();
         }
         let Some(binding) = self.with_control(now, |control, thread, own| {
             control.bind(thread, handle, own)
         }) else {
-            return Status::Invalid;
+            return ControlAnswer::invalid();
         };
         let mut charged = self.release_charges(connection_index);
         charged.push(Charge {
@@ -424,7 +417,7 @@ impl Dataplane {
             revoked: false,
         });
         self.ensure_account(binding.namespace_index, binding.tenant, now);
-        Status::Ok
+        ControlAnswer::ok()
     }
 
     /// Tells the control plane the connection no longer counts for the tenants it was charged

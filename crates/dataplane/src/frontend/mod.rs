@@ -35,8 +35,20 @@ use reflex_proto::native::{self, Capabilities, RegisterBody, Status};
 use reflex_proto::nbd::{self, Errno, Session};
 use reflex_proto::original;
 
-use crate::control::TenantRef;
+use crate::control::{ControlAnswer, ControlBody, REASON_BYTES_MAX, TenantRef};
 use crate::namespaces::NamespaceSet;
+
+/// Bytes of a RENEGOTIATE notice's body.
+pub const NOTICE_BODY_BYTES: usize = native::RENEGOTIATE_BODY_SIZE;
+/// Largest body of a control answer (a handle or a refusal reason).
+pub const CONTROL_ANSWER_BYTES_MAX: usize = 4096;
+/// The largest unit a front end waits for whole in the receive buffer (a native header with
+/// the largest control body); the receive buffer holds at least two.
+pub const UNIT_BYTES_MAX: usize =
+    native::REQUEST_HEADER_SIZE + native::CONTROL_BODY_MAX_BYTES as usize;
+
+const _: () = assert!(REASON_BYTES_MAX <= CONTROL_ANSWER_BYTES_MAX);
+const _: () = assert!(NOTICE_BODY_BYTES <= CONTROL_ANSWER_BYTES_MAX);
 
 mod native_frontend;
 mod nbd_frontend;
@@ -182,6 +194,9 @@ pub enum ControlRequest {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Answer {
     Ok,
+    /// The connection's tenant may not do this (unbound from an unregistered tenant, a
+    /// read-only grant, another namespace).
+    Permission,
     /// Refused by native validation with this status.
     Native(Status),
     /// Refused by NBD validation (or shutdown) with this error.
@@ -212,6 +227,7 @@ impl Answer {
     pub fn native_status(self) -> Status {
         match self {
             Answer::Ok => Status::Ok,
+            Answer::Permission => Status::Permission,
             Answer::Native(status) => status,
             // Not produced for native requests; the nearest meaning.
             Answer::Nbd(_) | Answer::Unsupported => Status::Invalid,
@@ -231,7 +247,7 @@ impl Answer {
         match self {
             Answer::Nbd(errno) => errno,
             // The tenant may not do this (unbound from an unregistered tenant, read-only).
-            Answer::Native(Status::Permission) => Errno::Perm,
+            Answer::Permission | Answer::Native(Status::Permission) => Errno::Perm,
             Answer::Ok | Answer::Native(_) => Errno::Inval,
             Answer::Unsupported => Errno::Io,
             Answer::DeviceError { errno } => match Errno::from_linux_errno(errno) {
@@ -390,6 +406,45 @@ impl Frontend {
             Frontend::Nbd(nbd) => nbd.begin_shutdown(),
             Frontend::Native | Frontend::Original { .. } => false,
         }
+    }
+
+    /// The tag of a RENEGOTIATE notice the dataplane sends unasked (native connections only).
+    pub fn notice_tag() -> Tag {
+        Tag::Native {
+            opcode_raw: native::Opcode::Renegotiate.as_u8(),
+            request_id: native::NOTICE_REQUEST_ID,
+        }
+    }
+
+    /// Writes a RENEGOTIATE notice's body into `out` (at least [`NOTICE_BODY_BYTES`]);
+    /// returns its length.
+    pub fn write_notice(notice: &native::RenegotiateBody, out: &mut [u8]) -> usize {
+        out[..NOTICE_BODY_BYTES].copy_from_slice(&notice.to_bytes());
+        NOTICE_BODY_BYTES
+    }
+
+    /// Writes a control request's answer body (a handle or a refusal reason) into `out` (at
+    /// least [`CONTROL_ANSWER_BYTES_MAX`]); returns the answer and the body's length.
+    pub fn write_control_answer(answer: &ControlAnswer, out: &mut [u8]) -> (Answer, usize) {
+        let length = match &answer.body {
+            ControlBody::None => 0,
+            ControlBody::Handle(handle) => {
+                let bytes = native::encode_handle(*handle);
+                out[..bytes.len()].copy_from_slice(&bytes);
+                bytes.len()
+            }
+            ControlBody::Reason(reason) => {
+                let bytes = reason.as_bytes();
+                assert!(bytes.len() <= REASON_BYTES_MAX);
+                out[..bytes.len()].copy_from_slice(bytes);
+                bytes.len()
+            }
+        };
+        let status = match answer.status {
+            Status::Ok => Answer::Ok,
+            status => Answer::Native(status),
+        };
+        (status, length)
     }
 
     /// Bytes of body an [`Action::Hello`] needs.
