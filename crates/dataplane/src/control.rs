@@ -14,14 +14,22 @@
 //! [`MESSAGES_PER_ITERATION_MAX`] waiting messages.
 //!
 //! Tenants: each namespace with a QoS profile has one `reflex_qos::TenantRegistry` (one
-//! device, one admission budget). Every tenant has a **handle** (u64, never reused while the
-//! server runs, never 0) that names it on the wire; the registry's dense `TenantId` (reused
+//! device, one admission budget). Every tenant has a **handle** (a u64 that is unguessable:
+//! a keyed hash of a counter, with a key from the operating system, never 0, never reused)
+//! that names it on the wire and is the capability to BIND to it; the registry's dense `TenantId` (reused
 //! after UNREGISTER) names it inside that namespace's schedulers. Tenants come from three
 //! places: the namespace's default best-effort tenant (registered at startup; what
 //! connections that never BIND are charged to), tenants declared in the configuration and
 //! bound to the namespace or to an original-protocol port (admitted at startup: a refusal
 //! stops the server), and REGISTER requests (admitted at run time; the only ones UNREGISTER
 //! may remove).
+//!
+//! Tenants registered over the wire belong to the connection that registered them: only it may
+//! change or UNREGISTER them; one connection may own at most
+//! [`TenantLimits::per_connection_max`] and one source address
+//! [`TenantLimits::per_source_max`]; when the owner closes, its tenants live on for
+//! [`TenantLimits::orphan_grace`] (so a client that reconnects can BIND again) and are then
+//! unregistered, unless a connection still counts for them.
 //!
 //! Invariants: a handle maps to exactly one live (namespace, `TenantId`) pair; a connection
 //! is counted in a registry (`connect`) exactly while it is in its connection's charge list
@@ -33,7 +41,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use reflex_proto::native::{RegisterBody, RenegotiateBody, Status, TenantClassRequest};
 use reflex_qos::{
-    DeviceProfile, DeviceShared, LoadMode, Notice, Plan, Policy, QosConfig, RateUpdate,
+    DeviceProfile, DeviceShared, LoadMode, Nanos, Notice, Plan, Policy, QosConfig, RateUpdate,
     SchedulerEvent, TenantId, TenantRegistry, TenantSpec, TokenLimit,
 };
 
@@ -78,6 +86,89 @@ pub enum ControlMessage {
     Notice { body: RenegotiateBody },
 }
 
+/// A connection as the control plane knows it: its thread, slot and the slot's generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnectionKey {
+    pub thread: u16,
+    pub index: u32,
+    pub generation: u32,
+}
+
+/// Who asks for a control request: the connection and its peer's address, if known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Requester {
+    pub connection: ConnectionKey,
+    pub source: Option<std::net::IpAddr>,
+}
+
+/// Bounds on tenants registered over the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantLimits {
+    /// Tenants one connection may own at once.
+    pub per_connection_max: u32,
+    /// Tenants the connections of one address may own at once.
+    pub per_source_max: u32,
+    /// How long a tenant outlives its owner's connection (a reconnecting client binds again).
+    pub orphan_grace: Nanos,
+}
+
+impl Default for TenantLimits {
+    fn default() -> TenantLimits {
+        TenantLimits {
+            per_connection_max: 16,
+            per_source_max: 1024,
+            orphan_grace: Nanos(30_000_000_000),
+        }
+    }
+}
+
+/// Where tenant handles come from: a keyed hash of a counter, keyed by the operating
+/// system's randomness (reflexd) or by a fixed seed (the simulator, tests: runs replay).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandleKeys {
+    Random,
+    Seeded(u64),
+}
+
+struct HandleSource {
+    hasher: HandleHasher,
+    counter: u64,
+}
+
+enum HandleHasher {
+    Random(std::hash::RandomState),
+    Seeded(u64),
+}
+
+impl HandleSource {
+    fn new(keys: HandleKeys) -> HandleSource {
+        let hasher = match keys {
+            HandleKeys::Random => HandleHasher::Random(std::hash::RandomState::new()),
+            HandleKeys::Seeded(seed) => HandleHasher::Seeded(seed),
+        };
+        HandleSource { hasher, counter: 0 }
+    }
+
+    /// The next handle candidate (never 0; the caller skips one already in use).
+    fn next(&mut self) -> u64 {
+        use std::hash::{BuildHasher, Hash, Hasher};
+        loop {
+            self.counter += 1;
+            let value = match &self.hasher {
+                HandleHasher::Random(state) => state.hash_one(self.counter),
+                HandleHasher::Seeded(seed) => {
+                    let mut hasher = std::hash::DefaultHasher::new();
+                    (*seed, self.counter).hash(&mut hasher);
+                    hasher.finish()
+                }
+            };
+            if value != 0 {
+                return value;
+            }
+        }
+    }
+}
+
 /// A tenant's entry, by handle.
 #[derive(Debug, Clone)]
 pub struct TenantEntry {
@@ -90,6 +181,12 @@ pub struct TenantEntry {
     /// Registered over the wire (UNREGISTER may remove it); configured and default tenants
     /// live as long as the server.
     pub dynamic: bool,
+    /// A dynamic tenant's owner, while that connection is open.
+    pub owner: Option<ConnectionKey>,
+    /// The owner's address (counted against [`TenantLimits::per_source_max`]).
+    pub source: Option<std::net::IpAddr>,
+    /// When its owner closed (it is unregistered [`TenantLimits::orphan_grace`] later).
+    pub orphaned_at: Option<Nanos>,
 }
 
 impl TenantEntry {
@@ -219,7 +316,13 @@ struct State {
     threads: u16,
     namespaces: Vec<NamespaceState>,
     tenants: BTreeMap<u64, TenantEntry>,
-    next_handle: u64,
+    handles: HandleSource,
+    limits: TenantLimits,
+    /// Dynamic tenants owned, by connection and by source address.
+    owned_by_connection: BTreeMap<ConnectionKey, u32>,
+    owned_by_source: BTreeMap<std::net::IpAddr, u32>,
+    /// Dynamic tenants whose owner closed, by handle.
+    orphans: BTreeMap<u64, Nanos>,
     /// Messages for threads other than the registries' rate updates: (thread, message).
     outbox: Vec<(u16, ControlMessage)>,
 }
@@ -251,6 +354,8 @@ pub trait Wake: Send + Sync {
 #[derive(Debug, Clone)]
 pub struct ControlSetup {
     pub threads: u16,
+    pub handles: HandleKeys,
+    pub tenant_limits: TenantLimits,
     pub qos_config: QosConfig,
     /// `false`: every namespace schedules first in, first out (`--no-qos`).
     pub qos_enabled: bool,
@@ -284,7 +389,11 @@ impl ControlPlane {
             threads,
             namespaces: Vec::new(),
             tenants: BTreeMap::new(),
-            next_handle: 1,
+            handles: HandleSource::new(setup.handles),
+            limits: setup.tenant_limits,
+            owned_by_connection: BTreeMap::new(),
+            owned_by_source: BTreeMap::new(),
+            orphans: BTreeMap::new(),
             outbox: Vec::new(),
         };
         let mut setups = Vec::new();
@@ -475,6 +584,7 @@ impl ControlPlane {
         thread: usize,
         namespace_index: Option<u16>,
         body: &RegisterBody,
+        requester: Requester,
         own: &mut Vec<ControlMessage>,
     ) -> ControlAnswer {
         let Some(namespace_index) = namespace_index else {
@@ -503,19 +613,15 @@ impl ControlPlane {
                 ));
             }
             if body.handle == 0 {
-                let name = format!("handle {}", state.next_handle);
-                return match state.register(namespace_index, spec, &name, body.read_only, true) {
-                    Ok(handle) => ControlAnswer {
-                        status: Status::Ok,
-                        body: ControlBody::Handle(handle),
-                    },
-                    Err(reason) => ControlAnswer::refused(&reason),
-                };
+                return state.register_owned(namespace_index, spec, body.read_only, requester);
             }
             let Some(entry) = state.tenants.get(&body.handle) else {
                 return ControlAnswer::status(Status::Invalid);
             };
-            if !entry.dynamic || entry.namespace_index != namespace_index {
+            if !entry.dynamic
+                || entry.namespace_index != namespace_index
+                || entry.owner != Some(requester.connection)
+            {
                 return ControlAnswer::status(Status::Permission);
             }
             if entry.read_only != body.read_only {
@@ -540,38 +646,94 @@ impl ControlPlane {
         })
     }
 
-    /// UNREGISTER: removes a tenant registered over the wire.
+    /// UNREGISTER: removes a tenant registered over the wire; only the connection that
+    /// registered it may.
     pub fn unregister(
         &self,
         thread: usize,
         handle: u64,
+        requester: Requester,
         own: &mut Vec<ControlMessage>,
     ) -> ControlAnswer {
         self.change(thread, own, |state| {
             let Some(entry) = state.tenants.get(&handle) else {
                 return ControlAnswer::status(Status::Invalid);
             };
-            if !entry.dynamic {
+            if !entry.dynamic || entry.owner != Some(requester.connection) {
                 return ControlAnswer::status(Status::Permission);
             }
-            let (namespace_index, id) = (entry.namespace_index, entry.id);
-            let Some(namespace) = state.namespace(namespace_index) else {
-                return ControlAnswer::status(Status::Invalid);
-            };
-            if let Err(error) = namespace.registry.unregister(id) {
-                tracing::error!(handle, %error, "registry refused to unregister a known tenant");
-                return ControlAnswer::status(Status::Invalid);
+            if state.remove_dynamic(handle) {
+                ControlAnswer::status(Status::Ok)
+            } else {
+                ControlAnswer::status(Status::Invalid)
             }
-            namespace.handles.remove(&id);
-            state.tenants.remove(&handle);
-            for thread in 0..state.threads {
-                state
-                    .outbox
-                    .push((thread, ControlMessage::Revoke { handle }));
-            }
-            tracing::info!(handle, "tenant unregistered");
-            ControlAnswer::status(Status::Ok)
         })
+    }
+
+    /// A connection that owned tenants closed: they become orphans, unregistered after the
+    /// grace period unless a connection still counts for them.
+    pub fn connection_closed(
+        &self,
+        thread: usize,
+        connection: ConnectionKey,
+        now: Nanos,
+        own: &mut Vec<ControlMessage>,
+    ) {
+        self.change(thread, own, |state| {
+            let Some(count) = state.owned_by_connection.remove(&connection) else {
+                return;
+            };
+            let owned: Vec<u64> = state
+                .tenants
+                .iter()
+                .filter(|(_, entry)| entry.owner == Some(connection))
+                .map(|(handle, _)| *handle)
+                .collect();
+            assert_eq!(owned.len() as u32, count, "owner counts out of step");
+            for handle in owned {
+                if let Some(entry) = state.tenants.get_mut(&handle) {
+                    entry.owner = None;
+                    entry.orphaned_at = Some(now);
+                }
+                state.orphans.insert(handle, now);
+            }
+        });
+    }
+
+    /// Unregisters the orphans whose grace period is over and that no connection counts for
+    /// (called from a dataplane thread's housekeeping).
+    pub fn reap_orphans(&self, thread: usize, now: Nanos, own: &mut Vec<ControlMessage>) {
+        self.change(thread, own, |state| {
+            let grace = state.limits.orphan_grace;
+            let due: Vec<u64> = state
+                .orphans
+                .iter()
+                .filter(|(_, orphaned_at)| now.saturating_since(**orphaned_at) >= grace)
+                .map(|(handle, _)| *handle)
+                .collect();
+            for handle in due {
+                let in_use = state.tenants.get(&handle).is_some_and(|entry| {
+                    let (namespace_index, id) = (entry.namespace_index, entry.id);
+                    state.namespaces[usize::from(namespace_index)]
+                        .registry
+                        .connections(id)
+                        .is_some_and(|counts| counts.iter().any(|&c| c > 0))
+                });
+                if in_use {
+                    // Still used: it lives on, and is checked again after another grace.
+                    state.orphans.insert(handle, now);
+                    continue;
+                }
+                tracing::info!(handle, "orphaned tenant unregistered (its owner left)");
+                state.remove_dynamic(handle);
+            }
+        });
+    }
+
+    /// Whether orphans wait for [`Self::reap_orphans`] (one atomic-free check under the lock;
+    /// callers use it at housekeeping rate only).
+    pub fn has_orphans(&self) -> bool {
+        !self.lock().orphans.is_empty()
     }
 
     /// Looks up a handle for BIND and counts one more connection of it on `thread`.
@@ -769,7 +931,10 @@ impl State {
         read_only: bool,
         dynamic: bool,
     ) -> Result<u64, String> {
-        let handle = self.next_handle;
+        let mut handle = self.handles.next();
+        while self.tenants.contains_key(&handle) {
+            handle = self.handles.next();
+        }
         let Some(namespace) = self.namespace(namespace_index) else {
             return Err("no QoS on this namespace".into());
         };
@@ -779,26 +944,121 @@ impl State {
             .map_err(|e| e.to_string())?;
         namespace.handles.insert(id, handle);
         let namespace_id = namespace.namespace_id;
-        self.next_handle += 1;
+        let name = if name.is_empty() {
+            format!("tenant {handle:016x}")
+        } else {
+            name.to_string()
+        };
+        tracing::info!(
+            handle,
+            tenant = %name,
+            namespace = namespace_id,
+            ?spec,
+            "tenant admitted"
+        );
         self.tenants.insert(
             handle,
             TenantEntry {
                 namespace_index,
                 id,
-                name: name.to_string(),
+                name,
                 spec,
                 read_only,
                 dynamic,
+                owner: None,
+                source: None,
+                orphaned_at: None,
             },
         );
-        tracing::info!(
-            handle,
-            tenant = name,
-            namespace = namespace_id,
-            ?spec,
-            "tenant admitted"
-        );
         Ok(handle)
+    }
+
+    /// REGISTER of a new tenant by a connection, within the per-connection and per-source
+    /// bounds; the connection owns it.
+    fn register_owned(
+        &mut self,
+        namespace_index: u16,
+        spec: TenantSpec,
+        read_only: bool,
+        requester: Requester,
+    ) -> ControlAnswer {
+        let limits = self.limits;
+        let by_connection = self
+            .owned_by_connection
+            .get(&requester.connection)
+            .copied()
+            .unwrap_or(0);
+        if by_connection >= limits.per_connection_max {
+            return ControlAnswer::refused(&format!(
+                "this connection owns {by_connection} tenants already, the most one may \
+                 (unregister one first)"
+            ));
+        }
+        if let Some(source) = requester.source {
+            let by_source = self.owned_by_source.get(&source).copied().unwrap_or(0);
+            if by_source >= limits.per_source_max {
+                return ControlAnswer::refused(&format!(
+                    "connections from {source} own {by_source} tenants already, the most one \
+                     address may"
+                ));
+            }
+        }
+        match self.register(namespace_index, spec, "", read_only, true) {
+            Ok(handle) => {
+                if let Some(entry) = self.tenants.get_mut(&handle) {
+                    entry.owner = Some(requester.connection);
+                    entry.source = requester.source;
+                }
+                *self
+                    .owned_by_connection
+                    .entry(requester.connection)
+                    .or_insert(0) += 1;
+                if let Some(source) = requester.source {
+                    *self.owned_by_source.entry(source).or_insert(0) += 1;
+                }
+                ControlAnswer {
+                    status: Status::Ok,
+                    body: ControlBody::Handle(handle),
+                }
+            }
+            Err(reason) => ControlAnswer::refused(&reason),
+        }
+    }
+
+    /// Removes a dynamic tenant: from its registry, the owner counts, the orphans, and
+    /// every thread (a Revoke message). Returns false if the registry did not know it.
+    fn remove_dynamic(&mut self, handle: u64) -> bool {
+        let Some(entry) = self.tenants.get(&handle) else {
+            return false;
+        };
+        assert!(
+            entry.dynamic,
+            "only tenants registered over the wire are removed"
+        );
+        let (namespace_index, id, owner, source) =
+            (entry.namespace_index, entry.id, entry.owner, entry.source);
+        let Some(namespace) = self.namespace(namespace_index) else {
+            return false;
+        };
+        if let Err(error) = namespace.registry.unregister(id) {
+            tracing::error!(handle, %error, "registry refused to unregister a known tenant");
+            return false;
+        }
+        namespace.handles.remove(&id);
+        self.tenants.remove(&handle);
+        self.orphans.remove(&handle);
+        if let Some(owner) = owner {
+            decrement(&mut self.owned_by_connection, &owner);
+        }
+        if let Some(source) = source {
+            decrement(&mut self.owned_by_source, &source);
+        }
+        for thread in 0..self.threads {
+            self.outbox
+                .push((thread, ControlMessage::Revoke { handle }));
+        }
+        tracing::info!(handle, "tenant unregistered");
+        true
     }
 
     fn connect(&mut self, handle: u64, thread: u16) -> bool {
@@ -831,5 +1091,15 @@ fn unlimited_profile() -> DeviceProfile {
             tokens_per_sec: 1e9,
             reads_per_sec_read_only: 1e9,
         }],
+    }
+}
+
+/// Counts one fewer under `key`, forgetting keys that reach zero.
+fn decrement<K: Ord>(counts: &mut BTreeMap<K, u32>, key: &K) {
+    if let Some(count) = counts.get_mut(key) {
+        *count -= 1;
+        if *count == 0 {
+            counts.remove(key);
+        }
     }
 }

@@ -67,6 +67,8 @@ impl TenantSpec {
         {
             let reason = if latency_us_p95 == 0 {
                 Some("latency SLO must be above 0 µs")
+            } else if latency_us_p95 > LATENCY_SLO_US_MAX {
+                Some("latency SLO above 60 s is not a latency objective (register best-effort)")
             } else if iops == 0 {
                 Some("IOPS must be above 0")
             } else if iops > IOPS_MAX {
@@ -83,6 +85,9 @@ impl TenantSpec {
         Ok(())
     }
 }
+
+/// Loosest latency SLO a tenant can ask for: 60 s.
+pub const LATENCY_SLO_US_MAX: u64 = 60_000_000;
 
 /// Largest IOPS a tenant can ask for (keeps reservations far from overflow).
 pub const IOPS_MAX: u64 = 1_000_000_000;
@@ -106,6 +111,13 @@ pub enum AdmissionError {
     },
     #[error("invalid SLO: {reason}")]
     InvalidSpec { reason: &'static str },
+    #[error("a p95 of {latency_us_p95} µs is tighter than the device profile can judge: its tightest measured point is {tightest_us} µs{}", if *headroom_us > 0 { format!(" (after {headroom_us} µs of headroom the device would have to answer in {device_latency_us} µs)") } else { String::new() })]
+    TighterThanProfile {
+        latency_us_p95: u64,
+        device_latency_us: u64,
+        headroom_us: u64,
+        tightest_us: u64,
+    },
     #[error("tenant table full ({tenants_max} tenants)")]
     TooManyTenants { tenants_max: u32 },
     #[error("{0} is not registered")]
@@ -327,6 +339,7 @@ impl TenantRegistry {
     /// Admits a new tenant or refuses it (leaving nothing behind).
     pub fn register(&mut self, spec: TenantSpec) -> Result<TenantId, AdmissionError> {
         spec.validate()?;
+        self.check_judgeable(&spec)?;
         if self.tenants.len() >= self.config.tenants_max as usize {
             return Err(AdmissionError::TooManyTenants {
                 tenants_max: self.config.tenants_max,
@@ -359,9 +372,34 @@ impl TenantRegistry {
         Ok(id)
     }
 
+    /// An LC SLO tighter than the profile's first row cannot be promised: nothing measured
+    /// says the device answers that fast at any rate. (A looser one than the last row is met
+    /// at the last row's rate, which admission then uses.)
+    fn check_judgeable(&self, spec: &TenantSpec) -> Result<(), AdmissionError> {
+        let Some(latency_us_p95) = lc_latency(spec) else {
+            return Ok(());
+        };
+        let device_latency_us = self.config.device_latency_us(latency_us_p95);
+        let tightest_us = self
+            .profile
+            .token_limits
+            .first()
+            .map_or(0, |row| row.latency_us_p95);
+        if device_latency_us < tightest_us {
+            return Err(AdmissionError::TighterThanProfile {
+                latency_us_p95,
+                device_latency_us,
+                headroom_us: self.config.slo_headroom_us,
+                tightest_us,
+            });
+        }
+        Ok(())
+    }
+
     /// Changes a tenant's SLO. Goes through admission again; on refusal the old SLO stays.
     pub fn reregister(&mut self, tenant: TenantId, spec: TenantSpec) -> Result<(), AdmissionError> {
         spec.validate()?;
+        self.check_judgeable(&spec)?;
         let entry = self
             .tenants
             .get(&tenant)
@@ -940,18 +978,24 @@ mod tests {
             r.plan().device_tokens_per_sec[0],
             TokenRate::from_tokens_per_sec(570_000)
         );
-        // Stricter than the table: clamped to the first row and flagged.
-        r.register(lc(100, 1_000, 100)).unwrap();
+        // Stricter than the table: nothing measured says the device can; refused, with the
+        // numbers, and nothing changes (issue 9 item 5).
+        let before = r.plan();
+        let error = r.register(lc(100, 1_000, 100)).unwrap_err();
         assert_eq!(
-            r.plan().device_tokens_per_sec[0],
-            TokenRate::from_tokens_per_sec(420_000)
+            error.to_string(),
+            "a p95 of 100 µs is tighter than the device profile can judge: its tightest measured point is 500 µs"
         );
-        assert_eq!(
-            r.plan().clamp,
-            Some(Clamp::StricterThanTable {
-                first_latency_us: 500
-            })
-        );
+        assert_eq!(r.plan(), before);
+        assert!(matches!(
+            r.register(lc(1, 1_000, 100)),
+            Err(AdmissionError::TighterThanProfile { .. })
+        ));
+        // Absurdly loose: not a latency objective.
+        assert!(matches!(
+            r.register(lc(u64::from(u32::MAX), 1_000, 100)),
+            Err(AdmissionError::InvalidSpec { .. })
+        ));
         r.unregister(loose).unwrap();
         assert!(r.unregister(loose).is_err());
     }

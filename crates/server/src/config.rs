@@ -483,6 +483,14 @@ pub struct Config {
     /// Receive buffer of each connection.
     #[serde(deserialize_with = "size_bytes")]
     pub recv_buffer_bytes: u64,
+    /// Tenants one connection may register (and own) at once.
+    pub tenants_per_connection_max: u32,
+    /// Tenants the connections of one address may register (and own) at once.
+    pub tenants_per_source_max: u32,
+    /// How long a registered tenant outlives the connection that registered it (so a
+    /// reconnecting client can bind again); then it is unregistered unless still in use.
+    #[serde(with = "humantime_serde")]
+    pub tenant_orphan_grace: Duration,
     /// Share of a thread's arena one connection may hold, in percent (at least one 1 MiB
     /// run): a client that never reads its answers cannot take the others' buffers.
     pub connection_arena_percent: u8,
@@ -523,6 +531,9 @@ impl Default for Config {
             connections_per_source_max: 0,
             requests_per_thread_max: REQUESTS_PER_THREAD_DEFAULT,
             recv_buffer_bytes: RECV_BUFFER_BYTES_DEFAULT,
+            tenants_per_connection_max: 16,
+            tenants_per_source_max: 1024,
+            tenant_orphan_grace: Duration::from_secs(30),
             connection_arena_percent: CONNECTION_ARENA_PERCENT_DEFAULT,
             timeouts: TimeoutsConfig::default(),
             register_buffers: true,
@@ -600,6 +611,15 @@ impl Config {
             .next_power_of_two()
             .max(u64::from(crate::uring::RING_CQ_ENTRIES_MIN));
         u32::try_from(needed).unwrap_or(u32::MAX)
+    }
+
+    /// Bounds on tenants registered over the wire.
+    pub fn tenant_limits(&self) -> reflex_dataplane::control::TenantLimits {
+        reflex_dataplane::control::TenantLimits {
+            per_connection_max: self.tenants_per_connection_max,
+            per_source_max: self.tenants_per_source_max,
+            orphan_grace: reflex_qos::Nanos(self.tenant_orphan_grace.as_nanos() as u64),
+        }
     }
 
     /// The limits every dataplane thread runs within.

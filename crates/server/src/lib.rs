@@ -49,7 +49,7 @@ use std::time::Instant;
 
 pub use reflex_dataplane::control::{ControlError, TenantInfo};
 use reflex_dataplane::control::{
-    ControlPlane, ControlSetup, NamespaceControl, NamespaceQosSetup, TenantRef, Wake,
+    ControlPlane, ControlSetup, HandleKeys, NamespaceControl, NamespaceQosSetup, TenantRef, Wake,
 };
 use reflex_dataplane::frontend::{ExportBinding, NbdExports, Protocol};
 use reflex_dataplane::namespaces::NamespaceSet;
@@ -325,6 +325,8 @@ fn control_setup(config: &Config) -> Result<ControlSetup, ServerError> {
     }
     Ok(ControlSetup {
         threads: config.threads as u16,
+        handles: HandleKeys::Random,
+        tenant_limits: config.tenant_limits(),
         qos_config: config.qos_config.clone(),
         qos_enabled: config.qos,
         namespaces,
@@ -591,6 +593,16 @@ impl ServerHandle {
             .into_iter()
             .find(|tenant| tenant.namespace_id == namespace_id && tenant.name == name)
             .map(|tenant| tenant.handle)
+    }
+
+    /// The run-time switches of a namespace's fault-injecting device (`None`: not a `fault:`
+    /// backend, or no such namespace).
+    pub fn fault_controls(
+        &self,
+        namespace_id: u32,
+    ) -> Option<Arc<reflex_flash::fault::FaultControls>> {
+        let index = self.namespaces.index_of(namespace_id)?;
+        self.namespaces.device(index).fault_controls()
     }
 
     /// The current allocation of a namespace's device (`None`: no QoS on it).

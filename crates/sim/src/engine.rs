@@ -21,7 +21,7 @@ use hdrhistogram::Histogram;
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
 use reflex_client::{ConnectionCore, CoreOptions, SubmitError};
-use reflex_dataplane::control::{ControlSetup, NamespaceControl};
+use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
 use reflex_dataplane::frontend::Protocol;
 use reflex_dataplane::{
     DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits, TenantStats,
@@ -232,6 +232,8 @@ impl<'c> Sim<'c> {
             namespaces: vec![(NAMESPACE_ID, device, false)],
             control: ControlSetup {
                 threads: config.threads,
+                handles: HandleKeys::Seeded(config.seed),
+                tenant_limits: TenantLimits::default(),
                 qos_config: config.qos.clone(),
                 qos_enabled: config.policy == Policy::Tokens,
                 namespaces: vec![NamespaceControl {

@@ -428,6 +428,19 @@ impl VirtualServer {
         true
     }
 
+    /// The socket of exactly this connection (slot and generation), even if its slot has
+    /// been reused since.
+    fn socket_of_generation(&self, thread: usize, connection: ConnectionId) -> usize {
+        match self
+            .sockets
+            .iter()
+            .rposition(|s| usize::from(s.thread) == thread && s.id == connection)
+        {
+            Some(index) => index,
+            None => panic!("close of unknown connection {connection:?}"),
+        }
+    }
+
     fn socket_of(&self, thread: usize, connection: ConnectionId) -> usize {
         match self.threads[thread]
             .sockets_by_slot
@@ -435,8 +448,8 @@ impl VirtualServer {
             .copied()
             .flatten()
         {
-            Some(socket) => socket.0 as usize,
-            None => panic!("operation on unknown connection {connection:?}"),
+            Some(socket) if self.sockets[socket.0 as usize].id == connection => socket.0 as usize,
+            _ => panic!("operation on unknown connection {connection:?}"),
         }
     }
 
@@ -485,9 +498,14 @@ impl VirtualServer {
                 }
             }
             Op::Close { connection } => {
-                let index = self.socket_of(thread, connection);
+                // The socket of that generation; a slot already given to a newer connection
+                // (reused in the accept that evicted this one) keeps its new socket.
+                let index = self.socket_of_generation(thread, connection);
                 self.sockets[index].server_closed = true;
-                self.threads[thread].sockets_by_slot[connection.index as usize] = None;
+                let slot = &mut self.threads[thread].sockets_by_slot[connection.index as usize];
+                if *slot == Some(SocketId(index as u32)) {
+                    *slot = None;
+                }
             }
             Op::Device(command) => {
                 let state = &mut self.threads[thread];

@@ -90,6 +90,8 @@ pub(super) struct Connection {
     pub(super) in_waiters: bool,
     /// The tenant a native BIND chose; `None`: defaults apply.
     pub(super) bound: Option<Bound>,
+    /// It registered tenants that it owns (the control plane orphans them when it closes).
+    pub(super) owns_tenants: bool,
     /// Tenants this connection is counted for (the bound one and the defaults its I/O was
     /// charged to). Allocated on a first charge, kept across the slot's reuse.
     pub(super) charged: Vec<Charge>,
@@ -139,6 +141,7 @@ impl Connection {
             in_send_ready: false,
             in_waiters: false,
             bound: None,
+            owns_tenants: false,
             charged: Vec::new(),
             notices: VecDeque::new(),
             blocked_count: 0,
@@ -286,28 +289,40 @@ impl Dataplane {
             }
         }
         let listener_max = self.listener_connections_max();
-        if self.listeners[listener_index as usize].connections >= listener_max {
+        if self.listeners[listener_index as usize].connections >= listener_max
+            && !self.evict_unestablished(Some(listener_index))
+        {
             return Err(AcceptRefused::ListenerFull);
         }
-        if self.open_connections >= self.limits.connections_max {
-            let oldest_unestablished = self
-                .connections
-                .iter()
-                .enumerate()
-                .filter(|(_, c)| c.is_open() && !c.established)
-                .min_by_key(|(_, c)| c.accepted_at)
-                .map(|(index, _)| index as u32);
-            let Some(victim) = oldest_unestablished else {
-                return Err(AcceptRefused::TableFull);
-            };
-            self.stats.connections_evicted += 1;
-            self.abort_connection(victim, "evicted for a new connection: no request yet");
+        if self.open_connections >= self.limits.connections_max && !self.evict_unestablished(None) {
+            return Err(AcceptRefused::TableFull);
         }
         // The table has slack beyond `connections_max` for connections still closing.
         if self.free_connections.is_empty() {
             return Err(AcceptRefused::TableFull);
         }
         Ok(())
+    }
+
+    /// Closes the oldest open connection (of `listener`, if given) that never completed a
+    /// request, to make room for a new one; false when there is none.
+    fn evict_unestablished(&mut self, listener: Option<u32>) -> bool {
+        let oldest = self
+            .connections
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.is_open() && !c.established)
+            .filter(|(_, c)| listener.is_none_or(|l| c.listener == l))
+            .min_by_key(|(_, c)| c.accepted_at)
+            .map(|(index, _)| index as u32);
+        let Some(victim) = oldest else {
+            return false;
+        };
+        self.stats.connections_evicted += 1;
+        self.abort_connection(victim, "evicted for a new connection: no request yet");
+        // Its listener and source counts drop when the slot is released (at once when
+        // nothing was in flight); the listener's share counts open connections only.
+        true
     }
 
     /// Connections one listener may hold: the table less a reserve for each other listener,
@@ -358,14 +373,25 @@ impl Dataplane {
         }
     }
 
-    /// Open → Closing: the connection no longer counts against the table's limit.
+    /// Open → Closing: the connection no longer counts against the table's, its listener's
+    /// or its source address's limit.
     fn set_closing(&mut self, index: u32) {
         let connection = &mut self.connections[index as usize];
         assert!(connection.is_open());
         connection.state = ConnectionState::Closing;
         connection.read = ReadState::Closed;
+        let (listener, source) = (connection.listener, connection.source);
         assert!(self.open_connections > 0);
         self.open_connections -= 1;
+        self.listeners[listener as usize].connections -= 1;
+        if let Some(source) = source
+            && let Some(count) = self.connections_by_source.get_mut(&source)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.connections_by_source.remove(&source);
+            }
+        }
     }
 
     /// Abandons a connection: cancels its operations and frees every request no operation
@@ -459,22 +485,14 @@ impl Dataplane {
             let charged = self.release_charges(index);
             self.connections[index as usize].charged = charged;
         }
+        self.release_owned_tenants(index);
         let connection = &mut self.connections[index as usize];
         let id = connection.id(index);
-        let (listener, source) = (connection.listener, connection.source.take());
+        connection.source = None;
         // Drops per-connection protocol state (an NBD handshake's buffers) now, not at reuse.
         connection.frontend = Frontend::Native;
         connection.state = ConnectionState::Free;
         connection.generation = next_generation(connection.generation);
-        self.listeners[listener as usize].connections -= 1;
-        if let Some(source) = source
-            && let Some(count) = self.connections_by_source.get_mut(&source)
-        {
-            *count -= 1;
-            if *count == 0 {
-                self.connections_by_source.remove(&source);
-            }
-        }
         self.free_connections.push(index);
         self.ops.push_back(Op::Close { connection: id });
     }

@@ -116,6 +116,10 @@ impl Dataplane {
             let unparsed = &connection.recv_buffer[connection.recv_start..connection.recv_end];
             let unparsed_bytes = unparsed.len();
             let decoded = connection.frontend.decode(unparsed, &self.namespaces);
+            if connection.frontend.in_session() {
+                // An NBD session in transmission is past its handshake even while idle.
+                connection.established = true;
+            }
             match decoded {
                 Decoded::NeedMore => break,
                 Decoded::Consumed(count) => {
@@ -164,7 +168,10 @@ impl Dataplane {
                     }
                     let connection = &mut self.connections[index as usize];
                     connection.recv_start += header_bytes;
-                    connection.established = true;
+                    // Established: a request that is not handshake output.
+                    if action != Action::Output {
+                        connection.established = true;
+                    }
                     let action = match action {
                         Action::Io(io) => match self.charge(index, io, now) {
                             Ok(io) => Action::Io(io),

@@ -31,6 +31,7 @@ impl Dataplane {
         self.time_out_connections(now);
         self.time_out_device_operations(now);
         self.device_errors.tick(now);
+        self.reap_orphaned_tenants(now);
     }
 
     fn time_out_connections(&mut self, now: Nanos) {

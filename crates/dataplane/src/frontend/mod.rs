@@ -374,6 +374,15 @@ impl Frontend {
         }
     }
 
+    /// Whether the connection is past its handshake: an NBD session in transmission. Native
+    /// and original-protocol connections have no handshake: their first request counts.
+    pub fn in_session(&self) -> bool {
+        match self {
+            Frontend::Nbd(NbdFrontend { phase, .. }) => matches!(phase, NbdPhase::Transmission(_)),
+            Frontend::Native | Frontend::Original { .. } => false,
+        }
+    }
+
     /// Bytes of protocol output waiting for an [`Action::Output`] request.
     pub fn pending_output_bytes(&self) -> usize {
         match self {

@@ -116,8 +116,8 @@ pub struct UringDriver {
     ring: Ring,
     dataplane: Dataplane,
     listeners: Vec<ListenerSlot>,
-    /// By connection index.
-    sockets: Vec<Option<TcpStream>>,
+    /// By connection index: the socket and the generation of the connection it belongs to.
+    sockets: Vec<Option<(u32, TcpStream)>>,
     /// By connection index: the staging of the send in flight.
     staging: Vec<Option<Box<SendStaging>>>,
     /// Boxed: a staging's address is the kernel's from push to completion, so it must not move
@@ -372,11 +372,14 @@ impl UringDriver {
                     self.sockets.resize_with(index + 1, || None);
                     self.staging.resize_with(index + 1, || None);
                 }
-                assert!(
-                    self.sockets[index].is_none(),
-                    "connection slot still has a socket"
-                );
-                self.sockets[index] = Some(stream);
+                // A slot freed during this accept (its previous connection evicted) may still
+                // hold that connection's socket: its Close is queued but not yet issued, and
+                // nothing of it is in flight. Replacing it closes it now; the queued Close
+                // then finds a newer generation and leaves the new socket alone.
+                if let Some((generation, _)) = &self.sockets[index] {
+                    assert_ne!(*generation, id.generation, "connection slot still in use");
+                }
+                self.sockets[index] = Some((id.generation, stream));
             }
             (Ok(_), None) => panic!("the dataplane took a failed accept"),
             // Refused: dropping the stream closes it.
@@ -432,8 +435,15 @@ impl UringDriver {
                     connection.index,
                 )),
                 Op::Close { connection } => {
-                    // Dropping the stream closes the socket; nothing uses it any more.
-                    self.sockets[connection.index as usize] = None;
+                    // Dropping the stream closes the socket; nothing uses it any more. A slot
+                    // already taken by a newer connection was closed at its accept.
+                    let slot = &mut self.sockets[connection.index as usize];
+                    if slot
+                        .as_ref()
+                        .is_some_and(|(generation, _)| *generation == connection.generation)
+                    {
+                        *slot = None;
+                    }
                 }
                 Op::Device(command) => self.submit_device(&command, now),
             }
@@ -442,8 +452,10 @@ impl UringDriver {
 
     fn fd(&self, connection: ConnectionId) -> types::Fd {
         match &self.sockets[connection.index as usize] {
-            Some(stream) => types::Fd(stream.as_raw_fd()),
-            None => panic!("operation on connection {connection:?} without a socket"),
+            Some((generation, stream)) if *generation == connection.generation => {
+                types::Fd(stream.as_raw_fd())
+            }
+            _ => panic!("operation on connection {connection:?} without a socket"),
         }
     }
 
