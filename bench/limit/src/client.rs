@@ -210,6 +210,10 @@ pub struct Report {
     pub replies_total: u64,
     pub replies_per_sec: f64,
     pub latency: Latency,
+    /// CPU time the client's thread used over the whole run (connecting included), from
+    /// `/proc/thread-self/schedstat`; `None` where that file is missing. Over `elapsed_s` it
+    /// says whether the client, not the server, set the pace.
+    pub client_cpu_s: Option<f64>,
 }
 
 /// A request on the wire, for checking its reply.
@@ -248,6 +252,7 @@ impl SplitMix64 {
 /// Runs the load described by `config` and reports it.
 pub fn run(config: &ClientConfig) -> Result<Report, ClientError> {
     config.validate()?;
+    let cpu_ns_before = thread_cpu_ns();
     let started = Instant::now();
     let hard_deadline = started + config.timeout;
     let mut sockets = Vec::with_capacity(config.connections);
@@ -457,7 +462,7 @@ pub fn run(config: &ClientConfig) -> Result<Report, ClientError> {
                         touched.push(index);
                     }
                 }
-                Event::Accepted(_) => {}
+                Event::Accepted(_) | Event::Woken => {}
             }
         }
     }
@@ -499,7 +504,17 @@ pub fn run(config: &ClientConfig) -> Result<Report, ClientError> {
             0.0
         },
         latency,
+        client_cpu_s: thread_cpu_ns()
+            .zip(cpu_ns_before)
+            .map(|(after, before)| after.saturating_sub(before) as f64 / 1e9),
     })
+}
+
+/// CPU time of the calling thread in nanoseconds: the first field of its schedstat, which
+/// the scheduler keeps exactly (no tick sampling).
+fn thread_cpu_ns() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    text.split_whitespace().next()?.parse().ok()
 }
 
 impl From<ReplyError> for ClientError {

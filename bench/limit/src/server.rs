@@ -20,13 +20,11 @@
 use std::collections::VecDeque;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::OnceLock;
 
 use reflex_proto::original::HEADER_SIZE;
 
-use crate::uring::{Event, Reactor, ReactorConfig, STREAMS_MAX, TRANSMIT_HEADERS_MAX, Wait};
+use crate::uring::{Event, Reactor, ReactorConfig, STREAMS_MAX, Stop, TRANSMIT_HEADERS_MAX, Wait};
 use crate::wire::{IO_SIZE_MAX_BYTES, RequestParser, Response};
 
 /// Bytes one receive may bring.
@@ -90,21 +88,6 @@ pub struct ServerStats {
     pub loop_iterations: u64,
 }
 
-/// Stops a running server from another thread: sets its flag and wakes its loop by
-/// connecting (a sleeping loop wakes on the accept).
-#[derive(Debug, Clone)]
-pub struct StopHandle {
-    flag: Arc<AtomicBool>,
-    address: SocketAddr,
-}
-
-impl StopHandle {
-    pub fn stop(&self) {
-        self.flag.store(true, Ordering::Relaxed);
-        let _ = TcpStream::connect_timeout(&self.address, Duration::from_secs(1));
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Free,
@@ -148,7 +131,7 @@ impl Connection {
 pub struct Server {
     listener: TcpListener,
     config: ServerConfig,
-    stop: Arc<AtomicBool>,
+    stop: Stop,
 }
 
 impl Server {
@@ -162,7 +145,7 @@ impl Server {
         Ok(Server {
             listener: TcpListener::bind(address)?,
             config,
-            stop: Arc::new(AtomicBool::new(false)),
+            stop: Stop::new()?,
         })
     }
 
@@ -170,19 +153,12 @@ impl Server {
         self.listener.local_addr()
     }
 
-    /// The flag that ends the loop at its next iteration (for signal handlers).
-    pub fn stop_flag(&self) -> Arc<AtomicBool> {
-        Arc::clone(&self.stop)
+    /// What ends [`Server::run`], from another thread or a signal handler.
+    pub fn stop_handle(&self) -> Stop {
+        self.stop.clone()
     }
 
-    pub fn stop_handle(&self) -> io::Result<StopHandle> {
-        Ok(StopHandle {
-            flag: Arc::clone(&self.stop),
-            address: self.local_addr()?,
-        })
-    }
-
-    /// Serves until the stop flag is set; then closes everything and returns the counters.
+    /// Serves until stopped; then closes everything and returns the counters.
     pub fn run(self) -> io::Result<ServerStats> {
         let reactor = Reactor::new(ReactorConfig {
             streams_max: self.config.connections_max,
@@ -209,11 +185,12 @@ struct Core {
 }
 
 impl Core {
-    fn run(&mut self, listener: &TcpListener, stop: &AtomicBool, poll: bool) -> io::Result<()> {
+    fn run(&mut self, listener: &TcpListener, stop: &Stop, poll: bool) -> io::Result<()> {
         let wait = if poll { Wait::Poll } else { Wait::Sleep(None) };
         let mut completions = Vec::with_capacity(self.reactor.completion_capacity());
         self.reactor.arm_accept(listener)?;
-        while !stop.load(Ordering::Relaxed) {
+        self.reactor.arm_wake(stop)?;
+        while !stop.is_stopped() {
             self.stats.loop_iterations += 1;
             self.reactor.enter(wait)?;
             self.reactor.reap(&mut completions);
@@ -222,6 +199,8 @@ impl Core {
                     continue;
                 };
                 match event {
+                    // The loop condition sees the flag.
+                    Event::Woken => {}
                     Event::Accepted(accepted) => {
                         self.reactor.arm_accept(listener)?;
                         match accepted {

@@ -1,4 +1,5 @@
-//! The crate's only `unsafe` code: one io_uring and every byte of memory it lends the kernel.
+//! The crate's only `unsafe` code: one io_uring and every byte of memory it lends the kernel,
+//! and the [`Stop`] eventfd that ends a wait in it.
 //!
 //! Why the reactor owns what it lends: an io_uring operation holds raw pointers (a receive
 //! buffer, a `msghdr`, its iovecs and the headers they point at) from submission until its
@@ -12,9 +13,12 @@
 //! flight and reaps until the kernel has given everything back before any of it is freed.
 #![allow(unsafe_code)]
 
+use std::fs::File;
 use std::io;
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use io_uring::{IoUring, opcode, squeue, types};
@@ -34,6 +38,7 @@ const KIND_ACCEPT: u64 = 1;
 const KIND_RECEIVE: u64 = 2;
 const KIND_SEND: u64 = 3;
 const KIND_CANCEL: u64 = 4;
+const KIND_WAKE: u64 = 5;
 const KIND_SHIFT: u32 = 56;
 const INDEX_MASK: u64 = (1 << 32) - 1;
 
@@ -60,6 +65,8 @@ pub enum Wait {
 #[derive(Debug)]
 pub enum Event {
     Accepted(io::Result<TcpStream>),
+    /// The [`Stop`]'s eventfd was written (the read is not re-armed).
+    Woken,
     /// A receive into the stream's buffer finished: bytes received (0: the peer closed), or
     /// -errno. The bytes are in [`Reactor::received`].
     Received {
@@ -212,6 +219,9 @@ pub struct Reactor {
     /// Operations submitted (or queued) and not yet reaped; cancels not counted.
     in_flight: usize,
     accept_in_flight: bool,
+    /// Where the eventfd read of [`Reactor::arm_wake`] lands.
+    wake_word: Box<u64>,
+    wake_in_flight: bool,
     /// Entries pushed since the last enter.
     pushed: usize,
 }
@@ -221,10 +231,10 @@ impl Reactor {
         assert!((1..=STREAMS_MAX).contains(&config.streams_max));
         assert!(config.receive_bytes > 0);
         assert!((1..=TRANSMIT_HEADERS_MAX).contains(&config.transmit_headers_max));
-        // At most one receive and one send per slot, one accept and one cancel are ever in
-        // flight, so neither queue can fill between two enters, nor the completion queue
+        // At most one receive and one send per slot, one accept, one wake read and one cancel
+        // are ever in flight, so neither queue can fill between two enters, nor the completion queue
         // overflow.
-        let entries = (2 * config.streams_max + 2).next_power_of_two().max(8) as u32;
+        let entries = (2 * config.streams_max + 3).next_power_of_two().max(8) as u32;
         let ring = IoUring::builder()
             .setup_cqsize(2 * entries)
             .setup_single_issuer()
@@ -251,6 +261,8 @@ impl Reactor {
             free: (0..config.streams_max).rev().collect(),
             in_flight: 0,
             accept_in_flight: false,
+            wake_word: Box::new(0),
+            wake_in_flight: false,
             pushed: 0,
         })
     }
@@ -372,6 +384,25 @@ impl Reactor {
         Ok(())
     }
 
+    /// Starts reading `stop`'s eventfd unless a read is in flight: a [`Stop::stop`] then ends
+    /// the current or next sleep in [`Reactor::enter`] with [`Event::Woken`].
+    pub fn arm_wake(&mut self, stop: &Stop) -> io::Result<()> {
+        if self.wake_in_flight {
+            return Ok(());
+        }
+        let entry = opcode::Read::new(
+            types::Fd(stop.eventfd.as_raw_fd()),
+            std::ptr::from_mut::<u64>(&mut self.wake_word).cast::<u8>(),
+            8,
+        )
+        .build()
+        .user_data(user_data(KIND_WAKE, 0));
+        self.push(&entry)?;
+        self.wake_in_flight = true;
+        self.in_flight += 1;
+        Ok(())
+    }
+
     /// Starts a receive into the slot's whole buffer unless one is in flight.
     pub fn arm_receive(&mut self, index: usize) -> io::Result<()> {
         let slot = &mut self.slots[index];
@@ -489,6 +520,12 @@ impl Reactor {
                 };
                 Some(Event::Accepted(accepted))
             }
+            KIND_WAKE => {
+                assert!(self.wake_in_flight, "stale wake completion");
+                self.wake_in_flight = false;
+                self.in_flight -= 1;
+                Some(Event::Woken)
+            }
             KIND_RECEIVE => {
                 let slot = &mut self.slots[index];
                 assert!(slot.receive_in_flight, "stale receive completion");
@@ -556,5 +593,44 @@ impl Drop for Reactor {
                 drop(self.complete(completion));
             }
         }
+    }
+}
+
+/// Stops a loop from another thread: sets a flag the loop checks every iteration and writes
+/// an eventfd whose read the loop keeps armed ([`Reactor::arm_wake`]), so a loop asleep in
+/// `io_uring_enter` wakes at once. (A signal to the loop's own thread is not enough: valgrind,
+/// for one, never delivers a signal to a thread sleeping in `io_uring_enter`.)
+#[derive(Debug, Clone)]
+pub struct Stop {
+    flag: Arc<AtomicBool>,
+    eventfd: Arc<File>,
+}
+
+impl Stop {
+    pub fn new() -> io::Result<Stop> {
+        // SAFETY: eventfd takes two integers and passes no memory.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a new descriptor that nothing else owns; adopted once, here.
+        let eventfd = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        Ok(Stop {
+            flag: Arc::new(AtomicBool::new(false)),
+            eventfd: Arc::new(eventfd),
+        })
+    }
+
+    #[inline]
+    pub fn is_stopped(&self) -> bool {
+        self.flag.load(Ordering::Relaxed)
+    }
+
+    pub fn stop(&self) {
+        self.flag.store(true, Ordering::Relaxed);
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live stack array to a descriptor this Stop owns. A
+        // failure (the counter is saturated) still leaves a wake-up pending, so it is ignored.
+        let _ = unsafe { libc::write(self.eventfd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
     }
 }

@@ -7,7 +7,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use reflex_limit::client::{self, Bound, ClientConfig, ClientError, ConfigError};
-use reflex_limit::server::{Server, ServerConfig, ServerStats, StopHandle, data_region};
+use reflex_limit::server::{Server, ServerConfig, ServerStats, data_region};
+use reflex_limit::uring::Stop;
 use reflex_limit::wire::request;
 use reflex_proto::original::{HEADER_SIZE, Opcode};
 
@@ -16,7 +17,7 @@ const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 struct Running {
     address: SocketAddr,
-    stop: StopHandle,
+    stop: Stop,
     thread: JoinHandle<ServerStats>,
 }
 
@@ -24,7 +25,7 @@ impl Running {
     fn start(config: ServerConfig) -> Running {
         let server = Server::bind("127.0.0.1:0".parse().unwrap(), config).unwrap();
         let address = server.local_addr().unwrap();
-        let stop = server.stop_handle().unwrap();
+        let stop = server.stop_handle();
         let thread = std::thread::spawn(move || server.run().unwrap());
         Running {
             address,

@@ -1,6 +1,7 @@
 //! `limit-client`: closed-loop random-read load for any original-protocol server, one io_uring
 //! thread that sleeps in the kernel while it waits (see `reflex_limit::client`).
 
+use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
@@ -88,23 +89,35 @@ fn config(args: &Args) -> anyhow::Result<ClientConfig> {
     Ok(config)
 }
 
-fn print_text(report: &Report, qd1_sleep: bool) {
-    println!(
+/// Writes the report as text; a closed stdout is an error, not a panic.
+fn print_text(out: &mut impl Write, report: &Report, qd1_sleep: bool) -> std::io::Result<()> {
+    writeln!(
+        out,
         "limit-client: {}, {} connection(s) × depth {}, {} B random reads over {} B",
         report.address, report.connections, report.depth, report.size_bytes, report.range_bytes
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "replies: {} in {:.3} s ({} in all): {:.0} replies/s",
         report.replies, report.elapsed_s, report.replies_total, report.replies_per_sec
-    );
+    )?;
+    if let Some(cpu_s) = report.client_cpu_s {
+        writeln!(
+            out,
+            "client CPU: {cpu_s:.3} s ({:.0} % of one core)",
+            100.0 * cpu_s / report.elapsed_s.max(1e-9)
+        )?;
+    }
     let latency = &report.latency;
     if qd1_sleep {
-        println!(
+        writeln!(
+            out,
             "QD1 latency (sleeping client): p50 {:.1} µs, p99 {:.1} µs",
             latency.p50_us, latency.p99_us
-        );
+        )?;
     }
-    println!(
+    writeln!(
+        out,
         "latency µs: p50 {:.1}  p90 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1}  mean {:.1}",
         latency.p50_us,
         latency.p90_us,
@@ -112,17 +125,18 @@ fn print_text(report: &Report, qd1_sleep: bool) {
         latency.p999_us,
         latency.max_us,
         latency.mean_us
-    );
+    )
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let config = config(&args)?;
     let report = client::run(&config)?;
+    let mut out = std::io::stdout().lock();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)
     } else {
-        print_text(&report, args.qd1_sleep);
+        print_text(&mut out, &report, args.qd1_sleep)
     }
-    Ok(())
+    .context("writing the report")
 }

@@ -1,6 +1,7 @@
 //! `limit-server`: the yardstick. Answers original-ReFlex-protocol reads from memory with one
 //! io_uring thread doing as little as the protocol allows (see `reflex_limit::server`).
-//! Writes are answered after their payload is discarded. Stops on SIGINT or SIGTERM.
+//! Writes are answered after their payload is discarded. Stops on SIGINT or SIGTERM (a second
+//! thread waits for them; it never runs otherwise).
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
@@ -38,10 +39,22 @@ fn main() -> anyhow::Result<()> {
     };
     let address = SocketAddr::new(args.listen, args.port);
     let server = Server::bind(address, config).with_context(|| format!("binding {address}"))?;
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, server.stop_flag())
-            .context("installing a signal handler")?;
-    }
+    // A thread that waits for SIGINT/SIGTERM and stops the loop: the loop's own thread sleeps
+    // in io_uring_enter, where valgrind would never deliver the signal to it.
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+    ])
+    .context("installing the SIGINT/SIGTERM handler")?;
+    let stop = server.stop_handle();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if signals.forever().next().is_some() {
+                stop.stop();
+            }
+        })
+        .context("starting the signal thread")?;
     eprintln!(
         "limit-server: listening on {} ({}), at most {} connections",
         server.local_addr()?,
