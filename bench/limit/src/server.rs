@@ -83,6 +83,8 @@ pub struct ServerStats {
     pub connections_refused_framing: u64,
     /// Closed on a socket error.
     pub connections_failed: u64,
+    /// Accepts that failed (the first is logged).
+    pub accept_errors: u64,
     /// Responses whose last byte was sent.
     pub responses_sent: u64,
     pub loop_iterations: u64,
@@ -205,7 +207,13 @@ impl Core {
                         self.reactor.arm_accept(listener)?;
                         match accepted {
                             Ok(socket) => self.open(socket)?,
-                            Err(error) => eprintln!("limit-server: accept failed: {error}"),
+                            Err(error) => {
+                                // Logged once: out of descriptors, every retry fails alike.
+                                if self.stats.accept_errors == 0 {
+                                    eprintln!("limit-server: accept failed: {error}");
+                                }
+                                self.stats.accept_errors += 1;
+                            }
                         }
                     }
                     Event::Received { stream, result } => self.received(stream, result)?,
