@@ -169,7 +169,10 @@ def top_functions(path, count, total):
             continue
         file, _, function = match.group(2).strip().partition(":")
         function = re.sub(r"\s*\[[^\]]*\]$", "", function)
-        rows.append((ir, function, file))
+        row = (ir, function, os.path.basename(file))
+        # The same function is listed once per spelling of its file's path: keep one.
+        if row not in rows:
+            rows.append(row)
     return rows[:count]
 
 def cell(text, width=100):
@@ -206,13 +209,14 @@ for name, total in (("reflexd", reflexd_loaded), ("limit-server", limit_loaded))
     add(f"## {name}: top {count} functions by inclusive cost (loaded window)")
     add("")
     add("From `callgrind_annotate --inclusive=yes`, without the thread start-up frames that "
-        "contain everything. Code inlined from another source file is listed under that file, so "
-        "one function can appear more than once.")
+        "contain everything. Inclusive costs overlap where one function calls another. Code "
+        "inlined from another source file is listed under that file, so one function can appear "
+        "more than once.")
     add("")
     add("| inclusive Ir | per request | function | source file |")
     add("|---:|---:|---|---|")
     for ir, function, file in top_functions(os.path.join(work, f"{name}-inclusive.txt"), count, total):
-        add(f"| {ir:,} | {ir / requests:,.0f} | `{cell(function)}` | `{cell(os.path.basename(file), 40)}` |")
+        add(f"| {ir:,} | {ir / requests:,.0f} | `{cell(function)}` | `{cell(file, 40)}` |")
     add("")
 add(f"Callgrind dumps: `{work}/callgrind.*.out.*` (`callgrind_annotate` or kcachegrind).")
 with open(out, "w") as f:
