@@ -155,7 +155,7 @@ impl Server {
         self.listener.local_addr()
     }
 
-    /// What ends [`Server::run`], from another thread or a signal handler.
+    /// What ends [`Server::run`] from another thread (limit-server's signal thread, a test).
     pub fn stop_handle(&self) -> Stop {
         self.stop.clone()
     }
