@@ -174,8 +174,7 @@ impl PageAllocator {
         if run.order == 0 && self.cache.len() < PAGE_CACHE_MAX {
             assert!(run.first_page < self.page_count);
             assert_eq!(
-                self.state[run.first_page as usize],
-                STATE_USED,
+                self.state[run.first_page as usize], STATE_USED,
                 "free of a run that is not allocated: {run:?}"
             );
             self.state[run.first_page as usize] = STATE_CACHED;

@@ -362,7 +362,9 @@ mod tests {
             })
             .collect();
         for thread in threads {
-            thread.join().unwrap_or_else(|_| panic!("a thread panicked"));
+            thread
+                .join()
+                .unwrap_or_else(|_| panic!("a thread panicked"));
         }
         region.zero(STRIPE_BYTES + 10, 20);
         let mut back = vec![9u8; 40];
@@ -370,5 +372,4 @@ mod tests {
         assert!(back[10..30].iter().all(|&b| b == 0));
         assert_ne!(back[0], 0);
     }
-
 }

@@ -80,7 +80,9 @@ impl MemQueue {
             panic!("mem range {offset}+{len} beyond the address space");
         };
         assert!(
-            offset.checked_add(len).is_some_and(|end| end <= self.region.len()),
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= self.region.len()),
             "mem range beyond the device"
         );
         (offset, len)

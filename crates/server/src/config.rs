@@ -483,6 +483,10 @@ pub struct Config {
     /// Receive buffer of each connection.
     #[serde(deserialize_with = "size_bytes")]
     pub recv_buffer_bytes: u64,
+    /// A connection idle this long gives its receive buffer back and waits for readiness
+    /// instead, so idle connections cost no buffer; `"0s"`: never.
+    #[serde(with = "humantime_serde")]
+    pub recv_buffer_park_after: Duration,
     /// Tenants one connection may register (and own) at once.
     pub tenants_per_connection_max: u32,
     /// Tenants the connections of one address may register (and own) at once.
@@ -531,6 +535,7 @@ impl Default for Config {
             connections_per_source_max: 0,
             requests_per_thread_max: REQUESTS_PER_THREAD_DEFAULT,
             recv_buffer_bytes: RECV_BUFFER_BYTES_DEFAULT,
+            recv_buffer_park_after: Duration::from_secs(1),
             tenants_per_connection_max: 16,
             tenants_per_source_max: 1024,
             tenant_orphan_grace: Duration::from_secs(30),
@@ -652,6 +657,7 @@ impl Config {
             device_timeout: optional(self.timeouts.device),
             drain_timeout: reflex_qos::Nanos(self.timeouts.drain.as_nanos() as u64),
             device_in_flight_max: reflex_dataplane::DEVICE_IN_FLIGHT_PER_THREAD_MAX,
+            park_after: optional(self.recv_buffer_park_after),
         }
     }
 

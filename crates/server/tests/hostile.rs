@@ -75,9 +75,11 @@ impl NbdClient {
                 handshake.consume_output(output.len());
                 continue;
             }
-            let n = stream
-                .read(&mut buffer)
-                .unwrap_or_else(|e| panic!("nbd handshake read: {e}"));
+            let n = match stream.read(&mut buffer) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => panic!("nbd handshake read: {e}"),
+            };
             assert!(
                 n > 0,
                 "server closed during the handshake after {} bytes",
@@ -577,4 +579,29 @@ fn a_stalled_device_answers_with_an_error_after_the_device_timeout() {
         .unwrap_or_else(|| panic!("namespace 1 is a fault device"));
     controls.set_stalled(false);
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+// ----- Idle connections give their receive buffers back (issue 10) ----------------------------
+
+#[test]
+fn an_idle_connection_parks_without_its_buffer_and_wakes_on_the_next_request() {
+    let mut config = config(vec![namespace(1, "mem:16M", None)]);
+    config.recv_buffer_park_after = Duration::from_millis(100);
+    let server = start(config);
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    let data = pattern(12, 8192);
+    client.write(1, 0, &data).unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..3 {
+        // Idle long enough to park (the sweep runs every 100 ms), then a request wakes it.
+        std::thread::sleep(Duration::from_millis(400));
+        let mut back = vec![0u8; 8192];
+        client
+            .read(1, 0, &mut back)
+            .unwrap_or_else(|e| panic!("a parked connection did not wake: {e}"));
+        assert!(back == data);
+    }
+    drop(client);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let parked: u64 = stats.iter().map(|s| s.connections_parked).sum();
+    assert!(parked >= 3, "parked {parked} times");
 }

@@ -217,6 +217,7 @@ fn limits_for(config: &SimConfig) -> Limits {
         device_timeout: None,
         drain_timeout: DRAIN_TIMEOUT_DEFAULT,
         device_in_flight_max: DEVICE_IN_FLIGHT_PER_THREAD_MAX,
+        park_after: None,
     }
 }
 

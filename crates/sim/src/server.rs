@@ -75,6 +75,8 @@ struct Socket {
     recv_pending: bool,
     /// A send that waits for room in the client's buffer.
     send_pending: bool,
+    /// A readiness wait of a parked connection.
+    wait_pending: bool,
     /// The client closed its sending side: once what it sent is read, receives return 0.
     client_closed: bool,
     /// The server closed the connection.
@@ -199,6 +201,7 @@ impl VirtualServer {
             to_client: Pipe::default(),
             recv_pending: false,
             send_pending: false,
+            wait_pending: false,
             client_closed: false,
             server_closed: false,
         });
@@ -350,6 +353,7 @@ impl VirtualServer {
             }
             moved |= self.complete_recv(index);
             moved |= self.complete_send(index);
+            moved |= self.complete_wait(index);
         }
         moved
     }
@@ -370,6 +374,21 @@ impl VirtualServer {
         let space = dataplane.receive_space(id);
         let received = self.sockets[index].to_server.read(space);
         dataplane.handle_recv(id, Ok(received), now);
+        true
+    }
+
+    fn complete_wait(&mut self, index: usize) -> bool {
+        let now = self.now;
+        let socket = &mut self.sockets[index];
+        if !socket.wait_pending || (socket.to_server.readable_bytes() == 0 && !socket.client_closed)
+        {
+            return false;
+        }
+        socket.wait_pending = false;
+        let (id, thread) = (socket.id, usize::from(socket.thread));
+        self.threads[thread]
+            .dataplane
+            .handle_readable(id, Ok(()), now);
         true
     }
 
@@ -476,6 +495,21 @@ impl VirtualServer {
             Op::Send { connection } => {
                 let index = self.socket_of(thread, connection);
                 self.send_now(index);
+            }
+            Op::WaitReadable { connection } => {
+                let index = self.socket_of(thread, connection);
+                self.sockets[index].wait_pending = true;
+                self.complete_wait(index);
+            }
+            Op::CancelWait { connection } => {
+                let index = self.socket_of(thread, connection);
+                if std::mem::take(&mut self.sockets[index].wait_pending) {
+                    self.threads[thread].dataplane.handle_readable(
+                        connection,
+                        Err(libc::ECANCELED),
+                        now,
+                    );
+                }
             }
             Op::CancelRecv { connection } => {
                 let index = self.socket_of(thread, connection);

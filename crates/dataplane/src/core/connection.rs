@@ -68,7 +68,13 @@ pub(super) struct Connection {
     pub(super) recv_buffer: Box<[u8]>,
     pub(super) recv_start: usize,
     pub(super) recv_end: usize,
+    /// A read-side operation is in flight: a receive, or (when `parked`) a readiness wait.
     pub(super) recv_in_flight: bool,
+    /// Idle: its receive buffer went back to the pool; a readiness wait takes the place of
+    /// the receive, and the next bytes bring a buffer back.
+    pub(super) parked: bool,
+    /// The receive in flight is being cancelled to park the connection.
+    pub(super) parking: bool,
     /// The request whose WRITE payload is being received straight into its run.
     pub(super) payload: Option<u32>,
     /// Payload bytes of a refused request still to discard.
@@ -127,6 +133,8 @@ impl Connection {
             recv_start: 0,
             recv_end: 0,
             recv_in_flight: false,
+            parked: false,
+            parking: false,
             payload: None,
             skip_bytes: 0,
             stalled: None,
@@ -230,7 +238,7 @@ impl Dataplane {
         self.stats.connections_accepted += 1;
         self.listeners[listener_index as usize].connections += 1;
         self.open_connections += 1;
-        let recv_buffer_bytes = self.limits.recv_buffer_bytes;
+        let recv_buffer = self.take_recv_buffer();
         let connection = &mut self.connections[index as usize];
         assert_eq!(connection.state, ConnectionState::Free);
         assert_eq!(connection.outstanding, 0);
@@ -239,7 +247,6 @@ impl Dataplane {
             "a free connection still counted for a tenant"
         );
         let generation = connection.generation;
-        let recv_buffer = std::mem::take(&mut connection.recv_buffer);
         let charged = std::mem::take(&mut connection.charged);
         let mut notices = std::mem::take(&mut connection.notices);
         notices.clear();
@@ -247,11 +254,7 @@ impl Dataplane {
         connection.charged = charged;
         connection.notices = notices;
         connection.generation = generation;
-        connection.recv_buffer = if recv_buffer.len() == recv_buffer_bytes {
-            recv_buffer
-        } else {
-            vec![0u8; recv_buffer_bytes].into_boxed_slice()
-        };
+        connection.recv_buffer = recv_buffer;
         connection.state = ConnectionState::Open;
         connection.listener = listener_index;
         connection.source = source;
@@ -414,7 +417,7 @@ impl Dataplane {
         let (recv_in_flight, send_in_flight) =
             (connection.recv_in_flight, connection.send_in_flight);
         if recv_in_flight {
-            self.ops.push_back(Op::CancelRecv { connection: id });
+            self.cancel_read_side(index);
         } else if let Some(request) = self.connections[index as usize].payload.take() {
             self.free_request(request);
         }
@@ -489,12 +492,45 @@ impl Dataplane {
         let connection = &mut self.connections[index as usize];
         let id = connection.id(index);
         connection.source = None;
+        connection.parked = false;
+        let recv_buffer = std::mem::take(&mut connection.recv_buffer);
+        self.return_recv_buffer(recv_buffer);
+        let connection = &mut self.connections[index as usize];
         // Drops per-connection protocol state (an NBD handshake's buffers) now, not at reuse.
         connection.frontend = Frontend::Native;
         connection.state = ConnectionState::Free;
         connection.generation = next_generation(connection.generation);
         self.free_connections.push(index);
         self.ops.push_back(Op::Close { connection: id });
+    }
+
+    /// Cancels the read-side operation in flight: the receive, or the readiness wait of a
+    /// parked connection.
+    pub(super) fn cancel_read_side(&mut self, index: u32) {
+        let connection = &self.connections[index as usize];
+        assert!(connection.recv_in_flight);
+        let id = connection.id(index);
+        self.ops.push_back(if connection.parked {
+            Op::CancelWait { connection: id }
+        } else {
+            Op::CancelRecv { connection: id }
+        });
+    }
+
+    /// A receive buffer from the pool, or a new one.
+    pub(super) fn take_recv_buffer(&mut self) -> Box<[u8]> {
+        self.recv_buffers
+            .pop()
+            .unwrap_or_else(|| vec![0u8; self.limits.recv_buffer_bytes].into_boxed_slice())
+    }
+
+    /// Gives a receive buffer back to the pool (or frees it beyond the pool's bound).
+    pub(super) fn return_recv_buffer(&mut self, buffer: Box<[u8]>) {
+        if buffer.len() == self.limits.recv_buffer_bytes
+            && self.recv_buffers.len() < super::limits::RECV_BUFFERS_SPARE_MAX
+        {
+            self.recv_buffers.push(buffer);
+        }
     }
 
     /// The connection slot `id` names, checked against its generation (a report about an

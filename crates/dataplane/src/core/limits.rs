@@ -9,6 +9,8 @@ use crate::buffers::{ORDER_MAX, PAGE_SIZE, RUN_SIZE_MAX};
 pub const DEVICE_IN_FLIGHT_PER_THREAD_MAX: u32 = 1024;
 /// How long a shutdown waits for clients to take their last responses by default.
 pub const DRAIN_TIMEOUT_DEFAULT: Nanos = Nanos(10_000_000_000);
+/// Spare receive buffers a dataplane keeps for new or waking connections (more are freed).
+pub const RECV_BUFFERS_SPARE_MAX: usize = 64;
 /// Connection slots beyond `connections_max` for connections that are still closing, so a
 /// connection evicted for a new one need not finish closing first.
 pub const CONNECTION_SLACK: u32 = 64;
@@ -48,6 +50,9 @@ pub struct Limits {
     pub device_timeout: Option<Nanos>,
     pub drain_timeout: Nanos,
     pub device_in_flight_max: u32,
+    /// A connection with nothing to do for this long gives its receive buffer back and waits
+    /// for readiness instead (`None`: never): idle connections then cost no buffer.
+    pub park_after: Option<Nanos>,
 }
 
 impl Limits {

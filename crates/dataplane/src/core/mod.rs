@@ -60,6 +60,7 @@ use connection::{Connection, Listener};
 use errors::DeviceErrorLog;
 pub use limits::{
     CONNECTION_SLACK, DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits,
+    RECV_BUFFERS_SPARE_MAX,
 };
 pub use ops::{AcceptRefused, ConnectionId, DeviceCommand, DeviceOpId, DeviceOpKind, Op};
 pub use request::{GENERATION_MASK, REQUEST_STATE_COUNT, RequestState};
@@ -108,6 +109,8 @@ pub struct Dataplane {
     /// Connections in the `Open` state (the table's limit counts these).
     open_connections: u32,
     connections_by_source: HashMap<IpAddr, u32>,
+    /// Spare receive buffers (parked and closed connections give theirs back).
+    recv_buffers: Vec<Box<[u8]>>,
     listeners: Vec<Listener>,
     namespaces: Arc<NamespaceSet>,
     nbd_exports: Option<Arc<NbdExports>>,
@@ -207,6 +210,7 @@ impl Dataplane {
             connections,
             open_connections: 0,
             connections_by_source: HashMap::new(),
+            recv_buffers: Vec::new(),
             listeners,
             discards: (0..setup.namespaces.len())
                 .map(|index| setup.namespaces.info(index as u16).supports_trim)
@@ -324,6 +328,19 @@ impl Dataplane {
 
     pub fn thread_index(&self) -> usize {
         self.thread_index
+    }
+
+    /// Connections parked without a receive buffer, and receive buffers allocated (in use and
+    /// spare): what idle connections cost.
+    pub fn recv_buffer_usage(&self) -> (u32, usize) {
+        let parked = self.connections.iter().filter(|c| c.parked).count() as u32;
+        let allocated = self
+            .connections
+            .iter()
+            .filter(|c| !c.recv_buffer.is_empty())
+            .count()
+            + self.recv_buffers.len();
+        (parked, allocated)
     }
 
     /// Counters, per-tenant figures included.

@@ -415,6 +415,94 @@ impl Dataplane {
         self.ops.push_back(Op::Recv { connection: id });
     }
 
+    /// Whether a connection has nothing to do: nothing outstanding or half-received, and its
+    /// read side open with a plain receive in flight.
+    fn is_idle(&self, index: u32) -> bool {
+        let connection = &self.connections[index as usize];
+        connection.is_open()
+            && connection.read == ReadState::Open
+            && connection.recv_in_flight
+            && !connection.parked
+            && !connection.parking
+            && connection.outstanding == 0
+            && connection.payload.is_none()
+            && connection.stalled.is_none()
+            && connection.skip_bytes == 0
+            && connection.recv_start == connection.recv_end
+            && connection.notices.is_empty()
+    }
+
+    /// Idle connections past `park_after` start parking: their receive is cancelled, and
+    /// once it comes back cancelled they give their buffer back ([`Self::park`]).
+    pub(super) fn park_idle_connections(&mut self, now: Nanos) {
+        let Some(park_after) = self.limits.park_after else {
+            return;
+        };
+        for index in 0..self.connections.len() as u32 {
+            if !self.is_idle(index) {
+                continue;
+            }
+            let connection = &mut self.connections[index as usize];
+            if now.saturating_since(connection.receive_progress_at) < park_after {
+                continue;
+            }
+            connection.parking = true;
+            let id = connection.id(index);
+            self.ops.push_back(Op::CancelRecv { connection: id });
+        }
+    }
+
+    /// The receive of a parking connection came back cancelled: if it is still idle, its
+    /// buffer goes back to the pool and it waits for readiness. Returns whether it parked.
+    fn park(&mut self, index: u32) -> bool {
+        let connection = &mut self.connections[index as usize];
+        // `is_idle` wants the receive in flight; it just came back.
+        connection.recv_in_flight = true;
+        let idle = self.is_idle(index);
+        let connection = &mut self.connections[index as usize];
+        connection.recv_in_flight = false;
+        if !idle {
+            return false;
+        }
+        let buffer = std::mem::take(&mut connection.recv_buffer);
+        connection.recv_start = 0;
+        connection.recv_end = 0;
+        connection.parked = true;
+        connection.recv_in_flight = true;
+        let id = connection.id(index);
+        self.return_recv_buffer(buffer);
+        self.stats.connections_parked += 1;
+        self.ops.push_back(Op::WaitReadable { connection: id });
+        true
+    }
+
+    /// A readiness wait finished: `Ok(())` the connection has bytes (or an end of stream) to
+    /// read, `Err(errno)` it failed or was cancelled.
+    pub fn handle_readable(&mut self, id: ConnectionId, result: Result<(), i32>, now: Nanos) {
+        let _ = now;
+        let index = self.connection_index(id);
+        let connection = &mut self.connections[index as usize];
+        assert!(connection.recv_in_flight && connection.parked);
+        connection.recv_in_flight = false;
+        let buffer = self.take_recv_buffer();
+        let connection = &mut self.connections[index as usize];
+        connection.recv_buffer = buffer;
+        connection.parked = false;
+        if !connection.is_open() {
+            self.maybe_finish_close(index);
+            return;
+        }
+        match result {
+            Ok(()) => self.mark_parse(index),
+            Err(errno) if connection.read == ReadState::Open => {
+                tracing::debug!(thread = self.thread_index, errno, "readiness wait failed");
+                self.abort_connection(index, "readiness wait failed");
+            }
+            // Stopped reading (shutdown, a framing error): close once idle.
+            Err(_) => self.maybe_close_idle(index),
+        }
+    }
+
     /// Where the receive the dataplane asked for on `id` puts its bytes: the free end of the
     /// receive buffer, or the rest of a WRITE payload's run.
     pub fn receive_space(&mut self, id: ConnectionId) -> &mut [u8] {
@@ -449,7 +537,23 @@ impl Dataplane {
         let index = self.connection_index(id);
         let connection = &mut self.connections[index as usize];
         assert!(connection.recv_in_flight);
+        assert!(
+            !connection.parked,
+            "a receive completion for a parked connection"
+        );
         connection.recv_in_flight = false;
+        if std::mem::take(&mut connection.parking)
+            && result == Err(libc::ECANCELED)
+            && connection.is_open()
+            && connection.read == ReadState::Open
+        {
+            if !self.park(index) {
+                // Something came up meanwhile: receive again instead.
+                self.mark_parse(index);
+            }
+            return;
+        }
+        let connection = &mut self.connections[index as usize];
         if !connection.is_open() || connection.read == ReadState::Closed {
             // Aborted, or stopped reading: what arrived is not parsed.
             if let Some(request) = connection.payload.take() {

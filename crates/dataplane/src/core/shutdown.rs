@@ -157,8 +157,7 @@ impl Dataplane {
         connection.read = ReadState::Closed;
         connection.recv_start = connection.recv_end;
         if connection.recv_in_flight {
-            let id = connection.id(index);
-            self.ops.push_back(Op::CancelRecv { connection: id });
+            self.cancel_read_side(index);
         }
     }
 

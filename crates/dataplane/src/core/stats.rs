@@ -16,6 +16,8 @@ pub struct CoreStats {
     pub connections_evicted: u64,
     /// Connections closed by a timeout (handshake, idle, receive or send progress).
     pub connections_timed_out: u64,
+    /// Times an idle connection gave its receive buffer back and waited for readiness.
+    pub connections_parked: u64,
     /// Connections whose framing broke (closed after their answers).
     pub framing_errors: u64,
     pub requests_answered: u64,

@@ -55,6 +55,7 @@ mod token {
         Send = 3,
         Device = 4,
         Flush = 5,
+        Poll = 6,
         Wake = 0xC,
         Cancel = 0xD,
     }
@@ -70,6 +71,7 @@ mod token {
             3 => Kind::Send,
             4 => Kind::Device,
             5 => Kind::Flush,
+            6 => Kind::Poll,
             0xC => Kind::Wake,
             0xD => Kind::Cancel,
             _ => return None,
@@ -303,6 +305,15 @@ impl UringDriver {
                 let id = ConnectionId { index, generation };
                 self.dataplane.handle_recv(id, result, now);
             }
+            Kind::Poll => {
+                let id = ConnectionId { index, generation };
+                let ready = if cqe.result < 0 {
+                    Err(-cqe.result)
+                } else {
+                    Ok(())
+                };
+                self.dataplane.handle_readable(id, ready, now);
+            }
             Kind::Send => {
                 let id = ConnectionId { index, generation };
                 if let Some(staging) = self.staging[index as usize].take() {
@@ -424,8 +435,24 @@ impl UringDriver {
                 }
                 Op::Recv { connection } => self.push_recv(connection),
                 Op::Send { connection } => self.push_send(connection),
+                Op::WaitReadable { connection } => {
+                    let fd = self.fd(connection);
+                    let entry = opcode::PollAdd::new(fd, libc::POLLIN as u32)
+                        .build()
+                        .user_data(token::encode(
+                            Kind::Poll,
+                            connection.generation,
+                            connection.index,
+                        ));
+                    self.push(entry);
+                }
                 Op::CancelRecv { connection } => self.push_cancel(token::encode(
                     Kind::Recv,
+                    connection.generation,
+                    connection.index,
+                )),
+                Op::CancelWait { connection } => self.push_cancel(token::encode(
+                    Kind::Poll,
                     connection.generation,
                     connection.index,
                 )),
