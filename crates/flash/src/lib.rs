@@ -5,6 +5,9 @@
 //! Architecture invariant: devices prepare work for the dataplane thread's ring or finish it
 //! synchronously; they never start threads or loops of their own on the data path.
 
+#![deny(unsafe_code)]
+
+#[allow(unsafe_code)]
 pub mod aligned;
 pub mod calibrate;
 pub mod device;

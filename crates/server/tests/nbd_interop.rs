@@ -15,7 +15,7 @@
 //! must fail: against `nbdkit null` (which discards writes), with libnbd's strict mode left on
 //! (libnbd then refuses bad requests itself), against a damaged block, against fake servers
 //! that break the option negotiation, and a remount on an empty export. See
-//! /work/shared/TOOLS.md for the traps these controls guard against.
+//! the team's shared TOOLS.md for the traps these controls guard against.
 //!
 //! Missing tools fail the tests (scripts/test.sh installs them); nothing is skipped. Every
 //! external command has a timeout; servers, nbdfuse, loop devices and mounts are released by
