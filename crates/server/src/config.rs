@@ -1100,6 +1100,31 @@ mod tests {
     }
 
     #[test]
+    fn a_configuration_beyond_the_completion_queue_is_refused() {
+        // 17,000 connections per thread need 4 completions each in the worst case: more than
+        // one ring holds. Refused at start, with the reason, instead of a panic under load.
+        let config = Config {
+            connections_per_thread_max: 17_000,
+            ..Config::default()
+        };
+        assert!(config.ring_cq_entries() > RING_CQ_ENTRIES_MAX);
+        let error = config
+            .validate()
+            .err()
+            .unwrap_or_else(|| panic!("accepted"));
+        assert!(error.to_string().contains("completion queue"), "{error}");
+        // The default fits, and 10,000 connections per thread too.
+        assert!(Config::default().ring_cq_entries() <= RING_CQ_ENTRIES_MAX);
+        let ten_thousand = Config {
+            connections_per_thread_max: 10_000,
+            ..Config::default()
+        };
+        ten_thousand
+            .validate()
+            .unwrap_or_else(|e| panic!("10,000 connections per thread: {e}"));
+    }
+
+    #[test]
     fn validation_catches_mistakes() {
         let bad = |config: Config| assert!(config.validate().is_err(), "{config:?}");
         bad(Config {
