@@ -28,7 +28,6 @@ mod probe;
 pub mod scenario;
 mod stats;
 pub mod units;
-#[allow(unsafe_code)]
 mod uring;
 mod wire;
 mod workload;
