@@ -544,3 +544,17 @@ impl Dataplane {
         id.index
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What an idle (parked) connection costs besides its socket: its slot, whose size is
+    /// stated in `docs/OPERATIONS.md`; a parked connection holds no receive buffer.
+    #[test]
+    fn a_connection_slot_stays_small() {
+        let size = size_of::<Connection>();
+        eprintln!("connection slot: {size} bytes");
+        assert!(size <= 512, "a connection slot grew to {size} bytes");
+    }
+}
