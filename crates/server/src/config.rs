@@ -470,6 +470,12 @@ pub struct Config {
     pub threads: usize,
     /// Spin on the rings instead of sleeping when idle (lowest latency, one busy core each).
     pub poll: bool,
+    /// In blocking mode, how long at most a thread spins before a device or scheduler
+    /// deadline instead of sleeping through it: it sleeps until shortly before the deadline
+    /// (by the wake-up delay it measured lately) and spins the rest, so deadlines are met
+    /// even where waking from a sleep costs hundreds of microseconds. `"0s"`: never spins.
+    #[serde(with = "humantime_serde")]
+    pub spin_before_deadline_max: Duration,
     /// Outstanding requests per connection; more are not read until some complete.
     pub window: u32,
     #[serde(deserialize_with = "size_bytes")]
@@ -528,6 +534,7 @@ impl Default for Config {
             nbd: NbdConfig::default(),
             threads: 1,
             poll: false,
+            spin_before_deadline_max: Duration::from_micros(500),
             window: WINDOW_DEFAULT,
             arena_bytes_per_thread: ARENA_BYTES_PER_THREAD_DEFAULT,
             connections_per_thread_max: CONNECTIONS_PER_THREAD_DEFAULT,

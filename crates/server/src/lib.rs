@@ -222,6 +222,7 @@ impl Server {
                 waker: Arc::clone(&wakers[thread_index]),
                 clock_origin,
                 cq_entries,
+                spin_before_deadline_max: Nanos(config.spin_before_deadline_max.as_nanos() as u64),
             };
             let ready = ready_tx.clone();
             let spawned = std::thread::Builder::new()

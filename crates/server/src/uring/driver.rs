@@ -42,6 +42,44 @@ pub const RING_CQ_ENTRIES_MIN: u32 = 8192;
 /// Passes of `process` and issuing per iteration while synchronous devices keep finishing.
 const PASSES_PER_ITERATION_MAX: usize = 4;
 
+/// How one loop iteration waits.
+enum Sleep {
+    /// Do not sleep: enter without waiting (polling mode, or spinning to a near deadline).
+    Poll,
+    /// Sleep until a completion, or at most this long.
+    Until(Option<Duration>),
+}
+
+/// How late timed sleeps end, lately: a decaying maximum of how far past the requested
+/// time the thread woke, so that the thread wakes early enough for its deadlines.
+#[derive(Debug, Clone, Copy)]
+struct WakeCost {
+    late_ns: u64,
+    max: Nanos,
+}
+
+impl WakeCost {
+    fn new(max: Nanos) -> WakeCost {
+        WakeCost { late_ns: 0, max }
+    }
+
+    /// A timed sleep of `timeout` started at `slept_at` has just returned.
+    fn observe(&mut self, slept_at: Instant, timeout: Duration) {
+        let slept = slept_at.elapsed();
+        if slept < timeout {
+            return; // Woken by a completion: says nothing about timer precision.
+        }
+        let late_ns = (slept - timeout).as_nanos() as u64;
+        // Rise at once, decay by 1/16 per sample.
+        self.late_ns = late_ns.max(self.late_ns - self.late_ns / 16);
+    }
+
+    /// How long before a deadline to stop sleeping and spin.
+    fn guard(&self) -> Nanos {
+        Nanos(self.late_ns.saturating_mul(2).min(self.max.0))
+    }
+}
+
 /// `user_data`: kind (4 bits) | generation (28 bits) | index (32 bits). Kinds from
 /// [`Kind::Wake`] up are the driver's own operations.
 mod token {
@@ -111,6 +149,8 @@ pub struct DriverSetup {
     pub waker: Arc<File>,
     pub clock_origin: Instant,
     pub cq_entries: u32,
+    /// The longest a blocking thread spins before a deadline (0: never spins).
+    pub spin_before_deadline_max: Nanos,
 }
 
 pub struct UringDriver {
@@ -136,6 +176,7 @@ pub struct UringDriver {
     wake_in_flight: bool,
     wake_cancelled: bool,
     clock_origin: Instant,
+    wake_cost: WakeCost,
     /// Operations pushed whose completion has not been reaped.
     in_flight: u64,
     cqes: Box<[Cqe; BATCH_MAX]>,
@@ -188,6 +229,7 @@ impl UringDriver {
             wake_in_flight: false,
             wake_cancelled: false,
             clock_origin: setup.clock_origin,
+            wake_cost: WakeCost::new(setup.spin_before_deadline_max),
             in_flight: 0,
             cqes: Box::new([Cqe::default(); BATCH_MAX]),
             polled: Vec::new(),
@@ -264,11 +306,40 @@ impl UringDriver {
                 || device_due
                 || self.ring.more_in_cq();
             let wait = !self.poll && !busy;
-            let timeout = if wait { self.sleep_bound(now) } else { None };
-            if wait {
-                self.dataplane.will_sleep();
+            let sleep = if wait {
+                self.plan_sleep(now)
+            } else {
+                Sleep::Poll
+            };
+            match sleep {
+                Sleep::Poll => self.ring.enter(false, None)?,
+                Sleep::Until(timeout) => {
+                    self.dataplane.will_sleep();
+                    let slept_at = Instant::now();
+                    self.ring.enter(true, timeout)?;
+                    if let Some(timeout) = timeout {
+                        self.wake_cost.observe(slept_at, timeout);
+                    }
+                }
             }
-            self.ring.enter(wait, timeout)?;
+        }
+    }
+
+    /// How to wait for the next deadline: sleep until shortly before it (by the wake-up cost
+    /// measured lately), then spin the last stretch; a deadline nearer than that is spun for
+    /// at once. Waking from a timed sleep costs tens to hundreds of microseconds on a VM,
+    /// which a device deadline 50 µs away cannot afford (hybrid polling).
+    fn plan_sleep(&self, now: Nanos) -> Sleep {
+        let Some(deadline) = self.next_deadline() else {
+            return Sleep::Until(None);
+        };
+        let remaining = deadline.saturating_since(now);
+        let guard = self.wake_cost.guard();
+        if remaining <= guard {
+            Sleep::Poll
+        } else {
+            let sleep = Nanos(remaining.0 - guard.0);
+            Sleep::Until(Some(Duration::from_nanos(sleep.0.max(1_000))))
         }
     }
 
@@ -279,13 +350,12 @@ impl UringDriver {
             .min()
     }
 
-    /// The longest the thread may sleep: until the earliest dataplane or device deadline.
-    fn sleep_bound(&self, now: Nanos) -> Option<Duration> {
-        let deadline = match (self.dataplane.next_deadline(), self.device_deadline()) {
+    /// The earliest dataplane or device deadline.
+    fn next_deadline(&self) -> Option<Nanos> {
+        match (self.dataplane.next_deadline(), self.device_deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
-        };
-        deadline.map(|due| Duration::from_nanos(due.saturating_since(now).0.max(1_000)))
+        }
     }
 
     fn handle_cqe(&mut self, cqe: Cqe, now: Nanos) {
