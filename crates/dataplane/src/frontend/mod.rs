@@ -140,11 +140,23 @@ pub enum IoKind {
         hint: bool,
     },
     /// Make the range read as zeroes: discard it, or with `no_hole` (or on a device that
-    /// cannot discard) write zeroes from a zeroed run. `fua` as for `Trim`.
+    /// cannot discard) write zeroes from a zeroed run. `fua` as for `Trim`. `fast` (NBD's
+    /// FAST_ZERO): fail with ENOTSUP rather than write.
     WriteZeroes {
         fua: bool,
         no_hole: bool,
+        fast: bool,
     },
+}
+
+/// One piece of a READ's data that a reply carries: a READ longer than a buffer run is sent in
+/// pieces (NBD), each from `offset_bytes` in the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadPiece {
+    pub offset_bytes: u64,
+    pub length_bytes: u32,
+    pub first: bool,
+    pub last: bool,
 }
 
 impl IoKind {
@@ -362,6 +374,53 @@ impl Frontend {
                 put(session.reply_error(cookie, answer.nbd_errno()).as_bytes())
             }
         }
+    }
+
+    /// The header before a piece of a READ's data: the whole answer's for a READ in one piece;
+    /// for NBD pieces, an `OFFSET_DATA` chunk each (structured replies), or the simple reply
+    /// before the first piece and nothing before the others. `None` when the protocol cannot
+    /// split a READ (the caller closes the connection).
+    pub fn encode_read_piece(
+        &self,
+        tag: &Tag,
+        piece: ReadPiece,
+        out: &mut [u8; RESPONSE_HEADER_SIZE_MAX],
+    ) -> Option<usize> {
+        if piece.first && piece.last {
+            return self.encode_response(tag, Answer::Ok, piece.length_bytes, out);
+        }
+        let Tag::Nbd(command) = *tag else {
+            return None;
+        };
+        let session = self.nbd_session()?;
+        let reply = if session.structured_replies() {
+            nbd::offset_data_chunk(
+                command.cookie(),
+                piece.offset_bytes,
+                piece.length_bytes,
+                piece.last,
+            )
+        } else if piece.first {
+            nbd::ReplyBytes::from(
+                nbd::SimpleReply {
+                    error: 0,
+                    cookie: command.cookie(),
+                }
+                .to_bytes(),
+            )
+        } else {
+            return Some(0);
+        };
+        let bytes = reply.as_bytes();
+        out[..bytes.len()].copy_from_slice(bytes);
+        Some(bytes.len())
+    }
+
+    /// Whether the pieces of a READ must go out with nothing between them (an NBD simple
+    /// reply: one header, then all the data).
+    pub fn read_pieces_exclusive(&self) -> bool {
+        self.nbd_session()
+            .is_some_and(|session| !session.structured_replies())
     }
 
     fn nbd_session(&self) -> Option<&Session> {

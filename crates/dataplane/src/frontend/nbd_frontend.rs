@@ -207,7 +207,11 @@ impl Transmission {
                 fua,
                 no_hole,
             } => (
-                IoKind::WriteZeroes { fua, no_hole },
+                IoKind::WriteZeroes {
+                    fua,
+                    no_hole,
+                    fast: false,
+                },
                 offset_bytes,
                 length_bytes,
             ),
