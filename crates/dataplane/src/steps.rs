@@ -283,7 +283,7 @@ impl Layout {
                 };
                 middle.max(edges) as usize
             }
-            IoKind::Flush | IoKind::Trim { .. } => 0,
+            IoKind::Flush | IoKind::Trim { .. } | IoKind::BlockStatus { .. } => 0,
         }
     }
 
@@ -356,6 +356,7 @@ pub fn first_step(kind: IoKind, layout: &Layout, discards: bool) -> Start {
             // Zeroing would need writes: a fast zero fails at once, changing nothing.
             Start::Answer(Answer::Nbd(Errno::NotSup))
         }
+        IoKind::BlockStatus { .. } => panic!("block status is answered without device steps"),
         IoKind::WriteZeroes { .. } => {
             for edge in [Edge::Head, Edge::Tail] {
                 if layout.has_edge(edge) {

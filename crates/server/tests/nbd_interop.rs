@@ -415,15 +415,16 @@ struct Expect {
 impl ServerKind {
     fn expect(self) -> Expect {
         match self {
-            // docs/NBD.md: 512/4096/1 MiB, CAN_MULTI_CONN always, EPERM then ENOSPC. nbdkit is
-            // configured to match, but drops SEND_FUA on read-only exports.
+            // docs/NBD.md: 1/4096/32 MiB (the spec's defaults: unaligned requests by
+            // read-modify-write, large ones in parts), CAN_MULTI_CONN always, EPERM then
+            // ENOSPC. nbdkit is configured to match, but drops SEND_FUA on read-only exports.
             ServerKind::Reflexd
             | ServerKind::Nbdkit
             | ServerKind::NbdkitNull
             | ServerKind::NbdkitHoles => Expect {
-                block_size_minimum: 512,
+                block_size_minimum: 1,
                 block_size_preferred: 4096,
-                block_size_maximum: 1 << 20,
+                block_size_maximum: 32 << 20,
                 can_multi_conn: true,
                 can_fua_read_only: self == ServerKind::Reflexd,
                 errno_read_only: "EPERM",

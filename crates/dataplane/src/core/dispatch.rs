@@ -409,8 +409,7 @@ impl Dataplane {
                 return;
             }
             Next::Receive(step) => {
-                self.set_step(index, step);
-                self.take_payload(index, now);
+                self.receive_next_part(index, step, now);
                 return;
             }
             Next::Send { part } => {

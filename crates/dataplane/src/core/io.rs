@@ -17,6 +17,10 @@
 //! as the NBD spec requires. Structured replies need none of this: each part is an
 //! `OFFSET_DATA` chunk, and other replies may come between them.
 //!
+//! BLOCK_STATUS: answered when it starts, from [`reflex_flash::Device::block_status`] (a
+//! metadata query, no device I/O, no scheduler turn), at most
+//! [`BLOCK_STATUS_EXTENTS_MAX`] extents; a device that cannot tell reports data.
+//!
 //! The write gate: a WRITE, TRIM or WRITE_ZEROES takes its place at its namespace's
 //! [`crate::gate::WriteGate`] before its first device step and keeps it until its answer (or
 //! until it is freed, for one whose device operation outlived the connection or the timeout).
@@ -26,13 +30,16 @@
 
 use std::collections::VecDeque;
 
+use reflex_flash::{Allocation, Extent};
 use reflex_qos::Nanos;
 
 use super::Dataplane;
 use super::connection::ReadState;
 use super::request::{GatePlace, RequestState, Work};
 use crate::buffers::RUN_SIZE_MAX;
-use crate::frontend::{IoKind, IoRequest, ReadPiece};
+use crate::frontend::{
+    Answer, BLOCK_STATUS_BODY_BYTES_MAX, BLOCK_STATUS_EXTENTS_MAX, IoKind, IoRequest, ReadPiece,
+};
 use crate::gate::{Acquired, GATE_RETRY_INTERVAL, WriteRange};
 use crate::steps::{self, Edge, IoStep, Layout, Start};
 
@@ -73,6 +80,9 @@ impl Dataplane {
     /// Starts an I/O request: its run, then its first step (for a WRITE: its first part's
     /// payload). False when it must wait for a buffer run.
     pub(super) fn start_io(&mut self, index: u32, io: IoRequest, now: Nanos) -> bool {
+        if let IoKind::BlockStatus { req_one } = io.kind {
+            return self.answer_block_status(index, io, req_one);
+        }
         let connection_index = self.requests[index as usize].connection_index;
         let layout = self.layout(io);
         let discards = self.discards[usize::from(io.namespace_index)];
@@ -153,7 +163,9 @@ impl Dataplane {
                 let start = layout.inner_start();
                 (start, start + u64::from(layout.inner_bytes()))
             }
-            IoKind::Read | IoKind::Flush | IoKind::Trim { .. } => return None,
+            IoKind::Read | IoKind::Flush | IoKind::Trim { .. } | IoKind::BlockStatus { .. } => {
+                return None;
+            }
         };
         let edges = match io.kind {
             IoKind::Trim { .. } => [None, None],
@@ -288,6 +300,13 @@ impl Dataplane {
         } else {
             self.mark_parse(connection_index);
         }
+    }
+
+    /// A large WRITE's part is written: the next part's payload comes, then `step`.
+    pub(super) fn receive_next_part(&mut self, index: u32, step: IoStep, now: Nanos) {
+        self.set_step(index, step);
+        self.set_received_bytes(index, 0);
+        self.take_payload(index, now);
     }
 
     fn set_received_bytes(&mut self, index: u32, bytes: u32) {
@@ -475,5 +494,39 @@ impl Dataplane {
             received_bytes: 0,
         };
         self.begin_step(index, now);
+    }
+
+    /// NBD BLOCK_STATUS: the device's allocation of the range, answered at once (a metadata
+    /// query, not device I/O: it takes no scheduler turn). False when it must wait for a run.
+    fn answer_block_status(&mut self, index: u32, io: IoRequest, req_one: bool) -> bool {
+        let connection_index = self.requests[index as usize].connection_index;
+        let Some(run) = self.allocate_run(connection_index, BLOCK_STATUS_BODY_BYTES_MAX) else {
+            return false;
+        };
+        let extents_max = if req_one { 1 } else { BLOCK_STATUS_EXTENTS_MAX };
+        let mut extents = std::mem::take(&mut self.extents);
+        extents.clear();
+        let length_bytes = u64::from(io.length_bytes);
+        let device = self.namespaces.device(io.namespace_index);
+        let known = device.block_status(io.offset_bytes, length_bytes, extents_max, &mut extents);
+        let covered: u64 = extents.iter().map(|extent| extent.length_bytes).sum();
+        let valid = !extents.is_empty()
+            && extents.len() <= extents_max
+            && covered <= length_bytes
+            && extents.iter().all(|extent| extent.length_bytes > 0);
+        if known.is_err() || !valid {
+            // Unknown allocation is reported as data, which is always true.
+            extents.clear();
+            extents.push(Extent {
+                length_bytes,
+                allocation: Allocation::Data,
+            });
+        }
+        let frontend = &self.connections[connection_index as usize].frontend;
+        let body = self.arena.run_mut(run, BLOCK_STATUS_BODY_BYTES_MAX);
+        let body_bytes = frontend.write_block_status(&extents, body);
+        self.extents = extents;
+        self.respond(index, Answer::Ok, Some(run), body_bytes as u32);
+        true
     }
 }

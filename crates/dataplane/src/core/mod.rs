@@ -154,6 +154,8 @@ pub struct Dataplane {
     device_errors: DeviceErrorLog,
     /// Requests waiting at the write gate (`io`).
     gate_waits: GateWaits,
+    /// Scratch: the extents of one block status.
+    extents: Vec<reflex_flash::Extent>,
     housekeeping_at: Nanos,
     /// The `now` of the last `process` (for work done outside it, such as a close).
     last_now: Nanos,
@@ -241,6 +243,7 @@ impl Dataplane {
             retired_accounts: BTreeMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
             gate_waits: GateWaits::new(limits.requests_max),
+            extents: Vec::with_capacity(crate::frontend::BLOCK_STATUS_EXTENTS_MAX),
             housekeeping_at: setup.now,
             last_now: setup.now,
             limits,

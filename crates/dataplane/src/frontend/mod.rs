@@ -47,6 +47,14 @@ pub const CONTROL_ANSWER_BYTES_MAX: usize = 4096;
 pub const UNIT_BYTES_MAX: usize =
     native::REQUEST_HEADER_SIZE + native::CONTROL_BODY_MAX_BYTES as usize;
 
+/// Most extents one NBD BLOCK_STATUS answer reports (the client asks again from where they
+/// end), so that its payload fits one page.
+pub const BLOCK_STATUS_EXTENTS_MAX: usize = 511;
+/// Bytes of the largest BLOCK_STATUS payload: the context id and the descriptors.
+pub const BLOCK_STATUS_BODY_BYTES_MAX: usize =
+    4 + nbd::BLOCK_DESCRIPTOR_SIZE * BLOCK_STATUS_EXTENTS_MAX;
+
+const _: () = assert!(BLOCK_STATUS_BODY_BYTES_MAX <= crate::buffers::PAGE_SIZE);
 const _: () = assert!(REASON_BYTES_MAX <= CONTROL_ANSWER_BYTES_MAX);
 const _: () = assert!(NOTICE_BODY_BYTES <= CONTROL_ANSWER_BYTES_MAX);
 
@@ -147,6 +155,12 @@ pub enum IoKind {
         no_hole: bool,
         fast: bool,
     },
+    /// Report which extents of the range are allocated (NBD BLOCK_STATUS for
+    /// `base:allocation`): a metadata query answered at once, no device I/O. `req_one`: one
+    /// extent at most.
+    BlockStatus {
+        req_one: bool,
+    },
 }
 
 /// One piece of a READ's data that a reply carries: a READ longer than a buffer run is sent in
@@ -175,9 +189,9 @@ pub enum Action {
     Hello {
         io_priority: u16,
     },
-    /// Answer at once with this (failure) and no body: validation failures, control opcodes
-    /// not implemented yet, NBD requests during shutdown. The request's payload, if any, is
-    /// skipped.
+    /// Answer at once with this and no body: validation failures, control opcodes not
+    /// implemented yet, NBD requests during shutdown, NBD's advisory CACHE (success). The
+    /// request's payload, if any, is skipped.
     Reply(Answer),
     /// Send the protocol output the frontend holds (NBD handshake replies): the dataplane
     /// takes a run of [`Frontend::pending_output_bytes`] (at most one maximal run), fills it
@@ -361,7 +375,12 @@ impl Frontend {
             Tag::Nbd(command) => {
                 let session = self.nbd_session()?;
                 if answer.is_ok() {
-                    let reply = session.reply_ok(&command)?;
+                    let reply = match command.command() {
+                        nbd::Command::BlockStatus { .. } => {
+                            session.reply_block_status(&command, data_bytes)?
+                        }
+                        _ => session.reply_ok(&command)?,
+                    };
                     put(reply.as_bytes())
                 } else {
                     put(session
@@ -414,6 +433,36 @@ impl Frontend {
         let bytes = reply.as_bytes();
         out[..bytes.len()].copy_from_slice(bytes);
         Some(bytes.len())
+    }
+
+    /// Writes an NBD BLOCK_STATUS payload for `extents` (at most
+    /// [`BLOCK_STATUS_EXTENTS_MAX`]) into `out` (at least [`BLOCK_STATUS_BODY_BYTES_MAX`]);
+    /// returns its length. Holes read as zeroes on every device, so a hole is `HOLE | ZERO`.
+    pub fn write_block_status(&self, extents: &[reflex_flash::Extent], out: &mut [u8]) -> usize {
+        let Some(context_id) = self
+            .nbd_session()
+            .and_then(|session| session.base_allocation_context())
+        else {
+            panic!("a block status answer without base:allocation (validation admits none)");
+        };
+        assert!(extents.len() <= BLOCK_STATUS_EXTENTS_MAX);
+        let descriptors = extents.iter().map(|extent| {
+            let flags = match extent.allocation {
+                reflex_flash::Allocation::Data => 0,
+                reflex_flash::Allocation::Hole => {
+                    nbd::allocation_flags::HOLE | nbd::allocation_flags::ZERO
+                }
+            };
+            // Extents never pass the request's length, a u32.
+            (
+                u32::try_from(extent.length_bytes).unwrap_or(u32::MAX),
+                flags,
+            )
+        });
+        match nbd::encode_block_status(context_id, descriptors, out) {
+            Some(length) => length,
+            None => panic!("block status extents that do not encode: {extents:?}"),
+        }
     }
 
     /// Whether the pieces of a READ must go out with nothing between them (an NBD simple
