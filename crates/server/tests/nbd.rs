@@ -1409,3 +1409,54 @@ fn block_status_reports_the_holes_of_files_and_memory() {
     assert_eq!(replies[0].data[..4], [0, 0, 0, 0]);
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// A device error in the middle of a large request: a structured READ ends with an ERROR chunk
+/// after the parts that were read; a simple READ, whose header already said success, can only
+/// be cut off (the spec's hard disconnect); a WRITE is answered with the error and the rest of
+/// its payload is skipped, so the connection goes on.
+#[test]
+fn a_device_error_inside_a_large_request() {
+    // Block 4096 (byte 2 MiB) fails reads and writes: the third part of a READ from 0.
+    let faulty = "fault(read_error_lba=4096;write_error_lba=4096):mem:64M";
+    let server = start(nbd_config(vec![named(1, faulty, "faulty")]));
+    let addr = nbd_addr(&server);
+    let length = 8 * MIB;
+
+    let (mut nbd, _) = Nbd::open_unnegotiated(addr, "faulty", true, false);
+    assert_eq!(
+        nbd.call(CommandType::Read, 0, 0, length, &[]),
+        errno(Errno::Io)
+    );
+    assert_eq!(nbd.last_chunks, 3, "two parts of data, then the error");
+    let data = pattern(90, length as usize);
+    assert_eq!(
+        nbd.call(CommandType::Write, 0, 0, length, &data),
+        errno(Errno::Io)
+    );
+    // The rest of the payload was skipped: the next requests are understood.
+    nbd.write(16 << 20, &data[..5000]);
+    assert!(nbd.read(16 << 20, 5000) == data[..5000]);
+    // What came before the failing part was written.
+    assert!(nbd.read(0, 2 * MIB) == data[..2 * MIB as usize]);
+
+    let (mut nbd, _) = Nbd::open_unnegotiated(addr, "faulty", false, false);
+    nbd.request(CommandType::Read, 0, 9, 0, length, &[]);
+    let header = nbd.receive(nbd::SIMPLE_REPLY_SIZE);
+    assert_eq!(header[4..8], [0, 0, 0, 0], "the reply began as a success");
+    let mut received = 0usize;
+    let mut buffer = vec![0u8; 1 << 16];
+    loop {
+        match nbd.stream.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(count) => received += count,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("reading the cut-off READ: {e}"),
+        }
+    }
+    assert_eq!(
+        received,
+        2 * MIB as usize,
+        "the parts read before the error, then EOF"
+    );
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
