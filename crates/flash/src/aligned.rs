@@ -12,6 +12,8 @@
 //!   reader-writer locks, so `mem:` is shared by every thread without data races. Pages are
 //!   mapped lazily by the kernel (`MAP_NORESERVE`), so a large `mem:` costs memory only for
 //!   what is written.
+//! - [`seek`] wraps `lseek(SEEK_DATA/SEEK_HOLE)`, which a file device uses to report the
+//!   holes of a sparse file.
 //! - `test_ring` (tests only) pushes a device's ring entry on a real io_uring and waits for
 //!   its CQE, so file devices are tested through the kernel rather than a mock.
 
@@ -257,6 +259,42 @@ impl std::fmt::Debug for StripedRegion {
         f.debug_struct("StripedRegion")
             .field("len", &self.len)
             .finish()
+    }
+}
+
+/// What [`seek`] looks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeekFor {
+    /// `SEEK_DATA`: the first byte at or after the offset that holds data.
+    Data,
+    /// `SEEK_HOLE`: the first byte at or after the offset inside a hole (the end of the file
+    /// counts as one).
+    Hole,
+}
+
+/// `lseek(file, offset, SEEK_DATA or SEEK_HOLE)`: where the next data or hole begins;
+/// `Ok(None)` when there is none at or after `offset` (ENXIO). The file's own position moves,
+/// which no device relies on: all of their I/O names its offset.
+pub fn seek(file: &std::fs::File, offset: u64, seek_for: SeekFor) -> std::io::Result<Option<u64>> {
+    use std::os::fd::AsRawFd;
+    let Ok(offset) = libc::off_t::try_from(offset) else {
+        return Err(std::io::Error::from_raw_os_error(libc::EOVERFLOW));
+    };
+    let whence = match seek_for {
+        SeekFor::Data => libc::SEEK_DATA,
+        SeekFor::Hole => libc::SEEK_HOLE,
+    };
+    // SAFETY: lseek takes a descriptor and integers; the descriptor is open for as long as
+    // `file` is borrowed, and no memory is passed.
+    let position = unsafe { libc::lseek(file.as_raw_fd(), offset, whence) };
+    if position >= 0 {
+        return Ok(Some(position as u64));
+    }
+    let error = std::io::Error::last_os_error();
+    if error.raw_os_error() == Some(libc::ENXIO) {
+        Ok(None)
+    } else {
+        Err(error)
     }
 }
 

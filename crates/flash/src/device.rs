@@ -18,6 +18,11 @@
 //! `complete_ring` deferred (returned `None`, as the fault injector does to delay or stall
 //! them). The buffer belongs to the device until the kernel's CQE (ring) or `submit`'s return
 //! (anything else); a deferred report does not extend that.
+//!
+//! Allocation: [`Device::block_status`] says which parts of a range hold data and which are
+//! holes (NBD's `base:allocation`), so clients copying an export can skip the holes. It is a
+//! metadata query answered on the spot (for files, `lseek(SEEK_DATA/SEEK_HOLE)`), cheap enough
+//! for the dataplane thread, and bounded by the number of extents the caller asks for.
 
 use std::sync::Arc;
 
@@ -95,6 +100,24 @@ pub struct DeviceInfo {
     pub description: String,
 }
 
+/// What one stretch of a device holds, as far as the device can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allocation {
+    /// Allocated, or the device cannot tell: reads return what was written.
+    Data,
+    /// Not allocated: reads return zeroes, and writing there may need new space.
+    Hole,
+}
+
+/// One extent of a [`Device::block_status`] answer; extents follow each other from the
+/// offset asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// Non-zero.
+    pub length_bytes: u64,
+    pub allocation: Allocation,
+}
+
 /// A storage device (one namespace), shared by the dataplane threads.
 pub trait Device: Send + Sync {
     fn info(&self) -> &DeviceInfo;
@@ -107,6 +130,44 @@ pub trait Device: Send + Sync {
     fn fault_controls(&self) -> Option<Arc<FaultControls>> {
         None
     }
+
+    /// The allocation of `[offset, offset + length_bytes)` (inside the device, `length_bytes`
+    /// non-zero; the caller checked): appends consecutive extents starting at `offset` to
+    /// `out`, at least one and at most `extents_max` (≥ 1). They cover at least one byte and
+    /// never pass the end of the range, but may stop short of it (the caller asks again from
+    /// where they end). An error means the allocation is unknown, not that the data is bad.
+    ///
+    /// The default, for devices that do not track allocation: one `Data` extent over the
+    /// whole range (always a truthful answer).
+    fn block_status(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), FlashError> {
+        let _ = offset;
+        assert!(extents_max >= 1 && length_bytes > 0);
+        out.push(Extent {
+            length_bytes,
+            allocation: Allocation::Data,
+        });
+        Ok(())
+    }
+}
+
+/// Appends `extent` to `out`, merging it into the last extent when their allocation is the
+/// same (for devices that find extents piece by piece).
+pub fn push_extent(out: &mut Vec<Extent>, first: usize, extent: Extent) {
+    assert!(extent.length_bytes > 0);
+    if out.len() > first
+        && let Some(last) = out.last_mut()
+        && last.allocation == extent.allocation
+    {
+        last.length_bytes += extent.length_bytes;
+        return;
+    }
+    out.push(extent);
 }
 
 /// One thread's access to a [`Device`]. Not shared between threads.

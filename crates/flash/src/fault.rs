@@ -78,7 +78,9 @@ use rand_xoshiro::rand_core::{Rng, SeedableRng};
 use reflex_qos::Nanos;
 use thiserror::Error;
 
-use crate::{Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
+use crate::{
+    Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, Extent, FlashError, OpKind, Submit,
+};
 
 /// How often a stalled queue with held completions asks to be polled, so that a stall lifted
 /// from another thread releases them without waiting for unrelated I/O.
@@ -743,6 +745,18 @@ impl Device for FaultDevice {
 
     fn fault_controls(&self) -> Option<Arc<FaultControls>> {
         Some(self.controls())
+    }
+
+    /// The inner device's allocation: faults are injected into I/O, not metadata.
+    fn block_status(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), FlashError> {
+        self.inner
+            .block_status(offset, length_bytes, extents_max, out)
     }
 }
 

@@ -14,6 +14,10 @@
 //! them). The dataplane keeps each buffer alive until its CQE arrives, and treats a short
 //! transfer as an I/O error.
 //!
+//! Allocation ([`Device::block_status`]): a regular file reports its holes with
+//! `lseek(SEEK_DATA/SEEK_HOLE)` (holes read as zeroes); a block device, or a filesystem
+//! without those seeks, reports everything as data.
+//!
 //! A read-only namespace opens its file `O_RDONLY`, so not even a bug above this module can
 //! write to it: the queue refuses WRITE and TRIM with `EROFS` before they reach the ring, and
 //! the kernel would answer `EBADF` if one got through. Such a file must already exist and be
@@ -29,7 +33,11 @@ use std::sync::Arc;
 use io_uring::{opcode, types};
 use reflex_qos::Nanos;
 
-use crate::{Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
+use crate::aligned::{SeekFor, seek};
+use crate::{
+    Allocation, Device, DeviceInfo, DeviceOp, DeviceQueue, Extent, FlashError, OpKind, Submit,
+    push_extent,
+};
 
 /// Logical block size of every file device: offsets and lengths are multiples of it, and so
 /// are buffer addresses (O_DIRECT).
@@ -213,6 +221,65 @@ impl Device for FileDevice {
             },
         })
     }
+
+    fn block_status(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), FlashError> {
+        assert!(extents_max >= 1 && length_bytes > 0);
+        let end = offset.saturating_add(length_bytes);
+        assert!(
+            end <= self.info.size_bytes,
+            "block status beyond the device"
+        );
+        let first = out.len();
+        let data = |length_bytes| Extent {
+            length_bytes,
+            allocation: Allocation::Data,
+        };
+        if self.block_device {
+            out.push(data(length_bytes));
+            return Ok(());
+        }
+        let mut position = offset;
+        while position < end && out.len() - first < extents_max {
+            let next_data = match seek(&self.file, position, SeekFor::Data) {
+                Ok(next) => next,
+                Err(_) if out.len() == first => {
+                    // No SEEK_DATA here (or it failed): nothing is known, all is data.
+                    out.push(data(length_bytes));
+                    return Ok(());
+                }
+                Err(_) => break,
+            };
+            // No data at or after `position` (ENXIO): a hole to the end.
+            let data_start = next_data.unwrap_or(end).min(end);
+            if data_start > position {
+                push_extent(
+                    out,
+                    first,
+                    Extent {
+                        length_bytes: data_start - position,
+                        allocation: Allocation::Hole,
+                    },
+                );
+                position = data_start;
+                continue;
+            }
+            // `position` holds data; it lasts until the next hole (the end of the file is one).
+            let hole_start = match seek(&self.file, position, SeekFor::Hole) {
+                Ok(Some(hole)) if hole > position => hole.min(end),
+                _ => end,
+            };
+            push_extent(out, first, data(hole_start - position));
+            position = hole_start;
+        }
+        assert!(out.len() > first, "at least one extent");
+        Ok(())
+    }
 }
 
 struct FileQueue {
@@ -352,6 +419,76 @@ mod tests {
             FileDevice::open(&path, Some(1000), false).is_err(),
             "not a block multiple"
         );
+    }
+}
+
+/// `block_status` on a sparse file: the holes `lseek` reports, clamped to the range asked for
+/// and bounded by `extents_max`.
+#[cfg(test)]
+mod block_status_tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+
+    fn status(device: &FileDevice, offset: u64, length: u64, max: usize) -> Vec<(u64, bool)> {
+        let mut out = Vec::new();
+        device
+            .block_status(offset, length, max, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
+        out.iter()
+            .map(|e| (e.length_bytes, e.allocation == Allocation::Hole))
+            .collect()
+    }
+
+    #[test]
+    fn a_sparse_file_reports_its_holes() {
+        const MIB: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("sparse");
+        let file = File::create(&path).unwrap_or_else(|e| panic!("{e}"));
+        file.set_len(8 * MIB).unwrap_or_else(|e| panic!("{e}"));
+        // Data at [1 MiB, 1 MiB + 64 KiB) and [5 MiB, 6 MiB); holes elsewhere.
+        file.write_all_at(&[0xAB; 64 << 10], MIB)
+            .unwrap_or_else(|e| panic!("{e}"));
+        file.write_all_at(&vec![0xCD; MIB as usize], 5 * MIB)
+            .unwrap_or_else(|e| panic!("{e}"));
+        file.sync_all().unwrap_or_else(|e| panic!("{e}"));
+        let device = FileDevice::open(&path, None, false).unwrap_or_else(|e| panic!("{e}"));
+        let whole = status(&device, 0, 8 * MIB, 16);
+        assert_eq!(
+            whole,
+            vec![
+                (MIB, true),
+                (64 << 10, false),
+                (4 * MIB - (64 << 10), true),
+                (MIB, false),
+                (2 * MIB, true),
+            ]
+        );
+        // Clamped to an unaligned range inside data and hole.
+        assert_eq!(
+            status(&device, MIB + 100, 100_000, 16),
+            vec![
+                ((64 << 10) - 100, false),
+                (100_000 - (64 << 10) + 100, true)
+            ]
+        );
+        // Bounded: two extents, the rest is for the next query.
+        assert_eq!(
+            status(&device, 0, 8 * MIB, 2),
+            vec![(MIB, true), (64 << 10, false)]
+        );
+        // A served prefix ends the answer at its end, not the file's.
+        let prefix =
+            FileDevice::open(&path, Some(MIB + 4096), false).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            status(&prefix, 0, MIB + 4096, 16),
+            vec![(MIB, true), (4096, false)]
+        );
+        // Negative control: the same file filled in has no hole.
+        file.write_all_at(&vec![1; 8 * MIB as usize], 0)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(status(&device, 0, 8 * MIB, 16), vec![(8 * MIB, false)]);
     }
 }
 

@@ -25,6 +25,9 @@ pub mod queueing;
 #[cfg(feature = "uring")]
 pub mod spec;
 
-pub use device::{Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, OpKind, Submit};
+pub use device::{
+    Allocation, Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, Extent, OpKind, Submit,
+    push_extent,
+};
 pub use error::FlashError;
 pub use fault::{FaultControls, FaultDevice, FaultPlan};

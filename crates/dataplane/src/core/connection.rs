@@ -13,7 +13,7 @@ use reflex_flash::emu::PriorityClass;
 use reflex_qos::Nanos;
 
 use super::ops::{AcceptRefused, ConnectionId, Op};
-use super::request::{NONE, next_generation};
+use super::request::{NONE, RequestState, next_generation};
 use super::{Dataplane, Phase};
 use crate::control::{NoticeBody, TenantRef};
 use crate::frontend::{Frontend, Protocol};
@@ -75,7 +75,9 @@ pub(super) struct Connection {
     pub(super) parked: bool,
     /// The receive in flight is being cancelled to park the connection.
     pub(super) parking: bool,
-    /// The request whose WRITE payload is being received straight into its run.
+    /// The request the next bytes of the stream belong to: a WRITE payload received straight
+    /// into its run (`Receiving`), or, between the parts of a large WRITE, at the device
+    /// (nothing is received then, and nothing after it is parsed).
     pub(super) payload: Option<u32>,
     /// Payload bytes of a refused request still to discard.
     pub(super) skip_bytes: u64,
@@ -91,6 +93,9 @@ pub(super) struct Connection {
     /// Responses in the send in flight, and bytes of the head response sent before it.
     pub(super) sending_count: u32,
     pub(super) send_offset_bytes: usize,
+    /// A large READ answered with a simple reply whose data is being sent part by part:
+    /// nothing else may be sent until its last part ([`NONE`]: none).
+    pub(super) stream_owner: u32,
     pub(super) in_parse_ready: bool,
     pub(super) in_send_ready: bool,
     pub(super) in_waiters: bool,
@@ -145,6 +150,7 @@ impl Connection {
             send_in_flight: false,
             sending_count: 0,
             send_offset_bytes: 0,
+            stream_owner: NONE,
             in_parse_ready: false,
             in_send_ready: false,
             in_waiters: false,
@@ -418,7 +424,11 @@ impl Dataplane {
             (connection.recv_in_flight, connection.send_in_flight);
         if recv_in_flight {
             self.cancel_read_side(index);
-        } else if let Some(request) = self.connections[index as usize].payload.take() {
+        } else if let Some(request) = self.connections[index as usize].payload.take()
+            && self.requests[request as usize].state == RequestState::Receiving
+        {
+            // Between the parts of a large WRITE the request is elsewhere (device, gate,
+            // scheduler) and is freed from there.
             self.free_request(request);
         }
         if send_in_flight {

@@ -18,7 +18,8 @@
 //!
 //! Code map: `ops` (what the driver is asked to do), `request` (slots, work, states),
 //! `connection` (accept, limits, close), `receive` (step one), `dispatch` (schedulers and
-//! device operations, step two), `send` (answers), `tenants` (charging, BIND, control
+//! device operations, step two), `io` (requests of several device operations: WRITE payloads
+//! part by part, read-modify-write edges, READ parts, the write gate), `send` (answers), `tenants` (charging, BIND, control
 //! messages), `shutdown` (phases), `timeouts` (housekeeping), `errors` (device failure log),
 //! `limits`, `stats`.
 //!
@@ -43,6 +44,7 @@ use crate::namespaces::NamespaceSet;
 mod connection;
 mod dispatch;
 mod errors;
+mod io;
 mod limits;
 mod ops;
 mod receive;
@@ -58,6 +60,7 @@ mod tests;
 
 use connection::{Connection, Listener};
 use errors::DeviceErrorLog;
+use io::GateWaits;
 pub use limits::{
     CONNECTION_SLACK, DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits,
     RECV_BUFFERS_SPARE_MAX,
@@ -152,6 +155,10 @@ pub struct Dataplane {
     /// Accounts of tenant ids that were reused by another tenant on this thread, by handle.
     retired_accounts: BTreeMap<u64, TenantStats>,
     device_errors: DeviceErrorLog,
+    /// Requests waiting at the write gate (`io`).
+    gate_waits: GateWaits,
+    /// Scratch: the extents of one block status.
+    extents: Vec<reflex_flash::Extent>,
     housekeeping_at: Nanos,
     /// The `now` of the last `process` (for work done outside it, such as a close).
     last_now: Nanos,
@@ -239,6 +246,8 @@ impl Dataplane {
             messages: Vec::with_capacity(MESSAGES_PER_ITERATION_MAX),
             retired_accounts: BTreeMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
+            gate_waits: GateWaits::new(limits.requests_max),
+            extents: Vec::with_capacity(crate::frontend::BLOCK_STATUS_EXTENTS_MAX),
             housekeeping_at: setup.now,
             last_now: setup.now,
             limits,
@@ -287,6 +296,7 @@ impl Dataplane {
             || self.qos_fresh
             || self.control.has_messages(self.thread_index)
             || self.phase_ready()
+            || self.gate_retry_ready()
     }
 
     /// The driver is about to sleep: a thread with nothing queued leaves the global buckets'
@@ -312,6 +322,9 @@ impl Dataplane {
         }
         if self.housekeeping_needed() {
             consider(self.housekeeping_at);
+        }
+        if let Some(due) = self.gate_deadline() {
+            consider(due);
         }
         deadline
     }

@@ -34,6 +34,8 @@ pub struct CoreStats {
     pub receives: u64,
     /// Times a request waited for a buffer run (arena exhausted, or the connection at its share).
     pub buffer_waits: u64,
+    /// Writes that waited at the write gate for an overlapping read-modify-write.
+    pub gate_waits: u64,
     /// Enters forced by a full submission queue (counted by the driver).
     pub sq_full_flushes: u64,
     pub registered_buffers: bool,
