@@ -17,9 +17,11 @@ use reflex_qos::Nanos;
 
 use super::Dataplane;
 use crate::buffers::PageRun;
+use crate::buffers::RUN_SIZE_MAX;
+use crate::frontend::IoKind;
 use crate::frontend::{Action, IoRequest, RESPONSE_HEADER_SIZE_MAX, Tag};
 use crate::gate::Hold;
-use crate::steps::IoStep;
+use crate::steps::{IoStep, Layout, Operation};
 
 /// "No request" in the intrusive lists (send queues).
 pub(super) const NONE: u32 = u32::MAX;
@@ -157,6 +159,11 @@ pub(super) struct Request {
     pub(super) connection_index: u32,
     pub(super) tag: Tag,
     pub(super) work: Work,
+    /// How an I/O request lies on its device's sectors (set when it starts; the hot path
+    /// reads it several times per step).
+    pub(super) layout: Layout,
+    /// The device operation of the current step (set with the step).
+    pub(super) operation: Operation,
     pub(super) gate: GatePlace,
     pub(super) header: [u8; RESPONSE_HEADER_SIZE_MAX],
     pub(super) header_len: u8,
@@ -177,6 +184,8 @@ impl Request {
             connection_index: NONE,
             tag: Tag::None,
             work: Work::Idle,
+            layout: Layout::new(IoKind::Read, 0, 512, 512, RUN_SIZE_MAX as u32),
+            operation: Operation::Flush,
             gate: GatePlace::Outside,
             header: [0; RESPONSE_HEADER_SIZE_MAX],
             header_len: 0,
