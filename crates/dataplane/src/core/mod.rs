@@ -55,9 +55,6 @@ mod stats;
 mod tenants;
 mod timeouts;
 
-#[cfg(test)]
-mod tests;
-
 use connection::{Connection, Listener};
 use errors::DeviceErrorLog;
 use io::GateWaits;

@@ -47,9 +47,54 @@ pub enum RequestState {
 
 pub const REQUEST_STATE_COUNT: usize = 10;
 
+/// Every state, in discriminant order (for the transition table).
+const STATES: [RequestState; REQUEST_STATE_COUNT] = [
+    RequestState::Free,
+    RequestState::NeedBuffer,
+    RequestState::Receiving,
+    RequestState::Queued,
+    RequestState::Submitted,
+    RequestState::Completed,
+    RequestState::Sending,
+    RequestState::Blocked,
+    RequestState::Orphaned,
+    RequestState::Overlapping,
+];
+
+const _: () = {
+    let mut index = 0;
+    while index < REQUEST_STATE_COUNT {
+        assert!(STATES[index] as usize == index);
+        index += 1;
+    }
+};
+
+/// `LEGAL[from] & (1 << to)`: the moves [`RequestState::legal`] allows, as one bit test on
+/// the hot path.
+const LEGAL: [u16; REQUEST_STATE_COUNT] = {
+    let mut table = [0u16; REQUEST_STATE_COUNT];
+    let mut from = 0;
+    while from < REQUEST_STATE_COUNT {
+        let mut to = 0;
+        while to < REQUEST_STATE_COUNT {
+            if STATES[from].legal(STATES[to]) {
+                table[from] |= 1 << to;
+            }
+            to += 1;
+        }
+        from += 1;
+    }
+    table
+};
+
 impl RequestState {
-    /// Legal moves; freeing early is legal only when no operation uses the request.
+    /// Whether a request may move from `self` to `to` (a table lookup of [`Self::legal`]).
     pub(super) fn can_become(self, to: RequestState) -> bool {
+        LEGAL[self as usize] & (1 << to as usize) != 0
+    }
+
+    /// Legal moves; freeing early is legal only when no operation uses the request.
+    pub(super) const fn legal(self, to: RequestState) -> bool {
         use RequestState::*;
         matches!(
             (self, to),
@@ -298,5 +343,27 @@ impl Dataplane {
             // The window may have opened, or the connection may now be idle.
             self.mark_parse(connection_index);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_transition_table_is_the_rule() {
+        for from in STATES {
+            for to in STATES {
+                assert_eq!(from.can_become(to), from.legal(to), "{from:?} -> {to:?}");
+            }
+        }
+        use RequestState::*;
+        assert!(Free.can_become(Queued));
+        assert!(Queued.can_become(Submitted));
+        assert!(Submitted.can_become(Orphaned));
+        assert!(!Submitted.can_become(Sending));
+        assert!(!Free.can_become(Free));
+        assert!(!Free.can_become(Submitted));
+        assert!(!Orphaned.can_become(Completed));
     }
 }
