@@ -261,3 +261,26 @@ fn shutdown_answers_the_requests_in_flight_then_finishes() {
         "every request slot is free again"
     );
 }
+
+#[test]
+fn read_latency_is_measured_from_arrival_to_the_answer_leaving() {
+    // 100 µs per read on the device, 20 µs each way on the network: the server sees the
+    // device time only (it measures from the request's arrival off the socket to its answer
+    // leaving), whatever the network adds.
+    let network = NetworkModel {
+        latency: Nanos(20_000),
+        ..NetworkModel::default()
+    };
+    let mut server = server(slow(), limits(), network);
+    let mut client = Client::connect(&mut server);
+    for id in 0..10 {
+        client.read(&mut server, id, id * 4096, 4096);
+        run_until(&mut server, Nanos((id + 1) * 2 * MS));
+        client.take_answers(&mut server);
+    }
+    assert_eq!(client.answered.len(), 10);
+    let reads = &server.dataplane(0).namespace_telemetry(0).reads;
+    assert_eq!(reads.count(), 10);
+    let median = reads.quantile_us(0.5);
+    assert!((100..=107).contains(&median), "median {median} µs");
+}

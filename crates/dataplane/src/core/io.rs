@@ -463,6 +463,15 @@ impl Dataplane {
                 exclusive,
             }
         };
+        if last {
+            let tenant = reflex_qos::TenantId(io.tenant.id);
+            let latency_critical = self.qos[usize::from(io.namespace_index)]
+                .scheduler
+                .tenant_class(tenant)
+                == Some(reflex_qos::TenantClass::LatencyCritical);
+            self.requests[index as usize].measured_read =
+                Some((io.namespace_index, latency_critical));
+        }
         self.transition(index, RequestState::Completed);
         if last {
             self.stats.requests_answered += 1;

@@ -217,6 +217,9 @@ pub(super) struct Request {
     /// When the request arrived (its first byte was parsed), when its current step entered a
     /// scheduler, and when that step went to the device.
     pub(super) arrived_at: Nanos,
+    /// A READ whose answer is measured once it has been sent: its namespace and whether its
+    /// tenant is latency-critical (`docs/QOS.md`, online self-calibration).
+    pub(super) measured_read: Option<(u16, bool)>,
     pub(super) queued_at: Nanos,
     pub(super) submitted_at: Nanos,
 }
@@ -236,6 +239,7 @@ impl Request {
             header_len: 0,
             next: NONE,
             arrived_at: Nanos::ZERO,
+            measured_read: None,
             queued_at: Nanos::ZERO,
             submitted_at: Nanos::ZERO,
         }
@@ -299,6 +303,7 @@ impl Dataplane {
         request.header_len = 0;
         request.next = NONE;
         request.arrived_at = now;
+        request.measured_read = None;
         let connection = &mut self.connections[connection_index as usize];
         connection.outstanding += 1;
         assert!(connection.outstanding <= self.limits.window);
