@@ -328,7 +328,9 @@ impl Dataplane {
                 consider(due);
             }
         }
-        if let Phase::Draining { deadline: due, .. } = self.phase {
+        if let Phase::Draining { deadline: due, .. } | Phase::Flushing { deadline: due } =
+            self.phase
+        {
             consider(due);
         }
         if self.housekeeping_needed() {

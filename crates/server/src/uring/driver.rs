@@ -177,8 +177,10 @@ pub struct UringDriver {
     wake_cancelled: bool,
     clock_origin: Instant,
     wake_cost: WakeCost,
-    /// Operations pushed whose completion has not been reaped.
+    /// Operations pushed whose completion has not been reaped, and how many of them are
+    /// device operations (a shutdown may abandon those).
     in_flight: u64,
+    device_in_flight: u64,
     cqes: Box<[Cqe; BATCH_MAX]>,
     polled: Vec<Completion>,
     /// Synchronous device results reported while issuing (then `process` runs again).
@@ -231,6 +233,7 @@ impl UringDriver {
             clock_origin: setup.clock_origin,
             wake_cost: WakeCost::new(setup.spin_before_deadline_max),
             in_flight: 0,
+            device_in_flight: 0,
             cqes: Box::new([Cqe::default(); BATCH_MAX]),
             polled: Vec::new(),
             finished_synchronously: false,
@@ -296,7 +299,10 @@ impl UringDriver {
                     self.wake_cancelled = true;
                     self.push_cancel(token::encode(Kind::Wake, 0, 0));
                 }
-                if self.in_flight == 0 {
+                let abandoned = self.dataplane.abandoned_device_operations() > 0;
+                if self.in_flight == 0 || (abandoned && self.in_flight == self.device_in_flight) {
+                    // With abandoned device operations still in the kernel, `run` leaks the
+                    // memory they point into instead of freeing it.
                     return Ok(());
                 }
             }
@@ -392,6 +398,7 @@ impl UringDriver {
                 self.dataplane.handle_sent(id, result, now);
             }
             Kind::Device | Kind::Flush => {
+                self.device_in_flight -= 1;
                 let id = device_op_id(kind, generation, index);
                 let namespace_index = self.device_namespace(id);
                 // None: the device deferred the outcome (fault injection); it comes out of
@@ -674,6 +681,7 @@ impl UringDriver {
             Submit::Ring(entry) => {
                 assert_eq!(entry.get_user_data(), user_data, "device changed user_data");
                 self.push(entry);
+                self.device_in_flight += 1;
             }
             Submit::Done(result) => {
                 self.finished_synchronously = true;
