@@ -53,7 +53,7 @@ impl Driver {
                 Err(reason) => {
                     tracing::warn!(
                         %reason,
-                        "io_uring is unavailable; using the epoll driver (driver = \"auto\")"
+                        "using the epoll driver instead of io_uring (driver = \"auto\")"
                     );
                     Ok(Driver::Epoll)
                 }

@@ -131,9 +131,10 @@ fn auto_falls_back_to_epoll_with_one_warning_and_serves() {
         assert_eq!(warnings.len(), 1, "one line says why:\n{}", log.join("\n"));
         assert!(warnings[0].contains("WARN"), "{}", warnings[0]);
         assert!(
-            warnings[0].contains("using the epoll driver")
+            warnings[0].contains("using the epoll driver instead of io_uring")
                 && warnings[0].contains(&format!(
-                    "switched off by the test switch {NO_IO_URING_ENV}"
+                    "reason=io_uring is unavailable: switched off by the test switch \
+                     {NO_IO_URING_ENV}"
                 )),
             "{}",
             warnings[0]

@@ -6,6 +6,7 @@
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use reflex_dataplane::{ConnectionId, Dataplane, SEND_SEGMENTS_MAX};
@@ -20,6 +21,9 @@ pub enum Timeout {
     /// Until an event arrives or this much time has passed.
     After(Duration),
 }
+
+/// Whether the missing `epoll_pwait2` was logged (once per process, not per thread).
+static PWAIT2_MISSING_LOGGED: AtomicBool = AtomicBool::new(false);
 
 pub struct Epoll {
     fd: OwnedFd,
@@ -95,10 +99,12 @@ impl Epoll {
                     )
                 };
                 if rc < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
-                    tracing::info!(
-                        "epoll_pwait2 unavailable: sleeps until a deadline round up to whole \
-                         milliseconds"
-                    );
+                    if !PWAIT2_MISSING_LOGGED.swap(true, Ordering::Relaxed) {
+                        tracing::info!(
+                            "epoll_pwait2 unavailable: sleeps until a deadline round up to \
+                             whole milliseconds"
+                        );
+                    }
                     self.pwait2 = false;
                     return self.wait(events, timeout);
                 }
