@@ -20,7 +20,8 @@ pub mod fault;
 pub mod file;
 pub mod mem;
 pub mod null;
-/// Ring-less file I/O on a thread pool (with `aligned`, the crate's only `unsafe` code).
+// Ring-less file I/O on a thread pool (with `aligned`, where the crate's `unsafe` code lives,
+// besides the calls of the unsafe `Device::queue_without_ring`).
 #[cfg(feature = "uring")]
 pub mod pool;
 pub mod queueing;

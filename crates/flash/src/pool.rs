@@ -7,8 +7,9 @@
 //! a descriptor is always "ready"), so without a ring the only way to keep the dataplane
 //! thread serving sockets while the device works is to let other threads wait for it. The
 //! pool owns no dataplane state: a job is a raw buffer address, a length, an offset and the
-//! mailbox of the queue to report to. With `aligned`, this is the only module of the crate
-//! with `unsafe` code (the system calls on raw buffers, and sending those to a worker).
+//! mailbox of the queue to report to. With `aligned`, this module holds the crate's `unsafe`
+//! code (the system calls on raw buffers, and sending those to a worker); elsewhere only the
+//! calls of the unsafe [`crate::Device::queue_without_ring`] pass its contract on.
 //!
 //! Bounds: [`POOL_THREADS`] workers per device, started with its first ring-less queue (a
 //! server on io_uring never starts them); one job channel per device holding at most
