@@ -11,9 +11,11 @@
 //! Readiness is edge-triggered: every socket is registered once, for input and output, when
 //! it is accepted (listeners and the wake-up eventfd when the driver starts) and never
 //! modified. The driver remembers per socket whether it may be readable or writable and
-//! clears that only when a call says `WouldBlock`; the kernel reports an edge for every
-//! later arrival of data or buffer space, so nothing is missed and no `epoll_ctl` is made on
-//! the data path. An operation the dataplane asks for runs at once when its socket may be
+//! clears that when a call says `WouldBlock`, or moved fewer bytes than it offered (a `recv`
+//! that filled less than its buffer emptied the socket, a `sendmsg` that sent less filled it;
+//! tokio's readiness tracking relies on the same fact); the kernel reports an edge for every
+//! later arrival of data or buffer space, so nothing is missed, no call is made only to learn
+//! `WouldBlock` in the common case, and no `epoll_ctl` is made on the data path. An operation the dataplane asks for runs at once when its socket may be
 //! ready (one `recv`, `sendmsg` or `accept`) and is reported at once, like a device that
 //! finishes synchronously (`process` then runs again); otherwise it waits for its edge.
 //! Cancelling a waiting operation reports it with `ECANCELED`; a `Close` takes the socket out
@@ -446,9 +448,18 @@ impl EpollDriver {
             Some(errno) => Err(errno),
             None => {
                 let space = self.dataplane.receive_space(id);
+                let space_bytes = space.len();
                 loop {
                     match (&slot.stream).read(space) {
-                        Ok(received) => break Ok(received),
+                        Ok(received) => {
+                            // Less than asked for: the socket was empty at that moment, so
+                            // whatever arrives later raises a new edge (see the module doc).
+                            // The end of the stream (0) stays readable: it reads 0 again.
+                            if received > 0 && received < space_bytes {
+                                slot.readable = false;
+                            }
+                            break Ok(received);
+                        }
                         Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                         Err(e) if e.kind() == ErrorKind::WouldBlock => {
                             slot.readable = false;
@@ -476,7 +487,13 @@ impl EpollDriver {
         let result = match slot.failed {
             Some(errno) => Err(errno),
             None => match sys::send_segments(&slot.stream, &self.dataplane, id) {
-                Ok(sent) => Ok(sent),
+                Ok((sent, offered)) => {
+                    // A partial send filled the socket buffer: room raises a new edge.
+                    if sent < offered {
+                        slot.writable = false;
+                    }
+                    Ok(sent)
+                }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     slot.writable = false;
                     return;

@@ -143,18 +143,19 @@ impl Epoll {
 }
 
 /// One non-blocking `sendmsg` of the segments the dataplane lends for the send in flight on
-/// `id` (gathered, `MSG_NOSIGNAL`): the bytes sent, or the error (`WouldBlock` when the
-/// socket buffer is full).
+/// `id` (gathered, `MSG_NOSIGNAL`): `(bytes sent, bytes offered)`, or the error (`WouldBlock`
+/// when the socket buffer is full).
 pub fn send_segments(
     socket: &TcpStream,
     dataplane: &Dataplane,
     id: ConnectionId,
-) -> io::Result<usize> {
+) -> io::Result<(usize, usize)> {
     let mut iovecs = [libc::iovec {
         iov_base: std::ptr::null_mut(),
         iov_len: 0,
     }; SEND_SEGMENTS_MAX];
     let mut count = 0;
+    let mut offered = 0;
     dataplane.send_segments(id, |segment| {
         assert!(
             count < SEND_SEGMENTS_MAX,
@@ -165,6 +166,7 @@ pub fn send_segments(
             iov_len: segment.len(),
         };
         count += 1;
+        offered += segment.len();
     });
     assert!(count > 0, "a send without bytes");
     let mut msghdr = crate::sys::empty_msghdr();
@@ -176,7 +178,7 @@ pub fn send_segments(
         // live on this stack; the kernel only reads them during the call.
         let rc = unsafe { libc::sendmsg(socket.as_raw_fd(), &msghdr, libc::MSG_NOSIGNAL) };
         if rc >= 0 {
-            return Ok(rc as usize);
+            return Ok((rc as usize, offered));
         }
         let error = io::Error::last_os_error();
         if error.kind() != io::ErrorKind::Interrupted {
