@@ -21,16 +21,16 @@
 //!
 //! Module map: `config` (TOML and flags), `driver` (choosing and starting a thread's driver),
 //! `uring` (the io_uring driver that runs each thread's [`reflex_dataplane::Dataplane`]),
-//! `epoll` (the same over epoll, where io_uring is unavailable), `sys` (raw socket calls). The dataplane itself
-//! (connections, requests, protocol front ends, tenants and schedulers) is the sans-IO crate
-//! `reflex-dataplane`, which the simulator drives too.
+//! `epoll` (the same over epoll, where io_uring is unavailable), `sys` (raw socket calls).
+//! The dataplane itself (connections, requests, protocol front ends, tenants and schedulers)
+//! is the sans-IO crate `reflex-dataplane`, which the simulator drives too.
 //!
 //! Architecture invariants: on io_uring the data path allocates nothing, takes no lock and
 //! makes no system call besides one `io_uring_enter` per loop iteration (plus accept-time
-//! socket options); on epoll it makes one `epoll_wait` per iteration plus one call per
-//! socket operation; every limit is a named constant or config field; bad input from the
-//! network gets an error status or closes only its own connection, never panics the server.
-//! `unsafe` only in `uring`, `epoll::sys` and `sys`.
+//! socket options); on epoll it makes one `epoll_wait` per iteration plus one call per socket
+//! operation (file I/O goes to the devices' thread pools); every limit is a named constant or
+//! config field; bad input from the network gets an error status or closes only its own
+//! connection, never panics the server. `unsafe` only in `uring`, `epoll::sys` and `sys`.
 
 #![deny(unsafe_code)]
 

@@ -8,18 +8,19 @@
 //! `epoll_wait` (blocking mode, nothing pending) until an event, the earliest deadline or a
 //! wake-up, or just collect what is ready (poll mode, or work pending).
 //!
-//! Readiness is edge-triggered: every socket is registered once, for input and output, when
-//! it is accepted (listeners and the wake-up eventfd when the driver starts) and never
-//! modified. The driver remembers per socket whether it may be readable or writable and
-//! clears that when a call says `WouldBlock`, or moved fewer bytes than it offered (a `recv`
-//! that filled less than its buffer emptied the socket, a `sendmsg` that sent less filled it;
-//! tokio's readiness tracking relies on the same fact); the kernel reports an edge for every
-//! later arrival of data or buffer space, so nothing is missed, no call is made only to learn
-//! `WouldBlock` in the common case, and no `epoll_ctl` is made on the data path. An operation the dataplane asks for runs at once when its socket may be
-//! ready (one `recv`, `sendmsg` or `accept`) and is reported at once, like a device that
-//! finishes synchronously (`process` then runs again); otherwise it waits for its edge.
-//! Cancelling a waiting operation reports it with `ECANCELED`; a `Close` takes the socket out
-//! of the epoll set and drops it (closing it).
+//! Readiness is edge-triggered: every socket is registered once, for input and output, when it
+//! is accepted (listeners and the wake-up eventfd when the driver starts) and never modified.
+//! The driver remembers per socket whether it may be readable or writable and clears that when
+//! a call says `WouldBlock`, or moved fewer bytes than it offered (a `recv` that filled less
+//! than its buffer emptied the socket, a `sendmsg` that sent less filled it; tokio's readiness
+//! tracking relies on the same fact); the kernel reports an edge for every later arrival of
+//! data or buffer space, so nothing is missed, no call is made only to learn `WouldBlock` in
+//! the common case, and `epoll_ctl` is called only when a socket is accepted or closed, never
+//! for a request. An operation the dataplane asks for runs at once when its socket may be ready
+//! (one `recv`, `sendmsg` or `accept`) and is reported at once, like a device that finishes
+//! synchronously (`process` then runs again); otherwise it waits for its edge. Cancelling a
+//! waiting operation reports it with `ECANCELED`; a `Close` takes the socket out of the epoll
+//! set and drops it (closing it).
 //!
 //! Devices: memory, null and emulated devices work as with the ring; file devices run on
 //! their thread pool (`reflex_flash::pool`), whose completions come out of
