@@ -13,6 +13,8 @@
 #   READ_RATIO (1) WORK (target/bench-drivers) OUT (docs/results/drivers.md)
 #   NICE (0): niceness of server and client; a negative value (as root) shields the
 #   measurement from other work on a shared machine, and is recorded in the results.
+#   RT_PRIO (unset): run server and client SCHED_FIFO at this priority (chrt -f) instead, so
+#   their wake-ups preempt other work at once (both sleep when idle, nothing spins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib/common.sh
@@ -26,6 +28,9 @@ READ_RATIO=${READ_RATIO:-1}
 WORK=${WORK:-target/bench-drivers}
 OUT=${OUT:-docs/results/drivers.md}
 NICE=${NICE:-0}
+RT_PRIO=${RT_PRIO:-}
+PRIO=(nice -n "$NICE")
+[ -z "$RT_PRIO" ] || PRIO=(chrt -f "$RT_PRIO")
 STEP_TIMEOUT=120
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 
@@ -42,12 +47,12 @@ wait_quiet 30 60 || note "the machine stayed busy; measuring anyway"
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 
 # server_cpu_ns PID: nanoseconds every thread of PID has run (schedstat's first field).
-server_cpu_ns() { cat /proc/"$1"/task/*/schedstat | awk '{ sum += $1 } END { printf "%d\n", sum }'; }
+server_cpu_ns() { cat /proc/"$1"/task/*/schedstat | awk '{ sum += $1 } END { printf "%.0f\n", sum }'; }
 
 for rep in $(seq 1 "$REPS"); do
     for driver in uring epoll; do
         port=$(free_port)
-        nice -n "$NICE" taskset -c "$SERVER_CPU" "$REFLEXD" --driver "$driver" -n 1=mem:1G --threads 1 \
+        "${PRIO[@]}" taskset -c "$SERVER_CPU" "$REFLEXD" --driver "$driver" -n 1=mem:1G --threads 1 \
             --port "$port" --no-original --no-nbd >"$WORK/reflexd-$driver.log" 2>&1 &
         pid=$!
         track "$pid"
@@ -62,7 +67,7 @@ for rep in $(seq 1 "$REPS"); do
         name="$driver-$rep"
         before=$(server_cpu_ns "$pid")
         start=$(now_ns)
-        timeout "$STEP_TIMEOUT" nice -n "$NICE" taskset -c "$CLIENT_CPU" "$REFLEX" bench --json -q \
+        timeout "$STEP_TIMEOUT" "${PRIO[@]}" taskset -c "$CLIENT_CPU" "$REFLEX" bench --json -q \
             -s "127.0.0.1:$port" --qd 32 --connections 4 --read-ratio "$READ_RATIO" \
             --warmup "$WARMUP" --duration "$DURATION" >"$RAW/$name.json"
         end=$(now_ns)
@@ -82,7 +87,7 @@ mkdir -p "$(dirname "$OUT")"
 {
     echo "# io_uring vs epoll driver"
     echo
-    echo "\`REPS=$REPS DURATION=$DURATION NICE=$NICE bench/drivers.sh\` at $COMMIT, $(date -u +"%Y-%m-%d %H:%M UTC");"
+    echo "\`REPS=$REPS DURATION=$DURATION NICE=$NICE${RT_PRIO:+ RT_PRIO=$RT_PRIO} bench/drivers.sh\` at $COMMIT, $(date -u +"%Y-%m-%d %H:%M UTC");"
     echo "$(nproc) vCPU, kernel $(uname -r); load average $LOAD_BEFORE before, $LOAD_AFTER after."
     echo "reflexd \`-n 1=mem:1G --threads 1\` on CPU $SERVER_CPU, \`reflex bench --qd 32 --connections 4"
     echo "--read-ratio $READ_RATIO\` (4 KiB random) on CPU $CLIENT_CPU; medians of $REPS, IOPS range in brackets."
