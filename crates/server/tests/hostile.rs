@@ -611,8 +611,8 @@ fn an_idle_connection_parks_without_its_buffer_and_wakes_on_the_next_request() {
 #[test]
 fn a_failing_device_is_logged_once_per_burst() {
     use std::io::BufRead;
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_reflexd"))
+    use std::process::Stdio;
+    let mut child = common::reflexd_command()
         .args(["--port", "0", "--no-original", "--no-nbd", "--threads", "1"])
         .args(["--namespace", "1=fault(read_error_rate=100%):mem:16M"])
         .env("RUST_LOG", "info")

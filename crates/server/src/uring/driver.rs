@@ -23,7 +23,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types};
-use reflex_dataplane::namespaces::NamespaceSet;
 use reflex_dataplane::{
     BATCH_MAX, ConnectionId, CoreStats, Dataplane, DeviceCommand, DeviceOpId, GENERATION_MASK, Op,
     SEND_SEGMENTS_MAX,
@@ -32,6 +31,7 @@ use reflex_flash::{Completion, DeviceQueue, Submit};
 use reflex_qos::Nanos;
 
 use super::ring::{Cqe, Ring};
+use crate::driver::DriverSetup;
 use crate::sys;
 
 pub const RING_SQ_ENTRIES: u32 = 1024;
@@ -136,21 +136,6 @@ struct ListenerSlot {
     /// The dataplane closed it: drop the socket when the accept in flight comes back.
     closing: bool,
     address: Box<(libc::sockaddr_storage, libc::socklen_t)>,
-}
-
-/// What the driver of one thread needs besides the dataplane.
-pub struct DriverSetup {
-    pub listeners: Vec<TcpListener>,
-    /// The namespaces whose devices the thread opens its queues on.
-    pub namespaces: Arc<NamespaceSet>,
-    pub poll: bool,
-    pub register_buffers: bool,
-    pub shutdown: Arc<AtomicBool>,
-    pub waker: Arc<File>,
-    pub clock_origin: Instant,
-    pub cq_entries: u32,
-    /// The longest a blocking thread spins before a deadline (0: never spins).
-    pub spin_before_deadline_max: Nanos,
 }
 
 pub struct UringDriver {
