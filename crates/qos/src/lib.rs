@@ -21,6 +21,12 @@
 //!   one [`Notice::Renegotiate`] per deficit episode of a tenant, over all its threads;
 //! - [`plan`](TenantRegistry::plan): the device rate, Σ LC reservations, BE share.
 //!
+//! **Online calibration** (one [`Calibrator`] per device, control plane): every window
+//! ([`Calibrator::next_deadline`]) the integrator passes a [`WindowObservation`] (LC reads and
+//! their p95 device latency, the SLO in force, the rate in use and the tokens spent) to
+//! [`Calibrator::handle_window`]`(now, ..) -> Decision`; the decision's `scale` (in
+//! `[scale_floor, scale_ceiling]`) is what the profile's rate is multiplied by.
+//!
 //! **Dataplane** (one [`Scheduler`] per thread per device, all sharing one `Arc<DeviceShared>`):
 //! - [`Scheduler::new`]`(shared, thread_index, &config, Policy::Tokens | Policy::Fifo, now)`;
 //!   everything it needs is allocated here, nothing per round;
@@ -78,6 +84,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod calibrator;
 pub mod config;
 pub mod cost;
 pub mod profile;
@@ -90,6 +97,10 @@ pub mod time;
 pub mod tokens;
 mod wheel;
 
+pub use calibrator::{
+    Action, Calibrator, CalibratorConfig, CalibratorConfigError, CalibratorStats, Decision, Hold,
+    ObservationError, WindowObservation, WindowRecord,
+};
 pub use config::{ConfigError, QosConfig, THREADS_MAX};
 pub use cost::{COST_UNIT_BYTES, CostModel, IoKind, LoadMode, REQUEST_BYTES_MAX};
 pub use profile::{DeviceProfile, TokenLimit};
