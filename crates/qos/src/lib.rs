@@ -19,7 +19,11 @@
 //!   messages to deliver to each thread's scheduler;
 //! - [`handle_event`](TenantRegistry::handle_event)`(thread, SchedulerEvent) -> Option<Notice>`:
 //!   one [`Notice::Renegotiate`] per deficit episode of a tenant, over all its threads;
-//! - [`plan`](TenantRegistry::plan): the device rate, Σ LC reservations, BE share.
+//! - [`plan`](TenantRegistry::plan): the device rate, Σ LC reservations, BE share;
+//! - [`set_rate_scale`](TenantRegistry::set_rate_scale)`(scale) -> Vec<TenantId>`: the device
+//!   rate becomes the profile's × `scale` (rate updates queued as for any change); the LC
+//!   tenants that no longer fit are returned, to be asked to renegotiate
+//!   ([`lc_tenants_over`](TenantRegistry::lc_tenants_over) lists them all).
 //!
 //! **Online calibration** (one [`Calibrator`] per device, control plane): every window
 //! ([`Calibrator::next_deadline`]) the integrator passes a [`WindowObservation`] (LC reads and
