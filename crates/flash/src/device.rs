@@ -34,6 +34,7 @@ use std::sync::Arc;
 use reflex_qos::Nanos;
 
 use crate::FlashError;
+use crate::emu::EmuControls;
 use crate::fault::FaultControls;
 
 /// What one request asks of the device.
@@ -158,6 +159,13 @@ pub trait Device: Send + Sync {
     /// interface holding only `Arc<dyn Device>` can change its faults; `None` for every device
     /// that injects none.
     fn fault_controls(&self) -> Option<Arc<FaultControls>> {
+        None
+    }
+
+    /// The run-time drift switch of an emulated Flash device ([`crate::emu::drift`]: slow it
+    /// down, speed it up, stall it), also through wrappers such as `fault:`; `None` for every
+    /// other device.
+    fn emu_controls(&self) -> Option<Arc<EmuControls>> {
         None
     }
 

@@ -763,6 +763,11 @@ impl Device for FaultDevice {
         Some(self.controls())
     }
 
+    /// The inner device's drift switch: faults are injected on top of its timing.
+    fn emu_controls(&self) -> Option<Arc<crate::emu::EmuControls>> {
+        self.inner.emu_controls()
+    }
+
     /// The inner device's allocation: faults are injected into I/O, not metadata.
     fn block_status(
         &self,
