@@ -75,7 +75,8 @@ fn files(dir: &Path, out: &mut Vec<PathBuf>) {
                 continue;
             }
             files(&path, out);
-        } else {
+        } else if name != ".git" {
+            // (A worktree's `.git` is a file naming the main checkout: not part of the tree.)
             out.push(path);
         }
     }
