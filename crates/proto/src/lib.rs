@@ -64,6 +64,7 @@
 
 pub mod native;
 pub mod nbd;
+pub mod nvme_tcp;
 pub mod original;
 mod wire;
 
