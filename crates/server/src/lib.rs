@@ -216,6 +216,7 @@ impl Server {
                 listeners: roles.into_iter().map(protocol_of).collect(),
                 namespaces: Arc::clone(&namespaces),
                 nbd_exports: nbd_exports.clone(),
+                nvme_tcp: None,
                 limits: limits.clone(),
                 control: Arc::clone(&control),
                 qos: qos.clone(),

@@ -117,6 +117,7 @@ impl VirtualServer {
                 thread_index,
                 listeners: setup.listeners.clone(),
                 namespaces: Arc::clone(&namespaces),
+                nvme_tcp: None,
                 nbd_exports: None,
                 limits: setup.limits.clone(),
                 control: Arc::clone(&control),

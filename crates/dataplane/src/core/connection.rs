@@ -264,7 +264,8 @@ impl Dataplane {
         connection.state = ConnectionState::Open;
         connection.listener = listener_index;
         connection.source = source;
-        connection.frontend = Frontend::new(protocol, self.nbd_exports.as_ref());
+        connection.frontend =
+            Frontend::new(protocol, self.nbd_exports.as_ref(), self.nvme_tcp.as_ref());
         connection.accepted_at = now;
         connection.receive_progress_at = now;
         connection.send_progress_at = now;

@@ -436,17 +436,25 @@ impl Dataplane {
             first: part == 0,
             last,
         };
-        let frontend = &self.connections[connection_index as usize].frontend;
+        let frontend = &mut self.connections[connection_index as usize].frontend;
         let exclusive = frontend.read_pieces_exclusive();
         let request = &mut self.requests[index as usize];
-        let Some(header_len) = frontend.encode_read_piece(&request.tag, piece, &mut request.header)
-        else {
+        let data_end = (data.data_start + data.data_bytes) as usize;
+        let body = &self.arena.run(run, data_end)[data.data_start as usize..];
+        let Some((header_len, trailer_len)) = frontend.encode_read_answer(
+            &request.tag,
+            piece,
+            body,
+            &mut request.header,
+            &mut request.trailer,
+        ) else {
             self.transition(index, RequestState::Completed);
             self.free_request(index);
             self.abort_connection(connection_index, "a READ piece the protocol cannot carry");
             return;
         };
         request.header_len = header_len as u8;
+        request.trailer_len = trailer_len as u8;
         request.work = if last {
             Work::Response {
                 run: Some(run),

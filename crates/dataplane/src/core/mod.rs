@@ -37,7 +37,7 @@ use reflex_qos::{Admitted, Nanos, Policy, QosConfig};
 
 use crate::buffers::{PAGE_SIZE, PageAllocator};
 use crate::control::{ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX, NamespaceQosSetup};
-use crate::frontend::{NbdExports, Protocol};
+use crate::frontend::{NbdExports, NvmeTcpTargets, Protocol};
 use crate::memory::Arena;
 use crate::namespaces::NamespaceSet;
 use crate::telemetry::LatencyHistogram;
@@ -92,6 +92,8 @@ pub struct DataplaneSetup {
     pub namespaces: Arc<NamespaceSet>,
     /// The NBD export table, when a listener speaks NBD.
     pub nbd_exports: Option<Arc<NbdExports>>,
+    /// The NVMe/TCP subsystems and controllers, when a listener speaks NVMe/TCP.
+    pub nvme_tcp: Option<Arc<NvmeTcpTargets>>,
     pub limits: Limits,
     pub control: Arc<ControlPlane>,
     /// Per namespace: its scheduler setup.
@@ -124,6 +126,7 @@ pub struct Dataplane {
     listeners: Vec<Listener>,
     namespaces: Arc<NamespaceSet>,
     nbd_exports: Option<Arc<NbdExports>>,
+    nvme_tcp: Option<Arc<NvmeTcpTargets>>,
     limits: Limits,
     /// Per namespace: whether the device discards (it says so and has not refused one on
     /// this thread). NBD TRIM and WRITE_ZEROES skip the discard where it does not.
@@ -234,6 +237,7 @@ impl Dataplane {
                 .collect(),
             namespaces: setup.namespaces,
             nbd_exports: setup.nbd_exports,
+            nvme_tcp: setup.nvme_tcp,
             parse_ready: VecDeque::with_capacity(table_size as usize),
             send_ready: VecDeque::with_capacity(table_size as usize),
             waiters: VecDeque::with_capacity(table_size as usize),

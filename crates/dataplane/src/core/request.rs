@@ -19,7 +19,9 @@ use super::Dataplane;
 use crate::buffers::PageRun;
 use crate::buffers::RUN_SIZE_MAX;
 use crate::frontend::IoKind;
-use crate::frontend::{Action, IoRequest, RESPONSE_HEADER_SIZE_MAX, Tag};
+use crate::frontend::{
+    Action, IoRequest, RESPONSE_HEADER_SIZE_MAX, RESPONSE_TRAILER_SIZE_MAX, Tag,
+};
 use crate::gate::Hold;
 use crate::steps::{IoStep, Layout, Operation};
 
@@ -212,6 +214,9 @@ pub(super) struct Request {
     pub(super) gate: GatePlace,
     pub(super) header: [u8; RESPONSE_HEADER_SIZE_MAX],
     pub(super) header_len: u8,
+    /// Bytes sent after the body (NVMe/TCP: a read's data digest and response capsule).
+    pub(super) trailer: [u8; RESPONSE_TRAILER_SIZE_MAX],
+    pub(super) trailer_len: u8,
     /// Next request in the connection's send queue.
     pub(super) next: u32,
     /// When the request arrived (its first byte was parsed), when its current step entered a
@@ -237,6 +242,8 @@ impl Request {
             gate: GatePlace::Outside,
             header: [0; RESPONSE_HEADER_SIZE_MAX],
             header_len: 0,
+            trailer: [0; RESPONSE_TRAILER_SIZE_MAX],
+            trailer_len: 0,
             next: NONE,
             arrived_at: Nanos::ZERO,
             measured_read: None,
@@ -245,10 +252,10 @@ impl Request {
         }
     }
 
-    /// Bytes of the response: header and body.
+    /// Bytes of the response: header, body and trailer.
     pub(super) fn response_len(&self) -> usize {
         let body_bytes = self.work.body().map_or(0, |(_, _, bytes)| bytes as usize);
-        usize::from(self.header_len) + body_bytes
+        usize::from(self.header_len) + body_bytes + usize::from(self.trailer_len)
     }
 
     /// The I/O of a request that does device work; panics otherwise (a dataplane bug).
@@ -301,6 +308,7 @@ impl Dataplane {
         request.tag = tag;
         request.work = Work::Start(action);
         request.header_len = 0;
+        request.trailer_len = 0;
         request.next = NONE;
         request.arrived_at = now;
         request.measured_read = None;

@@ -19,10 +19,14 @@ use super::request::{NONE, RequestState, Work};
 use crate::buffers::PageRun;
 use crate::frontend::Answer;
 
-/// Segments in one gathered send: a header and a body per response.
-pub const SEND_SEGMENTS_MAX: usize = 128;
+/// Segments in one gathered send: a header, a body and a trailer per response.
+pub const SEND_SEGMENTS_MAX: usize = 129;
+/// Segments one response may take: its header, its body and its trailer (NVMe/TCP: a read's
+/// data digest and the response capsule after the data).
+const SEGMENTS_PER_RESPONSE: usize = 3;
 
-const _: () = assert!(SEND_SEGMENTS_MAX >= 2 && SEND_SEGMENTS_MAX.is_multiple_of(2));
+const _: () = assert!(SEND_SEGMENTS_MAX >= SEGMENTS_PER_RESPONSE);
+const _: () = assert!(SEND_SEGMENTS_MAX.is_multiple_of(SEGMENTS_PER_RESPONSE));
 const _: () = assert!(SEND_SEGMENTS_MAX <= 1024); // IOV_MAX
 
 impl Dataplane {
@@ -36,7 +40,7 @@ impl Dataplane {
         body_bytes: u32,
     ) {
         let connection_index = self.requests[index as usize].connection_index;
-        let frontend = &self.connections[connection_index as usize].frontend;
+        let frontend = &mut self.connections[connection_index as usize].frontend;
         let request = &mut self.requests[index as usize];
         match run {
             Some(run) => assert!(body_bytes as usize <= run.size_bytes()),
@@ -48,9 +52,13 @@ impl Dataplane {
             body_bytes,
         };
         let tag = request.tag;
-        let Some(header_len) =
-            frontend.encode_response(&tag, answer, body_bytes, &mut request.header)
-        else {
+        let Some((header_len, trailer_len)) = frontend.encode_answer(
+            &tag,
+            answer,
+            body_bytes,
+            &mut request.header,
+            &mut request.trailer,
+        ) else {
             tracing::warn!(
                 thread = self.thread_index,
                 ?answer,
@@ -62,8 +70,16 @@ impl Dataplane {
             return;
         };
         request.header_len = header_len as u8;
+        request.trailer_len = trailer_len as u8;
         self.transition(index, RequestState::Completed);
         self.stats.requests_answered += 1;
+        if self.requests[index as usize].response_len() == 0 {
+            // Nothing to send: a part of a request the protocol answers once for all its
+            // parts (an NVMe/TCP command whose data came in several PDUs, or a range of a
+            // Dataset Management command), answered by the last part to finish.
+            self.free_request(index);
+            return;
+        }
         self.queue_response(index, false);
     }
 
@@ -114,10 +130,10 @@ impl Dataplane {
         let mut segments = 0;
         let mut sending_count = 0;
         let mut cursor = connection.send_head;
-        while cursor != NONE && segments + 2 <= SEND_SEGMENTS_MAX {
+        while cursor != NONE && segments + SEGMENTS_PER_RESPONSE <= SEND_SEGMENTS_MAX {
             let request = &mut self.requests[cursor as usize];
             assert_eq!(request.state, RequestState::Completed);
-            segments += 2;
+            segments += SEGMENTS_PER_RESPONSE;
             request.state = RequestState::Sending;
             self.stats.requests_per_state[RequestState::Completed as usize] -= 1;
             self.stats.requests_per_state[RequestState::Sending as usize] += 1;
@@ -165,9 +181,18 @@ impl Dataplane {
                 skip -= header_len;
             }
             if let Some((run, body_start, body_bytes)) = request.work.body() {
-                assert!(skip < body_bytes as usize);
-                let end = (body_start + body_bytes) as usize;
-                segment(&self.arena.run(run, end)[body_start as usize + skip..]);
+                if skip < body_bytes as usize {
+                    let end = (body_start + body_bytes) as usize;
+                    segment(&self.arena.run(run, end)[body_start as usize + skip..]);
+                    skip = 0;
+                } else {
+                    skip -= body_bytes as usize;
+                }
+            }
+            let trailer_len = usize::from(request.trailer_len);
+            if trailer_len > 0 {
+                assert!(skip < trailer_len);
+                segment(&request.trailer[skip..trailer_len]);
             }
             skip = 0;
             cursor = request.next;

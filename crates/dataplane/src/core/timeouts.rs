@@ -47,7 +47,7 @@ impl Dataplane {
             limit.is_some_and(|limit| now.saturating_since(since) >= limit)
         };
         for index in 0..self.connections.len() as u32 {
-            let connection = &self.connections[index as usize];
+            let connection = &mut self.connections[index as usize];
             if !connection.is_open() {
                 continue;
             }
@@ -63,6 +63,10 @@ impl Dataplane {
                 Some("receive timeout: a request stopped arriving")
             } else if connection.send_in_flight && over(connection.send_progress_at, send) {
                 Some("send timeout: the client does not take its answers")
+            } else if let Some(reason) = connection.frontend.expired(now) {
+                // The protocol's own timers (NVMe/TCP: keep-alive, an unanswered R2T, a
+                // controller gone on another connection).
+                Some(reason)
             } else if connection.established
                 && connection.read == ReadState::Open
                 && connection.outstanding == 0

@@ -22,6 +22,12 @@
 //! decoded as requests in the same pass. Only the handshake allocates (once per connection);
 //! transmission decoding and reply encoding allocate nothing.
 //!
+//! NVMe/TCP (`nvme_tcp_frontend`, `nvme_tcp_admin`, `nvme_tcp_targets`) keeps the most
+//! state: a controller per admin queue shared by its I/O queues across threads, commands
+//! answered by the frontend itself (admin commands, R2Ts), commands answered once for several
+//! requests (data in several PDUs, Dataset Management ranges), and responses with bytes after
+//! their data (a read's data digest and response capsule: [`Frontend::encode_read_answer`]).
+//!
 //! Tenants: an [`IoRequest`] carries the tenant the protocol chose for it (an NBD export's or
 //! an original-protocol port's configured tenant), or [`TenantRef::NONE`]; the dataplane
 //! resolves the rest (a native connection's BIND, the namespace's default tenant). Native
@@ -44,8 +50,13 @@ pub const NOTICE_BODY_BYTES: usize = native::RENEGOTIATE_BODY_SIZE;
 pub const CONTROL_ANSWER_BYTES_MAX: usize = 4096;
 /// The largest unit a front end waits for whole in the receive buffer (a native header with
 /// the largest control body); the receive buffer holds at least two.
-pub const UNIT_BYTES_MAX: usize =
-    native::REQUEST_HEADER_SIZE + native::CONTROL_BODY_MAX_BYTES as usize;
+/// (NVMe/TCP waits for whole PDUs of up to this size: data it reads itself or checks against
+/// a data digest.)
+pub const UNIT_BYTES_MAX: usize = 8192;
+
+const _: () = assert!(
+    native::REQUEST_HEADER_SIZE + native::CONTROL_BODY_MAX_BYTES as usize <= UNIT_BYTES_MAX
+);
 
 /// Most extents one NBD BLOCK_STATUS answer reports (the client asks again from where they
 /// end), so that its payload fits one page.
@@ -60,15 +71,23 @@ const _: () = assert!(NOTICE_BODY_BYTES <= CONTROL_ANSWER_BYTES_MAX);
 
 mod native_frontend;
 mod nbd_frontend;
+mod nvme_tcp_admin;
+mod nvme_tcp_frontend;
+pub mod nvme_tcp_targets;
 mod original_frontend;
 #[cfg(test)]
 mod tests;
 
 use nbd_frontend::NbdPhase;
 pub use nbd_frontend::{ExportBinding, NbdExports, NbdFrontend};
+pub use nvme_tcp_frontend::{NvmeTag, NvmeTcpFrontend, status_for as nvme_status_for};
+pub use nvme_tcp_targets::NvmeTcpTargets;
 
 /// Room for the largest response header of any protocol.
 pub const RESPONSE_HEADER_SIZE_MAX: usize = 32;
+/// Room for the bytes after a response's body (NVMe/TCP: a read's data digest and its
+/// response capsule with a header digest).
+pub const RESPONSE_TRAILER_SIZE_MAX: usize = 32;
 
 const _: () = assert!(native::RESPONSE_HEADER_SIZE <= RESPONSE_HEADER_SIZE_MAX);
 const _: () = assert!(original::HEADER_SIZE <= RESPONSE_HEADER_SIZE_MAX);
@@ -88,6 +107,7 @@ pub enum Protocol {
         tenant: TenantRef,
     },
     Nbd,
+    NvmeTcp,
 }
 
 /// The protocol of a connection, with its per-connection protocol state.
@@ -99,6 +119,8 @@ pub enum Frontend {
         tenant: TenantRef,
     },
     Nbd(NbdFrontend),
+    /// Boxed: a connection slot stays small.
+    NvmeTcp(Box<NvmeTcpFrontend>),
 }
 
 /// What a response must echo, kept in the request slot from decode to send.
@@ -119,6 +141,7 @@ pub enum Tag {
     NbdRefused {
         cookie: u64,
     },
+    NvmeTcp(NvmeTag),
 }
 
 /// A device operation, validated against its namespace.
@@ -310,7 +333,11 @@ pub enum Decoded {
 impl Frontend {
     /// The state of a new connection accepted on a `protocol` port. NBD needs the export
     /// table (the server passes it whenever it listens for NBD).
-    pub fn new(protocol: Protocol, nbd_exports: Option<&Arc<NbdExports>>) -> Frontend {
+    pub fn new(
+        protocol: Protocol,
+        nbd_exports: Option<&Arc<NbdExports>>,
+        nvme_tcp: Option<&Arc<NvmeTcpTargets>>,
+    ) -> Frontend {
         match protocol {
             Protocol::Native => Frontend::Native,
             Protocol::Original {
@@ -326,6 +353,12 @@ impl Frontend {
                 };
                 Frontend::Nbd(NbdFrontend::new(Arc::clone(exports)))
             }
+            Protocol::NvmeTcp => {
+                let Some(targets) = nvme_tcp else {
+                    panic!("an NVMe/TCP listener without its targets");
+                };
+                Frontend::NvmeTcp(Box::new(NvmeTcpFrontend::new(Arc::clone(targets))))
+            }
         }
     }
 
@@ -339,6 +372,59 @@ impl Frontend {
                 tenant,
             } => original_frontend::decode(input, *namespace_index, *tenant, namespaces),
             Frontend::Nbd(nbd) => nbd.decode(input),
+            Frontend::NvmeTcp(nvme) => nvme.decode(input),
+        }
+    }
+
+    /// [`Self::encode_response`] with the bytes a protocol sends after the body (written
+    /// into `trailer`): `Some((header, trailer))` lengths. A frontend may keep state here
+    /// (NVMe/TCP counts the answered parts of a command), so it is called exactly once per
+    /// answer.
+    pub fn encode_answer(
+        &mut self,
+        tag: &Tag,
+        answer: Answer,
+        data_bytes: u32,
+        out: &mut [u8; RESPONSE_HEADER_SIZE_MAX],
+        trailer: &mut [u8; RESPONSE_TRAILER_SIZE_MAX],
+    ) -> Option<(usize, usize)> {
+        let _ = trailer;
+        match (&mut *self, tag) {
+            (Frontend::NvmeTcp(nvme), Tag::NvmeTcp(nvme_tag)) => nvme
+                .encode_answer(nvme_tag, answer, out)
+                .map(|length| (length, 0)),
+            _ => self
+                .encode_response(tag, answer, data_bytes, out)
+                .map(|length| (length, 0)),
+        }
+    }
+
+    /// [`Self::encode_read_piece`] with the piece's data (NVMe/TCP digests it) and the bytes
+    /// after it (`trailer`): `Some((header, trailer))` lengths.
+    pub fn encode_read_answer(
+        &mut self,
+        tag: &Tag,
+        piece: ReadPiece,
+        data: &[u8],
+        out: &mut [u8; RESPONSE_HEADER_SIZE_MAX],
+        trailer: &mut [u8; RESPONSE_TRAILER_SIZE_MAX],
+    ) -> Option<(usize, usize)> {
+        match (&mut *self, tag) {
+            (Frontend::NvmeTcp(nvme), Tag::NvmeTcp(nvme_tag)) => {
+                nvme.encode_read(nvme_tag, piece, data, out, trailer)
+            }
+            _ => self
+                .encode_read_piece(tag, piece, out)
+                .map(|length| (length, 0)),
+        }
+    }
+
+    /// The protocol's own timers, checked at each housekeeping sweep: `Some(reason)` closes
+    /// the connection (NVMe/TCP: keep-alive, an unanswered R2T, its controller gone).
+    pub fn expired(&mut self, now: reflex_qos::Nanos) -> Option<&'static str> {
+        match self {
+            Frontend::NvmeTcp(nvme) => nvme.expired(now),
+            _ => None,
         }
     }
 
@@ -392,6 +478,8 @@ impl Frontend {
                 let session = self.nbd_session()?;
                 put(session.reply_error(cookie, answer.nbd_errno()).as_bytes())
             }
+            // Encoded by `encode_answer`, which keeps the NVMe/TCP frontend's state.
+            Tag::NvmeTcp(_) => None,
         }
     }
 
@@ -487,6 +575,7 @@ impl Frontend {
     pub fn in_session(&self) -> bool {
         match self {
             Frontend::Nbd(NbdFrontend { phase, .. }) => matches!(phase, NbdPhase::Transmission(_)),
+            Frontend::NvmeTcp(nvme) => nvme.in_session(),
             Frontend::Native | Frontend::Original { .. } => false,
         }
     }
@@ -498,6 +587,7 @@ impl Frontend {
                 phase: NbdPhase::Handshake(handshake),
                 ..
             }) => handshake.pending_output().len(),
+            Frontend::NvmeTcp(nvme) => nvme.pending_output_bytes(),
             _ => 0,
         }
     }
@@ -509,6 +599,7 @@ impl Frontend {
                 phase: NbdPhase::Handshake(handshake),
                 ..
             }) => handshake.poll_transmit(out),
+            Frontend::NvmeTcp(nvme) => nvme.write_output(out),
             _ => 0,
         }
     }
@@ -521,6 +612,7 @@ impl Frontend {
     pub fn begin_shutdown(&mut self) -> bool {
         match self {
             Frontend::Nbd(nbd) => nbd.begin_shutdown(),
+            Frontend::NvmeTcp(nvme) => nvme.begin_shutdown(),
             Frontend::Native | Frontend::Original { .. } => false,
         }
     }

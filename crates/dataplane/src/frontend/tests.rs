@@ -174,7 +174,7 @@ fn nbd_frontend() -> Frontend {
         Some("ns7"),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    Frontend::new(Protocol::Nbd, Some(&Arc::new(exports)))
+    Frontend::new(Protocol::Nbd, Some(&Arc::new(exports)), None)
 }
 
 fn option(code: u32, data: &[u8]) -> Vec<u8> {

@@ -129,7 +129,7 @@ pub enum FatalError {
     PduSequence = 0x02,
     HeaderDigest = 0x03,
     DataTransferOutOfRange = 0x04,
-    R2tLimitExceeded = 0x05,
+    DataTransferLimitExceeded = 0x05,
     UnsupportedParameter = 0x06,
 }
 
@@ -140,7 +140,7 @@ impl FatalError {
             0x02 => FatalError::PduSequence,
             0x03 => FatalError::HeaderDigest,
             0x04 => FatalError::DataTransferOutOfRange,
-            0x05 => FatalError::R2tLimitExceeded,
+            0x05 => FatalError::DataTransferLimitExceeded,
             0x06 => FatalError::UnsupportedParameter,
             _ => return None,
         })
