@@ -22,6 +22,12 @@ pub const NATIVE_PORT_DEFAULT: u16 = 7070;
 pub const ORIGINAL_PORT_DEFAULT: u16 = 1234;
 /// NBD port when none is configured (the port IANA assigned to NBD).
 pub const NBD_PORT_DEFAULT: u16 = 10809;
+/// NVMe/TCP port when none is configured (the port IANA assigned to NVMe over TCP).
+pub const NVME_TCP_PORT_DEFAULT: u16 = 4420;
+/// The NQN of the NVMe/TCP subsystem serving every namespace when none is configured.
+pub const NVME_TCP_DEFAULT_NQN: &str = "nqn.2026-01.io.reflex:default";
+/// Longest NQN (the NVMe specification's limit).
+pub const NQN_BYTES_MAX: usize = 223;
 /// Longest NBD export name reflexd accepts in its configuration: the spec's recommended
 /// limit (it allows 4096), which also keeps a LIST reply of every export small.
 pub const EXPORT_NAME_BYTES_MAX: usize = 256;
@@ -459,6 +465,76 @@ impl Default for NbdConfig {
     }
 }
 
+/// A host allowed into an NVMe/TCP subsystem, and the tenant its I/O is charged to.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvmeHostConfig {
+    /// The host NQN it connects with.
+    pub nqn: String,
+    /// Tenant (declared with `[[tenant]]` or best-effort by this name) of its I/O on every
+    /// namespace of the subsystem; `None`: each namespace's own tenant.
+    #[serde(default)]
+    pub tenant: Option<String>,
+}
+
+/// An NVMe/TCP subsystem (`docs/NVME_TCP.md`): namespaces under their ids as NSIDs, and who
+/// may connect.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvmeSubsystemConfig {
+    pub nqn: String,
+    /// Namespace ids it serves; empty: every namespace.
+    #[serde(default)]
+    pub namespaces: Vec<u32>,
+    /// Hosts not listed in `host` may connect too (charged to each namespace's tenant).
+    #[serde(default = "default_true")]
+    pub allow_any_host: bool,
+    #[serde(default, rename = "host")]
+    pub hosts: Vec<NvmeHostConfig>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// The NVMe/TCP listener (`docs/NVME_TCP.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NvmeTcpConfig {
+    /// Whether to listen for NVMe/TCP at all.
+    pub enabled: bool,
+    /// 0 picks a free port.
+    pub port: u16,
+    /// Entries per queue a host may ask for (MQES + 1); the window lowers it when smaller.
+    pub queue_entries_max: u16,
+    /// I/O queues (connections) one controller may have.
+    pub io_queues_max: u16,
+    /// A host that does not send the data an R2T asked for within this long loses the
+    /// connection.
+    #[serde(with = "humantime_serde")]
+    pub r2t_timeout: Duration,
+    /// A host's keep-alive timeout below this is raised to it (0 in Connect keeps it off).
+    #[serde(with = "humantime_serde")]
+    pub keep_alive_timeout_min: Duration,
+    /// Subsystems; none: one, [`NVME_TCP_DEFAULT_NQN`], with every namespace, any host.
+    #[serde(rename = "subsystem")]
+    pub subsystems: Vec<NvmeSubsystemConfig>,
+}
+
+impl Default for NvmeTcpConfig {
+    fn default() -> NvmeTcpConfig {
+        NvmeTcpConfig {
+            enabled: true,
+            port: NVME_TCP_PORT_DEFAULT,
+            queue_entries_max: 128,
+            io_queues_max: 16,
+            r2t_timeout: Duration::from_secs(30),
+            keep_alive_timeout_min: Duration::from_secs(1),
+            subsystems: Vec::new(),
+        }
+    }
+}
+
 /// How long a connection, a request or a device may take before reflexd gives up on it
 /// (`docs/OPERATIONS.md`, "Limits and timeouts"). Durations as `"10s"`, `"500ms"`, `"2m"`;
 /// `"0s"` turns a timeout off.
@@ -515,6 +591,8 @@ pub struct Config {
     pub original_ports: Option<Vec<OriginalPortConfig>>,
     /// The NBD listener: on port 10809 unless configured otherwise.
     pub nbd: NbdConfig,
+    /// The NVMe/TCP listener: on port 4420 unless configured otherwise.
+    pub nvme_tcp: NvmeTcpConfig,
     /// Dataplane threads, each with its own ring, buffers and share of connections.
     pub threads: usize,
     /// Spin on the rings instead of sleeping when idle (lowest latency, one busy core each).
@@ -583,6 +661,7 @@ impl Default for Config {
             port: NATIVE_PORT_DEFAULT,
             original_ports: None,
             nbd: NbdConfig::default(),
+            nvme_tcp: NvmeTcpConfig::default(),
             threads: 1,
             poll: false,
             spin_before_deadline_max: Duration::from_micros(500),
@@ -621,6 +700,10 @@ impl Config {
             nbd: NbdConfig {
                 enabled: false,
                 ..NbdConfig::default()
+            },
+            nvme_tcp: NvmeTcpConfig {
+                enabled: false,
+                ..NvmeTcpConfig::default()
             },
             threads: 1,
             arena_bytes_per_thread: 16 << 20,
@@ -665,7 +748,7 @@ impl Config {
     pub fn ring_cq_entries(&self) -> u32 {
         let slots = u64::from(self.connections_per_thread_max)
             + u64::from(reflex_dataplane::CONNECTION_SLACK);
-        let listeners = 2 + self.effective_original_ports().len() as u64;
+        let listeners = 3 + self.effective_original_ports().len() as u64;
         let needed = 4 * slots
             + 2 * listeners
             + u64::from(reflex_dataplane::DEVICE_IN_FLIGHT_PER_THREAD_MAX)
@@ -747,6 +830,35 @@ impl Config {
         }
     }
 
+    /// The NVMe/TCP subsystems to serve: the configured ones, or one with every namespace.
+    pub fn effective_nvme_subsystems(&self) -> Vec<NvmeSubsystemConfig> {
+        if self.nvme_tcp.subsystems.is_empty() {
+            vec![NvmeSubsystemConfig {
+                nqn: NVME_TCP_DEFAULT_NQN.to_string(),
+                namespaces: Vec::new(),
+                allow_any_host: true,
+                hosts: Vec::new(),
+            }]
+        } else {
+            self.nvme_tcp.subsystems.clone()
+        }
+    }
+
+    /// Entries per NVMe/TCP queue (MQES + 1): the configured maximum, at most the window.
+    pub fn nvme_queue_entries_max(&self) -> u16 {
+        let window = u16::try_from(self.window).unwrap_or(u16::MAX);
+        self.nvme_tcp.queue_entries_max.min(window)
+    }
+
+    /// The namespace ids an NVMe/TCP subsystem serves.
+    pub fn nvme_subsystem_namespaces(&self, subsystem: &NvmeSubsystemConfig) -> Vec<u32> {
+        if subsystem.namespaces.is_empty() {
+            self.effective_namespaces().iter().map(|ns| ns.id).collect()
+        } else {
+            subsystem.namespaces.clone()
+        }
+    }
+
     /// The configured tenant called `name`: its declaration, or (for a name only used in a
     /// binding) a best-effort tenant of that name.
     pub fn tenant(&self, name: &str) -> TenantConfig {
@@ -771,7 +883,21 @@ impl Config {
             .into_iter()
             .filter(|port| port.namespace == id)
             .filter_map(|port| port.tenant);
-        for name in namespace_tenant.chain(port_tenants) {
+        let nvme_tenants: Vec<String> = if self.nvme_tcp.enabled {
+            self.effective_nvme_subsystems()
+                .iter()
+                .filter(|subsystem| self.nvme_subsystem_namespaces(subsystem).contains(&id))
+                .flat_map(|subsystem| {
+                    subsystem
+                        .hosts
+                        .iter()
+                        .filter_map(|host| host.tenant.clone())
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for name in namespace_tenant.chain(port_tenants).chain(nvme_tenants) {
             if !names.contains(&name) {
                 names.push(name);
             }
@@ -919,6 +1045,94 @@ impl Config {
             return invalid(format!(
                 "nbd.default_export {default:?} is not the export name of any namespace"
             ));
+        }
+        if self.nvme_tcp.enabled {
+            self.validate_nvme_tcp(&namespaces)?;
+        }
+        Ok(())
+    }
+
+    fn validate_nvme_tcp(&self, namespaces: &[NamespaceConfig]) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        let nvme = &self.nvme_tcp;
+        if nvme.queue_entries_max < 2 || self.window < 2 {
+            return invalid(format!(
+                "nvme_tcp.queue_entries_max {} and window {} must be at least 2",
+                nvme.queue_entries_max, self.window
+            ));
+        }
+        let io_queues_max =
+            reflex_dataplane::frontend::nvme_tcp_targets::IO_QUEUES_PER_CONTROLLER_MAX;
+        if nvme.io_queues_max == 0 || nvme.io_queues_max > io_queues_max {
+            return invalid(format!(
+                "nvme_tcp.io_queues_max {} not in 1..={io_queues_max}",
+                nvme.io_queues_max
+            ));
+        }
+        if nvme.r2t_timeout.is_zero() {
+            return invalid("nvme_tcp.r2t_timeout must be above 0".into());
+        }
+        let nqn_ok = |nqn: &str| {
+            nqn.starts_with("nqn.")
+                && nqn.len() <= NQN_BYTES_MAX
+                && !nqn.contains('\0')
+                && nqn != reflex_proto::nvme_tcp::command::DISCOVERY_NQN
+        };
+        let subsystems = self.effective_nvme_subsystems();
+        for (index, subsystem) in subsystems.iter().enumerate() {
+            if !nqn_ok(&subsystem.nqn) {
+                return invalid(format!(
+                    "nvme_tcp subsystem NQN {:?} must start with \"nqn.\", be at most {NQN_BYTES_MAX} bytes and not be the discovery NQN",
+                    subsystem.nqn
+                ));
+            }
+            if subsystems[..index]
+                .iter()
+                .any(|other| other.nqn == subsystem.nqn)
+            {
+                return invalid(format!(
+                    "nvme_tcp subsystem {:?} configured twice",
+                    subsystem.nqn
+                ));
+            }
+            for id in self.nvme_subsystem_namespaces(subsystem) {
+                if !namespaces.iter().any(|ns| ns.id == id) {
+                    return invalid(format!(
+                        "nvme_tcp subsystem {:?} serves namespace {id}, which is not configured",
+                        subsystem.nqn
+                    ));
+                }
+                if id == u32::MAX {
+                    return invalid(format!(
+                        "namespace id {id} is the NVMe broadcast id: NVMe/TCP cannot serve it"
+                    ));
+                }
+            }
+            for (position, host) in subsystem.hosts.iter().enumerate() {
+                if host.nqn.is_empty() || host.nqn.len() > NQN_BYTES_MAX {
+                    return invalid(format!(
+                        "nvme_tcp subsystem {:?}: host NQN {:?} must be 1..={NQN_BYTES_MAX} bytes",
+                        subsystem.nqn, host.nqn
+                    ));
+                }
+                if subsystem.hosts[..position]
+                    .iter()
+                    .any(|other| other.nqn == host.nqn)
+                {
+                    return invalid(format!(
+                        "nvme_tcp subsystem {:?}: host {:?} listed twice",
+                        subsystem.nqn, host.nqn
+                    ));
+                }
+                if let Some(tenant) = &host.tenant
+                    && (tenant.is_empty() || tenant.len() > TENANT_NAME_BYTES_MAX)
+                {
+                    return invalid(format!(
+                        "nvme_tcp host {:?}: tenant name {tenant:?} must be 1..={TENANT_NAME_BYTES_MAX} bytes",
+                        host.nqn
+                    ));
+                }
+            }
         }
         Ok(())
     }

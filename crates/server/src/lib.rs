@@ -56,14 +56,15 @@ pub use reflex_dataplane::control::{ControlError, TenantInfo};
 use reflex_dataplane::control::{
     ControlPlane, ControlSetup, HandleKeys, NamespaceControl, NamespaceQosSetup, TenantRef, Wake,
 };
-use reflex_dataplane::frontend::{ExportBinding, NbdExports, Protocol};
+use reflex_dataplane::frontend::{ExportBinding, NbdExports, NvmeTcpTargets, Protocol};
 use reflex_dataplane::namespaces::NamespaceSet;
 pub use reflex_dataplane::{CoreStats, TenantStats};
 use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
-    Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, OriginalPortConfig,
-    TenantClassConfig, TenantConfig, TimeoutsConfig,
+    Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NvmeHostConfig,
+    NvmeSubsystemConfig, NvmeTcpConfig, OriginalPortConfig, TenantClassConfig, TenantConfig,
+    TimeoutsConfig,
 };
 pub use crate::driver::{Driver, NO_IO_URING_ENV};
 use crate::driver::{DriverSetup, EventfdWaker, spawn_driver};
@@ -137,6 +138,15 @@ impl Server {
         } else {
             None
         };
+        let nvme_tcp_addr = if config.nvme_tcp.enabled {
+            Some(bind_all(
+                SocketAddr::new(config.listen, config.nvme_tcp.port),
+                ListenerRole::NvmeTcp,
+                &mut per_thread,
+            )?)
+        } else {
+            None
+        };
 
         let namespaces = open_namespaces(&config)?;
         let clock_origin = Instant::now();
@@ -173,6 +183,15 @@ impl Server {
         } else {
             None
         };
+        let nvme_tcp = match nvme_tcp_addr {
+            Some(addr) => Some(Arc::new(nvme_tcp_targets(
+                &config,
+                &namespaces,
+                &configured,
+                addr,
+            )?)),
+            None => None,
+        };
         let mut original_protocols = Vec::new();
         for original in config.effective_original_ports() {
             let Some(namespace_index) = namespaces.index_of(original.namespace) else {
@@ -191,6 +210,7 @@ impl Server {
             ListenerRole::Native => Protocol::Native,
             ListenerRole::Original(position) => original_protocols[position],
             ListenerRole::Nbd => Protocol::Nbd,
+            ListenerRole::NvmeTcp => Protocol::NvmeTcp,
         };
 
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -199,6 +219,8 @@ impl Server {
             native_addr,
             original_addrs,
             nbd_addr,
+            nvme_tcp_addr,
+            nvme_tcp: nvme_tcp.clone(),
             shutdown: Arc::clone(&shutdown),
             wakers: wakers.clone(),
             threads: Vec::new(),
@@ -216,7 +238,7 @@ impl Server {
                 listeners: roles.into_iter().map(protocol_of).collect(),
                 namespaces: Arc::clone(&namespaces),
                 nbd_exports: nbd_exports.clone(),
-                nvme_tcp: None,
+                nvme_tcp: nvme_tcp.clone(),
                 limits: limits.clone(),
                 control: Arc::clone(&control),
                 qos: qos.clone(),
@@ -344,6 +366,90 @@ fn nbd_exports(
         .map_err(|e| ConfigError::Invalid(format!("NBD exports: {e}")).into())
 }
 
+/// The NVMe/TCP subsystems: each namespace under its id as NSID, with its size (whole
+/// blocks), and per host the tenant its configuration names (`docs/NVME_TCP.md`).
+fn nvme_tcp_targets(
+    config: &Config,
+    namespaces: &NamespaceSet,
+    configured: &dyn Fn(u16, Option<&String>) -> TenantRef,
+    listen: SocketAddr,
+) -> Result<NvmeTcpTargets, ServerError> {
+    use reflex_dataplane::frontend::nvme_tcp_targets::{
+        HostAccess, NvmeTcpOptions, Subsystem, SubsystemNamespace,
+    };
+    let effective = config.effective_namespaces();
+    let mut subsystems = Vec::new();
+    for subsystem in config.effective_nvme_subsystems() {
+        let mut members = Vec::new();
+        for id in config.nvme_subsystem_namespaces(&subsystem) {
+            let Some(namespace_index) = namespaces.index_of(id) else {
+                return Err(ConfigError::Invalid(format!(
+                    "nvme_tcp subsystem {:?} serves unknown namespace {id}",
+                    subsystem.nqn
+                ))
+                .into());
+            };
+            let info = namespaces.info(namespace_index);
+            let block_size = info.block_size.max(512);
+            let mut nguid = [0u8; 16];
+            nguid[..6].copy_from_slice(b"REFLEX");
+            nguid[12..].copy_from_slice(&id.to_be_bytes());
+            members.push((
+                namespace_index,
+                SubsystemNamespace {
+                    nsid: id,
+                    namespace_index,
+                    read_only: namespaces.is_read_only(namespace_index),
+                    size_bytes: namespaces.size_bytes(namespace_index) / u64::from(block_size)
+                        * u64::from(block_size),
+                    block_size,
+                    discards: info.supports_trim,
+                    nguid,
+                },
+            ));
+        }
+        let namespace_tenant = |namespace_index: u16| {
+            let name = effective
+                .get(usize::from(namespace_index))
+                .and_then(|namespace| namespace.tenant.as_ref());
+            configured(namespace_index, name)
+        };
+        let default_tenants = members
+            .iter()
+            .map(|(index, _)| namespace_tenant(*index))
+            .collect();
+        let hosts = subsystem
+            .hosts
+            .iter()
+            .map(|host| HostAccess {
+                nqn: host.nqn.clone(),
+                tenants: members
+                    .iter()
+                    .map(|(index, _)| match &host.tenant {
+                        Some(name) => configured(*index, Some(name)),
+                        None => namespace_tenant(*index),
+                    })
+                    .collect(),
+            })
+            .collect();
+        subsystems.push(Subsystem {
+            nqn: subsystem.nqn.clone(),
+            namespaces: members.into_iter().map(|(_, member)| member).collect(),
+            allow_any_host: subsystem.allow_any_host,
+            hosts,
+            default_tenants,
+        });
+    }
+    let options = NvmeTcpOptions {
+        queue_entries_max: config.nvme_queue_entries_max(),
+        io_queues_max: config.nvme_tcp.io_queues_max,
+        r2t_timeout: Nanos(config.nvme_tcp.r2t_timeout.as_nanos() as u64),
+        keep_alive_timeout_min: Nanos(config.nvme_tcp.keep_alive_timeout_min.as_nanos() as u64),
+        ..NvmeTcpOptions::default()
+    };
+    Ok(NvmeTcpTargets::new(options, subsystems, listen))
+}
+
 fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
     let mut entries = Vec::new();
     for namespace in config.effective_namespaces() {
@@ -379,6 +485,7 @@ enum ListenerRole {
     Native,
     Original(usize),
     Nbd,
+    NvmeTcp,
 }
 
 /// Binds one listener per thread on `addr`; with port 0 the first bind picks the port and the
@@ -501,10 +608,15 @@ fn log_startup(
         Some(addr) => addr.to_string(),
         None => "off".to_string(),
     };
+    let nvme_tcp = match handle.nvme_tcp_addr {
+        Some(addr) => addr.to_string(),
+        None => "off".to_string(),
+    };
     tracing::info!(
         native = %handle.native_addr,
         original = ?originals,
         nbd = %nbd,
+        nvme_tcp = %nvme_tcp,
         nbd_default_export = config.effective_default_export().unwrap_or_default(),
         threads = config.threads,
         driver = driver.name(),
@@ -522,6 +634,8 @@ pub struct ServerHandle {
     native_addr: SocketAddr,
     original_addrs: Vec<(u32, SocketAddr)>,
     nbd_addr: Option<SocketAddr>,
+    nvme_tcp_addr: Option<SocketAddr>,
+    nvme_tcp: Option<Arc<NvmeTcpTargets>>,
     shutdown: Arc<AtomicBool>,
     wakers: Vec<Arc<File>>,
     threads: Vec<JoinHandle<Result<CoreStats, String>>>,
@@ -548,6 +662,18 @@ impl ServerHandle {
     /// Address of the NBD listener, unless NBD is disabled.
     pub fn nbd_addr(&self) -> Option<SocketAddr> {
         self.nbd_addr
+    }
+
+    /// Address of the NVMe/TCP listener, unless NVMe/TCP is disabled.
+    pub fn nvme_tcp_addr(&self) -> Option<SocketAddr> {
+        self.nvme_tcp_addr
+    }
+
+    /// NVMe/TCP controllers alive now (0 without NVMe/TCP).
+    pub fn nvme_tcp_controllers(&self) -> usize {
+        self.nvme_tcp
+            .as_ref()
+            .map_or(0, |targets| targets.controller_count())
     }
 
     /// Asks every thread to drain and stop, without waiting.

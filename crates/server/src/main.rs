@@ -55,6 +55,12 @@ struct Args {
     /// Do not listen for NBD.
     #[arg(long, conflicts_with = "nbd_port")]
     no_nbd: bool,
+    /// NVMe/TCP port (default 4420; 0 picks a free one).
+    #[arg(long)]
+    nvme_tcp_port: Option<u16>,
+    /// Do not listen for NVMe/TCP.
+    #[arg(long, conflicts_with = "nvme_tcp_port")]
+    no_nvme_tcp: bool,
     /// Dataplane threads (default 1).
     #[arg(long, short = 't')]
     threads: Option<usize>,
@@ -156,6 +162,12 @@ fn build_config(args: Args) -> anyhow::Result<Config> {
                 .map(|text| OriginalPortConfig::from_flag(text))
                 .collect::<Result<_, _>>()?,
         );
+    }
+    if args.no_nvme_tcp {
+        config.nvme_tcp.enabled = false;
+    } else if let Some(port) = args.nvme_tcp_port {
+        config.nvme_tcp.enabled = true;
+        config.nvme_tcp.port = port;
     }
     if args.no_nbd {
         config.nbd.enabled = false;

@@ -21,7 +21,15 @@ const START_MAX: Duration = Duration::from_secs(60);
 fn reflexd_without_io_uring(extra: &[&str]) -> Command {
     let mut command = common::reflexd_command();
     command
-        .args(["--port", "0", "--no-original", "--no-nbd", "--threads", "2"])
+        .args([
+            "--port",
+            "0",
+            "--no-original",
+            "--no-nbd",
+            "--no-nvme-tcp",
+            "--threads",
+            "2",
+        ])
         .args(["--arena-size", "4M", "--namespace", "1=mem:16M"])
         .args(extra)
         .env(NO_IO_URING_ENV, "1")

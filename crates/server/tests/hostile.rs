@@ -613,7 +613,15 @@ fn a_failing_device_is_logged_once_per_burst() {
     use std::io::BufRead;
     use std::process::Stdio;
     let mut child = common::reflexd_command()
-        .args(["--port", "0", "--no-original", "--no-nbd", "--threads", "1"])
+        .args([
+            "--port",
+            "0",
+            "--no-original",
+            "--no-nbd",
+            "--no-nvme-tcp",
+            "--threads",
+            "1",
+        ])
         .args(["--namespace", "1=fault(read_error_rate=100%):mem:16M"])
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())

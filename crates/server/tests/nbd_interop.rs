@@ -597,6 +597,7 @@ impl NbdServer {
                     "--port",
                     "0",
                     "--no-original",
+                    "--no-nvme-tcp",
                     "--nbd-port",
                     &port.to_string(),
                     "--threads",

@@ -77,6 +77,7 @@ impl Daemon {
                 "--port",
                 &port.to_string(),
                 "--no-original",
+                "--no-nvme-tcp",
                 "--nbd-port",
                 &nbd_port.to_string(),
                 "--threads",
@@ -209,7 +210,13 @@ fn a_port_conflict_creates_no_backing_file() {
     let backing = dir.path().join("sub").join("ns1");
     let output = common::reflexd_command()
         .args(common::driver_args())
-        .args(["--port", &port.to_string(), "--no-original", "--no-nbd"])
+        .args([
+            "--port",
+            &port.to_string(),
+            "--no-original",
+            "--no-nbd",
+            "--no-nvme-tcp",
+        ])
         .args([
             "--namespace",
             &format!("1=file:{},size=1M", backing.display()),

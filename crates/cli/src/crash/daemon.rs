@@ -125,6 +125,7 @@ impl Daemon {
             .args(["--port", &ports.native.to_string()])
             .args(["--original-port", &format!("{}=1", ports.original)])
             .args(["--nbd-port", &ports.nbd.to_string()])
+            .arg("--no-nvme-tcp")
             .args(["--threads", &config.threads.to_string()])
             .args(["--namespace", &namespace])
             .env("RUST_LOG", "info")

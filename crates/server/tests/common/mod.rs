@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use reflex_proto::native::{self, RequestHeader, ResponseHeader};
 use reflex_server::{
-    Config, Driver, DriverChoice, NamespaceConfig, NbdConfig, OriginalPortConfig, Server,
-    ServerHandle,
+    Config, Driver, DriverChoice, NamespaceConfig, NbdConfig, NvmeTcpConfig, OriginalPortConfig,
+    Server, ServerHandle,
 };
 
 /// The driver the tests' servers run on: `REFLEX_DRIVER`, or `auto` when it is unset.
@@ -83,6 +83,10 @@ pub fn config(namespaces: Vec<NamespaceConfig>) -> Config {
         nbd: NbdConfig {
             port: 0,
             ..NbdConfig::default()
+        },
+        nvme_tcp: NvmeTcpConfig {
+            port: 0,
+            ..NvmeTcpConfig::default()
         },
         threads: 2,
         window: 16,
