@@ -49,6 +49,7 @@ mod core;
 mod core_tests;
 mod driver;
 mod error;
+pub mod nvme_tcp;
 mod pipelined;
 mod reconnect;
 mod stream_buffers;

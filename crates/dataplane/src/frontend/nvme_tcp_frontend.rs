@@ -57,6 +57,10 @@ use crate::control::TenantRef;
 pub const GATHERED_PDU_BYTES_MAX: usize = UNIT_BYTES_MAX;
 /// In-capsule data an admin queue command may carry (Connect's 1024 bytes, Set Features).
 pub const ADMIN_IN_CAPSULE_DATA_BYTES: u32 = COMMAND_DATA_BYTES_MAX;
+/// Admin queue entries every host may ask for, whatever the I/O queue limit: the Linux and
+/// SPDK initiators open a 32-entry admin queue before they can read CAP.MQES (a host posting
+/// more commands than the connection window just waits: the window is back-pressure).
+pub const ADMIN_QUEUE_ENTRIES_MIN: u16 = 32;
 /// Asynchronous Event Requests an admin queue holds (AERL + 1).
 pub const ASYNC_EVENTS_HELD_MAX: usize = 4;
 
@@ -614,7 +618,15 @@ impl NvmeTcpFrontend {
             }
         };
         let entries = u32::from(connect.sqsize) + 1;
-        if !(2..=u32::from(self.targets.options.queue_entries_max)).contains(&entries) {
+        let entries_max = if connect.qid == 0 {
+            self.targets
+                .options
+                .queue_entries_max
+                .max(ADMIN_QUEUE_ENTRIES_MIN)
+        } else {
+            self.targets.options.queue_entries_max
+        };
+        if !(2..=u32::from(entries_max)).contains(&entries) {
             return invalid(false, 44);
         }
         let subsystem = match self.targets.subsystem_by_nqn(&connect_data.subsystem_nqn) {

@@ -1,0 +1,697 @@
+//! NVMe/TCP end to end over loopback TCP against a real reflexd, through the client crate's
+//! initiator (`reflex_client::nvme_tcp`): attach (ICReq, Connect, the enable handshake),
+//! Identify, verified I/O with and without digests (in-capsule writes, R2T/H2CData writes,
+//! C2HData reads), flush, write zeroes, deallocate, the shutdown handshake, tenant selection
+//! by host NQN, the keep-alive timeout, and bad input: each either gets the spec's status or
+//! closes only its own connection, while other queues go on. Assertions only; no timing
+//! (timeouts are upper bounds for a wait, never a pass condition).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::{config, namespace, start};
+use reflex_client::nvme_tcp::{
+    NvmeTcpController, NvmeTcpError, NvmeTcpOptions, NvmeTcpQueue, Transfer,
+};
+use reflex_proto::nvme_tcp::admin::ControllerType;
+use reflex_proto::nvme_tcp::command::{CNTLID_DYNAMIC, ConnectData, io_opcode};
+use reflex_proto::nvme_tcp::pdu::{self, DataHeader, Digests, Framing, IcReq, Pdu, PduType};
+use reflex_proto::nvme_tcp::{Command, Status};
+use reflex_server::{
+    Config, NamespaceConfig, NvmeHostConfig, NvmeSubsystemConfig, ServerHandle, TenantConfig,
+    TenantStats, tenant_totals,
+};
+
+const NQN: &str = "nqn.2026-01.io.reflex:test";
+const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:host-a";
+/// Longest wait for the server to close a connection it should close.
+const CLOSE_WAIT: Duration = Duration::from_secs(20);
+
+fn nvme_config(namespaces: Vec<NamespaceConfig>) -> Config {
+    let mut server_config = config(namespaces);
+    server_config.nvme_tcp.subsystems = vec![NvmeSubsystemConfig {
+        nqn: NQN.to_string(),
+        namespaces: Vec::new(),
+        allow_any_host: true,
+        hosts: Vec::new(),
+    }];
+    server_config.nvme_tcp.r2t_timeout = Duration::from_millis(500);
+    server_config.nvme_tcp.keep_alive_timeout_min = Duration::from_millis(200);
+    server_config
+}
+
+fn nvme_server() -> ServerHandle {
+    start(nvme_config(vec![
+        namespace(1, "mem:64M", None),
+        namespace(2, "mem:16M", None),
+    ]))
+}
+
+fn address(server: &ServerHandle) -> SocketAddr {
+    server
+        .nvme_tcp_addr()
+        .unwrap_or_else(|| panic!("NVMe/TCP is off"))
+}
+
+fn attach(server: &ServerHandle, options: NvmeTcpOptions, io_queues: u16) -> NvmeTcpController {
+    NvmeTcpController::attach(address(server), options, io_queues)
+        .unwrap_or_else(|e| panic!("attach: {e}"))
+}
+
+fn status_of<T>(result: Result<T, NvmeTcpError>) -> Status {
+    match result {
+        Ok(_) => Status::SUCCESS,
+        Err(NvmeTcpError::Status { status, .. }) => status,
+        Err(other) => panic!("expected a status, got {other}"),
+    }
+}
+
+/// A recognisable pattern for `length` bytes written at `slba` by `seed`.
+fn pattern(seed: u8, slba: u64, length: usize) -> Vec<u8> {
+    (0..length)
+        .map(|index| (index as u64 * 31 + slba * 7 + u64::from(seed)) as u8)
+        .collect()
+}
+
+/// Writes and reads back, on two queues, transfers from one block to 1 MiB (in-capsule and
+/// R2T), then flush, write zeroes, deallocate and the error statuses of bad commands.
+fn check_io(digests: Digests) {
+    let server = nvme_server();
+    let options = NvmeTcpOptions::new(HOST, NQN).with_digests(digests);
+    let mut controller = attach(&server, options, 4);
+    let identify = controller.identify().clone();
+    assert_eq!(identify.subsystem_nqn, NQN);
+    assert_eq!(identify.controller_type, ControllerType::Io);
+    assert_eq!(identify.cntlid, controller.cntlid());
+    assert_eq!(identify.nn, 2);
+    assert!(identify.mdts > 0);
+    assert!(identify.ioccsz * 16 >= 64 + 4096, "4 KiB in-capsule data");
+    assert_eq!(controller.io_queues_granted(), 4);
+    assert_eq!(
+        controller
+            .active_namespaces()
+            .unwrap_or_else(|e| panic!("{e}")),
+        vec![1, 2]
+    );
+    let info = controller.namespace(1).unwrap_or_else(|e| panic!("{e}"));
+    let block_bytes = info.block_bytes;
+    assert!(block_bytes == 512 || block_bytes == 4096, "{block_bytes}");
+    assert_eq!(info.size_blocks * u64::from(block_bytes), 64 << 20);
+    assert_eq!(
+        controller
+            .namespace(2)
+            .map(|ns| ns.size_blocks * u64::from(ns.block_bytes))
+            .unwrap_or_else(|e| panic!("{e}")),
+        16 << 20
+    );
+    let descriptors = controller
+        .namespace_descriptors(1)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        descriptors
+            .iter()
+            .any(|(kind, value)| *kind == 2 && value[..] == info.identify.nguid[..]),
+        "the NGUID descriptor matches Identify Namespace"
+    );
+    assert_eq!(
+        status_of(controller.namespace(9)),
+        Status::INVALID_NAMESPACE
+    );
+
+    let mut first = controller
+        .connect_io_queue()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut second = controller
+        .connect_io_queue()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.digests(), digests);
+    if digests.data {
+        assert_eq!(first.maxh2cdata(), 4096);
+    }
+    let block = block_bytes as usize;
+    let mut slba = 0u64;
+    for (seed, length) in [
+        (1u8, block),
+        (2, 4096),
+        (3, 8192),
+        (4, 64 << 10),
+        (5, 1 << 20),
+    ] {
+        let data = pattern(seed, slba, length);
+        first
+            .write(1, slba, &data, block_bytes, seed % 2 == 0)
+            .unwrap_or_else(|e| panic!("write {length} bytes: {e}"));
+        let read = second
+            .read(1, slba, (length / block) as u32, block_bytes)
+            .unwrap_or_else(|e| panic!("read {length} bytes: {e}"));
+        assert!(read == data, "{length} bytes at {slba} read back differ");
+        slba += (length / block) as u64;
+    }
+    // Namespace 2 is another device: its blocks are its own.
+    let other = pattern(9, 0, 4096);
+    second
+        .write(2, 0, &other, block_bytes, false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let first_of_1 = first
+        .read(1, 0, (4096 / block) as u32, block_bytes)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first_of_1[..block], pattern(1, 0, block)[..]);
+    first.flush(1).unwrap_or_else(|e| panic!("flush: {e}"));
+
+    // Write Zeroes and deallocate read back as zeroes.
+    let blocks_8k = (8192 / block) as u32;
+    first
+        .write_zeroes(1, 0, blocks_8k)
+        .unwrap_or_else(|e| panic!("write zeroes: {e}"));
+    let zeroes = first
+        .read(1, 0, blocks_8k, block_bytes)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(zeroes.iter().all(|&b| b == 0), "write zeroes");
+    let start = (64 << 10) as u64 / u64::from(block_bytes);
+    first
+        .deallocate(1, &[(start, blocks_8k), (start + 64, blocks_8k)])
+        .unwrap_or_else(|e| panic!("deallocate: {e}"));
+
+    // Bad commands get the spec's status and the queue goes on.
+    let size_blocks = info.size_blocks;
+    assert_eq!(
+        status_of(first.read(1, size_blocks - 1, 2, block_bytes)),
+        Status::LBA_OUT_OF_RANGE
+    );
+    assert_eq!(
+        status_of(first.write(1, size_blocks, &pattern(0, 0, block), block_bytes, false)),
+        Status::LBA_OUT_OF_RANGE
+    );
+    assert_eq!(
+        status_of(first.read(7, 0, 1, block_bytes)),
+        Status::INVALID_NAMESPACE
+    );
+    // Oversize: more blocks than MDTS allows (the initiator would refuse to move the data,
+    // so the command goes out with no data descriptor length).
+    let oversize = Command::io(io_opcode::READ, 0, 1, 0, 0x1_0000, false);
+    assert_eq!(
+        status_of(first.execute(oversize, Transfer::None)),
+        Status::INVALID_FIELD
+    );
+    let mut unknown = Command::zeroed();
+    unknown.set_opcode(0x55).set_nsid(1);
+    assert_eq!(
+        status_of(first.execute(unknown, Transfer::None)),
+        Status::INVALID_OPCODE
+    );
+    let again = first
+        .read(1, slba - 1, 1, block_bytes)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(again.len(), block);
+
+    controller
+        .keep_alive()
+        .unwrap_or_else(|e| panic!("keep alive: {e}"));
+    controller
+        .shutdown()
+        .unwrap_or_else(|e| panic!("shutdown: {e}"));
+    assert_eq!(
+        status_of(first.read(1, 0, 1, block_bytes)),
+        Status::NAMESPACE_NOT_READY
+    );
+    drop((first, second, controller));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn attach_identify_and_verified_io_without_digests() {
+    check_io(Digests::NONE);
+}
+
+#[test]
+fn attach_identify_and_verified_io_with_digests() {
+    check_io(Digests::BOTH);
+}
+
+#[test]
+fn header_digest_only_and_data_digest_only() {
+    for digests in [
+        Digests {
+            header: true,
+            data: false,
+        },
+        Digests {
+            header: false,
+            data: true,
+        },
+    ] {
+        let server = nvme_server();
+        let mut controller = attach(
+            &server,
+            NvmeTcpOptions::new(HOST, NQN).with_digests(digests),
+            1,
+        );
+        let mut queue = controller
+            .connect_io_queue()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let data = pattern(3, 5, 128 << 10);
+        queue
+            .write(1, 40, &data, 512, false)
+            .unwrap_or_else(|e| panic!("{digests:?}: {e}"));
+        let read = queue
+            .read(1, 40, (data.len() / 512) as u32, 512)
+            .unwrap_or_else(|e| panic!("{digests:?}: {e}"));
+        assert!(read == data, "{digests:?}");
+    }
+}
+
+fn qos_namespace(id: u32) -> NamespaceConfig {
+    NamespaceConfig {
+        profile: Some(
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../profiles/device-a-small.toml"
+            )
+            .to_string(),
+        ),
+        ..namespace(id, "mem:16M", None)
+    }
+}
+
+#[test]
+fn the_host_nqn_selects_the_tenant() {
+    let mut server_config = nvme_config(vec![qos_namespace(1)]);
+    server_config.threads = 1;
+    server_config.tenants = vec![
+        TenantConfig::latency_critical("gold", 500, 5_000, 100),
+        TenantConfig::best_effort("bulk"),
+    ];
+    server_config.nvme_tcp.subsystems = vec![NvmeSubsystemConfig {
+        nqn: NQN.to_string(),
+        namespaces: vec![1],
+        allow_any_host: false,
+        hosts: vec![
+            NvmeHostConfig {
+                nqn: "nqn.2026-01.io.reflex:host-gold".into(),
+                tenant: Some("gold".into()),
+            },
+            NvmeHostConfig {
+                nqn: "nqn.2026-01.io.reflex:host-bulk".into(),
+                tenant: Some("bulk".into()),
+            },
+        ],
+    }];
+    let server = start(server_config);
+    let gold = server
+        .tenant_handle(1, "gold")
+        .unwrap_or_else(|| panic!("gold not admitted"));
+    let bulk = server
+        .tenant_handle(1, "bulk")
+        .unwrap_or_else(|| panic!("bulk not admitted"));
+
+    // A host not listed may not connect.
+    let stranger = NvmeTcpController::attach(
+        address(&server),
+        NvmeTcpOptions::new("nqn.2026-01.io.reflex:stranger", NQN),
+        1,
+    );
+    assert_eq!(status_of(stranger), Status::CONNECT_INVALID_HOST);
+
+    for (host, reads) in [("host-gold", 7u64), ("host-bulk", 4)] {
+        let options = NvmeTcpOptions::new(&format!("nqn.2026-01.io.reflex:{host}"), NQN);
+        let mut controller = attach(&server, options, 1);
+        let mut queue = controller
+            .connect_io_queue()
+            .unwrap_or_else(|e| panic!("{e}"));
+        for index in 0..reads {
+            queue
+                .read(1, index * 8, 8, 512)
+                .unwrap_or_else(|e| panic!("{host}: {e}"));
+        }
+    }
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let totals: BTreeMap<u64, TenantStats> = tenant_totals(&stats);
+    assert_eq!(totals[&gold].requests, 7);
+    assert_eq!(totals[&bulk].requests, 4);
+}
+
+#[test]
+fn the_keep_alive_timeout_ends_the_controller_and_its_queues() {
+    let server = nvme_server();
+    let mut options = NvmeTcpOptions::new(HOST, NQN);
+    options.keep_alive_ms = 200;
+    let mut controller = attach(&server, options.clone(), 2);
+    let mut queue = controller
+        .connect_io_queue()
+        .unwrap_or_else(|e| panic!("{e}"));
+    queue.read(1, 0, 1, 512).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(server.nvme_tcp_controllers(), 1);
+    // No keep-alive from here on: the admin queue closes, then its I/O queue.
+    assert!(
+        controller.admin().closed_within(CLOSE_WAIT),
+        "admin queue still open"
+    );
+    assert!(queue.closed_within(CLOSE_WAIT), "I/O queue still open");
+    assert_eq!(server.nvme_tcp_controllers(), 0);
+    // Without a keep-alive timeout, a controller stays (checked by still working after the
+    // first one was closed).
+    let mut steady = attach(&server, NvmeTcpOptions::new(HOST, NQN), 1);
+    steady.keep_alive().unwrap_or_else(|e| panic!("{e}"));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A raw connection after ICReq/ICResp (no digests), for sending broken input.
+fn raw_queue(server: &ServerHandle, digests: Digests) -> NvmeTcpQueue {
+    NvmeTcpQueue::open(address(server), digests, Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("ICReq: {e}"))
+}
+
+/// The next PDU is a C2HTermReq and then the connection closes.
+fn expect_terminated(queue: &mut NvmeTcpQueue, what: &str) {
+    match queue.receive_pdu() {
+        Ok(received) => assert!(
+            matches!(received.pdu, Pdu::C2hTermReq(_)),
+            "{what}: expected a C2HTermReq, got {:?}",
+            received.pdu
+        ),
+        Err(NvmeTcpError::Closed) => {}
+        Err(error) => panic!("{what}: {error}"),
+    }
+    assert!(queue.closed_within(CLOSE_WAIT), "{what}: still open");
+}
+
+fn connect_data(cntlid: u16) -> Vec<u8> {
+    ConnectData {
+        host_id: NvmeTcpOptions::new(HOST, NQN).host_id,
+        cntlid,
+        subsystem_nqn: NQN.into(),
+        host_nqn: HOST.into(),
+    }
+    .encode()
+    .to_vec()
+}
+
+#[test]
+fn bad_input_gets_an_error_status_or_closes_only_its_connection() {
+    let server = nvme_server();
+    // A healthy controller whose queue must be unaffected by everything below.
+    let mut healthy = attach(&server, NvmeTcpOptions::new(HOST, NQN), 8);
+    let mut healthy_queue = healthy.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    let reference = pattern(42, 100, 64 << 10);
+    healthy_queue
+        .write(1, 100, &reference, 512, false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let check_healthy = |queue: &mut NvmeTcpQueue, after: &str| {
+        let read = queue
+            .read(1, 100, 128, 512)
+            .unwrap_or_else(|e| panic!("healthy queue after {after}: {e}"));
+        assert!(read == reference, "healthy queue after {after}");
+    };
+
+    // Garbage instead of ICReq: an unknown PDU type.
+    {
+        let mut stream =
+            std::net::TcpStream::connect(address(&server)).unwrap_or_else(|e| panic!("{e}"));
+        use std::io::{Read, Write};
+        stream
+            .set_read_timeout(Some(CLOSE_WAIT))
+            .unwrap_or_else(|e| panic!("{e}"));
+        stream
+            .write_all(&[0xEE; 128])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        assert_eq!(answer.first(), Some(&(PduType::C2hTermReq as u8)));
+    }
+    check_healthy(&mut healthy_queue, "garbage");
+
+    // A capsule before ICReq.
+    {
+        let mut stream =
+            std::net::TcpStream::connect(address(&server)).unwrap_or_else(|e| panic!("{e}"));
+        use std::io::{Read, Write};
+        stream
+            .set_read_timeout(Some(CLOSE_WAIT))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let command = Command::io(io_opcode::READ, 1, 1, 0, 1, false);
+        let header = Framing::PLAIN.capsule_cmd(&command.0, 0);
+        stream
+            .write_all(header.as_bytes())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        assert_eq!(answer.first(), Some(&(PduType::C2hTermReq as u8)));
+    }
+
+    // A second ICReq.
+    let mut queue = raw_queue(&server, Digests::NONE);
+    queue
+        .send_raw(&pdu::encode_ic_req(&IcReq {
+            pfv: 0,
+            hpda: 0,
+            digests: Digests::NONE,
+            maxr2t: 0,
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    expect_terminated(&mut queue, "second ICReq");
+
+    // An I/O command before Connect: Command Sequence Error, and the queue goes on to
+    // connect.
+    let mut queue = raw_queue(&server, Digests::NONE);
+    let read = Command::io(io_opcode::READ, 0, 1, 0, 1, false);
+    assert_eq!(
+        status_of(queue.execute(read, Transfer::FromTarget(512))),
+        Status::COMMAND_SEQUENCE_ERROR
+    );
+    let cntlid = queue
+        .connect(&NvmeTcpOptions::new(HOST, NQN), 0, CNTLID_DYNAMIC)
+        .unwrap_or_else(|e| panic!("Connect after the error: {e}"));
+    assert!(cntlid > 0);
+    // An admin command before the controller is enabled.
+    let mut identify = Command::zeroed();
+    identify
+        .set_opcode(reflex_proto::nvme_tcp::command::admin_opcode::IDENTIFY)
+        .set_cdw(10, 1);
+    assert_eq!(
+        status_of(queue.execute(identify, Transfer::FromTarget(4096))),
+        Status::COMMAND_SEQUENCE_ERROR
+    );
+    drop(queue);
+
+    // Connect for queues that do not exist: a qid above the granted count, a controller
+    // that does not exist, a subsystem that does not exist.
+    let options = NvmeTcpOptions::new(HOST, NQN);
+    let mut queue = raw_queue(&server, Digests::NONE);
+    assert_eq!(
+        status_of(queue.connect(&options, 40, healthy.cntlid())),
+        Status::CONNECT_INVALID_PARAMETERS
+    );
+    assert_eq!(
+        status_of(queue.connect(&options, 2, 999)),
+        Status::CONNECT_INVALID_PARAMETERS
+    );
+    assert_eq!(
+        status_of(queue.connect(
+            &NvmeTcpOptions::new(HOST, "nqn.2026-01.io.reflex:none"),
+            0,
+            CNTLID_DYNAMIC
+        )),
+        Status::CONNECT_INVALID_PARAMETERS
+    );
+    // The queue id of the healthy queue, taken already.
+    assert_eq!(
+        status_of(queue.connect(&options, healthy_queue.qid(), healthy.cntlid())),
+        Status::CONNECT_INVALID_PARAMETERS
+    );
+    // A Connect whose data is too short for Connect data.
+    let mut short = Command::connect_command(0, 0, 31, 0, 0);
+    short.set_cid(9);
+    assert_ne!(
+        status_of(queue.execute(
+            short,
+            Transfer::ToTarget(&connect_data(CNTLID_DYNAMIC)[..512])
+        )),
+        Status::SUCCESS
+    );
+    drop(queue);
+    check_healthy(&mut healthy_queue, "bad Connects");
+
+    // A wrong header digest: fatal.
+    let mut queue = raw_queue(&server, Digests::BOTH);
+    let command = Command::io(io_opcode::READ, 1, 1, 0, 1, false);
+    let framing = Framing::new(Digests::BOTH, 0).unwrap_or(Framing::PLAIN);
+    let mut bytes = framing.capsule_cmd(&command.0, 0).as_bytes().to_vec();
+    let digest_at = pdu::CAPSULE_CMD_HLEN;
+    bytes[digest_at] ^= 0xFF;
+    queue.send_raw(&bytes).unwrap_or_else(|e| panic!("{e}"));
+    expect_terminated(&mut queue, "wrong header digest");
+
+    // A wrong data digest on an in-capsule write: Transient Transport Error, the
+    // connection goes on.
+    let mut io_queue = healthy.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    drop(io_queue);
+    let mut digest_controller = attach(
+        &server,
+        NvmeTcpOptions::new("nqn.2026-01.io.reflex:digests", NQN).with_digests(Digests::BOTH),
+        2,
+    );
+    io_queue = digest_controller
+        .connect_io_queue()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let data = pattern(7, 0, 4096);
+    let mut write = Command::io(io_opcode::WRITE, 77, 1, 2000, 8, false);
+    write.set_sgl(reflex_proto::nvme_tcp::command::SglDescriptor {
+        address: 0,
+        length: 4096,
+        identifier: reflex_proto::nvme_tcp::command::sgl::DATA_BLOCK_OFFSET,
+    });
+    let mut bytes = framing.capsule_cmd(&write.0, 4096).as_bytes().to_vec();
+    bytes.extend_from_slice(&data);
+    bytes.extend_from_slice(&(pdu::crc32c(&data) ^ 1).to_le_bytes());
+    io_queue.send_raw(&bytes).unwrap_or_else(|e| panic!("{e}"));
+    let received = io_queue.receive_pdu().unwrap_or_else(|e| panic!("{e}"));
+    let Pdu::CapsuleResp(cqe) = received.pdu else {
+        panic!("expected a CapsuleResp, got {:?}", received.pdu);
+    };
+    let completion = reflex_proto::nvme_tcp::Completion::from_bytes(&cqe);
+    assert_eq!(completion.cid, 77);
+    assert_eq!(completion.status, Status::TRANSIENT_TRANSPORT_ERROR);
+    io_queue
+        .write(1, 2000, &data, 512, false)
+        .unwrap_or_else(|e| panic!("the queue goes on: {e}"));
+
+    // H2CData without an R2T: fatal.
+    let h2c = Framing::PLAIN.data_pdu(
+        PduType::H2cData,
+        pdu::flags::LAST_PDU,
+        DataHeader {
+            cccid: 5,
+            ttag: 3,
+            offset: 0,
+            length: 512,
+        },
+    );
+    let mut queue = healthy.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    let mut bytes = h2c.as_bytes().to_vec();
+    bytes.extend_from_slice(&[0u8; 512]);
+    queue.send_raw(&bytes).unwrap_or_else(|e| panic!("{e}"));
+    expect_terminated(&mut queue, "H2CData without R2T");
+
+    // H2CData longer than the R2T asked for: fatal.
+    let mut queue = healthy.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    let mut write = Command::io(io_opcode::WRITE, 12, 1, 0, 16, false);
+    write.set_sgl(reflex_proto::nvme_tcp::command::SglDescriptor {
+        address: 0,
+        length: 8192,
+        identifier: reflex_proto::nvme_tcp::command::sgl::TRANSPORT_DATA_BLOCK,
+    });
+    queue
+        .send_raw(Framing::PLAIN.capsule_cmd(&write.0, 0).as_bytes())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let received = queue.receive_pdu().unwrap_or_else(|e| panic!("{e}"));
+    let Pdu::R2t(r2t) = received.pdu else {
+        panic!("expected an R2T, got {:?}", received.pdu);
+    };
+    assert_eq!((r2t.cccid, r2t.offset, r2t.length), (12, 0, 8192));
+    let too_long = Framing::PLAIN.data_pdu(
+        PduType::H2cData,
+        pdu::flags::LAST_PDU,
+        DataHeader {
+            cccid: 12,
+            ttag: r2t.ttag,
+            offset: 0,
+            length: 16384,
+        },
+    );
+    let mut bytes = too_long.as_bytes().to_vec();
+    bytes.extend_from_slice(&[0u8; 16384]);
+    queue.send_raw(&bytes).unwrap_or_else(|e| panic!("{e}"));
+    expect_terminated(&mut queue, "H2CData beyond the R2T");
+
+    // A host that never answers an R2T loses that connection (r2t_timeout is 500 ms).
+    let mut queue = healthy.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    write.set_cid(13);
+    queue
+        .send_raw(Framing::PLAIN.capsule_cmd(&write.0, 0).as_bytes())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let received = queue.receive_pdu().unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(received.pdu, Pdu::R2t(_)), "{:?}", received.pdu);
+    assert!(
+        queue.closed_within(CLOSE_WAIT),
+        "R2T never answered: still open"
+    );
+
+    // A PDU only a controller sends (CapsuleResp from the host): fatal.
+    let mut queue = healthy.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    let response = Framing::PLAIN.capsule_resp(&[0u8; 16]);
+    queue
+        .send_raw(response.as_bytes())
+        .unwrap_or_else(|e| panic!("{e}"));
+    expect_terminated(&mut queue, "CapsuleResp from the host");
+
+    // Malformed lengths: PLEN shorter than the header.
+    let mut queue = healthy.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    let mut bytes = Framing::PLAIN
+        .capsule_cmd(&Command::io(io_opcode::READ, 1, 1, 0, 1, false).0, 0)
+        .as_bytes()
+        .to_vec();
+    bytes[4..8].copy_from_slice(&10u32.to_le_bytes());
+    queue.send_raw(&bytes).unwrap_or_else(|e| panic!("{e}"));
+    expect_terminated(&mut queue, "PLEN shorter than the header");
+
+    // A command larger than the in-capsule limit in the capsule: SGL Data Length Invalid.
+    let mut queue = healthy.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    let mut big = Command::io(io_opcode::WRITE, 21, 1, 0, 16, false);
+    big.set_sgl(reflex_proto::nvme_tcp::command::SglDescriptor {
+        address: 0,
+        length: 8192,
+        identifier: reflex_proto::nvme_tcp::command::sgl::DATA_BLOCK_OFFSET,
+    });
+    let mut bytes = Framing::PLAIN.capsule_cmd(&big.0, 8192).as_bytes().to_vec();
+    bytes.extend_from_slice(&[0u8; 8192]);
+    queue.send_raw(&bytes).unwrap_or_else(|e| panic!("{e}"));
+    let received = queue.receive_pdu().unwrap_or_else(|e| panic!("{e}"));
+    let Pdu::CapsuleResp(cqe) = received.pdu else {
+        panic!("expected a CapsuleResp, got {:?}", received.pdu);
+    };
+    assert_eq!(
+        reflex_proto::nvme_tcp::Completion::from_bytes(&cqe).status,
+        Status::SGL_DATA_LENGTH_INVALID
+    );
+    queue
+        .read(1, 0, 1, 512)
+        .unwrap_or_else(|e| panic!("the queue goes on: {e}"));
+
+    check_healthy(&mut healthy_queue, "all bad input");
+    healthy.keep_alive().unwrap_or_else(|e| panic!("{e}"));
+    drop((healthy_queue, healthy, digest_controller, io_queue, queue));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn the_discovery_controller_lists_the_subsystems() {
+    use reflex_proto::nvme_tcp::admin::{decode_discovery_log, discovery_log_size};
+    use reflex_proto::nvme_tcp::command::{DISCOVERY_NQN, admin_opcode, log_page};
+    let server = nvme_server();
+    let mut controller = attach(&server, NvmeTcpOptions::new(HOST, DISCOVERY_NQN), 0);
+    assert_eq!(
+        controller.identify().controller_type,
+        ControllerType::Discovery
+    );
+    let length = discovery_log_size(1);
+    let mut command = Command::zeroed();
+    let dwords = (length / 4 - 1) as u32;
+    command
+        .set_opcode(admin_opcode::GET_LOG_PAGE)
+        .set_cdw(
+            10,
+            u32::from(log_page::DISCOVERY) | ((dwords & 0xFFFF) << 16),
+        )
+        .set_cdw(11, dwords >> 16);
+    let (_, data) = controller
+        .admin()
+        .execute(command, Transfer::FromTarget(length))
+        .unwrap_or_else(|e| panic!("discovery log: {e}"));
+    let entries = decode_discovery_log(&data);
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0].subsystem_nqn, NQN);
+    assert_eq!(entries[0].service_id, address(&server).port().to_string());
+}
