@@ -1,6 +1,6 @@
 //! NVMe over TCP (the NVM Express TCP Transport Specification 1.0 and the fabrics commands of
 //! NVMe over Fabrics 1.1) as sans-IO codecs: what reflexd's NVMe/TCP target and the client's
-//! small initiator put on the wire. `docs/NVME_TCP.md` says what reflexd implements.
+//! small initiator put on the wire. `docs/NVME-TCP.md` says what reflexd implements.
 //!
 //! - [`pdu`]: the transport. `pdu::decode_header(buf, digests)` checks a PDU's common header,
 //!   its PDU-specific header, header digest, padding and lengths, and says where its data lies

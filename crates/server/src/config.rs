@@ -477,7 +477,7 @@ pub struct NvmeHostConfig {
     pub tenant: Option<String>,
 }
 
-/// An NVMe/TCP subsystem (`docs/NVME_TCP.md`): namespaces under their ids as NSIDs, and who
+/// An NVMe/TCP subsystem (`docs/NVME-TCP.md`): namespaces under their ids as NSIDs, and who
 /// may connect.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -497,7 +497,7 @@ fn default_true() -> bool {
     true
 }
 
-/// The NVMe/TCP listener (`docs/NVME_TCP.md`).
+/// The NVMe/TCP listener (`docs/NVME-TCP.md`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct NvmeTcpConfig {

@@ -367,7 +367,7 @@ fn nbd_exports(
 }
 
 /// The NVMe/TCP subsystems: each namespace under its id as NSID, with its size (whole
-/// blocks), and per host the tenant its configuration names (`docs/NVME_TCP.md`).
+/// blocks), and per host the tenant its configuration names (`docs/NVME-TCP.md`).
 fn nvme_tcp_targets(
     config: &Config,
     namespaces: &NamespaceSet,
