@@ -806,7 +806,7 @@ fn each_device_admits_against_its_own_profile_and_budget() {
     };
     assert_eq!(reason, "needs 10K tokens/s, 5K left at 500 µs");
     // ...device 2 is untouched and admits the same tenant.
-    assert_eq!(server.qos_plan(2), Some(large_before.clone()));
+    assert_eq!(server.qos_plan(2), Some(large_before));
     let c = client
         .register_lc(2, 500, 5_000, 90)
         .unwrap_or_else(|e| panic!("C on 2: {e}"));
