@@ -376,6 +376,8 @@ fn prepare(
             ops_max: None,
             spin: options.spin,
             cpus: options.cpus.clone(),
+            bind_handles: Vec::new(),
+            server_pid: None,
         };
         prepared.push(Prepared {
             handle,
