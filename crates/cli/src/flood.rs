@@ -17,7 +17,8 @@
 //! Then it holds everything for `--duration`, checks every `--check-interval` which idle and
 //! slowloris connections the server closed, prints a progress line per second on stderr, and
 //! reports counts and the fresh clients' latencies (table, or `--json`). `--ready-file` is
-//! created once everything is set up, so a script knows when to measure.
+//! created once everything is set up, so a script knows when to measure; `--stop-file` ends
+//! the hold early when it appears.
 //!
 //! Bounds: every count is at most [`CONNECTIONS_MAX`] (tenants [`TENANTS_MAX`]), new
 //! connections are paced at `--connect-rate`, set-up gives up after `--setup-timeout`, the hold
@@ -50,6 +51,8 @@ pub const DURATION_MAX: Duration = Duration::from_secs(3600);
 const FRESH_READ_BYTES: u32 = 4096;
 /// Largest response body the tool reads (a HELLO's capabilities, a 4 KiB READ).
 const RESPONSE_BODY_MAX_BYTES: u32 = 1 << 20;
+/// How often the hold looks for `--stop-file`.
+const STOP_FILE_INTERVAL: Duration = Duration::from_millis(100);
 /// The bytes a slowloris connection sends: the start of a request header's magic.
 const SLOWLORIS_BYTES: &[u8] = b"RF";
 
@@ -102,9 +105,12 @@ pub struct Args {
     /// A fresh client that has no READ answer after this long counts as failed.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     fresh_timeout: Duration,
-    /// Most new flood connections per second (0: as fast as they connect).
+    /// Most new flood connections per second while setting up (0: as fast as they connect).
     #[arg(long, default_value_t = 2000.0)]
     connect_rate: f64,
+    /// Most slowloris replacements per second while holding (default: --connect-rate).
+    #[arg(long)]
+    reconnect_rate: Option<f64>,
     /// How long to hold everything once it is set up.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     duration: Duration,
@@ -117,6 +123,9 @@ pub struct Args {
     /// Create this file once everything is set up.
     #[arg(long, value_name = "FILE")]
     ready_file: Option<PathBuf>,
+    /// End the hold early once this file exists (checked every --check-interval).
+    #[arg(long, value_name = "FILE")]
+    stop_file: Option<PathBuf>,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -212,8 +221,13 @@ fn check_args(args: &Args) -> Result<()> {
     if args.duration > DURATION_MAX || args.setup_timeout > DURATION_MAX {
         bail!("--duration and --setup-timeout must be at most 1 h");
     }
-    if !(args.connect_rate >= 0.0 && args.connect_rate <= 1e6) {
-        bail!("--connect-rate must be between 0 and 1000000");
+    for rate in [Some(args.connect_rate), args.reconnect_rate]
+        .into_iter()
+        .flatten()
+    {
+        if !(0.0..=1e6).contains(&rate) {
+            bail!("--connect-rate and --reconnect-rate must be between 0 and 1000000");
+        }
     }
     if args.check_interval < Duration::from_millis(10) {
         bail!("--check-interval must be at least 10ms");
@@ -567,35 +581,18 @@ fn slowloris_connect(
 /// Holds the connections until `end`: checks which the server closed, replaces slowloris
 /// connections with `--reconnect`, prints progress.
 fn hold(args: &Args, address: SocketAddr, held: &mut Held, report: &mut Report, end: Instant) {
-    let mut pacer = Pacer::new(args.connect_rate);
+    let mut pacer = Pacer::new(args.reconnect_rate.unwrap_or(args.connect_rate));
     let mut next_progress = Instant::now() + Duration::from_secs(1);
+    let mut next_check = Instant::now() + args.check_interval;
     let io_timeout = Duration::from_secs(1);
     loop {
         let now = Instant::now();
-        if now >= end {
+        if now >= end || args.stop_file.as_ref().is_some_and(|path| path.exists()) {
             return;
         }
-        let mut index = 0;
-        while index < held.idle.len() {
-            if closed_by_server(&mut held.idle[index]) {
-                held.idle.swap_remove(index);
-                report.idle_closed_by_server += 1;
-            } else {
-                index += 1;
-            }
-        }
-        for slot in held.slowloris.iter_mut() {
-            if let Some(stream) = slot
-                && closed_by_server(stream)
-            {
-                *slot = None;
-                report.slowloris_closed_by_server += 1;
-            }
-            if slot.is_none() && args.reconnect && Instant::now() < end {
-                pacer.wait();
-                *slot = slowloris_connect(address, args.source, io_timeout);
-                report.slowloris_connects += 1;
-            }
+        if now >= next_check {
+            check(args, address, held, report, end, &mut pacer, io_timeout);
+            next_check = Instant::now() + args.check_interval;
         }
         let now = Instant::now();
         if now >= next_progress {
@@ -613,8 +610,44 @@ fn hold(args: &Args, address: SocketAddr, held: &mut Held, report: &mut Report, 
                 ),
             );
         }
-        let wake = (Instant::now() + args.check_interval).min(end);
+        // The stop file is looked for at least every 100 ms, whatever the check interval.
+        let wake = next_check.min(end).min(Instant::now() + STOP_FILE_INTERVAL);
         std::thread::sleep(wake.saturating_duration_since(Instant::now()));
+    }
+}
+
+/// Drops the idle and slowloris connections the server closed, replacing slowloris ones with
+/// `--reconnect`.
+fn check(
+    args: &Args,
+    address: SocketAddr,
+    held: &mut Held,
+    report: &mut Report,
+    end: Instant,
+    pacer: &mut Pacer,
+    io_timeout: Duration,
+) {
+    let mut index = 0;
+    while index < held.idle.len() {
+        if closed_by_server(&mut held.idle[index]) {
+            held.idle.swap_remove(index);
+            report.idle_closed_by_server += 1;
+        } else {
+            index += 1;
+        }
+    }
+    for slot in held.slowloris.iter_mut() {
+        if let Some(stream) = slot
+            && closed_by_server(stream)
+        {
+            *slot = None;
+            report.slowloris_closed_by_server += 1;
+        }
+        if slot.is_none() && args.reconnect && Instant::now() < end {
+            pacer.wait();
+            *slot = slowloris_connect(address, args.source, io_timeout);
+            report.slowloris_connects += 1;
+        }
     }
 }
 
@@ -639,7 +672,8 @@ fn fresh_clients(
             std::thread::sleep((next - now).min(Duration::from_millis(50)));
             continue;
         }
-        next += interval;
+        // One probe per interval at most: a probe that overran its interval delays the next.
+        next = (next + interval).max(now + interval);
         report.attempts += 1;
         let offset = (report.attempts * 7919 % blocks) * u64::from(FRESH_READ_BYTES);
         let begin = Instant::now();
