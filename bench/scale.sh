@@ -38,6 +38,8 @@
 #   NICE (-20 as root, else 0) QUIET_MAX_PERCENT (20) QUIET_WAIT_S (60) WORK (target/bench-scale)
 #   OUT (docs/results/scale.md)
 set -euo pipefail
+# Command substitutions (others=$(measure ...)) stop at their first failure too.
+shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 source bench/lib/common.sh
 
@@ -61,6 +63,9 @@ QUIET_WAIT_S=${QUIET_WAIT_S:-60}
 WORK=${WORK:-target/bench-scale}
 OUT=${OUT:-docs/results/scale.md}
 STEP_TIMEOUT=${STEP_TIMEOUT:-180}
+# A flood holds its connections across several measurements (each at most STEP_TIMEOUT plus a
+# quiet wait per retry); its stop file ends it, FLOOD_TIMEOUT_S kills it if something hangs.
+FLOOD_TIMEOUT_S=${FLOOD_TIMEOUT_S:-1200}
 STALL_MAX_MS=${STALL_MAX_MS:-100}
 RETRIES=${RETRIES:-2}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
@@ -129,8 +134,12 @@ cleanup() {
     [ -z "$SERVER_PID" ] || stop_pid "$SERVER_PID"
     FLOOD_PID=""
     SERVER_PID=""
+    autogroup_restore
 }
 trap cleanup EXIT
+# Niceness counts only inside a scheduler autogroup (a session): give ours NICE too.
+[ "$NICE" -ge 0 ] || autogroup_nice "$NICE"
+AUTOGROUP=$(cat /proc/self/autogroup 2>/dev/null || echo none)
 
 # start_server NAME ARGS...: reflexd pinned to SERVER_CPU (or CPUS), log in $RAW/NAME.log.
 start_server() {
@@ -224,17 +233,24 @@ for item in sys.argv[1:]:
 print(json.dumps(row))' "$@" >>"$RUNS"
 }
 
-# stop_flood: ends the running flood's hold through its stop file and waits for its report.
+# stop_flood ERR_FILE: ends the running flood's hold through its stop file, waits (at most
+# 60 s) for it to unregister and report, and fails if it did not exit cleanly.
 stop_flood() {
+    local err=$1 i status=0
     touch "$STOP"
-    local i
     for ((i = 0; i < 600; i++)); do
         kill -0 "$FLOOD_PID" 2>/dev/null || break
         sleep 0.1
     done
-    stop_pid "$FLOOD_PID"
+    if kill -0 "$FLOOD_PID" 2>/dev/null; then
+        stop_pid "$FLOOD_PID"
+        FLOOD_PID=""
+        die "the flood did not end within 60 s of its stop file ($err)"
+    fi
+    wait "$FLOOD_PID" || status=$?
     FLOOD_PID=""
     rm -f "$STOP"
+    [ "$status" -eq 0 ] || die "the flood failed (exit $status): $(cat "$err")"
 }
 STOP=$RAW/stop
 
@@ -267,12 +283,13 @@ part_connections() {
     tcp_before=$(tcp_pages)
     note "connections, repetition $rep: $IDLE idle connections"
     rm -f "$ready"
-    timeout "$STEP_TIMEOUT" nice -n "$NICE" taskset -c "$CLIENT_CPU" "$REFLEX" flood \
+    timeout "$FLOOD_TIMEOUT_S" nice -n "$NICE" taskset -c "$CLIENT_CPU" "$REFLEX" flood \
         -s "127.0.0.1:$PORT" --idle "$IDLE" --duration 900s --connect-rate 5000 \
         --ready-file "$ready" --stop-file "$STOP" --json -q >"$RAW/connections-flood-$rep.json" \
         2>"$RAW/connections-flood-$rep.err" &
     FLOOD_PID=$!
-    wait_file "$ready" "$FLOOD_PID" 120 || die "the idle flood did not set up"
+    wait_file "$ready" "$FLOOD_PID" 120 ||
+        die "the idle flood did not set up: $(cat "$RAW/connections-flood-$rep.err")"
     rss_unparked=$(rss_kb "$SERVER_PID")
     sleep "$PARK_WAIT_S"
     rss_idle=$(rss_kb "$SERVER_PID")
@@ -292,7 +309,7 @@ print(s('$WARMUP') + s('$DURATION') / 2 + 1)")"
     others_idle=$(measure "connections-with-idle-$rep")
     wait "$sampler" || true
     rss_loaded=$(cat "$RAW/rss-loaded-$rep.txt")
-    stop_flood
+    stop_flood "$RAW/connections-flood-$rep.err"
     stop_server
     record part=connections rep="$rep" active_json="\"$RAW/connections-active-$rep.json\"" \
         idle_json="\"$RAW/connections-with-idle-$rep.json\"" rss_empty_kb="$rss_empty" \
@@ -316,21 +333,22 @@ part_tenants() {
     others=$(measure "tenants-one-$rep")
     record part=tenants mode=one rep="$rep" json="\"$RAW/tenants-one-$rep.json\"" others="$others"
     rm -f "$ready" "$handles"
-    timeout "$STEP_TIMEOUT" nice -n "$NICE" taskset -c "$CLIENT_CPU" "$REFLEX" flood \
+    timeout "$FLOOD_TIMEOUT_S" nice -n "$NICE" taskset -c "$CLIENT_CPU" "$REFLEX" flood \
         -s "127.0.0.1:$PORT" --register "$TENANTS" \
         --tenants-per-connection "$TENANTS_PER_CONNECTION" --handles "$handles" \
         --duration 900s --ready-file "$ready" --stop-file "$STOP" --json -q \
         >"$RAW/tenants-flood-$rep.json" \
         2>"$RAW/tenants-flood-$rep.err" &
     FLOOD_PID=$!
-    wait_file "$ready" "$FLOOD_PID" 120 || die "registering $TENANTS tenants did not finish"
+    wait_file "$ready" "$FLOOD_PID" 120 ||
+        die "registering $TENANTS tenants did not finish: $(cat "$RAW/tenants-flood-$rep.err")"
     [ "$(wc -l <"$handles")" -eq "$TENANTS" ] || die "expected $TENANTS handles in $handles"
     others=$(measure "tenants-reg-$rep")
     record part=tenants mode=reg rep="$rep" json="\"$RAW/tenants-reg-$rep.json\"" others="$others"
     others=$(measure "tenants-bound-$rep" --bind-handles "$handles")
     record part=tenants mode=bound rep="$rep" json="\"$RAW/tenants-bound-$rep.json\"" \
         others="$others"
-    stop_flood
+    stop_flood "$RAW/tenants-flood-$rep.err"
     stop_server
 }
 
@@ -373,7 +391,7 @@ note "writing $OUT"
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
-export RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU NICE \
+export AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU NICE \
     DURATION WARMUP IDLE ACTIVE ACTIVE_THREADS ACTIVE_PER_THREAD QD TENANTS TENANTS_PER_CONNECTION \
     PARK_WAIT_S RAW
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")

@@ -7,20 +7,25 @@
 # on, TENANTS registered, connection k bound to tenant k), reflexd (tenants config of
 # bench/scale.sh, one dataplane thread, `mem:256M` with scenarios/profile-mem-unlimited.toml)
 # runs under `valgrind --tool=callgrind`; the load is the scale benchmark's (ACTIVE_THREADS ×
-# ACTIVE_PER_THREAD connections, QD 1, 4 KiB random reads). Two runs of the load with fresh
-# connections, of OPS_SHORT and OPS_LONG requests, each between a zeroing and a dump of the
-# counters (callgrind_control -z / -d): Ir per request = (Ir long − Ir short) /
-# (OPS_LONG − OPS_SHORT), which cancels the connections' set-up (accept, HELLO, BIND, close).
-# User space only (the kernel's TCP and io_uring work is not counted). The top functions by
-# inclusive Ir of the long run of each mode go to $WORK/MODE-inclusive.txt.
+# ACTIVE_PER_THREAD connections, QD 1, 4 KiB random reads) for WARMUP + DURATION, and the bench
+# itself zeroes the server's counters when its measurement starts and dumps them when it ends
+# (`reflex bench --at-measure-start 'callgrind_control -z PID' --at-measure-end '... -d PID'`):
+# Ir per request = Ir of that window / requests measured (set-up and tear-down of the
+# connections are outside the window; the requests in flight at either edge cancel out in a
+# steady closed loop). Then the cost of a connection's life (connect, HELLO, BIND when bound,
+# one request, close): counters zeroed, SETUP_OPS requests on ACTIVE fresh connections,
+# dumped: (Ir − SETUP_OPS × Ir per request) / connections. User space only (the kernel's TCP
+# and io_uring work is not counted). The top functions by inclusive Ir of each mode's
+# measurement go to $WORK/MODE-inclusive.txt.
 # Results: docs/results/tenants-instructions.md (OUT).
 #
 # Usage: bench/tenants-instructions.sh
 # Environment: TENANTS (10000) TENANTS_PER_CONNECTION (100) ACTIVE_THREADS (4)
-#   ACTIVE_PER_THREAD (250) OPS_SHORT (20000) OPS_LONG (120000) PORT (17380) MODES
+#   ACTIVE_PER_THREAD (250) WARMUP (5s) DURATION (20s) PORT (17380) MODES
 #   ("off one reg bound") WORK (target/bench-tenants-instructions)
 #   OUT (docs/results/tenants-instructions.md)
 set -euo pipefail
+shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 source bench/lib/common.sh
 
@@ -28,12 +33,13 @@ TENANTS=${TENANTS:-10000}
 TENANTS_PER_CONNECTION=${TENANTS_PER_CONNECTION:-100}
 ACTIVE_THREADS=${ACTIVE_THREADS:-4}
 ACTIVE_PER_THREAD=${ACTIVE_PER_THREAD:-250}
-OPS_SHORT=${OPS_SHORT:-20000}
-OPS_LONG=${OPS_LONG:-120000}
+WARMUP=${WARMUP:-5s}
+DURATION=${DURATION:-20s}
 PORT=${PORT:-17380}
 MODES=${MODES:-"off one reg bound"}
 WORK=${WORK:-target/bench-tenants-instructions}
 OUT=${OUT:-docs/results/tenants-instructions.md}
+SETUP_OPS=${SETUP_OPS:-1000}
 START_WAIT_S=${START_WAIT_S:-120}
 CLIENT_TIMEOUT_S=${CLIENT_TIMEOUT_S:-900}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
@@ -90,30 +96,65 @@ stop_valgrind() {
     wait "$pid" 2>/dev/null || true
 }
 
-# dump_total PID PREFIX: dumps PID's counters and prints the new dump's total Ir.
-dump_total() {
-    local pid=$1 prefix=$2 before after file i
-    before=$(ls "$prefix".* 2>/dev/null | wc -l)
-    timeout 60 callgrind_control -d "$pid" >/dev/null 2>&1 || die "callgrind_control -d $pid failed"
-    for ((i = 0; i < 100; i++)); do
-        after=$(ls "$prefix".* 2>/dev/null | wc -l)
-        [ "$after" -gt "$before" ] && break
-        sleep 0.1
+# dumps PREFIX: how many dumps PREFIX.N exist (the base file PREFIX is written at start).
+dumps() {
+    local count=0 file
+    for file in "$1".*; do
+        [ -e "$file" ] && count=$((count + 1))
     done
-    file=$(ls -t "$prefix".* 2>/dev/null | head -1)
-    [ -n "$file" ] || die "no callgrind dump $prefix.*"
-    awk '/^(totals|summary):/ { print $2; exit }' "$file"
+    echo "$count"
 }
 
-# load MODE OPS: zero the counters, run the load for exactly OPS requests, dump; prints Ir.
+# new_dump_ir PREFIX BEFORE: waits (at most 30 s) for dump number BEFORE + 1 of PREFIX to be
+# complete and prints its total Ir; fails if it never appears.
+new_dump_ir() {
+    local prefix=$1 before=$2 file="$1.$(($2 + 1))" ir="" i
+    for ((i = 0; i < 300; i++)); do
+        if [ "$(dumps "$prefix")" -gt "$before" ] && [ -e "$file" ]; then
+            ir=$(awk '/^(totals|summary):/ { print $2; exit }' "$file")
+            [ -z "$ir" ] || break
+        fi
+        sleep 0.1
+    done
+    [[ "$ir" =~ ^[0-9,]+$ ]] || die "no complete callgrind dump $file (dumps: $(dumps "$prefix"))"
+    echo "$ir"
+}
+
+# dump_total PID PREFIX: dumps PID's counters and prints the new dump's total Ir.
+dump_total() {
+    local pid=$1 prefix=$2 before
+    before=$(dumps "$prefix")
+    timeout 60 callgrind_control -d "$pid" >/dev/null 2>&1 || die "callgrind_control -d $pid failed"
+    new_dump_ir "$prefix" "$before"
+}
+
+# load MODE: the load with the counters zeroed and dumped by the bench around its
+# measurement; prints "Ir requests".
 load() {
-    local mode=$1 ops=$2 prefix="$WORK/callgrind.$1.out" bind=()
+    local mode=$1 prefix="$WORK/callgrind.$1.out" bind=() before ir ops
+    [ "$mode" != bound ] || bind=(--bind-handles "$WORK/handles.txt")
+    before=$(dumps "$prefix")
+    timeout "$CLIENT_TIMEOUT_S" "$REFLEX" bench -s "127.0.0.1:$PORT" --threads "$ACTIVE_THREADS" \
+        --connections "$ACTIVE_PER_THREAD" --qd 1 --warmup "$WARMUP" --duration "$DURATION" \
+        "${bind[@]}" --at-measure-start "timeout 60 callgrind_control -z $SERVER_PID >/dev/null" \
+        --at-measure-end "timeout 60 callgrind_control -d $SERVER_PID >/dev/null" \
+        --json -q >"$WORK/$mode-load.json" || die "bench failed ($mode)"
+    ir=$(new_dump_ir "$prefix" "$before")
+    ops=$(python3 -c "import json; print(json.load(open('$WORK/$mode-load.json'))['rows'][0]['ops'])")
+    [[ "$ops" =~ ^[0-9]+$ ]] && [ "$ops" -gt 0 ] || die "no requests measured ($mode)"
+    echo "$ir $ops"
+}
+
+# setup MODE: zero, SETUP_OPS requests on fresh connections, dump; prints Ir.
+setup() {
+    local mode=$1 bind=()
     [ "$mode" != bound ] || bind=(--bind-handles "$WORK/handles.txt")
     timeout 60 callgrind_control -z "$SERVER_PID" >/dev/null 2>&1 || die "callgrind_control -z failed"
     timeout "$CLIENT_TIMEOUT_S" "$REFLEX" bench -s "127.0.0.1:$PORT" --threads "$ACTIVE_THREADS" \
-        --connections "$ACTIVE_PER_THREAD" --qd 1 --ops "$ops" --warmup 0 --duration 600s \
-        "${bind[@]}" --json -q >"$WORK/$mode-$ops.json" || die "bench failed ($mode, $ops)"
-    dump_total "$SERVER_PID" "$prefix"
+        --connections "$ACTIVE_PER_THREAD" --qd 1 --ops "$SETUP_OPS" --warmup 0 --duration 600s \
+        "${bind[@]}" --json -q >"$WORK/$mode-setup.json" || die "bench failed ($mode setup)"
+    sleep 1 # the server closes the connections
+    dump_total "$SERVER_PID" "$WORK/callgrind.$mode.out"
 }
 
 declare -A IR
@@ -141,20 +182,25 @@ for mode in $MODES; do
         for ((i = 0; i < 6000; i++)); do
             [ -e "$WORK/ready" ] && break
             kill -0 "$FLOOD_PID" 2>/dev/null || die "registering tenants failed: $(cat "$WORK/$mode-flood.err")"
+            ((i == 0 || i % 300 != 0)) || note "$mode: still registering after $((i / 10)) s"
             sleep 0.1
         done
         [ -e "$WORK/ready" ] || die "registering tenants took too long"
     fi
-    note "$mode: $OPS_SHORT and $OPS_LONG requests"
-    IR[$mode-short]=$(load "$mode" "$OPS_SHORT")
-    IR[$mode-long]=$(load "$mode" "$OPS_LONG")
-    note "$mode: Ir ${IR[$mode-short]} / ${IR[$mode-long]}"
-    callgrind_annotate --inclusive=yes --threshold=99 "$(ls -t "$WORK/callgrind.$mode.out".* | head -1)" \
+    note "$mode: the load, counted in its measurement"
+    result=$(load "$mode")
+    read -r IR[$mode-load] IR[$mode-ops] <<<"$result"
+    note "$mode: Ir ${IR[$mode-load]} for ${IR[$mode-ops]} requests"
+    callgrind_annotate --inclusive=yes --threshold=99 "$(ls "$WORK/callgrind.$mode.out".* | sort -V | tail -1)" \
         >"$WORK/$mode-inclusive.txt" 2>/dev/null || true
+    note "$mode: $SETUP_OPS requests on $((ACTIVE_THREADS * ACTIVE_PER_THREAD)) fresh connections"
+    IR[$mode-setup]=$(setup "$mode")
     if [ -n "$FLOOD_PID" ]; then
         touch "$WORK/stop"
-        wait "$FLOOD_PID" || true
+        status=0
+        wait "$FLOOD_PID" || status=$?
         FLOOD_PID=""
+        [ "$status" -eq 0 ] || die "the tenant flood failed (exit $status): $(cat "$WORK/$mode-flood.err")"
     fi
     stop_valgrind "$SERVER_PID"
     SERVER_PID=""
@@ -164,9 +210,21 @@ COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 VALGRIND=$(valgrind --version)
-export RUN_DATE COMMIT DIRTY VALGRIND TENANTS OPS_SHORT OPS_LONG ACTIVE_THREADS ACTIVE_PER_THREAD WORK
+# The command as run: every setting that differs from its default.
+COMMAND=""
+[ "$TENANTS" = 10000 ] || COMMAND+="TENANTS=$TENANTS "
+[ "$MODES" = "off one reg bound" ] || COMMAND+="MODES=\"$MODES\" "
+[ "$WARMUP" = 5s ] || COMMAND+="WARMUP=$WARMUP "
+[ "$DURATION" = 20s ] || COMMAND+="DURATION=$DURATION "
+[ "$WORK" = target/bench-tenants-instructions ] || COMMAND+="WORK=$WORK "
+[ "$OUT" = docs/results/tenants-instructions.md ] || COMMAND+="OUT=$OUT "
+COMMAND+="bench/tenants-instructions.sh"
+export RUN_DATE COMMIT DIRTY VALGRIND COMMAND TENANTS WARMUP DURATION ACTIVE_THREADS ACTIVE_PER_THREAD WORK \
+    SETUP_OPS
 args=()
-for mode in $MODES; do args+=("$mode" "${IR[$mode-short]}" "${IR[$mode-long]}"); done
+for mode in $MODES; do
+    args+=("$mode" "${IR[$mode-load]}" "${IR[$mode-ops]}" "${IR[$mode-setup]}")
+done
 mkdir -p "$(dirname "$OUT")"
 python3 - "$OUT" "${args[@]}" <<'PY'
 import os, re, sys
@@ -174,11 +232,15 @@ import os, re, sys
 out = sys.argv[1]
 env = os.environ
 values = sys.argv[2:]
-ops = int(env["OPS_LONG"]) - int(env["OPS_SHORT"])
-per = {}
-for index in range(0, len(values), 3):
-    mode, short, long = values[index], int(values[index + 1].replace(",", "")), int(values[index + 2].replace(",", ""))
-    per[mode] = (long - short) / ops
+number = lambda text: int(text.replace(",", ""))
+connections = int(env["ACTIVE_THREADS"]) * int(env["ACTIVE_PER_THREAD"])
+setup_ops = int(env["SETUP_OPS"])
+per, ops, life = {}, {}, {}
+for index in range(0, len(values), 4):
+    mode = values[index]
+    ops[mode] = number(values[index + 2])
+    per[mode] = number(values[index + 1]) / ops[mode]
+    life[mode] = (number(values[index + 3]) - setup_ops * per[mode]) / connections
 labels = {
     "off": "profile, `--no-qos` (FIFO; tenants and accounting stay)",
     "one": "QoS on, 1 tenant (the namespace's default)",
@@ -206,35 +268,38 @@ add = lines.append
 add("# The scheduler's cost with 10,000 tenants, in instructions (issue 10)")
 add("")
 add(f"- date: {env['RUN_DATE']}; commit: {env['COMMIT']}{env['DIRTY']}; {env['VALGRIND']}")
-add("- command: `bench/tenants-instructions.sh`")
+add(f"- command: `{env['COMMAND']}`")
 add(f"- reflexd (one dataplane thread, blocking, `mem:256M` with `scenarios/profile-mem-unlimited.toml`) "
     f"under `valgrind --tool=callgrind`; load: {env['ACTIVE_THREADS']} × {env['ACTIVE_PER_THREAD']} "
-    f"connections at QD 1, 4 KiB random reads. Ir per request = (Ir of {env['OPS_LONG']} requests − Ir of "
-    f"{env['OPS_SHORT']} requests) / {ops}, each between `callgrind_control -z` and `-d`, each on "
-    "fresh connections (their set-up cancels out). User space only. Under valgrind the server is "
-    "the bottleneck, so batches are full.")
+    f"connections at QD 1, 4 KiB random reads, {env['WARMUP']} warm-up and {env['DURATION']} measured; the "
+    "bench zeroes the server's counters when its measurement starts and dumps them when it ends "
+    "(`--at-measure-start/--at-measure-end`): Ir per request = Ir of that window / requests measured. "
+    f"A connection's life: counters zeroed, {setup_ops} requests on {connections} fresh connections "
+    f"(connect, HELLO, BIND when bound, close), dumped: (Ir − {setup_ops} × Ir per request) / "
+    f"{connections}. User space only (not the kernel's TCP and io_uring work). Under valgrind the "
+    "server is the bottleneck, so batches are full.")
 add("")
-add("| server | Ir per request | extra vs `--no-qos` | extra, % |")
-add("|---|---:|---:|---:|")
+add("| server | requests measured | Ir per request | extra vs `--no-qos` | extra, % | Ir per connection's life |")
+add("|---|---:|---:|---:|---:|---:|")
 base = per.get("off")
 for mode in ("off", "one", "reg", "bound"):
     if mode not in per:
         continue
     extra = "—" if base is None or mode == "off" else f"{per[mode] - base:+,.0f}"
     pct = "—" if base is None or mode == "off" else f"{(per[mode] / base - 1) * 100:+.1f} %"
-    add(f"| {labels[mode]} | **{per[mode]:,.0f}** | {extra} | {pct} |")
+    add(f"| {labels[mode]} | {ops[mode]:,} | **{per[mode]:,.0f}** | {extra} | {pct} | {life[mode]:,.0f} |")
 add("")
 for mode in ("one", "bound"):
     rows = top(os.path.join(env["WORK"], f"{mode}-inclusive.txt"))
     qos = [(ir, f) for ir, f in rows if "qos" in f or "dispatch" in f or "tenant" in f.lower() or "schedul" in f.lower()]
     if qos:
-        add(f"Scheduler and tenant functions by inclusive Ir, mode `{mode}` (long run, {env['OPS_LONG']} requests):")
+        add(f"Scheduler and tenant functions by inclusive Ir, mode `{mode}` (the measurement, {ops[mode]:,} requests):")
         add("")
         add("| Ir | Ir per request | function |")
         add("|---:|---:|---|")
         for ir, function in qos[:15]:
             name = function if len(function) <= 110 else function[:107] + "..."
-            add(f"| {ir:,} | {ir / int(env['OPS_LONG']):,.0f} | `{name}` |")
+            add(f"| {ir:,} | {ir / ops[mode]:,.0f} | `{name}` |")
         add("")
 add(f"callgrind files and annotations: `{env['WORK']}/`.")
 with open(out, "w") as f:

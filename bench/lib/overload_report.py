@@ -63,13 +63,13 @@ add(f"- server: reflexd as `scenarios/reflexd-small-headroom.toml` (one dataplan
     f"mode, `emu:device-a-small` with its profile, `slo_headroom_us = 100`) with "
     f"`connections_per_thread_max = {connections}` (written to `{env['CONFIG']}`), other limits and "
     f"timeouts at their defaults (handshake 10 s, receive 30 s, send 60 s, park after 1 s). "
-    f"Pinned to CPU {env['SERVER_CPU']} at niceness {env['NICE']}.")
+    f"Pinned to CPU {env['SERVER_CPU']} at {env['PRIORITY']}.")
 add(f"- clients, all pinned to CPU {env['CLIENT_CPU']} (2 vCPUs: the attack competes with the "
     f"LC client for that CPU, never with the server for its own): `reflex bench --scenario "
     f"{env['SCENARIO']}` (LC A 12K IOPS, LC B 7K reserved / 4.5K sent, p95 ≤ 500 µs; BE C and D "
     f"saturating; 2 s warm-up + 10 s) and the fresh client (`reflex flood --fresh-interval "
     f"{env['FRESH_INTERVAL']}`: connect, HELLO, one 4 KiB READ, close, over and over during the "
-    f"scenario) at niceness {env['NICE']}; the attacker at niceness 19.")
+    f"scenario) at {env['PRIORITY']}; the attacker at niceness 19.")
 add(f"- the attack (`reflex flood --source {env['SOURCE']}`): (a) {env['IDLE']} idle connections "
     f"that each completed a HELLO (established, then parked); (b) {env['SLOWLORIS']} slowloris "
     f"connections (2 bytes of a header, then nothing), each replaced when the server closes it, "
@@ -80,6 +80,11 @@ add(f"- the attack (`reflex flood --source {env['SOURCE']}`): (a) {env['IDLE']} 
     f"slowloris replacement) evicts the oldest connection that never completed a request.")
 add(f"- each mode runs on a fresh server; {len(by_mode[modes[0]])} repetitions; cells: median "
     f"(range). Load average before {env['LOAD_BEFORE']}, after {env['LOAD_AFTER']}.")
+add("")
+add(f"- scheduler autogroup: `{env.get('AUTOGROUP', 'none')}`. This kernel groups tasks by session "
+    "(`kernel.sched_autogroup_enabled = 1`) and shares the CPU between sessions before niceness "
+    "counts: the script gives its own session the niceness of its processes, or `nice -n -20` "
+    "would not shield them from other sessions' builds.")
 add("")
 add("## The LC tenants' SLO")
 add("")

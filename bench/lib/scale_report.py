@@ -72,6 +72,10 @@ add("- server CPU per request: `reflex bench --server-pid` reads `/proc/PID/task
     "(exact run time of all the server's threads) when the measurement starts and when it ends; "
     "÷ requests measured. \"others\": share of the server's CPU that other processes kept busy "
     "around the run (/proc/stat minus the server; the machine is shared with other builds).")
+add(f"- scheduler autogroup: `{env.get('AUTOGROUP', 'none')}`. This kernel groups tasks by session "
+    "(`kernel.sched_autogroup_enabled = 1`) and shares the CPU between sessions before niceness "
+    "counts: the script gives its own session the niceness of its processes, or `nice -n -20` "
+    "would not shield them from other sessions' builds.")
 add("- cells: median over the repetitions (range in brackets).")
 add("")
 

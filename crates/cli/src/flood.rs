@@ -123,7 +123,8 @@ pub struct Args {
     /// Create this file once everything is set up.
     #[arg(long, value_name = "FILE")]
     ready_file: Option<PathBuf>,
-    /// End the hold early once this file exists (checked every --check-interval).
+    /// End the hold early once this file exists (looked for every 100 ms, and between the
+    /// paced replacements of a check).
     #[arg(long, value_name = "FILE")]
     stop_file: Option<PathBuf>,
     /// Print JSON instead of the table.
@@ -587,7 +588,7 @@ fn hold(args: &Args, address: SocketAddr, held: &mut Held, report: &mut Report, 
     let io_timeout = Duration::from_secs(1);
     loop {
         let now = Instant::now();
-        if now >= end || args.stop_file.as_ref().is_some_and(|path| path.exists()) {
+        if now >= end || stop_requested(args) {
             return;
         }
         if now >= next_check {
@@ -614,6 +615,11 @@ fn hold(args: &Args, address: SocketAddr, held: &mut Held, report: &mut Report, 
         let wake = next_check.min(end).min(Instant::now() + STOP_FILE_INTERVAL);
         std::thread::sleep(wake.saturating_duration_since(Instant::now()));
     }
+}
+
+/// Whether `--stop-file` exists.
+fn stop_requested(args: &Args) -> bool {
+    args.stop_file.as_ref().is_some_and(|path| path.exists())
 }
 
 /// Drops the idle and slowloris connections the server closed, replacing slowloris ones with
@@ -643,7 +649,8 @@ fn check(
             *slot = None;
             report.slowloris_closed_by_server += 1;
         }
-        if slot.is_none() && args.reconnect && Instant::now() < end {
+        // Replacements are paced, so a check can take seconds: the stop file ends it too.
+        if slot.is_none() && args.reconnect && Instant::now() < end && !stop_requested(args) {
             pacer.wait();
             *slot = slowloris_connect(address, args.source, io_timeout);
             report.slowloris_connects += 1;

@@ -208,3 +208,78 @@ fn bench_binds_its_connections_to_the_handles_given_and_reads_the_server_cpu() {
     drop(owner);
     server.shutdown().expect("shutdown");
 }
+
+#[test]
+fn a_stop_file_ends_the_hold_before_its_duration() {
+    let server = start_server(Config::loopback(vec![NamespaceConfig::new(1, "mem:16M")]));
+    let address = server.native_addr().to_string();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let stop = dir.path().join("stop");
+    std::fs::write(&stop, b"").expect("write the stop file");
+    let report = flood_ok(&[
+        "-s",
+        &address,
+        "--idle",
+        "5",
+        "--stop-file",
+        stop.to_str().expect("path"),
+        "--duration",
+        "600s",
+    ]);
+    assert_eq!(report["idle_established"], 5, "{report}");
+    // Without the stop file the hold would last the whole 600 s.
+    let hold_sec = report["hold_sec"].as_f64().expect("hold_sec");
+    assert!(hold_sec < 600.0, "{report}");
+    server.shutdown().expect("shutdown");
+}
+
+#[test]
+fn bench_runs_the_measure_hooks_once_each_and_fails_with_a_failing_hook() {
+    let server = start_server(Config::loopback(vec![NamespaceConfig::new(1, "mem:16M")]));
+    let address = server.native_addr().to_string();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let marks = dir.path().join("marks");
+    let marks = marks.to_str().expect("path");
+    let start = format!("echo start >> '{marks}'");
+    let end = format!("echo end >> '{marks}'");
+    // A run that ends on its operation quota, then one that ends on its duration.
+    for limit in [["--ops", "200"], ["--duration", "300ms"]] {
+        std::fs::write(marks, b"").expect("clear the marks");
+        let report = bench_ok(&[
+            "-s",
+            &address,
+            "--threads",
+            "2",
+            "--connections",
+            "2",
+            "--warmup",
+            "100ms",
+            limit[0],
+            limit[1],
+            "--at-measure-start",
+            &start,
+            "--at-measure-end",
+            &end,
+        ]);
+        assert_eq!(report["rows"][0]["errors"], 0, "{report}");
+        let text = std::fs::read_to_string(marks).expect("marks");
+        assert_eq!(text, "start\nend\n", "{limit:?}");
+    }
+
+    let output = reflex(&[
+        "bench",
+        "-q",
+        "-s",
+        &address,
+        "--ops",
+        "10",
+        "--warmup",
+        "0",
+        "--at-measure-start",
+        "exit 3",
+    ]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("exit 3"), "stderr: {stderr}");
+    server.shutdown().expect("shutdown");
+}

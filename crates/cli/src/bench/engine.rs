@@ -119,6 +119,29 @@ pub struct EngineConfig {
     /// A server process on this machine whose CPU time (all its threads, from
     /// `/proc/PID/task/*/schedstat`) thread 0 reads at the start and end of the measurement.
     pub server_pid: Option<u32>,
+    /// Shell commands thread 0 runs (and waits for) when the measurement starts and when it
+    /// ends, e.g. zeroing and dumping a profiler's counters of the server.
+    pub measure_hooks: MeasureHooks,
+}
+
+/// Commands run at the edges of the measurement (`reflex bench --at-measure-start/-end`).
+#[derive(Debug, Clone, Default)]
+pub struct MeasureHooks {
+    pub start: Option<String>,
+    pub end: Option<String>,
+}
+
+/// Runs `command` with `sh -c` and waits for it; fails on a non-zero exit.
+fn run_hook(command: &str) -> Result<()> {
+    let status = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .status()
+        .with_context(|| format!("running {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed: {status}");
+    }
+    Ok(())
 }
 
 /// Once-per-second report of one thread.
@@ -475,7 +498,24 @@ impl<'a> ThreadRun<'a> {
             .server_pid
             .filter(|_| self.thread_index == 0 && self.config.phase == Phase::Measure);
         let mut server_cpu_start: Option<u64> = None;
+        let hooks = (self.thread_index == 0 && self.config.phase == Phase::Measure)
+            .then_some(&self.config.measure_hooks);
+        let (mut hook_started, mut hook_ended) = (false, false);
         loop {
+            if let Some(hooks) = hooks {
+                if !hook_started && now >= warmup_ns {
+                    hook_started = true;
+                    if let Some(command) = &hooks.start {
+                        run_hook(command)?;
+                    }
+                }
+                if hook_started && !hook_ended && now >= end_ns {
+                    hook_ended = true;
+                    if let Some(command) = &hooks.end {
+                        run_hook(command)?;
+                    }
+                }
+            }
             if let Some(pid) = server_pid {
                 if server_cpu_start.is_none() && now >= warmup_ns {
                     server_cpu_start = Some(process_cpu_ns(pid)?);
@@ -556,6 +596,11 @@ impl<'a> ThreadRun<'a> {
             }
         }
         // A run that met its operation quota before the end: the measurement ended now.
+        if let (Some(hooks), true, false) = (hooks, hook_started, hook_ended)
+            && let Some(command) = &hooks.end
+        {
+            run_hook(command)?;
+        }
         if let (Some(pid), Some(start_ns), None) =
             (server_pid, server_cpu_start, self.outcome.server_cpu_ns)
         {

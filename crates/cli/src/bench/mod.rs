@@ -179,6 +179,13 @@ pub struct Args {
     /// /proc/PID/task/*/schedstat, and per operation.
     #[arg(long, value_name = "PID")]
     server_pid: Option<u32>,
+    /// A shell command to run (and wait for) when each row's measurement starts, e.g.
+    /// `callgrind_control -z PID` to count a server's instructions in the measurement only.
+    #[arg(long, value_name = "COMMAND")]
+    at_measure_start: Option<String>,
+    /// A shell command to run (and wait for) when each row's measurement ends.
+    #[arg(long, value_name = "COMMAND")]
+    at_measure_end: Option<String>,
 }
 
 /// What the run targets, resolved before any row.
@@ -444,6 +451,10 @@ pub fn run(args: Args) -> Result<()> {
         cpus: args.cpus.clone(),
         bind_handles,
         server_pid: args.server_pid,
+        measure_hooks: engine::MeasureHooks {
+            start: args.at_measure_start.clone(),
+            end: args.at_measure_end.clone(),
+        },
     };
 
     let fill = match verify_seed {

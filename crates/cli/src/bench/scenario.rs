@@ -378,6 +378,7 @@ fn prepare(
             cpus: options.cpus.clone(),
             bind_handles: Vec::new(),
             server_pid: None,
+            measure_hooks: Default::default(),
         };
         prepared.push(Prepared {
             handle,
