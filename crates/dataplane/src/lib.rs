@@ -28,6 +28,7 @@ pub mod gate;
 mod memory;
 pub mod namespaces;
 pub mod steps;
+pub mod telemetry;
 
 pub use crate::core::{
     AcceptRefused, BATCH_MAX, CONNECTION_SLACK, ConnectionId, CoreStats,

@@ -128,6 +128,11 @@ pub struct Layout {
     sector_bytes: u32,
     /// Device bytes per part: the run, less the scratch page for a read-modify-write.
     part_bytes: u32,
+    /// Derived once (the hot path asks for them several times per step): the enclosing
+    /// sectors and the number of parts.
+    aligned_start: u64,
+    aligned_end: u64,
+    part_count: u32,
 }
 
 impl Layout {
@@ -143,15 +148,26 @@ impl Layout {
     ) -> Layout {
         assert!(sector_bytes.is_power_of_two() && sector_bytes <= SCRATCH_BYTES);
         assert!(run_bytes_max.is_multiple_of(SCRATCH_BYTES) && run_bytes_max >= 2 * SCRATCH_BYTES);
+        let mask = u64::from(sector_bytes) - 1;
+        let end_bytes = offset_bytes + u64::from(length_bytes);
         let mut layout = Layout {
             offset_bytes,
             length_bytes,
             sector_bytes,
             part_bytes: run_bytes_max,
+            aligned_start: offset_bytes & !mask,
+            aligned_end: (end_bytes + mask) & !mask,
+            part_count: 0,
         };
         if matches!(kind, IoKind::Write { .. }) && layout.has_edges() {
             layout.part_bytes = run_bytes_max - SCRATCH_BYTES;
         }
+        let span = layout.aligned_end - layout.aligned_start;
+        layout.part_count = if span <= u64::from(layout.part_bytes) {
+            1
+        } else {
+            span.div_ceil(u64::from(layout.part_bytes)) as u32
+        };
         layout
     }
 
@@ -165,12 +181,12 @@ impl Layout {
 
     /// The first byte of the sector holding the request's first byte.
     pub fn aligned_start(&self) -> u64 {
-        self.offset_bytes & !self.mask()
+        self.aligned_start
     }
 
     /// The end of the sector holding the request's last byte.
     pub fn aligned_end(&self) -> u64 {
-        (self.end_bytes() + self.mask()) & !self.mask()
+        self.aligned_end
     }
 
     /// The sectors the request covers whole (where TRIM and WRITE_ZEROES act as usual):
@@ -225,18 +241,27 @@ impl Layout {
 
     /// Parts of a READ or WRITE.
     pub fn part_count(&self) -> u32 {
-        let span = self.aligned_end() - self.aligned_start();
-        span.div_ceil(u64::from(self.part_bytes)) as u32
+        self.part_count
     }
 
     pub fn part(&self, index: u32) -> Part {
         assert!(
-            index < self.part_count(),
+            index < self.part_count,
             "part {index} of {}",
-            self.part_count()
+            self.part_count
         );
-        let start = self.aligned_start() + u64::from(index) * u64::from(self.part_bytes);
-        let device_end = (start + u64::from(self.part_bytes)).min(self.aligned_end());
+        if self.part_count == 1 {
+            // The common case: one part covering the enclosing sectors.
+            return Part {
+                device_offset_bytes: self.aligned_start,
+                device_bytes: (self.aligned_end - self.aligned_start) as u32,
+                data_start: (self.offset_bytes - self.aligned_start) as u32,
+                data_bytes: self.length_bytes,
+                data_offset_bytes: self.offset_bytes,
+            };
+        }
+        let start = self.aligned_start + u64::from(index) * u64::from(self.part_bytes);
+        let device_end = (start + u64::from(self.part_bytes)).min(self.aligned_end);
         let data_from = self.offset_bytes.max(start);
         let data_to = self.end_bytes().min(device_end);
         assert!(data_from < data_to, "a part without data");

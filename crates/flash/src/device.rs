@@ -11,6 +11,11 @@
 //! the safety contract of pushing the entry). Synchronous and emulated devices copy data during
 //! `submit` and keep no pointer.
 //!
+//! Without a ring (the epoll driver, where io_uring is unavailable) the thread asks for its
+//! queue with [`Device::queue_without_ring`]: file devices then run their I/O on a small pool
+//! of threads of their own and report it through [`DeviceQueue::poll_completions`], waking the
+//! thread with the [`Notify`] it passed; every other device behaves as with a ring.
+//!
 //! Completion: every submitted operation completes exactly once, by one of three routes —
 //! [`Submit::Done`] at once; [`DeviceQueue::complete_ring`] returning `Some` for the CQE of a
 //! [`Submit::Ring`] entry; or a [`Completion`] out of [`DeviceQueue::poll_completions`], which
@@ -29,6 +34,7 @@ use std::sync::Arc;
 use reflex_qos::Nanos;
 
 use crate::FlashError;
+use crate::emu::EmuControls;
 use crate::fault::FaultControls;
 
 /// What one request asks of the device.
@@ -118,16 +124,48 @@ pub struct Extent {
     pub allocation: Allocation,
 }
 
+/// Tells a dataplane thread that device completions wait for its
+/// [`DeviceQueue::poll_completions`] (it may be asleep). Called from other threads.
+pub trait Notify: Send + Sync {
+    fn notify(&self);
+}
+
 /// A storage device (one namespace), shared by the dataplane threads.
 pub trait Device: Send + Sync {
     fn info(&self) -> &DeviceInfo;
     /// A queue for one dataplane thread.
     fn queue(&self) -> Box<dyn DeviceQueue>;
 
+    /// A queue for a dataplane thread that has no io_uring: it never returns
+    /// [`Submit::Ring`]. Devices that finish synchronously or in `poll_completions` return
+    /// their usual queue (the default); file devices hand their I/O to a small thread pool
+    /// that reports completions through `poll_completions` and calls `notify` when the
+    /// first of them is waiting, so a sleeping thread wakes up.
+    ///
+    /// # Safety
+    /// The returned queue may keep using an operation's buffer after `submit` returns, as
+    /// the kernel does with a ring entry: the caller must keep every buffer it passes to
+    /// `submit` allocated and untouched (not read, for a read; not written, for a write)
+    /// until that operation's completion has come out of `poll_completions` (or
+    /// `submit` returned `Submit::Done`), and must never free such a buffer while the
+    /// operation is outstanding, even after dropping the queue.
+    #[allow(unsafe_code)]
+    unsafe fn queue_without_ring(&self, notify: Arc<dyn Notify>) -> Box<dyn DeviceQueue> {
+        let _ = notify;
+        self.queue()
+    }
+
     /// The run-time switch of a fault-injecting device ([`crate::fault`]), so an admin
     /// interface holding only `Arc<dyn Device>` can change its faults; `None` for every device
     /// that injects none.
     fn fault_controls(&self) -> Option<Arc<FaultControls>> {
+        None
+    }
+
+    /// The run-time drift switch of an emulated Flash device ([`crate::emu::drift`]: slow it
+    /// down, speed it up, stall it), also through wrappers such as `fault:`; `None` for every
+    /// other device.
+    fn emu_controls(&self) -> Option<Arc<EmuControls>> {
         None
     }
 

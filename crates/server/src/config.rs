@@ -75,6 +75,55 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// Which I/O driver runs the dataplane threads: `driver` in the file, `--driver` on the
+/// command line. See `docs/OPERATIONS.md` ("I/O driver").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DriverChoice {
+    /// io_uring when the kernel offers everything reflexd needs, otherwise epoll (with one
+    /// log line naming the reason).
+    #[default]
+    Auto,
+    /// io_uring or nothing: start-up fails with the reason when it is unavailable.
+    Uring,
+    /// epoll, with file and block device I/O on a small thread pool per device.
+    Epoll,
+}
+
+impl DriverChoice {
+    pub const NAMES: [&'static str; 3] = ["auto", "uring", "epoll"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DriverChoice::Auto => "auto",
+            DriverChoice::Uring => "uring",
+            DriverChoice::Epoll => "epoll",
+        }
+    }
+}
+
+impl std::str::FromStr for DriverChoice {
+    type Err = ConfigError;
+
+    fn from_str(text: &str) -> Result<DriverChoice, ConfigError> {
+        match text.trim() {
+            "auto" => Ok(DriverChoice::Auto),
+            "uring" | "io_uring" => Ok(DriverChoice::Uring),
+            "epoll" => Ok(DriverChoice::Epoll),
+            other => Err(ConfigError::Invalid(format!(
+                "driver {other:?}: expected one of {}",
+                DriverChoice::NAMES.join(", ")
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for DriverChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A byte count written as a number or a string with a binary suffix (`"1G"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteSize(pub u64);
@@ -476,6 +525,8 @@ pub struct Config {
     /// even where waking from a sleep costs hundreds of microseconds. `"0s"`: never spins.
     #[serde(with = "humantime_serde")]
     pub spin_before_deadline_max: Duration,
+    /// The I/O driver: io_uring, epoll, or io_uring when available (the default).
+    pub driver: DriverChoice,
     /// Outstanding requests per connection; more are not read until some complete.
     pub window: u32,
     #[serde(deserialize_with = "size_bytes")]
@@ -535,6 +586,7 @@ impl Default for Config {
             threads: 1,
             poll: false,
             spin_before_deadline_max: Duration::from_micros(500),
+            driver: DriverChoice::Auto,
             window: WINDOW_DEFAULT,
             arena_bytes_per_thread: ARENA_BYTES_PER_THREAD_DEFAULT,
             connections_per_thread_max: CONNECTIONS_PER_THREAD_DEFAULT,
@@ -917,7 +969,36 @@ mod tests {
         assert_eq!(config.namespaces[1].size_bytes, Some(10 << 30));
         assert!(config.namespaces[1].read_only);
         assert_eq!(config.effective_original_ports()[0].port, 1300);
+        assert_eq!(config.driver, DriverChoice::Auto);
         assert!(Config::from_toml("bogus = 1", "test").is_err());
+    }
+
+    #[test]
+    fn driver_choice_from_the_file_and_the_flag() {
+        for (text, expected) in [
+            ("auto", DriverChoice::Auto),
+            ("uring", DriverChoice::Uring),
+            ("epoll", DriverChoice::Epoll),
+        ] {
+            let config = Config::from_toml(&format!("driver = {text:?}"), "test")
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(config.driver, expected);
+            assert_eq!(text.parse::<DriverChoice>().ok(), Some(expected));
+            assert_eq!(expected.to_string(), text);
+        }
+        assert_eq!(
+            "io_uring".parse::<DriverChoice>().ok(),
+            Some(DriverChoice::Uring)
+        );
+        assert!(Config::from_toml("driver = \"kqueue\"", "test").is_err());
+        let refused = "kqueue"
+            .parse::<DriverChoice>()
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            refused.as_deref(),
+            Some("invalid configuration: driver \"kqueue\": expected one of auto, uring, epoll")
+        );
     }
 
     #[test]

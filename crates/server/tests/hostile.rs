@@ -605,3 +605,76 @@ fn an_idle_connection_parks_without_its_buffer_and_wakes_on_the_next_request() {
     let parked: u64 = stats.iter().map(|s| s.connections_parked).sum();
     assert!(parked >= 3, "parked {parked} times");
 }
+
+/// A failing device is logged once per burst with a count, not once per request (issue 9
+/// item 7): the real binary's log, read back.
+#[test]
+fn a_failing_device_is_logged_once_per_burst() {
+    use std::io::BufRead;
+    use std::process::Stdio;
+    let mut child = common::reflexd_command()
+        .args(["--port", "0", "--no-original", "--no-nbd", "--threads", "1"])
+        .args(["--namespace", "1=fault(read_error_rate=100%):mem:16M"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
+    let Some(stderr) = child.stderr.take() else {
+        panic!("no stderr");
+    };
+    let (lines_tx, lines_rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines_tx.send(line);
+        }
+    });
+    let mut log = Vec::new();
+    let addr: SocketAddr = loop {
+        let line = lines_rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("reflexd did not start: {e}"));
+        let found = line.split("native=").nth(1).map(|rest| {
+            let text = rest.split_whitespace().next().unwrap_or_default();
+            text.parse()
+                .unwrap_or_else(|e| panic!("address {text:?}: {e}"))
+        });
+        log.push(line);
+        if let Some(addr) = found {
+            break addr;
+        }
+    };
+    let mut client = Client::connect(addr).unwrap_or_else(|e| panic!("{e}"));
+    let mut back = vec![0u8; 4096];
+    for _ in 0..200 {
+        assert!(client.read(1, 0, &mut back).is_err());
+    }
+    // The burst ends after a second without failures; its summary line follows.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !log.iter().any(|l| l.contains("device I/O failures ended")) {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        match lines_rx.recv_timeout(remaining) {
+            Ok(line) => log.push(line),
+            Err(_) => panic!("no end-of-burst line:\n{}", log.join("\n")),
+        }
+    }
+    drop(client);
+    let _ = child.kill();
+    let _ = child.wait();
+    let failed = log
+        .iter()
+        .filter(|l| l.contains("device I/O failed"))
+        .count();
+    assert_eq!(failed, 1, "one line for the burst:\n{}", log.join("\n"));
+    let summary = log
+        .iter()
+        .find(|l| l.contains("device I/O failures ended"))
+        .unwrap_or_else(|| panic!("no summary"));
+    assert!(
+        summary.contains("burst_failures=200"),
+        "the summary counts every failure: {summary}"
+    );
+}

@@ -35,6 +35,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod common;
+
 /// The server the checks run against when `REFLEX_NBD_SERVER` is not set.
 const DEFAULT_SERVER_UNDER_TEST: ServerKind = ServerKind::Reflexd;
 /// Size of every export the checks create.
@@ -620,11 +622,13 @@ impl NbdServer {
                     push(&"--namespace");
                     push(&namespace);
                 }
-                (
-                    "reflexd".into(),
-                    PathBuf::from(env!("CARGO_BIN_EXE_reflexd")),
-                    args,
-                )
+                // Through the test runner when there is one (a cross-compiled run), on the
+                // driver REFLEX_DRIVER names.
+                let (program, mut command_args) =
+                    common::workspace_binary(Path::new(env!("CARGO_BIN_EXE_reflexd")));
+                command_args.extend(common::driver_args().into_iter().map(OsString::from));
+                command_args.extend(args);
+                ("reflexd".into(), program, command_args)
             }
             ServerKind::Nbdkit
             | ServerKind::NbdkitNull

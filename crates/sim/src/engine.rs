@@ -23,9 +23,7 @@ use rand_xoshiro::rand_core::{Rng, SeedableRng};
 use reflex_client::{ConnectionCore, CoreOptions, SubmitError};
 use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
 use reflex_dataplane::frontend::Protocol;
-use reflex_dataplane::{
-    DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits, TenantStats,
-};
+use reflex_dataplane::{Limits, TenantStats};
 use reflex_flash::Device;
 use reflex_proto::native::{Opcode, RegisterBody, TenantClassRequest};
 use reflex_qos::{DeviceProfile, Nanos, Policy, QosConfig, TenantClass, TenantSpec};
@@ -197,27 +195,11 @@ fn limits_for(config: &SimConfig) -> Limits {
         .iter()
         .map(|t| t.connections.len() as u32)
         .sum();
-    let (connection_pages_max, arena_reserve_pages, connection_pages_share) =
-        Limits::shares_for_arena(arena_bytes as usize, 100);
     Limits {
         window,
         requests_max: (window_total as u32 + 64).max(window),
         connections_max: connections.max(1) + 16,
-        connections_reserved_per_listener: 0,
-        connections_per_source_max: None,
-        recv_buffer_bytes: 64 << 10,
-        arena_bytes: arena_bytes as usize,
-        connection_pages_max,
-        arena_reserve_pages,
-        connection_pages_share,
-        handshake_timeout: None,
-        idle_timeout: None,
-        receive_timeout: None,
-        send_timeout: None,
-        device_timeout: None,
-        drain_timeout: DRAIN_TIMEOUT_DEFAULT,
-        device_in_flight_max: DEVICE_IN_FLIGHT_PER_THREAD_MAX,
-        park_after: None,
+        ..Limits::with_arena(arena_bytes as usize, 100)
     }
 }
 

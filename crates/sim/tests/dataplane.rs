@@ -7,10 +7,7 @@ use std::sync::Arc;
 use reflex_client::{ConnectionCore, CoreOptions};
 use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
 use reflex_dataplane::frontend::Protocol;
-use reflex_dataplane::{
-    DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits, RECV_BUFFERS_SPARE_MAX,
-    RequestState,
-};
+use reflex_dataplane::{Limits, RECV_BUFFERS_SPARE_MAX, RequestState};
 use reflex_flash::Device;
 use reflex_qos::{Nanos, QosConfig};
 use reflex_sim::{
@@ -20,29 +17,7 @@ use reflex_sim::{
 const NAMESPACE: u32 = 1;
 
 fn limits() -> Limits {
-    let arena_bytes = 32 << 20;
-    let (connection_pages_max, arena_reserve_pages, connection_pages_share) =
-        Limits::shares_for_arena(arena_bytes, 25);
-    Limits {
-        window: 128,
-        requests_max: 4096,
-        connections_max: 1024,
-        connections_reserved_per_listener: 0,
-        connections_per_source_max: None,
-        recv_buffer_bytes: 64 << 10,
-        arena_bytes,
-        connection_pages_max,
-        arena_reserve_pages,
-        connection_pages_share,
-        handshake_timeout: None,
-        idle_timeout: None,
-        receive_timeout: None,
-        send_timeout: None,
-        device_timeout: None,
-        drain_timeout: DRAIN_TIMEOUT_DEFAULT,
-        device_in_flight_max: DEVICE_IN_FLIGHT_PER_THREAD_MAX,
-        park_after: None,
-    }
+    Limits::with_arena(32 << 20, 25)
 }
 
 /// A server with one thread and one namespace on `device`.
@@ -260,4 +235,27 @@ fn shutdown_answers_the_requests_in_flight_then_finishes() {
         4096,
         "every request slot is free again"
     );
+}
+
+#[test]
+fn read_latency_is_measured_from_arrival_to_the_answer_leaving() {
+    // 100 µs per read on the device, 20 µs each way on the network: the server sees the
+    // device time only (it measures from the request's arrival off the socket to its answer
+    // leaving), whatever the network adds.
+    let network = NetworkModel {
+        latency: Nanos(20_000),
+        ..NetworkModel::default()
+    };
+    let mut server = server(slow(), limits(), network);
+    let mut client = Client::connect(&mut server);
+    for id in 0..10 {
+        client.read(&mut server, id, id * 4096, 4096);
+        run_until(&mut server, Nanos((id + 1) * 2 * MS));
+        client.take_answers(&mut server);
+    }
+    assert_eq!(client.answered.len(), 10);
+    let reads = &server.dataplane(0).namespace_telemetry(0).reads;
+    assert_eq!(reads.count(), 10);
+    let median = reads.quantile_us(0.5);
+    assert!((100..=107).contains(&median), "median {median} µs");
 }

@@ -123,14 +123,25 @@ impl Dataplane {
         }
     }
 
-    /// The device operation of the request's current step.
+    /// The device operation of the request's current step (computed when the step was set).
     fn operation(&self, index: u32) -> Operation {
+        let operation = self.requests[index as usize].operation;
+        debug_assert_eq!(operation, self.compute_operation(index));
+        operation
+    }
+
+    fn compute_operation(&self, index: u32) -> Operation {
         let Work::Io { io, run, step, .. } = self.requests[index as usize].work else {
             panic!("a device operation for a request without I/O");
         };
-        let layout = self.layout(io);
+        let layout = self.requests[index as usize].layout;
         let run_bytes = run.map_or(0, |run| zero_run_bytes(&layout, io, run.size_bytes()));
         steps::operation(io.kind, &layout, step, run_bytes)
+    }
+
+    /// Caches the device operation of the request's new step.
+    pub(super) fn refresh_operation(&mut self, index: u32) {
+        self.requests[index as usize].operation = self.compute_operation(index);
     }
 
     /// Scheduling rounds on every namespace, after the blocked requests had their retry.
@@ -369,7 +380,7 @@ impl Dataplane {
             *discards = false;
         }
         let discards = *discards;
-        let layout = self.layout(io);
+        let layout = self.requests[index as usize].layout;
         let run_bytes = run.map_or(0, |run| zero_run_bytes(&layout, io, run.size_bytes()));
         let next = steps::after_step(io.kind, &layout, step, run_bytes, discards, &result);
         match (&next, &result) {
@@ -450,7 +461,7 @@ impl Dataplane {
             return;
         }
         if answer.is_ok() && io.kind == IoKind::Read {
-            let last = self.layout(io).part_count() - 1;
+            let last = self.requests[index as usize].layout.part_count() - 1;
             self.respond_read(index, last, true);
         } else {
             self.respond(index, answer, run, 0);
@@ -471,6 +482,7 @@ impl Dataplane {
             };
             self.arena.run_mut(run, run.size_bytes()).fill(0);
         }
+        self.refresh_operation(index);
     }
 
     /// Requests whose device operation outlived the limit: each is answered with an error

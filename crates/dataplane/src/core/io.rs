@@ -103,7 +103,9 @@ impl Dataplane {
         } else {
             None
         };
-        self.requests[index as usize].work = Work::Io {
+        let request = &mut self.requests[index as usize];
+        request.layout = layout;
+        request.work = Work::Io {
             io,
             run,
             step: IoStep::Primary,
@@ -123,7 +125,7 @@ impl Dataplane {
     pub(super) fn begin_step(&mut self, index: u32, now: Nanos) {
         let request = &self.requests[index as usize];
         if request.gate == GatePlace::Outside
-            && let Some(range) = self.write_range(request.io())
+            && let Some(range) = self.write_range(request.io(), &request.layout)
         {
             let gate = self.namespaces.write_gate(request.io().namespace_index);
             let place = match gate.acquire(range) {
@@ -147,8 +149,7 @@ impl Dataplane {
 
     /// The sectors a request writes, with its edge sectors if it reads them first; `None`
     /// for requests that write nothing.
-    fn write_range(&self, io: IoRequest) -> Option<WriteRange> {
-        let layout = self.layout(io);
+    fn write_range(&self, io: IoRequest, layout: &Layout) -> Option<WriteRange> {
         let sector_bytes = self.namespaces.info(io.namespace_index).block_size;
         let edges = [Edge::Head, Edge::Tail].map(|edge| {
             layout
@@ -188,7 +189,8 @@ impl Dataplane {
             GatePlace::Waiting(Some(hold)) | GatePlace::Holding(hold) => hold,
         };
         let io = request.io();
-        let Some(range) = self.write_range(io) else {
+        let layout = request.layout;
+        let Some(range) = self.write_range(io, &layout) else {
             panic!("a gate place for a request that writes nothing");
         };
         self.namespaces
@@ -235,7 +237,7 @@ impl Dataplane {
                 GatePlace::Waiting(Some(hold)) if gate.retry(hold) => GatePlace::Holding(hold),
                 GatePlace::Waiting(Some(hold)) => GatePlace::Waiting(Some(hold)),
                 GatePlace::Waiting(None) => {
-                    let Some(range) = self.write_range(io) else {
+                    let Some(range) = self.write_range(io, &request.layout) else {
                         panic!("waiting at the gate without writing");
                     };
                     match gate.acquire(range) {
@@ -261,7 +263,7 @@ impl Dataplane {
     pub(super) fn take_payload(&mut self, index: u32, now: Nanos) {
         let request = &self.requests[index as usize];
         let Work::Io {
-            io,
+            io: _,
             run: Some(run),
             step,
             received_bytes,
@@ -270,7 +272,7 @@ impl Dataplane {
             panic!("payload for a request without a run");
         };
         let connection_index = request.connection_index;
-        let layout = self.layout(io);
+        let layout = self.requests[index as usize].layout;
         let part = layout.part(layout.receiving_part(step));
         let connection = &mut self.connections[connection_index as usize];
         let available = connection.recv_end - connection.recv_start;
@@ -321,7 +323,7 @@ impl Dataplane {
         let request = &self.requests[index as usize];
         assert_eq!(request.state, RequestState::Receiving);
         let Work::Io {
-            io,
+            io: _,
             run: Some(run),
             step,
             received_bytes,
@@ -329,7 +331,7 @@ impl Dataplane {
         else {
             panic!("receiving a payload without a run");
         };
-        let layout = self.layout(io);
+        let layout = self.requests[index as usize].layout;
         let part = layout.part(layout.receiving_part(step));
         assert!(received_bytes < part.data_bytes);
         let end = (part.data_start + part.data_bytes) as usize;
@@ -341,7 +343,7 @@ impl Dataplane {
     pub(super) fn payload_received(&mut self, index: u32, bytes: usize, now: Nanos) {
         let request = &mut self.requests[index as usize];
         let Work::Io {
-            io,
+            io: _,
             step,
             received_bytes,
             ..
@@ -349,7 +351,7 @@ impl Dataplane {
         else {
             panic!("receiving a payload without I/O");
         };
-        let layout = self.layout(io);
+        let layout = self.requests[index as usize].layout;
         let part = layout.part(layout.receiving_part(step));
         let received_bytes = received_bytes + bytes as u32;
         assert!(received_bytes <= part.data_bytes);
@@ -363,10 +365,10 @@ impl Dataplane {
     /// goes to the device.
     fn part_payload_complete(&mut self, index: u32, now: Nanos) {
         let request = &self.requests[index as usize];
-        let Work::Io { io, step, .. } = request.work else {
+        let Work::Io { io: _, step, .. } = request.work else {
             panic!("a payload for a request without I/O");
         };
-        let layout = self.layout(io);
+        let layout = self.requests[index as usize].layout;
         let last = layout.receiving_part(step) + 1 == layout.part_count();
         let connection = &mut self.connections[request.connection_index as usize];
         connection.payload = if last { None } else { Some(index) };
@@ -385,7 +387,7 @@ impl Dataplane {
         else {
             panic!("skipping the payload of a request without I/O");
         };
-        let layout = self.layout(io);
+        let layout = self.requests[index as usize].layout;
         let part = layout.part(layout.receiving_part(step));
         let consumed = part.data_offset_bytes - io.offset_bytes + u64::from(received_bytes);
         let remaining = u64::from(io.length_bytes) - consumed;
@@ -406,7 +408,7 @@ impl Dataplane {
         else {
             panic!("an edge read without a run");
         };
-        let layout = self.layout(io);
+        let layout = self.requests[index as usize].layout;
         let bytes = self.arena.run_mut(run, run.size_bytes());
         match io.kind {
             IoKind::Write { .. } => steps::merge_edge(&layout, edge, bytes),
@@ -426,7 +428,7 @@ impl Dataplane {
             panic!("READ data without a run");
         };
         let connection_index = request.connection_index;
-        let layout = self.layout(io);
+        let layout = self.requests[index as usize].layout;
         let data = layout.part(part);
         let piece = ReadPiece {
             offset_bytes: data.data_offset_bytes,
@@ -461,6 +463,15 @@ impl Dataplane {
                 exclusive,
             }
         };
+        if last {
+            let tenant = reflex_qos::TenantId(io.tenant.id);
+            let latency_critical = self.qos[usize::from(io.namespace_index)]
+                .scheduler
+                .tenant_class(tenant)
+                == Some(reflex_qos::TenantClass::LatencyCritical);
+            self.requests[index as usize].measured_read =
+                Some((io.namespace_index, latency_critical));
+        }
         self.transition(index, RequestState::Completed);
         if last {
             self.stats.requests_answered += 1;
@@ -493,6 +504,7 @@ impl Dataplane {
             step: IoStep::Transfer { part: part + 1 },
             received_bytes: 0,
         };
+        self.refresh_operation(index);
         self.begin_step(index, now);
     }
 

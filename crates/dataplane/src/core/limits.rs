@@ -56,6 +56,35 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// Limits around an arena of `arena_bytes` with connections allowed `connection_percent`
+    /// of it: window 128, 4096 request slots, 1024 connections, 64 KiB receive buffers, no
+    /// timeouts and no parking (a simulation or a test sets what it exercises; reflexd derives
+    /// its limits from its configuration).
+    pub fn with_arena(arena_bytes: usize, connection_percent: u32) -> Limits {
+        let (connection_pages_max, arena_reserve_pages, connection_pages_share) =
+            Limits::shares_for_arena(arena_bytes, connection_percent);
+        Limits {
+            window: 128,
+            requests_max: 4096,
+            connections_max: 1024,
+            connections_reserved_per_listener: 0,
+            connections_per_source_max: None,
+            recv_buffer_bytes: 64 << 10,
+            arena_bytes,
+            connection_pages_max,
+            arena_reserve_pages,
+            connection_pages_share,
+            handshake_timeout: None,
+            idle_timeout: None,
+            receive_timeout: None,
+            send_timeout: None,
+            device_timeout: None,
+            drain_timeout: DRAIN_TIMEOUT_DEFAULT,
+            device_in_flight_max: DEVICE_IN_FLIGHT_PER_THREAD_MAX,
+            park_after: None,
+        }
+    }
+
     /// Fair shares of an arena of `arena_bytes`: `(connection_pages_max,
     /// arena_reserve_pages, connection_pages_share)`. A connection may hold `connection_percent`
     /// of it (at least one maximal run); the last eighth is kept for connections holding at

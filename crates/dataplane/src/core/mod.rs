@@ -40,6 +40,7 @@ use crate::control::{ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX, N
 use crate::frontend::{NbdExports, Protocol};
 use crate::memory::Arena;
 use crate::namespaces::NamespaceSet;
+use crate::telemetry::LatencyHistogram;
 
 mod connection;
 mod dispatch;
@@ -54,9 +55,6 @@ mod shutdown;
 mod stats;
 mod tenants;
 mod timeouts;
-
-#[cfg(test)]
-mod tests;
 
 use connection::{Connection, Listener};
 use errors::DeviceErrorLog;
@@ -73,6 +71,15 @@ pub use stats::CoreStats;
 use tenants::NamespaceQos;
 pub use tenants::{NOTICES_PENDING_MAX, TenantStats};
 pub use timeouts::HOUSEKEEPING_INTERVAL;
+
+/// One namespace's read latencies on this thread, from arrival off the socket to the answer's
+/// last byte leaving: all reads since start, and the latency-critical tenants' reads of the
+/// current window (what online self-calibration compares with the SLO).
+#[derive(Debug, Clone, Default)]
+pub struct NamespaceTelemetry {
+    pub reads: LatencyHistogram,
+    pub window_latency_critical_reads: LatencyHistogram,
+}
 
 /// Completions a driver handles per iteration (the paper's adaptive batching cap).
 pub const BATCH_MAX: usize = 64;
@@ -155,6 +162,8 @@ pub struct Dataplane {
     /// Accounts of tenant ids that were reused by another tenant on this thread, by handle.
     retired_accounts: BTreeMap<u64, TenantStats>,
     device_errors: DeviceErrorLog,
+    /// Per namespace: read latencies measured as answers leave.
+    telemetry: Vec<NamespaceTelemetry>,
     /// Requests waiting at the write gate (`io`).
     gate_waits: GateWaits,
     /// Scratch: the extents of one block status.
@@ -205,6 +214,7 @@ impl Dataplane {
                 accounts: Vec::new(),
             });
         }
+        let qos_count = setup.namespaces.len();
         let namespace_ids = (0..setup.namespaces.len())
             .map(|index| setup.namespaces.id(index as u16))
             .collect();
@@ -246,6 +256,7 @@ impl Dataplane {
             messages: Vec::with_capacity(MESSAGES_PER_ITERATION_MAX),
             retired_accounts: BTreeMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
+            telemetry: vec![NamespaceTelemetry::default(); qos_count],
             gate_waits: GateWaits::new(limits.requests_max),
             extents: Vec::with_capacity(crate::frontend::BLOCK_STATUS_EXTENTS_MAX),
             housekeeping_at: setup.now,
@@ -317,7 +328,9 @@ impl Dataplane {
                 consider(due);
             }
         }
-        if let Phase::Draining { deadline: due, .. } = self.phase {
+        if let Phase::Draining { deadline: due, .. } | Phase::Flushing { deadline: due } =
+            self.phase
+        {
             consider(due);
         }
         if self.housekeeping_needed() {
@@ -373,6 +386,11 @@ impl Dataplane {
     pub fn set_driver_stats(&mut self, registered_buffers: bool, sq_full_flushes: u64) {
         self.stats.registered_buffers = registered_buffers;
         self.stats.sq_full_flushes = sq_full_flushes;
+    }
+
+    /// Read latencies of a namespace measured on this thread.
+    pub fn namespace_telemetry(&self, namespace_index: u16) -> &NamespaceTelemetry {
+        &self.telemetry[usize::from(namespace_index)]
     }
 
     /// Device failures counted on a namespace so far.

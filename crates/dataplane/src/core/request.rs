@@ -17,9 +17,11 @@ use reflex_qos::Nanos;
 
 use super::Dataplane;
 use crate::buffers::PageRun;
+use crate::buffers::RUN_SIZE_MAX;
+use crate::frontend::IoKind;
 use crate::frontend::{Action, IoRequest, RESPONSE_HEADER_SIZE_MAX, Tag};
 use crate::gate::Hold;
-use crate::steps::IoStep;
+use crate::steps::{IoStep, Layout, Operation};
 
 /// "No request" in the intrusive lists (send queues).
 pub(super) const NONE: u32 = u32::MAX;
@@ -45,9 +47,54 @@ pub enum RequestState {
 
 pub const REQUEST_STATE_COUNT: usize = 10;
 
+/// Every state, in discriminant order (for the transition table).
+const STATES: [RequestState; REQUEST_STATE_COUNT] = [
+    RequestState::Free,
+    RequestState::NeedBuffer,
+    RequestState::Receiving,
+    RequestState::Queued,
+    RequestState::Submitted,
+    RequestState::Completed,
+    RequestState::Sending,
+    RequestState::Blocked,
+    RequestState::Orphaned,
+    RequestState::Overlapping,
+];
+
+const _: () = {
+    let mut index = 0;
+    while index < REQUEST_STATE_COUNT {
+        assert!(STATES[index] as usize == index);
+        index += 1;
+    }
+};
+
+/// `LEGAL[from] & (1 << to)`: the moves [`RequestState::legal`] allows, as one bit test on
+/// the hot path.
+const LEGAL: [u16; REQUEST_STATE_COUNT] = {
+    let mut table = [0u16; REQUEST_STATE_COUNT];
+    let mut from = 0;
+    while from < REQUEST_STATE_COUNT {
+        let mut to = 0;
+        while to < REQUEST_STATE_COUNT {
+            if STATES[from].legal(STATES[to]) {
+                table[from] |= 1 << to;
+            }
+            to += 1;
+        }
+        from += 1;
+    }
+    table
+};
+
 impl RequestState {
-    /// Legal moves; freeing early is legal only when no operation uses the request.
+    /// Whether a request may move from `self` to `to` (a table lookup of [`Self::legal`]).
     pub(super) fn can_become(self, to: RequestState) -> bool {
+        LEGAL[self as usize] & (1 << to as usize) != 0
+    }
+
+    /// Legal moves; freeing early is legal only when no operation uses the request.
+    pub(super) const fn legal(self, to: RequestState) -> bool {
         use RequestState::*;
         matches!(
             (self, to),
@@ -157,6 +204,11 @@ pub(super) struct Request {
     pub(super) connection_index: u32,
     pub(super) tag: Tag,
     pub(super) work: Work,
+    /// How an I/O request lies on its device's sectors (set when it starts; the hot path
+    /// reads it several times per step).
+    pub(super) layout: Layout,
+    /// The device operation of the current step (set with the step).
+    pub(super) operation: Operation,
     pub(super) gate: GatePlace,
     pub(super) header: [u8; RESPONSE_HEADER_SIZE_MAX],
     pub(super) header_len: u8,
@@ -165,6 +217,9 @@ pub(super) struct Request {
     /// When the request arrived (its first byte was parsed), when its current step entered a
     /// scheduler, and when that step went to the device.
     pub(super) arrived_at: Nanos,
+    /// A READ whose answer is measured once it has been sent: its namespace and whether its
+    /// tenant is latency-critical (`docs/QOS.md`, online self-calibration).
+    pub(super) measured_read: Option<(u16, bool)>,
     pub(super) queued_at: Nanos,
     pub(super) submitted_at: Nanos,
 }
@@ -177,11 +232,14 @@ impl Request {
             connection_index: NONE,
             tag: Tag::None,
             work: Work::Idle,
+            layout: Layout::new(IoKind::Read, 0, 512, 512, RUN_SIZE_MAX as u32),
+            operation: Operation::Flush,
             gate: GatePlace::Outside,
             header: [0; RESPONSE_HEADER_SIZE_MAX],
             header_len: 0,
             next: NONE,
             arrived_at: Nanos::ZERO,
+            measured_read: None,
             queued_at: Nanos::ZERO,
             submitted_at: Nanos::ZERO,
         }
@@ -245,6 +303,7 @@ impl Dataplane {
         request.header_len = 0;
         request.next = NONE;
         request.arrived_at = now;
+        request.measured_read = None;
         let connection = &mut self.connections[connection_index as usize];
         connection.outstanding += 1;
         assert!(connection.outstanding <= self.limits.window);
@@ -289,5 +348,27 @@ impl Dataplane {
             // The window may have opened, or the connection may now be idle.
             self.mark_parse(connection_index);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_transition_table_is_the_rule() {
+        for from in STATES {
+            for to in STATES {
+                assert_eq!(from.can_become(to), from.legal(to), "{from:?} -> {to:?}");
+            }
+        }
+        use RequestState::*;
+        assert!(Free.can_become(Queued));
+        assert!(Queued.can_become(Submitted));
+        assert!(Submitted.can_become(Orphaned));
+        assert!(!Submitted.can_become(Sending));
+        assert!(!Free.can_become(Free));
+        assert!(!Free.can_become(Submitted));
+        assert!(!Orphaned.can_become(Completed));
     }
 }

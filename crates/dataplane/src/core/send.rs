@@ -174,6 +174,23 @@ impl Dataplane {
         }
     }
 
+    /// A READ's answer has left: its latency, from its arrival off the socket to now, goes
+    /// into its namespace's histograms.
+    fn measure_sent(&mut self, index: u32, now: Nanos) {
+        let request = &self.requests[index as usize];
+        let Some((namespace_index, latency_critical)) = request.measured_read else {
+            return;
+        };
+        let latency_us = now.saturating_since(request.arrived_at).0 / 1_000;
+        let telemetry = &mut self.telemetry[usize::from(namespace_index)];
+        telemetry.reads.record_us(latency_us);
+        if latency_critical {
+            telemetry
+                .window_latency_critical_reads
+                .record_us(latency_us);
+        }
+    }
+
     /// A send finished: `Ok(n)` bytes of [`Self::send_segments`] went out, `Err(errno)`: it
     /// failed or was cancelled.
     pub fn handle_sent(&mut self, id: ConnectionId, result: Result<usize, i32>, now: Nanos) {
@@ -207,6 +224,7 @@ impl Dataplane {
                     // A part of a large READ is out: the request reads the next one.
                     self.part_sent(head, now);
                 } else {
+                    self.measure_sent(head, now);
                     self.free_request(head);
                 }
             } else {

@@ -3,8 +3,10 @@
 //! requests ESHUTDOWN until then (the spec's graceful shutdown); then every device is flushed.
 //!
 //! Bounded: after `drain_timeout` the connections that still have answers pending are
-//! aborted; if a device still holds operations one more `drain_timeout` later, they are
-//! abandoned (logged; the driver must then keep the arena alive rather than free it).
+//! aborted; whatever still waits one more `drain_timeout` later (operations a device never
+//! answered, requests queued behind them) is abandoned, and a shutdown flush that a device
+//! never answers is abandoned after `drain_timeout` too (logged; the driver must then keep
+//! the arena alive rather than free it, and may exit with the device's operations in flight).
 
 use reflex_flash::FlashError;
 use reflex_qos::Nanos;
@@ -17,7 +19,7 @@ use super::ops::{DeviceCommand, DeviceOpId, DeviceOpKind, Op};
 pub(super) enum Phase {
     Running,
     Draining { deadline: Nanos, aborted: bool },
-    Flushing,
+    Flushing { deadline: Nanos },
     Finished,
 }
 
@@ -37,7 +39,7 @@ impl Dataplane {
     /// driver must not free memory they may still write.
     pub fn abandoned_device_operations(&self) -> u32 {
         if self.phase == Phase::Finished {
-            self.device_in_flight
+            self.device_in_flight + self.flushes_pending
         } else {
             0
         }
@@ -59,7 +61,7 @@ impl Dataplane {
         match self.phase {
             Phase::Running => self.shutdown_requested,
             Phase::Draining { .. } => self.drained(),
-            Phase::Flushing => self.flushes_pending == 0,
+            Phase::Flushing { .. } => self.flushes_pending == 0,
             Phase::Finished => false,
         }
     }
@@ -81,7 +83,7 @@ impl Dataplane {
             }
             Phase::Draining { deadline, aborted } => {
                 if self.drained() {
-                    self.start_flush();
+                    self.start_flush(now);
                 } else if now >= deadline && !aborted {
                     tracing::warn!(
                         thread = self.thread_index,
@@ -96,17 +98,27 @@ impl Dataplane {
                             self.abort_connection(index, "drain timeout");
                         }
                     }
-                } else if now >= deadline && self.free_connections.len() == self.connections.len() {
+                } else if now >= deadline {
+                    let closing = self.connections.len() - self.free_connections.len();
                     tracing::error!(
                         thread = self.thread_index,
                         device_operations = self.device_in_flight,
-                        "devices never answered; abandoning their operations"
+                        queued = self.qos_queued + self.blocked.len() as u32,
+                        connections = closing,
+                        "shutdown cannot finish: abandoning what devices never answered"
                     );
                     self.phase = Phase::Finished;
                 }
             }
-            Phase::Flushing => {
+            Phase::Flushing { deadline } => {
                 if self.flushes_pending == 0 {
+                    self.phase = Phase::Finished;
+                } else if now >= deadline {
+                    tracing::error!(
+                        thread = self.thread_index,
+                        flushes = self.flushes_pending,
+                        "a device never answered its shutdown flush: abandoning it"
+                    );
                     self.phase = Phase::Finished;
                 }
             }
@@ -177,8 +189,10 @@ impl Dataplane {
         true
     }
 
-    fn start_flush(&mut self) {
-        self.phase = Phase::Flushing;
+    fn start_flush(&mut self, now: Nanos) {
+        self.phase = Phase::Flushing {
+            deadline: now + self.limits.drain_timeout,
+        };
         for namespace_index in 0..self.namespaces.len() as u16 {
             self.flushes_pending += 1;
             self.ops.push_back(Op::Device(DeviceCommand {

@@ -23,7 +23,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types};
-use reflex_dataplane::namespaces::NamespaceSet;
 use reflex_dataplane::{
     BATCH_MAX, ConnectionId, CoreStats, Dataplane, DeviceCommand, DeviceOpId, GENERATION_MASK, Op,
     SEND_SEGMENTS_MAX,
@@ -32,6 +31,7 @@ use reflex_flash::{Completion, DeviceQueue, Submit};
 use reflex_qos::Nanos;
 
 use super::ring::{Cqe, Ring};
+use crate::driver::DriverSetup;
 use crate::sys;
 
 pub const RING_SQ_ENTRIES: u32 = 1024;
@@ -138,21 +138,6 @@ struct ListenerSlot {
     address: Box<(libc::sockaddr_storage, libc::socklen_t)>,
 }
 
-/// What the driver of one thread needs besides the dataplane.
-pub struct DriverSetup {
-    pub listeners: Vec<TcpListener>,
-    /// The namespaces whose devices the thread opens its queues on.
-    pub namespaces: Arc<NamespaceSet>,
-    pub poll: bool,
-    pub register_buffers: bool,
-    pub shutdown: Arc<AtomicBool>,
-    pub waker: Arc<File>,
-    pub clock_origin: Instant,
-    pub cq_entries: u32,
-    /// The longest a blocking thread spins before a deadline (0: never spins).
-    pub spin_before_deadline_max: Nanos,
-}
-
 pub struct UringDriver {
     // Field order: the ring is dropped before the memory it may point into.
     ring: Ring,
@@ -177,8 +162,10 @@ pub struct UringDriver {
     wake_cancelled: bool,
     clock_origin: Instant,
     wake_cost: WakeCost,
-    /// Operations pushed whose completion has not been reaped.
+    /// Operations pushed whose completion has not been reaped, and how many of them are
+    /// device operations (a shutdown may abandon those).
     in_flight: u64,
+    device_in_flight: u64,
     cqes: Box<[Cqe; BATCH_MAX]>,
     polled: Vec<Completion>,
     /// Synchronous device results reported while issuing (then `process` runs again).
@@ -231,6 +218,7 @@ impl UringDriver {
             clock_origin: setup.clock_origin,
             wake_cost: WakeCost::new(setup.spin_before_deadline_max),
             in_flight: 0,
+            device_in_flight: 0,
             cqes: Box::new([Cqe::default(); BATCH_MAX]),
             polled: Vec::new(),
             finished_synchronously: false,
@@ -296,7 +284,10 @@ impl UringDriver {
                     self.wake_cancelled = true;
                     self.push_cancel(token::encode(Kind::Wake, 0, 0));
                 }
-                if self.in_flight == 0 {
+                let abandoned = self.dataplane.abandoned_device_operations() > 0;
+                if self.in_flight == 0 || (abandoned && self.in_flight == self.device_in_flight) {
+                    // With abandoned device operations still in the kernel, `run` leaks the
+                    // memory they point into instead of freeing it.
                     return Ok(());
                 }
             }
@@ -392,6 +383,7 @@ impl UringDriver {
                 self.dataplane.handle_sent(id, result, now);
             }
             Kind::Device | Kind::Flush => {
+                self.device_in_flight -= 1;
                 let id = device_op_id(kind, generation, index);
                 let namespace_index = self.device_namespace(id);
                 // None: the device deferred the outcome (fault injection); it comes out of
@@ -674,6 +666,7 @@ impl UringDriver {
             Submit::Ring(entry) => {
                 assert_eq!(entry.get_user_data(), user_data, "device changed user_data");
                 self.push(entry);
+                self.device_in_flight += 1;
             }
             Submit::Done(result) => {
                 self.finished_synchronously = true;
