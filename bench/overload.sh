@@ -114,7 +114,7 @@ start_server() {
     SERVER_PID=$!
     local i
     for ((i = 0; i < 200; i++)); do
-        grep -q "reflexd serving" "$RAW/$name.log" && return 0
+        grep -qs "reflexd serving" "$RAW/$name.log" && return 0
         kill -0 "$SERVER_PID" 2>/dev/null || break
         sleep 0.05
     done
