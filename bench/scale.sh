@@ -396,6 +396,14 @@ export AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SE
     PARK_WAIT_S RAW
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
-COMMAND="REPS=$REPS PARTS=\"$PARTS\" DURATION=$DURATION WARMUP=$WARMUP QUIET_WAIT_S=$QUIET_WAIT_S bench/scale.sh"
+COMMAND="REPS=$REPS PARTS=\"$PARTS\" DURATION=$DURATION WARMUP=$WARMUP QUIET_WAIT_S=$QUIET_WAIT_S"
+# Sizes that differ from their defaults, so the command reruns the same run.
+[ "$IDLE" = 9000 ] || COMMAND+=" IDLE=$IDLE"
+[ "$TENANTS" = 10000 ] || COMMAND+=" TENANTS=$TENANTS"
+[ "$ACTIVE_THREADS" = 4 ] || COMMAND+=" ACTIVE_THREADS=$ACTIVE_THREADS"
+[ "$ACTIVE_PER_THREAD" = 250 ] || COMMAND+=" ACTIVE_PER_THREAD=$ACTIVE_PER_THREAD"
+[ "$QD" = 1 ] || COMMAND+=" QD=$QD"
+[ "$OUT" = docs/results/scale.md ] || COMMAND+=" OUT=$OUT"
+COMMAND+=" bench/scale.sh"
 mkdir -p "$(dirname "$OUT")"
 python3 bench/lib/scale_report.py "$RUNS" "$OUT"
