@@ -113,6 +113,35 @@ pub struct EngineConfig {
     pub spin: bool,
     /// Pin bench thread `i` to `cpus[i % cpus.len()]`.
     pub cpus: Vec<usize>,
+    /// Remote target: connection `k` (counted over all threads) BINDs to
+    /// `bind_handles[k % len]` before the run; empty: no BIND.
+    pub bind_handles: Vec<u64>,
+    /// A server process on this machine whose CPU time (all its threads, from
+    /// `/proc/PID/task/*/schedstat`) thread 0 reads at the start and end of the measurement.
+    pub server_pid: Option<u32>,
+    /// Shell commands thread 0 runs (and waits for) when the measurement starts and when it
+    /// ends, e.g. zeroing and dumping a profiler's counters of the server.
+    pub measure_hooks: MeasureHooks,
+}
+
+/// Commands run at the edges of the measurement (`reflex bench --at-measure-start/-end`).
+#[derive(Debug, Clone, Default)]
+pub struct MeasureHooks {
+    pub start: Option<String>,
+    pub end: Option<String>,
+}
+
+/// Runs `command` with `sh -c` and waits for it; fails on a non-zero exit.
+fn run_hook(command: &str) -> Result<()> {
+    let status = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .status()
+        .with_context(|| format!("running {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed: {status}");
+    }
+    Ok(())
 }
 
 /// Once-per-second report of one thread.
@@ -146,6 +175,8 @@ pub struct Outcome {
     pub unissued_ops: u64,
     /// RENEGOTIATE notices the server sent on the connections (not answers to requests).
     pub notices: u64,
+    /// CPU time of `EngineConfig::server_pid` during the measurement, in ns.
+    pub server_cpu_ns: Option<u64>,
 }
 
 impl Outcome {
@@ -165,6 +196,7 @@ impl Outcome {
         }
         self.unissued_ops += other.unissued_ops;
         self.notices += other.notices;
+        self.server_cpu_ns = self.server_cpu_ns.or(other.server_cpu_ns);
     }
 }
 
@@ -174,6 +206,40 @@ pub fn connect_channel(address: SocketAddr) -> Result<(TcpStream, ConnectionCore
         .with_context(|| format!("connecting to {address}"))?;
     let (stream, core, _capabilities) = client.into_parts();
     Ok((stream, core))
+}
+
+/// Connects one pipelined connection, BINDs it to the tenant `handle` and hands over its parts.
+pub fn connect_bound_channel(
+    address: SocketAddr,
+    handle: u64,
+) -> Result<(TcpStream, ConnectionCore)> {
+    let mut client = reflex_client::Client::connect_with(address, &ClientOptions::default())
+        .with_context(|| format!("connecting to {address}"))?;
+    client
+        .bind(handle)
+        .with_context(|| format!("BIND to tenant handle {handle}"))?;
+    let (stream, core, _capabilities) = client.into_pipelined().into_parts();
+    Ok((stream, core))
+}
+
+/// CPU time of process `pid` in ns: the sum over its live threads of the first field of
+/// `/proc/PID/task/*/schedstat` (the scheduler's exact run time, steal excluded).
+pub fn process_cpu_ns(pid: u32) -> Result<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .with_context(|| format!("reading the threads of process {pid}"))?;
+    let mut total = 0u64;
+    for task in tasks {
+        let path = task?.path().join("schedstat");
+        // A thread may exit between the listing and the read: skip it.
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let field = text.split_whitespace().next().unwrap_or("0");
+        total += field
+            .parse::<u64>()
+            .with_context(|| format!("parsing {}", path.display()))?;
+    }
+    Ok(total)
 }
 
 /// Runs the engine: all threads, then their merged outcome.
@@ -186,7 +252,16 @@ pub fn run(config: &EngineConfig, progress: Option<&mpsc::Sender<Progress>>) -> 
         for _ in 0..config.channels_per_thread {
             match &config.target {
                 Target::Remote { address, namespace } => {
-                    let (stream, core) = connect_channel(*address)?;
+                    let connection_index = per_thread_connections.len()
+                        * config.channels_per_thread
+                        + connections.len();
+                    let (stream, core) = match config.bind_handles.as_slice() {
+                        [] => connect_channel(*address)?,
+                        handles => connect_bound_channel(
+                            *address,
+                            handles[connection_index % handles.len()],
+                        )?,
+                    };
                     let namespace = *namespace;
                     connections.push((stream, Wire::Native { core, namespace }));
                 }
@@ -417,7 +492,41 @@ impl<'a> ThreadRun<'a> {
         }
         let mut next_progress_ns = PROGRESS_INTERVAL_NS;
         let mut now = now_ns(start);
+        // Thread 0 reads the server's CPU time when the measurement starts and ends.
+        let server_pid = self
+            .config
+            .server_pid
+            .filter(|_| self.thread_index == 0 && self.config.phase == Phase::Measure);
+        let mut server_cpu_start: Option<u64> = None;
+        let hooks = (self.thread_index == 0 && self.config.phase == Phase::Measure)
+            .then_some(&self.config.measure_hooks);
+        let (mut hook_started, mut hook_ended) = (false, false);
         loop {
+            if let Some(hooks) = hooks {
+                if !hook_started && now >= warmup_ns {
+                    hook_started = true;
+                    if let Some(command) = &hooks.start {
+                        run_hook(command)?;
+                    }
+                }
+                if hook_started && !hook_ended && now >= end_ns {
+                    hook_ended = true;
+                    if let Some(command) = &hooks.end {
+                        run_hook(command)?;
+                    }
+                }
+            }
+            if let Some(pid) = server_pid {
+                if server_cpu_start.is_none() && now >= warmup_ns {
+                    server_cpu_start = Some(process_cpu_ns(pid)?);
+                }
+                if let (Some(start_ns), None, true) =
+                    (server_cpu_start, self.outcome.server_cpu_ns, now >= end_ns)
+                {
+                    self.outcome.server_cpu_ns =
+                        Some(process_cpu_ns(pid)?.saturating_sub(start_ns));
+                }
+            }
             if now >= end_ns {
                 for channel in &mut self.channels {
                     channel.finished = true;
@@ -485,6 +594,17 @@ impl<'a> ThreadRun<'a> {
                 }
                 self.interval.reset();
             }
+        }
+        // A run that met its operation quota before the end: the measurement ended now.
+        if let (Some(hooks), true, false) = (hooks, hook_started, hook_ended)
+            && let Some(command) = &hooks.end
+        {
+            run_hook(command)?;
+        }
+        if let (Some(pid), Some(start_ns), None) =
+            (server_pid, server_cpu_start, self.outcome.server_cpu_ns)
+        {
+            self.outcome.server_cpu_ns = Some(process_cpu_ns(pid)?.saturating_sub(start_ns));
         }
         for channel in &mut self.channels {
             if channel.quota_met {

@@ -376,6 +376,9 @@ fn prepare(
             ops_max: None,
             spin: options.spin,
             cpus: options.cpus.clone(),
+            bind_handles: Vec::new(),
+            server_pid: None,
+            measure_hooks: Default::default(),
         };
         prepared.push(Prepared {
             handle,
