@@ -496,6 +496,15 @@ fn bad_input_gets_an_error_status_or_closes_only_its_connection() {
         )),
         Status::CONNECT_INVALID_PARAMETERS
     );
+    // Another host's NQN for an existing controller.
+    assert_eq!(
+        status_of(queue.connect(
+            &NvmeTcpOptions::new("nqn.2026-01.io.reflex:intruder", NQN),
+            3,
+            healthy.cntlid()
+        )),
+        Status::CONNECT_INVALID_PARAMETERS
+    );
     // The queue id of the healthy queue, taken already.
     assert_eq!(
         status_of(queue.connect(&options, healthy_queue.qid(), healthy.cntlid())),
@@ -694,4 +703,28 @@ fn the_discovery_controller_lists_the_subsystems() {
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0].subsystem_nqn, NQN);
     assert_eq!(entries[0].service_id, address(&server).port().to_string());
+}
+
+#[test]
+fn an_io_queue_connects_with_a_fresh_host_identifier() {
+    // The TrueNAS Python initiator sends a new host identifier on each Connect; the
+    // controller is found by its id, subsystem and host NQN, as the Linux target does.
+    let server = nvme_server();
+    let options = NvmeTcpOptions::new(HOST, NQN);
+    let mut controller = attach(&server, options.clone(), 2);
+    let mut queue = raw_queue(&server, Digests::NONE);
+    let mut fresh = options;
+    fresh.host_id = [0x5A; 16];
+    fresh.queue_entries = 16; // The test configuration's window.
+    queue
+        .connect(&fresh, 1, controller.cntlid())
+        .unwrap_or_else(|e| panic!("I/O queue Connect with another host id: {e}"));
+    queue.set_in_capsule_bytes(4096);
+    let data = pattern(11, 3, 4096);
+    queue
+        .write(1, 3, &data, 512, false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let read = queue.read(1, 3, 8, 512).unwrap_or_else(|e| panic!("{e}"));
+    assert!(read == data);
+    controller.keep_alive().unwrap_or_else(|e| panic!("{e}"));
 }

@@ -674,12 +674,12 @@ impl NvmeTcpFrontend {
             if subsystem.is_none() {
                 return invalid(false, 42);
             }
-            let Some(controller) = self.targets.find(
-                connect_data.cntlid,
-                subsystem,
-                &connect_data.host_nqn,
-                &connect_data.host_id,
-            ) else {
+            let Some(controller) =
+                self.targets
+                    .find(connect_data.cntlid, subsystem, &connect_data.host_nqn)
+            else {
+                tracing::info!(cntlid = connect_data.cntlid, host = %connect_data.host_nqn,
+                    "NVMe/TCP: I/O queue Connect for no live controller of this host");
                 return invalid(true, connect_offset::CNTLID);
             };
             match controller.connect_io_queue(connect.qid) {

@@ -334,12 +334,14 @@ impl NvmeTcpTargets {
     }
 
     /// The live controller `cntlid` of `host_nqn` on `subsystem` (an I/O queue's Connect).
+    /// The host identifier is not compared, as the Linux target does not: some hosts (the
+    /// TrueNAS Python initiator) send a fresh one on every Connect, and the tenant follows
+    /// the host NQN anyway.
     pub fn find(
         &self,
         cntlid: u16,
         subsystem: Option<usize>,
         host_nqn: &str,
-        host_id: &[u8; 16],
     ) -> Option<Arc<Controller>> {
         let controllers = self.lock();
         let controller = controllers
@@ -347,7 +349,6 @@ impl NvmeTcpTargets {
             .as_ref()?;
         let matches = controller.subsystem == subsystem
             && controller.host_nqn == host_nqn
-            && &controller.host_id == host_id
             && controller.state() != ControllerState::Gone;
         matches.then(|| Arc::clone(controller))
     }

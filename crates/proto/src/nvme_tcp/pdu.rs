@@ -394,7 +394,14 @@ pub fn decode_header(input: &[u8], digests: Digests) -> Result<Option<Decoded>, 
         rule => {
             let pdo = usize::from(common.pdo);
             let flagged_data_digest = common.flags & flags::DDGSTF != 0;
-            if pdo == 0 {
+            // A capsule without data whose PDO points at its end (PLEN): some hosts (the
+            // TrueNAS Python initiator) set PDO = HLEN on every capsule. Nothing follows the
+            // header, so PDO has nothing to locate: accept it as a capsule without data.
+            let pdo_at_end = rule == DataRule::Optional
+                && pdo == plen
+                && plen == after_header
+                && !flagged_data_digest;
+            if pdo == 0 || pdo_at_end {
                 if rule == DataRule::Required {
                     return invalid(3, "PDO 0 on a data PDU");
                 }

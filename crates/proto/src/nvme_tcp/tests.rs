@@ -366,3 +366,21 @@ fn identify_structures_round_trip() {
     assert_eq!(decode_discovery_log(&log), vec![entry]);
     assert_eq!(queue_entries_max(capabilities(128, 15)), 128);
 }
+
+#[test]
+fn a_capsule_whose_pdo_points_at_its_end_has_no_data() {
+    // The TrueNAS Python initiator sends PDO = HLEN = PLEN on capsules without data.
+    let command = Command::io(io_opcode::FLUSH, 3, 1, 0, 1, false);
+    let mut bytes = Framing::PLAIN
+        .capsule_cmd(&command.0, 0)
+        .as_bytes()
+        .to_vec();
+    bytes[3] = CAPSULE_CMD_HLEN as u8;
+    let decoded = decode_whole(&bytes, Digests::NONE);
+    assert_eq!(decoded.data, None);
+    assert_eq!(decoded.total_bytes, CAPSULE_CMD_HLEN);
+    assert_eq!(decoded.header_bytes, CAPSULE_CMD_HLEN);
+    // PDO beyond PLEN is still malformed.
+    bytes[3] = CAPSULE_CMD_HLEN as u8 + 4;
+    check_error(&bytes, Digests::NONE, FatalError::InvalidHeaderField, 4);
+}
