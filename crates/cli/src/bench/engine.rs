@@ -122,6 +122,25 @@ pub struct EngineConfig {
     /// Shell commands thread 0 runs (and waits for) when the measurement starts and when it
     /// ends, e.g. zeroing and dumping a profiler's counters of the server.
     pub measure_hooks: MeasureHooks,
+    /// Open loop: RENEGOTIATE device notices set the rate to `FOLLOW_MARGIN` × the granted
+    /// share of `rate_per_sec` (and back to all of it when the device recovers).
+    pub follow_notices: bool,
+    /// Record the measured operations and read latencies per interval of this length.
+    pub timeline: Option<Duration>,
+}
+
+/// A client following a notice sends this share of its grant: a Poisson source at exactly its
+/// token rate queues behind its own bursts (the simulator's `FOLLOW_MARGIN`).
+pub const FOLLOW_MARGIN: f64 = reflex_sim::engine::FOLLOW_MARGIN;
+
+/// One interval of the measurement (`EngineConfig::timeline`).
+#[derive(Clone, Default)]
+pub struct TimelineSample {
+    /// End of the interval, from the start of the measurement.
+    pub end_ns: u64,
+    /// Measured operations answered OK in the interval.
+    pub ops: u64,
+    pub read: Latency,
 }
 
 /// Commands run at the edges of the measurement (`reflex bench --at-measure-start/-end`).
@@ -177,6 +196,8 @@ pub struct Outcome {
     pub notices: u64,
     /// CPU time of `EngineConfig::server_pid` during the measurement, in ns.
     pub server_cpu_ns: Option<u64>,
+    /// Per interval, when `EngineConfig::timeline` asks for it.
+    pub timeline: Vec<TimelineSample>,
 }
 
 impl Outcome {
@@ -197,6 +218,15 @@ impl Outcome {
         self.unissued_ops += other.unissued_ops;
         self.notices += other.notices;
         self.server_cpu_ns = self.server_cpu_ns.or(other.server_cpu_ns);
+        if self.timeline.len() < other.timeline.len() {
+            self.timeline
+                .resize(other.timeline.len(), TimelineSample::default());
+        }
+        for (mine, theirs) in self.timeline.iter_mut().zip(&other.timeline) {
+            mine.end_ns = theirs.end_ns;
+            mine.ops += theirs.ops;
+            mine.read.add(&theirs.read);
+        }
     }
 }
 
@@ -394,6 +424,8 @@ struct ThreadRun<'a> {
     payload: Vec<u8>,
     outcome: Outcome,
     interval: Latency,
+    /// The timeline interval being filled.
+    timeline_current: TimelineSample,
     completed_ops: u64,
     last_measured_ns: u64,
     events: Vec<Event>,
@@ -466,6 +498,7 @@ impl<'a> ThreadRun<'a> {
             payload,
             outcome: Outcome::default(),
             interval: Latency::new(),
+            timeline_current: TimelineSample::default(),
             completed_ops: 0,
             last_measured_ns: 0,
             events: Vec::with_capacity(entries as usize * 2),
@@ -491,6 +524,11 @@ impl<'a> ThreadRun<'a> {
             channel.start(self.config, 0);
         }
         let mut next_progress_ns = PROGRESS_INTERVAL_NS;
+        let timeline_step_ns = self
+            .config
+            .timeline
+            .map(|step| step.as_nanos().max(1) as u64);
+        let mut next_timeline_ns = timeline_step_ns.map_or(u64::MAX, |step| warmup_ns + step);
         let mut now = now_ns(start);
         // Thread 0 reads the server's CPU time when the measurement starts and ends.
         let server_pid = self
@@ -583,6 +621,12 @@ impl<'a> ThreadRun<'a> {
             self.events.clear();
             self.reactor.reap(&mut self.events);
             self.handle_events(now)?;
+            while now >= next_timeline_ns && next_timeline_ns <= end_ns {
+                let mut sample = std::mem::take(&mut self.timeline_current);
+                sample.end_ns = next_timeline_ns - warmup_ns;
+                self.outcome.timeline.push(sample);
+                next_timeline_ns += timeline_step_ns.unwrap_or(u64::MAX);
+            }
             if now >= next_progress_ns {
                 next_progress_ns = now + PROGRESS_INTERVAL_NS;
                 if let Some(progress) = progress {
@@ -756,12 +800,22 @@ impl<'a> ThreadRun<'a> {
         let verify_seed = self.config.verify_seed;
         let core = self.reactor.core(channel_index);
         let channel = &mut self.channels[channel_index];
+        let mut rate_factor = None;
         while let Some(answer) = core
             .poll_answer()
             .with_context(|| format!("bad answer on connection {channel_index}; closing it"))?
         {
             if answer.notice {
                 self.outcome.notices += 1;
+                if self.config.follow_notices
+                    && let Some(share) = answer.granted_share
+                {
+                    rate_factor = Some(if share >= 1.0 {
+                        1.0
+                    } else {
+                        (share * FOLLOW_MARGIN).max(0.01)
+                    });
+                }
                 continue;
             }
             let Some(slot) = usize::try_from(answer.request_id)
@@ -783,7 +837,7 @@ impl<'a> ThreadRun<'a> {
             let failure = answer.failure;
             channel.free_slots.push(answer.request_id as u32);
             channel.in_flight -= 1;
-            record(
+            let measured = record(
                 &mut self.outcome,
                 &mut self.interval,
                 &mut self.last_measured_ns,
@@ -792,7 +846,12 @@ impl<'a> ThreadRun<'a> {
                 failure,
                 mismatch,
             );
+            add_to_timeline(&mut self.timeline_current, measured);
             self.completed_ops += 1;
+        }
+        // Every connection of the tenant gets the notice: each paces its own arrivals.
+        if let (Some(factor), Some(arrivals)) = (rate_factor, channel.arrivals.as_mut()) {
+            arrivals.set_rate_factor(factor);
         }
         Ok(())
     }
@@ -831,7 +890,7 @@ impl<'a> ThreadRun<'a> {
             ),
             _ => None,
         };
-        record(
+        let measured = record(
             &mut self.outcome,
             &mut self.interval,
             &mut self.last_measured_ns,
@@ -840,12 +899,13 @@ impl<'a> ThreadRun<'a> {
             failure,
             mismatch,
         );
+        add_to_timeline(&mut self.timeline_current, measured);
         self.completed_ops += 1;
         Ok(())
     }
 }
 
-/// Accounts one answered request.
+/// Accounts one answered request; a measured one answered OK is returned with its latency.
 fn record(
     outcome: &mut Outcome,
     interval: &mut Latency,
@@ -854,7 +914,7 @@ fn record(
     now: u64,
     failure: Option<String>,
     mismatch: Option<Mismatch>,
-) {
+) -> Option<(OpKind, u64)> {
     let latency_ns = now.saturating_sub(slot.intended_ns);
     interval.record(latency_ns);
     if let Some(mismatch) = mismatch {
@@ -864,10 +924,10 @@ fn record(
     if let Some(failure) = failure {
         outcome.errors += 1;
         outcome.first_error.get_or_insert(failure);
-        return;
+        return None;
     }
     if !slot.measured {
-        return;
+        return None;
     }
     *last_measured_ns = (*last_measured_ns).max(now);
     outcome.measured_ops += 1;
@@ -875,6 +935,17 @@ fn record(
     match slot.op.kind {
         OpKind::Read => outcome.read.record(latency_ns),
         OpKind::Write => outcome.write.record(latency_ns),
+    }
+    Some((slot.op.kind, latency_ns))
+}
+
+/// Counts a measured answer in the timeline interval being filled.
+fn add_to_timeline(current: &mut TimelineSample, measured: Option<(OpKind, u64)>) {
+    if let Some((kind, latency_ns)) = measured {
+        current.ops += 1;
+        if kind == OpKind::Read {
+            current.read.record(latency_ns);
+        }
     }
 }
 

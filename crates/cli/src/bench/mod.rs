@@ -455,6 +455,8 @@ pub fn run(args: Args) -> Result<()> {
             start: args.at_measure_start.clone(),
             end: args.at_measure_end.clone(),
         },
+        follow_notices: false,
+        timeline: None,
     };
 
     let fill = match verify_seed {

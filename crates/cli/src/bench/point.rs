@@ -137,6 +137,8 @@ pub fn run(spec: &PointSpec, progress: &mut dyn FnMut(u64)) -> Result<PointOutco
         bind_handles: Vec::new(),
         server_pid: None,
         measure_hooks: Default::default(),
+        follow_notices: false,
+        timeline: None,
     };
     let (sender, receiver) = mpsc::channel::<engine::Progress>();
     let outcome = std::thread::scope(|scope| {
