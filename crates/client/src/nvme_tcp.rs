@@ -488,7 +488,13 @@ impl NvmeTcpQueue {
                 return Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into());
             }
             self.stream.set_read_timeout(Some(left))?;
-            let count = self.stream.read(&mut buffer)?;
+            let count = match self.stream.read(&mut buffer) {
+                Ok(count) => count,
+                // A signal (the server's threads in the same test process use them) is no
+                // error of the connection: read again.
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(error) => return Err(error.into()),
+            };
             if count == 0 {
                 return Err(NvmeTcpError::Closed);
             }
@@ -509,6 +515,7 @@ impl NvmeTcpQueue {
             match self.stream.read(&mut buffer) {
                 Ok(0) => return true,
                 Ok(_) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(error)
                     if matches!(
                         error.kind(),
