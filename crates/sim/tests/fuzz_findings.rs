@@ -1,0 +1,146 @@
+//! Findings of the `dataplane` fuzz target that are not fixed yet, each as the test it should
+//! pass: these tests FAIL today, so they are left out of CI (`required-features`). Run them
+//! with `cargo test --release -p reflex-sim --features fuzz-findings --test fuzz_findings`.
+//! Once a bug is fixed, move its test to `tests/dataplane_script.rs`.
+//!
+//! Each script is the minimised fuzz input written out as steps (`Script::encode` gives the
+//! input bytes back; `SCRIPT_FILE=… cargo test --release -p reflex-sim --test
+//! dataplane_script replay -- --nocapture` traces one).
+
+// The harness is shared with the fuzz target; these tests use a part of it.
+#[allow(dead_code)]
+#[path = "../../../fuzz/src/script.rs"]
+mod script;
+
+use reflex_qos::Nanos;
+use script::{Config, Script, Step};
+
+/// Finding 1: the dataplane hands out a connection slot whose previous connection's
+/// `Op::Close` is still queued.
+///
+/// With the table full (3 connections), a new connection evicts the oldest one that never
+/// completed a request. When that one has no receive in flight (here it waits for the only
+/// request slot, which a large READ's answer holds), `abort_connection` closes it at once
+/// inside `handle_accept`, the slot goes back to the free list, and the same call pops it for
+/// the new connection: `handle_accept` returns `{index: 1, generation: 1}` while
+/// `Op::Close {index: 1, generation: 0}` is still in the operation queue. A driver that keeps
+/// one socket per slot sees the new socket first: reflexd's io_uring driver
+/// (`crates/server/src/uring/driver.rs`, `on_accept`) asserts "connection slot still has a
+/// socket" and the thread panics; had it not, the stale Close would then drop the *new*
+/// socket. The simulator keys sockets by slot and generation and counts the case.
+#[test]
+fn an_evicted_connection_s_slot_is_not_reused_before_its_close_is_issued() {
+    let script = Script {
+        // Window 1 and one request slot; the handshake timeout on.
+        config: Config([0x00, 0x41, 0x00, 0x00]),
+        steps: vec![
+            Step::Connect {
+                thread: 0,
+                listener: 0,
+                source: 0,
+            },
+            // READ of 119 KiB (length selector 254) from namespace 1: its answer does not fit
+            // the client's 64 KiB socket buffer and holds the request slot.
+            Step::Native {
+                socket: 0,
+                opcode: 1,
+                flags: 8,
+                id: 0,
+                namespace: 0,
+                offset: 256,
+                length: 254,
+                body: [63, 9, 0, 0],
+            },
+            Step::Connect {
+                thread: 0,
+                listener: 0,
+                source: 0,
+            },
+            Step::Connect {
+                thread: 8,
+                listener: 9,
+                source: 0,
+            },
+            // The table is full: this one evicts the second connection, which waits for a
+            // request slot with no receive in flight.
+            Step::Connect {
+                thread: 0,
+                listener: 0,
+                source: 0,
+            },
+        ],
+    };
+    let outcome = script::run(&script, false);
+    assert_eq!(
+        outcome.slot_reuses_before_close, 0,
+        "an accepted connection got a slot whose Close was still queued: {outcome:?}"
+    );
+}
+
+/// Finding 2: a graceful shutdown never ends when a device does not answer the shutdown
+/// flush.
+///
+/// The drain phase is bounded (`drain_timeout` aborts connections, one more abandons device
+/// operations), but the flush phase that follows waits for every namespace's flush without a
+/// bound, and `device_timeout` does not apply to it: a device that hangs keeps reflexd from
+/// exiting on SIGTERM. Minimised input: `00 3e 3e 00 3e 3e 01` (stall namespace index 2, then
+/// the script's final shutdown; the harness now lifts stalls before that shutdown).
+#[test]
+fn shutdown_finishes_when_a_device_never_answers_its_flush() {
+    // Idle, receive, send and device (1 ms) timeouts on: even so the flush waits forever.
+    let setup = Config([0x00, 0x3e, 0x3e, 0x00]).decoded();
+    let (mut server, faults) = script::server(&setup).unwrap_or_else(|e| panic!("{e}"));
+    faults[2].set_stalled(true);
+    server.begin_shutdown();
+    let finished = run_until_finished(&mut server, Nanos::from_millis(10 * 1000));
+    assert!(
+        finished,
+        "still shutting down at {:?}: the flush of a stalled device is never given up",
+        server.now()
+    );
+}
+
+/// Finding 3: a graceful shutdown never ends when a device holds a request's operation and no
+/// `device_timeout` is configured.
+///
+/// After `drain_timeout` the connection is aborted, but it cannot be released while its
+/// request is on the device; the abandonment after one more drain timeout requires every
+/// connection slot to be free (`shutdown.rs`, `advance_phase_once`), which never happens.
+#[test]
+fn shutdown_finishes_when_a_device_never_answers_a_request() {
+    let setup = Config([0x00, 0x00, 0x00, 0x00]).decoded();
+    let (mut server, faults) = script::server(&setup).unwrap_or_else(|e| panic!("{e}"));
+    let socket = server.connect(0, 0, None).unwrap_or_else(|e| panic!("{e}"));
+    faults[1].set_stalled(true);
+    // READ 4 KiB from namespace 2 (the model device).
+    server.client_send(socket, &script::native_request(1, 0, 1, 1, 0, 3, [0; 4]));
+    let now = server.now();
+    server.run_instant(now);
+    server.begin_shutdown();
+    let finished = run_until_finished(&mut server, Nanos::from_millis(10 * 1000));
+    assert!(
+        finished,
+        "still shutting down at {:?} with a request on a stalled device; requests per state \
+         {:?}, server closed the socket: {}",
+        server.now(),
+        server.stats()[0].requests_per_state,
+        server.is_server_closed(socket)
+    );
+}
+
+/// Runs events until every thread finished its shutdown or `limit` of virtual time passed.
+fn run_until_finished(server: &mut reflex_sim::VirtualServer, limit: Nanos) -> bool {
+    let deadline = server.now() + limit;
+    let now = server.now();
+    server.run_instant(now);
+    for _ in 0..100_000 {
+        if server.is_finished() {
+            return true;
+        }
+        match server.next_event() {
+            Some(next) if next <= deadline => server.run_instant(next),
+            _ => return server.is_finished(),
+        }
+    }
+    server.is_finished()
+}
