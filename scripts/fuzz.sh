@@ -9,7 +9,7 @@
 #   -a            debug assertions and overflow checks on (cargo fuzz -a)
 #   TARGET...     default: every target in fuzz/Cargo.toml
 # Each target's working corpus is fuzz/work/TARGET (kept between runs; the seeds in
-# fuzz/corpus/TARGET are read, never written), crashes go to fuzz/artifacts/TARGET/, the whole
+# fuzz/corpus/TARGET, or fuzz/corpus/dataplane for dataplane_protocol, are read, never written), crashes go to fuzz/artifacts/TARGET/, the whole
 # libFuzzer log to fuzz/work/TARGET.log. A crash stops the script with a non-zero status.
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
@@ -47,7 +47,12 @@ for target in "${targets[@]}"; do
     fi
     mkdir -p "work/$target" "artifacts/$target"
     seeds=()
-    [ -d "corpus/$target" ] && seeds=("corpus/$target")
+    if [ -d "corpus/$target" ]; then
+        seeds=("corpus/$target")
+    elif [ -d "corpus/${target%%_*}" ]; then
+        # dataplane_protocol decodes the same scripts as dataplane.
+        seeds=("corpus/${target%%_*}")
+    fi
     commit=$(git rev-parse --short HEAD)
     dirty=$(git status --porcelain -- . ../crates | head -c1)
     echo "==> $target: runs=$runs max_total_time=${seconds}s sanitizer=$san ${assertions[*]:-} commit=$commit${dirty:+ (with local changes)}"

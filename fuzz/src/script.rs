@@ -16,6 +16,10 @@
 //! that step's fixed number of bytes (a [`Step::Raw`] also its bytes). Missing bytes at the
 //! end read as zero. At most [`STEPS_MAX`] steps are decoded.
 //!
+//! Two modes ([`Mode`]): `Any` runs the steps as written (the `dataplane` target);
+//! `WellFormed` turns them into a well-formed client's actions and additionally checks that
+//! every request is answered exactly once (the `dataplane_protocol` target).
+//!
 //! What a run checks (a violation panics, which is the finding):
 //! - nothing in the server panics (the dataplane's own assertions included);
 //! - after every step, each thread's requests per state add up to its request slots;
@@ -27,6 +31,7 @@
 //!   request slot is free, no device operation was abandoned, every socket is closed by the
 //!   server with no receive or send in flight, and no tenant still counts a connection.
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, OnceLock};
 
@@ -134,6 +139,10 @@ pub struct Setup {
     pub tenants_max: u32,
     /// The second namespace's model: the emulated Flash device, or fixed latency.
     pub emulated: bool,
+    /// Operations the fixed-latency model holds; beyond them it refuses with EAGAIN (4 in
+    /// [`Mode::Any`]: a device that reports being full; [`Mode::WellFormed`] raises it so
+    /// that no error closes an original-protocol connection).
+    pub model_queue_depth: usize,
 }
 
 impl Config {
@@ -195,6 +204,7 @@ impl Config {
             thread_queued_requests_max: [64, 2, 8, 32][two(d, 4)],
             tenants_max: if bit(d, 6) { 4 } else { 16 },
             emulated: !bit(a, 3),
+            model_queue_depth: 4,
         }
     }
 }
@@ -979,6 +989,18 @@ pub struct Outcome {
     /// Accepts into a slot whose previous connection's close was still queued (a known
     /// finding: reflexd's io_uring driver asserts on it; see `VirtualServer`).
     pub slot_reuses_before_close: u64,
+    /// [`Mode::WellFormed`]: requests the clients sent, each answered exactly once.
+    pub requests_sent: u64,
+}
+
+/// What the clients of a run may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Anything the steps say: raw bytes, broken headers, closes, resets, shutdown midway.
+    Any,
+    /// Only well-formed clients ([`Run::well_formed_step`]): what is fuzzed is timing and
+    /// ordering, and every request must get exactly one answer.
+    WellFormed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -995,6 +1017,8 @@ struct Client {
     /// The client closed or reset its side: it sends nothing more.
     done_sending: bool,
     responses: ResponseStream,
+    /// [`Mode::WellFormed`]: the requests in flight and the parser that matches answers.
+    oracle: Option<Oracle>,
 }
 
 /// A client's view of the server's bytes: complete response headers parsed, their payloads
@@ -1102,7 +1126,7 @@ pub fn server(
             "emulated device-a-small",
         ))
     } else {
-        let mut device = FixedDevice::new(2, 50_000, 200_000, 4);
+        let mut device = FixedDevice::new(2, 50_000, 200_000, setup.model_queue_depth);
         device.set_capacity_bytes(MODEL_BYTES);
         Arc::new(ModelFlash::new(Box::new(device), "fixed latency"))
     };
@@ -1188,7 +1212,22 @@ struct Run {
 
 /// Runs a script; panics on any violated invariant. `trace` prints each step and what it did.
 pub fn run(script: &Script, trace: bool) -> Outcome {
-    let setup = script.config.decoded();
+    run_mode(script, Mode::Any, trace)
+}
+
+/// Runs a script with the clients `mode` allows.
+pub fn run_mode(script: &Script, mode: Mode, trace: bool) -> Outcome {
+    let mut setup = script.config.decoded();
+    if mode == Mode::WellFormed {
+        // A timeout would close a client that is only slow, with its answers pending.
+        let limits = &mut setup.limits;
+        limits.handshake_timeout = None;
+        limits.idle_timeout = None;
+        limits.receive_timeout = None;
+        limits.send_timeout = None;
+        limits.device_timeout = None;
+        setup.model_queue_depth = 1 << 16;
+    }
     if trace {
         eprintln!("setup: {setup:?}");
     }
@@ -1211,17 +1250,29 @@ pub fn run(script: &Script, trace: bool) -> Outcome {
         if trace {
             eprintln!("[{:?}] {step:?}", run.server.now());
         }
-        run.step(step);
+        match mode {
+            Mode::Any => run.step(step),
+            Mode::WellFormed => run.well_formed_step(step),
+        }
         run.settle();
         run.check_running();
+    }
+    if mode == Mode::WellFormed {
+        run.await_answers();
     }
     run.shut_down();
     run.outcome
 }
 
-/// Decodes and runs fuzz input bytes.
+/// Decodes and runs fuzz input bytes (the `dataplane` target).
 pub fn run_bytes(bytes: &[u8]) -> Outcome {
     run(&Script::decode(bytes), false)
+}
+
+/// Decodes fuzz input bytes and runs them with well-formed clients (the `dataplane_protocol`
+/// target).
+pub fn run_well_formed_bytes(bytes: &[u8]) -> Outcome {
+    run_mode(&Script::decode(bytes), Mode::WellFormed, false)
 }
 
 impl Run {
@@ -1396,6 +1447,7 @@ impl Run {
                     reading: true,
                     done_sending: false,
                     responses: ResponseStream::default(),
+                    oracle: None,
                 });
             }
             Err(VirtualServerError::NotAccepting { .. } | VirtualServerError::Refused(_)) => {
@@ -1488,6 +1540,10 @@ impl Run {
         self.outcome.bytes_received += received.len();
         let client = &mut self.clients[index];
         client.responses.feed(client.kind, &received);
+        if client.oracle.is_some() {
+            self.answers(index, &received);
+        }
+        let client = &self.clients[index];
         if self.trace && !received.is_empty() {
             eprintln!(
                 "  {socket:?} read {} bytes ({} response headers so far){}",
@@ -1613,6 +1669,405 @@ impl Run {
         }
         self.outcome.responses = self.clients.iter().map(|c| c.responses.headers).sum();
         self.outcome.slot_reuses_before_close = self.server.slot_reuses_before_close();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Well-formed clients.
+
+/// The NBD exports a well-formed client asks for.
+const WELL_FORMED_EXPORTS: [&str; 4] = ["ns1", "ns2", "ro", "ns1-ro"];
+/// How long, in virtual time, the last answers may take once the script is over.
+pub const ANSWERS_TIME_MAX: Nanos = Nanos(60_000_000_000);
+
+/// A well-formed client's record of its requests and its parser of the answers.
+struct Oracle {
+    next_id: u64,
+    /// Requests sent and not answered yet: id (request id, cookie or handle) → bytes of data a
+    /// successful answer carries after its header (native answers say so themselves: 0).
+    outstanding: BTreeMap<u64, u64>,
+    /// An incomplete answer header.
+    pending: Vec<u8>,
+    skip_bytes: u64,
+    /// NBD: the handshake (`None` once transmission began) and requests waiting for it.
+    nbd: Option<(Option<nbd::ClientHandshake>, Vec<u8>)>,
+    /// Original protocol: sectors of the listener's namespace.
+    sectors: u64,
+}
+
+impl Oracle {
+    /// Parses answers; panics on one that matches no request in flight.
+    fn feed(&mut self, kind: Kind, mut input: &[u8]) {
+        loop {
+            let skipped = (input.len() as u64).min(self.skip_bytes);
+            self.skip_bytes -= skipped;
+            input = &input[skipped as usize..];
+            if self.skip_bytes > 0 || input.is_empty() {
+                return;
+            }
+            let header_size = match kind {
+                Kind::Native => native::RESPONSE_HEADER_SIZE,
+                Kind::Original => original::HEADER_SIZE,
+                Kind::Nbd => nbd::SIMPLE_REPLY_SIZE,
+            };
+            let taken = (header_size - self.pending.len()).min(input.len());
+            self.pending.extend_from_slice(&input[..taken]);
+            input = &input[taken..];
+            if self.pending.len() < header_size {
+                return;
+            }
+            self.skip_bytes = match kind {
+                Kind::Native => match native::decode_response(&self.pending) {
+                    Ok(Some((header, _))) => {
+                        if header.request_id != native::NOTICE_REQUEST_ID {
+                            self.answered(header.request_id);
+                        }
+                        u64::from(header.length_bytes)
+                    }
+                    other => panic!("a native client received broken framing: {other:?}"),
+                },
+                Kind::Original => match original::Header::decode(&self.pending) {
+                    Ok(Some((header, _))) => {
+                        let expected = self.answered(u64::from_le_bytes(header.handle));
+                        let data = header.response_payload_length_bytes();
+                        assert_eq!(data, expected, "original answer {header:?}: data length");
+                        data
+                    }
+                    other => panic!("an original client received broken framing: {other:?}"),
+                },
+                Kind::Nbd => match nbd::decode_simple_reply(&self.pending) {
+                    Ok(Some((reply, _))) => {
+                        let expected = self.answered(reply.cookie);
+                        if reply.error == 0 { expected } else { 0 }
+                    }
+                    other => panic!("an NBD client received a broken reply: {other:?}"),
+                },
+            };
+            self.pending.clear();
+        }
+    }
+
+    /// An answer to `id`: it must be in flight; returns the data it carries on success.
+    fn answered(&mut self, id: u64) -> u64 {
+        match self.outstanding.remove(&id) {
+            Some(data) => data,
+            None => panic!(
+                "an answer to request {id}, which is not in flight (answered twice, or never \
+                 sent); in flight: {:?}",
+                self.outstanding.keys().collect::<Vec<_>>()
+            ),
+        }
+    }
+}
+
+impl Run {
+    /// The `selector`th client of `kind` (modulo their count).
+    fn client_of_kind(&self, selector: u8, kind: Kind) -> Option<usize> {
+        let count = self.clients.iter().filter(|c| c.kind == kind).count();
+        if count == 0 {
+            return None;
+        }
+        self.clients
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.kind == kind)
+            .nth(usize::from(selector) % count)
+            .map(|(index, _)| index)
+    }
+
+    /// A step as a well-formed client would take it: valid framing and whole payloads,
+    /// request ids that are unique per connection, the NBD handshake done by the client
+    /// codec, only timing faults; raw bytes, closes, resets, failed accepts and an early
+    /// shutdown are left out. Requests may still be refused (bad range, unknown namespace,
+    /// read-only): a refusal is an answer too.
+    fn well_formed_step(&mut self, step: &Step) {
+        match *step {
+            Step::Connect {
+                thread,
+                listener,
+                source,
+            } => self.connect_well_formed(thread, listener, source),
+            Step::Native {
+                socket,
+                opcode,
+                flags,
+                namespace,
+                offset,
+                length,
+                body,
+                ..
+            } => {
+                let Some(index) = self.client_of_kind(socket, Kind::Native) else {
+                    return;
+                };
+                use native::Opcode::*;
+                const OPCODES: [native::Opcode; 8] =
+                    [Read, Write, Flush, Trim, Hello, Register, Bind, Unregister];
+                const NAMESPACES: [u32; 4] = [1, 2, 3, 9];
+                let opcode = OPCODES[usize::from(opcode % 8)];
+                let namespace_id = NAMESPACES[usize::from(namespace % 4)];
+                let id = self.next_id(index);
+                let control_body = native_body(opcode.as_u8(), namespace_id, body);
+                let mut length = length_bytes(length);
+                if !control_body.is_empty() {
+                    length = control_body.len() as u32;
+                } else if opcode == Write && length as usize > PAYLOAD_BYTES_MAX {
+                    length = 4096;
+                }
+                let fua = flags & 1 != 0 && opcode == Write;
+                let header = native::RequestHeader {
+                    flags: if fua {
+                        native::RequestFlags::FUA
+                    } else {
+                        native::RequestFlags::NONE
+                    },
+                    offset_bytes: offset_bytes(offset),
+                    length_bytes: length,
+                    namespace_id,
+                    ..native::RequestHeader::new(opcode, id)
+                };
+                let mut bytes = header.to_bytes().to_vec();
+                bytes.extend(control_body);
+                if opcode == Write {
+                    bytes.resize(bytes.len() + length as usize, id as u8);
+                }
+                self.send_request(index, bytes, id, 0);
+            }
+            Step::Original {
+                socket,
+                opcode,
+                lba,
+                count,
+                ..
+            } => {
+                let Some(index) = self.client_of_kind(socket, Kind::Original) else {
+                    return;
+                };
+                let count = [1u32, 8, 16, 128][usize::from(count % 4)];
+                let sectors = self.clients[index].oracle.as_ref().map_or(0, |o| o.sectors);
+                let lba = u64::from(lba) % (sectors - u64::from(count) + 1);
+                let write = opcode % 2 == 1;
+                let id = self.next_id(index);
+                let header = original::Header {
+                    opcode: if write {
+                        original::Opcode::Write
+                    } else {
+                        original::Opcode::Read
+                    },
+                    handle: id.to_le_bytes(),
+                    lba,
+                    lba_count: count,
+                };
+                let mut bytes = header.to_bytes().to_vec();
+                let data = u64::from(count) * u64::from(original::SECTOR_SIZE_BYTES);
+                if write {
+                    bytes.resize(bytes.len() + data as usize, id as u8);
+                }
+                self.send_request(index, bytes, id, if write { 0 } else { data });
+            }
+            Step::NbdRequest {
+                socket,
+                command,
+                flags,
+                offset,
+                length,
+                ..
+            } => {
+                let Some(index) = self.client_of_kind(socket, Kind::Nbd) else {
+                    return;
+                };
+                // READ, WRITE, FLUSH, TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS.
+                const COMMANDS: [u16; 7] = [0, 1, 3, 4, 6, 5, 7];
+                let command = COMMANDS[usize::from(command % 7)];
+                let mut length = length_bytes(length);
+                if command == 1 && length as usize > PAYLOAD_BYTES_MAX {
+                    length = 4096;
+                }
+                let id = self.next_id(index);
+                let mut bytes = Vec::with_capacity(nbd::REQUEST_HEADER_SIZE);
+                bytes.extend(nbd::REQUEST_MAGIC.to_be_bytes());
+                bytes.extend(u16::from(flags & 3).to_be_bytes());
+                bytes.extend(command.to_be_bytes());
+                bytes.extend(id.to_be_bytes());
+                bytes.extend(offset_bytes(offset).to_be_bytes());
+                bytes.extend(length.to_be_bytes());
+                if command == 1 {
+                    bytes.resize(bytes.len() + length as usize, id as u8);
+                }
+                let data = if command == 0 { u64::from(length) } else { 0 };
+                self.send_request(index, bytes, id, data);
+            }
+            Step::Advance { .. } | Step::Read { .. } => self.step(step),
+            // Timing faults only: clear, stall, lift, delay, seed.
+            Step::Fault { kind, .. } if matches!(kind % 8, 0 | 1 | 2 | 5 | 7) => self.step(step),
+            _ => {}
+        }
+    }
+
+    fn next_id(&mut self, index: usize) -> u64 {
+        let Some(oracle) = self.clients[index].oracle.as_mut() else {
+            panic!("a well-formed client without its record");
+        };
+        oracle.next_id += 1;
+        oracle.next_id
+    }
+
+    /// Connects unless the thread's table is full (the new connection would evict a client
+    /// whose requests are not answered yet: that is the server's right, not a lost answer).
+    fn connect_well_formed(&mut self, thread: u8, listener: u8, source: u8) {
+        let thread_index = u16::from(thread) % self.setup.threads;
+        let on_thread = self
+            .clients
+            .iter()
+            .filter(|c| self.server.socket_thread(c.socket) == thread_index)
+            .count();
+        if on_thread >= self.setup.limits.connections_max as usize {
+            return;
+        }
+        let before = self.clients.len();
+        self.connect(thread, listener, source);
+        if self.clients.len() == before {
+            return;
+        }
+        let listener_index = usize::from(listener) % listeners().len();
+        let (nbd, sectors) = match &listeners()[listener_index] {
+            VirtualListener::Nbd => {
+                let name = WELL_FORMED_EXPORTS[usize::from(source / 4) % WELL_FORMED_EXPORTS.len()];
+                match nbd::ClientHandshake::new(name) {
+                    Ok(handshake) => (Some((Some(handshake), Vec::new())), 0),
+                    Err(e) => panic!("NBD client for {name:?}: {e}"),
+                }
+            }
+            VirtualListener::Original {
+                namespace_index, ..
+            } => {
+                let bytes = if *namespace_index == 1 {
+                    MODEL_BYTES
+                } else {
+                    MEM_BYTES
+                };
+                (None, bytes / u64::from(original::SECTOR_SIZE_BYTES))
+            }
+            VirtualListener::Native => (None, 0),
+        };
+        let index = self.clients.len() - 1;
+        self.clients[index].oracle = Some(Oracle {
+            next_id: 0,
+            outstanding: BTreeMap::new(),
+            pending: Vec::new(),
+            skip_bytes: 0,
+            nbd,
+            sectors,
+        });
+        // The NBD greeting may have arrived already.
+        let socket = self.clients[index].socket;
+        self.read(index, socket);
+    }
+
+    /// Sends a request (an NBD client still in its handshake queues it) and records it;
+    /// a request beyond the script's send budget is not sent at all.
+    fn send_request(&mut self, index: usize, bytes: Vec<u8>, id: u64, data: u64) {
+        if self.outcome.bytes_sent + bytes.len() > SEND_BYTES_MAX {
+            return;
+        }
+        self.outcome.bytes_sent += bytes.len();
+        self.outcome.requests_sent += 1;
+        let socket = self.clients[index].socket;
+        let Some(oracle) = self.clients[index].oracle.as_mut() else {
+            panic!("a well-formed client without its record");
+        };
+        let previous = oracle.outstanding.insert(id, data);
+        assert!(previous.is_none(), "request id {id} reused");
+        if let Some((Some(_), queued)) = &mut oracle.nbd {
+            queued.extend(bytes);
+            return;
+        }
+        if self.trace {
+            eprintln!("  request {id} ({} bytes) on {socket:?}", bytes.len());
+        }
+        self.server.client_send(socket, &bytes);
+    }
+
+    /// Received bytes for a well-formed client: the NBD handshake first, then answers.
+    fn answers(&mut self, index: usize, received: &[u8]) {
+        let (socket, kind) = (self.clients[index].socket, self.clients[index].kind);
+        let Some(oracle) = self.clients[index].oracle.as_mut() else {
+            return;
+        };
+        let mut rest = received;
+        let mut output = Vec::new();
+        if let Some((handshake_slot, queued)) = &mut oracle.nbd
+            && let Some(handshake) = handshake_slot
+        {
+            let consumed = match handshake.handle_bytes(rest) {
+                Ok(consumed) => consumed,
+                Err(e) => panic!("the NBD handshake failed on {socket:?}: {e}"),
+            };
+            rest = &rest[consumed..];
+            output.extend_from_slice(handshake.pending_output());
+            handshake.consume_output(output.len());
+            if handshake.outcome().is_some() {
+                *handshake_slot = None;
+                output.append(queued);
+            }
+        }
+        if !output.is_empty() {
+            self.server.client_send(socket, &output);
+        }
+        if let Some(oracle) = self.clients[index].oracle.as_mut() {
+            oracle.feed(kind, rest);
+        }
+    }
+
+    /// After a well-formed script: every client reads and every device answers; every
+    /// request must be answered, within [`ANSWERS_TIME_MAX`] of virtual time.
+    fn await_answers(&mut self) {
+        for controls in &self.faults {
+            controls.set_stalled(false);
+        }
+        for index in 0..self.clients.len() {
+            self.clients[index].reading = true;
+            let socket = self.clients[index].socket;
+            self.read(index, socket);
+        }
+        let deadline = self.server.now() + ANSWERS_TIME_MAX;
+        loop {
+            let waiting: Vec<(SocketId, u64)> = self
+                .clients
+                .iter()
+                .filter_map(|c| {
+                    let oracle = c.oracle.as_ref()?;
+                    oracle.outstanding.keys().next().map(|&id| (c.socket, id))
+                })
+                .collect();
+            if waiting.is_empty() {
+                break;
+            }
+            for &(socket, id) in &waiting {
+                assert!(
+                    !self.server.is_server_closed(socket),
+                    "the server closed well-formed client {socket:?} with request {id} (and maybe \
+                     more) unanswered"
+                );
+            }
+            let next = self.server.next_event();
+            match next {
+                Some(next) if next <= deadline => self.instant(next),
+                _ => panic!(
+                    "requests never answered (first per socket: {waiting:?}) at {:?}, next \
+                     event {next:?}\n{:#?}",
+                    self.server.now(),
+                    self.server.stats()
+                ),
+            }
+        }
+        for client in &self.clients {
+            assert!(
+                !self.server.is_server_closed(client.socket),
+                "the server closed well-formed client {:?}",
+                client.socket
+            );
+        }
     }
 }
 

@@ -333,6 +333,11 @@ impl VirtualServer {
         self.sockets.len()
     }
 
+    /// The dataplane thread `socket` is connected to.
+    pub fn socket_thread(&self, socket: SocketId) -> u16 {
+        self.sockets[socket.0 as usize].thread
+    }
+
     /// Whether the server closed `socket` (what it sent before may still be unread).
     pub fn is_server_closed(&self, socket: SocketId) -> bool {
         self.sockets[socket.0 as usize].server_closed
