@@ -58,7 +58,13 @@ for target in "${targets[@]}"; do
     echo "==> $target: runs=$runs max_total_time=${seconds}s sanitizer=$san ${assertions[*]:-} commit=$commit${dirty:+ (with local changes)}"
     start=$(date +%s)
     status=0
-    cargo +nightly fuzz run -O "${assertions[@]}" -s "$san" --target-dir "target/fuzz-$san${assertions[*]:+-a}" \
+    # The default build (ASan, no -a) shares cargo fuzz's own target directory with
+    # scripts/test.sh; the others get one each, so switching does not rebuild everything.
+    target_dir=()
+    if [ "$san" != address ] || [ ${#assertions[@]} -gt 0 ]; then
+        target_dir=(--target-dir "target/fuzz-$san${assertions[*]:+-a}")
+    fi
+    cargo +nightly fuzz run -O "${assertions[@]}" -s "$san" "${target_dir[@]}" \
         "$target" "work/$target" "${seeds[@]}" -- \
         -runs="$runs" -max_total_time="$seconds" -print_final_stats=1 \
         -artifact_prefix="artifacts/$target/" >"work/$target.log" 2>&1 || status=$?

@@ -28,6 +28,16 @@ use script::{Config, Script, Step};
 /// (`crates/server/src/uring/driver.rs`, `on_accept`) asserts "connection slot still has a
 /// socket" and the thread panics; had it not, the stale Close would then drop the *new*
 /// socket. The simulator keys sockets by slot and generation and counts the case.
+///
+/// Reproduced against the real reflexd (release build of this commit): a config with
+/// `threads = 1`, `window = 1`, `requests_per_thread_max = 1`, `connections_per_thread_max =
+/// 3`, `arena_bytes_per_thread = "1M"`, one original port and a `mem:2M` namespace; a client
+/// sends a native READ of 1 MiB and does not read the answer (small SO_RCVBUF), then connects
+/// once to the original port and twice to the native port: the fourth accept evicts the
+/// original-protocol connection and `reflex-dp-0` panics at `driver.rs:375` ("connection slot
+/// still has a socket"), after which reflexd shuts down ("a dataplane thread stopped
+/// unexpectedly"). Any client that can fill the table while the request slots are busy can
+/// stop the server.
 #[test]
 fn an_evicted_connection_s_slot_is_not_reused_before_its_close_is_issued() {
     let script = Script {
