@@ -1588,8 +1588,10 @@ impl Run {
             let next = self.server.next_event();
             assert!(
                 instants < SHUTDOWN_INSTANTS_MAX,
-                "shutdown still running after {instants} instants (virtual time {:?}, next event {next:?})",
-                self.server.now()
+                "shutdown still running after {instants} instants (virtual time {:?}, next event \
+                 {next:?}); per thread: {}",
+                self.server.now(),
+                self.thread_states()
             );
             let Some(next) = next else {
                 panic!(
@@ -1617,6 +1619,24 @@ impl Run {
         }
         self.outcome.finished_at = self.server.now();
         self.check_finished();
+    }
+
+    /// Each thread's shutdown state, deadline and requests per state (for failure messages).
+    fn thread_states(&self) -> String {
+        (0..self.setup.threads)
+            .map(|thread| {
+                let dataplane = self.server.dataplane(thread);
+                format!(
+                    "[thread {thread}: finished {}, next deadline {:?}, pending work {}, \
+                     requests per state {:?}]",
+                    dataplane.is_finished(),
+                    dataplane.next_deadline(),
+                    dataplane.has_pending_work(),
+                    dataplane.stats().requests_per_state
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 
     fn check_finished(&mut self) {
