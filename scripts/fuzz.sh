@@ -8,6 +8,8 @@
 #   -s SANITIZER  address or none (default: none for dataplane*, address for the codecs)
 #   -a            debug assertions and overflow checks on (cargo fuzz -a)
 #   TARGET...     default: every target in fuzz/Cargo.toml
+# FUZZ_ARGS="..." adds libFuzzer flags, e.g. FUZZ_ARGS="-fork=1 -ignore_crashes=1" to go on
+# past a known crash (each crash still lands in fuzz/artifacts/TARGET/).
 # Each target's working corpus is fuzz/work/TARGET (kept between runs; the seeds in
 # fuzz/corpus/TARGET, or fuzz/corpus/dataplane for dataplane_protocol, are read, never written), crashes go to fuzz/artifacts/TARGET/, the whole
 # libFuzzer log to fuzz/work/TARGET.log. A crash stops the script with a non-zero status.
@@ -24,7 +26,7 @@ while getopts "r:t:s:a" option; do
         t) seconds="$OPTARG" ;;
         s) sanitizer="$OPTARG" ;;
         a) assertions=(-a) ;;
-        *) sed -n '2,14p' "$0" >&2; exit 2 ;;
+        *) sed -n '2,16p' "$0" >&2; exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
@@ -67,9 +69,10 @@ for target in "${targets[@]}"; do
     cargo +nightly fuzz run -O "${assertions[@]}" -s "$san" "${target_dir[@]}" \
         "$target" "work/$target" "${seeds[@]}" -- \
         -runs="$runs" -max_total_time="$seconds" -print_final_stats=1 \
-        -artifact_prefix="artifacts/$target/" >"work/$target.log" 2>&1 || status=$?
+        -artifact_prefix="artifacts/$target/" ${FUZZ_ARGS:-} >"work/$target.log" 2>&1 || status=$?
     elapsed=$(( $(date +%s) - start ))
-    grep -E '^#[0-9]+ +DONE|^stat::number_of_executed_units|^stat::average_exec_per_sec' "work/$target.log" || true
+    grep -E '^#[0-9]+ +DONE|^stat::number_of_executed_units|^stat::average_exec_per_sec' "work/$target.log" ||
+        grep -E '^#[0-9]+: cov' "work/$target.log" | tail -1 || true
     echo "    ${elapsed}s elapsed; log: fuzz/work/$target.log"
     if [ "$status" -ne 0 ]; then
         grep -E "panicked at|Test unit written" "work/$target.log" | head -5 || true
