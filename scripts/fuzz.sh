@@ -66,9 +66,11 @@ for target in "${targets[@]}"; do
     if [ "$san" != address ] || [ ${#assertions[@]} -gt 0 ]; then
         target_dir=(--target-dir "target/fuzz-$san${assertions[*]:+-a}")
     fi
+    runs_flag=$runs
+    [ "$runs" = 0 ] && runs_flag=-1   # libFuzzer: -1 is unlimited, 0 runs nothing
     cargo +nightly fuzz run -O "${assertions[@]}" -s "$san" "${target_dir[@]}" \
         "$target" "work/$target" "${seeds[@]}" -- \
-        -runs="$runs" -max_total_time="$seconds" -print_final_stats=1 \
+        -runs="$runs_flag" -max_total_time="$seconds" -print_final_stats=1 \
         -artifact_prefix="artifacts/$target/" ${FUZZ_ARGS:-} >"work/$target.log" 2>&1 || status=$?
     elapsed=$(( $(date +%s) - start ))
     grep -E '^#[0-9]+ +DONE|^stat::number_of_executed_units|^stat::average_exec_per_sec' "work/$target.log" ||
