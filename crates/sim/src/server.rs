@@ -411,6 +411,22 @@ impl VirtualServer {
         next.map(|at| at.max(self.now + Nanos(1)))
     }
 
+    /// When the next network arrival or device completion is due (the dataplanes' own
+    /// deadlines left out), unclamped: for a driver that must not trust a deadline in the past.
+    pub fn next_external_event(&self) -> Option<Nanos> {
+        let sockets = self.sockets.iter().flat_map(|socket| {
+            [
+                socket.to_server.next_arrival(),
+                socket.to_client.next_arrival(),
+            ]
+        });
+        let queues = self
+            .threads
+            .iter()
+            .flat_map(|thread| thread.queues.iter().map(|queue| queue.next_deadline()));
+        sockets.chain(queues).flatten().min()
+    }
+
     /// Runs everything due at `now`: device completions, network arrivals, and every
     /// thread's processing until nothing moves.
     pub fn run_instant(&mut self, now: Nanos) {
