@@ -681,6 +681,41 @@ impl Scheduler {
         summary
     }
 
+    /// Takes every queued request out without admitting or charging it, handing each token to
+    /// `cancelled` (per tenant, oldest first): the dataplane answers them with an error when a
+    /// shutdown's drain times out. Balances are untouched; tenants left with empty queues
+    /// leave the lists in the next round, and tenants refused for a full queue get their
+    /// [`SchedulerEvent::QueueRoom`].
+    pub fn cancel_queued(&mut self, cancelled: &mut impl FnMut(TenantId, u64)) {
+        match self.policy {
+            Policy::Tokens => {
+                for index in 0..self.slots.len() {
+                    let slot = &mut self.slots[index];
+                    while let Some(node) = self.pool.pop_front(&mut slot.queue) {
+                        dequeued(slot, &node);
+                        cancelled(TenantId(node.tenant), node.request);
+                    }
+                }
+            }
+            Policy::Fifo => {
+                while let Some(node) = self.pool.pop_front(&mut self.fifo) {
+                    let index = node.tenant as usize;
+                    dequeued(&mut self.slots[index], &node);
+                    cancelled(TenantId(node.tenant), node.request);
+                    let slot = &self.slots[index];
+                    if slot.state == SlotState::Retiring && slot.queued == 0 {
+                        self.vacate_retired(index);
+                    }
+                }
+            }
+        }
+        // Nothing waits for tokens any more.
+        self.deadline = None;
+        if !self.blocked.is_empty() {
+            self.release_blocked();
+        }
+    }
+
     fn vacate_retired(&mut self, index: usize) {
         let slot = &mut self.slots[index];
         if slot.listed {
