@@ -22,16 +22,19 @@
 //!
 //! What a run checks (a violation panics, which is the finding):
 //! - nothing in the server panics (the dataplane's own assertions included);
-//! - after every step, each thread's requests per state add up to its request slots;
+//! - after every step, each thread's requests per state add up to its request slots, and no
+//!   thread waits with nothing to do and a deadline already passed (its driver would spin);
 //! - every byte a native or original-protocol client receives parses as a stream of valid
 //!   response headers and their payloads (a truncated tail is allowed: the server may abort a
 //!   connection mid-send);
-//! - after the script (stalled devices are released first: every device answers in the end),
-//!   a graceful shutdown finishes within [`SHUTDOWN_TIME_MAX`] of virtual time (or
-//!   [`QUEUED_SHUTDOWN_TIME_MAX`] while requests wait in a QoS scheduler, and naps replace
-//!   the spin of known finding 4: both counted in [`Outcome`]); then every
-//!   request slot is free, no device operation was abandoned, every socket is closed by the
-//!   server with no receive or send in flight, and no tenant still counts a connection.
+//! - no accepted connection gets a slot whose previous connection's close the driver has not
+//!   taken yet (reflexd's io_uring driver asserts on it);
+//! - after the script, a graceful shutdown (devices still stalled stay stalled) finishes
+//!   within [`SHUTDOWN_TIME_MAX`] of virtual time, and no instant of it leaves a thread with
+//!   nothing to do and a deadline already passed (a driver would spin); then every request
+//!   slot is free, or orphaned on a stalled device, device operations were abandoned only on
+//!   stalled devices, every socket is closed by the server with no receive or send in flight,
+//!   and no tenant still counts a connection.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -64,17 +67,12 @@ pub const SEND_BYTES_MAX: usize = 512 << 10;
 pub const INSTANTS_PER_ADVANCE_MAX: usize = 512;
 /// Instants the whole script steps through; later advances only jump.
 pub const INSTANTS_MAX: usize = 8_192;
-/// How long the final graceful shutdown may take in virtual time: the drain timeout aborts
-/// what is left after [`DRAIN_TIMEOUT`], and abandons devices one more drain timeout later.
-pub const SHUTDOWN_TIME_MAX: Nanos = Nanos(10 * DRAIN_TIMEOUT.0);
+/// How long the final graceful shutdown may take in virtual time: after [`DRAIN_TIMEOUT`] the
+/// requests still waiting in a scheduler are refused and connections aborted, one drain
+/// timeout later device operations are abandoned, and the flushes get one more.
+pub const SHUTDOWN_TIME_MAX: Nanos = Nanos(3 * DRAIN_TIMEOUT.0);
 /// Instants the final shutdown may take (a bound on a livelock at one virtual time).
 pub const SHUTDOWN_INSTANTS_MAX: usize = 200_000;
-/// How long the final shutdown may take while requests wait in a QoS scheduler (known
-/// finding 5: the drain timeout does not bound them; a tenant's token debt does).
-pub const QUEUED_SHUTDOWN_TIME_MAX: Nanos = Nanos(3_600_000_000_000);
-/// The shortest and longest nap of a spinning shutdown (known finding 4).
-pub const SPIN_NAP_MIN: Nanos = Nanos(1_000_000);
-pub const SPIN_NAP_MAX: Nanos = Nanos(100_000_000);
 /// The drain timeout of every run: short, so that aborting a drain is exercised.
 pub const DRAIN_TIMEOUT: Nanos = Nanos(1_000_000_000);
 
@@ -989,21 +987,21 @@ pub struct Outcome {
     pub bytes_received: usize,
     /// Complete native and original response headers the clients parsed.
     pub responses: u64,
+    /// Native answers with status BUSY among them (requests refused at a drain timeout).
+    pub busy_answers: u64,
     /// Virtual time at which the shutdown finished.
     pub finished_at: Nanos,
     pub requests_answered: u64,
     pub connections_timed_out: u64,
     pub framing_errors: u64,
-    /// Accepts into a slot whose previous connection's close was still queued (a known
-    /// finding: reflexd's io_uring driver asserts on it; see `VirtualServer`).
-    pub slot_reuses_before_close: u64,
     /// [`Mode::WellFormed`]: requests the clients sent, each answered exactly once.
     pub requests_sent: u64,
     /// When the final shutdown began.
     pub shutdown_started_at: Nanos,
-    /// Instants of the final shutdown at which every unfinished thread had nothing to do and
-    /// a deadline in the past (known finding 4: a driver would spin).
-    pub shutdown_spins: u64,
+    /// Devices still stalled when the final shutdown began.
+    pub stalled_devices: usize,
+    /// Device operations the threads abandoned at shutdown (only on stalled devices).
+    pub abandoned_device_operations: u32,
 }
 
 /// What the clients of a run may do.
@@ -1041,6 +1039,8 @@ struct ResponseStream {
     pending: Vec<u8>,
     skip_bytes: u64,
     headers: u64,
+    /// Native answers with status BUSY.
+    busy: u64,
 }
 
 impl ResponseStream {
@@ -1071,10 +1071,11 @@ impl ResponseStream {
             self.skip_bytes = match kind {
                 Kind::Native => match native::decode_response(&self.pending) {
                     Ok(Some((header, _))) => {
-                        assert!(
-                            header.status().is_ok(),
-                            "the server sent an unknown status: {header:?}"
-                        );
+                        match header.status() {
+                            Ok(native::Status::Busy) => self.busy += 1,
+                            Ok(_) => {}
+                            Err(e) => panic!("the server sent an unknown status: {e}: {header:?}"),
+                        }
                         u64::from(header.length_bytes)
                     }
                     other => panic!(
@@ -1445,6 +1446,15 @@ impl Run {
         };
         match self.server.connect(thread, listener_index as u32, source) {
             Ok(socket) => {
+                // Finding 1: the dataplane handed out a slot whose previous connection's
+                // close was still queued (reflexd's io_uring driver asserted and the thread
+                // panicked).
+                assert_eq!(
+                    self.server.slot_reuses_before_close(),
+                    0,
+                    "{socket:?} got a connection slot whose previous connection's close the \
+                     driver had not taken yet"
+                );
                 let kind = match listeners[listener_index] {
                     VirtualListener::Native => Kind::Native,
                     VirtualListener::Original { .. } => Kind::Original,
@@ -1583,48 +1593,39 @@ impl Run {
                 "thread {thread}: requests per state {states:?} do not add up to the slots"
             );
         }
+        assert!(
+            !self.spinning(),
+            "a thread has no work and a deadline that has passed (its driver would spin); per \
+             thread: {}",
+            self.thread_states()
+        );
     }
 
     /// The graceful shutdown, run to its end, and the checks on what it left.
     fn shut_down(&mut self) {
-        // Devices answer in the end: a device that never answers keeps the shutdown from
-        // finishing (a known finding, `crates/sim/tests/fuzz_findings.rs`), so stalls are
-        // lifted here; delays, errors and short completions stay.
-        for controls in &self.faults {
-            controls.set_stalled(false);
-        }
+        self.outcome.stalled_devices = self.faults.iter().filter(|c| c.is_stalled()).count();
         self.server.begin_shutdown();
         self.settle();
         let started = self.server.now();
         self.outcome.shutdown_started_at = started;
         let mut instants = 0;
-        let mut nap = SPIN_NAP_MIN;
-        let mut limit = SHUTDOWN_TIME_MAX;
         while !self.server.is_finished() {
             let now = self.server.now();
-            let mut next = self.server.next_event();
+            let next = self.server.next_event();
             assert!(
                 instants < SHUTDOWN_INSTANTS_MAX,
                 "shutdown still running after {instants} instants (virtual time {now:?}, next \
                  event {next:?}); per thread: {}",
                 self.thread_states()
             );
-            if self.spinning() {
-                // Known findings 4 and 5: a draining thread waits for requests queued in a
-                // scheduler while `next_deadline()` returns its passed drain deadline, so a
-                // driver would spin. Count it and nap like a driver that does not trust a
-                // deadline in the past (growing naps, never past a device or network event).
-                self.outcome.shutdown_spins += 1;
-                let nap_until = now + nap;
-                next = Some(
-                    self.server
-                        .next_external_event()
-                        .map_or(nap_until, |at| at.max(now + Nanos(1)).min(nap_until)),
-                );
-                nap = Nanos((nap.0 * 2).min(SPIN_NAP_MAX.0));
-            } else {
-                nap = SPIN_NAP_MIN;
-            }
+            // Finding 4: a draining thread reported its passed drain deadline while waiting
+            // for requests in a scheduler, and a driver woke up again and again.
+            assert!(
+                !self.spinning(),
+                "shutdown spins at {now:?}: no thread has work and a deadline has passed; per \
+                 thread: {}",
+                self.thread_states()
+            );
             let Some(next) = next else {
                 panic!(
                     "shutdown stalled at {now:?}: nothing more happens and it has not finished; \
@@ -1632,15 +1633,10 @@ impl Run {
                     self.thread_states()
                 );
             };
-            // Finding 5: requests queued in a scheduler hold the shutdown as long as their
-            // tenant's tokens take; once that happened the shutdown gets the longer bound.
-            if self.requests_queued() {
-                limit = QUEUED_SHUTDOWN_TIME_MAX;
-            }
             assert!(
-                next <= started + limit,
-                "shutdown not finished {limit:?} after it began at {started:?} (next event \
-                 {next:?}); per thread: {}",
+                next <= started + SHUTDOWN_TIME_MAX,
+                "shutdown not finished {SHUTDOWN_TIME_MAX:?} after it began at {started:?} (next \
+                 event {next:?}); per thread: {}",
                 self.thread_states()
             );
             self.instant(next);
@@ -1659,24 +1655,15 @@ impl Run {
         self.check_finished();
     }
 
-    /// Every thread that has not finished waits with nothing to do and a deadline already
-    /// passed: a driver would wake up at once, again and again.
+    /// A thread that has not finished waits with nothing to do and a deadline already passed:
+    /// its driver would wake up at once, again and again.
     fn spinning(&self) -> bool {
         let now = self.server.now();
-        (0..self.setup.threads).all(|thread| {
-            let dataplane = self.server.dataplane(thread);
-            dataplane.is_finished()
-                || (!dataplane.has_pending_work()
-                    && dataplane.next_deadline().is_some_and(|at| at <= now))
-        })
-    }
-
-    /// Whether a thread has requests waiting in a QoS scheduler (queued or blocked).
-    fn requests_queued(&self) -> bool {
         (0..self.setup.threads).any(|thread| {
             let dataplane = self.server.dataplane(thread);
-            dataplane.requests_in_state(RequestState::Queued) > 0
-                || dataplane.requests_in_state(RequestState::Blocked) > 0
+            !dataplane.is_finished()
+                && !dataplane.has_pending_work()
+                && dataplane.next_deadline().is_some_and(|at| at <= now)
         })
     }
 
@@ -1699,26 +1686,35 @@ impl Run {
     }
 
     fn check_finished(&mut self) {
+        let stalled = self.outcome.stalled_devices > 0;
         for thread in 0..self.setup.threads {
             let dataplane = self.server.dataplane(thread);
+            let abandoned = dataplane.abandoned_device_operations();
+            assert!(
+                stalled || abandoned == 0,
+                "thread {thread} abandoned {abandoned} device operations of devices that answer"
+            );
+            self.outcome.abandoned_device_operations += abandoned;
+            // Requests whose device never answered stay orphaned (the device owns their
+            // buffers); every other slot is free.
+            let orphaned = dataplane.requests_in_state(RequestState::Orphaned);
+            assert!(
+                orphaned <= abandoned,
+                "thread {thread}: {orphaned} orphaned requests, {abandoned} abandoned operations"
+            );
             for state in 0..REQUEST_STATE_COUNT {
                 let state = request_state(state);
                 let count = dataplane.requests_in_state(state);
-                let expected = if state == RequestState::Free {
-                    self.setup.limits.requests_max
-                } else {
-                    0
+                let expected = match state {
+                    RequestState::Free => self.setup.limits.requests_max - orphaned,
+                    RequestState::Orphaned => orphaned,
+                    _ => 0,
                 };
                 assert_eq!(
                     count, expected,
                     "thread {thread}: {count} requests {state:?} after shutdown"
                 );
             }
-            assert_eq!(
-                dataplane.abandoned_device_operations(),
-                0,
-                "thread {thread} abandoned device operations of devices that answer"
-            );
             let stats = dataplane.stats();
             self.outcome.requests_answered += stats.requests_answered;
             self.outcome.connections_timed_out += stats.connections_timed_out;
@@ -1747,7 +1743,7 @@ impl Run {
             );
         }
         self.outcome.responses = self.clients.iter().map(|c| c.responses.headers).sum();
-        self.outcome.slot_reuses_before_close = self.server.slot_reuses_before_close();
+        self.outcome.busy_answers = self.clients.iter().map(|c| c.responses.busy).sum();
     }
 }
 

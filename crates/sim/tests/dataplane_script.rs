@@ -2,13 +2,16 @@
 //! the seed corpus (`fuzz/corpus/dataplane/`) runs against a `VirtualServer` with the target's
 //! checks, and a few scripts written out as steps assert what the server did. The harness is
 //! `fuzz/src/script.rs`, included here so that a crash input found by the fuzzer replays as
-//! an ordinary test.
+//! an ordinary test. The findings of the fuzz targets are regression tests here (a finding not
+//! fixed yet is one too, `#[ignore]`d with its number until its fix lands).
 
 #[path = "../../../fuzz/src/script.rs"]
 mod script;
 
 use std::path::PathBuf;
 
+use reflex_dataplane::RequestState;
+use reflex_qos::Nanos;
 use script::{Config, Mode, Script, Step};
 
 fn corpus_dir() -> PathBuf {
@@ -182,6 +185,301 @@ fn well_formed_clients_get_every_answer() {
     };
     let outcome = script::run_mode(&script, Mode::WellFormed, true);
     assert_eq!(outcome.requests_sent, 5, "{outcome:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Findings of the fuzz targets, fixed: each test failed before its fix.
+
+/// Finding 1 (fixed): the dataplane handed out a connection slot whose previous connection's
+/// `Op::Close` was still queued.
+///
+/// With the table full (3 connections), a new connection evicts the oldest one that never
+/// completed a request. When that one has no receive in flight (here it waits for the only
+/// request slot, which a large READ's answer holds), `abort_connection` closes it at once
+/// inside `handle_accept`, the slot goes back to the free list, and the same call pops it for
+/// the new connection: `handle_accept` returns `{index: 1, generation: 1}` while
+/// `Op::Close {index: 1, generation: 0}` is still in the operation queue. A driver that keeps
+/// one socket per slot sees the new socket first: reflexd's io_uring driver
+/// (`crates/server/src/uring/driver.rs`, `on_accept`) asserts "connection slot still has a
+/// socket" and the thread panics; had it not, the stale Close would then drop the *new*
+/// socket. The simulator keys sockets by slot and generation and counts the case (the harness
+/// now fails on it at every connect).
+///
+/// Reproduced against the real reflexd (release build of this commit): a config with
+/// `threads = 1`, `window = 1`, `requests_per_thread_max = 1`, `connections_per_thread_max =
+/// 3`, `arena_bytes_per_thread = "1M"`, one original port and a `mem:2M` namespace; a client
+/// sends a native READ of 1 MiB and does not read the answer (small SO_RCVBUF), then connects
+/// once to the original port and twice to the native port: the fourth accept evicts the
+/// original-protocol connection and `reflex-dp-0` panics at `driver.rs:375` ("connection slot
+/// still has a socket"), after which reflexd shuts down ("a dataplane thread stopped
+/// unexpectedly"). Any client that can fill the table while the request slots are busy could
+/// stop the server.
+///
+/// Fix: a closed connection's slot joins the free list only when the driver takes its
+/// `Op::Close` from `poll_op`; the eviction inside `handle_accept` takes another free slot
+/// (the table has `CONNECTION_SLACK` beyond its limit for connections still closing).
+#[test]
+fn an_evicted_connection_s_slot_is_not_reused_before_its_close_is_issued() {
+    let script = Script {
+        // Window 1 and one request slot; the handshake timeout on.
+        config: Config([0x00, 0x41, 0x00, 0x00]),
+        steps: vec![
+            Step::Connect {
+                thread: 0,
+                listener: 0,
+                source: 0,
+            },
+            // READ of 119 KiB (length selector 254) from namespace 1: its answer does not fit
+            // the client's 64 KiB socket buffer and holds the request slot.
+            Step::Native {
+                socket: 0,
+                opcode: 1,
+                flags: 8,
+                id: 0,
+                namespace: 0,
+                offset: 256,
+                length: 254,
+                body: [63, 9, 0, 0],
+            },
+            Step::Connect {
+                thread: 0,
+                listener: 0,
+                source: 0,
+            },
+            Step::Connect {
+                thread: 8,
+                listener: 9,
+                source: 0,
+            },
+            // The table is full: this one evicts the second connection, which waits for a
+            // request slot with no receive in flight.
+            Step::Connect {
+                thread: 0,
+                listener: 0,
+                source: 0,
+            },
+        ],
+    };
+    // The harness asserts at every connect that no slot was reused before its Close.
+    let outcome = script::run(&script, false);
+    assert_eq!(outcome.connections, 4, "{outcome:?}");
+}
+
+/// Finding 2 (fixed): a graceful shutdown never ended when a device did not answer the
+/// shutdown flush.
+///
+/// The drain phase was bounded (`drain_timeout` aborts connections, one more abandons device
+/// operations), but the flush phase that follows waited for every namespace's flush without a
+/// bound, and `device_timeout` does not apply to it: a device that hangs kept reflexd from
+/// exiting on SIGTERM. Minimised input: `00 3e 3e 00 3e 3e 01` (stall namespace index 2, then
+/// the script's final shutdown).
+///
+/// Fix: the flush phase has a deadline one drain timeout after it begins; flushes not answered
+/// by then are given up (logged) and counted as abandoned device operations.
+#[test]
+fn shutdown_finishes_when_a_device_never_answers_its_flush() {
+    // Idle, receive, send and device (1 ms) timeouts on: even so the flush waits forever.
+    let setup = Config([0x00, 0x3e, 0x3e, 0x00]).decoded();
+    let (mut server, faults) = script::server(&setup).unwrap_or_else(|e| panic!("{e}"));
+    faults[2].set_stalled(true);
+    server.begin_shutdown();
+    let finished = run_until_finished(&mut server, Nanos::from_millis(10 * 1000));
+    assert!(
+        finished,
+        "still shutting down at {:?}: the flush of a stalled device is never given up",
+        server.now()
+    );
+    assert_eq!(server.dataplane(0).abandoned_device_operations(), 1);
+}
+
+/// Finding 3 (fixed): a graceful shutdown never ended when a device held a request's operation
+/// and no `device_timeout` was configured.
+///
+/// After `drain_timeout` the connection is aborted, but it could not be released while its
+/// request was on the device; the abandonment after one more drain timeout required every
+/// connection slot to be free (`shutdown.rs`, `advance_phase_once`), which never happened, and
+/// from then on the thread spun on the passed deadline (finding 4).
+///
+/// Fix: the abandonment orphans every request still on a device (the device keeps its buffer;
+/// a late completion frees it), which releases the connections they held; then the flush.
+#[test]
+fn shutdown_finishes_when_a_device_never_answers_a_request() {
+    let setup = Config([0x00, 0x00, 0x00, 0x00]).decoded();
+    let (mut server, faults) = script::server(&setup).unwrap_or_else(|e| panic!("{e}"));
+    let socket = server.connect(0, 0, None).unwrap_or_else(|e| panic!("{e}"));
+    faults[1].set_stalled(true);
+    // READ 4 KiB from namespace 2 (the model device).
+    server.client_send(socket, &script::native_request(1, 0, 1, 1, 0, 3, [0; 4]));
+    let now = server.now();
+    server.run_instant(now);
+    server.begin_shutdown();
+    let finished = run_until_finished(&mut server, Nanos::from_millis(10 * 1000));
+    assert!(
+        finished,
+        "still shutting down at {:?} with a request on a stalled device; requests per state \
+         {:?}, server closed the socket: {}",
+        server.now(),
+        server.stats()[0].requests_per_state,
+        server.is_server_closed(socket)
+    );
+    assert!(server.is_server_closed(socket));
+    let dataplane = server.dataplane(0);
+    assert_eq!(dataplane.requests_in_state(RequestState::Orphaned), 1);
+    // The READ and namespace index 1's shutdown flush.
+    assert_eq!(dataplane.abandoned_device_operations(), 2);
+}
+
+/// Finding 4 (fixed): a draining thread whose requests waited in a QoS scheduler spun on its
+/// passed drain deadline.
+///
+/// A native connection BINDs the LC tenant `lc` of namespace 1 (token scheduler), its device
+/// stalls, a FLUSH takes the thread's only device slot (`device_in_flight_max` 1: reflexd's is
+/// 1024, the same state with 1024 operations on a hung device), two 64 KiB WRITEs wait in the
+/// scheduler, and the shutdown begins. The drain times out at 1 s (the connection is
+/// aborted); the abandonment due at 2 s cannot happen while the connection still has a
+/// request in the scheduler (`shutdown.rs`, `advance_phase_once`: it needs every connection
+/// slot free), so the phase keeps its deadline of 2 s, and from then on `next_deadline()`
+/// returns that passed time while the thread has nothing to do (`has_pending_work()` false)
+/// until the scheduler admits the WRITE: a driver wakes up at once, again and again (with
+/// the old harness: one event per virtual nanosecond for 200,000 instants). The scheduler
+/// itself reports no deadline for the waiting request. Not seen with the tenant unbound
+/// (default or `be`), nor with two device slots.
+///
+/// Fix: at the drain timeout the requests waiting in a scheduler are taken out
+/// (`Scheduler::cancel_queued`) and answered BUSY (NBD: ESHUTDOWN) before the connections are
+/// aborted; one drain timeout later the device operations are abandoned whatever connections
+/// they hold, so no phase keeps a passed deadline. The harness fails on any instant at which a
+/// thread has no work and a passed deadline. Fuzz input (72 bytes, minimised): `01 1f 12 00 00 00 00 00 02
+/// 01 07 00 04 00 00 00 00 01 00 02 01 0e 00 09 00 00 02 01 03 00 04 00 00 00 00 07 00 00 00
+/// 02 01 02 00 02 00 00 00 08 00 00 00 00 02 01 02 00 02 00 00 00 08 70 74 68 5f 0d 08 0a 08
+/// 0b 08 65`.
+#[test]
+fn a_draining_thread_does_not_spin_on_a_passed_deadline() {
+    let write = |body: [u8; 4]| Step::Native {
+        socket: 1,
+        opcode: 2,
+        flags: 0,
+        id: 2,
+        namespace: 0,
+        offset: 0,
+        length: 8,
+        body,
+    };
+    let script = Script {
+        // Two threads; every timeout on; two request slots beyond the window of 4, one device
+        // operation in flight per thread; QoS on.
+        config: Config([0x01, 0x1f, 0x12, 0x00]),
+        steps: vec![
+            Step::Connect {
+                thread: 0,
+                listener: 0,
+                source: 0,
+            },
+            // BIND handle 1: the configured LC tenant `lc` of namespace 1.
+            Step::Native {
+                socket: 1,
+                opcode: 7,
+                flags: 0,
+                id: 4,
+                namespace: 0,
+                offset: 0,
+                length: 0,
+                body: [1, 0, 2, 1],
+            },
+            // Stall namespace 1's device.
+            Step::Fault {
+                namespace: 0,
+                kind: 9,
+                a: 0,
+                b: 0,
+            },
+            // FLUSH namespace 1: the only device slot.
+            Step::Native {
+                socket: 1,
+                opcode: 3,
+                flags: 0,
+                id: 4,
+                namespace: 0,
+                offset: 0,
+                length: 0,
+                body: [7, 0, 0, 0],
+            },
+            write([0, 0, 0, 0]),
+            write([112, 116, 104, 95]),
+            Step::Shutdown,
+            // 500 ms, 2 s, 10 µs.
+            Step::Advance { mode: 10 },
+            Step::Advance { mode: 11 },
+            Step::Advance { mode: 101 },
+        ],
+    };
+    // The old harness failed with "shutdown still running after 200000 instants (virtual time
+    // Nanos(2500210000), next event Some(Nanos(2500210001))); per thread: [thread 0: finished
+    // false, next deadline Some(Nanos(2000000000)), pending work false, requests per state
+    // [11, 0, 0, 1, 0, 0, 0, 0, 0]] ...".
+    let outcome = script::run(&script, false);
+    // Both WRITEs were refused, not left in the scheduler.
+    assert_eq!(outcome.busy_answers, 2, "{outcome:?}");
+    // The device is still stalled: the FLUSH and its namespace's shutdown flushes (one per
+    // thread) were given up.
+    assert_eq!(outcome.stalled_devices, 1, "{outcome:?}");
+    assert_eq!(outcome.abandoned_device_operations, 3, "{outcome:?}");
+}
+
+/// Finding 5 (fixed): the drain timeout did not bound requests waiting in a QoS scheduler; the
+/// shutdown lasted as long as their tenant's token debt.
+///
+/// Default configuration (one thread, QoS on, no timeouts). Two native connections; the first
+/// REGISTERs a best-effort tenant, then a latency-critical one with a 100 µs p95 and a
+/// reservation of 1 IOPS, which is admitted; the second BINDs to it (handle 7, then 6) and
+/// sends WRITEs of 37 KiB and 64 KiB: the tenant runs into its deficit (a RENEGOTIATE notice
+/// goes out) and the 64 KiB WRITE waits for tokens. The shutdown begins at once; the drain
+/// times out at 1 s and aborts the connection, but the WRITE stays in the scheduler until the
+/// tenant has earned its tokens, at 109.4 s, and only then can the thread flush and finish,
+/// spinning on the passed 2 s deadline all along (finding 4; 1,080 naps here). With a larger
+/// request or a smaller reservation the wait grows without bound. Fuzz input (123 bytes,
+/// minimised; found by the long run at 2.58 M executions of run 3).
+///
+/// Fix: as for finding 4, the WRITE is answered BUSY at the drain timeout, and the shutdown
+/// finishes right after it (1.000015 s).
+#[test]
+fn the_shutdown_is_bounded_by_the_drain_timeouts_when_a_tenant_is_in_debt() {
+    const INPUT: [u8; 123] = [
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x02, 0x00, 0x05,
+        0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x02, 0x01, 0x02, 0x00, 0x02,
+        0x00, 0x00, 0x00, 0x08, 0x00, 0x00, 0x00, 0x3d, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x08,
+        0x07, 0x02, 0x00, 0x05, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x5a, 0x4f, 0x00, 0x00,
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x02, 0x01, 0x07, 0x00, 0x04, 0x00, 0x00, 0x00,
+        0x00, 0x07, 0x00, 0x00, 0x00, 0x02, 0x01, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x5a, 0x0f,
+        0x00, 0x02, 0x00, 0x00, 0x08, 0x3a, 0x02, 0x02, 0x01, 0x02, 0x00, 0x02, 0x00, 0x00, 0x00,
+        0x08, 0x09, 0x00, 0x05, 0x00, 0x02, 0x01, 0x07, 0x40, 0x03, 0x00, 0x00, 0x00, 0x00, 0x06,
+        0x00, 0x00, 0x00,
+    ];
+    let outcome = script::run(&Script::decode(&INPUT), false);
+    let took = outcome
+        .finished_at
+        .saturating_since(outcome.shutdown_started_at);
+    // Refused and aborted at one drain timeout, then the flush (it was 109.4 s).
+    let bound = Nanos(script::DRAIN_TIMEOUT.0 + 100_000_000);
+    assert!(took <= bound, "the shutdown took {took:?}: {outcome:?}");
+    assert_eq!(outcome.busy_answers, 1, "{outcome:?}");
+}
+
+/// Runs events until every thread finished its shutdown or `limit` of virtual time passed.
+fn run_until_finished(server: &mut reflex_sim::VirtualServer, limit: Nanos) -> bool {
+    let deadline = server.now() + limit;
+    let now = server.now();
+    server.run_instant(now);
+    for _ in 0..100_000 {
+        if server.is_finished() {
+            return true;
+        }
+        match server.next_event() {
+            Some(next) if next <= deadline => server.run_instant(next),
+            _ => return server.is_finished(),
+        }
+    }
+    server.is_finished()
 }
 
 /// Replays one fuzz input with a trace of every step:
