@@ -465,6 +465,47 @@ fn the_shutdown_is_bounded_by_the_drain_timeouts_when_a_tenant_is_in_debt() {
     assert_eq!(outcome.busy_answers, 1, "{outcome:?}");
 }
 
+/// Finding 6 (fixed): with the smallest arena (1 MiB, which reflexd accepts) a request whose
+/// buffer run is the largest (1 MiB) waited for it forever, and so did every later request of
+/// its connection.
+///
+/// The arena keeps its last eighth for connections that hold little (`arena_reserve_pages`),
+/// so a run is allocated only while `free >= pages + reserve` or the connection holds at most
+/// its small share; a 1 MiB run in a 1 MiB arena meets neither, ever. Without timeouts the
+/// request is never answered. Found by replaying the `dataplane` corpus in well-formed mode
+/// (the `dataplane_protocol` checks): a native READ of 1 MiB from namespace 2.
+///
+/// Fix: the reserve never takes the room of one maximal run (`Limits::shares_for_arena`), and
+/// `Limits::check` refuses limits under which a maximal run could never be allocated.
+#[test]
+fn the_largest_request_gets_a_buffer_in_the_smallest_arena() {
+    let script = Script {
+        // One thread, a 1 MiB arena, no timeouts.
+        config: Config([0x00, 0x00, 0x00, 0x00]),
+        steps: vec![
+            Step::Connect {
+                thread: 0,
+                listener: 0,
+                source: 0,
+            },
+            // READ (opcode selector 0) of 1 MiB (length selector 10) from namespace 2.
+            Step::Native {
+                socket: 0,
+                opcode: 0,
+                flags: 0,
+                id: 0,
+                namespace: 1,
+                offset: 0,
+                length: 10,
+                body: [0; 4],
+            },
+        ],
+    };
+    // The well-formed mode fails unless every request is answered.
+    let outcome = script::run_mode(&script, Mode::WellFormed, false);
+    assert_eq!(outcome.requests_sent, 1, "{outcome:?}");
+}
+
 /// Runs events until every thread finished its shutdown or `limit` of virtual time passed.
 fn run_until_finished(server: &mut reflex_sim::VirtualServer, limit: Nanos) -> bool {
     let deadline = server.now() + limit;
