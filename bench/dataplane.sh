@@ -26,6 +26,8 @@
 #   RT_PRIO (unset): run server and clients SCHED_FIFO at this priority (chrt -f), so their
 #   wake-ups preempt other work at once; only sensible without SPIN (spinning real-time
 #   tasks would starve the machine).
+#   LIMIT (1): then run bench/limit.sh (reflexd against the physical limit, issue 10) with the
+#   same REPS, DURATION, CPUs and priority; LIMIT=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -326,3 +328,10 @@ with open(out, "w") as f:
     f.write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
+
+if [ "${LIMIT:-1}" = "1" ]; then
+    log "(d) the physical limit: bench/limit.sh"
+    stop_server
+    REPS=$REPS DURATION=$DURATION SERVER_CPU=$SERVER_CPU CLIENT_CPU=$CLIENT_CPU NICE=$NICE \
+        RT_PRIO=$RT_PRIO bench/limit.sh
+fi

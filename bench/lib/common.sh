@@ -8,6 +8,11 @@
 #   (SIGTERM, then SIGKILL after 5 s); never by name.
 # - cpu_ticks PID: CPU time in clock ticks of PID and all its descendants, including reaped
 #   children (utime + stime + cutime + cstime), for servers that fork per connection.
+# - cpu_ns PID: CPU time of PID in nanoseconds, summed over all its live threads from
+#   /proc/PID/task/*/schedstat (first field: the scheduler's exact sum_exec_runtime, not
+#   tick samples; steal time excluded). Read it before and after a run: the difference is
+#   the server's core-seconds × 1e9 (threads that exit in between are lost, so use it on
+#   servers whose threads live for the whole run). Prints 0 if PID is gone.
 # - listener_pid PORT: the process listening on loopback TCP PORT (for daemons that fork).
 # - cpu_busy_ticks CPU: ticks CPU spent running processes (user + nice + system, any process;
 #   interrupt time left out), from /proc/stat.
@@ -83,6 +88,11 @@ cpu_ticks() {
         total=$((total + ${12} + ${13} + ${14} + ${15}))
     done
     echo "$total"
+}
+
+cpu_ns() {
+    # A thread may exit between the glob and the read: skip it rather than fail.
+    cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ total += $1 } END { printf "%.0f\n", total }'
 }
 
 listener_pid() {

@@ -15,7 +15,10 @@ fuzz_target!(|data: &[u8]| {
     } else {
         Export::new("ro", 1 << 20).read_only()
     };
-    let session = Session::new(0, &export, selector & 2 != 0);
+    let structured = selector & 2 != 0;
+    let session = Session::new(0, &export, structured)
+        .with_block_sizes_agreed(selector & 4 != 0)
+        .with_base_allocation(structured && selector & 8 != 0);
     while let Ok(Some((header, header_bytes))) = decode_request(rest) {
         assert_eq!(header.to_bytes()[..], rest[..header_bytes]);
         rest = &rest[header_bytes..];
@@ -40,6 +43,15 @@ fuzz_target!(|data: &[u8]| {
                         offset_bytes,
                         length_bytes,
                         ..
+                    }
+                    | Command::Cache {
+                        offset_bytes,
+                        length_bytes,
+                    }
+                    | Command::BlockStatus {
+                        offset_bytes,
+                        length_bytes,
+                        ..
                     } => Some((offset_bytes, length_bytes)),
                     Command::Flush | Command::Disconnect => None,
                 };
@@ -47,7 +59,10 @@ fuzz_target!(|data: &[u8]| {
                     assert!(length_bytes > 0);
                     assert!(offset_bytes + u64::from(length_bytes) <= session.size_bytes());
                 }
-                session.reply_ok(&command)
+                match command.command() {
+                    Command::BlockStatus { .. } => session.reply_block_status(&command, 12),
+                    _ => session.reply_ok(&command),
+                }
             }
             Err(errno) => Some(session.reply_error(header.cookie, errno)),
         };

@@ -40,7 +40,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, OnceLock};
 
-use reflex_dataplane::control::{ControlSetup, NamespaceControl};
+use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
 use reflex_dataplane::{Limits, REQUEST_STATE_COUNT, RequestState};
 use std::num::NonZeroU64;
 
@@ -75,6 +75,19 @@ pub const SHUTDOWN_TIME_MAX: Nanos = Nanos(3 * DRAIN_TIMEOUT.0);
 pub const SHUTDOWN_INSTANTS_MAX: usize = 200_000;
 /// The drain timeout of every run: short, so that aborting a drain is exercised.
 pub const DRAIN_TIMEOUT: Nanos = Nanos(1_000_000_000);
+
+/// The seed of the tenant handles: handle selector `n` names the `n`th tenant registered
+/// ([`tenant_handle`]).
+pub const HANDLE_SEED: u64 = 1;
+
+/// The handle a selector names: 0 is "no tenant", `n` the `n`th tenant registered (the
+/// configured ones first, then each namespace's default, then those registered over the wire).
+pub fn tenant_handle(selector: u8) -> u64 {
+    match selector {
+        0 => 0,
+        n => HandleKeys::seeded_candidate(HANDLE_SEED, u64::from(n)),
+    }
+}
 
 /// Bytes of the configuration prefix.
 pub const CONFIG_BYTES: usize = 4;
@@ -159,7 +172,8 @@ impl Config {
     /// (300 ms) and device (1 ms) timeouts, a 2 MiB arena instead of 1 MiB, the window (2
     /// bits: 4, 1, 2, 8). Byte 2: request slots beyond the window (2 bits: 0, 2, 8, 24), a
     /// connection's share of the arena (2 bits: 100, 50, 25, 10 %), device operations in
-    /// flight per thread (2 bits: 1024, 1, 2, 8), QoS off, bit 7 unused. Byte 3: the client's
+    /// flight per thread (2 bits: 1024, 1, 2, 8), QoS off, parking idle connections after
+    /// 50 ms. Byte 3: the client's
     /// socket buffer (2 bits: 64 KiB, 4 KiB, 16 KiB, 1 MiB), the tenant queue depth (2 bits:
     /// 1024, 1, 2, 4), requests queued in a thread's schedulers (2 bits: 64, 2, 8, 32), tenants
     /// per namespace (16, 4), bit 7 unused. All zero is a plain single-thread server without
@@ -192,6 +206,7 @@ impl Config {
             device_timeout: short(bit(b, 4), 1),
             drain_timeout: DRAIN_TIMEOUT,
             device_in_flight_max: [1024, 1, 2, 8][two(c, 4)],
+            park_after: short(bit(c, 7), 50),
         };
         Setup {
             threads: if bit(a, 0) { 2 } else { 1 },
@@ -626,8 +641,10 @@ const NATIVE_OPCODES: [native::Opcode; 9] = [
 ///   reserved bytes if `body[3]` bit 0, non-zero flags if bit 1.
 /// - REGISTER: class `body[0] % 3` (LC, BE, the raw byte), read percentage `body[1]`,
 ///   latency and IOPS from `body[2]` (`% 6` and `/ 6 % 6` of small tables), read-only
-///   `body[3]` bit 0, handle `body[3] >> 1 & 31`, non-zero reserved bytes if bit 7.
-/// - UNREGISTER, BIND: handle `body[0]`, or u64::MAX if `body[1]` bit 0.
+///   `body[3]` bit 0, handle selector `body[3] >> 1 & 31` ([`tenant_handle`]), non-zero
+///   reserved bytes if bit 7.
+/// - UNREGISTER, BIND: handle selector `body[0]` ([`tenant_handle`]), or u64::MAX if
+///   `body[1]` bit 0.
 pub fn native_body(opcode: u8, namespace_id: u32, body: [u8; 4]) -> Vec<u8> {
     match native::Opcode::from_u8(opcode) {
         Ok(native::Opcode::Hello) => {
@@ -661,7 +678,7 @@ pub fn native_body(opcode: u8, namespace_id: u32, body: [u8; 4]) -> Vec<u8> {
                 bytes[12] = 1;
             }
             bytes[16..24].copy_from_slice(&iops.to_le_bytes());
-            let handle = u64::from(body[3] >> 1 & 31);
+            let handle = tenant_handle(body[3] >> 1 & 31);
             bytes[24..32].copy_from_slice(&handle.to_le_bytes());
             bytes
         }
@@ -669,7 +686,7 @@ pub fn native_body(opcode: u8, namespace_id: u32, body: [u8; 4]) -> Vec<u8> {
             let handle = if body[1] & 1 != 0 {
                 u64::MAX
             } else {
-                u64::from(body[0])
+                tenant_handle(body[0])
             };
             native::encode_handle(handle).to_vec()
         }
@@ -1180,6 +1197,8 @@ pub fn server(
         namespaces,
         control: ControlSetup {
             threads: setup.threads,
+            handles: HandleKeys::Seeded(HANDLE_SEED),
+            tenant_limits: TenantLimits::default(),
             qos_config: qos_config.clone(),
             qos_enabled: setup.qos_enabled,
             namespaces: vec![
@@ -1604,6 +1623,14 @@ impl Run {
     /// The graceful shutdown, run to its end, and the checks on what it left.
     fn shut_down(&mut self) {
         self.outcome.stalled_devices = self.faults.iter().filter(|c| c.is_stalled()).count();
+        if self.trace {
+            for tenant in self.server.control().tenants() {
+                eprintln!(
+                    "  tenant {:?} handle {:#x}: {:?}, connections {:?}",
+                    tenant.name, tenant.handle, tenant.spec, tenant.connections_per_thread
+                );
+            }
+        }
         self.server.begin_shutdown();
         self.settle();
         let started = self.server.now();
@@ -2149,7 +2176,16 @@ impl Run {
 fn request_state(index: usize) -> RequestState {
     use RequestState::*;
     const STATES: [RequestState; REQUEST_STATE_COUNT] = [
-        Free, NeedBuffer, Receiving, Queued, Submitted, Completed, Sending, Blocked, Orphaned,
+        Free,
+        NeedBuffer,
+        Receiving,
+        Queued,
+        Submitted,
+        Completed,
+        Sending,
+        Blocked,
+        Orphaned,
+        Overlapping,
     ];
     STATES[index]
 }

@@ -1,5 +1,7 @@
 //! `reflex`: the ReFlex command-line tool. Each subcommand lives in its own module.
 
+#![deny(unsafe_code)]
+
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 

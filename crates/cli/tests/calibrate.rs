@@ -44,10 +44,18 @@ fn scratch_dir() -> tempfile::TempDir {
 }
 
 fn start_server(backend: String) -> ServerHandle {
-    let config = Config {
+    let mut config = Config {
         window: 64,
         ..Config::loopback(vec![NamespaceConfig::new(1, backend).sized(FILE_BYTES)])
     };
+    // The driver REFLEX_DRIVER names, when set (as the other end-to-end tests do).
+    if let Ok(text) = std::env::var("REFLEX_DRIVER")
+        && !text.trim().is_empty()
+    {
+        config.driver = text
+            .parse()
+            .unwrap_or_else(|error| panic!("REFLEX_DRIVER: {error}"));
+    }
     Server::start(config).unwrap_or_else(|error| panic!("server start: {error}"))
 }
 

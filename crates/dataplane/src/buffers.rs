@@ -28,6 +28,11 @@ const NONE: u32 = u32::MAX;
 const STATE_INTERIOR: u8 = 0;
 const STATE_FREE: u8 = 0x40;
 const STATE_USED: u8 = 0x80;
+/// A single free page parked in the allocator's cache (not in a free list, never merged).
+const STATE_CACHED: u8 = 0x20;
+/// Single pages kept out of the buddy lists, so the common 4 KiB request neither splits a
+/// block on allocation nor merges up to the largest order on free.
+pub const PAGE_CACHE_MAX: usize = 512;
 const STATE_ORDER_MASK: u8 = 0x0f;
 
 /// A run of `2^order` pages starting at `first_page`, owned by whoever allocated it.
@@ -68,6 +73,8 @@ pub struct PageAllocator {
     next: Box<[u32]>,
     prev: Box<[u32]>,
     state: Box<[u8]>,
+    /// Free single pages outside the buddy lists, most recently freed last.
+    cache: Vec<u32>,
 }
 
 impl PageAllocator {
@@ -87,6 +94,7 @@ impl PageAllocator {
             next: vec![NONE; len].into_boxed_slice(),
             prev: vec![NONE; len].into_boxed_slice(),
             state: vec![STATE_INTERIOR; len].into_boxed_slice(),
+            cache: Vec::with_capacity(PAGE_CACHE_MAX),
         };
         // Push in reverse so the lowest addresses are handed out first.
         for block in (0..page_count / max_pages).rev() {
@@ -100,13 +108,48 @@ impl PageAllocator {
         self.page_count
     }
 
+    /// Free pages, cached single pages included.
     pub fn free_pages(&self) -> u32 {
-        self.free_pages
+        self.free_pages + self.cache.len() as u32
     }
 
     /// A run of `2^order` pages, or `None` when no free block is large enough.
     pub fn allocate(&mut self, order: u8) -> Option<PageRun> {
         assert!(order <= ORDER_MAX);
+        if order == 0
+            && let Some(first_page) = self.cache.pop()
+        {
+            assert_eq!(self.state[first_page as usize], STATE_CACHED);
+            self.state[first_page as usize] = STATE_USED;
+            return Some(PageRun {
+                first_page,
+                order: 0,
+            });
+        }
+        match self.allocate_from_lists(order) {
+            Some(run) => Some(run),
+            None if !self.cache.is_empty() => {
+                // Cached pages may be what keeps a larger block from merging back.
+                self.drain_cache();
+                self.allocate_from_lists(order)
+            }
+            None => None,
+        }
+    }
+
+    /// Gives every cached page back to the buddy lists (merging them).
+    fn drain_cache(&mut self) {
+        while let Some(first_page) = self.cache.pop() {
+            assert_eq!(self.state[first_page as usize], STATE_CACHED);
+            self.state[first_page as usize] = STATE_USED;
+            self.free_to_lists(PageRun {
+                first_page,
+                order: 0,
+            });
+        }
+    }
+
+    fn allocate_from_lists(&mut self, order: u8) -> Option<PageRun> {
         let mut found = order;
         while self.free_heads[found as usize] == NONE {
             if found == ORDER_MAX {
@@ -125,8 +168,23 @@ impl PageAllocator {
         Some(PageRun { first_page, order })
     }
 
-    /// Returns a run from [`allocate`](Self::allocate), merging it with free buddies.
+    /// Returns a run from [`allocate`](Self::allocate): a single page to the cache while it
+    /// has room, anything else to the buddy lists, merging it with free buddies.
     pub fn free(&mut self, run: PageRun) {
+        if run.order == 0 && self.cache.len() < PAGE_CACHE_MAX {
+            assert!(run.first_page < self.page_count);
+            assert_eq!(
+                self.state[run.first_page as usize], STATE_USED,
+                "free of a run that is not allocated: {run:?}"
+            );
+            self.state[run.first_page as usize] = STATE_CACHED;
+            self.cache.push(run.first_page);
+            return;
+        }
+        self.free_to_lists(run);
+    }
+
+    fn free_to_lists(&mut self, run: PageRun) {
         let PageRun {
             mut first_page,
             mut order,
@@ -195,6 +253,9 @@ impl PageAllocator {
             }
         }
         assert_eq!(counted, self.free_pages);
+        for &page in &self.cache {
+            assert_eq!(self.state[page as usize], STATE_CACHED);
+        }
     }
 }
 

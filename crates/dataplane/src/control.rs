@@ -14,14 +14,22 @@
 //! [`MESSAGES_PER_ITERATION_MAX`] waiting messages.
 //!
 //! Tenants: each namespace with a QoS profile has one `reflex_qos::TenantRegistry` (one
-//! device, one admission budget). Every tenant has a **handle** (u64, never reused while the
-//! server runs, never 0) that names it on the wire; the registry's dense `TenantId` (reused
+//! device, one admission budget). Every tenant has a **handle** (a u64 that is unguessable:
+//! a keyed hash of a counter, with a key from the operating system, never 0, never reused)
+//! that names it on the wire and is the capability to BIND to it; the registry's dense `TenantId` (reused
 //! after UNREGISTER) names it inside that namespace's schedulers. Tenants come from three
 //! places: the namespace's default best-effort tenant (registered at startup; what
 //! connections that never BIND are charged to), tenants declared in the configuration and
 //! bound to the namespace or to an original-protocol port (admitted at startup: a refusal
 //! stops the server), and REGISTER requests (admitted at run time; the only ones UNREGISTER
 //! may remove).
+//!
+//! Tenants registered over the wire belong to the connection that registered them: only it may
+//! change or UNREGISTER them; one connection may own at most
+//! [`TenantLimits::per_connection_max`] and one source address
+//! [`TenantLimits::per_source_max`]; when the owner closes, its tenants live on for
+//! [`TenantLimits::orphan_grace`] (so a client that reconnects can BIND again) and are then
+//! unregistered, unless a connection still counts for them.
 //!
 //! Invariants: a handle maps to exactly one live (namespace, `TenantId`) pair; a connection
 //! is counted in a registry (`connect`) exactly while it is in its connection's charge list
@@ -31,13 +39,17 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use reflex_proto::native::{RegisterBody, RenegotiateBody, Status, TenantClassRequest};
+use reflex_proto::native::{
+    RegisterBody, RenegotiateBody, RenegotiateReason, Status, TenantClassRequest,
+};
 use reflex_qos::{
-    DeviceProfile, DeviceShared, LoadMode, Notice, Plan, Policy, QosConfig, RateUpdate,
-    SchedulerEvent, TenantId, TenantRegistry, TenantSpec, TokenLimit,
+    Action, DeviceProfile, DeviceShared, LoadMode, Nanos, Notice, Plan, Policy, QosConfig,
+    RateUpdate, SchedulerEvent, TenantId, TenantRegistry, TenantSpec, TokenLimit,
 };
 
+use crate::core::TelemetryWindow;
 use crate::namespaces::NamespaceSet;
+use crate::self_calibration::{CalibrationInfo, DeviceCalibration};
 
 /// A RENEGOTIATE notice as the control plane makes it (encoded by the native front end).
 pub type NoticeBody = RenegotiateBody;
@@ -78,6 +90,97 @@ pub enum ControlMessage {
     Notice { body: RenegotiateBody },
 }
 
+/// A connection as the control plane knows it: its thread, slot and the slot's generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnectionKey {
+    pub thread: u16,
+    pub index: u32,
+    pub generation: u32,
+}
+
+/// Who asks for a control request: the connection and its peer's address, if known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Requester {
+    pub connection: ConnectionKey,
+    pub source: Option<std::net::IpAddr>,
+}
+
+/// Bounds on tenants registered over the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantLimits {
+    /// Tenants one connection may own at once.
+    pub per_connection_max: u32,
+    /// Tenants the connections of one address may own at once.
+    pub per_source_max: u32,
+    /// How long a tenant outlives its owner's connection (a reconnecting client binds again).
+    pub orphan_grace: Nanos,
+}
+
+impl Default for TenantLimits {
+    fn default() -> TenantLimits {
+        TenantLimits {
+            per_connection_max: 16,
+            per_source_max: 1024,
+            orphan_grace: Nanos(30_000_000_000),
+        }
+    }
+}
+
+/// Where tenant handles come from: a keyed hash of a counter, keyed by the operating
+/// system's randomness (reflexd) or by a fixed seed (the simulator, tests: runs replay).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandleKeys {
+    Random,
+    Seeded(u64),
+}
+
+impl HandleKeys {
+    /// The `n`th handle candidate (from 1) of a `Seeded(seed)` source: the `n`th tenant
+    /// registered gets it unless it is 0 or already in use (then a later one), so simulations
+    /// and tests can name tenants by registration order.
+    pub fn seeded_candidate(seed: u64, n: u64) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::hash::DefaultHasher::new();
+        (seed, n).hash(&mut hasher);
+        hasher.finish()
+    }
+}
+
+struct HandleSource {
+    hasher: HandleHasher,
+    counter: u64,
+}
+
+enum HandleHasher {
+    Random(std::hash::RandomState),
+    Seeded(u64),
+}
+
+impl HandleSource {
+    fn new(keys: HandleKeys) -> HandleSource {
+        let hasher = match keys {
+            HandleKeys::Random => HandleHasher::Random(std::hash::RandomState::new()),
+            HandleKeys::Seeded(seed) => HandleHasher::Seeded(seed),
+        };
+        HandleSource { hasher, counter: 0 }
+    }
+
+    /// The next handle candidate (never 0; the caller skips one already in use).
+    fn next(&mut self) -> u64 {
+        use std::hash::BuildHasher;
+        loop {
+            self.counter += 1;
+            let value = match &self.hasher {
+                HandleHasher::Random(state) => state.hash_one(self.counter),
+                HandleHasher::Seeded(seed) => HandleKeys::seeded_candidate(*seed, self.counter),
+            };
+            if value != 0 {
+                return value;
+            }
+        }
+    }
+}
+
 /// A tenant's entry, by handle.
 #[derive(Debug, Clone)]
 pub struct TenantEntry {
@@ -90,6 +193,12 @@ pub struct TenantEntry {
     /// Registered over the wire (UNREGISTER may remove it); configured and default tenants
     /// live as long as the server.
     pub dynamic: bool,
+    /// A dynamic tenant's owner, while that connection is open.
+    pub owner: Option<ConnectionKey>,
+    /// The owner's address (counted against [`TenantLimits::per_source_max`]).
+    pub source: Option<std::net::IpAddr>,
+    /// When its owner closed (it is unregistered [`TenantLimits::orphan_grace`] later).
+    pub orphaned_at: Option<Nanos>,
 }
 
 impl TenantEntry {
@@ -211,15 +320,30 @@ struct NamespaceState {
     /// Without a profile the registry's rate is unlimited and only the default tenant lives.
     has_profile: bool,
     registry: TenantRegistry,
+    /// Online self-calibration of the device rate (with a profile, QoS and calibration on).
+    calibration: Option<DeviceCalibration>,
     /// The handle of each registered tenant id.
     handles: BTreeMap<TenantId, u64>,
+    /// The grant (tokens/s) last told to each LC tenant over the device's scaled rate: a new
+    /// notice goes out only when the grant moves by more than `NOTICE_GRANT_CHANGE_MIN`.
+    notified_grants: BTreeMap<TenantId, u64>,
 }
+
+/// A tenant still over the device's rate hears again only when its grant moved by more than
+/// this share (calibration moves the rate every window; a notice per window is noise).
+const NOTICE_GRANT_CHANGE_MIN: f64 = 0.05;
 
 struct State {
     threads: u16,
     namespaces: Vec<NamespaceState>,
     tenants: BTreeMap<u64, TenantEntry>,
-    next_handle: u64,
+    handles: HandleSource,
+    limits: TenantLimits,
+    /// Dynamic tenants owned, by connection and by source address.
+    owned_by_connection: BTreeMap<ConnectionKey, u32>,
+    owned_by_source: BTreeMap<std::net::IpAddr, u32>,
+    /// Dynamic tenants whose owner closed, by handle.
+    orphans: BTreeMap<u64, Nanos>,
     /// Messages for threads other than the registries' rate updates: (thread, message).
     outbox: Vec<(u16, ControlMessage)>,
 }
@@ -251,6 +375,8 @@ pub trait Wake: Send + Sync {
 #[derive(Debug, Clone)]
 pub struct ControlSetup {
     pub threads: u16,
+    pub handles: HandleKeys,
+    pub tenant_limits: TenantLimits,
     pub qos_config: QosConfig,
     /// `false`: every namespace schedules first in, first out (`--no-qos`).
     pub qos_enabled: bool,
@@ -284,7 +410,11 @@ impl ControlPlane {
             threads,
             namespaces: Vec::new(),
             tenants: BTreeMap::new(),
-            next_handle: 1,
+            handles: HandleSource::new(setup.handles),
+            limits: setup.tenant_limits,
+            owned_by_connection: BTreeMap::new(),
+            owned_by_source: BTreeMap::new(),
+            orphans: BTreeMap::new(),
             outbox: Vec::new(),
         };
         let mut setups = Vec::new();
@@ -298,11 +428,26 @@ impl ControlPlane {
                     namespace_id: namespace.namespace_id,
                     reason: e.to_string(),
                 })?;
+            let calibrating =
+                has_profile && setup.qos_enabled && setup.qos_config.calibration.enabled;
+            let calibration = if calibrating {
+                let calibration =
+                    DeviceCalibration::new(setup.qos_config.calibration.clone(), Nanos::ZERO)
+                        .map_err(|e| ControlError::Qos {
+                            namespace_id: namespace.namespace_id,
+                            reason: e.to_string(),
+                        })?;
+                Some(calibration)
+            } else {
+                None
+            };
             state.namespaces.push(NamespaceState {
                 namespace_id: namespace.namespace_id,
                 has_profile,
                 registry,
+                calibration,
                 handles: BTreeMap::new(),
+                notified_grants: BTreeMap::new(),
             });
             if !has_profile && !namespace.tenants.is_empty() {
                 return Err(ControlError::Qos {
@@ -475,6 +620,7 @@ impl ControlPlane {
         thread: usize,
         namespace_index: Option<u16>,
         body: &RegisterBody,
+        requester: Requester,
         own: &mut Vec<ControlMessage>,
     ) -> ControlAnswer {
         let Some(namespace_index) = namespace_index else {
@@ -503,19 +649,15 @@ impl ControlPlane {
                 ));
             }
             if body.handle == 0 {
-                let name = format!("handle {}", state.next_handle);
-                return match state.register(namespace_index, spec, &name, body.read_only, true) {
-                    Ok(handle) => ControlAnswer {
-                        status: Status::Ok,
-                        body: ControlBody::Handle(handle),
-                    },
-                    Err(reason) => ControlAnswer::refused(&reason),
-                };
+                return state.register_owned(namespace_index, spec, body.read_only, requester);
             }
             let Some(entry) = state.tenants.get(&body.handle) else {
                 return ControlAnswer::status(Status::Invalid);
             };
-            if !entry.dynamic || entry.namespace_index != namespace_index {
+            if !entry.dynamic
+                || entry.namespace_index != namespace_index
+                || entry.owner != Some(requester.connection)
+            {
                 return ControlAnswer::status(Status::Permission);
             }
             if entry.read_only != body.read_only {
@@ -540,38 +682,94 @@ impl ControlPlane {
         })
     }
 
-    /// UNREGISTER: removes a tenant registered over the wire.
+    /// UNREGISTER: removes a tenant registered over the wire; only the connection that
+    /// registered it may.
     pub fn unregister(
         &self,
         thread: usize,
         handle: u64,
+        requester: Requester,
         own: &mut Vec<ControlMessage>,
     ) -> ControlAnswer {
         self.change(thread, own, |state| {
             let Some(entry) = state.tenants.get(&handle) else {
                 return ControlAnswer::status(Status::Invalid);
             };
-            if !entry.dynamic {
+            if !entry.dynamic || entry.owner != Some(requester.connection) {
                 return ControlAnswer::status(Status::Permission);
             }
-            let (namespace_index, id) = (entry.namespace_index, entry.id);
-            let Some(namespace) = state.namespace(namespace_index) else {
-                return ControlAnswer::status(Status::Invalid);
-            };
-            if let Err(error) = namespace.registry.unregister(id) {
-                tracing::error!(handle, %error, "registry refused to unregister a known tenant");
-                return ControlAnswer::status(Status::Invalid);
+            if state.remove_dynamic(handle) {
+                ControlAnswer::status(Status::Ok)
+            } else {
+                ControlAnswer::status(Status::Invalid)
             }
-            namespace.handles.remove(&id);
-            state.tenants.remove(&handle);
-            for thread in 0..state.threads {
-                state
-                    .outbox
-                    .push((thread, ControlMessage::Revoke { handle }));
-            }
-            tracing::info!(handle, "tenant unregistered");
-            ControlAnswer::status(Status::Ok)
         })
+    }
+
+    /// A connection that owned tenants closed: they become orphans, unregistered after the
+    /// grace period unless a connection still counts for them.
+    pub fn connection_closed(
+        &self,
+        thread: usize,
+        connection: ConnectionKey,
+        now: Nanos,
+        own: &mut Vec<ControlMessage>,
+    ) {
+        self.change(thread, own, |state| {
+            let Some(count) = state.owned_by_connection.remove(&connection) else {
+                return;
+            };
+            let owned: Vec<u64> = state
+                .tenants
+                .iter()
+                .filter(|(_, entry)| entry.owner == Some(connection))
+                .map(|(handle, _)| *handle)
+                .collect();
+            assert_eq!(owned.len() as u32, count, "owner counts out of step");
+            for handle in owned {
+                if let Some(entry) = state.tenants.get_mut(&handle) {
+                    entry.owner = None;
+                    entry.orphaned_at = Some(now);
+                }
+                state.orphans.insert(handle, now);
+            }
+        });
+    }
+
+    /// Unregisters the orphans whose grace period is over and that no connection counts for
+    /// (called from a dataplane thread's housekeeping).
+    pub fn reap_orphans(&self, thread: usize, now: Nanos, own: &mut Vec<ControlMessage>) {
+        self.change(thread, own, |state| {
+            let grace = state.limits.orphan_grace;
+            let due: Vec<u64> = state
+                .orphans
+                .iter()
+                .filter(|(_, orphaned_at)| now.saturating_since(**orphaned_at) >= grace)
+                .map(|(handle, _)| *handle)
+                .collect();
+            for handle in due {
+                let in_use = state.tenants.get(&handle).is_some_and(|entry| {
+                    let (namespace_index, id) = (entry.namespace_index, entry.id);
+                    state.namespaces[usize::from(namespace_index)]
+                        .registry
+                        .connections(id)
+                        .is_some_and(|counts| counts.iter().any(|&c| c > 0))
+                });
+                if in_use {
+                    // Still used: it lives on, and is checked again after another grace.
+                    state.orphans.insert(handle, now);
+                    continue;
+                }
+                tracing::info!(handle, "orphaned tenant unregistered (its owner left)");
+                state.remove_dynamic(handle);
+            }
+        });
+    }
+
+    /// Whether orphans wait for [`Self::reap_orphans`] (one atomic-free check under the lock;
+    /// callers use it at housekeeping rate only).
+    pub fn has_orphans(&self) -> bool {
+        !self.lock().orphans.is_empty()
     }
 
     /// Looks up a handle for BIND and counts one more connection of it on `thread`.
@@ -670,6 +868,8 @@ impl ControlPlane {
                 reserved_tokens_per_sec,
                 observed_iops: observed_iops_here.saturating_mul(u64::from(total.max(here)))
                     / u64::from(here),
+                reason: RenegotiateReason::DeficitLimit,
+                granted_tokens_per_sec: reserved_tokens_per_sec,
             };
             let name = state
                 .tenants
@@ -683,14 +883,95 @@ impl ControlPlane {
                 observed_iops = body.observed_iops,
                 "tenant reached its deficit limit: RENEGOTIATE notice"
             );
-            for (thread, &count) in connections.iter().enumerate() {
-                if count > 0 {
-                    state
-                        .outbox
-                        .push((thread as u16, ControlMessage::Notice { body }));
+            state.send_notice(&connections, body);
+        });
+    }
+
+    /// A thread's telemetry window of a namespace (`core::calibration`). When the device's
+    /// calibration window has ended, the merged window is judged: a new rate scale is applied
+    /// like any other change (rate updates to every thread), and LC tenants whose reservation
+    /// no longer fits the scaled rate (or fits again) get a RENEGOTIATE notice.
+    pub fn publish_window(
+        &self,
+        thread: usize,
+        namespace_index: u16,
+        window: &TelemetryWindow,
+        now: Nanos,
+        own: &mut Vec<ControlMessage>,
+    ) {
+        self.change(thread, own, |state| {
+            let Some(namespace) = state.namespace(namespace_index) else {
+                return;
+            };
+            let Some(calibration) = namespace.calibration.as_mut() else {
+                return;
+            };
+            if !calibration.add(window, now) {
+                return;
+            }
+            let decision = match calibration.close(now, &namespace.registry.plan()) {
+                Ok(decision) => decision,
+                Err(error) => {
+                    tracing::error!(%error, "self-calibration window refused");
+                    return;
+                }
+            };
+            let before = namespace.registry.rate_scale();
+            if matches!(decision.action, Action::Held(_)) || decision.scale == before {
+                return;
+            }
+            let over_before = namespace.registry.lc_tenants_over();
+            match namespace.registry.set_rate_scale(decision.scale) {
+                Ok(_newly_over) => {}
+                Err(error) => {
+                    tracing::error!(%error, scale = decision.scale, "rate scale refused");
+                    return;
+                }
+            };
+            let plan = namespace.registry.plan();
+            let last = calibration.info().last;
+            tracing::info!(
+                namespace = namespace.namespace_id,
+                scale_before = before,
+                scale = decision.scale,
+                lc_read_service_p95_us = last.map(|o| o.lc_read_latency_us_p95),
+                target_us = last.and_then(|o| o.target_us()),
+                device_tokens_per_sec = plan.device_tokens_per_sec[LoadMode::Mixed.index()]
+                    .as_tokens_per_sec_f64()
+                    .round(),
+                lc_tenants_over = plan.lc_tenants_over,
+                "self-calibration: device rate scaled"
+            );
+            let over_now = namespace.registry.lc_tenants_over();
+            let recovered: Vec<TenantId> = over_before
+                .iter()
+                .filter(|tenant| !over_now.contains(tenant))
+                .copied()
+                .collect();
+            // Every tenant still over hears its new grant, not only those newly over: a client
+            // that follows notices must not keep sending at a share the device lost since.
+            for (tenants, reason) in [
+                (over_now, RenegotiateReason::DeviceSlower),
+                (recovered, RenegotiateReason::DeviceRecovered),
+            ] {
+                for tenant in tenants {
+                    state.notify_device_change(namespace_index, tenant, reason);
                 }
             }
         });
+    }
+
+    /// Each calibrated namespace's calibration, by namespace id.
+    pub fn calibration(&self) -> Vec<(u32, CalibrationInfo)> {
+        let state = self.lock();
+        state
+            .namespaces
+            .iter()
+            .filter_map(|namespace| {
+                let calibration = namespace.calibration.as_ref()?;
+                Some((namespace.namespace_id, calibration.info()))
+            })
+            .collect()
     }
 
     // ----- Queries (operators, tests) ----------------------------------------------------------
@@ -760,6 +1041,104 @@ impl State {
         }
     }
 
+    /// A RENEGOTIATE notice to every connection of LC tenant `tenant`: the device's scaled
+    /// rate no longer fits its reservation (or does again).
+    fn notify_device_change(
+        &mut self,
+        namespace_index: u16,
+        tenant: TenantId,
+        reason: RenegotiateReason,
+    ) {
+        let Some(namespace) = self.namespace(namespace_index) else {
+            return;
+        };
+        let Some(&handle) = namespace.handles.get(&tenant) else {
+            return;
+        };
+        let Some(TenantSpec::LatencyCritical {
+            iops, read_percent, ..
+        }) = namespace.registry.spec(tenant)
+        else {
+            return;
+        };
+        let reserved = namespace
+            .registry
+            .costs()
+            .reservation(iops, read_percent, LoadMode::Mixed)
+            .as_tokens_per_sec_f64();
+        // Tenants that still fit keep their whole reservation; those over share what is left
+        // in proportion to their reservations.
+        let factor = if namespace.registry.lc_tenants_over().contains(&tenant) {
+            namespace.registry.over_granted_share()[LoadMode::Mixed.index()]
+        } else {
+            1.0
+        };
+        let granted = (reserved * factor).round() as u64;
+        match reason {
+            RenegotiateReason::DeviceSlower => {
+                if let Some(&told) = namespace.notified_grants.get(&tenant) {
+                    let change = (granted as f64 - told as f64).abs() / (told.max(1) as f64);
+                    if change <= NOTICE_GRANT_CHANGE_MIN {
+                        return;
+                    }
+                }
+                namespace.notified_grants.insert(tenant, granted);
+            }
+            _ => {
+                namespace.notified_grants.remove(&tenant);
+            }
+        }
+        let connections = namespace
+            .registry
+            .connections(tenant)
+            .map(<[u32]>::to_vec)
+            .unwrap_or_default();
+        let (episode, _) = namespace
+            .registry
+            .deficit_episodes(tenant)
+            .unwrap_or((0, false));
+        let body = RenegotiateBody {
+            handle,
+            episode,
+            reserved_iops: iops,
+            reserved_tokens_per_sec: reserved.round() as u64,
+            observed_iops: 0,
+            reason,
+            granted_tokens_per_sec: granted,
+        };
+        let name = self
+            .tenants
+            .get(&handle)
+            .map_or_else(String::new, |entry| entry.name.clone());
+        match reason {
+            RenegotiateReason::DeviceSlower => tracing::warn!(
+                handle,
+                tenant = %name,
+                reserved_tokens_per_sec = body.reserved_tokens_per_sec,
+                granted_tokens_per_sec = body.granted_tokens_per_sec,
+                "the device is slower than its profile: the LC reservation no longer fits; \
+                 RENEGOTIATE notice"
+            ),
+            _ => tracing::info!(
+                handle,
+                tenant = %name,
+                ?reason,
+                "the LC reservation fits the device again: RENEGOTIATE notice"
+            ),
+        }
+        self.send_notice(&connections, body);
+    }
+
+    /// Queues `body` for every thread with connections of the tenant.
+    fn send_notice(&mut self, connections_per_thread: &[u32], body: RenegotiateBody) {
+        for (thread, &count) in connections_per_thread.iter().enumerate() {
+            if count > 0 {
+                self.outbox
+                    .push((thread as u16, ControlMessage::Notice { body }));
+            }
+        }
+    }
+
     /// Admits a tenant; returns its new handle or the refusal's reason.
     fn register(
         &mut self,
@@ -769,7 +1148,10 @@ impl State {
         read_only: bool,
         dynamic: bool,
     ) -> Result<u64, String> {
-        let handle = self.next_handle;
+        let mut handle = self.handles.next();
+        while self.tenants.contains_key(&handle) {
+            handle = self.handles.next();
+        }
         let Some(namespace) = self.namespace(namespace_index) else {
             return Err("no QoS on this namespace".into());
         };
@@ -779,26 +1161,122 @@ impl State {
             .map_err(|e| e.to_string())?;
         namespace.handles.insert(id, handle);
         let namespace_id = namespace.namespace_id;
-        self.next_handle += 1;
+        let name = if name.is_empty() {
+            format!("tenant {handle:016x}")
+        } else {
+            name.to_string()
+        };
+        tracing::info!(
+            handle,
+            tenant = %name,
+            namespace = namespace_id,
+            ?spec,
+            "tenant admitted"
+        );
         self.tenants.insert(
             handle,
             TenantEntry {
                 namespace_index,
                 id,
-                name: name.to_string(),
+                name,
                 spec,
                 read_only,
                 dynamic,
+                owner: None,
+                source: None,
+                orphaned_at: None,
             },
         );
-        tracing::info!(
-            handle,
-            tenant = name,
-            namespace = namespace_id,
-            ?spec,
-            "tenant admitted"
-        );
         Ok(handle)
+    }
+
+    /// REGISTER of a new tenant by a connection, within the per-connection and per-source
+    /// bounds; the connection owns it.
+    fn register_owned(
+        &mut self,
+        namespace_index: u16,
+        spec: TenantSpec,
+        read_only: bool,
+        requester: Requester,
+    ) -> ControlAnswer {
+        let limits = self.limits;
+        let by_connection = self
+            .owned_by_connection
+            .get(&requester.connection)
+            .copied()
+            .unwrap_or(0);
+        if by_connection >= limits.per_connection_max {
+            return ControlAnswer::refused(&format!(
+                "this connection owns {by_connection} tenants already, the most one may \
+                 (unregister one first)"
+            ));
+        }
+        if let Some(source) = requester.source {
+            let by_source = self.owned_by_source.get(&source).copied().unwrap_or(0);
+            if by_source >= limits.per_source_max {
+                return ControlAnswer::refused(&format!(
+                    "connections from {source} own {by_source} tenants already, the most one \
+                     address may"
+                ));
+            }
+        }
+        match self.register(namespace_index, spec, "", read_only, true) {
+            Ok(handle) => {
+                if let Some(entry) = self.tenants.get_mut(&handle) {
+                    entry.owner = Some(requester.connection);
+                    entry.source = requester.source;
+                }
+                *self
+                    .owned_by_connection
+                    .entry(requester.connection)
+                    .or_insert(0) += 1;
+                if let Some(source) = requester.source {
+                    *self.owned_by_source.entry(source).or_insert(0) += 1;
+                }
+                ControlAnswer {
+                    status: Status::Ok,
+                    body: ControlBody::Handle(handle),
+                }
+            }
+            Err(reason) => ControlAnswer::refused(&reason),
+        }
+    }
+
+    /// Removes a dynamic tenant: from its registry, the owner counts, the orphans, and
+    /// every thread (a Revoke message). Returns false if the registry did not know it.
+    fn remove_dynamic(&mut self, handle: u64) -> bool {
+        let Some(entry) = self.tenants.get(&handle) else {
+            return false;
+        };
+        assert!(
+            entry.dynamic,
+            "only tenants registered over the wire are removed"
+        );
+        let (namespace_index, id, owner, source) =
+            (entry.namespace_index, entry.id, entry.owner, entry.source);
+        let Some(namespace) = self.namespace(namespace_index) else {
+            return false;
+        };
+        if let Err(error) = namespace.registry.unregister(id) {
+            tracing::error!(handle, %error, "registry refused to unregister a known tenant");
+            return false;
+        }
+        namespace.handles.remove(&id);
+        namespace.notified_grants.remove(&id);
+        self.tenants.remove(&handle);
+        self.orphans.remove(&handle);
+        if let Some(owner) = owner {
+            decrement(&mut self.owned_by_connection, &owner);
+        }
+        if let Some(source) = source {
+            decrement(&mut self.owned_by_source, &source);
+        }
+        for thread in 0..self.threads {
+            self.outbox
+                .push((thread, ControlMessage::Revoke { handle }));
+        }
+        tracing::info!(handle, "tenant unregistered");
+        true
     }
 
     fn connect(&mut self, handle: u64, thread: u16) -> bool {
@@ -831,5 +1309,15 @@ fn unlimited_profile() -> DeviceProfile {
             tokens_per_sec: 1e9,
             reads_per_sec_read_only: 1e9,
         }],
+    }
+}
+
+/// Counts one fewer under `key`, forgetting keys that reach zero.
+fn decrement<K: Ord>(counts: &mut BTreeMap<K, u32>, key: &K) {
+    if let Some(count) = counts.get_mut(key) {
+        *count -= 1;
+        if *count == 0 {
+            counts.remove(key);
+        }
     }
 }

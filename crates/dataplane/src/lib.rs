@@ -7,9 +7,10 @@
 //!
 //! Module map: `core` (the state machine: [`Dataplane`] and its typed [`Op`]s), `frontend`
 //! (native, original ReFlex and NBD protocol glue over `reflex_proto`), `steps` (requests that
-//! take several device operations), `control` (tenants, admission and the messages to the
-//! threads' schedulers), `buffers` (page allocation in the arena), `memory` (the arena itself:
-//! the only module with `unsafe`), `namespaces`.
+//! take several device operations: large, unaligned, zeroing), `gate` (the ordering of
+//! read-modify-writes, shared by the threads), `control` (tenants, admission and the messages
+//! to the threads' schedulers), `buffers` (page allocation in the arena), `memory` (the arena
+//! itself: the only module with `unsafe`), `namespaces`.
 //!
 //! Architecture invariants: no socket, no clock, no thread and no io_uring here (time is a
 //! parameter; the crate does not link the ring code); bad input from the network gets an
@@ -22,15 +23,18 @@ pub mod buffers;
 pub mod control;
 mod core;
 pub mod frontend;
+pub mod gate;
 #[allow(unsafe_code)]
 mod memory;
 pub mod namespaces;
+pub mod self_calibration;
 pub mod steps;
+pub mod telemetry;
 
 pub use crate::core::{
     AcceptRefused, BATCH_MAX, CONNECTION_SLACK, ConnectionId, CoreStats,
     DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Dataplane, DataplaneSetup,
     DeviceCommand, DeviceOpId, DeviceOpKind, GENERATION_MASK, HOUSEKEEPING_INTERVAL, Limits,
-    NOTICES_PENDING_MAX, Op, REQUEST_STATE_COUNT, RequestState, SEND_SEGMENTS_MAX, SetupError,
-    TenantStats, policy_for,
+    NOTICES_PENDING_MAX, Op, RECV_BUFFERS_SPARE_MAX, REQUEST_STATE_COUNT, RequestState,
+    SEND_SEGMENTS_MAX, SetupError, TelemetryWindow, TenantStats, policy_for,
 };

@@ -9,12 +9,16 @@ use std::sync::Arc;
 use reflex_flash::{Device, DeviceInfo};
 use reflex_proto::native::{self, ServerLimits};
 
+use crate::gate::WriteGate;
+
 pub struct NamespaceSet {
     ids: Vec<u32>,
     devices: Vec<Arc<dyn Device>>,
     infos: Vec<DeviceInfo>,
     table: Vec<native::Namespace>,
     limits: ServerLimits,
+    /// Per namespace: the ordering of read-modify-writes, shared by every thread.
+    gates: Vec<WriteGate>,
 }
 
 impl std::fmt::Debug for NamespaceSet {
@@ -37,6 +41,7 @@ impl NamespaceSet {
             infos: Vec::new(),
             table: Vec::new(),
             limits: ServerLimits::default(),
+            gates: Vec::new(),
         };
         for (id, device, read_only) in entries {
             assert!(!set.ids.contains(&id), "namespace {id} twice");
@@ -50,6 +55,7 @@ impl NamespaceSet {
             set.ids.push(id);
             set.devices.push(device);
             set.infos.push(info);
+            set.gates.push(WriteGate::new());
         }
         set
     }
@@ -75,6 +81,11 @@ impl NamespaceSet {
 
     pub fn device(&self, index: u16) -> &Arc<dyn Device> {
         &self.devices[usize::from(index)]
+    }
+
+    /// The write ordering of a namespace's read-modify-writes (`crate::gate`).
+    pub fn write_gate(&self, index: u16) -> &WriteGate {
+        &self.gates[usize::from(index)]
     }
 
     pub fn info(&self, index: u16) -> &DeviceInfo {

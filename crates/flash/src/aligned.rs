@@ -8,16 +8,17 @@
 //!
 //! - [`AlignedBuf`] owns a zeroed, page-aligned allocation (the dataplane's buffer arena and
 //!   test buffers). Alignment is asserted at creation and wherever a pointer is handed out.
-//! - [`AtomicRegion`] is an anonymous private mapping viewed as `[AtomicU64]`: concurrent
-//!   relaxed loads and stores of whole words are defined behaviour, so `mem:` needs no locks.
-//!   Pages are mapped lazily by the kernel (`MAP_NORESERVE`), so a large `mem:` costs memory
-//!   only for what is written.
+//! - [`StripedRegion`] is an anonymous private mapping copied with `memcpy` under striped
+//!   reader-writer locks, so `mem:` is shared by every thread without data races. Pages are
+//!   mapped lazily by the kernel (`MAP_NORESERVE`), so a large `mem:` costs memory only for
+//!   what is written.
+//! - [`seek`] wraps `lseek(SEEK_DATA/SEEK_HOLE)`, which a file device uses to report the
+//!   holes of a sparse file.
 //! - `test_ring` (tests only) pushes a device's ring entry on a real io_uring and waits for
 //!   its CQE, so file devices are tested through the kernel rather than a mock.
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
-use std::sync::atomic::AtomicU64;
 
 /// Alignment of every [`AlignedBuf`]: one page, enough for O_DIRECT on any block size we ship.
 pub const PAGE_SIZE: usize = 4096;
@@ -105,24 +106,36 @@ impl std::fmt::Debug for AlignedBuf {
     }
 }
 
-/// A shared memory region of `u64` words that any number of threads may read and write
-/// concurrently (relaxed atomics). Zero until written.
-pub struct AtomicRegion {
-    ptr: NonNull<AtomicU64>,
-    words: usize,
+/// A shared memory region that any number of threads read and write at once, copied with
+/// `memcpy`: every [`STRIPE_BYTES`] chunk is guarded by one of [`STRIPE_COUNT`] reader-writer
+/// locks (chunk index modulo the count), and every access to a chunk's bytes happens under
+/// its lock, so concurrent readers and writers never race; a write is atomic per chunk, more
+/// than the 512-byte sector a device promises. Zero until written; memory is committed by
+/// the kernel only where written (`MAP_NORESERVE`).
+pub struct StripedRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    stripes: Box<[std::sync::RwLock<()>]>,
 }
 
-// SAFETY: the region is only ever accessed through `&[AtomicU64]`, which is Send and Sync;
-// the mapping lives until drop.
-unsafe impl Send for AtomicRegion {}
-// SAFETY: see Send.
-unsafe impl Sync for AtomicRegion {}
+/// Bytes guarded by one lock.
+pub const STRIPE_BYTES: usize = 64 << 10;
+/// Locks of a region (chunks share them round robin).
+pub const STRIPE_COUNT: usize = 1024;
 
-impl AtomicRegion {
-    /// Maps `size_bytes` (a non-zero multiple of 8) of zeroed anonymous memory.
-    pub fn new(size_bytes: u64) -> std::io::Result<AtomicRegion> {
+const _: () = assert!(STRIPE_BYTES.is_power_of_two());
+
+// SAFETY: the mapping is owned by the region and every access to its bytes goes through
+// `read`, `write` and `zero`, which hold the covering stripe's lock (shared for reading,
+// exclusive for writing), so sharing the region between threads creates no data race.
+unsafe impl Send for StripedRegion {}
+// SAFETY: see Send.
+unsafe impl Sync for StripedRegion {}
+
+impl StripedRegion {
+    /// Maps `size_bytes` (non-zero) of zeroed anonymous memory.
+    pub fn new(size_bytes: u64) -> std::io::Result<StripedRegion> {
         assert!(size_bytes > 0);
-        assert!(size_bytes.is_multiple_of(8));
         let Ok(len) = usize::try_from(size_bytes) else {
             return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
         };
@@ -141,37 +154,147 @@ impl AtomicRegion {
         if raw == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        let Some(ptr) = NonNull::new(raw.cast::<AtomicU64>()) else {
+        let Some(ptr) = NonNull::new(raw.cast::<u8>()) else {
             return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
         };
-        assert!((ptr.as_ptr() as usize).is_multiple_of(PAGE_SIZE));
-        Ok(AtomicRegion {
-            ptr,
-            words: len / 8,
-        })
+        let stripes = (0..STRIPE_COUNT)
+            .map(|_| std::sync::RwLock::new(()))
+            .collect();
+        Ok(StripedRegion { ptr, len, stripes })
     }
 
-    pub fn words(&self) -> &[AtomicU64] {
-        // SAFETY: the mapping is readable and writable for `words` u64s, zero-filled by the
-        // kernel (a valid AtomicU64 bit pattern), page-aligned (so 8-byte aligned), and only
-        // ever accessed through atomics; it stays mapped until drop.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.words) }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn stripe(&self, offset: usize) -> &std::sync::RwLock<()> {
+        &self.stripes[(offset / STRIPE_BYTES) % STRIPE_COUNT]
+    }
+
+    /// Calls `each(offset, length)` for the pieces of `[offset, offset + len)` that lie in
+    /// one chunk each, in order.
+    fn pieces(&self, offset: usize, len: usize, mut each: impl FnMut(usize, usize)) {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "range {offset}+{len} beyond the region of {}",
+            self.len
+        );
+        let mut done = 0;
+        while done < len {
+            let at = offset + done;
+            let piece = (STRIPE_BYTES - at % STRIPE_BYTES).min(len - done);
+            each(at, piece);
+            done += piece;
+        }
+    }
+
+    /// Copies `out.len()` bytes from `offset` into `out`.
+    pub fn read(&self, offset: usize, out: &mut [u8]) {
+        let base = out.as_mut_ptr();
+        self.pieces(offset, out.len(), |at, piece| {
+            let _shared = self
+                .stripe(at)
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            // SAFETY: `at..at + piece` is inside the mapping (checked by `pieces`) and inside
+            // `out` (pieces cover `offset..offset + out.len()` in order); no writer touches the
+            // chunk while its lock is held shared, and `out` is exclusively borrowed.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.ptr.as_ptr().add(at),
+                    base.add(at - offset),
+                    piece,
+                )
+            };
+        });
+    }
+
+    /// Copies `data` to `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        let base = data.as_ptr();
+        self.pieces(offset, data.len(), |at, piece| {
+            let _exclusive = self
+                .stripe(at)
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            // SAFETY: in bounds of the mapping and of `data` (as in `read`); the chunk's lock
+            // is held exclusively, so no other access to these bytes runs meanwhile.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    base.add(at - offset),
+                    self.ptr.as_ptr().add(at),
+                    piece,
+                )
+            };
+        });
+    }
+
+    /// Zeroes `[offset, offset + len)`.
+    pub fn zero(&self, offset: usize, len: usize) {
+        self.pieces(offset, len, |at, piece| {
+            let _exclusive = self
+                .stripe(at)
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            // SAFETY: in bounds of the mapping; the chunk's lock is held exclusively.
+            unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(at), 0, piece) };
+        });
     }
 }
 
-impl Drop for AtomicRegion {
+impl Drop for StripedRegion {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly the mapping created in new; no reference outlives self.
-        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.words * 8) };
+        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
         debug_assert_eq!(rc, 0);
     }
 }
 
-impl std::fmt::Debug for AtomicRegion {
+impl std::fmt::Debug for StripedRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AtomicRegion")
-            .field("words", &self.words)
+        f.debug_struct("StripedRegion")
+            .field("len", &self.len)
             .finish()
+    }
+}
+
+/// What [`seek`] looks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeekFor {
+    /// `SEEK_DATA`: the first byte at or after the offset that holds data.
+    Data,
+    /// `SEEK_HOLE`: the first byte at or after the offset inside a hole (the end of the file
+    /// counts as one).
+    Hole,
+}
+
+/// `lseek(file, offset, SEEK_DATA or SEEK_HOLE)`: where the next data or hole begins;
+/// `Ok(None)` when there is none at or after `offset` (ENXIO). The file's own position moves,
+/// which no device relies on: all of their I/O names its offset.
+pub fn seek(file: &std::fs::File, offset: u64, seek_for: SeekFor) -> std::io::Result<Option<u64>> {
+    use std::os::fd::AsRawFd;
+    let Ok(offset) = libc::off_t::try_from(offset) else {
+        return Err(std::io::Error::from_raw_os_error(libc::EOVERFLOW));
+    };
+    let whence = match seek_for {
+        SeekFor::Data => libc::SEEK_DATA,
+        SeekFor::Hole => libc::SEEK_HOLE,
+    };
+    // SAFETY: lseek takes a descriptor and integers; the descriptor is open for as long as
+    // `file` is borrowed, and no memory is passed.
+    let position = unsafe { libc::lseek(file.as_raw_fd(), offset, whence) };
+    if position >= 0 {
+        return Ok(Some(position as u64));
+    }
+    let error = std::io::Error::last_os_error();
+    if error.raw_os_error() == Some(libc::ENXIO) {
+        Ok(None)
+    } else {
+        Err(error)
     }
 }
 
@@ -239,7 +362,6 @@ pub(crate) mod test_ring {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::Ordering;
 
     #[test]
     fn aligned_buffer_is_aligned_and_zeroed() {
@@ -252,11 +374,40 @@ mod tests {
     }
 
     #[test]
-    fn atomic_region_reads_zero_and_keeps_writes() {
-        let region = AtomicRegion::new(1 << 20).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(region.words().len(), (1 << 20) / 8);
-        assert_eq!(region.words()[100].load(Ordering::Relaxed), 0);
-        region.words()[100].store(42, Ordering::Relaxed);
-        assert_eq!(region.words()[100].load(Ordering::Relaxed), 42);
+    fn striped_region_copies_across_chunks_from_many_threads() {
+        let region = std::sync::Arc::new(
+            StripedRegion::new(4 * STRIPE_BYTES as u64).unwrap_or_else(|e| panic!("{e}")),
+        );
+        let mut zeroes = vec![1u8; 100];
+        region.read(STRIPE_BYTES - 50, &mut zeroes);
+        assert!(zeroes.iter().all(|&b| b == 0));
+        // Writers of whole, distinct patterns over a chunk boundary; readers see one
+        // pattern per chunk, never a mix inside a chunk.
+        let threads: Vec<_> = (0..4u8)
+            .map(|t| {
+                let region = std::sync::Arc::clone(&region);
+                std::thread::spawn(move || {
+                    let data = vec![t + 1; 2 * STRIPE_BYTES];
+                    let mut back = vec![0u8; 2 * STRIPE_BYTES];
+                    for _ in 0..200 {
+                        region.write(STRIPE_BYTES, &data);
+                        region.read(STRIPE_BYTES, &mut back);
+                        for chunk in back.chunks(STRIPE_BYTES) {
+                            assert!(chunk.iter().all(|&b| b == chunk[0]));
+                        }
+                    }
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread
+                .join()
+                .unwrap_or_else(|_| panic!("a thread panicked"));
+        }
+        region.zero(STRIPE_BYTES + 10, 20);
+        let mut back = vec![9u8; 40];
+        region.read(STRIPE_BYTES, &mut back);
+        assert!(back[10..30].iter().all(|&b| b == 0));
+        assert_ne!(back[0], 0);
     }
 }

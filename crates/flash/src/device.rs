@@ -11,6 +11,11 @@
 //! the safety contract of pushing the entry). Synchronous and emulated devices copy data during
 //! `submit` and keep no pointer.
 //!
+//! Without a ring (the epoll driver, where io_uring is unavailable) the thread asks for its
+//! queue with [`Device::queue_without_ring`]: file devices then run their I/O on a small pool
+//! of threads of their own and report it through [`DeviceQueue::poll_completions`], waking the
+//! thread with the [`Notify`] it passed; every other device behaves as with a ring.
+//!
 //! Completion: every submitted operation completes exactly once, by one of three routes —
 //! [`Submit::Done`] at once; [`DeviceQueue::complete_ring`] returning `Some` for the CQE of a
 //! [`Submit::Ring`] entry; or a [`Completion`] out of [`DeviceQueue::poll_completions`], which
@@ -18,12 +23,18 @@
 //! `complete_ring` deferred (returned `None`, as the fault injector does to delay or stall
 //! them). The buffer belongs to the device until the kernel's CQE (ring) or `submit`'s return
 //! (anything else); a deferred report does not extend that.
+//!
+//! Allocation: [`Device::block_status`] says which parts of a range hold data and which are
+//! holes (NBD's `base:allocation`), so clients copying an export can skip the holes. It is a
+//! metadata query answered on the spot (for files, `lseek(SEEK_DATA/SEEK_HOLE)`), cheap enough
+//! for the dataplane thread, and bounded by the number of extents the caller asks for.
 
 use std::sync::Arc;
 
 use reflex_qos::Nanos;
 
 use crate::FlashError;
+use crate::emu::EmuControls;
 use crate::fault::FaultControls;
 
 /// What one request asks of the device.
@@ -95,11 +106,54 @@ pub struct DeviceInfo {
     pub description: String,
 }
 
+/// What one stretch of a device holds, as far as the device can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allocation {
+    /// Allocated, or the device cannot tell: reads return what was written.
+    Data,
+    /// Not allocated: reads return zeroes, and writing there may need new space.
+    Hole,
+}
+
+/// One extent of a [`Device::block_status`] answer; extents follow each other from the
+/// offset asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// Non-zero.
+    pub length_bytes: u64,
+    pub allocation: Allocation,
+}
+
+/// Tells a dataplane thread that device completions wait for its
+/// [`DeviceQueue::poll_completions`] (it may be asleep). Called from other threads.
+pub trait Notify: Send + Sync {
+    fn notify(&self);
+}
+
 /// A storage device (one namespace), shared by the dataplane threads.
 pub trait Device: Send + Sync {
     fn info(&self) -> &DeviceInfo;
     /// A queue for one dataplane thread.
     fn queue(&self) -> Box<dyn DeviceQueue>;
+
+    /// A queue for a dataplane thread that has no io_uring: it never returns
+    /// [`Submit::Ring`]. Devices that finish synchronously or in `poll_completions` return
+    /// their usual queue (the default); file devices hand their I/O to a small thread pool
+    /// that reports completions through `poll_completions` and calls `notify` when the
+    /// first of them is waiting, so a sleeping thread wakes up.
+    ///
+    /// # Safety
+    /// The returned queue may keep using an operation's buffer after `submit` returns, as
+    /// the kernel does with a ring entry: the caller must keep every buffer it passes to
+    /// `submit` allocated and untouched (not read, for a read; not written, for a write)
+    /// until that operation's completion has come out of `poll_completions` (or
+    /// `submit` returned `Submit::Done`), and must never free such a buffer while the
+    /// operation is outstanding, even after dropping the queue.
+    #[allow(unsafe_code)]
+    unsafe fn queue_without_ring(&self, notify: Arc<dyn Notify>) -> Box<dyn DeviceQueue> {
+        let _ = notify;
+        self.queue()
+    }
 
     /// The run-time switch of a fault-injecting device ([`crate::fault`]), so an admin
     /// interface holding only `Arc<dyn Device>` can change its faults; `None` for every device
@@ -107,6 +161,51 @@ pub trait Device: Send + Sync {
     fn fault_controls(&self) -> Option<Arc<FaultControls>> {
         None
     }
+
+    /// The run-time drift switch of an emulated Flash device ([`crate::emu::drift`]: slow it
+    /// down, speed it up, stall it), also through wrappers such as `fault:`; `None` for every
+    /// other device.
+    fn emu_controls(&self) -> Option<Arc<EmuControls>> {
+        None
+    }
+
+    /// The allocation of `[offset, offset + length_bytes)` (inside the device, `length_bytes`
+    /// non-zero; the caller checked): appends consecutive extents starting at `offset` to
+    /// `out`, at least one and at most `extents_max` (≥ 1). They cover at least one byte and
+    /// never pass the end of the range, but may stop short of it (the caller asks again from
+    /// where they end). An error means the allocation is unknown, not that the data is bad.
+    ///
+    /// The default, for devices that do not track allocation: one `Data` extent over the
+    /// whole range (always a truthful answer).
+    fn block_status(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), FlashError> {
+        let _ = offset;
+        assert!(extents_max >= 1 && length_bytes > 0);
+        out.push(Extent {
+            length_bytes,
+            allocation: Allocation::Data,
+        });
+        Ok(())
+    }
+}
+
+/// Appends `extent` to `out`, merging it into the last extent when their allocation is the
+/// same (for devices that find extents piece by piece).
+pub fn push_extent(out: &mut Vec<Extent>, first: usize, extent: Extent) {
+    assert!(extent.length_bytes > 0);
+    if out.len() > first
+        && let Some(last) = out.last_mut()
+        && last.allocation == extent.allocation
+    {
+        last.length_bytes += extent.length_bytes;
+        return;
+    }
+    out.push(extent);
 }
 
 /// One thread's access to a [`Device`]. Not shared between threads.

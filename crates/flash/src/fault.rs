@@ -64,7 +64,9 @@
 //!
 //! The wrapper runs no thread, reads no clock and does not touch io_uring (ring entries pass
 //! through unchanged), so the simulator can use it; only opening file devices from a spec
-//! (`crate::spec`) needs the `uring` feature.
+//! (`crate::spec`) needs the `uring` feature. Without a ring
+//! ([`Device::queue_without_ring`]) it wraps the inner device's ring-less queue the same way:
+//! a file's pool completions come out of the inner `poll_completions` like any other.
 
 use std::cmp::{Ordering as CmpOrdering, Reverse};
 use std::collections::{BinaryHeap, HashMap};
@@ -78,7 +80,10 @@ use rand_xoshiro::rand_core::{Rng, SeedableRng};
 use reflex_qos::Nanos;
 use thiserror::Error;
 
-use crate::{Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
+use crate::{
+    Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, Extent, FlashError, Notify, OpKind,
+    Submit,
+};
 
 /// How often a stalled queue with held completions asks to be polled, so that a stall lifted
 /// from another thread releases them without waiting for unrelated I/O.
@@ -684,6 +689,29 @@ impl fmt::Debug for FaultDevice {
 }
 
 impl FaultDevice {
+    /// A queue injecting faults into `inner`, a queue of the inner device.
+    fn wrap(&self, inner: Box<dyn DeviceQueue>) -> Box<dyn DeviceQueue> {
+        let queue_index = self.queues_created.fetch_add(1, Ordering::Relaxed);
+        let (plan, generation) = self.controls.snapshot();
+        let mut queue = FaultQueue {
+            inner,
+            controls: Arc::clone(&self.controls),
+            queue_index,
+            block_bytes: u64::from(self.info.block_size),
+            rng: Xoshiro256PlusPlus::seed_from_u64(0),
+            plan,
+            generation,
+            operations_seen: 0,
+            altered: HashMap::new(),
+            held: BinaryHeap::new(),
+            held_sequence: 0,
+            now_latest: Nanos::ZERO,
+            scratch: Vec::new(),
+        };
+        queue.restart_stream();
+        Box::new(queue)
+    }
+
     /// Wraps `inner` with `plan` as the initial faults; an invalid plan is refused.
     pub fn new(inner: Arc<dyn Device>, plan: FaultPlan) -> Result<FaultDevice, FaultSpecError> {
         plan.validate()?;
@@ -720,29 +748,36 @@ impl Device for FaultDevice {
     }
 
     fn queue(&self) -> Box<dyn DeviceQueue> {
-        let queue_index = self.queues_created.fetch_add(1, Ordering::Relaxed);
-        let (plan, generation) = self.controls.snapshot();
-        let mut queue = FaultQueue {
-            inner: self.inner.queue(),
-            controls: Arc::clone(&self.controls),
-            queue_index,
-            block_bytes: u64::from(self.info.block_size),
-            rng: Xoshiro256PlusPlus::seed_from_u64(0),
-            plan,
-            generation,
-            operations_seen: 0,
-            altered: HashMap::new(),
-            held: BinaryHeap::new(),
-            held_sequence: 0,
-            now_latest: Nanos::ZERO,
-            scratch: Vec::new(),
-        };
-        queue.restart_stream();
-        Box::new(queue)
+        self.wrap(self.inner.queue())
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn queue_without_ring(&self, notify: Arc<dyn Notify>) -> Box<dyn DeviceQueue> {
+        // SAFETY: the wrapper hands the buffers of our caller's operations to the inner queue
+        // unchanged and keeps none itself, so our caller's guarantee is the inner one's.
+        let inner = unsafe { self.inner.queue_without_ring(notify) };
+        self.wrap(inner)
     }
 
     fn fault_controls(&self) -> Option<Arc<FaultControls>> {
         Some(self.controls())
+    }
+
+    /// The inner device's drift switch: faults are injected on top of its timing.
+    fn emu_controls(&self) -> Option<Arc<crate::emu::EmuControls>> {
+        self.inner.emu_controls()
+    }
+
+    /// The inner device's allocation: faults are injected into I/O, not metadata.
+    fn block_status(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), FlashError> {
+        self.inner
+            .block_status(offset, length_bytes, extents_max, out)
     }
 }
 

@@ -8,11 +8,17 @@
 //!
 //! Nothing is executed here: [`DeviceQueue::submit`] returns the io_uring entry for the
 //! calling thread's ring ([`Submit::Ring`]), using `ReadFixed`/`WriteFixed` when the buffer is
-//! in the thread's registered arena. FUA is `RWF_DSYNC` on the write, FLUSH is `fdatasync`,
+//! in the thread's registered arena. A thread without a ring gets its queue from
+//! [`Device::queue_without_ring`]: the same operations then run on the device's small thread
+//! pool (`crate::pool`, started only then). FUA is `RWF_DSYNC` on the write, FLUSH is `fdatasync`,
 //! TRIM is `fallocate(PUNCH_HOLE | KEEP_SIZE)` on files and `fallocate(ZERO_RANGE |
 //! KEEP_SIZE)` on block devices (a discard that guarantees zeroes, falling back to writing
 //! them). The dataplane keeps each buffer alive until its CQE arrives, and treats a short
 //! transfer as an I/O error.
+//!
+//! Allocation ([`Device::block_status`]): a regular file reports its holes with
+//! `lseek(SEEK_DATA/SEEK_HOLE)` (holes read as zeroes); a block device, or a filesystem
+//! without those seeks, reports everything as data.
 //!
 //! A read-only namespace opens its file `O_RDONLY`, so not even a bug above this module can
 //! write to it: the queue refuses WRITE and TRIM with `EROFS` before they reach the ring, and
@@ -24,12 +30,17 @@ use std::io::{Seek, SeekFrom};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use io_uring::{opcode, types};
 use reflex_qos::Nanos;
 
-use crate::{Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
+use crate::aligned::{SeekFor, seek};
+use crate::pool::{Pool, PoolQueue};
+use crate::{
+    Allocation, Device, DeviceInfo, DeviceOp, DeviceQueue, Extent, FlashError, Notify, OpKind,
+    Submit, push_extent,
+};
 
 /// Logical block size of every file device: offsets and lengths are multiples of it, and so
 /// are buffer addresses (O_DIRECT).
@@ -41,6 +52,8 @@ pub struct FileDevice {
     info: DeviceInfo,
     direct_io: bool,
     block_device: bool,
+    /// The threads that run I/O for ring-less queues, started with the first of them.
+    pool: OnceLock<Pool>,
 }
 
 impl FileDevice {
@@ -152,6 +165,7 @@ impl FileDevice {
             },
             direct_io,
             block_device,
+            pool: OnceLock::new(),
         })
     }
 
@@ -195,13 +209,10 @@ fn open_direct_or_buffered(
     }
 }
 
-impl Device for FileDevice {
-    fn info(&self) -> &DeviceInfo {
-        &self.info
-    }
-
-    fn queue(&self) -> Box<dyn DeviceQueue> {
-        Box::new(FileQueue {
+impl FileDevice {
+    /// What every queue of this device needs: the descriptor, the size and the mode.
+    fn access(&self) -> FileAccess {
+        FileAccess {
             file: Arc::clone(&self.file),
             size_bytes: self.info.size_bytes,
             read_only: self.info.read_only,
@@ -211,22 +222,111 @@ impl Device for FileDevice {
             } else {
                 libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
             },
-        })
+        }
     }
 }
 
-struct FileQueue {
-    /// Keeps the descriptor open for as long as any queue (and its in-flight entries) lives.
-    file: Arc<File>,
-    size_bytes: u64,
-    /// The descriptor is `O_RDONLY`: writes and trims are refused before the ring.
-    read_only: bool,
-    direct_io: bool,
-    trim_mode: i32,
+impl Device for FileDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn queue(&self) -> Box<dyn DeviceQueue> {
+        Box::new(FileQueue {
+            access: self.access(),
+        })
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn queue_without_ring(&self, notify: Arc<dyn Notify>) -> Box<dyn DeviceQueue> {
+        let access = self.access();
+        let pool = self
+            .pool
+            .get_or_init(|| Pool::start(Arc::clone(&access.file), access.trim_mode));
+        // SAFETY: our caller keeps the buffers of submitted operations alive and untouched
+        // until their completions are drained (this function's contract, passed on as is).
+        Box::new(unsafe { PoolQueue::new(access, pool, notify) })
+    }
+
+    fn block_status(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), FlashError> {
+        assert!(extents_max >= 1 && length_bytes > 0);
+        let end = offset.saturating_add(length_bytes);
+        assert!(
+            end <= self.info.size_bytes,
+            "block status beyond the device"
+        );
+        let first = out.len();
+        let data = |length_bytes| Extent {
+            length_bytes,
+            allocation: Allocation::Data,
+        };
+        if self.block_device {
+            out.push(data(length_bytes));
+            return Ok(());
+        }
+        let mut position = offset;
+        while position < end && out.len() - first < extents_max {
+            let next_data = match seek(&self.file, position, SeekFor::Data) {
+                Ok(next) => next,
+                Err(_) if out.len() == first => {
+                    // No SEEK_DATA here (or it failed): nothing is known, all is data.
+                    out.push(data(length_bytes));
+                    return Ok(());
+                }
+                Err(_) => break,
+            };
+            // No data at or after `position` (ENXIO): a hole to the end.
+            let data_start = next_data.unwrap_or(end).min(end);
+            if data_start > position {
+                push_extent(
+                    out,
+                    first,
+                    Extent {
+                        length_bytes: data_start - position,
+                        allocation: Allocation::Hole,
+                    },
+                );
+                position = data_start;
+                continue;
+            }
+            // `position` holds data; it lasts until the next hole (the end of the file is one).
+            let hole_start = match seek(&self.file, position, SeekFor::Hole) {
+                Ok(Some(hole)) if hole > position => hole.min(end),
+                _ => end,
+            };
+            push_extent(out, first, data(hole_start - position));
+            position = hole_start;
+        }
+        assert!(out.len() > first, "at least one extent");
+        Ok(())
+    }
 }
 
-impl FileQueue {
-    fn check_range(&self, offset: u64, len: u64) {
+/// One queue's view of the file, ring or not, and the checks every operation passes.
+#[derive(Debug, Clone)]
+pub(crate) struct FileAccess {
+    /// Keeps the descriptor open for as long as any queue (and its in-flight I/O) lives.
+    pub(crate) file: Arc<File>,
+    pub(crate) size_bytes: u64,
+    /// The descriptor is `O_RDONLY`: writes and trims are refused before they are issued.
+    pub(crate) read_only: bool,
+    pub(crate) direct_io: bool,
+    pub(crate) trim_mode: i32,
+}
+
+impl FileAccess {
+    /// Whether the operation is refused with `EROFS` on a read-only namespace.
+    pub(crate) fn refuses(&self, kind: &OpKind<'_>) -> bool {
+        self.read_only && matches!(kind, OpKind::Write { .. } | OpKind::Trim { .. })
+    }
+
+    pub(crate) fn check_range(&self, offset: u64, len: u64) {
         let block = u64::from(FILE_BLOCK_SIZE);
         assert!(
             offset.is_multiple_of(block),
@@ -242,7 +342,7 @@ impl FileQueue {
         );
     }
 
-    fn check_buffer(&self, address: usize) {
+    pub(crate) fn check_buffer(&self, address: usize) {
         if self.direct_io {
             assert!(
                 address.is_multiple_of(FILE_BLOCK_SIZE as usize),
@@ -252,16 +352,33 @@ impl FileQueue {
     }
 }
 
+/// The outcome of a file system call that returned `result` (bytes, or `-errno`), with or
+/// without a ring: `EOPNOTSUPP` (TRIM where the file system cannot discard) is `Unsupported`.
+pub(crate) fn outcome(result: i64) -> Result<u32, FlashError> {
+    match result {
+        result if result >= 0 => Ok(u32::try_from(result).unwrap_or(u32::MAX)),
+        result if -result == i64::from(libc::EOPNOTSUPP) => Err(FlashError::Unsupported),
+        result => Err(FlashError::Io {
+            errno: i32::try_from(-result).unwrap_or(libc::EIO),
+        }),
+    }
+}
+
+struct FileQueue {
+    access: FileAccess,
+}
+
 impl DeviceQueue for FileQueue {
     fn submit(&mut self, op: DeviceOp<'_>, _now: Nanos) -> Submit {
-        if self.read_only && matches!(op.kind, OpKind::Write { .. } | OpKind::Trim { .. }) {
+        let access = &self.access;
+        if access.refuses(&op.kind) {
             return Submit::Done(Err(FlashError::Io { errno: libc::EROFS }));
         }
-        let fd = types::Fd(self.file.as_raw_fd());
+        let fd = types::Fd(access.file.as_raw_fd());
         let entry = match op.kind {
             OpKind::Read { offset, buf } => {
-                self.check_range(offset, buf.len() as u64);
-                self.check_buffer(buf.as_ptr() as usize);
+                access.check_range(offset, buf.len() as u64);
+                access.check_buffer(buf.as_ptr() as usize);
                 let len = u32::try_from(buf.len()).unwrap_or(u32::MAX);
                 match op.buf_index {
                     Some(index) => opcode::ReadFixed::new(fd, buf.as_mut_ptr(), len, index)
@@ -273,8 +390,8 @@ impl DeviceQueue for FileQueue {
                 }
             }
             OpKind::Write { offset, buf, fua } => {
-                self.check_range(offset, buf.len() as u64);
-                self.check_buffer(buf.as_ptr() as usize);
+                access.check_range(offset, buf.len() as u64);
+                access.check_buffer(buf.as_ptr() as usize);
                 let len = u32::try_from(buf.len()).unwrap_or(u32::MAX);
                 let rw_flags = if fua { libc::RWF_DSYNC } else { 0 };
                 match op.buf_index {
@@ -292,10 +409,10 @@ impl DeviceQueue for FileQueue {
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
             OpKind::Trim { offset, len } => {
-                self.check_range(offset, len);
+                access.check_range(offset, len);
                 opcode::Fallocate::new(fd, len)
                     .offset(offset)
-                    .mode(self.trim_mode)
+                    .mode(access.trim_mode)
                     .build()
             }
         };
@@ -308,11 +425,7 @@ impl DeviceQueue for FileQueue {
         cqe_result: i32,
         _now: Nanos,
     ) -> Option<Result<u32, FlashError>> {
-        Some(match cqe_result {
-            result if result >= 0 => Ok(result as u32),
-            result if -result == libc::EOPNOTSUPP => Err(FlashError::Unsupported),
-            result => Err(FlashError::Io { errno: -result }),
-        })
+        Some(outcome(i64::from(cqe_result)))
     }
 }
 
@@ -352,6 +465,76 @@ mod tests {
             FileDevice::open(&path, Some(1000), false).is_err(),
             "not a block multiple"
         );
+    }
+}
+
+/// `block_status` on a sparse file: the holes `lseek` reports, clamped to the range asked for
+/// and bounded by `extents_max`.
+#[cfg(test)]
+mod block_status_tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+
+    fn status(device: &FileDevice, offset: u64, length: u64, max: usize) -> Vec<(u64, bool)> {
+        let mut out = Vec::new();
+        device
+            .block_status(offset, length, max, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
+        out.iter()
+            .map(|e| (e.length_bytes, e.allocation == Allocation::Hole))
+            .collect()
+    }
+
+    #[test]
+    fn a_sparse_file_reports_its_holes() {
+        const MIB: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("sparse");
+        let file = File::create(&path).unwrap_or_else(|e| panic!("{e}"));
+        file.set_len(8 * MIB).unwrap_or_else(|e| panic!("{e}"));
+        // Data at [1 MiB, 1 MiB + 64 KiB) and [5 MiB, 6 MiB); holes elsewhere.
+        file.write_all_at(&[0xAB; 64 << 10], MIB)
+            .unwrap_or_else(|e| panic!("{e}"));
+        file.write_all_at(&vec![0xCD; MIB as usize], 5 * MIB)
+            .unwrap_or_else(|e| panic!("{e}"));
+        file.sync_all().unwrap_or_else(|e| panic!("{e}"));
+        let device = FileDevice::open(&path, None, false).unwrap_or_else(|e| panic!("{e}"));
+        let whole = status(&device, 0, 8 * MIB, 16);
+        assert_eq!(
+            whole,
+            vec![
+                (MIB, true),
+                (64 << 10, false),
+                (4 * MIB - (64 << 10), true),
+                (MIB, false),
+                (2 * MIB, true),
+            ]
+        );
+        // Clamped to an unaligned range inside data and hole.
+        assert_eq!(
+            status(&device, MIB + 100, 100_000, 16),
+            vec![
+                ((64 << 10) - 100, false),
+                (100_000 - (64 << 10) + 100, true)
+            ]
+        );
+        // Bounded: two extents, the rest is for the next query.
+        assert_eq!(
+            status(&device, 0, 8 * MIB, 2),
+            vec![(MIB, true), (64 << 10, false)]
+        );
+        // A served prefix ends the answer at its end, not the file's.
+        let prefix =
+            FileDevice::open(&path, Some(MIB + 4096), false).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            status(&prefix, 0, MIB + 4096, 16),
+            vec![(MIB, true), (4096, false)]
+        );
+        // Negative control: the same file filled in has no hole.
+        file.write_all_at(&vec![1; 8 * MIB as usize], 0)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(status(&device, 0, 8 * MIB, 16), vec![(8 * MIB, false)]);
     }
 }
 

@@ -1,26 +1,85 @@
 //! `mem:SIZE`: a RAM-backed device shared by all dataplane threads.
 //!
-//! The memory is an [`AtomicRegion`]: every 8-byte word is read and written with relaxed
-//! atomics, so two threads touching the same block concurrently is defined behaviour (the
-//! result is some interleaving of whole words, as with a real device and no ordering between
-//! in-flight requests) rather than a Rust data race. Offsets and lengths are multiples of the
-//! 512-byte block size, hence of 8. Every operation finishes synchronously ([`Submit::Done`]).
+//! The memory is a [`StripedRegion`]: bytes are copied with `memcpy` under one of many
+//! reader-writer locks (one per 64 KiB chunk, modulo the lock count), so two threads touching
+//! the same block concurrently is defined behaviour (each chunk of a request is read or
+//! written whole, as a device makes a sector atomic) rather than a Rust data race, and a 4 KiB
+//! read costs one uncontended lock and one vectorised copy instead of 512 atomic loads. Every operation finishes synchronously ([`Submit::Done`]).
 //! A read-only device ([`MemDevice::with_read_only`]) refuses writes and trims with `EROFS`,
 //! as the file device does.
+//!
+//! Allocation: one bit per 4 KiB granule says whether it was ever written; a trim clears the
+//! bits of the granules it covers whole. Granules whose bit is clear read as zeroes, so
+//! [`Device::block_status`] reports them as holes. A write sets its bits *after* storing its
+//! words and a trim clears them *before* zeroing, so whatever the interleaving of a write and
+//! a trim on the same granule, a clear bit at rest means the granule reads as zeroes (the
+//! answer errs towards "data" only while a write is in flight).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use reflex_qos::Nanos;
 
-use crate::aligned::AtomicRegion;
-use crate::{Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
+use crate::aligned::StripedRegion;
+use crate::{
+    Allocation, Device, DeviceInfo, DeviceOp, DeviceQueue, Extent, FlashError, OpKind, Submit,
+    push_extent,
+};
 
-const WORD_SIZE: usize = 8;
+/// Bytes one allocation bit stands for.
+pub const GRANULE_BYTES: u64 = 4096;
+
+/// Which granules were written: bit `g % 64` of word `g / 64` for granule `g`.
+#[derive(Debug)]
+struct AllocationMap {
+    words: Box<[AtomicU64]>,
+    granules: u64,
+}
+
+impl AllocationMap {
+    fn new(size_bytes: u64) -> AllocationMap {
+        let granules = size_bytes.div_ceil(GRANULE_BYTES);
+        let words = (0..granules.div_ceil(64))
+            .map(|_| AtomicU64::new(0))
+            .collect();
+        AllocationMap { words, granules }
+    }
+
+    fn is_set(&self, granule: u64) -> bool {
+        let word = &self.words[(granule / 64) as usize];
+        word.load(Ordering::Acquire) & (1 << (granule % 64)) != 0
+    }
+
+    /// Marks every granule `[offset, offset + len)` touches (after the data is stored).
+    fn set(&self, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        for granule in offset / GRANULE_BYTES..(offset + len).div_ceil(GRANULE_BYTES) {
+            self.words[(granule / 64) as usize].fetch_or(1 << (granule % 64), Ordering::Release);
+        }
+    }
+
+    /// Clears the granules `[offset, offset + len)` covers whole (before they are zeroed).
+    fn clear_covered(&self, offset: u64, len: u64, size_bytes: u64) {
+        let first = offset.div_ceil(GRANULE_BYTES);
+        let end = offset + len;
+        // The last, partial granule of the device is covered when the range reaches its end.
+        let last = if end == size_bytes {
+            self.granules
+        } else {
+            end / GRANULE_BYTES
+        };
+        for granule in first..last {
+            self.words[(granule / 64) as usize].fetch_and(!(1 << (granule % 64)), Ordering::AcqRel);
+        }
+    }
+}
 
 #[derive(Debug)]
 pub struct MemDevice {
-    region: Arc<AtomicRegion>,
+    region: Arc<StripedRegion>,
+    allocation: Arc<AllocationMap>,
     info: DeviceInfo,
 }
 
@@ -34,12 +93,13 @@ impl MemDevice {
                 reason: "size must be a non-zero multiple of 512 bytes".into(),
             });
         }
-        let region = AtomicRegion::new(size_bytes).map_err(|e| FlashError::Open {
+        let region = StripedRegion::new(size_bytes).map_err(|e| FlashError::Open {
             spec,
             reason: format!("cannot map {size_bytes} bytes: {e}"),
         })?;
         Ok(MemDevice {
             region: Arc::new(region),
+            allocation: Arc::new(AllocationMap::new(size_bytes)),
             info: DeviceInfo {
                 size_bytes,
                 block_size: 512,
@@ -66,32 +126,71 @@ impl Device for MemDevice {
     fn queue(&self) -> Box<dyn DeviceQueue> {
         Box::new(MemQueue {
             region: Arc::clone(&self.region),
+            allocation: Arc::clone(&self.allocation),
+            size_bytes: self.info.size_bytes,
             read_only: self.info.read_only,
         })
+    }
+
+    fn block_status(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), FlashError> {
+        assert!(extents_max >= 1 && length_bytes > 0);
+        let end = offset.saturating_add(length_bytes);
+        assert!(
+            end <= self.info.size_bytes,
+            "block status beyond the device"
+        );
+        let first = out.len();
+        let mut position = offset;
+        while position < end {
+            let granule = position / GRANULE_BYTES;
+            let next = ((granule + 1) * GRANULE_BYTES).min(end);
+            let allocation = if self.allocation.is_set(granule) {
+                Allocation::Data
+            } else {
+                Allocation::Hole
+            };
+            let extent = Extent {
+                length_bytes: next - position,
+                allocation,
+            };
+            let extends_last =
+                out.len() > first && out.last().is_some_and(|last| last.allocation == allocation);
+            if !extends_last && out.len() - first == extents_max {
+                break;
+            }
+            push_extent(out, first, extent);
+            position = next;
+        }
+        Ok(())
     }
 }
 
 struct MemQueue {
-    region: Arc<AtomicRegion>,
+    region: Arc<StripedRegion>,
+    allocation: Arc<AllocationMap>,
+    size_bytes: u64,
     read_only: bool,
 }
 
 impl MemQueue {
-    /// The words covering `[offset, offset + len)`; the range was validated by the caller.
-    fn range(&self, offset: u64, len: usize) -> &[std::sync::atomic::AtomicU64] {
+    /// `[offset, offset + len)` as region indexes; the range was validated by the caller.
+    fn range(&self, offset: u64, len: u64) -> (usize, usize) {
+        let (Ok(offset), Ok(len)) = (usize::try_from(offset), usize::try_from(len)) else {
+            panic!("mem range {offset}+{len} beyond the address space");
+        };
         assert!(
-            offset.is_multiple_of(WORD_SIZE as u64),
-            "mem offset {offset} not word aligned"
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= self.region.len()),
+            "mem range beyond the device"
         );
-        assert!(
-            len.is_multiple_of(WORD_SIZE),
-            "mem length {len} not word aligned"
-        );
-        let first = usize::try_from(offset / WORD_SIZE as u64).unwrap_or(usize::MAX);
-        let words = self.region.words();
-        let end = first.saturating_add(len / WORD_SIZE);
-        assert!(end <= words.len(), "mem range beyond the device");
-        &words[first..end]
+        (offset, len)
     }
 }
 
@@ -102,28 +201,22 @@ impl DeviceQueue for MemQueue {
         }
         match op.kind {
             OpKind::Read { offset, buf } => {
-                let words = self.range(offset, buf.len());
-                for (chunk, word) in buf.chunks_exact_mut(WORD_SIZE).zip(words) {
-                    chunk.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes());
-                }
+                let (offset, _) = self.range(offset, buf.len() as u64);
+                self.region.read(offset, buf);
                 Submit::Done(Ok(buf.len() as u32))
             }
             OpKind::Write { offset, buf, .. } => {
-                let words = self.range(offset, buf.len());
-                for (chunk, word) in buf.chunks_exact(WORD_SIZE).zip(words) {
-                    let mut bytes = [0u8; WORD_SIZE];
-                    bytes.copy_from_slice(chunk);
-                    word.store(u64::from_ne_bytes(bytes), Ordering::Relaxed);
-                }
+                let (offset, _) = self.range(offset, buf.len() as u64);
+                self.region.write(offset, buf);
+                self.allocation.set(offset as u64, buf.len() as u64);
                 Submit::Done(Ok(buf.len() as u32))
             }
             // Memory is as durable as it gets; nothing to flush.
             OpKind::Flush => Submit::Done(Ok(0)),
             OpKind::Trim { offset, len } => {
-                let len = usize::try_from(len).unwrap_or(usize::MAX);
-                for word in self.range(offset, len) {
-                    word.store(0, Ordering::Relaxed);
-                }
+                self.allocation.clear_covered(offset, len, self.size_bytes);
+                let (offset, len) = self.range(offset, len);
+                self.region.zero(offset, len);
                 Submit::Done(Ok(0))
             }
         }
@@ -189,6 +282,67 @@ mod tests {
         .unwrap_or_else(|e| panic!("{e}"));
         assert!(back[..512].iter().all(|&b| b == 0));
         assert_eq!(back[512..], data[512..]);
+    }
+
+    fn status(device: &MemDevice, offset: u64, length: u64, max: usize) -> Vec<(u64, bool)> {
+        let mut out = Vec::new();
+        device
+            .block_status(offset, length, max, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
+        out.iter()
+            .map(|e| (e.length_bytes, e.allocation == Allocation::Hole))
+            .collect()
+    }
+
+    #[test]
+    fn block_status_follows_writes_and_trims() {
+        let device = MemDevice::new((1 << 20) + 512).unwrap_or_else(|e| panic!("{e}"));
+        let mut queue = device.queue();
+        assert_eq!(
+            status(&device, 0, (1 << 20) + 512, 8),
+            vec![((1 << 20) + 512, true)]
+        );
+        let data = vec![7u8; 512];
+        for offset in [8192 + 512, 1 << 20] {
+            let written = submit(
+                queue.as_mut(),
+                OpKind::Write {
+                    offset,
+                    buf: &data,
+                    fua: false,
+                },
+            );
+            assert_eq!(written, Ok(512));
+        }
+        // A 512-byte write marks its whole 4 KiB granule; the device's last, partial
+        // granule counts too.
+        assert_eq!(
+            status(&device, 0, (1 << 20) + 512, 8),
+            vec![
+                (8192, true),
+                (4096, false),
+                ((1 << 20) - 12288, true),
+                (512, false)
+            ]
+        );
+        // Unaligned queries are clamped; at most `extents_max` extents.
+        assert_eq!(
+            status(&device, 8000, 300, 8),
+            vec![(192, true), (108, false)]
+        );
+        assert_eq!(status(&device, 0, 1 << 20, 1), vec![(8192, true)]);
+        // A trim that covers the granule whole makes it a hole again; a partial one does not.
+        let trim =
+            |queue: &mut dyn DeviceQueue, offset, len| submit(queue, OpKind::Trim { offset, len });
+        assert_eq!(trim(queue.as_mut(), 8192, 2048), Ok(0));
+        assert_eq!(status(&device, 8192, 4096, 8), vec![(4096, false)]);
+        assert_eq!(trim(queue.as_mut(), 4096, 8192), Ok(0));
+        assert_eq!(status(&device, 0, 16384, 8), vec![(16384, true)]);
+        assert_eq!(trim(queue.as_mut(), 1 << 20, 512), Ok(0));
+        assert_eq!(
+            status(&device, 0, (1 << 20) + 512, 8),
+            vec![((1 << 20) + 512, true)]
+        );
     }
 
     #[test]

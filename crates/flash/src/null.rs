@@ -1,13 +1,16 @@
 //! `null`: a device that stores nothing, for measuring the server's own cost.
 //!
 //! Reads return zeroes (the buffer is cleared, so a reused dataplane buffer never leaks its
-//! old contents), writes, flushes and trims succeed at once. Everything finishes
-//! synchronously with [`Submit::Done`]; the default size is 1 TiB so any benchmark range fits.
-//! A read-only device ([`NullDevice::with_read_only`]) refuses writes and trims with `EROFS`.
+//! old contents), so block status reports one hole; writes, flushes and trims succeed at
+//! once. Everything finishes synchronously with [`Submit::Done`]; the default size is 1 TiB
+//! so any benchmark range fits. A read-only device ([`NullDevice::with_read_only`]) refuses
+//! writes and trims with `EROFS`.
 
 use reflex_qos::Nanos;
 
-use crate::{Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
+use crate::{
+    Allocation, Device, DeviceInfo, DeviceOp, DeviceQueue, Extent, FlashError, OpKind, Submit,
+};
 
 /// Size of `null` when none is given.
 pub const NULL_SIZE_DEFAULT_BYTES: u64 = 1 << 40;
@@ -50,6 +53,23 @@ impl Device for NullDevice {
             size_bytes: self.info.size_bytes,
             read_only: self.info.read_only,
         })
+    }
+
+    /// Nothing is stored and everything reads as zeroes: one hole.
+    fn block_status(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        extents_max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), FlashError> {
+        assert!(extents_max >= 1 && length_bytes > 0);
+        assert!(offset.saturating_add(length_bytes) <= self.info.size_bytes);
+        out.push(Extent {
+            length_bytes,
+            allocation: Allocation::Hole,
+        });
+        Ok(())
     }
 }
 

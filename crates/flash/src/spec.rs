@@ -6,6 +6,7 @@
 //! | `mem:SIZE` | RAM ([`crate::mem`]) |
 //! | `null` or `null:SIZE` | discards writes, reads zeroes ([`crate::null`]) |
 //! | `emu:NAME` | the emulated Flash device with profile `NAME` ([`crate::emu`]) |
+//! | `emu(KEY=VALUE;...):NAME` | the same, drifting by a schedule: `emu(slow=2x@10s;stall=40s-41s):device-a-small` ([`crate::emu::drift`]) |
 //! | `fault:SPEC` or `fault(KEY=VALUE;...):SPEC` | any of these with injected faults ([`crate::fault`]) |
 //!
 //! The text before the first `:` must be one of those kinds ([`BACKEND_KINDS`]): a typo such
@@ -67,6 +68,11 @@ pub fn open(spec: &str, options: OpenOptions) -> Result<Arc<dyn Device>, FlashEr
         let inner = open(inner_spec, options)?;
         let device = FaultDevice::new(inner, plan).map_err(|e| fail(e.to_string()))?;
         return Ok(Arc::new(device));
+    }
+    if spec_trimmed.starts_with("emu(") {
+        let size = size_bytes.unwrap_or(EMU_SIZE_DEFAULT_BYTES);
+        let device = EmuFlash::open(spec_trimmed, size)?;
+        return Ok(Arc::new(device.with_read_only(options.read_only)));
     }
     let (kind, rest) = match spec_trimmed.split_once(':') {
         Some((kind, rest)) if BACKEND_KINDS.contains(&kind) => (kind, Some(rest)),
@@ -371,6 +377,86 @@ mod tests {
         let device = open(&spec, read_only(None)).unwrap_or_else(|e| panic!("{e}"));
         assert!(device.info().read_only);
         assert!(device.info().description.contains("O_RDONLY"));
+    }
+
+    /// Issue 11 item 4: an emulated device that drifts by a schedule in its spec, with its
+    /// run-time handle reachable from `Arc<dyn Device>`, through a `fault:` wrapper too.
+    #[test]
+    fn emu_specs_with_a_drift_schedule() {
+        let device = open("emu(slow=2x@0s):device-a-small", sized(Some(64 << 20)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            device
+                .info()
+                .description
+                .contains("drift schedule slow=2x@0s"),
+            "{}",
+            device.info().description
+        );
+        let controls = device
+            .emu_controls()
+            .unwrap_or_else(|| panic!("an emulated device has drift controls"));
+        // The schedule counts from the first `now`: a lone read-only read takes 2 × (40 µs of
+        // die time + 10 µs of controller).
+        let mut queue = device.queue();
+        let mut page = [0u8; 4096];
+        let read = crate::DeviceOp {
+            user_data: 1,
+            kind: crate::OpKind::Read {
+                offset: 0,
+                buf: &mut page,
+            },
+            buf_index: None,
+            queue: 0,
+        };
+        let start = reflex_qos::Nanos::from_millis(5);
+        assert!(matches!(queue.submit(read, start), crate::Submit::Pending));
+        assert_eq!(
+            queue.next_deadline(),
+            Some(start + reflex_qos::Nanos::from_micros(100))
+        );
+        assert_eq!(controls.state().slowdown_permille, 2000);
+
+        let wrapped = open(
+            "fault(delay=5ms;delay_every=100):emu(stall=1s-2s):device-a-small",
+            sized(None),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(wrapped.fault_controls().is_some());
+        assert!(
+            wrapped.emu_controls().is_some(),
+            "fault forwards the handle"
+        );
+        assert!(open("mem:1M", sized(None)).is_ok_and(|d| d.emu_controls().is_none()));
+        let read_only = OpenOptions {
+            size_bytes: None,
+            read_only: true,
+        };
+        let device =
+            open("emu(slow=3x@1s):device-a-small", read_only).unwrap_or_else(|e| panic!("{e}"));
+        assert!(device.info().read_only);
+
+        for (spec, expected) in [
+            (
+                "emu(slow=2x):device-a-small",
+                "expected FACTOR@TIME such as 2x@10s",
+            ),
+            ("emu(slow=2x@10):device-a-small", "time with a unit"),
+            (
+                "emu(fast=2x@1s):device-a-small",
+                "unknown emu parameter \"fast\"",
+            ),
+            ("emu(slow=1000x@1s):device-a-small", "outside 0.1x to 100x"),
+            ("emu(stall=2s-1s):device-a-small", "FROM before TO"),
+            ("emu(stall=1s-3s;stall=2s-4s):device-a-small", "overlap"),
+            ("emu(slow=2x@1s", "no closing"),
+            ("emu(slow=2x@1s)device-a-small", "followed by ':'"),
+            ("emu(slow=2x@1s):", "needs a profile name"),
+            ("emu(slow=2x@1s):nope", "no shipped emulated-device profile"),
+        ] {
+            let error = open_error(spec, sized(None));
+            assert!(error.contains(expected), "{spec}: {error}");
+        }
     }
 
     #[test]

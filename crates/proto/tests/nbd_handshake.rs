@@ -19,6 +19,8 @@ const OPT_INFO: u32 = 6;
 const OPT_GO: u32 = 7;
 const OPT_STRUCTURED_REPLY: u32 = 8;
 const OPT_LIST_META_CONTEXT: u32 = 9;
+const OPT_SET_META_CONTEXT: u32 = 10;
+const OPT_EXTENDED_HEADERS: u32 = 11;
 const INFO_EXPORT: u16 = 0;
 const INFO_NAME: u16 = 1;
 const INFO_DESCRIPTION: u16 = 2;
@@ -32,6 +34,7 @@ const REPLY_MAGIC: [u8; 8] = [0x00, 0x03, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9];
 const REP_ACK: u32 = 1;
 const REP_SERVER: u32 = 2;
 const REP_INFO: u32 = 3;
+const REP_META_CONTEXT: u32 = 4;
 const REP_ERR_UNSUP: u32 = 0x8000_0001;
 const REP_ERR_POLICY: u32 = 0x8000_0002;
 const REP_ERR_INVALID: u32 = 0x8000_0003;
@@ -39,10 +42,11 @@ const REP_ERR_UNKNOWN: u32 = 0x8000_0006;
 const REP_ERR_SHUTDOWN: u32 = 0x8000_0007;
 const REP_ERR_BLOCK_SIZE_REQD: u32 = 0x8000_0008;
 const REP_ERR_TOO_BIG: u32 = 0x8000_0009;
-// HAS_FLAGS | SEND_FLUSH | SEND_FUA | SEND_TRIM | SEND_WRITE_ZEROES | CAN_MULTI_CONN.
-const FLAGS_WRITABLE: u16 = 0b1_0110_1101;
-// HAS_FLAGS | READ_ONLY | SEND_FLUSH | SEND_FUA | CAN_MULTI_CONN.
-const FLAGS_READ_ONLY: u16 = 0b1_0000_1111;
+// HAS_FLAGS | SEND_FLUSH | SEND_FUA | SEND_TRIM | SEND_WRITE_ZEROES | CAN_MULTI_CONN |
+// SEND_CACHE | SEND_FAST_ZERO.
+const FLAGS_WRITABLE: u16 = 0b1101_0110_1101;
+// HAS_FLAGS | READ_ONLY | SEND_FLUSH | SEND_FUA | CAN_MULTI_CONN | SEND_CACHE.
+const FLAGS_READ_ONLY: u16 = 0b0101_0000_1111;
 const DISK_SIZE: u64 = 1 << 30;
 const ARCHIVE_SIZE: u64 = 64 << 20;
 
@@ -112,8 +116,9 @@ fn info_block_size(minimum: u32, preferred: u32, maximum: u32) -> Vec<u8> {
     .concat()
 }
 
+/// The spec's defaults, which reflexd serves: 1 / 4096 / 32 MiB.
 fn default_block_sizes() -> Vec<u8> {
-    info_block_size(512, 4096, 1 << 20)
+    info_block_size(1, 4096, 1 << 25)
 }
 
 /// What a run of the handshake produced.
@@ -199,6 +204,11 @@ fn session(index: usize, structured: bool) -> Session {
     Session::new(index, &table.exports()[index], structured)
 }
 
+/// A session whose client asked for the block sizes with GO (and must honour them).
+fn agreed(index: usize, structured: bool) -> Session {
+    session(index, structured).with_block_sizes_agreed(true)
+}
+
 #[test]
 fn greeting_is_sent_before_anything_is_received() {
     let mut handshake = Handshake::new(exports(), HandshakeConfig::default());
@@ -232,7 +242,7 @@ fn no_zeroes_then_go_with_block_size_request() {
             rep(OPT_GO, REP_ACK, &[]),
         ],
         4 + go.len(),
-        Some(Outcome::Transmission(session(0, false))),
+        Some(Outcome::Transmission(agreed(0, false))),
     );
     // The unconsumed rest is a valid transmission request.
     let (header, _) = decode_request(&input[4 + go.len()..]).unwrap().unwrap();
@@ -343,7 +353,7 @@ fn unknown_options_are_unsupported_and_negotiation_continues() {
     let input = [
         client_flags(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES),
         opt(0x1234_5678, b"whatever data"),
-        opt(OPT_LIST_META_CONTEXT, &[0, 0, 0, 0, 0, 0, 0, 0]),
+        opt(OPT_EXTENDED_HEADERS, &[]),
         opt(4, &[]),
         go,
     ]
@@ -353,14 +363,14 @@ fn unknown_options_are_unsupported_and_negotiation_continues() {
         &input,
         &[
             rep(0x1234_5678, REP_ERR_UNSUP, unsupported),
-            rep(OPT_LIST_META_CONTEXT, REP_ERR_UNSUP, unsupported),
+            rep(OPT_EXTENDED_HEADERS, REP_ERR_UNSUP, unsupported),
             rep(4, REP_ERR_UNSUP, unsupported),
             rep(OPT_GO, REP_INFO, &info_export(DISK_SIZE, FLAGS_WRITABLE)),
             rep(OPT_GO, REP_INFO, &default_block_sizes()),
             rep(OPT_GO, REP_ACK, &[]),
         ],
         input.len(),
-        Some(Outcome::Transmission(session(0, false))),
+        Some(Outcome::Transmission(agreed(0, false))),
     );
 }
 
@@ -712,7 +722,7 @@ fn block_size_can_be_required() {
     assert_eq!(result.output, expected);
     assert_eq!(
         result.outcome,
-        Some(Outcome::Transmission(session(0, false)))
+        Some(Outcome::Transmission(agreed(0, false)))
     );
 }
 
@@ -815,12 +825,27 @@ fn export_table_rejects_bad_configuration() {
         None,
         ExportError::Name("x".repeat(4097)),
     );
+    let strict = BlockSizes {
+        minimum_bytes: 512,
+        preferred_bytes: 4096,
+        maximum_bytes: 1 << 20,
+    };
     check(
-        vec![Export::new("a", 1000)],
+        vec![Export::new("a", 1000).with_block_sizes(strict)],
         None,
         ExportError::SizeNotAligned {
             name: "a".into(),
             size_bytes: 1000,
+        },
+    );
+    // Fast zero needs write zeroes.
+    let fast_alone = TransmissionFlags::HAS_FLAGS.union(TransmissionFlags::SEND_FAST_ZERO);
+    check(
+        vec![Export::new("a", 512).with_flags(fast_alone)],
+        None,
+        ExportError::Flags {
+            name: "a".into(),
+            flags: fast_alone.bits(),
         },
     );
     check(
@@ -864,4 +889,208 @@ fn export_table_rejects_bad_configuration() {
         ExportError::TooMany,
     );
     assert!(ExportTable::new(vec![Export::new("", 512)], None).is_ok());
+}
+
+/// LIST/SET_META_CONTEXT data: the export name and the queries.
+fn meta_request(name: &str, queries: &[&str]) -> Vec<u8> {
+    let mut data = (name.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(name.as_bytes());
+    data.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for query in queries {
+        data.extend_from_slice(&(query.len() as u32).to_be_bytes());
+        data.extend_from_slice(query.as_bytes());
+    }
+    data
+}
+
+fn meta_context(id: u32) -> Vec<u8> {
+    [&id.to_be_bytes()[..], b"base:allocation"].concat()
+}
+
+#[test]
+fn base_allocation_is_listed_selected_and_carried_into_the_session() {
+    let set = opt(
+        OPT_SET_META_CONTEXT,
+        &meta_request("disk", &["qemu:dirty-bitmap:x", "base:allocation", "base:"]),
+    );
+    let input = [
+        client_flags(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES),
+        opt(OPT_STRUCTURED_REPLY, &[]),
+        // No query lists every context; `base:` is a wildcard when listing; another
+        // namespace is ignored; the default export is named by the empty name.
+        opt(OPT_LIST_META_CONTEXT, &meta_request("disk", &[])),
+        opt(OPT_LIST_META_CONTEXT, &meta_request("", &["base:"])),
+        opt(OPT_LIST_META_CONTEXT, &meta_request("disk", &["qemu:x"])),
+        set,
+        opt(OPT_GO, &info_request("disk", &[])),
+    ]
+    .concat();
+    check(
+        &input,
+        &[
+            rep(OPT_STRUCTURED_REPLY, REP_ACK, &[]),
+            rep(OPT_LIST_META_CONTEXT, REP_META_CONTEXT, &meta_context(0)),
+            rep(OPT_LIST_META_CONTEXT, REP_ACK, &[]),
+            rep(OPT_LIST_META_CONTEXT, REP_META_CONTEXT, &meta_context(0)),
+            rep(OPT_LIST_META_CONTEXT, REP_ACK, &[]),
+            rep(OPT_LIST_META_CONTEXT, REP_ACK, &[]),
+            rep(OPT_SET_META_CONTEXT, REP_META_CONTEXT, &meta_context(1)),
+            rep(OPT_SET_META_CONTEXT, REP_ACK, &[]),
+            rep(OPT_GO, REP_INFO, &info_export(DISK_SIZE, FLAGS_WRITABLE)),
+            rep(OPT_GO, REP_INFO, &default_block_sizes()),
+            rep(OPT_GO, REP_ACK, &[]),
+        ],
+        input.len(),
+        Some(Outcome::Transmission(
+            session(0, true).with_base_allocation(true),
+        )),
+    );
+    assert_eq!(
+        session(0, true)
+            .with_base_allocation(true)
+            .base_allocation_context(),
+        Some(1)
+    );
+}
+
+#[test]
+fn meta_context_refusals_and_selections_that_do_not_apply() {
+    let set =
+        |name: &str, queries: &[&str]| opt(OPT_SET_META_CONTEXT, &meta_request(name, queries));
+    let invalid = b"malformed option data";
+    // SET before structured replies: refused. `base:` alone selects nothing.
+    let input = [
+        client_flags(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES),
+        set("disk", &["base:allocation"]),
+        opt(OPT_STRUCTURED_REPLY, &[]),
+        set("disk", &["base:"]),
+        set("nope", &["base:allocation"]),
+        set("disk", &["allocation"]),
+        opt(
+            OPT_SET_META_CONTEXT,
+            &[0, 0, 0, 4, b'd', b'i', b's', b'k', 0, 0, 0, 1],
+        ),
+        opt(OPT_GO, &info_request("disk", &[])),
+    ]
+    .concat();
+    check(
+        &input,
+        &[
+            rep(
+                OPT_SET_META_CONTEXT,
+                REP_ERR_INVALID,
+                b"metadata contexts need structured replies first",
+            ),
+            rep(OPT_STRUCTURED_REPLY, REP_ACK, &[]),
+            rep(OPT_SET_META_CONTEXT, REP_ACK, &[]),
+            rep(OPT_SET_META_CONTEXT, REP_ERR_UNKNOWN, b"no such export"),
+            rep(
+                OPT_SET_META_CONTEXT,
+                REP_ERR_INVALID,
+                b"a metadata context query must be namespace:leaf",
+            ),
+            rep(OPT_SET_META_CONTEXT, REP_ERR_INVALID, invalid),
+            rep(OPT_GO, REP_INFO, &info_export(DISK_SIZE, FLAGS_WRITABLE)),
+            rep(OPT_GO, REP_INFO, &default_block_sizes()),
+            rep(OPT_GO, REP_ACK, &[]),
+        ],
+        input.len(),
+        Some(Outcome::Transmission(session(0, true))),
+    );
+    // Selected for one export, then GO for another: no block status. A later SET that fails
+    // clears an earlier selection too.
+    for (second, go_name, index) in [
+        (None, "archive", 1),
+        (Some(set("nope", &["base:allocation"])), "disk", 0),
+    ] {
+        let input = [
+            client_flags(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES),
+            opt(OPT_STRUCTURED_REPLY, &[]),
+            set("disk", &["base:allocation"]),
+            second.clone().unwrap_or_default(),
+            opt(OPT_GO, &info_request(go_name, &[])),
+        ]
+        .concat();
+        let result = run(HandshakeConfig::default(), &input);
+        assert_eq!(
+            result.outcome,
+            Some(Outcome::Transmission(session(index, true)))
+        );
+    }
+    // Too many queries.
+    let many: Vec<&str> = std::iter::repeat_n("base:allocation", 65).collect();
+    let input = [
+        client_flags(CLIENT_FIXED_NEWSTYLE),
+        opt(OPT_STRUCTURED_REPLY, &[]),
+        opt(OPT_LIST_META_CONTEXT, &meta_request("disk", &many)),
+    ]
+    .concat();
+    let result = run(HandshakeConfig::default(), &input);
+    let expected = [
+        GREETING.to_vec(),
+        rep(OPT_STRUCTURED_REPLY, REP_ACK, &[]),
+        rep(
+            OPT_LIST_META_CONTEXT,
+            REP_ERR_TOO_BIG,
+            b"too many metadata context queries",
+        ),
+    ]
+    .concat();
+    assert_eq!(result.output, expected);
+    // An export that does not offer it lists and selects nothing.
+    let table = ExportTable::new(
+        vec![Export::new("plain", 1 << 20).with_base_allocation(false)],
+        None,
+    )
+    .unwrap();
+    let mut handshake = Handshake::new(Arc::new(table), HandshakeConfig::default());
+    let input = [
+        client_flags(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES),
+        opt(OPT_STRUCTURED_REPLY, &[]),
+        opt(
+            OPT_SET_META_CONTEXT,
+            &meta_request("plain", &["base:allocation"]),
+        ),
+    ]
+    .concat();
+    assert_eq!(handshake.handle_bytes(&input), Ok(input.len()));
+    let expected = [
+        GREETING.to_vec(),
+        rep(OPT_STRUCTURED_REPLY, REP_ACK, &[]),
+        rep(OPT_SET_META_CONTEXT, REP_ACK, &[]),
+    ]
+    .concat();
+    assert_eq!(handshake.pending_output(), &expected[..]);
+}
+
+#[test]
+fn export_name_clients_and_go_without_block_size_get_the_defaults() {
+    // A client that never asked for the block sizes is not bound by them.
+    let strict = BlockSizes {
+        minimum_bytes: 512,
+        preferred_bytes: 4096,
+        maximum_bytes: 1 << 20,
+    };
+    let table = Arc::new(
+        ExportTable::new(
+            vec![Export::new("disk", 1 << 30).with_block_sizes(strict)],
+            None,
+        )
+        .unwrap(),
+    );
+    for (request, agreed) in [(vec![INFO_BLOCK_SIZE], true), (vec![], false)] {
+        let mut handshake = Handshake::new(Arc::clone(&table), HandshakeConfig::default());
+        let input = [
+            client_flags(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES),
+            opt(OPT_GO, &info_request("disk", &request)),
+        ]
+        .concat();
+        assert_eq!(handshake.handle_bytes(&input), Ok(input.len()));
+        let Some(Outcome::Transmission(session)) = handshake.outcome() else {
+            panic!("no session");
+        };
+        assert_eq!(session.block_sizes_agreed(), agreed);
+        let expected = if agreed { (512, 1 << 20) } else { (1, 1 << 25) };
+        assert_eq!(session.enforced_block_sizes(), expected);
+    }
 }

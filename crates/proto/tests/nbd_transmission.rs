@@ -20,12 +20,37 @@ fn request(command_raw: u16, flags: u16, offset_bytes: u64, length_bytes: u32) -
     }
 }
 
+/// Constraints stricter than the defaults, which the client agreed to (GO with
+/// `NBD_INFO_BLOCK_SIZE`): requests are held to them.
+fn strict() -> BlockSizes {
+    BlockSizes {
+        minimum_bytes: 512,
+        preferred_bytes: 4096,
+        maximum_bytes: 1 << 20,
+    }
+}
+
 fn writable() -> Session {
-    Session::new(0, &Export::new("disk", SIZE), false)
+    let export = Export::new("disk", SIZE).with_block_sizes(strict());
+    Session::new(0, &export, false).with_block_sizes_agreed(true)
 }
 
 fn read_only() -> Session {
-    Session::new(1, &Export::new("archive", SIZE).read_only(), false)
+    let export = Export::new("archive", SIZE)
+        .with_block_sizes(strict())
+        .read_only();
+    Session::new(1, &export, false).with_block_sizes_agreed(true)
+}
+
+/// The default export, with a client that did not negotiate block sizes: any byte, up to
+/// 32 MiB.
+fn unnegotiated() -> Session {
+    Session::new(0, &Export::new("disk", SIZE), false)
+}
+
+/// Structured replies and `base:allocation` selected.
+fn with_block_status() -> Session {
+    Session::new(0, &Export::new("disk", SIZE), true).with_base_allocation(true)
 }
 
 #[test]
@@ -147,12 +172,12 @@ fn validation_table() {
         (
             w,
             request(6, NO_HOLE | FUA, 512, 4 * mib),
-            "WriteZeroes { offset_bytes: 512, length_bytes: 4194304, fua: true, no_hole: true }",
+            "WriteZeroes { offset_bytes: 512, length_bytes: 4194304, fua: true, no_hole: true, fast_zero: false }",
         ),
         (
             w,
             request(6, 0, 0, 512),
-            "WriteZeroes { offset_bytes: 0, length_bytes: 512, fua: false, no_hole: false }",
+            "WriteZeroes { offset_bytes: 0, length_bytes: 512, fua: false, no_hole: false, fast_zero: false }",
         ),
         (
             r,
@@ -163,8 +188,22 @@ fn validation_table() {
         // 1. DISC wins over everything.
         (w, request(2, 0xffff, 77, 77), "Disconnect"),
         (r, request(2, 0, 0, 0), "Disconnect"),
-        // 2. Unknown and unsupported commands.
-        (w, request(5, 0, 0, 512), "EInval"),
+        (
+            w,
+            request(6, FAST_ZERO, 0, 512),
+            "WriteZeroes { offset_bytes: 0, length_bytes: 512, fua: false, no_hole: false, fast_zero: true }",
+        ),
+        (
+            w,
+            request(5, 0, 0, 512),
+            "Cache { offset_bytes: 0, length_bytes: 512 }",
+        ),
+        (
+            r,
+            request(5, FUA, 0, 512),
+            "Cache { offset_bytes: 0, length_bytes: 512 }",
+        ),
+        // 2. Unknown and unsupported commands (BLOCK_STATUS without a metadata context).
         (w, request(7, 0, 0, 512), "EInval"),
         (w, request(8, 0, 0, 0), "EInval"),
         (w, request(9, 0, 0, 512), "EInval"),
@@ -179,7 +218,8 @@ fn validation_table() {
         (w, request(0, DF, 0, 512), "EInval"),
         (w, request(1, NO_HOLE, 0, 512), "EInval"),
         (w, request(4, NO_HOLE, 0, 512), "EInval"),
-        (w, request(6, FAST_ZERO, 0, 512), "EInval"),
+        (w, request(1, FAST_ZERO, 0, 512), "EInval"),
+        (w, request(5, NO_HOLE, 0, 512), "EInval"),
         (w, request(0, REQ_ONE, 0, 512), "EInval"),
         (w, request(0, 1 << 15, 0, 512), "EInval"),
         // 6. FLUSH carries no range.
@@ -196,7 +236,7 @@ fn validation_table() {
         (
             w,
             request(6, 0, 0, 2 * mib),
-            "WriteZeroes { offset_bytes: 0, length_bytes: 2097152, fua: false, no_hole: false }",
+            "WriteZeroes { offset_bytes: 0, length_bytes: 2097152, fua: false, no_hole: false, fast_zero: false }",
         ),
         // 9. Alignment to the minimum block size.
         (w, request(0, 0, 1, 512), "EInval"),
@@ -211,6 +251,7 @@ fn validation_table() {
         (w, request(6, 0, SIZE - 512, 1024), "ENoSpc"),
         (w, request(0, 0, u64::MAX - 511, 512), "EInval"),
         (w, request(1, 0, u64::MAX - 511, 1024), "ENoSpc"),
+        (w, request(5, 0, SIZE - 512, 1024), "EInval"),
     ];
     for (session, header, expected) in cases {
         check(session, header, expected);
@@ -227,7 +268,16 @@ fn features_an_export_does_not_advertise_are_refused() {
     check(bare, request(3, 0, 0, 0), "EInval");
     check(bare, request(4, 0, 0, 512), "EInval");
     check(bare, request(6, 0, 0, 512), "EInval");
+    check(bare, request(5, 0, 0, 512), "EInval");
     check(bare, request(1, FUA, 0, 512), "EInval");
+    // FAST_ZERO needs SEND_FAST_ZERO, even with write zeroes advertised.
+    let no_fast = Session::new(
+        0,
+        &Export::new("no-fast", SIZE)
+            .with_flags(TransmissionFlags::DEFAULT.difference(TransmissionFlags::SEND_FAST_ZERO)),
+        false,
+    );
+    check(no_fast, request(6, FAST_ZERO, 0, 512), "EInval");
     check(
         bare,
         request(1, 0, 0, 512),
@@ -238,7 +288,8 @@ fn features_an_export_does_not_advertise_are_refused() {
         preferred_bytes: 4096,
         maximum_bytes: 64 << 10,
     };
-    let big_blocks = Session::new(0, &Export::new("4k", SIZE).with_block_sizes(sizes), false);
+    let big_blocks = Session::new(0, &Export::new("4k", SIZE).with_block_sizes(sizes), false)
+        .with_block_sizes_agreed(true);
     check(big_blocks, request(0, 0, 512, 4096), "EInval");
     check(
         big_blocks,
@@ -246,6 +297,82 @@ fn features_an_export_does_not_advertise_are_refused() {
         "Read { offset_bytes: 4096, length_bytes: 4096 }",
     );
     check(big_blocks, request(0, 0, 0, 128 << 10), "EInval");
+    // A client that did not agree to them is held to the spec's defaults instead.
+    let defaults = Session::new(0, &Export::new("4k", SIZE).with_block_sizes(sizes), false);
+    check(
+        defaults,
+        request(0, 0, 512, 4096),
+        "Read { offset_bytes: 512, length_bytes: 4096 }",
+    );
+    check(
+        defaults,
+        request(0, 0, 0, 128 << 10),
+        "Read { offset_bytes: 0, length_bytes: 131072 }",
+    );
+}
+
+#[test]
+fn clients_without_negotiated_block_sizes_address_bytes_and_32_mib() {
+    let u = unnegotiated();
+    assert_eq!(u.enforced_block_sizes(), (1, 1 << 25));
+    assert_eq!(writable().enforced_block_sizes(), (512, 1 << 20));
+    check(
+        u,
+        request(0, 0, 1, 3),
+        "Read { offset_bytes: 1, length_bytes: 3 }",
+    );
+    check(
+        u,
+        request(1, 0, SIZE - 1, 1),
+        "Write { offset_bytes: 1073741823, length_bytes: 1, fua: false }",
+    );
+    check(
+        u,
+        request(0, 0, 7, 32 << 20),
+        "Read { offset_bytes: 7, length_bytes: 33554432 }",
+    );
+    check(
+        u,
+        request(1, FUA, 0, 32 << 20),
+        "Write { offset_bytes: 0, length_bytes: 33554432, fua: true }",
+    );
+    check(u, request(0, 0, 0, (32 << 20) + 1), "EInval");
+    check(u, request(1, 0, 0, (32 << 20) + 1), "EInval");
+    check(u, request(1, 0, SIZE - 1, 2), "ENoSpc");
+    check(
+        u,
+        request(6, FAST_ZERO | NO_HOLE, 3, 5),
+        "WriteZeroes { offset_bytes: 3, length_bytes: 5, fua: false, no_hole: true, fast_zero: true }",
+    );
+    check(
+        u,
+        request(4, 0, 100, 1000),
+        "Trim { offset_bytes: 100, length_bytes: 1000, fua: false }",
+    );
+}
+
+#[test]
+fn block_status_needs_a_selected_context() {
+    let b = with_block_status();
+    assert_eq!(b.base_allocation_context(), Some(1));
+    assert_eq!(unnegotiated().base_allocation_context(), None);
+    check(
+        b,
+        request(7, 0, 0, 1 << 30),
+        "BlockStatus { offset_bytes: 0, length_bytes: 1073741824, req_one: false }",
+    );
+    check(
+        b,
+        request(7, REQ_ONE | FUA, 5, 7),
+        "BlockStatus { offset_bytes: 5, length_bytes: 7, req_one: true }",
+    );
+    check(b, request(7, NO_HOLE, 0, 512), "EInval");
+    check(b, request(7, 0, 0, 0), "EInval");
+    check(b, request(7, 0, SIZE - 512, 1024), "EInval");
+    // Not selected (or no structured replies): refused.
+    check(unnegotiated(), request(7, 0, 0, 512), "EInval");
+    let structured = Session::new(0, &Export::new("disk", SIZE), true);
+    check(structured, request(7, 0, 0, 512), "EInval");
 }
 
 #[test]
@@ -368,6 +495,71 @@ fn structured_replies() {
     );
     let partial = offset_data_chunk(7, 0, 512, false);
     assert_eq!(partial.as_bytes()[4..8], [0, 0, 0, 1]);
+}
+
+#[test]
+fn read_pieces_and_block_status_replies() {
+    // Structured: one OFFSET_DATA chunk per piece, DONE on the last.
+    let structured = Session::new(0, &Export::new("disk", SIZE), true);
+    let first = structured.reply_read_piece(0xc0ff_ee00_0000_0001, 100, 1000, true, false);
+    assert_eq!(
+        first.as_bytes(),
+        [
+            &[0x66, 0x8e, 0x33, 0xef, 0, 0, 0, 1][..],
+            &COOKIE,
+            &1008u32.to_be_bytes(),
+            &100u64.to_be_bytes(),
+        ]
+        .concat()
+    );
+    let last = structured.reply_read_piece(0xc0ff_ee00_0000_0001, 1100, 24, false, true);
+    assert_eq!(last.as_bytes()[4..8], [0, 1, 0, 1]);
+    // Simple: the reply before the first piece, nothing before the others.
+    let simple = unnegotiated();
+    let first = simple.reply_read_piece(0xc0ff_ee00_0000_0001, 100, 1000, true, false);
+    assert_eq!(
+        first.as_bytes(),
+        [&[0x67, 0x44, 0x66, 0x98, 0, 0, 0, 0][..], &COOKIE].concat()
+    );
+    let later = simple.reply_read_piece(0xc0ff_ee00_0000_0001, 1100, 24, false, true);
+    assert!(later.as_bytes().is_empty());
+    // BLOCK_STATUS: a chunk header of type 5 with DONE, then the context id and descriptors.
+    let session = with_block_status();
+    let status = validated(session, request(7, 0, 0, 8192));
+    let mut payload = [0u8; 64];
+    let length = encode_block_status(1, [(4096, 3), (4096, 0)], &mut payload);
+    assert_eq!(length, Some(20));
+    assert_eq!(
+        payload[..20],
+        [0, 0, 0, 1, 0, 0, 16, 0, 0, 0, 0, 3, 0, 0, 16, 0, 0, 0, 0, 0]
+    );
+    assert_eq!(
+        session.reply_block_status(&status, 20).unwrap().as_bytes(),
+        [
+            &[0x66, 0x8e, 0x33, 0xef, 0, 1, 0, 5][..],
+            &COOKIE,
+            &20u32.to_be_bytes(),
+        ]
+        .concat()
+    );
+    assert_eq!(
+        session.reply_ok(&status),
+        None,
+        "block status carries a payload"
+    );
+    // Too small a buffer, no extent, an empty extent: nothing to encode.
+    assert_eq!(
+        encode_block_status(1, [(4096, 0)], &mut payload[..11]),
+        None
+    );
+    assert_eq!(encode_block_status(1, [], &mut payload), None);
+    assert_eq!(encode_block_status(1, [(0, 0)], &mut payload), None);
+    let cache = validated(session, request(5, 0, 0, 512));
+    assert_eq!(
+        session.reply_ok(&cache).unwrap().as_bytes(),
+        [&[0x67, 0x44, 0x66, 0x98, 0, 0, 0, 0][..], &COOKIE].concat()
+    );
+    assert_eq!(session.reply_block_status(&cache, 20), None);
 }
 
 #[test]

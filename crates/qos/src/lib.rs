@@ -19,7 +19,17 @@
 //!   messages to deliver to each thread's scheduler;
 //! - [`handle_event`](TenantRegistry::handle_event)`(thread, SchedulerEvent) -> Option<Notice>`:
 //!   one [`Notice::Renegotiate`] per deficit episode of a tenant, over all its threads;
-//! - [`plan`](TenantRegistry::plan): the device rate, Σ LC reservations, BE share.
+//! - [`plan`](TenantRegistry::plan): the device rate, Σ LC reservations, BE share;
+//! - [`set_rate_scale`](TenantRegistry::set_rate_scale)`(scale) -> Vec<TenantId>`: the device
+//!   rate becomes the profile's × `scale` (rate updates queued as for any change); the LC
+//!   tenants that no longer fit are returned, to be asked to renegotiate
+//!   ([`lc_tenants_over`](TenantRegistry::lc_tenants_over) lists them all).
+//!
+//! **Online calibration** (one [`Calibrator`] per device, control plane): every window
+//! ([`Calibrator::next_deadline`]) the integrator passes a [`WindowObservation`] (LC reads and
+//! their p95 device latency, the SLO in force, the rate in use and the tokens spent) to
+//! [`Calibrator::handle_window`]`(now, ..) -> Decision`; the decision's `scale` (in
+//! `[scale_floor, scale_ceiling]`) is what the profile's rate is multiplied by.
 //!
 //! **Dataplane** (one [`Scheduler`] per thread per device, all sharing one `Arc<DeviceShared>`):
 //! - [`Scheduler::new`]`(shared, thread_index, &config, Policy::Tokens | Policy::Fifo, now)`;
@@ -78,6 +88,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod calibrator;
 pub mod config;
 pub mod cost;
 pub mod profile;
@@ -90,6 +101,10 @@ pub mod time;
 pub mod tokens;
 mod wheel;
 
+pub use calibrator::{
+    Action, Calibrator, CalibratorConfig, CalibratorConfigError, CalibratorStats, Decision, Hold,
+    ObservationError, WindowObservation, WindowRecord,
+};
 pub use config::{ConfigError, QosConfig, THREADS_MAX};
 pub use cost::{COST_UNIT_BYTES, CostModel, IoKind, LoadMode, REQUEST_BYTES_MAX};
 pub use profile::{DeviceProfile, TokenLimit};

@@ -26,6 +26,18 @@
 //! Deficit notices: each thread reports when the tenant reaches its deficit limit there and
 //! when it recovers; a tenant is "in an episode" while any thread says so, and the registry
 //! returns one [`Notice::Renegotiate`] per episode.
+//!
+//! Rate scale (online calibration, [`crate::calibrator`]): [`TenantRegistry::set_rate_scale`]
+//! makes the device rate the profile's rate at the strictest SLO × the scale, for admission and
+//! for the rates alike. A scale-down may leave Σ LC reservations above the device rate: the
+//! plan is then *overcommitted*. Reservations are kept (nobody is unregistered); BE tenants get
+//! nothing (they share what LC leaves); the LC tenants that no longer fit are named so the
+//! control plane can ask them to renegotiate: replaying admission in the order tenants were
+//! admitted against the scaled rate, the first that does not fit and every one after it. The
+//! tenants that fit keep their whole reservation (their promise still holds); the ones over
+//! share what is left, in proportion to their reservations. While overcommitted, a registration or re-registration is admitted only if it
+//! keeps the admission mode, does not lower the device rate and does not grow the excess, so
+//! it never puts another tenant over; unregistering and connection changes are always allowed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -67,6 +79,8 @@ impl TenantSpec {
         {
             let reason = if latency_us_p95 == 0 {
                 Some("latency SLO must be above 0 µs")
+            } else if latency_us_p95 > LATENCY_SLO_US_MAX {
+                Some("latency SLO above 60 s is not a latency objective (register best-effort)")
             } else if iops == 0 {
                 Some("IOPS must be above 0")
             } else if iops > IOPS_MAX {
@@ -84,8 +98,14 @@ impl TenantSpec {
     }
 }
 
+/// Loosest latency SLO a tenant can ask for: 60 s.
+pub const LATENCY_SLO_US_MAX: u64 = 60_000_000;
+
 /// Largest IOPS a tenant can ask for (keeps reservations far from overflow).
 pub const IOPS_MAX: u64 = 1_000_000_000;
+
+/// Largest device rate scale: four times the profile (a calibrator's ceiling is at most 2).
+pub const RATE_SCALE_MAX: f64 = 4.0;
 
 /// A refused registration or an invalid control request. `Display` gives the reason a client
 /// sees (e.g. "needs 196K tokens/s, 82K left at 500 µs").
@@ -106,6 +126,13 @@ pub enum AdmissionError {
     },
     #[error("invalid SLO: {reason}")]
     InvalidSpec { reason: &'static str },
+    #[error("a p95 of {latency_us_p95} µs is tighter than the device profile can judge: its tightest measured point is {tightest_us} µs{}", if *headroom_us > 0 { format!(" (after {headroom_us} µs of headroom the device would have to answer in {device_latency_us} µs)") } else { String::new() })]
+    TighterThanProfile {
+        latency_us_p95: u64,
+        device_latency_us: u64,
+        headroom_us: u64,
+        tightest_us: u64,
+    },
     #[error("tenant table full ({tenants_max} tenants)")]
     TooManyTenants { tenants_max: u32 },
     #[error("{0} is not registered")]
@@ -154,11 +181,21 @@ pub struct Plan {
     pub lc_tenants: u32,
     /// BE tenants with at least one connection (N_BE).
     pub be_tenants_bound: u32,
+    /// The device rate's share of the profile's rate ([`TenantRegistry::set_rate_scale`]).
+    pub rate_scale: f64,
+    /// Σ LC reservations exceed the device rate in the admission mode (only after a
+    /// scale-down); the schedulers scale LC reservations down to fit.
+    pub overcommitted: bool,
+    /// LC tenants that no longer fit ([`TenantRegistry::lc_tenants_over`]).
+    pub lc_tenants_over: u32,
 }
 
 #[derive(Clone, Debug)]
 struct Entry {
     spec: TenantSpec,
+    /// Order of admission (kept across re-registrations): who goes over first when the
+    /// device rate falls.
+    admitted: u64,
     /// Connections per thread.
     connections: Vec<u32>,
     /// Threads that report this tenant at its deficit limit.
@@ -233,6 +270,16 @@ pub struct TenantRegistry {
     lc_latencies: BTreeMap<u64, u32>,
     free_ids: BTreeSet<u32>,
     next_id: u32,
+    /// Admissions so far (the next tenant's `admitted`).
+    admissions: u64,
+    /// The device rate's share of the profile's rate.
+    rate_scale: f64,
+    /// LC tenants that no longer fit the scaled rate (empty unless overcommitted).
+    over: BTreeSet<TenantId>,
+    /// Per mode: Σ of the reservations of the tenants `over`, and the part of it the
+    /// schedulers grant them (what the tenants that fit leave of the device rate).
+    over_reserved: [u64; 2],
+    over_granted: [u64; 2],
     plan: Plan,
     sent_device: Vec<Option<DeviceRates>>,
     sent_tenants: Vec<BTreeMap<TenantId, TenantRates>>,
@@ -271,6 +318,11 @@ impl TenantRegistry {
             lc_latencies: BTreeMap::new(),
             free_ids: BTreeSet::new(),
             next_id: 0,
+            admissions: 0,
+            rate_scale: 1.0,
+            over: BTreeSet::new(),
+            over_reserved: [0; 2],
+            over_granted: [0; 2],
             plan: Plan {
                 latency_us_p95: None,
                 clamp: None,
@@ -281,6 +333,9 @@ impl TenantRegistry {
                 lc_boost_tokens_per_sec_each: [TokenRate::ZERO; 2],
                 lc_tenants: 0,
                 be_tenants_bound: 0,
+                rate_scale: 1.0,
+                overcommitted: false,
+                lc_tenants_over: 0,
             },
             sent_device: vec![None; usize::from(threads)],
             sent_tenants: vec![BTreeMap::new(); usize::from(threads)],
@@ -327,6 +382,7 @@ impl TenantRegistry {
     /// Admits a new tenant or refuses it (leaving nothing behind).
     pub fn register(&mut self, spec: TenantSpec) -> Result<TenantId, AdmissionError> {
         spec.validate()?;
+        self.check_judgeable(&spec)?;
         if self.tenants.len() >= self.config.tenants_max as usize {
             return Err(AdmissionError::TooManyTenants {
                 tenants_max: self.config.tenants_max,
@@ -348,20 +404,86 @@ impl TenantRegistry {
             id,
             Entry {
                 spec,
+                admitted: self.admissions,
                 connections: vec![0; usize::from(self.threads)],
                 episode_threads: 0,
                 episodes: 0,
             },
         );
+        self.admissions += 1;
         self.totals = totals;
         latency_add(&mut self.lc_latencies, lc_latency(&spec));
         self.commit(plan, Some(id));
         Ok(id)
     }
 
+    /// Sets the device rate to the profile's rate at the strictest SLO × `scale` (0 < scale ≤
+    /// [`RATE_SCALE_MAX`]; 1.0 is the profile), recomputes the plan and queues the rate updates
+    /// like any other change. Returns the LC tenants that no longer fit and did before (to be
+    /// asked to renegotiate): see the module documentation for who they are and what the
+    /// schedulers do meanwhile. A scale-up returns none and may bring tenants back.
+    pub fn set_rate_scale(&mut self, scale: f64) -> Result<Vec<TenantId>, ConfigError> {
+        if !(scale.is_finite() && scale > 0.0 && scale <= RATE_SCALE_MAX) {
+            return Err(ConfigError::Invalid {
+                field: "rate_scale",
+                reason: "must be above 0 and at most 4",
+            });
+        }
+        let over_before = self.over.clone();
+        self.rate_scale = scale;
+        let strictest = self.lc_latencies.keys().next().copied();
+        match self.plan_for_latency(self.totals, None, strictest) {
+            Ok(plan) => self.commit(plan, None),
+            Err(error) => unreachable_plan(&error),
+        }
+        assert!(
+            (self.plan.rate_scale - scale).abs() < f64::EPSILON,
+            "the plan carries the scale"
+        );
+        Ok(self.over.difference(&over_before).copied().collect())
+    }
+
+    /// The device rate's share of the profile's rate.
+    pub fn rate_scale(&self) -> f64 {
+        self.rate_scale
+    }
+
+    /// The LC tenants that no longer fit the scaled device rate, in admission order (empty
+    /// unless the plan is overcommitted).
+    pub fn lc_tenants_over(&self) -> Vec<TenantId> {
+        let mut over: Vec<TenantId> = self.over.iter().copied().collect();
+        over.sort_by_key(|tenant| self.tenants.get(tenant).map(|entry| entry.admitted));
+        over
+    }
+
+    /// An LC SLO tighter than the profile's first row cannot be promised: nothing measured
+    /// says the device answers that fast at any rate. (A looser one than the last row is met
+    /// at the last row's rate, which admission then uses.)
+    fn check_judgeable(&self, spec: &TenantSpec) -> Result<(), AdmissionError> {
+        let Some(latency_us_p95) = lc_latency(spec) else {
+            return Ok(());
+        };
+        let device_latency_us = self.config.device_latency_us(latency_us_p95);
+        let tightest_us = self
+            .profile
+            .token_limits
+            .first()
+            .map_or(0, |row| row.latency_us_p95);
+        if device_latency_us < tightest_us {
+            return Err(AdmissionError::TighterThanProfile {
+                latency_us_p95,
+                device_latency_us,
+                headroom_us: self.config.slo_headroom_us,
+                tightest_us,
+            });
+        }
+        Ok(())
+    }
+
     /// Changes a tenant's SLO. Goes through admission again; on refusal the old SLO stays.
     pub fn reregister(&mut self, tenant: TenantId, spec: TenantSpec) -> Result<(), AdmissionError> {
         spec.validate()?;
+        self.check_judgeable(&spec)?;
         let entry = self
             .tenants
             .get(&tenant)
@@ -613,8 +735,9 @@ impl TenantRegistry {
             None => (self.profile.rate_at(u64::MAX), None),
         };
         let device = [
-            TokenRate::from_tokens_per_sec_f64(rate.tokens_per_sec),
-            self.costs.read_only_rate(rate.reads_per_sec_read_only),
+            TokenRate::from_tokens_per_sec_f64(rate.tokens_per_sec * self.rate_scale),
+            self.costs
+                .read_only_rate(rate.reads_per_sec_read_only * self.rate_scale),
         ];
         let reserved = [
             TokenRate(totals.lc_reserved[0]),
@@ -628,17 +751,29 @@ impl TenantRegistry {
             LoadMode::Mixed
         };
         let m = admission_mode.index();
-        if reserved[m] > device[m] {
+        let excess = reserved[m].0.saturating_sub(device[m].0);
+        // Overcommitted already (after a scale-down): a change that keeps the mode, does not
+        // lower the device rate and does not grow the excess puts nobody new over.
+        let current = &self.plan;
+        let current_excess = plan_excess(current);
+        let keeps_overcommit = current_excess > 0
+            && current.read_only_admission == read_only_admission
+            && device[m] >= current.device_tokens_per_sec[m]
+            && excess <= current_excess;
+        if excess > 0
+            && let Some(candidate) = candidate
+            && !keeps_overcommit
+        {
             let latency_us_p95 = strictest.unwrap_or(0);
-            return Err(match candidate {
-                Some(TenantSpec::BestEffort) => AdmissionError::WouldEndReadOnly {
+            return Err(match *candidate {
+                TenantSpec::BestEffort => AdmissionError::WouldEndReadOnly {
                     reserved_tokens_per_sec: reserved[m].as_tokens_per_sec_f64(),
                     mixed_tokens_per_sec: device[m].as_tokens_per_sec_f64(),
                     latency_us_p95,
                 },
-                Some(&TenantSpec::LatencyCritical {
+                TenantSpec::LatencyCritical {
                     iops, read_percent, ..
-                }) => {
+                } => {
                     let needed = self.costs.reservation(iops, read_percent, admission_mode);
                     let others = reserved[m].0.saturating_sub(needed.0);
                     AdmissionError::Insufficient {
@@ -648,13 +783,6 @@ impl TenantRegistry {
                         read_only: read_only_admission,
                     }
                 }
-                // Removing a tenant only makes room; report the totals if it ever did not.
-                None => AdmissionError::Insufficient {
-                    needed_tokens_per_sec: reserved[m].as_tokens_per_sec_f64(),
-                    left_tokens_per_sec: device[m].as_tokens_per_sec_f64(),
-                    latency_us_p95,
-                    read_only: read_only_admission,
-                },
             });
         }
         let mut be_each = [TokenRate::ZERO; 2];
@@ -678,6 +806,83 @@ impl TenantRegistry {
             lc_boost_tokens_per_sec_each: lc_boost,
             lc_tenants: totals.lc_count,
             be_tenants_bound: totals.be_bound,
+            rate_scale: self.rate_scale,
+            overcommitted: excess > 0,
+            lc_tenants_over: 0,
+        })
+    }
+
+    /// The LC tenants over the device rate under `plan`: replaying admission in admission
+    /// order, the first that does not fit and every one after it. O(LC tenants) only when
+    /// overcommitted.
+    fn tenants_over(&self, plan: &Plan) -> BTreeSet<TenantId> {
+        if !plan.overcommitted {
+            return BTreeSet::new();
+        }
+        let mode = if plan.read_only_admission {
+            LoadMode::ReadOnly
+        } else {
+            LoadMode::Mixed
+        };
+        let budget = plan.device_tokens_per_sec[mode.index()].0;
+        let mut lc: Vec<(u64, TenantId, u64)> = self
+            .tenants
+            .iter()
+            .filter_map(|(&id, entry)| match entry.spec {
+                TenantSpec::LatencyCritical {
+                    iops, read_percent, ..
+                } => Some((
+                    entry.admitted,
+                    id,
+                    self.costs.reservation(iops, read_percent, mode).0,
+                )),
+                TenantSpec::BestEffort => None,
+            })
+            .collect();
+        lc.sort_unstable();
+        let mut sum = 0u64;
+        let mut over = BTreeSet::new();
+        for (_, id, reserved) in lc {
+            sum = sum.saturating_add(reserved);
+            if sum > budget || !over.is_empty() {
+                over.insert(id);
+            }
+        }
+        assert!(!over.is_empty(), "an overcommitted plan has a tenant over");
+        over
+    }
+
+    /// What the tenants `over` are granted under `plan`, per mode: the device rate the
+    /// tenants that fit leave, split in proportion to their reservations (never more than
+    /// them). The tenants that fit keep their whole reservation.
+    fn grant_over(&mut self, plan: &Plan) {
+        let mut reserved = [0u64; 2];
+        for tenant in &self.over {
+            if let Some(entry) = self.tenants.get(tenant) {
+                let own = self.contribution(&entry.spec, true).lc_reserved;
+                reserved[0] += own[0];
+                reserved[1] += own[1];
+            }
+        }
+        self.over_reserved = reserved;
+        self.over_granted = [0, 1].map(|m| {
+            let fitting = plan.lc_reserved_tokens_per_sec[m].0 - reserved[m];
+            plan.device_tokens_per_sec[m]
+                .0
+                .saturating_sub(fitting)
+                .min(reserved[m])
+        });
+    }
+
+    /// The part of the tenants over the device rate's reservations they are granted now,
+    /// per mode (1.0 when none is over).
+    pub fn over_granted_share(&self) -> [f64; 2] {
+        [0, 1].map(|m| {
+            if self.over_reserved[m] == 0 {
+                1.0
+            } else {
+                self.over_granted[m] as f64 / self.over_reserved[m] as f64
+            }
         })
     }
 
@@ -693,6 +898,20 @@ impl TenantRegistry {
                 "latency SLO outside the device profile's table; using the nearest row"
             );
         }
+        let mut plan = plan;
+        let over_before = (self.over.clone(), self.over_reserved, self.over_granted);
+        if plan.overcommitted || !self.over.is_empty() {
+            self.over = self.tenants_over(&plan);
+        }
+        self.grant_over(&plan);
+        plan.lc_tenants_over = self.over.len() as u32;
+        if plan.overcommitted && !self.plan.overcommitted {
+            tracing::warn!(
+                rate_scale = plan.rate_scale,
+                lc_tenants_over = plan.lc_tenants_over,
+                "LC reservations exceed the scaled device rate"
+            );
+        }
         self.plan = plan;
         // The tenant's own messages first: a tenant that leaves a thread is retired there
         // before the device rates that no longer count it arrive, and keeps its last rate
@@ -700,13 +919,25 @@ impl TenantRegistry {
         if let Some(tenant) = changed {
             self.send_tenant(tenant);
         }
+        // Tenants that went over, came back, or whose granted share moved get their terms.
+        if over_before != (self.over.clone(), self.over_reserved, self.over_granted) {
+            let touched: BTreeSet<TenantId> = over_before.0.union(&self.over).copied().collect();
+            for tenant in touched {
+                if Some(tenant) != changed {
+                    self.send_tenant(tenant);
+                }
+            }
+        }
+        let granted_total = [0, 1].map(|m| {
+            plan.lc_reserved_tokens_per_sec[m].0 - self.over_reserved[m] + self.over_granted[m]
+        });
         let threads = usize::from(self.threads);
         // Reservations nobody serves yet (and their share of spare capacity) are donated, by
         // every thread evenly.
         let mut unbound = [0u64; 2];
         for mode in LoadMode::ALL {
             let m = mode.index();
-            let sum = plan.lc_reserved_tokens_per_sec[m];
+            let sum = TokenRate(granted_total[m]);
             let available = plan.device_tokens_per_sec[m];
             let reserved = TokenRate(self.totals.lc_unbound_reserved[m]);
             let scaled = if sum > available {
@@ -727,7 +958,7 @@ impl TenantRegistry {
             let device = DeviceRates {
                 costs: self.costs,
                 device_tokens_per_sec: plan.device_tokens_per_sec,
-                lc_reserved_tokens_per_sec: plan.lc_reserved_tokens_per_sec,
+                lc_reserved_tokens_per_sec: granted_total.map(TokenRate),
                 be_tokens_per_sec_each: plan.be_tokens_per_sec_each,
                 lc_boost_tokens_per_sec_each: plan.lc_boost_tokens_per_sec_each,
                 unbound_tokens_per_sec: [TokenRate(unbound_mixed), TokenRate(unbound_read_only)],
@@ -749,7 +980,12 @@ impl TenantRegistry {
         if let Some(entry) = self.tenants.get(&tenant) {
             let total = entry.connections_total();
             if total > 0 {
-                let reserved = self.contribution(&entry.spec, true).lc_reserved;
+                let mut reserved = self.contribution(&entry.spec, true).lc_reserved;
+                if self.over.contains(&tenant) {
+                    for (m, value) in reserved.iter_mut().enumerate() {
+                        *value = share_of(*value, self.over_granted[m], self.over_reserved[m]);
+                    }
+                }
                 let shares = [
                     split(reserved[0], &entry.connections),
                     split(reserved[1], &entry.connections),
@@ -793,6 +1029,26 @@ impl TenantRegistry {
             }
         }
     }
+}
+
+/// `value × part / whole` without overflow (`value` when `whole` is 0).
+fn share_of(value: u64, part: u64, whole: u64) -> u64 {
+    if whole == 0 {
+        return value;
+    }
+    (u128::from(value) * u128::from(part) / u128::from(whole)) as u64
+}
+
+/// How far Σ LC reservations exceed the device rate in `plan`'s admission mode (0: they fit).
+fn plan_excess(plan: &Plan) -> u64 {
+    let m = if plan.read_only_admission {
+        LoadMode::ReadOnly.index()
+    } else {
+        LoadMode::Mixed.index()
+    };
+    plan.lc_reserved_tokens_per_sec[m]
+        .0
+        .saturating_sub(plan.device_tokens_per_sec[m].0)
 }
 
 fn lc_latency(spec: &TenantSpec) -> Option<u64> {
@@ -843,8 +1099,9 @@ fn split(amount: u64, weights: &[u32]) -> Vec<u64> {
 }
 
 fn unreachable_plan(error: &AdmissionError) {
-    // Connections only move shares; the set of tenants and SLOs is unchanged and was admitted.
-    panic!("a connection change made an admitted plan inadmissible: {error}");
+    // Without a candidate a plan is never refused: connections only move shares, and a scale
+    // change may overcommit the device but is not admission.
+    panic!("a change without a candidate was refused: {error}");
 }
 
 #[cfg(test)]
@@ -940,18 +1197,24 @@ mod tests {
             r.plan().device_tokens_per_sec[0],
             TokenRate::from_tokens_per_sec(570_000)
         );
-        // Stricter than the table: clamped to the first row and flagged.
-        r.register(lc(100, 1_000, 100)).unwrap();
+        // Stricter than the table: nothing measured says the device can; refused, with the
+        // numbers, and nothing changes (issue 9 item 5).
+        let before = r.plan();
+        let error = r.register(lc(100, 1_000, 100)).unwrap_err();
         assert_eq!(
-            r.plan().device_tokens_per_sec[0],
-            TokenRate::from_tokens_per_sec(420_000)
+            error.to_string(),
+            "a p95 of 100 µs is tighter than the device profile can judge: its tightest measured point is 500 µs"
         );
-        assert_eq!(
-            r.plan().clamp,
-            Some(Clamp::StricterThanTable {
-                first_latency_us: 500
-            })
-        );
+        assert_eq!(r.plan(), before);
+        assert!(matches!(
+            r.register(lc(1, 1_000, 100)),
+            Err(AdmissionError::TighterThanProfile { .. })
+        ));
+        // Absurdly loose: not a latency objective.
+        assert!(matches!(
+            r.register(lc(u64::from(u32::MAX), 1_000, 100)),
+            Err(AdmissionError::InvalidSpec { .. })
+        ));
         r.unregister(loose).unwrap();
         assert!(r.unregister(loose).is_err());
     }
@@ -1193,6 +1456,145 @@ mod tests {
             r.register(TenantSpec::BestEffort),
             Err(AdmissionError::TooManyTenants { tenants_max: 2 })
         );
+    }
+
+    /// Issue 11 item 2: the calibrator's scale reaches the plan and the threads, BE tenants
+    /// lose their share first, and the LC tenants that no longer fit are named, latest
+    /// admitted first, once each.
+    #[test]
+    fn a_scale_down_lowers_the_device_rate_and_names_the_lc_tenants_that_no_longer_fit() {
+        let mut r = registry(2);
+        let mut view = View::default();
+        let a = r.register(lc(500, 120_000, 100)).unwrap();
+        let b = r.register(lc(500, 70_000, 80)).unwrap();
+        let c = r.register(TenantSpec::BestEffort).unwrap();
+        r.connect(a, 0).unwrap();
+        r.connect(b, 1).unwrap();
+        r.connect(c, 0).unwrap();
+        view.apply(r.take_updates());
+        assert_eq!(view.rate(0, c), 104_000_000);
+
+        // 90 %: 378K still holds A and B (316K); BE gets the rest. One message per thread.
+        assert_eq!(r.set_rate_scale(0.9), Ok(vec![]));
+        let updates = r.take_updates();
+        assert_eq!(updates.len(), 2, "{updates:?}");
+        assert!(
+            updates
+                .iter()
+                .all(|(_, update)| matches!(update, RateUpdate::Device(_)))
+        );
+        view.apply(updates);
+        let plan = r.plan();
+        assert_eq!(plan.rate_scale, 0.9);
+        assert_eq!(
+            plan.device_tokens_per_sec[0],
+            TokenRate::from_tokens_per_sec(378_000)
+        );
+        assert!(!plan.overcommitted);
+        assert_eq!(view.rate(0, c), 62_000_000);
+        assert_eq!(view.rate(0, a), 120_000_000);
+
+        // 50 %: 210K. A (admitted first) fits, B does not: B is named once. BE gets nothing;
+        // A keeps its whole reservation and B gets what A leaves (90K of its 196K).
+        assert_eq!(r.set_rate_scale(0.5), Ok(vec![b]));
+        view.apply(r.take_updates());
+        let plan = r.plan();
+        assert!(plan.overcommitted);
+        assert_eq!(plan.lc_tenants_over, 1);
+        assert_eq!(r.lc_tenants_over(), vec![b]);
+        assert_eq!(view.rate(0, c), 0);
+        assert_eq!(view.rate(0, a), 120_000_000);
+        assert_eq!(view.rate(1, b), 90_000_000);
+        assert_eq!(r.over_granted_share()[0], 90.0 / 196.0);
+        assert_eq!(r.set_rate_scale(0.5), Ok(vec![]), "named once");
+        assert_eq!(
+            r.spec(b),
+            Some(lc(500, 70_000, 80)),
+            "the reservation is kept"
+        );
+
+        // Meanwhile admission uses the scaled rate: no new LC tenant; BE tenants still come.
+        let error = r.register(lc(500, 1_000, 100)).unwrap_err();
+        assert_eq!(error.to_string(), "needs 1K tokens/s, 0 left at 500 µs");
+        let d = r.register(TenantSpec::BestEffort).unwrap();
+        r.connect(d, 1).unwrap();
+        r.disconnect(d, 1).unwrap();
+        // B renegotiates to what fits (84K: 204K of 210K) and is no longer over.
+        r.reregister(b, lc(500, 30_000, 80)).unwrap();
+        assert!(!r.plan().overcommitted);
+        assert_eq!(r.lc_tenants_over(), vec![]);
+
+        // Down to 40 % (168K): B over again; 25 % (105K): A too; the list is in admission order.
+        assert_eq!(r.set_rate_scale(0.4), Ok(vec![b]));
+        assert_eq!(r.set_rate_scale(0.25), Ok(vec![a]));
+        assert_eq!(r.lc_tenants_over(), vec![a, b]);
+        // Back to the profile: everyone fits and BE gets its share again.
+        assert_eq!(r.set_rate_scale(1.0), Ok(vec![]));
+        view.apply(r.take_updates());
+        assert_eq!(r.lc_tenants_over(), vec![]);
+        assert_eq!(
+            view.rate(0, c),
+            420_000_000 - 204_000_000,
+            "D has no connection"
+        );
+
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 4.5] {
+            assert!(
+                matches!(
+                    r.set_rate_scale(bad),
+                    Err(ConfigError::Invalid {
+                        field: "rate_scale",
+                        ..
+                    })
+                ),
+                "{bad}"
+            );
+        }
+        assert_eq!(r.rate_scale(), 1.0);
+    }
+
+    #[test]
+    fn while_overcommitted_a_change_may_not_lower_the_rate_or_grow_the_excess() {
+        let mut r = registry(1);
+        let a = r.register(lc(1000, 200_000, 100)).unwrap();
+        let b = r.register(lc(1000, 200_000, 100)).unwrap();
+        r.register(TenantSpec::BestEffort).unwrap();
+        // 60 % of 500K at 1 ms = 300K for 400K of reservations.
+        assert_eq!(r.set_rate_scale(0.6), Ok(vec![b]));
+        // B asks for less but at a tighter SLO: 150K at 500 µs lowers the device rate to
+        // 252K; refused although the excess would shrink by 2K (it could put A over).
+        let error = r.reregister(b, lc(500, 150_000, 100)).unwrap_err();
+        assert!(
+            matches!(error, AdmissionError::Insufficient { .. }),
+            "{error}"
+        );
+        assert_eq!(r.spec(b), Some(lc(1000, 200_000, 100)));
+        // Less at the same SLO is fine, and so are connections and unregistering.
+        r.reregister(b, lc(1000, 150_000, 100)).unwrap();
+        assert_eq!(r.lc_tenants_over(), vec![b]);
+        r.connect(a, 0).unwrap();
+        r.connect(b, 0).unwrap();
+        r.disconnect(b, 0).unwrap();
+        r.unregister(b).unwrap();
+        assert!(!r.plan().overcommitted);
+        assert_eq!(r.lc_tenants_over(), vec![]);
+    }
+
+    #[test]
+    fn the_scale_applies_to_the_read_only_column_too() {
+        let mut r = registry(1);
+        r.register(lc(500, 600_000, 100)).unwrap();
+        assert!(r.plan().read_only_admission);
+        let read_only_before = r.plan().device_tokens_per_sec[1];
+        // Read-only column: 850K reads/s × 0.5 = 425K for 600K reads × 0.5 = 300K. At 80 %
+        // (340K) the tenant still fits; at 60 % (255K) it does not.
+        assert_eq!(r.set_rate_scale(0.8), Ok(vec![]));
+        assert_eq!(
+            r.plan().device_tokens_per_sec[1].0,
+            read_only_before.0 * 8 / 10
+        );
+        assert_eq!(r.set_rate_scale(0.6).map(|over| over.len()), Ok(1));
+        assert!(r.plan().read_only_admission);
     }
 
     #[test]

@@ -1200,6 +1200,12 @@ impl Scheduler {
             .map_or(0, |slot| slot.queued)
     }
 
+    /// The class this thread knows `tenant` by (`None`: not registered here).
+    pub fn tenant_class(&self, tenant: TenantId) -> Option<TenantClass> {
+        let slot = self.slots.get(tenant.0 as usize)?;
+        (slot.state != SlotState::Vacant).then_some(slot.class)
+    }
+
     pub fn tenant_stats(&self, tenant: TenantId) -> Option<TenantStats> {
         let slot = self.slots.get(tenant.0 as usize)?;
         (slot.state != SlotState::Vacant).then_some(TenantStats {

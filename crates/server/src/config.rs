@@ -75,6 +75,55 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// Which I/O driver runs the dataplane threads: `driver` in the file, `--driver` on the
+/// command line. See `docs/OPERATIONS.md` ("I/O driver").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DriverChoice {
+    /// io_uring when the kernel offers everything reflexd needs, otherwise epoll (with one
+    /// log line naming the reason).
+    #[default]
+    Auto,
+    /// io_uring or nothing: start-up fails with the reason when it is unavailable.
+    Uring,
+    /// epoll, with file and block device I/O on a small thread pool per device.
+    Epoll,
+}
+
+impl DriverChoice {
+    pub const NAMES: [&'static str; 3] = ["auto", "uring", "epoll"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DriverChoice::Auto => "auto",
+            DriverChoice::Uring => "uring",
+            DriverChoice::Epoll => "epoll",
+        }
+    }
+}
+
+impl std::str::FromStr for DriverChoice {
+    type Err = ConfigError;
+
+    fn from_str(text: &str) -> Result<DriverChoice, ConfigError> {
+        match text.trim() {
+            "auto" => Ok(DriverChoice::Auto),
+            "uring" | "io_uring" => Ok(DriverChoice::Uring),
+            "epoll" => Ok(DriverChoice::Epoll),
+            other => Err(ConfigError::Invalid(format!(
+                "driver {other:?}: expected one of {}",
+                DriverChoice::NAMES.join(", ")
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for DriverChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A byte count written as a number or a string with a binary suffix (`"1G"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteSize(pub u64);
@@ -470,6 +519,14 @@ pub struct Config {
     pub threads: usize,
     /// Spin on the rings instead of sleeping when idle (lowest latency, one busy core each).
     pub poll: bool,
+    /// In blocking mode, how long at most a thread spins before a device or scheduler
+    /// deadline instead of sleeping through it: it sleeps until shortly before the deadline
+    /// (by the wake-up delay it measured lately) and spins the rest, so deadlines are met
+    /// even where waking from a sleep costs hundreds of microseconds. `"0s"`: never spins.
+    #[serde(with = "humantime_serde")]
+    pub spin_before_deadline_max: Duration,
+    /// The I/O driver: io_uring, epoll, or io_uring when available (the default).
+    pub driver: DriverChoice,
     /// Outstanding requests per connection; more are not read until some complete.
     pub window: u32,
     #[serde(deserialize_with = "size_bytes")]
@@ -483,6 +540,18 @@ pub struct Config {
     /// Receive buffer of each connection.
     #[serde(deserialize_with = "size_bytes")]
     pub recv_buffer_bytes: u64,
+    /// A connection idle this long gives its receive buffer back and waits for readiness
+    /// instead, so idle connections cost no buffer; `"0s"`: never.
+    #[serde(with = "humantime_serde")]
+    pub recv_buffer_park_after: Duration,
+    /// Tenants one connection may register (and own) at once.
+    pub tenants_per_connection_max: u32,
+    /// Tenants the connections of one address may register (and own) at once.
+    pub tenants_per_source_max: u32,
+    /// How long a registered tenant outlives the connection that registered it (so a
+    /// reconnecting client can bind again); then it is unregistered unless still in use.
+    #[serde(with = "humantime_serde")]
+    pub tenant_orphan_grace: Duration,
     /// Share of a thread's arena one connection may hold, in percent (at least one 1 MiB
     /// run): a client that never reads its answers cannot take the others' buffers.
     pub connection_arena_percent: u8,
@@ -516,6 +585,8 @@ impl Default for Config {
             nbd: NbdConfig::default(),
             threads: 1,
             poll: false,
+            spin_before_deadline_max: Duration::from_micros(500),
+            driver: DriverChoice::Auto,
             window: WINDOW_DEFAULT,
             arena_bytes_per_thread: ARENA_BYTES_PER_THREAD_DEFAULT,
             connections_per_thread_max: CONNECTIONS_PER_THREAD_DEFAULT,
@@ -523,6 +594,10 @@ impl Default for Config {
             connections_per_source_max: 0,
             requests_per_thread_max: REQUESTS_PER_THREAD_DEFAULT,
             recv_buffer_bytes: RECV_BUFFER_BYTES_DEFAULT,
+            recv_buffer_park_after: Duration::from_secs(1),
+            tenants_per_connection_max: 16,
+            tenants_per_source_max: 1024,
+            tenant_orphan_grace: Duration::from_secs(30),
             connection_arena_percent: CONNECTION_ARENA_PERCENT_DEFAULT,
             timeouts: TimeoutsConfig::default(),
             register_buffers: true,
@@ -602,6 +677,15 @@ impl Config {
         u32::try_from(needed).unwrap_or(u32::MAX)
     }
 
+    /// Bounds on tenants registered over the wire.
+    pub fn tenant_limits(&self) -> reflex_dataplane::control::TenantLimits {
+        reflex_dataplane::control::TenantLimits {
+            per_connection_max: self.tenants_per_connection_max,
+            per_source_max: self.tenants_per_source_max,
+            orphan_grace: reflex_qos::Nanos(self.tenant_orphan_grace.as_nanos() as u64),
+        }
+    }
+
     /// The limits every dataplane thread runs within.
     pub fn limits(&self) -> reflex_dataplane::Limits {
         let arena_bytes = self.arena_bytes_per_thread as usize;
@@ -632,6 +716,7 @@ impl Config {
             device_timeout: optional(self.timeouts.device),
             drain_timeout: reflex_qos::Nanos(self.timeouts.drain.as_nanos() as u64),
             device_in_flight_max: reflex_dataplane::DEVICE_IN_FLIGHT_PER_THREAD_MAX,
+            park_after: optional(self.recv_buffer_park_after),
         }
     }
 
@@ -884,7 +969,36 @@ mod tests {
         assert_eq!(config.namespaces[1].size_bytes, Some(10 << 30));
         assert!(config.namespaces[1].read_only);
         assert_eq!(config.effective_original_ports()[0].port, 1300);
+        assert_eq!(config.driver, DriverChoice::Auto);
         assert!(Config::from_toml("bogus = 1", "test").is_err());
+    }
+
+    #[test]
+    fn driver_choice_from_the_file_and_the_flag() {
+        for (text, expected) in [
+            ("auto", DriverChoice::Auto),
+            ("uring", DriverChoice::Uring),
+            ("epoll", DriverChoice::Epoll),
+        ] {
+            let config = Config::from_toml(&format!("driver = {text:?}"), "test")
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(config.driver, expected);
+            assert_eq!(text.parse::<DriverChoice>().ok(), Some(expected));
+            assert_eq!(expected.to_string(), text);
+        }
+        assert_eq!(
+            "io_uring".parse::<DriverChoice>().ok(),
+            Some(DriverChoice::Uring)
+        );
+        assert!(Config::from_toml("driver = \"kqueue\"", "test").is_err());
+        let refused = "kqueue"
+            .parse::<DriverChoice>()
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            refused.as_deref(),
+            Some("invalid configuration: driver \"kqueue\": expected one of auto, uring, epoll")
+        );
     }
 
     #[test]
@@ -1071,6 +1185,31 @@ mod tests {
             ..NamespaceConfig::new(1, "null")
         };
         bad(vec![tenant], None);
+    }
+
+    #[test]
+    fn a_configuration_beyond_the_completion_queue_is_refused() {
+        // 17,000 connections per thread need 4 completions each in the worst case: more than
+        // one ring holds. Refused at start, with the reason, instead of a panic under load.
+        let config = Config {
+            connections_per_thread_max: 17_000,
+            ..Config::default()
+        };
+        assert!(config.ring_cq_entries() > RING_CQ_ENTRIES_MAX);
+        let error = config
+            .validate()
+            .err()
+            .unwrap_or_else(|| panic!("accepted"));
+        assert!(error.to_string().contains("completion queue"), "{error}");
+        // The default fits, and 10,000 connections per thread too.
+        assert!(Config::default().ring_cq_entries() <= RING_CQ_ENTRIES_MAX);
+        let ten_thousand = Config {
+            connections_per_thread_max: 10_000,
+            ..Config::default()
+        };
+        ten_thousand
+            .validate()
+            .unwrap_or_else(|e| panic!("10,000 connections per thread: {e}"));
     }
 
     #[test]

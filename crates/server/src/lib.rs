@@ -1,5 +1,6 @@
 //! `reflexd`, the ReFlex server: remote block storage over TCP with one io_uring dataplane
-//! thread per core (ReFlex paper §3.1).
+//! thread per core (ReFlex paper §3.1), or one epoll thread per core where io_uring is
+//! unavailable.
 //!
 //! Public API:
 //! - [`Config`] (with [`NamespaceConfig`], [`OriginalPortConfig`], [`NbdConfig`]): what to
@@ -18,20 +19,24 @@
 //!   [`ServerHandle::qos_plan`] and [`ServerHandle::tenant_handle`] show the control plane's
 //!   state.
 //!
-//! Module map: `config` (TOML and flags), `uring` (the io_uring driver that runs each
-//! thread's [`reflex_dataplane::Dataplane`]), `sys` (raw socket calls). The dataplane itself
-//! (connections, requests, protocol front ends, tenants and schedulers) is the sans-IO crate
-//! `reflex-dataplane`, which the simulator drives too.
+//! Module map: `config` (TOML and flags), `driver` (choosing and starting a thread's driver),
+//! `uring` (the io_uring driver that runs each thread's [`reflex_dataplane::Dataplane`]),
+//! `epoll` (the same over epoll, where io_uring is unavailable), `sys` (raw socket calls).
+//! The dataplane itself (connections, requests, protocol front ends, tenants and schedulers)
+//! is the sans-IO crate `reflex-dataplane`, which the simulator drives too.
 //!
-//! Architecture invariants: the data path allocates nothing, takes no lock and makes no
-//! system call besides one `io_uring_enter` per loop iteration (plus accept-time socket
-//! options); every limit is a named constant or config field; bad input from the network
-//! gets an error status or closes only its own connection, never panics the server.
-//! `unsafe` only in `uring` and `sys`.
+//! Architecture invariants: on io_uring the data path allocates nothing, takes no lock and
+//! makes no system call besides one `io_uring_enter` per loop iteration (plus accept-time
+//! socket options); on epoll it makes one `epoll_wait` per iteration plus one call per socket
+//! operation (file I/O goes to the devices' thread pools); every limit is a named constant or
+//! config field; bad input from the network gets an error status or closes only its own
+//! connection, never panics the server. `unsafe` only in `uring`, `epoll::sys` and `sys`.
 
 #![deny(unsafe_code)]
 
 pub mod config;
+mod driver;
+mod epoll;
 #[allow(unsafe_code)]
 mod sys;
 mod uring;
@@ -40,29 +45,29 @@ pub use reflex_dataplane as dataplane;
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use reflex_dataplane::DataplaneSetup;
 pub use reflex_dataplane::control::{ControlError, TenantInfo};
 use reflex_dataplane::control::{
-    ControlPlane, ControlSetup, NamespaceControl, NamespaceQosSetup, TenantRef, Wake,
+    ControlPlane, ControlSetup, HandleKeys, NamespaceControl, NamespaceQosSetup, TenantRef, Wake,
 };
 use reflex_dataplane::frontend::{ExportBinding, NbdExports, Protocol};
 use reflex_dataplane::namespaces::NamespaceSet;
 pub use reflex_dataplane::{CoreStats, TenantStats};
-use reflex_dataplane::{Dataplane, DataplaneSetup};
 use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
-    Config, ConfigError, NamespaceConfig, NbdConfig, OriginalPortConfig, TenantClassConfig,
-    TenantConfig, TimeoutsConfig,
+    Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, OriginalPortConfig,
+    TenantClassConfig, TenantConfig, TimeoutsConfig,
 };
+pub use crate::driver::{Driver, NO_IO_URING_ENV};
+use crate::driver::{DriverSetup, EventfdWaker, spawn_driver};
 pub use crate::uring::MissingFeature;
-use crate::uring::{DriverSetup, UringDriver};
 
 /// Listen backlog of every listening socket.
 pub const LISTEN_BACKLOG: i32 = 1024;
@@ -71,8 +76,11 @@ pub const LISTEN_BACKLOG: i32 = 1024;
 pub enum ServerError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error(transparent)]
-    Ring(#[from] MissingFeature),
+    #[error(
+        "driver = \"uring\" was asked for, but {0}; driver = \"auto\" or \"epoll\" runs \
+         on epoll instead"
+    )]
+    UringUnavailable(MissingFeature),
     #[error("namespace {id}: {source}")]
     Device {
         id: u32,
@@ -101,7 +109,7 @@ pub struct Server;
 impl Server {
     pub fn start(config: Config) -> Result<ServerHandle, ServerError> {
         config.validate()?;
-        Ring::probe()?;
+        let driver = Driver::select(config.driver).map_err(ServerError::UringUnavailable)?;
         // Ports first: a port another process holds stops start-up before any backing file
         // or directory is created.
         let mut per_thread: Vec<Vec<(TcpListener, ListenerRole)>> =
@@ -187,6 +195,7 @@ impl Server {
 
         let shutdown = Arc::new(AtomicBool::new(false));
         let mut handle = ServerHandle {
+            driver,
             native_addr,
             original_addrs,
             nbd_addr,
@@ -222,30 +231,9 @@ impl Server {
                 waker: Arc::clone(&wakers[thread_index]),
                 clock_origin,
                 cq_entries,
+                spin_before_deadline_max: Nanos(config.spin_before_deadline_max.as_nanos() as u64),
             };
-            let ready = ready_tx.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("reflex-dp-{thread_index}"))
-                .spawn(move || {
-                    let started = Dataplane::new(dataplane_setup)
-                        .map_err(|e| e.to_string())
-                        .and_then(|dataplane| {
-                            UringDriver::new(dataplane, driver_setup)
-                                .map_err(|e| format!("io_uring setup failed: {e}"))
-                        });
-                    let driver = match started {
-                        Ok(driver) => driver,
-                        Err(message) => {
-                            let _ = ready.send((thread_index, Err(message.clone())));
-                            return Err(message);
-                        }
-                    };
-                    let _ = ready.send((thread_index, Ok(driver.registered_buffers())));
-                    drop(ready);
-                    driver
-                        .run()
-                        .map_err(|e| format!("io_uring_enter failed: {e}"))
-                });
+            let spawned = spawn_driver(driver, dataplane_setup, driver_setup, ready_tx.clone());
             match spawned {
                 Ok(thread) => handle.threads.push(thread),
                 Err(e) => {
@@ -270,19 +258,8 @@ impl Server {
                 }
             }
         }
-        log_startup(&config, &namespaces, &handle, &registered, &qos);
+        log_startup(&config, driver, &namespaces, &handle, &registered, &qos);
         Ok(handle)
-    }
-}
-
-/// Wakes a sleeping dataplane thread through its eventfd.
-struct EventfdWaker(Arc<File>);
-
-impl Wake for EventfdWaker {
-    fn wake(&self) {
-        // An eventfd write only fails when the counter would overflow, i.e. when the thread
-        // has been woken already.
-        let _ = (&*self.0).write(&1u64.to_ne_bytes());
     }
 }
 
@@ -325,6 +302,8 @@ fn control_setup(config: &Config) -> Result<ControlSetup, ServerError> {
     }
     Ok(ControlSetup {
         threads: config.threads as u16,
+        handles: HandleKeys::Random,
+        tenant_limits: config.tenant_limits(),
         qos_config: config.qos_config.clone(),
         qos_enabled: config.qos,
         namespaces,
@@ -363,8 +342,6 @@ fn nbd_exports(
     NbdExports::new(exports, default_export.as_deref())
         .map_err(|e| ConfigError::Invalid(format!("NBD exports: {e}")).into())
 }
-
-use crate::uring::Ring;
 
 fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
     let mut entries = Vec::new();
@@ -467,6 +444,7 @@ fn bind_exclusive(addr: SocketAddr) -> Result<TcpListener, ServerError> {
 
 fn log_startup(
     config: &Config,
+    driver: Driver,
     namespaces: &NamespaceSet,
     handle: &ServerHandle,
     registered: &[bool],
@@ -528,6 +506,7 @@ fn log_startup(
         nbd = %nbd,
         nbd_default_export = config.effective_default_export().unwrap_or_default(),
         threads = config.threads,
+        driver = driver.name(),
         mode = if config.poll { "poll" } else { "blocking" },
         window = config.window,
         arena_bytes_per_thread = config.arena_bytes_per_thread,
@@ -538,6 +517,7 @@ fn log_startup(
 
 /// A running server. Dropping it shuts the server down (like [`ServerHandle::shutdown`]).
 pub struct ServerHandle {
+    driver: Driver,
     native_addr: SocketAddr,
     original_addrs: Vec<(u32, SocketAddr)>,
     nbd_addr: Option<SocketAddr>,
@@ -549,6 +529,11 @@ pub struct ServerHandle {
 }
 
 impl ServerHandle {
+    /// The I/O driver the dataplane threads run on.
+    pub fn driver(&self) -> Driver {
+        self.driver
+    }
+
     /// Address of the native protocol listener.
     pub fn native_addr(&self) -> SocketAddr {
         self.native_addr
@@ -568,9 +553,7 @@ impl ServerHandle {
     pub fn begin_shutdown(&self) {
         self.shutdown.store(true, Ordering::SeqCst);
         for waker in &self.wakers {
-            // An eventfd write only fails when the counter would overflow, i.e. when the
-            // thread has been woken already.
-            let _ = (&**waker).write(&1u64.to_ne_bytes());
+            EventfdWaker(Arc::clone(waker)).wake_eventfd();
         }
     }
 
@@ -591,6 +574,16 @@ impl ServerHandle {
             .into_iter()
             .find(|tenant| tenant.namespace_id == namespace_id && tenant.name == name)
             .map(|tenant| tenant.handle)
+    }
+
+    /// The run-time switches of a namespace's fault-injecting device (`None`: not a `fault:`
+    /// backend, or no such namespace).
+    pub fn fault_controls(
+        &self,
+        namespace_id: u32,
+    ) -> Option<Arc<reflex_flash::fault::FaultControls>> {
+        let index = self.namespaces.index_of(namespace_id)?;
+        self.namespaces.device(index).fault_controls()
     }
 
     /// The current allocation of a namespace's device (`None`: no QoS on it).

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use reflex_server::{Config, NamespaceConfig, OriginalPortConfig, Server, TenantConfig};
+use reflex_server::{
+    Config, DriverChoice, NamespaceConfig, OriginalPortConfig, Server, TenantConfig,
+};
 
 /// ReFlex server: remote NVMe Flash over TCP.
 #[derive(Debug, Parser)]
@@ -59,6 +61,9 @@ struct Args {
     /// Spin instead of sleeping when idle (lowest latency; each thread uses a full core).
     #[arg(long)]
     poll: bool,
+    /// I/O driver: auto (io_uring when available, else epoll), uring, or epoll.
+    #[arg(long)]
+    driver: Option<DriverChoice>,
     /// Outstanding requests per connection (default 128).
     #[arg(long)]
     window: Option<u32>,
@@ -163,6 +168,9 @@ fn build_config(args: Args) -> anyhow::Result<Config> {
     }
     if args.poll {
         config.poll = true;
+    }
+    if let Some(driver) = args.driver {
+        config.driver = driver;
     }
     if let Some(window) = args.window {
         config.window = window;

@@ -48,8 +48,23 @@ type Answer = (u64, Result<Vec<u8>, u32>);
 struct Nbd {
     stream: TcpStream,
     structured: bool,
-    /// Expected data length of simple READ replies, by cookie (a simple reply does not say).
-    read_lengths: HashMap<u64, u32>,
+    /// READs in flight, by cookie: offset and length (a simple reply does not say how much
+    /// data follows; structured chunks say where their piece goes).
+    reads: HashMap<u64, (u64, u32)>,
+    /// Structured replies being assembled, by cookie.
+    partial: HashMap<u64, Partial>,
+    /// Chunks of the last structured reply returned.
+    last_chunks: usize,
+}
+
+/// A structured reply whose DONE chunk has not arrived.
+#[derive(Default)]
+struct Partial {
+    data: Vec<u8>,
+    /// Bytes of READ data received (pieces never overlap).
+    filled: u64,
+    error: Option<u32>,
+    chunks: usize,
 }
 
 impl Nbd {
@@ -71,7 +86,9 @@ impl Nbd {
         let mut nbd = Nbd {
             stream,
             structured: false,
-            read_lengths: HashMap::new(),
+            reads: HashMap::new(),
+            partial: HashMap::new(),
+            last_chunks: 0,
         };
         let greeting = nbd.receive(nbd::GREETING_SIZE);
         assert_eq!(greeting[..8], nbd::NBD_MAGIC.to_be_bytes());
@@ -128,7 +145,8 @@ impl Nbd {
         loop {
             let reply = self.option_reply();
             assert_eq!(reply.option, code, "reply to another option: {reply:?}");
-            let last = reply.reply_type != reply::INFO && reply.reply_type != reply::SERVER;
+            let last =
+                ![reply::INFO, reply::SERVER, reply::META_CONTEXT].contains(&reply.reply_type);
             replies.push(reply);
             if last {
                 return replies;
@@ -196,6 +214,58 @@ impl Nbd {
         (nbd, export)
     }
 
+    /// Negotiates like a client that did not ask for the block sizes (so it is not bound by
+    /// them), optionally selecting `base:allocation` (which needs structured replies).
+    fn open_unnegotiated(
+        addr: SocketAddr,
+        name: &str,
+        structured: bool,
+        block_status: bool,
+    ) -> (Nbd, ExportInfo) {
+        let mut nbd = Nbd::connect(addr);
+        if structured {
+            let replies = nbd.option(option::STRUCTURED_REPLY, &[]);
+            assert_eq!(replies[0].reply_type, reply::ACK);
+            nbd.structured = true;
+        }
+        if block_status {
+            let replies = nbd.option(
+                option::SET_META_CONTEXT,
+                &meta_request(name, &["base:allocation"]),
+            );
+            assert_eq!(replies.len(), 2, "{replies:?}");
+            assert_eq!(replies[0].reply_type, reply::META_CONTEXT);
+            assert_eq!(replies[0].data[4..], *b"base:allocation");
+            assert_eq!(replies[1].reply_type, reply::ACK);
+        }
+        let export = nbd
+            .info_or_go(option::GO, name, &[])
+            .unwrap_or_else(|e| panic!("GO {name:?} refused with {e:#x}"));
+        (nbd, export)
+    }
+
+    /// A BLOCK_STATUS answer: its descriptors (length, flags).
+    fn block_status(&mut self, flags: u16, offset: u64, length: u32) -> Vec<(u32, u32)> {
+        let payload = self
+            .call(CommandType::BlockStatus, flags, offset, length, &[])
+            .unwrap_or_else(|e| panic!("BLOCK_STATUS {offset}+{length}: error {e}"));
+        assert_eq!(self.last_chunks, 1, "one chunk per context");
+        assert_eq!(
+            payload[..4],
+            nbd::meta_context::BASE_ALLOCATION_ID.to_be_bytes()
+        );
+        assert_eq!((payload.len() - 4) % 8, 0);
+        payload[4..]
+            .chunks_exact(8)
+            .map(|d| {
+                (
+                    u32::from_be_bytes([d[0], d[1], d[2], d[3]]),
+                    u32::from_be_bytes([d[4], d[5], d[6], d[7]]),
+                )
+            })
+            .collect()
+    }
+
     fn request(
         &mut self,
         command: CommandType,
@@ -217,59 +287,106 @@ impl Nbd {
 
     fn request_raw(&mut self, header: &RequestHeader, payload: &[u8]) {
         if header.command_raw == CommandType::Read.as_u16() {
-            self.read_lengths.insert(header.cookie, header.length_bytes);
+            self.expect_read(header.cookie, header.offset_bytes, header.length_bytes);
         }
         let mut bytes = header.to_bytes().to_vec();
         bytes.extend_from_slice(payload);
         self.send(&bytes);
     }
 
-    /// Reads one complete reply (every reply of this server is a single chunk with DONE).
+    /// Notes a READ sent by other means (raw bytes), so its reply can be read.
+    fn expect_read(&mut self, cookie: u64, offset: u64, length: u32) {
+        self.reads.insert(cookie, (offset, length));
+    }
+
+    /// Reads one complete reply: a simple reply (with its READ data), or the chunks of
+    /// structured replies until one has DONE (READ pieces put back in place; a BLOCK_STATUS
+    /// chunk's payload is returned as the data).
     fn reply(&mut self) -> Answer {
-        let first = self.receive(4);
-        let magic = u32::from_be_bytes([first[0], first[1], first[2], first[3]]);
-        let size = if magic == nbd::SIMPLE_REPLY_MAGIC {
-            nbd::SIMPLE_REPLY_SIZE
-        } else {
-            nbd::CHUNK_HEADER_SIZE
-        };
-        let mut header = first;
-        header.extend_from_slice(&self.receive(size - 4));
-        let decoded = Reply::decode(&header).unwrap_or_else(|e| panic!("reply: {e}"));
-        let Some((decoded, _)) = decoded else {
-            panic!("short reply header");
-        };
-        match decoded {
-            Reply::Simple(simple) => {
-                let read_length = self.read_lengths.remove(&simple.cookie);
-                // With structured replies, READs and errors must be chunks; a simple reply
-                // is allowed for other successful commands.
-                assert!(
-                    !self.structured || (read_length.is_none() && simple.error == 0),
-                    "simple reply {simple:?} after STRUCTURED_REPLY"
-                );
-                if simple.error != 0 {
-                    return (simple.cookie, Err(simple.error));
-                }
-                let data = self.receive(read_length.unwrap_or(0) as usize);
-                (simple.cookie, Ok(data))
-            }
-            Reply::Chunk(header) => {
-                assert!(self.structured, "structured reply without negotiation");
-                assert!(header.is_done(), "every reflexd reply is one chunk");
-                self.read_lengths.remove(&header.cookie);
-                let payload = self.receive(header.length_bytes as usize);
-                match header.chunk_type {
-                    chunk::TYPE_OFFSET_DATA => (header.cookie, Ok(payload[8..].to_vec())),
-                    chunk::TYPE_ERROR => {
-                        let error =
-                            u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
-                        assert_eq!(payload[4..6], [0, 0], "no message");
-                        (header.cookie, Err(error))
+        loop {
+            let first = self.receive(4);
+            let magic = u32::from_be_bytes([first[0], first[1], first[2], first[3]]);
+            let size = if magic == nbd::SIMPLE_REPLY_MAGIC {
+                nbd::SIMPLE_REPLY_SIZE
+            } else {
+                nbd::CHUNK_HEADER_SIZE
+            };
+            let mut header = first;
+            header.extend_from_slice(&self.receive(size - 4));
+            let decoded = Reply::decode(&header).unwrap_or_else(|e| panic!("reply: {e}"));
+            let Some((decoded, _)) = decoded else {
+                panic!("short reply header");
+            };
+            let header = match decoded {
+                Reply::Simple(simple) => {
+                    let read = self.reads.remove(&simple.cookie);
+                    // With structured replies, READs and errors must be chunks; a simple
+                    // reply is allowed for other successful commands.
+                    assert!(
+                        !self.structured || (read.is_none() && simple.error == 0),
+                        "simple reply {simple:?} after STRUCTURED_REPLY"
+                    );
+                    if simple.error != 0 {
+                        return (simple.cookie, Err(simple.error));
                     }
-                    other => panic!("unexpected chunk type {other}"),
+                    let data = self.receive(read.map_or(0, |(_, length)| length) as usize);
+                    return (simple.cookie, Ok(data));
                 }
+                Reply::Chunk(header) => header,
+            };
+            assert!(self.structured, "structured reply without negotiation");
+            let payload = self.receive(header.length_bytes as usize);
+            let read = self.reads.get(&header.cookie).copied();
+            let partial = self.partial.entry(header.cookie).or_default();
+            partial.chunks += 1;
+            match header.chunk_type {
+                chunk::TYPE_OFFSET_DATA => {
+                    let Some((offset, length)) = read else {
+                        panic!("data for cookie {} which is no READ", header.cookie);
+                    };
+                    let at = u64::from_be_bytes(payload[..8].try_into().unwrap_or_default());
+                    let piece = &payload[8..];
+                    assert!(!piece.is_empty(), "an empty data chunk");
+                    assert!(
+                        at >= offset && at + piece.len() as u64 <= offset + u64::from(length),
+                        "a piece outside the READ"
+                    );
+                    if partial.data.is_empty() {
+                        partial.data = vec![0; length as usize];
+                    }
+                    let start = (at - offset) as usize;
+                    partial.data[start..start + piece.len()].copy_from_slice(piece);
+                    partial.filled += piece.len() as u64;
+                }
+                chunk::TYPE_ERROR => {
+                    let error =
+                        u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                    assert_eq!(payload[4..6], [0, 0], "no message");
+                    partial.error = Some(error);
+                }
+                chunk::TYPE_BLOCK_STATUS => partial.data = payload,
+                chunk::TYPE_NONE => {}
+                other => panic!("unexpected chunk type {other}"),
             }
+            if !header.is_done() {
+                continue;
+            }
+            let Some(partial) = self.partial.remove(&header.cookie) else {
+                panic!("no reply in progress");
+            };
+            self.reads.remove(&header.cookie);
+            self.last_chunks = partial.chunks;
+            if let Some(error) = partial.error {
+                return (header.cookie, Err(error));
+            }
+            if let Some((_, length)) = read {
+                assert_eq!(
+                    partial.filled,
+                    u64::from(length),
+                    "the READ's data is not whole"
+                );
+            }
+            return (header.cookie, Ok(partial.data));
         }
     }
 
@@ -311,6 +428,18 @@ impl Nbd {
             ),
         }
     }
+}
+
+/// SET/LIST_META_CONTEXT data.
+fn meta_request(name: &str, queries: &[&str]) -> Vec<u8> {
+    let mut data = (name.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(name.as_bytes());
+    data.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for query in queries {
+        data.extend_from_slice(&(query.len() as u32).to_be_bytes());
+        data.extend_from_slice(query.as_bytes());
+    }
+    data
 }
 
 fn errno(error: Errno) -> Result<Vec<u8>, u32> {
@@ -376,7 +505,8 @@ fn handshake_list_info_unknown_options_and_go() {
         .unwrap_or_else(|e| panic!("INFO refused: {e:#x}"));
     assert_eq!(export.size_bytes, 16 << 20);
     assert_eq!(export.name.as_deref(), Some("ns1"));
-    assert_eq!(export.block_sizes, Some((512, 4096, MIB)));
+    // Any byte, 4 KiB without read-modify-write, up to 32 MiB.
+    assert_eq!(export.block_sizes, Some((1, 4096, 32 * MIB)));
     for wanted in [
         TransmissionFlags::HAS_FLAGS,
         TransmissionFlags::SEND_FLUSH,
@@ -384,6 +514,8 @@ fn handshake_list_info_unknown_options_and_go() {
         TransmissionFlags::SEND_TRIM,
         TransmissionFlags::SEND_WRITE_ZEROES,
         TransmissionFlags::CAN_MULTI_CONN,
+        TransmissionFlags::SEND_CACHE,
+        TransmissionFlags::SEND_FAST_ZERO,
     ] {
         assert!(
             flag(export.flags, wanted),
@@ -398,8 +530,10 @@ fn handshake_list_info_unknown_options_and_go() {
     assert_eq!(archive.size_bytes, 4 << 20);
     assert!(flag(archive.flags, TransmissionFlags::READ_ONLY));
     assert!(!flag(archive.flags, TransmissionFlags::SEND_TRIM));
+    assert!(!flag(archive.flags, TransmissionFlags::SEND_FAST_ZERO));
+    assert!(flag(archive.flags, TransmissionFlags::SEND_CACHE));
     // Block sizes are sent even when not asked for.
-    assert_eq!(archive.block_sizes, Some((512, 4096, MIB)));
+    assert_eq!(archive.block_sizes, Some((1, 4096, 32 * MIB)));
     assert_eq!(
         nbd.info_or_go(option::INFO, "nope", &[]),
         Err(reply::ERR_UNKNOWN)
@@ -424,7 +558,7 @@ fn handshake_list_info_unknown_options_and_go() {
         length_bytes: 4096,
     };
     bytes.extend_from_slice(&read.to_bytes());
-    nbd.read_lengths.insert(7, 4096);
+    nbd.expect_read(7, read.offset_bytes, 4096);
     nbd.send(&bytes);
     let mut export = ExportInfo::default();
     loop {
@@ -595,25 +729,23 @@ fn invalid_requests_get_errors_and_the_connection_lives_on() {
             nbd.call(CommandType::WriteZeroes, 0, end, 512, &[]),
             errno(Errno::NoSpc)
         );
-        // Misaligned, empty, too long, unknown command, unknown flag: EINVAL.
-        assert_eq!(
-            nbd.call(CommandType::Read, 0, 100, 512, &[]),
-            errno(Errno::Inval)
-        );
-        assert_eq!(
-            nbd.call(CommandType::Write, 0, 0, 100, &pattern(2, 100)),
-            errno(Errno::Inval)
-        );
+        // Empty, too long (a WRITE's payload is skipped), unknown command, unknown flag:
+        // EINVAL.
         assert_eq!(
             nbd.call(CommandType::Read, 0, 0, 0, &[]),
             errno(Errno::Inval)
         );
         assert_eq!(
-            nbd.call(CommandType::Read, 0, 0, 2 * MIB, &[]),
+            nbd.call(CommandType::Read, 0, 0, 32 * MIB + 1, &[]),
+            errno(Errno::Inval)
+        );
+        let too_long = vec![0x5a; 32 * MIB as usize + 1];
+        assert_eq!(
+            nbd.call(CommandType::Write, 0, 0, too_long.len() as u32, &too_long),
             errno(Errno::Inval)
         );
         assert_eq!(
-            nbd.call(CommandType::Cache, 0, 0, 4096, &[]),
+            nbd.call(CommandType::BlockStatus, 0, 0, 4096, &[]),
             errno(Errno::Inval)
         );
         let unknown = RequestHeader {
@@ -736,6 +868,7 @@ fn pipelined_requests_are_answered_out_of_order_by_cookie() {
     };
     bytes.extend_from_slice(&zeroes.to_bytes());
     bytes.extend_from_slice(&read.to_bytes());
+    nbd.expect_read(2, 0, 4096);
     nbd.send(&bytes);
     assert_eq!(nbd.reply(), (2, Ok(small.clone())));
     assert_eq!(nbd.reply(), (1, Ok(Vec::new())));
@@ -767,7 +900,7 @@ fn pipelined_requests_are_answered_out_of_order_by_cookie() {
             length_bytes: length,
         };
         if command == CommandType::Read {
-            nbd.read_lengths.insert(1000 + cookie, length);
+            nbd.expect_read(1000 + cookie, offset, length);
         }
         bytes.extend_from_slice(&header.to_bytes());
         bytes.extend_from_slice(&payload);
@@ -867,7 +1000,7 @@ fn shutdown_closes_handshakes_finishes_sessions_and_refuses_newcomers() {
             offset_bytes: 0,
             length_bytes: MIB,
         };
-        session.read_lengths.insert(cookie, MIB);
+        session.expect_read(cookie, 0, MIB);
         bytes.extend_from_slice(&header.to_bytes());
     }
     session.send(&bytes);
@@ -908,5 +1041,422 @@ fn shutdown_closes_handshakes_finishes_sessions_and_refuses_newcomers() {
     assert_eq!(refused, vec![500, 501, 502]);
     // Nothing outstanding: the server closes the session and exits cleanly.
     assert!(session.is_closed_by_server());
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Large and unaligned requests, CACHE, FAST_ZERO, block status (issue 9).
+
+/// A file export and a memory export of `size_bytes` each, named "file" and "memory".
+fn file_and_memory(dir: &std::path::Path, size_bytes: u64) -> Config {
+    let backend = format!("file:{}", dir.join("disk").display());
+    nbd_config(vec![
+        NamespaceConfig {
+            size_bytes: Some(size_bytes),
+            ..named(1, &backend, "file")
+        },
+        named(2, &format!("mem:{size_bytes}"), "memory"),
+    ])
+}
+
+#[test]
+fn requests_up_to_32_mib_go_in_parts_with_and_without_structured_replies() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let server = start(file_and_memory(dir.path(), 80 << 20));
+    let addr = nbd_addr(&server);
+    let length = 32 * MIB;
+    for name in ["file", "memory"] {
+        for structured in [false, true] {
+            let context = format!("{name}, structured {structured}");
+            let (mut nbd, _) = Nbd::open_unnegotiated(addr, name, structured, false);
+            let offset = u64::from(3 * MIB) + 5 + u64::from(structured) * 7;
+            let data = pattern(u64::from(structured) + 40, length as usize);
+            nbd.write(offset, &data);
+            // The big READ, with a small READ and WRITE pipelined behind it: with a simple
+            // reply the 32 MiB follow their header without anything in between (the reply
+            // parser would lose its place otherwise); structured, they come in pieces.
+            let small = pattern(41, 4096);
+            nbd.write(70 << 20, &small);
+            nbd.request(CommandType::Read, 0, 1, offset, length, &[]);
+            nbd.request(CommandType::Read, 0, 2, 70 << 20, 4096, &[]);
+            let other = pattern(42, 1000);
+            nbd.request(CommandType::Write, 0, 3, (72 << 20) + 1, 1000, &other);
+            let mut answers = HashMap::new();
+            for _ in 0..3 {
+                let (cookie, result) = nbd.reply();
+                if cookie == 1 && structured {
+                    assert!(
+                        nbd.last_chunks >= 32,
+                        "{context}: {} chunks",
+                        nbd.last_chunks
+                    );
+                }
+                answers.insert(cookie, result);
+            }
+            let big = answers.remove(&1).unwrap_or_else(|| panic!("no big READ"));
+            assert!(
+                big == Ok(data.clone()),
+                "{context}: the 32 MiB READ differs"
+            );
+            assert_eq!(answers.remove(&2), Some(Ok(small.clone())), "{context}");
+            assert_eq!(answers.remove(&3), Some(Ok(Vec::new())), "{context}");
+            assert!(nbd.read((72 << 20) + 1, 1000) == other, "{context}");
+            // One byte more than 32 MiB is refused, payload skipped.
+            let too_long = vec![1u8; length as usize + 1];
+            assert_eq!(
+                nbd.call(CommandType::Write, 0, 0, length + 1, &too_long),
+                errno(Errno::Inval),
+                "{context}"
+            );
+            assert!(nbd.read(offset, 4096) == data[..4096], "{context}");
+        }
+    }
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn unaligned_reads_and_writes_match_a_model() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let size = 4u64 << 20;
+    let server = start(file_and_memory(dir.path(), size));
+    let addr = nbd_addr(&server);
+    for name in ["file", "memory"] {
+        let mut model = vec![0u8; size as usize];
+        for structured in [false, true] {
+            let (mut nbd, _) = Nbd::open_unnegotiated(addr, name, structured, false);
+            let mut state = 0x5eed_u64 + u64::from(structured);
+            let mut next = |bound: u64| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state % bound
+            };
+            // Edges first: single bytes at both ends and around sector boundaries.
+            let mut cases: Vec<(u64, u32)> = vec![
+                (0, 1),
+                (size - 1, 1),
+                (511, 2),
+                (1023, 1),
+                (4095, 4098),
+                (u64::from(MIB) - 3, 7),
+            ];
+            for _ in 0..150 {
+                let bound = if next(4) == 0 { 300_000 } else { 3000 };
+                let length = 1 + next(bound) as u32;
+                cases.push((next(size - u64::from(length)), length));
+            }
+            for (round, (offset, length)) in cases.into_iter().enumerate() {
+                let context = format!("{name}, structured {structured}: {offset}+{length}");
+                let range = offset as usize..(offset + u64::from(length)) as usize;
+                if round % 2 == 0 {
+                    let data = pattern(round as u64 + 500, length as usize);
+                    nbd.write(offset, &data);
+                    model[range].copy_from_slice(&data);
+                } else {
+                    assert!(nbd.read(offset, length) == model[range], "{context}");
+                }
+            }
+            assert!(
+                nbd.read(0, size as u32) == model,
+                "{name}: the whole export"
+            );
+        }
+    }
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Many connections (on both dataplane threads) write, all at once and pipelined, byte
+/// ranges that share sectors; every byte must survive the read-modify-writes of its
+/// neighbours.
+#[test]
+fn concurrent_unaligned_writes_to_the_same_sectors_keep_every_byte() {
+    const CONNECTIONS: u64 = 8;
+    const STRIPE: u64 = 100;
+    const REGION: u64 = 64 << 10;
+    const ROUNDS: u64 = 3;
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let config = Config {
+        threads: 2,
+        ..file_and_memory(dir.path(), 1 << 20)
+    };
+    let server = start(config);
+    let addr = nbd_addr(&server);
+    // Connection c owns the 100-byte stripes c, c + 8, c + 16, ...: every sector holds bytes
+    // of several connections, and stripes cross sector boundaries.
+    let value = |stripe: u64, round: u64| pattern(stripe * 1000 + round, STRIPE as usize);
+    for name in ["file", "memory"] {
+        std::thread::scope(|scope| {
+            for connection in 0..CONNECTIONS {
+                scope.spawn(move || {
+                    let (mut nbd, _) =
+                        Nbd::open_unnegotiated(addr, name, connection % 2 == 0, false);
+                    let stripes: Vec<u64> = (connection..REGION / STRIPE)
+                        .step_by(CONNECTIONS as usize)
+                        .collect();
+                    for round in 0..ROUNDS {
+                        // Up to 16 in flight (the window).
+                        for batch in stripes.chunks(16) {
+                            for &stripe in batch {
+                                let data = value(stripe, round);
+                                let offset = stripe * STRIPE;
+                                nbd.request(
+                                    CommandType::Write,
+                                    0,
+                                    stripe,
+                                    offset,
+                                    STRIPE as u32,
+                                    &data,
+                                );
+                            }
+                            for _ in batch {
+                                let (cookie, result) = nbd.reply();
+                                assert_eq!(result, Ok(Vec::new()), "stripe {cookie}");
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let (mut nbd, _) = Nbd::open_unnegotiated(addr, name, false, false);
+        let back = nbd.read(0, REGION as u32);
+        for stripe in 0..REGION / STRIPE {
+            let at = (stripe * STRIPE) as usize;
+            assert!(
+                back[at..at + STRIPE as usize] == value(stripe, ROUNDS - 1),
+                "{name}: stripe {stripe} lost bytes"
+            );
+        }
+    }
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        stats.iter().map(|s| s.gate_waits).sum::<u64>() > 0,
+        "no write ever waited at the gate: the test did not overlap"
+    );
+}
+
+#[test]
+fn cache_fast_zero_and_unaligned_zeroes_and_trims() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let path = dir.path().join("disk");
+    let server = start(file_and_memory(dir.path(), 8 << 20));
+    let addr = nbd_addr(&server);
+    for name in ["file", "memory"] {
+        let (mut nbd, _) = Nbd::open_unnegotiated(addr, name, false, false);
+        let mut model = pattern(60, 1 << 20);
+        nbd.write(0, &model);
+        // CACHE: advisory, answered with success; past the end it is refused.
+        assert_eq!(nbd.call(CommandType::Cache, 0, 0, MIB, &[]), Ok(Vec::new()));
+        assert_eq!(
+            nbd.call(CommandType::Cache, 0, 8 << 20, 512, &[]),
+            errno(Errno::Inval)
+        );
+        // FAST_ZERO where a discard does it: success, zeroes.
+        let fast = command_flags::FAST_ZERO;
+        let before = allocated_bytes(&path);
+        assert_eq!(
+            nbd.call(CommandType::WriteZeroes, fast, 0, 65536, &[]),
+            Ok(Vec::new())
+        );
+        model[..65536].fill(0);
+        if name == "file" {
+            assert!(
+                allocated_bytes(&path) < before,
+                "the fast zero punched a hole"
+            );
+        }
+        // Where zeroing would need writes (NO_HOLE, unaligned edges): ENOTSUP, unchanged.
+        for (flags, offset, length) in [
+            (fast | command_flags::NO_HOLE, 65536, 65536),
+            (fast, 131072 + 1, 4096),
+            (fast, 131072, 100),
+        ] {
+            assert_eq!(
+                nbd.call(CommandType::WriteZeroes, flags, offset, length, &[]),
+                errno(Errno::NotSup),
+                "{name}: {offset}+{length}"
+            );
+        }
+        assert!(
+            nbd.read(0, MIB) == model,
+            "{name}: a refused fast zero changed data"
+        );
+        // Unaligned WRITE_ZEROES: exactly its bytes, edges by read-modify-write.
+        for (offset, length, flags) in [
+            (200_001u64, 5000u32, 0),
+            (300_100, 100, 0),
+            (400_000, 70_001, command_flags::NO_HOLE),
+        ] {
+            assert_eq!(
+                nbd.call(CommandType::WriteZeroes, flags, offset, length, &[]),
+                Ok(Vec::new())
+            );
+            model[offset as usize..offset as usize + length as usize].fill(0);
+        }
+        assert!(nbd.read(0, MIB) == model, "{name}: unaligned zeroes");
+        // Unaligned TRIM: the sectors it covers whole are discarded, the edges keep their
+        // bytes.
+        assert_eq!(
+            nbd.call(CommandType::Trim, 0, 600_001, 3000, &[]),
+            Ok(Vec::new())
+        );
+        let back = nbd.read(0, MIB);
+        let (inner_start, inner_end) = (600_064usize, 602_624usize);
+        assert!(
+            back[..inner_start] == model[..inner_start],
+            "{name}: head edge"
+        );
+        assert!(back[inner_end..] == model[inner_end..], "{name}: tail edge");
+        assert!(
+            back[inner_start..inner_end].iter().all(|&b| b == 0),
+            "{name}"
+        );
+        // A TRIM within one sector does nothing, successfully.
+        assert_eq!(
+            nbd.call(CommandType::Trim, 0, 700_001, 10, &[]),
+            Ok(Vec::new())
+        );
+        assert!(nbd.read(700_000, 512) == model[700_000..700_512], "{name}");
+    }
+    // CACHE works on a read-only export too.
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let mut read_only = named(1, "mem:1M", "ro");
+    read_only.read_only = true;
+    let server = start(nbd_config(vec![read_only]));
+    let (mut nbd, _) = Nbd::open_unnegotiated(nbd_addr(&server), "ro", true, false);
+    assert_eq!(
+        nbd.call(CommandType::Cache, 0, 0, 4096, &[]),
+        Ok(Vec::new())
+    );
+    assert_eq!(
+        nbd.call(CommandType::WriteZeroes, 0, 0, 4096, &[]),
+        errno(Errno::Perm)
+    );
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn block_status_reports_the_holes_of_files_and_memory() {
+    const HOLE_ZERO: u32 = 3;
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let size = 16u32 << 20;
+    let server = start(file_and_memory(dir.path(), u64::from(size)));
+    let addr = nbd_addr(&server);
+    for name in ["file", "memory"] {
+        let (mut nbd, _) = Nbd::open_unnegotiated(addr, name, true, true);
+        assert_eq!(
+            nbd.block_status(0, 0, size),
+            vec![(size, HOLE_ZERO)],
+            "{name}: new"
+        );
+        nbd.write(u64::from(MIB), &pattern(70, 65536));
+        nbd.write(8 << 20, &pattern(71, 4096));
+        let extents = nbd.block_status(0, 0, size);
+        // Consecutive, covering the range, data exactly where written.
+        assert_eq!(
+            extents.iter().map(|e| e.0).sum::<u32>(),
+            size,
+            "{name}: {extents:?}"
+        );
+        let mut at = 0u32;
+        for &(length, flags) in &extents {
+            let written = [(MIB, MIB + 65536), (8 << 20, (8 << 20) + 4096)]
+                .iter()
+                .any(|&(start, end)| at < end && start < at + length);
+            assert_eq!(flags == 0, written, "{name}: {extents:?} at {at}");
+            at += length;
+        }
+        assert_eq!(extents[0], (MIB, HOLE_ZERO), "{name}: {extents:?}");
+        // Unaligned, and REQ_ONE: one extent, no longer than asked.
+        assert_eq!(nbd.block_status(0, u64::from(MIB) + 100, 10), vec![(10, 0)]);
+        let one = nbd.block_status(command_flags::REQ_ONE, 0, size);
+        assert_eq!(one, vec![(MIB, HOLE_ZERO)], "{name}");
+        let one = nbd.block_status(command_flags::REQ_ONE, u64::from(MIB) - 512, 1024);
+        assert_eq!(one, vec![(512, HOLE_ZERO)], "{name}");
+        // A trimmed range is a hole again.
+        assert_eq!(
+            nbd.call(CommandType::Trim, 0, u64::from(MIB), 65536, &[]),
+            Ok(Vec::new())
+        );
+        let extents = nbd.block_status(0, 0, 4 << 20);
+        assert_eq!(extents, vec![(4 << 20, HOLE_ZERO)], "{name}: after TRIM");
+        // Past the end: EINVAL.
+        assert_eq!(
+            nbd.call(
+                CommandType::BlockStatus,
+                0,
+                u64::from(size) - 512,
+                1024,
+                &[]
+            ),
+            errno(Errno::Inval)
+        );
+    }
+    // Without the context selected (or without structured replies, which SET needs), no
+    // block status.
+    let (mut nbd, _) = Nbd::open_unnegotiated(addr, "memory", true, false);
+    assert_eq!(
+        nbd.call(CommandType::BlockStatus, 0, 0, 4096, &[]),
+        errno(Errno::Inval)
+    );
+    let mut nbd = Nbd::connect(addr);
+    let replies = nbd.option(
+        option::SET_META_CONTEXT,
+        &meta_request("memory", &["base:allocation"]),
+    );
+    assert_eq!(replies[0].reply_type, reply::ERR_INVALID);
+    let replies = nbd.option(option::LIST_META_CONTEXT, &meta_request("memory", &[]));
+    assert_eq!(replies[0].reply_type, reply::META_CONTEXT);
+    assert_eq!(replies[0].data[..4], [0, 0, 0, 0]);
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A device error in the middle of a large request: a structured READ ends with an ERROR chunk
+/// after the parts that were read; a simple READ, whose header already said success, can only
+/// be cut off (the spec's hard disconnect); a WRITE is answered with the error and the rest of
+/// its payload is skipped, so the connection goes on.
+#[test]
+fn a_device_error_inside_a_large_request() {
+    // Block 4096 (byte 2 MiB) fails reads and writes: the third part of a READ from 0.
+    let faulty = "fault(read_error_lba=4096;write_error_lba=4096):mem:64M";
+    let server = start(nbd_config(vec![named(1, faulty, "faulty")]));
+    let addr = nbd_addr(&server);
+    let length = 8 * MIB;
+
+    let (mut nbd, _) = Nbd::open_unnegotiated(addr, "faulty", true, false);
+    assert_eq!(
+        nbd.call(CommandType::Read, 0, 0, length, &[]),
+        errno(Errno::Io)
+    );
+    assert_eq!(nbd.last_chunks, 3, "two parts of data, then the error");
+    let data = pattern(90, length as usize);
+    assert_eq!(
+        nbd.call(CommandType::Write, 0, 0, length, &data),
+        errno(Errno::Io)
+    );
+    // The rest of the payload was skipped: the next requests are understood.
+    nbd.write(16 << 20, &data[..5000]);
+    assert!(nbd.read(16 << 20, 5000) == data[..5000]);
+    // What came before the failing part was written.
+    assert!(nbd.read(0, 2 * MIB) == data[..2 * MIB as usize]);
+
+    let (mut nbd, _) = Nbd::open_unnegotiated(addr, "faulty", false, false);
+    nbd.request(CommandType::Read, 0, 9, 0, length, &[]);
+    let header = nbd.receive(nbd::SIMPLE_REPLY_SIZE);
+    assert_eq!(header[4..8], [0, 0, 0, 0], "the reply began as a success");
+    let mut received = 0usize;
+    let mut buffer = vec![0u8; 1 << 16];
+    loop {
+        match nbd.stream.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(count) => received += count,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("reading the cut-off READ: {e}"),
+        }
+    }
+    assert_eq!(
+        received,
+        2 * MIB as usize,
+        "the parts read before the error, then EOF"
+    );
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }

@@ -71,7 +71,8 @@ impl Daemon {
 
     /// `reflexd` on the given native and NBD ports (0: any free port).
     fn spawn_on(namespace_flag: &str, port: u16, nbd_port: u16) -> Daemon {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_reflexd"))
+        let mut child = common::reflexd_command()
+            .args(common::driver_args())
             .args([
                 "--port",
                 &port.to_string(),
@@ -206,7 +207,8 @@ fn a_port_conflict_creates_no_backing_file() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
     let port = taken.local_addr().unwrap_or_else(|e| panic!("{e}")).port();
     let backing = dir.path().join("sub").join("ns1");
-    let output = Command::new(env!("CARGO_BIN_EXE_reflexd"))
+    let output = common::reflexd_command()
+        .args(common::driver_args())
         .args(["--port", &port.to_string(), "--no-original", "--no-nbd"])
         .args([
             "--namespace",

@@ -108,6 +108,8 @@ struct Socket {
     recv_pending: bool,
     /// A send that waits for room in the client's buffer.
     send_pending: bool,
+    /// A readiness wait of a parked connection.
+    wait_pending: bool,
     /// The client closed its sending side: once what it sent is read, receives return 0.
     client_closed: bool,
     /// The server closed the connection.
@@ -250,6 +252,7 @@ impl VirtualServer {
             to_client: Pipe::default(),
             recv_pending: false,
             send_pending: false,
+            wait_pending: false,
             client_closed: false,
             server_closed: false,
             reset: false,
@@ -489,6 +492,7 @@ impl VirtualServer {
             }
             moved |= self.complete_recv(index);
             moved |= self.complete_send(index);
+            moved |= self.complete_wait(index);
         }
         moved
     }
@@ -514,6 +518,21 @@ impl VirtualServer {
         let space = dataplane.receive_space(id);
         let received = self.sockets[index].to_server.read(space);
         dataplane.handle_recv(id, Ok(received), now);
+        true
+    }
+
+    fn complete_wait(&mut self, index: usize) -> bool {
+        let now = self.now;
+        let socket = &mut self.sockets[index];
+        if !socket.wait_pending || (socket.to_server.readable_bytes() == 0 && !socket.client_closed)
+        {
+            return false;
+        }
+        socket.wait_pending = false;
+        let (id, thread) = (socket.id, usize::from(socket.thread));
+        self.threads[thread]
+            .dataplane
+            .handle_readable(id, Ok(()), now);
         true
     }
 
@@ -584,8 +603,8 @@ impl VirtualServer {
             .get(&(connection.index, connection.generation))
             .copied()
         {
-            Some(socket) => socket.0 as usize,
-            None => panic!("operation on unknown connection {connection:?}"),
+            Some(socket) if self.sockets[socket.0 as usize].id == connection => socket.0 as usize,
+            _ => panic!("operation on unknown connection {connection:?}"),
         }
     }
 
@@ -613,6 +632,21 @@ impl VirtualServer {
                 let index = self.socket_of(thread, connection);
                 self.send_now(index);
             }
+            Op::WaitReadable { connection } => {
+                let index = self.socket_of(thread, connection);
+                self.sockets[index].wait_pending = true;
+                self.complete_wait(index);
+            }
+            Op::CancelWait { connection } => {
+                let index = self.socket_of(thread, connection);
+                if std::mem::take(&mut self.sockets[index].wait_pending) {
+                    self.threads[thread].dataplane.handle_readable(
+                        connection,
+                        Err(libc::ECANCELED),
+                        now,
+                    );
+                }
+            }
             Op::CancelRecv { connection } => {
                 let index = self.socket_of(thread, connection);
                 if std::mem::take(&mut self.sockets[index].recv_pending) {
@@ -634,6 +668,8 @@ impl VirtualServer {
                 }
             }
             Op::Close { connection } => {
+                // Sockets are keyed by slot and generation: a slot already given to a newer
+                // connection (a dataplane bug the harness counts) keeps its new socket.
                 let index = self.socket_of(thread, connection);
                 self.sockets[index].server_closed = true;
                 self.threads[thread]

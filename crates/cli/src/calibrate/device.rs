@@ -564,7 +564,7 @@ bad line without separator
             "whole components"
         );
         assert_eq!(of("/mnt/my disk/f").as_deref(), Some("xfs"));
-        assert_eq!(of("/work/x").as_deref(), Some("ext4"));
+        assert_eq!(of("/srv/x").as_deref(), Some("ext4"));
         assert_eq!(
             mounted_at(text, Path::new("/dev/vdb")).as_deref(),
             Some("/mnt/my disk")

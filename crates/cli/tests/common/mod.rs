@@ -9,9 +9,22 @@ use std::process::{Command, Output};
 use reflex_server::{Config, Server, ServerHandle};
 use serde_json::Value;
 
-/// Starts an in-process `reflexd` (build the configuration from `Config::loopback`).
+/// Starts an in-process `reflexd` (build the configuration from `Config::loopback`), on the
+/// I/O driver `REFLEX_DRIVER` names (`auto`, `uring`, `epoll`) when it is set.
 pub fn start_server(config: Config) -> ServerHandle {
-    Server::start(config).unwrap_or_else(|error| panic!("server start: {error}"))
+    Server::start(with_test_driver(config)).unwrap_or_else(|error| panic!("server start: {error}"))
+}
+
+/// `config` with the driver `REFLEX_DRIVER` names, when it is set.
+pub fn with_test_driver(mut config: Config) -> Config {
+    if let Ok(text) = std::env::var("REFLEX_DRIVER")
+        && !text.trim().is_empty()
+    {
+        config.driver = text
+            .parse()
+            .unwrap_or_else(|error| panic!("REFLEX_DRIVER: {error}"));
+    }
+    config
 }
 
 /// Runs the `reflex` binary with `args` and waits for it.

@@ -13,7 +13,7 @@ use reflex_flash::emu::PriorityClass;
 use reflex_qos::Nanos;
 
 use super::ops::{AcceptRefused, ConnectionId, Op};
-use super::request::{NONE, next_generation};
+use super::request::{NONE, RequestState, next_generation};
 use super::{Dataplane, Phase};
 use crate::control::{NoticeBody, TenantRef};
 use crate::frontend::{Frontend, Protocol};
@@ -68,8 +68,16 @@ pub(super) struct Connection {
     pub(super) recv_buffer: Box<[u8]>,
     pub(super) recv_start: usize,
     pub(super) recv_end: usize,
+    /// A read-side operation is in flight: a receive, or (when `parked`) a readiness wait.
     pub(super) recv_in_flight: bool,
-    /// The request whose WRITE payload is being received straight into its run.
+    /// Idle: its receive buffer went back to the pool; a readiness wait takes the place of
+    /// the receive, and the next bytes bring a buffer back.
+    pub(super) parked: bool,
+    /// The receive in flight is being cancelled to park the connection.
+    pub(super) parking: bool,
+    /// The request the next bytes of the stream belong to: a WRITE payload received straight
+    /// into its run (`Receiving`), or, between the parts of a large WRITE, at the device
+    /// (nothing is received then, and nothing after it is parsed).
     pub(super) payload: Option<u32>,
     /// Payload bytes of a refused request still to discard.
     pub(super) skip_bytes: u64,
@@ -85,11 +93,16 @@ pub(super) struct Connection {
     /// Responses in the send in flight, and bytes of the head response sent before it.
     pub(super) sending_count: u32,
     pub(super) send_offset_bytes: usize,
+    /// A large READ answered with a simple reply whose data is being sent part by part:
+    /// nothing else may be sent until its last part ([`NONE`]: none).
+    pub(super) stream_owner: u32,
     pub(super) in_parse_ready: bool,
     pub(super) in_send_ready: bool,
     pub(super) in_waiters: bool,
     /// The tenant a native BIND chose; `None`: defaults apply.
     pub(super) bound: Option<Bound>,
+    /// It registered tenants that it owns (the control plane orphans them when it closes).
+    pub(super) owns_tenants: bool,
     /// Tenants this connection is counted for (the bound one and the defaults its I/O was
     /// charged to). Allocated on a first charge, kept across the slot's reuse.
     pub(super) charged: Vec<Charge>,
@@ -125,6 +138,8 @@ impl Connection {
             recv_start: 0,
             recv_end: 0,
             recv_in_flight: false,
+            parked: false,
+            parking: false,
             payload: None,
             skip_bytes: 0,
             stalled: None,
@@ -135,10 +150,12 @@ impl Connection {
             send_in_flight: false,
             sending_count: 0,
             send_offset_bytes: 0,
+            stream_owner: NONE,
             in_parse_ready: false,
             in_send_ready: false,
             in_waiters: false,
             bound: None,
+            owns_tenants: false,
             charged: Vec::new(),
             notices: VecDeque::new(),
             blocked_count: 0,
@@ -227,7 +244,7 @@ impl Dataplane {
         self.stats.connections_accepted += 1;
         self.listeners[listener_index as usize].connections += 1;
         self.open_connections += 1;
-        let recv_buffer_bytes = self.limits.recv_buffer_bytes;
+        let recv_buffer = self.take_recv_buffer();
         let connection = &mut self.connections[index as usize];
         assert_eq!(connection.state, ConnectionState::Free);
         assert_eq!(connection.outstanding, 0);
@@ -236,7 +253,6 @@ impl Dataplane {
             "a free connection still counted for a tenant"
         );
         let generation = connection.generation;
-        let recv_buffer = std::mem::take(&mut connection.recv_buffer);
         let charged = std::mem::take(&mut connection.charged);
         let mut notices = std::mem::take(&mut connection.notices);
         notices.clear();
@@ -244,11 +260,7 @@ impl Dataplane {
         connection.charged = charged;
         connection.notices = notices;
         connection.generation = generation;
-        connection.recv_buffer = if recv_buffer.len() == recv_buffer_bytes {
-            recv_buffer
-        } else {
-            vec![0u8; recv_buffer_bytes].into_boxed_slice()
-        };
+        connection.recv_buffer = recv_buffer;
         connection.state = ConnectionState::Open;
         connection.listener = listener_index;
         connection.source = source;
@@ -286,28 +298,40 @@ impl Dataplane {
             }
         }
         let listener_max = self.listener_connections_max();
-        if self.listeners[listener_index as usize].connections >= listener_max {
+        if self.listeners[listener_index as usize].connections >= listener_max
+            && !self.evict_unestablished(Some(listener_index))
+        {
             return Err(AcceptRefused::ListenerFull);
         }
-        if self.open_connections >= self.limits.connections_max {
-            let oldest_unestablished = self
-                .connections
-                .iter()
-                .enumerate()
-                .filter(|(_, c)| c.is_open() && !c.established)
-                .min_by_key(|(_, c)| c.accepted_at)
-                .map(|(index, _)| index as u32);
-            let Some(victim) = oldest_unestablished else {
-                return Err(AcceptRefused::TableFull);
-            };
-            self.stats.connections_evicted += 1;
-            self.abort_connection(victim, "evicted for a new connection: no request yet");
+        if self.open_connections >= self.limits.connections_max && !self.evict_unestablished(None) {
+            return Err(AcceptRefused::TableFull);
         }
         // The table has slack beyond `connections_max` for connections still closing.
         if self.free_connections.is_empty() {
             return Err(AcceptRefused::TableFull);
         }
         Ok(())
+    }
+
+    /// Closes the oldest open connection (of `listener`, if given) that never completed a
+    /// request, to make room for a new one; false when there is none.
+    fn evict_unestablished(&mut self, listener: Option<u32>) -> bool {
+        let oldest = self
+            .connections
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.is_open() && !c.established)
+            .filter(|(_, c)| listener.is_none_or(|l| c.listener == l))
+            .min_by_key(|(_, c)| c.accepted_at)
+            .map(|(index, _)| index as u32);
+        let Some(victim) = oldest else {
+            return false;
+        };
+        self.stats.connections_evicted += 1;
+        self.abort_connection(victim, "evicted for a new connection: no request yet");
+        // Its listener and source counts drop when the slot is released (at once when
+        // nothing was in flight); the listener's share counts open connections only.
+        true
     }
 
     /// Connections one listener may hold: the table less a reserve for each other listener,
@@ -358,14 +382,25 @@ impl Dataplane {
         }
     }
 
-    /// Open → Closing: the connection no longer counts against the table's limit.
+    /// Open → Closing: the connection no longer counts against the table's, its listener's
+    /// or its source address's limit.
     fn set_closing(&mut self, index: u32) {
         let connection = &mut self.connections[index as usize];
         assert!(connection.is_open());
         connection.state = ConnectionState::Closing;
         connection.read = ReadState::Closed;
+        let (listener, source) = (connection.listener, connection.source);
         assert!(self.open_connections > 0);
         self.open_connections -= 1;
+        self.listeners[listener as usize].connections -= 1;
+        if let Some(source) = source
+            && let Some(count) = self.connections_by_source.get_mut(&source)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.connections_by_source.remove(&source);
+            }
+        }
     }
 
     /// Abandons a connection: cancels its operations and frees every request no operation
@@ -388,8 +423,12 @@ impl Dataplane {
         let (recv_in_flight, send_in_flight) =
             (connection.recv_in_flight, connection.send_in_flight);
         if recv_in_flight {
-            self.ops.push_back(Op::CancelRecv { connection: id });
-        } else if let Some(request) = self.connections[index as usize].payload.take() {
+            self.cancel_read_side(index);
+        } else if let Some(request) = self.connections[index as usize].payload.take()
+            && self.requests[request as usize].state == RequestState::Receiving
+        {
+            // Between the parts of a large WRITE the request is elsewhere (device, gate,
+            // scheduler) and is freed from there.
             self.free_request(request);
         }
         if send_in_flight {
@@ -459,25 +498,50 @@ impl Dataplane {
             let charged = self.release_charges(index);
             self.connections[index as usize].charged = charged;
         }
+        self.release_owned_tenants(index);
         let connection = &mut self.connections[index as usize];
         let id = connection.id(index);
-        let (listener, source) = (connection.listener, connection.source.take());
+        connection.source = None;
+        connection.parked = false;
+        let recv_buffer = std::mem::take(&mut connection.recv_buffer);
+        self.return_recv_buffer(recv_buffer);
+        let connection = &mut self.connections[index as usize];
         // Drops per-connection protocol state (an NBD handshake's buffers) now, not at reuse.
         connection.frontend = Frontend::Native;
         connection.state = ConnectionState::Free;
         connection.generation = next_generation(connection.generation);
-        self.listeners[listener as usize].connections -= 1;
-        if let Some(source) = source
-            && let Some(count) = self.connections_by_source.get_mut(&source)
-        {
-            *count -= 1;
-            if *count == 0 {
-                self.connections_by_source.remove(&source);
-            }
-        }
         // The slot becomes free when the driver takes this operation (`poll_op`): a driver
         // that keys sockets by slot must close the old socket before a new one gets it.
         self.ops.push_back(Op::Close { connection: id });
+    }
+
+    /// Cancels the read-side operation in flight: the receive, or the readiness wait of a
+    /// parked connection.
+    pub(super) fn cancel_read_side(&mut self, index: u32) {
+        let connection = &self.connections[index as usize];
+        assert!(connection.recv_in_flight);
+        let id = connection.id(index);
+        self.ops.push_back(if connection.parked {
+            Op::CancelWait { connection: id }
+        } else {
+            Op::CancelRecv { connection: id }
+        });
+    }
+
+    /// A receive buffer from the pool, or a new one.
+    pub(super) fn take_recv_buffer(&mut self) -> Box<[u8]> {
+        self.recv_buffers
+            .pop()
+            .unwrap_or_else(|| vec![0u8; self.limits.recv_buffer_bytes].into_boxed_slice())
+    }
+
+    /// Gives a receive buffer back to the pool (or frees it beyond the pool's bound).
+    pub(super) fn return_recv_buffer(&mut self, buffer: Box<[u8]>) {
+        if buffer.len() == self.limits.recv_buffer_bytes
+            && self.recv_buffers.len() < super::limits::RECV_BUFFERS_SPARE_MAX
+        {
+            self.recv_buffers.push(buffer);
+        }
     }
 
     /// The connection slot `id` names, checked against its generation (a report about an
@@ -489,5 +553,19 @@ impl Dataplane {
             "report for a stale connection {id:?}"
         );
         id.index
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What an idle (parked) connection costs besides its socket: its slot, whose size is
+    /// stated in `docs/OPERATIONS.md`; a parked connection holds no receive buffer.
+    #[test]
+    fn a_connection_slot_stays_small() {
+        let size = size_of::<Connection>();
+        eprintln!("connection slot: {size} bytes");
+        assert!(size <= 512, "a connection slot grew to {size} bytes");
     }
 }

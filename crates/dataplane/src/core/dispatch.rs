@@ -14,12 +14,13 @@
 use reflex_flash::{DeviceOp, FlashError, OpKind};
 use reflex_qos::{Admitted, EnqueueError, Nanos};
 
+use reflex_proto::nbd::Errno;
+
 use super::Dataplane;
 use super::ops::{DeviceCommand, DeviceOpId, DeviceOpKind, Op};
 use super::request::{RequestState, Work};
-use crate::buffers::RUN_SIZE_MAX;
-use crate::frontend::{Action, Answer, IoKind};
-use crate::steps::{self, IoStep, Next};
+use crate::frontend::{Action, Answer, IoKind, IoRequest};
+use crate::steps::{self, IoStep, Layout, Next, Operation};
 
 /// What the scheduler charges for a step: a transfer of `size_bytes`, or an operation that
 /// moves no data (FLUSH, TRIM, a discarding WRITE_ZEROES), charged as one 4 KiB write.
@@ -115,23 +116,37 @@ impl Dataplane {
 
     /// What the scheduler sees of the request's current step.
     fn charged(&self, index: u32) -> Charged {
-        let Work::Io { io, run, step, .. } = self.requests[index as usize].work else {
-            panic!("charging a request without I/O");
-        };
-        match (step, io.kind) {
-            (IoStep::Primary, IoKind::Read) => Charged::Read(io.length_bytes),
-            (IoStep::Primary, IoKind::Write { .. }) => Charged::Write(io.length_bytes),
-            (IoStep::ZeroFill { written_bytes }, _) => Charged::Write(steps::zero_chunk_bytes(
-                io.length_bytes,
-                written_bytes,
-                run.map_or(0, |run| zero_run_bytes(io, run.size_bytes())),
-            )),
-            (IoStep::FlushAfter, _) | (IoStep::Primary, _) => Charged::Other,
+        match self.operation(index) {
+            Operation::Read { length_bytes, .. } => Charged::Read(length_bytes),
+            Operation::Write { length_bytes, .. } => Charged::Write(length_bytes),
+            Operation::Flush | Operation::Discard { .. } => Charged::Other,
         }
+    }
+
+    /// The device operation of the request's current step (computed when the step was set).
+    fn operation(&self, index: u32) -> Operation {
+        let operation = self.requests[index as usize].operation;
+        debug_assert_eq!(operation, self.compute_operation(index));
+        operation
+    }
+
+    fn compute_operation(&self, index: u32) -> Operation {
+        let Work::Io { io, run, step, .. } = self.requests[index as usize].work else {
+            panic!("a device operation for a request without I/O");
+        };
+        let layout = self.requests[index as usize].layout;
+        let run_bytes = run.map_or(0, |run| zero_run_bytes(&layout, io, run.size_bytes()));
+        steps::operation(io.kind, &layout, step, run_bytes)
+    }
+
+    /// Caches the device operation of the request's new step.
+    pub(super) fn refresh_operation(&mut self, index: u32) {
+        self.requests[index as usize].operation = self.compute_operation(index);
     }
 
     /// Scheduling rounds on every namespace, after the blocked requests had their retry.
     pub(super) fn dispatch_step(&mut self, now: Nanos) {
+        self.retry_gate(now);
         if self.queue_room {
             self.retry_blocked(now);
         }
@@ -150,13 +165,14 @@ impl Dataplane {
         let namespace = &mut self.qos[namespace_index];
         let mut admitted = std::mem::take(&mut self.admitted);
         assert!(admitted.is_empty());
-        namespace.scheduler.schedule(now, &mut |request: Admitted| {
+        let summary = namespace.scheduler.schedule(now, &mut |request: Admitted| {
             if admitted.len() >= room {
                 return false; // The device takes no more from this thread now.
             }
             admitted.push(request);
             true
         });
+        self.telemetry[namespace_index].window.tokens_spent += summary.tokens_spent;
         for request in &admitted {
             if let Some(account) = namespace.accounts.get_mut(request.tenant.0 as usize) {
                 let queued_at = self.requests[(request.token as u32) as usize].queued_at;
@@ -189,41 +205,36 @@ impl Dataplane {
     fn submit_io(&mut self, index: u32, now: Nanos) {
         self.transition(index, RequestState::Submitted);
         self.device_in_flight += 1;
-        let request = &mut self.requests[index as usize];
-        request.submitted_at = now;
-        let Work::Io { io, run, step, .. } = request.work else {
-            panic!("submitting a request without I/O");
-        };
-        let kind = match (step, io.kind) {
-            (IoStep::Primary, IoKind::Read) => DeviceOpKind::Read {
-                offset_bytes: io.offset_bytes,
-                length_bytes: io.length_bytes,
+        let kind = match self.operation(index) {
+            Operation::Read {
+                offset_bytes,
+                length_bytes,
+                ..
+            } => DeviceOpKind::Read {
+                offset_bytes,
+                length_bytes,
             },
-            (IoStep::Primary, IoKind::Write { fua }) => DeviceOpKind::Write {
-                offset_bytes: io.offset_bytes,
-                length_bytes: io.length_bytes,
+            Operation::Write {
+                offset_bytes,
+                length_bytes,
+                fua,
+                ..
+            } => DeviceOpKind::Write {
+                offset_bytes,
+                length_bytes,
                 fua,
             },
-            (IoStep::Primary, IoKind::Flush) | (IoStep::FlushAfter, _) => DeviceOpKind::Flush,
-            (IoStep::Primary, IoKind::Trim { .. } | IoKind::WriteZeroes { .. }) => {
-                DeviceOpKind::Trim {
-                    offset_bytes: io.offset_bytes,
-                    length_bytes: io.length_bytes,
-                }
-            }
-            (IoStep::ZeroFill { written_bytes }, _) => {
-                let run_bytes = run.map_or(0, |run| zero_run_bytes(io, run.size_bytes()));
-                DeviceOpKind::Write {
-                    offset_bytes: io.offset_bytes + u64::from(written_bytes),
-                    length_bytes: steps::zero_chunk_bytes(
-                        io.length_bytes,
-                        written_bytes,
-                        run_bytes,
-                    ),
-                    fua: false,
-                }
-            }
+            Operation::Flush => DeviceOpKind::Flush,
+            Operation::Discard {
+                offset_bytes,
+                length_bytes,
+            } => DeviceOpKind::Trim {
+                offset_bytes,
+                length_bytes,
+            },
         };
+        let request = &mut self.requests[index as usize];
+        request.submitted_at = now;
         let connection_index = request.connection_index;
         let id = DeviceOpId::Request {
             index,
@@ -231,7 +242,7 @@ impl Dataplane {
         };
         self.ops.push_back(Op::Device(DeviceCommand {
             id,
-            namespace_index: io.namespace_index,
+            namespace_index: request.io().namespace_index,
             queue: self.connections[connection_index as usize].device_queue,
             kind,
         }));
@@ -265,10 +276,11 @@ impl Dataplane {
                     length_bytes,
                 },
             ) => {
-                let run = self.submitted_run(index);
+                let (run, start) = self.submitted_buffer(index);
+                let end = start + length_bytes as usize;
                 OpKind::Read {
                     offset: offset_bytes,
-                    buf: self.arena.run_mut(run, length_bytes as usize),
+                    buf: &mut self.arena.run_mut(run, end)[start..],
                 }
             }
             (
@@ -279,10 +291,11 @@ impl Dataplane {
                     fua,
                 },
             ) => {
-                let run = self.submitted_run(index);
+                let (run, start) = self.submitted_buffer(index);
+                let end = start + length_bytes as usize;
                 OpKind::Write {
                     offset: offset_bytes,
-                    buf: self.arena.run(run, length_bytes as usize),
+                    buf: &self.arena.run(run, end)[start..],
                     fua,
                 }
             }
@@ -309,13 +322,23 @@ impl Dataplane {
         }
     }
 
-    fn submitted_run(&self, index: u32) -> crate::buffers::PageRun {
+    /// The run of a submitted request and where its current step's data starts in it.
+    fn submitted_buffer(&self, index: u32) -> (crate::buffers::PageRun, usize) {
         let request = &self.requests[index as usize];
         assert_eq!(request.state, RequestState::Submitted);
-        match request.work {
-            Work::Io { run: Some(run), .. } => run,
-            other => panic!("device data for a request without a run: {other:?}"),
-        }
+        let Work::Io { run: Some(run), .. } = request.work else {
+            panic!(
+                "device data for a request without a run: {:?}",
+                request.work
+            );
+        };
+        let start = match self.operation(index) {
+            Operation::Read { buffer_start, .. } | Operation::Write { buffer_start, .. } => {
+                buffer_start
+            }
+            other => panic!("device data for {other:?}"),
+        };
+        (run, start as usize)
     }
 
     /// A device operation finished with `result` (bytes transferred, or the error).
@@ -353,11 +376,14 @@ impl Dataplane {
             account.stats.device_ns += device_ns;
         }
         let connection_index = request.connection_index;
+        let discards = &mut self.discards[usize::from(io.namespace_index)];
         if steps::reveals_no_discard(io.kind, step, &result) {
-            self.discards[usize::from(io.namespace_index)] = false;
+            *discards = false;
         }
-        let run_bytes = run.map_or(0, |run| zero_run_bytes(io, run.size_bytes()));
-        let next = steps::after_step(io.kind, step, io.length_bytes, run_bytes, &result);
+        let discards = *discards;
+        let layout = self.requests[index as usize].layout;
+        let run_bytes = run.map_or(0, |run| zero_run_bytes(&layout, io, run.size_bytes()));
+        let next = steps::after_step(io.kind, &layout, step, run_bytes, discards, &result);
         match (&next, &result) {
             (Next::Done(Answer::DeviceError { .. }), Ok(bytes)) => {
                 self.stats.io_errors += 1;
@@ -368,7 +394,9 @@ impl Dataplane {
                 );
             }
             (Next::Done(answer), Err(e))
-                if *answer != Answer::Ok && *answer != Answer::Unsupported =>
+                if *answer != Answer::Ok
+                    && *answer != Answer::Unsupported
+                    && *answer != Answer::Nbd(Errno::NotSup) =>
             {
                 self.stats.io_errors += 1;
                 self.device_errors
@@ -381,10 +409,23 @@ impl Dataplane {
             self.maybe_finish_close(connection_index);
             return;
         }
+        if result.is_ok()
+            && let IoStep::EdgeRead { edge } = step
+        {
+            self.edge_read(index, edge);
+        }
         let answer = match next {
             Next::Continue(step) => {
                 self.set_step(index, step);
                 self.enqueue(index, now);
+                return;
+            }
+            Next::Receive(step) => {
+                self.receive_next_part(index, step, now);
+                return;
+            }
+            Next::Send { part } => {
+                self.respond_read(index, part, false);
                 return;
             }
             Next::Done(answer) => answer,
@@ -399,17 +440,33 @@ impl Dataplane {
         self.answer_io(index, answer);
     }
 
-    /// Answers an I/O request: READ data goes with a successful answer.
+    /// Answers an I/O request: READ data goes with a successful answer. Its writes are over,
+    /// so it leaves the write gate; a WRITE that ends before its last part has the rest of
+    /// its payload skipped; a READ whose simple reply is already partly sent cannot report a
+    /// failure, so its connection is closed (the NBD spec's hard disconnect).
     pub(super) fn answer_io(&mut self, index: u32, answer: Answer) {
         let Work::Io { io, run, .. } = self.requests[index as usize].work else {
             panic!("answering a request without I/O");
         };
-        let body_bytes = if answer.is_ok() && io.kind == IoKind::Read {
-            io.length_bytes
+        self.leave_gate(index);
+        let connection_index = self.requests[index as usize].connection_index;
+        let connection = &self.connections[connection_index as usize];
+        if connection.payload == Some(index) {
+            self.skip_rest_of_payload(index);
+        }
+        let connection = &self.connections[connection_index as usize];
+        if !answer.is_ok() && connection.stream_owner == index {
+            self.abort_connection(connection_index, "a READ failed after its reply began");
+            self.free_request(index);
+            self.maybe_finish_close(connection_index);
+            return;
+        }
+        if answer.is_ok() && io.kind == IoKind::Read {
+            let last = self.requests[index as usize].layout.part_count() - 1;
+            self.respond_read(index, last, true);
         } else {
-            0
-        };
-        self.respond(index, answer, run, body_bytes);
+            self.respond(index, answer, run, 0);
+        }
     }
 
     /// Moves a request to `step`; a zero fill starts by zeroing the request's run.
@@ -426,6 +483,7 @@ impl Dataplane {
             };
             self.arena.run_mut(run, run.size_bytes()).fill(0);
         }
+        self.refresh_operation(index);
     }
 
     /// Requests whose device operation outlived the limit: each is answered with an error
@@ -454,6 +512,13 @@ impl Dataplane {
                 "device operation timed out; answered with an error",
                 now,
             );
+            if self.connections[connection_index as usize].stream_owner == index {
+                // A simple reply already began: a failure can only close the connection.
+                self.abort_connection(connection_index, "a READ timed out after its reply began");
+            }
+            if self.connections[connection_index as usize].payload == Some(index) {
+                self.skip_rest_of_payload(index);
+            }
             // The orphan leaves its connection: the connection's window place and pages go to
             // the answer, the buffer stays with the device.
             self.transition(index, RequestState::Orphaned);
@@ -482,7 +547,7 @@ impl Dataplane {
     }
 }
 
-/// Bytes of a WRITE_ZEROES zero source: its run, up to the request's length.
-fn zero_run_bytes(io: crate::frontend::IoRequest, run_size_bytes: usize) -> usize {
-    steps::run_bytes(io.kind, io.length_bytes, RUN_SIZE_MAX).min(run_size_bytes)
+/// Bytes of a WRITE_ZEROES zero source: its run, up to what the request needs.
+fn zero_run_bytes(layout: &Layout, io: IoRequest, run_size_bytes: usize) -> usize {
+    layout.run_bytes(io.kind).min(run_size_bytes)
 }

@@ -9,6 +9,8 @@ use crate::buffers::{ORDER_MAX, PAGE_SIZE, RUN_SIZE_MAX};
 pub const DEVICE_IN_FLIGHT_PER_THREAD_MAX: u32 = 1024;
 /// How long a shutdown waits for clients to take their last responses by default.
 pub const DRAIN_TIMEOUT_DEFAULT: Nanos = Nanos(10_000_000_000);
+/// Spare receive buffers a dataplane keeps for new or waking connections (more are freed).
+pub const RECV_BUFFERS_SPARE_MAX: usize = 64;
 /// Connection slots beyond `connections_max` for connections that are still closing, so a
 /// connection evicted for a new one need not finish closing first.
 pub const CONNECTION_SLACK: u32 = 64;
@@ -48,9 +50,41 @@ pub struct Limits {
     pub device_timeout: Option<Nanos>,
     pub drain_timeout: Nanos,
     pub device_in_flight_max: u32,
+    /// A connection with nothing to do for this long gives its receive buffer back and waits
+    /// for readiness instead (`None`: never): idle connections then cost no buffer.
+    pub park_after: Option<Nanos>,
 }
 
 impl Limits {
+    /// Limits around an arena of `arena_bytes` with connections allowed `connection_percent`
+    /// of it: window 128, 4096 request slots, 1024 connections, 64 KiB receive buffers, no
+    /// timeouts and no parking (a simulation or a test sets what it exercises; reflexd derives
+    /// its limits from its configuration).
+    pub fn with_arena(arena_bytes: usize, connection_percent: u32) -> Limits {
+        let (connection_pages_max, arena_reserve_pages, connection_pages_share) =
+            Limits::shares_for_arena(arena_bytes, connection_percent);
+        Limits {
+            window: 128,
+            requests_max: 4096,
+            connections_max: 1024,
+            connections_reserved_per_listener: 0,
+            connections_per_source_max: None,
+            recv_buffer_bytes: 64 << 10,
+            arena_bytes,
+            connection_pages_max,
+            arena_reserve_pages,
+            connection_pages_share,
+            handshake_timeout: None,
+            idle_timeout: None,
+            receive_timeout: None,
+            send_timeout: None,
+            device_timeout: None,
+            drain_timeout: DRAIN_TIMEOUT_DEFAULT,
+            device_in_flight_max: DEVICE_IN_FLIGHT_PER_THREAD_MAX,
+            park_after: None,
+        }
+    }
+
     /// Fair shares of an arena of `arena_bytes`: `(connection_pages_max,
     /// arena_reserve_pages, connection_pages_share)`. A connection may hold `connection_percent`
     /// of it (at least one maximal run); the last eighth is kept for connections holding at
@@ -120,27 +154,7 @@ mod tests {
     use super::*;
 
     fn limits(arena_bytes: usize) -> Limits {
-        let (connection_pages_max, arena_reserve_pages, connection_pages_share) =
-            Limits::shares_for_arena(arena_bytes, 25);
-        Limits {
-            window: 4,
-            requests_max: 4,
-            connections_max: 4,
-            connections_reserved_per_listener: 0,
-            connections_per_source_max: None,
-            recv_buffer_bytes: 2 * crate::frontend::UNIT_BYTES_MAX,
-            arena_bytes,
-            connection_pages_max,
-            arena_reserve_pages,
-            connection_pages_share,
-            handshake_timeout: None,
-            idle_timeout: None,
-            receive_timeout: None,
-            send_timeout: None,
-            device_timeout: None,
-            drain_timeout: DRAIN_TIMEOUT_DEFAULT,
-            device_in_flight_max: 1,
-        }
+        Limits::with_arena(arena_bytes, 25)
     }
 
     /// Finding 6: a 1 MiB arena kept an eighth in reserve, so its one maximal run could never

@@ -18,7 +18,8 @@
 //!
 //! Code map: `ops` (what the driver is asked to do), `request` (slots, work, states),
 //! `connection` (accept, limits, close), `receive` (step one), `dispatch` (schedulers and
-//! device operations, step two), `send` (answers), `tenants` (charging, BIND, control
+//! device operations, step two), `io` (requests of several device operations: WRITE payloads
+//! part by part, read-modify-write edges, READ parts, the write gate), `send` (answers), `tenants` (charging, BIND, control
 //! messages), `shutdown` (phases), `timeouts` (housekeeping), `errors` (device failure log),
 //! `limits`, `stats`.
 //!
@@ -39,10 +40,13 @@ use crate::control::{ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX, N
 use crate::frontend::{NbdExports, Protocol};
 use crate::memory::Arena;
 use crate::namespaces::NamespaceSet;
+use crate::telemetry::LatencyHistogram;
 
+mod calibration;
 mod connection;
 mod dispatch;
 mod errors;
+mod io;
 mod limits;
 mod ops;
 mod receive;
@@ -53,13 +57,12 @@ mod stats;
 mod tenants;
 mod timeouts;
 
-#[cfg(test)]
-mod tests;
-
 use connection::{Connection, Listener};
 use errors::DeviceErrorLog;
+use io::GateWaits;
 pub use limits::{
     CONNECTION_SLACK, DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits,
+    RECV_BUFFERS_SPARE_MAX,
 };
 pub use ops::{AcceptRefused, ConnectionId, DeviceCommand, DeviceOpId, DeviceOpKind, Op};
 pub use request::{GENERATION_MASK, REQUEST_STATE_COUNT, RequestState};
@@ -69,6 +72,46 @@ pub use stats::CoreStats;
 use tenants::NamespaceQos;
 pub use tenants::{NOTICES_PENDING_MAX, TenantStats};
 pub use timeouts::HOUSEKEEPING_INTERVAL;
+
+/// One namespace's read latencies on this thread, from arrival off the socket to the answer's
+/// last byte leaving, since start; and what the current calibration window collected.
+#[derive(Debug, Clone, Default)]
+pub struct NamespaceTelemetry {
+    pub reads: LatencyHistogram,
+    pub window: TelemetryWindow,
+}
+
+/// What one thread saw of a namespace since it last published to the control plane (online
+/// self-calibration, `docs/QOS.md` §11).
+#[derive(Debug, Clone, Default)]
+pub struct TelemetryWindow {
+    /// Latency-critical tenants' reads, from arrival off the socket to the answer leaving.
+    pub lc_reads: LatencyHistogram,
+    /// The same reads from their submission to the device to the answer leaving: what the
+    /// device and the server's own timing add, without the time a tenant's requests waited
+    /// for its own tokens (the calibration signal).
+    pub lc_reads_service: LatencyHistogram,
+    /// Tokens the namespace's scheduler charged (all tenants): how hard the device was driven.
+    pub tokens_spent: reflex_qos::Tokens,
+}
+
+impl TelemetryWindow {
+    pub fn is_empty(&self) -> bool {
+        self.lc_reads.is_empty() && self.tokens_spent == reflex_qos::Tokens::ZERO
+    }
+
+    pub fn merge(&mut self, other: &TelemetryWindow) {
+        self.lc_reads.merge(&other.lc_reads);
+        self.lc_reads_service.merge(&other.lc_reads_service);
+        self.tokens_spent += other.tokens_spent;
+    }
+
+    pub fn clear(&mut self) {
+        self.lc_reads.clear();
+        self.lc_reads_service.clear();
+        self.tokens_spent = reflex_qos::Tokens::ZERO;
+    }
+}
 
 /// Completions a driver handles per iteration (the paper's adaptive batching cap).
 pub const BATCH_MAX: usize = 64;
@@ -110,6 +153,8 @@ pub struct Dataplane {
     /// Connections in the `Open` state (the table's limit counts these).
     open_connections: u32,
     connections_by_source: HashMap<IpAddr, u32>,
+    /// Spare receive buffers (parked and closed connections give theirs back).
+    recv_buffers: Vec<Box<[u8]>>,
     listeners: Vec<Listener>,
     namespaces: Arc<NamespaceSet>,
     nbd_exports: Option<Arc<NbdExports>>,
@@ -151,7 +196,16 @@ pub struct Dataplane {
     /// Accounts of tenant ids that were reused by another tenant on this thread, by handle.
     retired_accounts: BTreeMap<u64, TenantStats>,
     device_errors: DeviceErrorLog,
+    /// Per namespace: read latencies measured as answers leave.
+    telemetry: Vec<NamespaceTelemetry>,
+    /// Requests waiting at the write gate (`io`).
+    gate_waits: GateWaits,
+    /// Scratch: the extents of one block status.
+    extents: Vec<reflex_flash::Extent>,
     housekeeping_at: Nanos,
+    /// Publication of the telemetry windows (`None`: self-calibration off).
+    telemetry_interval: Option<Nanos>,
+    telemetry_publish_at: Nanos,
     /// The `now` of the last `process` (for work done outside it, such as a close).
     last_now: Nanos,
 }
@@ -197,6 +251,7 @@ impl Dataplane {
                 accounts: Vec::new(),
             });
         }
+        let qos_count = setup.namespaces.len();
         let namespace_ids = (0..setup.namespaces.len())
             .map(|index| setup.namespaces.id(index as u16))
             .collect();
@@ -209,6 +264,7 @@ impl Dataplane {
             connections,
             open_connections: 0,
             connections_by_source: HashMap::new(),
+            recv_buffers: Vec::new(),
             listeners,
             discards: (0..setup.namespaces.len())
                 .map(|index| setup.namespaces.info(index as u16).supports_trim)
@@ -237,7 +293,15 @@ impl Dataplane {
             messages: Vec::with_capacity(MESSAGES_PER_ITERATION_MAX),
             retired_accounts: BTreeMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
+            telemetry: vec![NamespaceTelemetry::default(); qos_count],
+            gate_waits: GateWaits::new(limits.requests_max),
+            extents: Vec::with_capacity(crate::frontend::BLOCK_STATUS_EXTENTS_MAX),
             housekeeping_at: setup.now,
+            telemetry_interval: calibration::publish_interval(
+                setup.qos_config.calibration.enabled,
+                setup.qos_config.calibration.window(),
+            ),
+            telemetry_publish_at: setup.now,
             last_now: setup.now,
             limits,
         };
@@ -262,6 +326,7 @@ impl Dataplane {
         self.set_qos_participating(true);
         self.advance_phase(now);
         self.housekeeping(now);
+        self.publish_telemetry(now);
         self.parse_step(now);
         self.dispatch_step(now);
         self.handle_scheduler_events(now);
@@ -290,6 +355,7 @@ impl Dataplane {
             || self.qos_fresh
             || self.control.has_messages(self.thread_index)
             || self.phase_ready()
+            || self.gate_retry_ready()
     }
 
     /// The driver is about to sleep: a thread with nothing queued leaves the global buckets'
@@ -318,6 +384,12 @@ impl Dataplane {
         if self.housekeeping_needed() {
             consider(self.housekeeping_at);
         }
+        if let Some(due) = self.gate_deadline() {
+            consider(due);
+        }
+        if let Some(due) = self.telemetry_deadline() {
+            consider(due);
+        }
         deadline
     }
 
@@ -333,6 +405,19 @@ impl Dataplane {
 
     pub fn thread_index(&self) -> usize {
         self.thread_index
+    }
+
+    /// Connections parked without a receive buffer, and receive buffers allocated (in use and
+    /// spare): what idle connections cost.
+    pub fn recv_buffer_usage(&self) -> (u32, usize) {
+        let parked = self.connections.iter().filter(|c| c.parked).count() as u32;
+        let allocated = self
+            .connections
+            .iter()
+            .filter(|c| !c.recv_buffer.is_empty())
+            .count()
+            + self.recv_buffers.len();
+        (parked, allocated)
     }
 
     /// Counters, per-tenant figures included.
@@ -352,6 +437,11 @@ impl Dataplane {
     pub fn set_driver_stats(&mut self, registered_buffers: bool, sq_full_flushes: u64) {
         self.stats.registered_buffers = registered_buffers;
         self.stats.sq_full_flushes = sq_full_flushes;
+    }
+
+    /// Read latencies of a namespace measured on this thread.
+    pub fn namespace_telemetry(&self, namespace_index: u16) -> &NamespaceTelemetry {
+        &self.telemetry[usize::from(namespace_index)]
     }
 
     /// Device failures counted on a namespace so far.

@@ -37,9 +37,15 @@ pub enum Op {
     /// Send [`super::Dataplane::send_segments`] (one gathered send); report with
     /// [`super::Dataplane::handle_sent`].
     Send { connection: ConnectionId },
+    /// Wait until the connection has bytes to read (an idle connection parked without a
+    /// receive buffer); report with [`super::Dataplane::handle_readable`].
+    WaitReadable { connection: ConnectionId },
     /// Cancel the connection's receive in flight; it still completes (with an error or
     /// data) through `handle_recv`.
     CancelRecv { connection: ConnectionId },
+    /// Cancel the connection's readiness wait; it still completes through
+    /// `handle_readable`.
+    CancelWait { connection: ConnectionId },
     /// Cancel the connection's send in flight; it still completes through `handle_sent`.
     CancelSend { connection: ConnectionId },
     /// Nothing uses the connection any more: close its socket. Its slot is reused only after

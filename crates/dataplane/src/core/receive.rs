@@ -8,7 +8,9 @@
 //! WRITE payloads: bytes already in the receive buffer are copied into the request's run and
 //! the missing remainder is received straight into the run (no second copy), except for small
 //! writes (header and payload within half the receive buffer), which are first gathered whole
-//! in the receive buffer so that many small pipelined writes arrive in one receive.
+//! in the receive buffer so that many small pipelined writes arrive in one receive. A WRITE
+//! larger than one run arrives part by part, each part written before the next is received
+//! (`core/io.rs`).
 //!
 //! Buffer runs are shared fairly ([`Dataplane::allocate_run`]): a connection may hold at most
 //! a quarter of the arena, and the last eighth is kept for connections that hold little, so
@@ -26,7 +28,6 @@ use crate::buffers::{PageRun, RUN_SIZE_MAX, order_for};
 use crate::frontend::{
     Action, Answer, CONTROL_ANSWER_BYTES_MAX, Decoded, Frontend, IoKind, NOTICE_BODY_BYTES,
 };
-use crate::steps::{self, IoStep, Start};
 
 impl Dataplane {
     pub(super) fn parse_step(&mut self, now: Nanos) {
@@ -116,6 +117,10 @@ impl Dataplane {
             let unparsed = &connection.recv_buffer[connection.recv_start..connection.recv_end];
             let unparsed_bytes = unparsed.len();
             let decoded = connection.frontend.decode(unparsed, &self.namespaces);
+            if connection.frontend.in_session() {
+                // An NBD session in transmission is past its handshake even while idle.
+                connection.established = true;
+            }
             match decoded {
                 Decoded::NeedMore => break,
                 Decoded::Consumed(count) => {
@@ -164,7 +169,10 @@ impl Dataplane {
                     }
                     let connection = &mut self.connections[index as usize];
                     connection.recv_start += header_bytes;
-                    connection.established = true;
+                    // Established: a request that is not handshake output.
+                    if action != Action::Output {
+                        connection.established = true;
+                    }
                     let action = match action {
                         Action::Io(io) => match self.charge(index, io, now) {
                             Ok(io) => Action::Io(io),
@@ -308,75 +316,7 @@ impl Dataplane {
                 self.respond(index, Answer::Ok, Some(run), written as u32);
                 true
             }
-            Action::Io(io) => {
-                let run_bytes = steps::run_bytes(io.kind, io.length_bytes, RUN_SIZE_MAX);
-                let first =
-                    steps::first_step(io.kind, self.discards[usize::from(io.namespace_index)]);
-                if let Start::Answer(answer) = first {
-                    self.respond(index, answer, None, 0);
-                    return true;
-                }
-                let run = if run_bytes > 0 {
-                    let Some(run) = self.allocate_run(connection_index, run_bytes) else {
-                        return false;
-                    };
-                    Some(run)
-                } else {
-                    None
-                };
-                let step = match first {
-                    Start::Submit(step) => step,
-                    Start::Answer(_) => IoStep::Primary,
-                };
-                self.requests[index as usize].work = Work::Io {
-                    io,
-                    run,
-                    step: IoStep::Primary,
-                    received_bytes: 0,
-                };
-                if let IoKind::Write { .. } = io.kind {
-                    self.take_write_payload(index, now);
-                } else {
-                    self.set_step(index, step);
-                    self.enqueue(index, now);
-                }
-                true
-            }
-        }
-    }
-
-    /// Copies the payload bytes already received into the run; receives the rest directly.
-    fn take_write_payload(&mut self, index: u32, now: Nanos) {
-        let request = &self.requests[index as usize];
-        let Work::Io {
-            io, run: Some(run), ..
-        } = request.work
-        else {
-            panic!("payload for a request without a run");
-        };
-        let connection_index = request.connection_index;
-        let connection = &mut self.connections[connection_index as usize];
-        let available = connection.recv_end - connection.recv_start;
-        let length = io.length_bytes as usize;
-        let copied = available.min(length);
-        let target = self.arena.run_mut(run, length);
-        target[..copied].copy_from_slice(
-            &connection.recv_buffer[connection.recv_start..connection.recv_start + copied],
-        );
-        connection.recv_start += copied;
-        self.set_received_bytes(index, copied as u32);
-        if copied == length {
-            self.enqueue(index, now);
-        } else {
-            self.transition(index, RequestState::Receiving);
-            self.connections[connection_index as usize].payload = Some(index);
-        }
-    }
-
-    fn set_received_bytes(&mut self, index: u32, bytes: u32) {
-        match &mut self.requests[index as usize].work {
-            Work::Io { received_bytes, .. } => *received_bytes = bytes,
-            other => panic!("payload for a request without I/O: {other:?}"),
+            Action::Io(io) => self.start_io(index, io, now),
         }
     }
 
@@ -388,6 +328,12 @@ impl Dataplane {
         {
             return;
         }
+        if let Some(request) = connection.payload
+            && self.requests[request as usize].state != RequestState::Receiving
+        {
+            return; // A large WRITE's run is at the device: its next part comes after.
+        }
+        let connection = &mut self.connections[index as usize];
         if connection.payload.is_none() {
             if connection.recv_start > 0 {
                 connection
@@ -408,32 +354,105 @@ impl Dataplane {
         self.ops.push_back(Op::Recv { connection: id });
     }
 
+    /// Whether a connection has nothing to do: nothing outstanding or half-received, and its
+    /// read side open with a plain receive in flight.
+    fn is_idle(&self, index: u32) -> bool {
+        let connection = &self.connections[index as usize];
+        connection.is_open()
+            && connection.read == ReadState::Open
+            && connection.recv_in_flight
+            && !connection.parked
+            && !connection.parking
+            && connection.outstanding == 0
+            && connection.payload.is_none()
+            && connection.stalled.is_none()
+            && connection.skip_bytes == 0
+            && connection.recv_start == connection.recv_end
+            && connection.notices.is_empty()
+    }
+
+    /// Idle connections past `park_after` start parking: their receive is cancelled, and
+    /// once it comes back cancelled they give their buffer back ([`Self::park`]).
+    pub(super) fn park_idle_connections(&mut self, now: Nanos) {
+        let Some(park_after) = self.limits.park_after else {
+            return;
+        };
+        for index in 0..self.connections.len() as u32 {
+            if !self.is_idle(index) {
+                continue;
+            }
+            let connection = &mut self.connections[index as usize];
+            if now.saturating_since(connection.receive_progress_at) < park_after {
+                continue;
+            }
+            connection.parking = true;
+            let id = connection.id(index);
+            self.ops.push_back(Op::CancelRecv { connection: id });
+        }
+    }
+
+    /// The receive of a parking connection came back cancelled: if it is still idle, its
+    /// buffer goes back to the pool and it waits for readiness. Returns whether it parked.
+    fn park(&mut self, index: u32) -> bool {
+        let connection = &mut self.connections[index as usize];
+        // `is_idle` wants the receive in flight; it just came back.
+        connection.recv_in_flight = true;
+        let idle = self.is_idle(index);
+        let connection = &mut self.connections[index as usize];
+        connection.recv_in_flight = false;
+        if !idle {
+            return false;
+        }
+        let buffer = std::mem::take(&mut connection.recv_buffer);
+        connection.recv_start = 0;
+        connection.recv_end = 0;
+        connection.parked = true;
+        connection.recv_in_flight = true;
+        let id = connection.id(index);
+        self.return_recv_buffer(buffer);
+        self.stats.connections_parked += 1;
+        self.ops.push_back(Op::WaitReadable { connection: id });
+        true
+    }
+
+    /// A readiness wait finished: `Ok(())` the connection has bytes (or an end of stream) to
+    /// read, `Err(errno)` it failed or was cancelled.
+    pub fn handle_readable(&mut self, id: ConnectionId, result: Result<(), i32>, now: Nanos) {
+        let _ = now;
+        let index = self.connection_index(id);
+        let connection = &mut self.connections[index as usize];
+        assert!(connection.recv_in_flight && connection.parked);
+        connection.recv_in_flight = false;
+        let buffer = self.take_recv_buffer();
+        let connection = &mut self.connections[index as usize];
+        connection.recv_buffer = buffer;
+        connection.parked = false;
+        if !connection.is_open() {
+            self.maybe_finish_close(index);
+            return;
+        }
+        match result {
+            Ok(()) => self.mark_parse(index),
+            Err(errno) if connection.read == ReadState::Open => {
+                tracing::debug!(thread = self.thread_index, errno, "readiness wait failed");
+                self.abort_connection(index, "readiness wait failed");
+            }
+            // Stopped reading (shutdown, a framing error): close once idle.
+            Err(_) => self.maybe_close_idle(index),
+        }
+    }
+
     /// Where the receive the dataplane asked for on `id` puts its bytes: the free end of the
     /// receive buffer, or the rest of a WRITE payload's run.
     pub fn receive_space(&mut self, id: ConnectionId) -> &mut [u8] {
         let index = self.connection_index(id);
-        let connection = &mut self.connections[index as usize];
+        let connection = &self.connections[index as usize];
         assert!(connection.recv_in_flight, "receive space without a receive");
-        match connection.payload {
-            None => &mut connection.recv_buffer[connection.recv_end..],
-            Some(request_index) => {
-                let request = &self.requests[request_index as usize];
-                assert_eq!(request.state, RequestState::Receiving);
-                let Work::Io {
-                    io,
-                    run: Some(run),
-                    received_bytes,
-                    ..
-                } = request.work
-                else {
-                    panic!("receiving a payload without a run");
-                };
-                let remaining = (io.length_bytes - received_bytes) as usize;
-                assert!(remaining > 0);
-                let all = self.arena.run_mut(run, io.length_bytes as usize);
-                &mut all[received_bytes as usize..]
-            }
+        if let Some(request_index) = connection.payload {
+            return self.payload_space(request_index);
         }
+        let connection = &mut self.connections[index as usize];
+        &mut connection.recv_buffer[connection.recv_end..]
     }
 
     /// A receive finished: `Ok(n)` bytes landed in [`Self::receive_space`] (0: the peer
@@ -442,7 +461,23 @@ impl Dataplane {
         let index = self.connection_index(id);
         let connection = &mut self.connections[index as usize];
         assert!(connection.recv_in_flight);
+        assert!(
+            !connection.parked,
+            "a receive completion for a parked connection"
+        );
         connection.recv_in_flight = false;
+        if std::mem::take(&mut connection.parking)
+            && result == Err(libc::ECANCELED)
+            && connection.is_open()
+            && connection.read == ReadState::Open
+        {
+            if !self.park(index) {
+                // Something came up meanwhile: receive again instead.
+                self.mark_parse(index);
+            }
+            return;
+        }
+        let connection = &mut self.connections[index as usize];
         if !connection.is_open() || connection.read == ReadState::Closed {
             // Aborted, or stopped reading: what arrived is not parsed.
             if let Some(request) = connection.payload.take() {
@@ -478,19 +513,7 @@ impl Dataplane {
         connection.receive_progress_at = now;
         self.stats.bytes_received += received as u64;
         if let Some(request_index) = connection.payload {
-            let request = &mut self.requests[request_index as usize];
-            let Work::Io {
-                io, received_bytes, ..
-            } = &mut request.work
-            else {
-                panic!("receiving a payload without I/O");
-            };
-            *received_bytes += received as u32;
-            assert!(*received_bytes <= io.length_bytes);
-            if *received_bytes == io.length_bytes {
-                self.connections[index as usize].payload = None;
-                self.enqueue(request_index, now);
-            }
+            self.payload_received(request_index, received, now);
         } else {
             connection.recv_end += received;
             assert!(connection.recv_end <= connection.recv_buffer.len());

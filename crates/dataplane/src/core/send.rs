@@ -4,6 +4,12 @@
 //!
 //! A connection has at most one send in flight. A partial send leaves the unsent responses in
 //! the queue with the offset into the first one; they go again in the next send.
+//!
+//! A large READ is answered in parts (`core/io.rs`): a part that is not the last is sent like
+//! a response, and once it is out the request reads the next part instead of being freed.
+//! When the parts form one NBD simple reply (`Work::Part { exclusive: true }`), a gathered send
+//! ends after such a part, and from then on only the READ's next part may go
+//! (`Connection::stream_owner`; it is queued at the head) until its last.
 
 use reflex_qos::Nanos;
 
@@ -36,7 +42,11 @@ impl Dataplane {
             Some(run) => assert!(body_bytes as usize <= run.size_bytes()),
             None => assert_eq!(body_bytes, 0),
         }
-        request.work = Work::Response { run, body_bytes };
+        request.work = Work::Response {
+            run,
+            body_start: 0,
+            body_bytes,
+        };
         let tag = request.tag;
         let Some(header_len) =
             frontend.encode_response(&tag, answer, body_bytes, &mut request.header)
@@ -54,13 +64,33 @@ impl Dataplane {
         request.header_len = header_len as u8;
         self.transition(index, RequestState::Completed);
         self.stats.requests_answered += 1;
+        self.queue_response(index, false);
+    }
+
+    /// Puts a completed request on its connection's send queue: at the tail, or at the head
+    /// (`front`: the next part of the simple reply being streamed, which nothing may precede).
+    pub(super) fn queue_response(&mut self, index: u32, front: bool) {
+        assert_eq!(self.requests[index as usize].state, RequestState::Completed);
+        let connection_index = self.requests[index as usize].connection_index;
         let connection = &mut self.connections[connection_index as usize];
-        if connection.send_tail == NONE {
+        if front {
+            assert!(
+                !connection.send_in_flight && connection.send_offset_bytes == 0,
+                "a streamed reply's next part behind a send in progress"
+            );
+            self.requests[index as usize].next = connection.send_head;
             connection.send_head = index;
+            if connection.send_tail == NONE {
+                connection.send_tail = index;
+            }
         } else {
-            self.requests[connection.send_tail as usize].next = index;
+            if connection.send_tail == NONE {
+                connection.send_head = index;
+            } else {
+                self.requests[connection.send_tail as usize].next = index;
+            }
+            connection.send_tail = index;
         }
-        connection.send_tail = index;
         self.mark_send(connection_index);
     }
 
@@ -78,6 +108,9 @@ impl Dataplane {
         if !connection.is_open() || connection.send_in_flight || connection.send_head == NONE {
             return;
         }
+        if connection.stream_owner != NONE && connection.send_head != connection.stream_owner {
+            return; // A simple reply is being streamed: its next part goes first.
+        }
         let mut segments = 0;
         let mut sending_count = 0;
         let mut cursor = connection.send_head;
@@ -91,6 +124,13 @@ impl Dataplane {
             self.stats.transitions += 1;
             sending_count += 1;
             cursor = request.next;
+            if let Work::Part {
+                exclusive: true, ..
+            } = request.work
+            {
+                // Nothing may follow a streamed part but the stream's next part.
+                break;
+            }
         }
         assert!(sending_count > 0);
         if connection.send_offset_bytes == 0 {
@@ -124,17 +164,30 @@ impl Dataplane {
             } else {
                 skip -= header_len;
             }
-            if let Work::Response {
-                run: Some(run),
-                body_bytes,
-            } = request.work
-                && body_bytes > 0
-            {
+            if let Some((run, body_start, body_bytes)) = request.work.body() {
                 assert!(skip < body_bytes as usize);
-                segment(&self.arena.run(run, body_bytes as usize)[skip..]);
+                let end = (body_start + body_bytes) as usize;
+                segment(&self.arena.run(run, end)[body_start as usize + skip..]);
             }
             skip = 0;
             cursor = request.next;
+        }
+    }
+
+    /// A READ's answer has left: its latency, from its arrival off the socket to now, goes
+    /// into its namespace's histograms; a latency-critical one's also from its submission.
+    fn measure_sent(&mut self, index: u32, now: Nanos) {
+        let request = &self.requests[index as usize];
+        let Some((namespace_index, latency_critical)) = request.measured_read else {
+            return;
+        };
+        let latency_us = now.saturating_since(request.arrived_at).0 / 1_000;
+        let telemetry = &mut self.telemetry[usize::from(namespace_index)];
+        telemetry.reads.record_us(latency_us);
+        if latency_critical {
+            telemetry.window.lc_reads.record_us(latency_us);
+            let service_us = now.saturating_since(request.submitted_at).0 / 1_000;
+            telemetry.window.lc_reads_service.record_us(service_us);
         }
     }
 
@@ -165,7 +218,15 @@ impl Dataplane {
                     connection.send_tail = NONE;
                 }
                 self.requests[head as usize].next = NONE;
-                self.free_request(head);
+                if matches!(self.requests[head as usize].work, Work::Part { .. })
+                    && self.connections[index as usize].is_open()
+                {
+                    // A part of a large READ is out: the request reads the next one.
+                    self.part_sent(head, now);
+                } else {
+                    self.measure_sent(head, now);
+                    self.free_request(head);
+                }
             } else {
                 // Partial progress: the rest of this response and those after it go again.
                 self.connections[index as usize].send_offset_bytes = progress;

@@ -4,13 +4,15 @@
 //!
 //! Bounded, one `drain_timeout` per stage, so a shutdown takes at most three:
 //! 1. at the drain deadline, requests still waiting in a QoS scheduler (a tenant in token
-//!    debt, a device that takes no more) or for room in a full tenant queue are answered
+//!    debt, a device that takes no more), for room in a full tenant queue or at the write
+//!    gate (behind an overlapping write) are answered
 //!    [`Answer::ShuttingDown`] (native BUSY, NBD ESHUTDOWN; the original protocol, which has
 //!    no status, closes), the answers are handed to the driver, and every connection that is
 //!    still open is aborted;
 //! 2. if a device still holds operations one drain timeout later, they are abandoned (logged;
-//!    their requests stay orphaned and the driver must keep the arena alive rather than free
-//!    it), which releases the connections they held;
+//!    their requests stay orphaned, the driver must keep the arena alive rather than free it
+//!    and may exit with those operations in flight), which releases the connections they
+//!    held;
 //! 3. every device is flushed; a flush not answered within one more drain timeout is given up
 //!    (logged) and the shutdown finishes.
 //!
@@ -155,8 +157,9 @@ impl Dataplane {
         }
     }
 
-    /// Answers [`Answer::ShuttingDown`] to every request that waits in a scheduler or for room
-    /// in a full tenant queue (those of closing connections are freed). Returns how many.
+    /// Answers [`Answer::ShuttingDown`] to every request that waits in a scheduler, for room
+    /// in a full tenant queue or at the write gate (those of closing connections are freed).
+    /// Returns how many were answered.
     fn refuse_waiting_requests(&mut self, now: Nanos) -> u32 {
         let mut tokens = Vec::new();
         for namespace in &mut self.qos {
@@ -184,6 +187,9 @@ impl Dataplane {
         }
         while let Some(index) = self.blocked.pop_front() {
             self.unblock(index);
+            refused += self.refuse_waiting(index);
+        }
+        while let Some(index) = self.take_gate_waiter() {
             refused += self.refuse_waiting(index);
         }
         // The schedulers' room events have nothing left to retry.
@@ -280,8 +286,7 @@ impl Dataplane {
         connection.read = ReadState::Closed;
         connection.recv_start = connection.recv_end;
         if connection.recv_in_flight {
-            let id = connection.id(index);
-            self.ops.push_back(Op::CancelRecv { connection: id });
+            self.cancel_read_side(index);
         }
     }
 

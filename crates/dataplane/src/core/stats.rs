@@ -16,6 +16,8 @@ pub struct CoreStats {
     pub connections_evicted: u64,
     /// Connections closed by a timeout (handshake, idle, receive or send progress).
     pub connections_timed_out: u64,
+    /// Times an idle connection gave its receive buffer back and waited for readiness.
+    pub connections_parked: u64,
     /// Connections whose framing broke (closed after their answers).
     pub framing_errors: u64,
     pub requests_answered: u64,
@@ -32,6 +34,8 @@ pub struct CoreStats {
     pub receives: u64,
     /// Times a request waited for a buffer run (arena exhausted, or the connection at its share).
     pub buffer_waits: u64,
+    /// Writes that waited at the write gate for an overlapping read-modify-write.
+    pub gate_waits: u64,
     /// Enters forced by a full submission queue (counted by the driver).
     pub sq_full_flushes: u64,
     pub registered_buffers: bool,

@@ -17,7 +17,8 @@ use reflex_qos::{Admitted, Nanos, SchedulerEvent};
 use super::Dataplane;
 use super::connection::{Bound, Charge};
 use crate::control::{
-    ControlAnswer, ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX, TenantRef,
+    ConnectionKey, ControlAnswer, ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX,
+    Requester, TenantRef,
 };
 use crate::frontend::{Answer, ControlRequest, Frontend, IoKind, IoRequest};
 
@@ -167,7 +168,7 @@ impl Dataplane {
 
     /// Calls the control plane for this thread and applies the messages it returns for this
     /// thread, in order, before anything else happens here.
-    fn with_control<R>(
+    pub(super) fn with_control<R>(
         &mut self,
         now: Nanos,
         call: impl FnOnce(&ControlPlane, usize, &mut Vec<ControlMessage>) -> R,
@@ -362,15 +363,57 @@ impl Dataplane {
         match request {
             ControlRequest::Register(body) => {
                 let namespace_index = self.namespaces.index_of(body.namespace_id);
+                let requester = self.requester(connection_index);
+                let answer = self.with_control(now, |control, thread, own| {
+                    control.register(thread, namespace_index, &body, requester, own)
+                });
+                if answer.is_ok() && body.handle == TenantRef::NONE.handle {
+                    self.connections[connection_index as usize].owns_tenants = true;
+                }
+                answer
+            }
+            ControlRequest::Unregister { handle } => {
+                let requester = self.requester(connection_index);
                 self.with_control(now, |control, thread, own| {
-                    control.register(thread, namespace_index, &body, own)
+                    control.unregister(thread, handle, requester, own)
                 })
             }
-            ControlRequest::Unregister { handle } => self
-                .with_control(now, |control, thread, own| {
-                    control.unregister(thread, handle, own)
-                }),
             ControlRequest::Bind { handle } => self.bind(connection_index, handle, now),
+        }
+    }
+
+    /// The connection as the control plane knows it.
+    pub(super) fn requester(&self, connection_index: u32) -> Requester {
+        let connection = &self.connections[connection_index as usize];
+        Requester {
+            connection: ConnectionKey {
+                thread: self.thread_index as u16,
+                index: connection_index,
+                generation: connection.generation,
+            },
+            source: connection.source,
+        }
+    }
+
+    /// The connection closed: the tenants it registered become orphans.
+    pub(super) fn release_owned_tenants(&mut self, connection_index: u32) {
+        let connection = &mut self.connections[connection_index as usize];
+        if !std::mem::take(&mut connection.owns_tenants) {
+            return;
+        }
+        let key = self.requester(connection_index).connection;
+        let now = self.last_now;
+        self.with_control(now, |control, thread, own| {
+            control.connection_closed(thread, key, now, own)
+        });
+    }
+
+    /// Orphaned tenants past their grace period are unregistered (housekeeping).
+    pub(super) fn reap_orphaned_tenants(&mut self, now: Nanos) {
+        if self.control.has_orphans() {
+            self.with_control(now, |control, thread, own| {
+                control.reap_orphans(thread, now, own)
+            });
         }
     }
 

@@ -29,8 +29,10 @@ impl Dataplane {
         }
         self.housekeeping_at = now + HOUSEKEEPING_INTERVAL;
         self.time_out_connections(now);
+        self.park_idle_connections(now);
         self.time_out_device_operations(now);
         self.device_errors.tick(now);
+        self.reap_orphaned_tenants(now);
     }
 
     fn time_out_connections(&mut self, now: Nanos) {

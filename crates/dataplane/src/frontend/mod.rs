@@ -47,6 +47,14 @@ pub const CONTROL_ANSWER_BYTES_MAX: usize = 4096;
 pub const UNIT_BYTES_MAX: usize =
     native::REQUEST_HEADER_SIZE + native::CONTROL_BODY_MAX_BYTES as usize;
 
+/// Most extents one NBD BLOCK_STATUS answer reports (the client asks again from where they
+/// end), so that its payload fits one page.
+pub const BLOCK_STATUS_EXTENTS_MAX: usize = 511;
+/// Bytes of the largest BLOCK_STATUS payload: the context id and the descriptors.
+pub const BLOCK_STATUS_BODY_BYTES_MAX: usize =
+    4 + nbd::BLOCK_DESCRIPTOR_SIZE * BLOCK_STATUS_EXTENTS_MAX;
+
+const _: () = assert!(BLOCK_STATUS_BODY_BYTES_MAX <= crate::buffers::PAGE_SIZE);
 const _: () = assert!(REASON_BYTES_MAX <= CONTROL_ANSWER_BYTES_MAX);
 const _: () = assert!(NOTICE_BODY_BYTES <= CONTROL_ANSWER_BYTES_MAX);
 
@@ -140,11 +148,29 @@ pub enum IoKind {
         hint: bool,
     },
     /// Make the range read as zeroes: discard it, or with `no_hole` (or on a device that
-    /// cannot discard) write zeroes from a zeroed run. `fua` as for `Trim`.
+    /// cannot discard) write zeroes from a zeroed run. `fua` as for `Trim`. `fast` (NBD's
+    /// FAST_ZERO): fail with ENOTSUP rather than write.
     WriteZeroes {
         fua: bool,
         no_hole: bool,
+        fast: bool,
     },
+    /// Report which extents of the range are allocated (NBD BLOCK_STATUS for
+    /// `base:allocation`): a metadata query answered at once, no device I/O. `req_one`: one
+    /// extent at most.
+    BlockStatus {
+        req_one: bool,
+    },
+}
+
+/// One piece of a READ's data that a reply carries: a READ longer than a buffer run is sent in
+/// pieces (NBD), each from `offset_bytes` in the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadPiece {
+    pub offset_bytes: u64,
+    pub length_bytes: u32,
+    pub first: bool,
+    pub last: bool,
 }
 
 impl IoKind {
@@ -163,9 +189,9 @@ pub enum Action {
     Hello {
         io_priority: u16,
     },
-    /// Answer at once with this (failure) and no body: validation failures, control opcodes
-    /// not implemented yet, NBD requests during shutdown. The request's payload, if any, is
-    /// skipped.
+    /// Answer at once with this and no body: validation failures, control opcodes not
+    /// implemented yet, NBD requests during shutdown, NBD's advisory CACHE (success). The
+    /// request's payload, if any, is skipped.
     Reply(Answer),
     /// Send the protocol output the frontend holds (NBD handshake replies): the dataplane
     /// takes a run of [`Frontend::pending_output_bytes`] (at most one maximal run), fills it
@@ -354,7 +380,12 @@ impl Frontend {
             Tag::Nbd(command) => {
                 let session = self.nbd_session()?;
                 if answer.is_ok() {
-                    let reply = session.reply_ok(&command)?;
+                    let reply = match command.command() {
+                        nbd::Command::BlockStatus { .. } => {
+                            session.reply_block_status(&command, data_bytes)?
+                        }
+                        _ => session.reply_ok(&command)?,
+                    };
                     put(reply.as_bytes())
                 } else {
                     put(session
@@ -369,6 +400,83 @@ impl Frontend {
         }
     }
 
+    /// The header before a piece of a READ's data: the whole answer's for a READ in one piece;
+    /// for NBD pieces, an `OFFSET_DATA` chunk each (structured replies), or the simple reply
+    /// before the first piece and nothing before the others. `None` when the protocol cannot
+    /// split a READ (the caller closes the connection).
+    pub fn encode_read_piece(
+        &self,
+        tag: &Tag,
+        piece: ReadPiece,
+        out: &mut [u8; RESPONSE_HEADER_SIZE_MAX],
+    ) -> Option<usize> {
+        if piece.first && piece.last {
+            return self.encode_response(tag, Answer::Ok, piece.length_bytes, out);
+        }
+        let Tag::Nbd(command) = *tag else {
+            return None;
+        };
+        let session = self.nbd_session()?;
+        let reply = if session.structured_replies() {
+            nbd::offset_data_chunk(
+                command.cookie(),
+                piece.offset_bytes,
+                piece.length_bytes,
+                piece.last,
+            )
+        } else if piece.first {
+            nbd::ReplyBytes::from(
+                nbd::SimpleReply {
+                    error: 0,
+                    cookie: command.cookie(),
+                }
+                .to_bytes(),
+            )
+        } else {
+            return Some(0);
+        };
+        let bytes = reply.as_bytes();
+        out[..bytes.len()].copy_from_slice(bytes);
+        Some(bytes.len())
+    }
+
+    /// Writes an NBD BLOCK_STATUS payload for `extents` (at most
+    /// [`BLOCK_STATUS_EXTENTS_MAX`]) into `out` (at least [`BLOCK_STATUS_BODY_BYTES_MAX`]);
+    /// returns its length. Holes read as zeroes on every device, so a hole is `HOLE | ZERO`.
+    pub fn write_block_status(&self, extents: &[reflex_flash::Extent], out: &mut [u8]) -> usize {
+        let Some(context_id) = self
+            .nbd_session()
+            .and_then(|session| session.base_allocation_context())
+        else {
+            panic!("a block status answer without base:allocation (validation admits none)");
+        };
+        assert!(extents.len() <= BLOCK_STATUS_EXTENTS_MAX);
+        let descriptors = extents.iter().map(|extent| {
+            let flags = match extent.allocation {
+                reflex_flash::Allocation::Data => 0,
+                reflex_flash::Allocation::Hole => {
+                    nbd::allocation_flags::HOLE | nbd::allocation_flags::ZERO
+                }
+            };
+            // Extents never pass the request's length, a u32.
+            (
+                u32::try_from(extent.length_bytes).unwrap_or(u32::MAX),
+                flags,
+            )
+        });
+        match nbd::encode_block_status(context_id, descriptors, out) {
+            Some(length) => length,
+            None => panic!("block status extents that do not encode: {extents:?}"),
+        }
+    }
+
+    /// Whether the pieces of a READ must go out with nothing between them (an NBD simple
+    /// reply: one header, then all the data).
+    pub fn read_pieces_exclusive(&self) -> bool {
+        self.nbd_session()
+            .is_some_and(|session| !session.structured_replies())
+    }
+
     fn nbd_session(&self) -> Option<&Session> {
         match self {
             Frontend::Nbd(NbdFrontend {
@@ -376,6 +484,15 @@ impl Frontend {
                 ..
             }) => Some(&transmission.session),
             _ => None,
+        }
+    }
+
+    /// Whether the connection is past its handshake: an NBD session in transmission. Native
+    /// and original-protocol connections have no handshake: their first request counts.
+    pub fn in_session(&self) -> bool {
+        match self {
+            Frontend::Nbd(NbdFrontend { phase, .. }) => matches!(phase, NbdPhase::Transmission(_)),
+            Frontend::Native | Frontend::Original { .. } => false,
         }
     }
 

@@ -186,6 +186,16 @@ impl Transmission {
                     consumed_bytes: header_bytes,
                 };
             }
+            // Advisory, and no backend has a server-side cache a read would warm (files are
+            // O_DIRECT, memory is memory): success at once.
+            nbd::Command::Cache { .. } => {
+                return Decoded::Request {
+                    header_bytes,
+                    payload_bytes,
+                    tag: Tag::Nbd(command),
+                    action: Action::Reply(Answer::Ok),
+                };
+            }
             nbd::Command::Read {
                 offset_bytes,
                 length_bytes,
@@ -206,11 +216,21 @@ impl Transmission {
                 length_bytes,
                 fua,
                 no_hole,
+                fast_zero,
             } => (
-                IoKind::WriteZeroes { fua, no_hole },
+                IoKind::WriteZeroes {
+                    fua,
+                    no_hole,
+                    fast: fast_zero,
+                },
                 offset_bytes,
                 length_bytes,
             ),
+            nbd::Command::BlockStatus {
+                offset_bytes,
+                length_bytes,
+                req_one,
+            } => (IoKind::BlockStatus { req_one }, offset_bytes, length_bytes),
         };
         Decoded::Request {
             header_bytes,

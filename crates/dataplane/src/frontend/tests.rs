@@ -28,6 +28,15 @@ fn io(kind: IoKind, offset_bytes: u64, length_bytes: u32) -> Action {
     })
 }
 
+impl Action {
+    fn with_tenant(self, tenant: TenantRef) -> Action {
+        match self {
+            Action::Io(io) => Action::Io(IoRequest { tenant, ..io }),
+            other => other,
+        }
+    }
+}
+
 #[test]
 fn native_requests() {
     let read = native::RequestHeader::read(5, 7, 4096, 4096).to_bytes();
@@ -398,4 +407,157 @@ fn out_of_space_has_its_own_native_status() {
     assert_eq!(status(libc::EDQUOT), Status::NoSpace);
     assert_eq!(status(libc::EIO), Status::IoError);
     assert_eq!(status(libc::EROFS), Status::IoError);
+}
+
+/// SET_META_CONTEXT data selecting `base:allocation` on `name`.
+fn set_base_allocation(name: &str) -> Vec<u8> {
+    let mut data = (name.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(name.as_bytes());
+    data.extend_from_slice(&1u32.to_be_bytes());
+    data.extend_from_slice(&(nbd::meta_context::BASE_ALLOCATION.len() as u32).to_be_bytes());
+    data.extend_from_slice(nbd::meta_context::BASE_ALLOCATION.as_bytes());
+    option(nbd::option::SET_META_CONTEXT, &data)
+}
+
+#[test]
+fn nbd_cache_fast_zero_block_status_and_read_pieces() {
+    let mut frontend = nbd_frontend();
+    let mut output = Vec::new();
+    let mut input = nbd::client_flags::FIXED_NEWSTYLE.to_be_bytes().to_vec();
+    input.extend_from_slice(&option(nbd::option::STRUCTURED_REPLY, &[]));
+    input.extend_from_slice(&set_base_allocation("ns7"));
+    input.extend_from_slice(&go("ns7"));
+    // CACHE: success at once, nothing to do.
+    input.extend_from_slice(&request(nbd::CommandType::Cache, 0, 1, 0, 4096));
+    let Decoded::Request { tag, action, .. } = drive(&mut frontend, &input, &mut output) else {
+        panic!("expected CACHE");
+    };
+    assert_eq!(action, Action::Reply(Answer::Ok));
+    let mut out = [0u8; RESPONSE_HEADER_SIZE_MAX];
+    assert_eq!(
+        frontend.encode_response(&tag, Answer::Ok, 0, &mut out),
+        Some(nbd::SIMPLE_REPLY_SIZE)
+    );
+    // WRITE_ZEROES with FAST_ZERO.
+    let flags = nbd::command_flags::FAST_ZERO;
+    let zeroes = request(nbd::CommandType::WriteZeroes, flags, 2, 100, 50);
+    let Decoded::Request { action, .. } = drive(&mut frontend, &zeroes, &mut output) else {
+        panic!("expected WRITE_ZEROES");
+    };
+    assert_eq!(
+        action,
+        io(
+            IoKind::WriteZeroes {
+                fua: false,
+                no_hole: false,
+                fast: true
+            },
+            100,
+            50
+        )
+        .with_tenant(TENANT)
+    );
+    // BLOCK_STATUS: its payload is the context id and one descriptor per extent.
+    let flags = nbd::command_flags::REQ_ONE;
+    let status = request(nbd::CommandType::BlockStatus, flags, 3, 0, 8192);
+    let Decoded::Request { tag, action, .. } = drive(&mut frontend, &status, &mut output) else {
+        panic!("expected BLOCK_STATUS");
+    };
+    assert_eq!(
+        action,
+        io(IoKind::BlockStatus { req_one: true }, 0, 8192).with_tenant(TENANT)
+    );
+    let extents = [
+        reflex_flash::Extent {
+            length_bytes: 4096,
+            allocation: reflex_flash::Allocation::Hole,
+        },
+        reflex_flash::Extent {
+            length_bytes: 4096,
+            allocation: reflex_flash::Allocation::Data,
+        },
+    ];
+    let mut body = [0u8; BLOCK_STATUS_BODY_BYTES_MAX];
+    let length = frontend.write_block_status(&extents, &mut body);
+    assert_eq!(length, 20);
+    assert_eq!(
+        body[..4],
+        nbd::meta_context::BASE_ALLOCATION_ID.to_be_bytes()
+    );
+    assert_eq!(body[8..12], 3u32.to_be_bytes(), "a hole reads as zeroes");
+    assert_eq!(body[16..20], 0u32.to_be_bytes());
+    assert_eq!(
+        frontend.encode_response(&tag, Answer::Ok, 20, &mut out),
+        Some(nbd::CHUNK_HEADER_SIZE)
+    );
+    assert_eq!(out[6..8], nbd::chunk::TYPE_BLOCK_STATUS.to_be_bytes());
+    assert_eq!(out[16..20], 20u32.to_be_bytes());
+    // A READ in pieces: structured, one OFFSET_DATA chunk each, DONE on the last.
+    let read = request(nbd::CommandType::Read, 0, 4, 7, 100_000);
+    let Decoded::Request { tag, .. } = drive(&mut frontend, &read, &mut output) else {
+        panic!("expected READ");
+    };
+    assert!(!frontend.read_pieces_exclusive());
+    let piece = |first, last| ReadPiece {
+        offset_bytes: 7,
+        length_bytes: 1000,
+        first,
+        last,
+    };
+    let length = frontend.encode_read_piece(&tag, piece(true, false), &mut out);
+    assert_eq!(length, Some(nbd::CHUNK_HEADER_SIZE + 8));
+    assert_eq!(out[4..6], [0, 0], "not DONE");
+    frontend.encode_read_piece(&tag, piece(false, true), &mut out);
+    assert_eq!(out[4..6], nbd::chunk::FLAG_DONE.to_be_bytes());
+}
+
+#[test]
+fn nbd_simple_read_pieces_share_one_reply() {
+    let mut frontend = nbd_frontend();
+    let mut output = Vec::new();
+    let mut input = client_start("ns7", false);
+    input.extend_from_slice(&request(nbd::CommandType::Read, 0, 5, 1, (1 << 20) - 1));
+    let Decoded::Request { tag, action, .. } = drive(&mut frontend, &input, &mut output) else {
+        panic!("expected READ");
+    };
+    // Unnegotiated block sizes: a READ of any byte range is valid.
+    assert_eq!(
+        action,
+        io(IoKind::Read, 1, (1 << 20) - 1).with_tenant(TENANT)
+    );
+    assert!(frontend.read_pieces_exclusive());
+    let mut out = [0u8; RESPONSE_HEADER_SIZE_MAX];
+    let piece = |first, last| ReadPiece {
+        offset_bytes: 1,
+        length_bytes: 4096,
+        first,
+        last,
+    };
+    assert_eq!(
+        frontend.encode_read_piece(&tag, piece(true, false), &mut out),
+        Some(nbd::SIMPLE_REPLY_SIZE)
+    );
+    assert_eq!(
+        frontend.encode_read_piece(&tag, piece(false, false), &mut out),
+        Some(0)
+    );
+    assert_eq!(
+        frontend.encode_read_piece(&tag, piece(false, true), &mut out),
+        Some(0)
+    );
+    // BLOCK_STATUS without a selected context is refused.
+    let status = request(nbd::CommandType::BlockStatus, 0, 6, 0, 512);
+    let Decoded::Request { action, .. } = drive(&mut frontend, &status, &mut output) else {
+        panic!("expected BLOCK_STATUS");
+    };
+    assert_eq!(action, Action::Reply(Answer::Nbd(Errno::Inval)));
+    // Pieces are NBD's: the native protocol cannot split a READ.
+    let native = Tag::Native {
+        opcode_raw: 2,
+        request_id: 1,
+    };
+    assert_eq!(
+        Frontend::Native.encode_read_piece(&native, piece(true, false), &mut out),
+        None
+    );
 }

@@ -40,6 +40,12 @@
 //!   on the sparse page store at once; the timing model is separate, so load generators can
 //!   drive timing without data and the real-clock device copies data at submit.
 //!
+//! # Drift ([`drift`])
+//! A schedule ([`EmuDevice::set_schedule`], or `emu(slow=2x@10s;stall=40s-41s):NAME` in a
+//! spec) and a shared run-time handle ([`EmuDevice::controls`]) slow the device down, speed it
+//! up or stall it: a factor multiplies the service time of work that starts while it is in
+//! force; while stalled, nothing starts. The exact rule is in [`drift`].
+//!
 //! Determinism: the only randomness (which die a background slice lands on) comes from the
 //! seed, so the same seed and the same call sequence give the same completions.
 //!
@@ -47,6 +53,9 @@
 //! pending `Complete` event or sits in `waiting_writes`.
 
 pub mod arbiter;
+pub mod drift;
+#[cfg(test)]
+mod drift_tests;
 pub mod profile;
 pub mod realtime;
 pub mod store;
@@ -55,6 +64,7 @@ mod tests;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
 
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
@@ -64,6 +74,10 @@ use thiserror::Error;
 pub use arbiter::{
     ArbiterError, ArbitrationConfig, ArbitrationPolicy, ClassWeights, IoprioError, PriorityClass,
     class_from_ioprio,
+};
+pub use drift::{
+    DriftState, EmuControls, EmuSchedule, EmuScheduleError, ScheduleOrigin, SlowStep, Slowdown,
+    StallWindow, split_spec,
 };
 pub use profile::{EmuProfile, EmuProfileError};
 pub use realtime::{EMU_SIZE_DEFAULT_BYTES, EmuFlash, open};
@@ -124,6 +138,8 @@ pub enum EmuError {
     Misaligned { offset: u64, len: u64 },
     #[error("{0}")]
     Arbiter(#[from] ArbiterError),
+    #[error("{0}")]
+    Schedule(#[from] EmuScheduleError),
 }
 
 /// Counters since the device was created.
@@ -159,6 +175,55 @@ enum Event {
     Slice { work: u32, ns: u32 },
 }
 
+/// The drift state of a device: its schedule's timeline, the run-time handle, and the factor
+/// and stall they set.
+#[derive(Debug)]
+struct DriftModel {
+    /// Set by `set_schedule`; armed (its times made absolute) at the next call's `now`.
+    pending: Option<EmuSchedule>,
+    /// Absolute times, sorted; `timeline_next` is the next change to apply.
+    timeline: Vec<(u64, drift::Change)>,
+    timeline_next: usize,
+    schedule_slowdown: Slowdown,
+    schedule_stalled: bool,
+    control_slowdown: Slowdown,
+    control_stalled: bool,
+    controls: Arc<EmuControls>,
+    /// The handle's generation last applied.
+    control_generation: u64,
+    /// Schedule × handle, cached.
+    factor: drift::Factor,
+    /// Background slices that reached their die while stalled, as (work index, base ns), in
+    /// arrival order. Bounded by the slices of the writes in the buffer.
+    deferred_slices: Vec<(u32, u32)>,
+}
+
+impl DriftModel {
+    fn new() -> DriftModel {
+        DriftModel {
+            pending: None,
+            timeline: Vec::new(),
+            timeline_next: 0,
+            schedule_slowdown: Slowdown::NONE,
+            schedule_stalled: false,
+            control_slowdown: Slowdown::NONE,
+            control_stalled: false,
+            controls: Arc::new(EmuControls::default()),
+            control_generation: 0,
+            factor: drift::Factor::of(Slowdown::NONE, Slowdown::NONE),
+            deferred_slices: Vec::new(),
+        }
+    }
+
+    fn stalled(&self) -> bool {
+        self.schedule_stalled || self.control_stalled
+    }
+
+    fn next_change_at(&self) -> Option<u64> {
+        self.timeline.get(self.timeline_next).map(|&(at, _)| at)
+    }
+}
+
 /// Background work of one admitted write, until its last slice is on a die.
 #[derive(Debug, Clone, Copy)]
 struct WriteWork {
@@ -191,6 +256,7 @@ pub struct EmuDevice {
     fresh_pages_written: Option<u64>,
     store: PageStore,
     stats: EmuStats,
+    drift: DriftModel,
 }
 
 impl std::fmt::Debug for EmuDevice {
@@ -239,6 +305,7 @@ impl EmuDevice {
             fresh_pages_written: None,
             store: PageStore::new(),
             stats: EmuStats::default(),
+            drift: DriftModel::new(),
             profile,
         })
     }
@@ -251,6 +318,25 @@ impl EmuDevice {
 
     pub fn profile(&self) -> &EmuProfile {
         &self.profile
+    }
+
+    /// Replaces the drift schedule. Its times count from the first `now` the device sees from
+    /// here on (or from 0 with [`ScheduleOrigin::Zero`]); the schedule's factor and stall
+    /// restart at 1x and not stalled at that moment. The run-time handle is not affected.
+    pub fn set_schedule(&mut self, schedule: EmuSchedule) -> Result<(), EmuError> {
+        let schedule = schedule.normalize()?;
+        self.drift.pending = Some(schedule);
+        Ok(())
+    }
+
+    /// The shared run-time handle: slow down, speed up or stall this device from any thread.
+    pub fn controls(&self) -> Arc<EmuControls> {
+        Arc::clone(&self.drift.controls)
+    }
+
+    /// The drift state in force: factor (schedule × handle) and stall.
+    pub fn drift_state(&self) -> DriftState {
+        self.drift.controls.state()
     }
 
     pub fn capacity_bytes(&self) -> u64 {
@@ -275,8 +361,10 @@ impl EmuDevice {
         self.stats.commands_submitted - self.stats.commands_completed + self.ready.len() as u64
     }
 
+    /// Nothing submitted is unfinished and no background work is pending (a drift schedule's
+    /// future changes do not count: they change nothing until work arrives).
     pub fn is_idle(&self) -> bool {
-        self.outstanding() == 0 && self.events.is_empty()
+        self.outstanding() == 0 && self.events.is_empty() && self.drift.deferred_slices.is_empty()
     }
 
     /// Pages of the write buffer holding data not yet programmed.
@@ -306,8 +394,7 @@ impl EmuDevice {
                 request.len
             }
         };
-        let now = now.max(self.time);
-        self.run_until(now);
+        let now = self.observe(now);
         let command = Command {
             tag: request.tag,
             kind: request.kind,
@@ -324,17 +411,27 @@ impl EmuDevice {
 
     /// Moves the model to `now` and appends every completion due by then.
     pub fn advance(&mut self, now: Nanos, out: &mut Vec<EmuCompletion>) {
-        let now = now.max(self.time);
-        self.run_until(now);
+        self.observe(now);
         out.extend(self.ready.drain(..));
     }
 
-    /// The earliest time at which `advance` has something to do.
+    /// The earliest time at which `advance` has something to do: a completion or background
+    /// event, the schedule's next change while work is waiting, or a periodic re-check while
+    /// the handle stalls a device with work waiting (so a lift from another thread is seen).
     pub fn next_event(&self) -> Option<Nanos> {
         if let Some(done) = self.ready.front() {
             return Some(done.completed_at);
         }
-        self.events.peek().map(|Reverse((time, _, _))| Nanos(*time))
+        let event = self.events.peek().map(|Reverse((time, _, _))| *time);
+        let waiting = self.outstanding() > 0 || !self.drift.deferred_slices.is_empty();
+        let change = self.drift.next_change_at().filter(|_| waiting);
+        let recheck = (waiting && self.drift.control_stalled)
+            .then(|| self.time.0.saturating_add(drift::CONTROL_RECHECK.0));
+        [event, change, recheck]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(Nanos)
     }
 
     pub fn read_data(&self, offset: u64, buf: &mut [u8]) -> Result<(), EmuError> {
@@ -385,12 +482,56 @@ impl EmuDevice {
         self.events.push(Reverse((at, self.event_sequence, event)));
     }
 
+    /// Brings the model to `now` (never back): arms a newly set schedule, runs every event
+    /// and schedule change due, then applies a change made through the handle, at `now`.
+    fn observe(&mut self, now: Nanos) -> Nanos {
+        let now = now.max(self.time);
+        if let Some(schedule) = self.drift.pending.take() {
+            let origin = match schedule.origin {
+                ScheduleOrigin::FirstNow => now,
+                ScheduleOrigin::Zero => Nanos::ZERO,
+            };
+            self.drift.timeline = schedule.timeline(origin);
+            self.drift.timeline_next = 0;
+            self.change_drift(self.time, |drift| {
+                drift.schedule_slowdown = Slowdown::NONE;
+                drift.schedule_stalled = false;
+            });
+        }
+        self.run_until(now);
+        let generation = self.drift.controls.generation();
+        if generation != self.drift.control_generation {
+            self.drift.control_generation = generation;
+            let (slowdown, stalled) = self.drift.controls.requested();
+            self.change_drift(now, |drift| {
+                drift.control_slowdown = slowdown;
+                drift.control_stalled = stalled;
+            });
+        }
+        now
+    }
+
     fn run_until(&mut self, now: Nanos) {
-        while let Some(&Reverse((at, _, event))) = self.events.peek() {
-            if at > now.0 {
-                break;
+        loop {
+            let event_at = self.events.peek().map(|&Reverse((at, _, _))| at);
+            // A schedule change applies before any event at the same time.
+            if let Some(change_at) = self.drift.next_change_at()
+                && change_at <= now.0
+                && event_at.is_none_or(|at| change_at <= at)
+            {
+                let (_, change) = self.drift.timeline[self.drift.timeline_next];
+                self.drift.timeline_next += 1;
+                // A schedule armed late (origin zero) applies its past changes at once.
+                self.time = self.time.max(Nanos(change_at));
+                self.apply_change(change, self.time);
+                continue;
             }
-            self.events.pop();
+            let Some(at) = event_at.filter(|&at| at <= now.0) else {
+                break;
+            };
+            let Some(Reverse((_, _, event))) = self.events.pop() else {
+                break;
+            };
             self.time = Nanos(at);
             match event {
                 Event::Complete { slot } => self.complete(slot, Nanos(at)),
@@ -399,6 +540,48 @@ impl EmuDevice {
             }
         }
         self.time = self.time.max(now);
+    }
+
+    fn apply_change(&mut self, change: drift::Change, at: Nanos) {
+        self.change_drift(at, |drift| match change {
+            drift::Change::Slow(slowdown) => drift.schedule_slowdown = slowdown,
+            drift::Change::StallBegin => drift.schedule_stalled = true,
+            drift::Change::StallEnd => drift.schedule_stalled = false,
+        });
+    }
+
+    /// Changes the drift state at `at`; if that ends a stall, what waited starts now.
+    fn change_drift(&mut self, at: Nanos, change: impl FnOnce(&mut DriftModel)) {
+        let stalled_before = self.drift.stalled();
+        let factor_before = self.drift.factor;
+        change(&mut self.drift);
+        let drift = &mut self.drift;
+        drift.factor = drift::Factor::of(drift.schedule_slowdown, drift.control_slowdown);
+        if drift.factor != factor_before || drift.stalled() != stalled_before {
+            drift.controls.publish(drift.factor, drift.stalled());
+        }
+        if stalled_before && !self.drift.stalled() {
+            self.resume(at);
+        }
+    }
+
+    /// The end of a stall: slices that waited reach their dies, writes that waited are
+    /// admitted, and the arbiter fetches, all at `at`.
+    fn resume(&mut self, at: Nanos) {
+        assert!(!self.drift.stalled(), "resume while stalled");
+        let mut deferred = std::mem::take(&mut self.drift.deferred_slices);
+        for &(work, ns) in &deferred {
+            self.slice_arrives(work, ns, at);
+        }
+        assert!(
+            self.drift.deferred_slices.is_empty(),
+            "a slice was deferred while not stalled"
+        );
+        // Keep the vector's capacity for the next stall.
+        deferred.clear();
+        self.drift.deferred_slices = deferred;
+        self.admit_waiting_writes(at);
+        self.fetch(at);
     }
 
     fn complete(&mut self, slot: u32, at: Nanos) {
@@ -424,6 +607,14 @@ impl EmuDevice {
             "buffer accounting"
         );
         self.buffer_used_pages -= u64::from(pages);
+        self.admit_waiting_writes(at);
+    }
+
+    /// Admits waiting writes, in order, while the buffer has room (not while stalled).
+    fn admit_waiting_writes(&mut self, at: Nanos) {
+        if self.drift.stalled() {
+            return;
+        }
         while let Some(&slot) = self.waiting_writes.front() {
             let Some(command) = self.slots[slot as usize] else {
                 unreachable!("a waiting write holds its slot");
@@ -437,6 +628,9 @@ impl EmuDevice {
     }
 
     fn fetch(&mut self, at: Nanos) {
+        if self.drift.stalled() {
+            return;
+        }
         while let Some(&slot) = self.free_slots.last() {
             let Some((_, command)) = self.arbiter.pop() else {
                 break;
@@ -481,11 +675,11 @@ impl EmuDevice {
         match command.kind {
             EmuOpKind::Read => {
                 let read_only = self.read_only(at);
-                let read_ns = if read_only {
+                let read_ns = self.drift.factor.apply(if read_only {
                     self.profile.read_only_read_ns
                 } else {
                     self.profile.read_ns
-                };
+                });
                 let page = u64::from(self.profile.page_bytes);
                 let first = command.offset / page;
                 let pages = self.pages_of(&command);
@@ -502,7 +696,7 @@ impl EmuDevice {
                 }
                 self.stats.die_read_ns += pages * read_ns;
                 self.schedule(
-                    finish_max + self.profile.controller_ns,
+                    finish_max + self.drift.factor.apply(self.profile.controller_ns),
                     Event::Complete { slot },
                 );
             }
@@ -516,7 +710,8 @@ impl EmuDevice {
                 }
             }
             EmuOpKind::Flush | EmuOpKind::Trim => {
-                self.schedule(at.0 + self.profile.controller_ns, Event::Complete { slot });
+                let controller_ns = self.drift.factor.apply(self.profile.controller_ns);
+                self.schedule(at.0 + controller_ns, Event::Complete { slot });
             }
         }
     }
@@ -544,8 +739,8 @@ impl EmuDevice {
         let slices_per_page = work_ns.div_ceil(slice_ns);
         let slices = pages * slices_per_page;
         self.stats.pages_written += pages;
-        self.stats.die_background_ns += pages * work_ns;
-        self.schedule(at.0 + self.profile.write_ack_ns, Event::Complete { slot });
+        let write_ack_ns = self.drift.factor.apply(self.profile.write_ack_ns);
+        self.schedule(at.0 + write_ack_ns, Event::Complete { slot });
         if slices == 0 {
             self.schedule(
                 at.0,
@@ -588,10 +783,17 @@ impl EmuDevice {
         }
     }
 
-    /// A background slice reaches a die: it queues behind whatever the die has.
+    /// A background slice reaches a die: it queues behind whatever the die has, for its base
+    /// die time × the factor in force now. While stalled it waits for the end of the stall.
     fn slice_arrives(&mut self, work_index: u32, ns: u32, at: Nanos) {
+        if self.drift.stalled() {
+            self.drift.deferred_slices.push((work_index, ns));
+            return;
+        }
         let die = (self.rng.next_u64() % self.die_count) as usize;
-        let finish = self.die_busy_until[die].max(at.0) + u64::from(ns);
+        let slice_ns = self.drift.factor.apply(u64::from(ns));
+        self.stats.die_background_ns += slice_ns;
+        let finish = self.die_busy_until[die].max(at.0) + slice_ns;
         self.die_busy_until[die] = finish;
         let work = &mut self.work[work_index as usize];
         assert!(work.slices_left > 0, "slice of finished work");

@@ -77,6 +77,10 @@ pub enum EmuProfileError {
     UnknownName { name: String, shipped: String },
     #[error("cannot read emulated-device profile {path}: {reason}")]
     Read { path: String, reason: String },
+    #[error(
+        "{spec:?} has a drift schedule, which a profile alone cannot carry: open the device (EmuFlash::open) or split it with emu::split_spec"
+    )]
+    HasSchedule { spec: String },
 }
 
 impl EmuProfile {
@@ -96,6 +100,11 @@ impl EmuProfile {
     /// accepted and ignored.
     pub fn lookup(spec: &str) -> Result<EmuProfile, EmuProfileError> {
         let spec = spec.trim();
+        if spec.starts_with("emu(") {
+            return Err(EmuProfileError::HasSchedule {
+                spec: spec.to_string(),
+            });
+        }
         let name = spec.strip_prefix("emu:").unwrap_or(spec);
         if name.contains('/') || name.ends_with(".toml") {
             let text = std::fs::read_to_string(name).map_err(|e| EmuProfileError::Read {

@@ -14,6 +14,11 @@
 //! A read-only device ([`EmuFlash::with_read_only`]) refuses writes and trims with `EROFS`
 //! before they reach the model.
 //!
+//! Drift: `emu(slow=2x@10s;stall=40s-41s):NAME` opens the device with a schedule whose times
+//! count from the first `now` any thread hands in (its first I/O or poll), and
+//! [`EmuFlash::controls`] (also [`Device::emu_controls`]) changes speed or stalls it at run
+//! time ([`super::drift`]).
+//!
 //! The lock is held for a few hundred nanoseconds per call (one heap operation and a 4 KiB
 //! copy per command), far below the 10 µs per request of 100K IOPS.
 
@@ -21,7 +26,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use reflex_qos::Nanos;
 
-use super::{EmuCompletion, EmuDevice, EmuError, EmuOpKind, EmuProfile, EmuRequest, PriorityClass};
+use super::{
+    EmuCompletion, EmuControls, EmuDevice, EmuError, EmuOpKind, EmuProfile, EmuRequest,
+    EmuSchedule, PriorityClass,
+};
 use crate::{Completion, Device, DeviceInfo, DeviceOp, DeviceQueue, FlashError, OpKind, Submit};
 
 /// Namespace size used when the configuration gives none.
@@ -31,7 +39,8 @@ pub const EMU_SIZE_DEFAULT_BYTES: u64 = 1 << 30;
 const REALTIME_SEED: u64 = 0x5eed_f1a5;
 
 /// Opens the emulated device `spec` (`emu:device-a`, `emu:device-a-small`, `emu:/path/x.toml`,
-/// or the same without `emu:`) with a namespace of `size_bytes`.
+/// the same without `emu:`, or any of them with a drift schedule:
+/// `emu(slow=2x@10s):device-a-small`) with a namespace of `size_bytes`.
 pub fn open(spec: &str, size_bytes: u64) -> Result<Arc<dyn Device>, FlashError> {
     Ok(Arc::new(EmuFlash::open(spec, size_bytes)?))
 }
@@ -66,13 +75,29 @@ impl EmuFlash {
             spec: spec.to_string(),
             reason,
         };
-        let profile = EmuProfile::lookup(spec).map_err(|e| fail(e.to_string()))?;
-        EmuFlash::with_profile(profile, size_bytes).map_err(|e| fail(e.to_string()))
+        let (schedule, name) = super::split_spec(spec).map_err(|e| fail(e.to_string()))?;
+        let profile = EmuProfile::lookup(name).map_err(|e| fail(e.to_string()))?;
+        EmuFlash::with_schedule(profile, size_bytes, schedule).map_err(|e| fail(e.to_string()))
     }
 
     pub fn with_profile(profile: EmuProfile, size_bytes: u64) -> Result<EmuFlash, EmuError> {
+        EmuFlash::with_schedule(profile, size_bytes, EmuSchedule::default())
+    }
+
+    /// A device that drifts by `schedule` (its times count from the first `now` any queue
+    /// hands in, unless the schedule says `origin=zero`).
+    pub fn with_schedule(
+        profile: EmuProfile,
+        size_bytes: u64,
+        schedule: EmuSchedule,
+    ) -> Result<EmuFlash, EmuError> {
+        let drift = if schedule.is_empty() {
+            String::new()
+        } else {
+            format!(", drift schedule {schedule}")
+        };
         let description = format!(
-            "emu:{} (emulated Flash: {} dies, {} command slots, {:?})",
+            "emu:{} (emulated Flash: {} dies, {} command slots, {:?}{drift})",
             profile.name,
             profile.die_count(),
             profile.queue_depth_max,
@@ -80,6 +105,7 @@ impl EmuFlash {
         );
         let queue_count = profile.queue_count;
         let mut device = EmuDevice::new(profile, size_bytes, REALTIME_SEED)?;
+        device.set_schedule(schedule)?;
         // One submission queue per priority class (PriorityClass::submission_queue), so the
         // dataplane can arbitrate by class without knowing the profile's queue layout.
         if queue_count >= PriorityClass::ALL.len() as u16 {
@@ -122,6 +148,11 @@ impl EmuFlash {
         lock(&self.shared).device.set_queue_class(queue, class)
     }
 
+    /// The shared run-time handle: slow down, speed up or stall the device.
+    pub fn controls(&self) -> Arc<EmuControls> {
+        lock(&self.shared).device.controls()
+    }
+
     /// Runs `f` on the model (statistics, tests).
     pub fn with_model<R>(&self, f: impl FnOnce(&EmuDevice) -> R) -> R {
         f(&lock(&self.shared).device)
@@ -138,6 +169,10 @@ fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
 impl Device for EmuFlash {
     fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    fn emu_controls(&self) -> Option<Arc<EmuControls>> {
+        Some(self.controls())
     }
 
     fn queue(&self) -> Box<dyn DeviceQueue> {

@@ -19,7 +19,8 @@ use super::output::OutputBuffer;
 use super::transmission::Session;
 use super::{
     EXPORT_NAME_PADDING_SIZE, Export, ExportTable, IHAVEOPT, NBD_MAGIC, OPTION_HEADER_SIZE,
-    OPTION_REPLY_MAGIC, STRING_SIZE_MAX, client_flags, handshake_flags, info, option, reply,
+    OPTION_REPLY_MAGIC, STRING_SIZE_MAX, client_flags, handshake_flags, info, meta_context, option,
+    reply,
 };
 use crate::wire::{Cursor, Fields};
 
@@ -41,6 +42,9 @@ const MESSAGE_UNKNOWN_EXPORT: &str = "no such export";
 const MESSAGE_SHUTDOWN: &str = "server is shutting down";
 const MESSAGE_BLOCK_SIZE_REQUIRED: &str =
     "this export requires NBD_INFO_BLOCK_SIZE to be requested";
+const MESSAGE_STRUCTURED_FIRST: &str = "metadata contexts need structured replies first";
+const MESSAGE_TOO_MANY_QUERIES: &str = "too many metadata context queries";
+const MESSAGE_BAD_QUERY: &str = "a metadata context query must be namespace:leaf";
 
 /// Server policy for handshakes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,6 +121,8 @@ enum Buffered {
     StructuredReply,
     Info,
     Go,
+    ListMetaContext,
+    SetMetaContext,
 }
 
 impl Buffered {
@@ -127,6 +133,8 @@ impl Buffered {
             Buffered::StructuredReply => option::STRUCTURED_REPLY,
             Buffered::Info => option::INFO,
             Buffered::Go => option::GO,
+            Buffered::ListMetaContext => option::LIST_META_CONTEXT,
+            Buffered::SetMetaContext => option::SET_META_CONTEXT,
         }
     }
 }
@@ -160,6 +168,8 @@ pub struct Handshake {
     output: OutputBuffer,
     client_no_zeroes: bool,
     structured_replies: bool,
+    /// The export whose `base:allocation` the last `NBD_OPT_SET_META_CONTEXT` selected.
+    meta_selection: Option<usize>,
     shutting_down: bool,
     options_count: u32,
     outcome: Option<Outcome>,
@@ -179,6 +189,7 @@ impl Handshake {
             output: OutputBuffer::with_capacity(1024),
             client_no_zeroes: false,
             structured_replies: false,
+            meta_selection: None,
             shutting_down: false,
             options_count: 0,
             outcome: None,
@@ -435,6 +446,19 @@ impl Handshake {
                     buffer(self, Buffered::Go);
                 }
             }
+            option::LIST_META_CONTEXT | option::SET_META_CONTEXT => {
+                if option == option::SET_META_CONTEXT {
+                    // A SET replaces the selection, even when it fails.
+                    self.meta_selection = None;
+                }
+                if length_bytes as usize > OPTION_DATA_MAX_BYTES {
+                    self.skip_then_error(option, length_bytes, reply::ERR_TOO_BIG, MESSAGE_TOO_BIG);
+                } else if option == option::LIST_META_CONTEXT {
+                    buffer(self, Buffered::ListMetaContext);
+                } else {
+                    buffer(self, Buffered::SetMetaContext);
+                }
+            }
             option::STARTTLS => {
                 self.skip_then_error(option, length_bytes, reply::ERR_POLICY, MESSAGE_TLS)
             }
@@ -462,11 +486,9 @@ impl Handshake {
                     self.output
                         .extend_from_slice(&[0; EXPORT_NAME_PADDING_SIZE]);
                 }
-                self.finish(Outcome::Transmission(Session::new(
-                    index,
-                    export,
-                    self.structured_replies,
-                )));
+                // EXPORT_NAME cannot ask for block sizes: the spec's defaults apply.
+                let session = self.session(index, export, false);
+                self.finish(Outcome::Transmission(session));
             }
             Buffered::List => {
                 let exports = Arc::clone(&self.exports);
@@ -485,8 +507,67 @@ impl Handshake {
                 self.write_reply(option, reply::ACK, &[]);
             }
             Buffered::Info | Buffered::Go => self.info_or_go(option),
+            Buffered::ListMetaContext | Buffered::SetMetaContext => self.meta_context(option),
         }
         Ok(())
+    }
+
+    /// The session for entering transmission on `export`.
+    fn session(&self, index: usize, export: &Export, block_sizes_agreed: bool) -> Session {
+        let base_allocation =
+            self.structured_replies && export.base_allocation && self.meta_selection == Some(index);
+        Session::new(index, export, self.structured_replies)
+            .with_block_sizes_agreed(block_sizes_agreed)
+            .with_base_allocation(base_allocation)
+    }
+
+    /// `NBD_OPT_LIST_META_CONTEXT` and `NBD_OPT_SET_META_CONTEXT`: the only context is
+    /// `base:allocation`, matched by its name (and, when listing, by `base:` or no query).
+    fn meta_context(&mut self, option: u32) {
+        let set = option == option::SET_META_CONTEXT;
+        let data = std::mem::take(&mut self.data);
+        let exports = Arc::clone(&self.exports);
+        let result = match parse_meta_request(&data) {
+            Err(MetaError::Malformed) => Err((reply::ERR_INVALID, MESSAGE_INVALID)),
+            Err(MetaError::TooManyQueries) => Err((reply::ERR_TOO_BIG, MESSAGE_TOO_MANY_QUERIES)),
+            Err(MetaError::BadQuery) => Err((reply::ERR_INVALID, MESSAGE_BAD_QUERY)),
+            Ok(_) if set && !self.structured_replies => {
+                Err((reply::ERR_INVALID, MESSAGE_STRUCTURED_FIRST))
+            }
+            Ok(request) => match exports.lookup(request.name) {
+                None => Err((reply::ERR_UNKNOWN, MESSAGE_UNKNOWN_EXPORT)),
+                Some((index, export)) => Ok((index, export.base_allocation, request)),
+            },
+        };
+        match result {
+            Err((reply_type, message)) => {
+                self.write_reply(option, reply_type, &[message.as_bytes()])
+            }
+            Ok((index, offered, request)) => {
+                let wanted = request.queries().any(|query| {
+                    query == meta_context::BASE_ALLOCATION.as_bytes() || (!set && query == b"base:")
+                });
+                let matched = offered && (wanted || (!set && request.query_count == 0));
+                if matched {
+                    // Listed contexts carry id 0, as the spec asks.
+                    let id = if set {
+                        meta_context::BASE_ALLOCATION_ID
+                    } else {
+                        0
+                    };
+                    self.write_reply(
+                        option,
+                        reply::META_CONTEXT,
+                        &[&id.to_be_bytes(), meta_context::BASE_ALLOCATION.as_bytes()],
+                    );
+                    if set {
+                        self.meta_selection = Some(index);
+                    }
+                }
+                self.write_reply(option, reply::ACK, &[]);
+            }
+        }
+        self.data = data;
     }
 
     /// `NBD_OPT_INFO` and `NBD_OPT_GO`: parse, then INFO replies and ACK, or an error reply.
@@ -515,11 +596,8 @@ impl Handshake {
                 } else {
                     self.write_reply(option, reply::ACK, &[]);
                     if option == option::GO {
-                        self.finish(Outcome::Transmission(Session::new(
-                            index,
-                            export,
-                            self.structured_replies,
-                        )));
+                        let session = self.session(index, export, request.block_size);
+                        self.finish(Outcome::Transmission(session));
                     }
                 }
             }
@@ -614,4 +692,61 @@ fn parse_info_request(data: &[u8]) -> Option<InfoRequest<'_>> {
         }
     }
     Some(request)
+}
+
+/// The parsed data of `NBD_OPT_LIST_META_CONTEXT`/`NBD_OPT_SET_META_CONTEXT`.
+struct MetaRequest<'a> {
+    name: &'a [u8],
+    query_count: usize,
+    /// The queries, each a u32 length and its bytes (checked by the parser).
+    queries: &'a [u8],
+}
+
+impl<'a> MetaRequest<'a> {
+    fn queries(&self) -> impl Iterator<Item = &'a [u8]> + 'a {
+        let mut cursor = Cursor::new(self.queries);
+        std::iter::from_fn(move || {
+            let length = cursor.u32_be()? as usize;
+            cursor.take(length)
+        })
+    }
+}
+
+enum MetaError {
+    Malformed,
+    TooManyQueries,
+    BadQuery,
+}
+
+/// Data: u32 name length, name, u32 query count, then per query a u32 length and the query.
+/// The lengths must add up to exactly the option length; a query must be at most 4096 bytes
+/// and hold a `:` after a non-empty namespace.
+fn parse_meta_request(data: &[u8]) -> Result<MetaRequest<'_>, MetaError> {
+    let mut cursor = Cursor::new(data);
+    let name_length = cursor.u32_be().ok_or(MetaError::Malformed)? as usize;
+    let name = cursor.take(name_length).ok_or(MetaError::Malformed)?;
+    let query_count = cursor.u32_be().ok_or(MetaError::Malformed)? as usize;
+    let queries = cursor
+        .take(cursor.remaining())
+        .ok_or(MetaError::Malformed)?;
+    let request = MetaRequest {
+        name,
+        query_count,
+        queries,
+    };
+    let mut check = Cursor::new(queries);
+    for _ in 0..query_count {
+        let length = check.u32_be().ok_or(MetaError::Malformed)? as usize;
+        let query = check.take(length).ok_or(MetaError::Malformed)?;
+        if length > STRING_SIZE_MAX || !query.iter().skip(1).any(|&byte| byte == b':') {
+            return Err(MetaError::BadQuery);
+        }
+    }
+    if check.remaining() != 0 {
+        return Err(MetaError::Malformed);
+    }
+    if query_count > meta_context::QUERIES_MAX {
+        return Err(MetaError::TooManyQueries);
+    }
+    Ok(request)
 }

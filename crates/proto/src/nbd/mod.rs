@@ -27,9 +27,10 @@ pub use handshake::{
     OUTPUT_PENDING_MAX_BYTES, Outcome,
 };
 pub use transmission::{
-    ChunkHeader, Command, CommandType, Reply, ReplyBytes, ReplyError, RequestError, RequestHeader,
-    Session, SimpleReply, UnknownCommand, ValidatedCommand, decode_request, error_chunk,
-    none_chunk, offset_data_chunk,
+    BLOCK_DESCRIPTOR_SIZE, ChunkHeader, Command, CommandType, Reply, ReplyBytes, ReplyError,
+    RequestError, RequestHeader, Session, SimpleReply, UnknownCommand, ValidatedCommand,
+    block_status_chunk, decode_request, encode_block_status, error_chunk, none_chunk,
+    offset_data_chunk,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -64,6 +65,9 @@ pub const STRING_SIZE_MAX: usize = 4096;
 pub const MAXIMUM_PAYLOAD_BYTES_MAX: u32 = u32::MAX - 8;
 /// Most exports one server offers; bounds the LIST reply.
 pub const EXPORT_COUNT_MAX: usize = 256;
+/// The maximum payload the spec asks servers to support for clients that did not negotiate
+/// block sizes (2^25), and that such clients should not exceed.
+pub const DEFAULT_MAXIMUM_PAYLOAD_BYTES: u32 = 1 << 25;
 
 // ---------------------------------------------------------------------------------------------
 // Flags and codes.
@@ -130,6 +134,24 @@ pub mod command_flags {
     pub const FAST_ZERO: u16 = 1 << 4;
 }
 
+/// Metadata contexts (`NBD_OPT_SET_META_CONTEXT`, `NBD_CMD_BLOCK_STATUS`).
+pub mod meta_context {
+    /// The one context reflexd offers: which extents are allocated (`docs/NBD.md`).
+    pub const BASE_ALLOCATION: &str = "base:allocation";
+    /// The id reflexd gives `base:allocation` when a client selects it.
+    pub const BASE_ALLOCATION_ID: u32 = 1;
+    /// Most queries one LIST or SET option may carry (more: `NBD_REP_ERR_TOO_BIG`).
+    pub const QUERIES_MAX: usize = 64;
+}
+
+/// Status flags of `base:allocation` block descriptors (`NBD_STATE_*`).
+pub mod allocation_flags {
+    /// Not allocated.
+    pub const HOLE: u32 = 1 << 0;
+    /// Reads as zeroes.
+    pub const ZERO: u32 = 1 << 1;
+}
+
 /// Structured reply flags and chunk types.
 pub mod chunk {
     pub const FLAG_DONE: u16 = 1 << 0;
@@ -168,7 +190,9 @@ impl TransmissionFlags {
             | Self::ROTATIONAL.0
             | Self::SEND_TRIM.0
             | Self::SEND_WRITE_ZEROES.0
-            | Self::CAN_MULTI_CONN.0,
+            | Self::CAN_MULTI_CONN.0
+            | Self::SEND_CACHE.0
+            | Self::SEND_FAST_ZERO.0,
     );
 
     /// What a writable reflexd export advertises by default.
@@ -178,7 +202,9 @@ impl TransmissionFlags {
             | Self::SEND_FUA.0
             | Self::SEND_TRIM.0
             | Self::SEND_WRITE_ZEROES.0
-            | Self::CAN_MULTI_CONN.0,
+            | Self::CAN_MULTI_CONN.0
+            | Self::SEND_CACHE.0
+            | Self::SEND_FAST_ZERO.0,
     );
 
     pub const fn from_bits_retain(bits: u16) -> TransmissionFlags {
@@ -216,7 +242,7 @@ pub enum Errno {
     NoSpc = 28,
     /// Reserved for DF reads and oversized payload-less commands; reflexd does not produce it.
     Overflow = 75,
-    /// Fast-zero not possible; reflexd does not produce it (it does not advertise fast zero).
+    /// A `WRITE_ZEROES` with `FAST_ZERO` that would need writes rather than a discard.
     NotSup = 95,
     /// The server is shutting down.
     Shutdown = 108,
@@ -265,7 +291,9 @@ impl Errno {
 // ---------------------------------------------------------------------------------------------
 // Exports.
 
-/// Block size constraints advertised in `NBD_INFO_BLOCK_SIZE` and enforced on requests.
+/// Block size constraints advertised in `NBD_INFO_BLOCK_SIZE` and enforced on requests of
+/// clients that agreed to them (a client that did not gets the spec's defaults, see
+/// [`Session::validate`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BlockSizes {
     /// Alignment of offsets and lengths: a power of two ≤ 64 KiB.
@@ -277,12 +305,14 @@ pub struct BlockSizes {
 }
 
 impl Default for BlockSizes {
-    /// 512 / 4096 / 1 MiB: what an O_DIRECT backend with registered 1 MiB buffers accepts.
+    /// 1 / 4096 / 32 MiB, the spec's defaults: any byte is addressable (reflexd serves
+    /// unaligned requests by read-modify-write), 4 KiB-aligned requests avoid it, and READs
+    /// and WRITEs of up to 32 MiB are served (in parts of one buffer run).
     fn default() -> Self {
         BlockSizes {
-            minimum_bytes: 512,
+            minimum_bytes: 1,
             preferred_bytes: 4096,
-            maximum_bytes: 1 << 20,
+            maximum_bytes: DEFAULT_MAXIMUM_PAYLOAD_BYTES,
         }
     }
 }
@@ -316,12 +346,16 @@ pub struct Export {
     /// A multiple of `block_sizes.minimum_bytes`.
     pub size_bytes: u64,
     pub block_sizes: BlockSizes,
-    /// Must include HAS_FLAGS and only bits in [`TransmissionFlags::SUPPORTED`].
+    /// Must include HAS_FLAGS and only bits in [`TransmissionFlags::SUPPORTED`];
+    /// SEND_FAST_ZERO only with SEND_WRITE_ZEROES.
     pub flags: TransmissionFlags,
+    /// Whether the export offers the `base:allocation` metadata context (block status).
+    pub base_allocation: bool,
 }
 
 impl Export {
-    /// A writable export with the default block sizes and [`TransmissionFlags::DEFAULT`].
+    /// A writable export with the default block sizes, [`TransmissionFlags::DEFAULT`] and
+    /// `base:allocation`.
     pub fn new(name: impl Into<String>, size_bytes: u64) -> Export {
         Export {
             name: name.into(),
@@ -329,6 +363,7 @@ impl Export {
             size_bytes,
             block_sizes: BlockSizes::default(),
             flags: TransmissionFlags::DEFAULT,
+            base_allocation: true,
         }
     }
 
@@ -339,7 +374,14 @@ impl Export {
             .flags
             .union(TransmissionFlags::READ_ONLY)
             .difference(TransmissionFlags::SEND_TRIM)
-            .difference(TransmissionFlags::SEND_WRITE_ZEROES);
+            .difference(TransmissionFlags::SEND_WRITE_ZEROES)
+            .difference(TransmissionFlags::SEND_FAST_ZERO);
+        self
+    }
+
+    #[must_use]
+    pub fn with_base_allocation(mut self, base_allocation: bool) -> Export {
+        self.base_allocation = base_allocation;
         self
     }
 
@@ -378,8 +420,11 @@ impl Export {
                 size_bytes: self.size_bytes,
             });
         }
+        let fast_zero_alone = self.flags.contains(TransmissionFlags::SEND_FAST_ZERO)
+            && !self.flags.contains(TransmissionFlags::SEND_WRITE_ZEROES);
         if !self.flags.contains(TransmissionFlags::HAS_FLAGS)
             || self.flags.difference(TransmissionFlags::SUPPORTED).bits() != 0
+            || fast_zero_alone
         {
             return Err(ExportError::Flags {
                 name: self.name.clone(),
@@ -414,7 +459,7 @@ pub enum ExportError {
     #[error("export {name:?}: size {size_bytes} is not a multiple of the minimum block size")]
     SizeNotAligned { name: String, size_bytes: u64 },
     #[error(
-        "export {name:?}: transmission flags {flags:#06x} lack HAS_FLAGS or include unsupported features"
+        "export {name:?}: transmission flags {flags:#06x} lack HAS_FLAGS, include unsupported features, or offer fast zero without write zeroes"
     )]
     Flags { name: String, flags: u16 },
     #[error("default export {0:?} is not in the table")]

@@ -6,12 +6,14 @@
 //! defect is answered with an error reply, and a WRITE's payload is consumed whatever its fate
 //! ([`RequestHeader::payload_length_bytes`]). Replies are header bytes only ([`ReplyBytes`]):
 //! the dataplane sends READ data zero-copy from its own buffer right after them, and since each
-//! reply carries the request's cookie, replies may go out in any order.
+//! reply carries the request's cookie, replies may go out in any order. A READ may be answered
+//! in pieces ([`Session::reply_read_piece`]); a BLOCK_STATUS answer's payload is encoded by
+//! [`encode_block_status`] into the caller's buffer.
 
 use super::{
-    BlockSizes, CHUNK_HEADER_SIZE, Errno, Export, REQUEST_HEADER_SIZE, REQUEST_MAGIC,
-    SIMPLE_REPLY_MAGIC, SIMPLE_REPLY_SIZE, STRUCTURED_REPLY_MAGIC, TransmissionFlags, chunk,
-    command_flags,
+    BlockSizes, CHUNK_HEADER_SIZE, DEFAULT_MAXIMUM_PAYLOAD_BYTES, Errno, Export,
+    REQUEST_HEADER_SIZE, REQUEST_MAGIC, SIMPLE_REPLY_MAGIC, SIMPLE_REPLY_SIZE,
+    STRUCTURED_REPLY_MAGIC, TransmissionFlags, chunk, command_flags, meta_context,
 };
 use crate::wire::{Fields, FieldsMut};
 
@@ -153,12 +155,26 @@ pub enum Command {
         length_bytes: u32,
         fua: bool,
     },
-    /// `no_hole`: the range must end up allocated, not trimmed.
+    /// `no_hole`: the range must end up allocated, not trimmed. `fast_zero`: fail with
+    /// ENOTSUP rather than zero more slowly than a WRITE would.
     WriteZeroes {
         offset_bytes: u64,
         length_bytes: u32,
         fua: bool,
         no_hole: bool,
+        fast_zero: bool,
+    },
+    /// `NBD_CMD_CACHE`: the client will access the range soon (advisory).
+    Cache {
+        offset_bytes: u64,
+        length_bytes: u32,
+    },
+    /// `NBD_CMD_BLOCK_STATUS` for `base:allocation`; `req_one`: at most one extent, not
+    /// longer than the request.
+    BlockStatus {
+        offset_bytes: u64,
+        length_bytes: u32,
+        req_one: bool,
     },
     /// `NBD_CMD_DISC`: finish outstanding requests, send nothing for this one, close.
     Disconnect,
@@ -184,7 +200,8 @@ impl ValidatedCommand {
     }
 }
 
-/// The transmission phase of one connection: the negotiated export and reply style.
+/// The transmission phase of one connection: the negotiated export, reply style, size
+/// constraints and metadata context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Session {
     export_index: usize,
@@ -192,11 +209,17 @@ pub struct Session {
     flags: TransmissionFlags,
     block_sizes: BlockSizes,
     structured_replies: bool,
+    /// The client asked for `NBD_INFO_BLOCK_SIZE` with `NBD_OPT_GO`, so it must honour the
+    /// export's constraints; otherwise the spec's defaults apply.
+    block_sizes_agreed: bool,
+    /// The client selected `base:allocation` for this export (with structured replies).
+    base_allocation: bool,
 }
 
 impl Session {
-    /// A session on `export` (at `export_index` in the export table). The handshake makes it;
-    /// tests and tools may make one directly.
+    /// A session on `export` (at `export_index` in the export table), with neither agreed
+    /// block sizes nor a metadata context. The handshake makes it; tests and tools may make
+    /// one directly.
     pub fn new(export_index: usize, export: &Export, structured_replies: bool) -> Session {
         assert!(
             export.block_sizes.validate().is_ok(),
@@ -208,7 +231,27 @@ impl Session {
             flags: export.flags,
             block_sizes: export.block_sizes,
             structured_replies,
+            block_sizes_agreed: false,
+            base_allocation: false,
         }
+    }
+
+    /// The client agreed to the export's block sizes (`NBD_INFO_BLOCK_SIZE` with `GO`).
+    #[must_use]
+    pub const fn with_block_sizes_agreed(mut self, agreed: bool) -> Session {
+        self.block_sizes_agreed = agreed;
+        self
+    }
+
+    /// The client selected `base:allocation`; it needs structured replies.
+    #[must_use]
+    pub fn with_base_allocation(mut self, selected: bool) -> Session {
+        assert!(
+            !selected || self.structured_replies,
+            "block status needs structured replies"
+        );
+        self.base_allocation = selected;
+        self
     }
     /// Index of the export in the [`super::ExportTable`]; the driver maps it to a namespace
     /// and tenant.
@@ -227,23 +270,58 @@ impl Session {
     pub const fn structured_replies(&self) -> bool {
         self.structured_replies
     }
+    pub const fn block_sizes_agreed(&self) -> bool {
+        self.block_sizes_agreed
+    }
+    /// The id of `base:allocation` when the client selected it.
+    pub const fn base_allocation_context(&self) -> Option<u32> {
+        if self.base_allocation {
+            Some(meta_context::BASE_ALLOCATION_ID)
+        } else {
+            None
+        }
+    }
+
+    /// The constraints requests are held to: `(minimum, maximum payload)`. A client that
+    /// agreed to the export's block sizes must honour them; one that did not gets the spec's
+    /// defaults (any alignment, up to 32 MiB, or the export's maximum if larger), which the
+    /// spec asks servers to support for such clients.
+    pub fn enforced_block_sizes(&self) -> (u32, u32) {
+        if self.block_sizes_agreed {
+            (
+                self.block_sizes.minimum_bytes,
+                self.block_sizes.maximum_bytes,
+            )
+        } else {
+            (
+                1,
+                self.block_sizes
+                    .maximum_bytes
+                    .max(DEFAULT_MAXIMUM_PAYLOAD_BYTES),
+            )
+        }
+    }
 
     /// Checks a request against the export. The error is the value to reply with; either way
     /// the server consumes `header.payload_length_bytes()`.
     ///
     /// Order (the first failing check decides; `docs/NBD.md`):
     /// 1. DISC → `Disconnect`, whatever its other fields;
-    /// 2. unknown command, or CACHE, BLOCK_STATUS, RESIZE (not offered) → EINVAL;
+    /// 2. unknown command, or RESIZE (not offered) → EINVAL;
     /// 3. WRITE, TRIM or WRITE_ZEROES on a read-only export → EPERM;
-    /// 4. FLUSH, TRIM or WRITE_ZEROES not advertised for this export → EINVAL;
-    /// 5. a flag that is unknown or does not apply (FUA without SEND_FUA, NO_HOLE outside
-    ///    WRITE_ZEROES, DF, REQ_ONE, FAST_ZERO) → EINVAL;
+    /// 4. FLUSH, TRIM, WRITE_ZEROES or CACHE not advertised for this export, or BLOCK_STATUS
+    ///    without `base:allocation` selected → EINVAL;
+    /// 5. a flag that is unknown or does not apply (FUA without SEND_FUA, NO_HOLE or
+    ///    FAST_ZERO outside WRITE_ZEROES, FAST_ZERO without SEND_FAST_ZERO, REQ_ONE outside
+    ///    BLOCK_STATUS, DF) → EINVAL;
     /// 6. FLUSH with non-zero offset or length → EINVAL (otherwise valid);
     /// 7. length zero → EINVAL;
     /// 8. READ/WRITE longer than the maximum payload → EINVAL;
     /// 9. offset or length not a multiple of the minimum block size → EINVAL;
     /// 10. beyond the end of the export (or overflowing) → ENOSPC for WRITE and WRITE_ZEROES,
-    ///     EINVAL for READ and TRIM.
+    ///     EINVAL for the others.
+    ///
+    /// Steps 8 and 9 use [`Self::enforced_block_sizes`].
     #[inline]
     pub fn validate(&self, header: &RequestHeader) -> Result<ValidatedCommand, Errno> {
         let command_type = header.command().map_err(|_| Errno::Inval)?;
@@ -258,13 +336,13 @@ impl Session {
                     command: Command::Disconnect,
                 });
             }
-            CommandType::Cache | CommandType::BlockStatus | CommandType::Resize => {
-                return Err(Errno::Inval);
-            }
+            CommandType::Resize => return Err(Errno::Inval),
             CommandType::Read | CommandType::Write => true,
             CommandType::Flush => self.flags.contains(TransmissionFlags::SEND_FLUSH),
             CommandType::Trim => self.flags.contains(TransmissionFlags::SEND_TRIM),
             CommandType::WriteZeroes => self.flags.contains(TransmissionFlags::SEND_WRITE_ZEROES),
+            CommandType::Cache => self.flags.contains(TransmissionFlags::SEND_CACHE),
+            CommandType::BlockStatus => self.base_allocation,
         };
         if is_write && self.flags.contains(TransmissionFlags::READ_ONLY) {
             return Err(Errno::Perm);
@@ -276,8 +354,15 @@ impl Session {
         if self.flags.contains(TransmissionFlags::SEND_FUA) {
             allowed_flags |= command_flags::FUA;
         }
-        if command_type == CommandType::WriteZeroes {
-            allowed_flags |= command_flags::NO_HOLE;
+        match command_type {
+            CommandType::WriteZeroes => {
+                allowed_flags |= command_flags::NO_HOLE;
+                if self.flags.contains(TransmissionFlags::SEND_FAST_ZERO) {
+                    allowed_flags |= command_flags::FAST_ZERO;
+                }
+            }
+            CommandType::BlockStatus => allowed_flags |= command_flags::REQ_ONE,
+            _ => {}
         }
         if header.flags & !allowed_flags != 0 {
             return Err(Errno::Inval);
@@ -296,13 +381,14 @@ impl Session {
         if length_bytes == 0 {
             return Err(Errno::Inval);
         }
+        let (minimum_bytes, maximum_bytes) = self.enforced_block_sizes();
         if matches!(command_type, CommandType::Read | CommandType::Write)
-            && length_bytes > self.block_sizes.maximum_bytes
+            && length_bytes > maximum_bytes
         {
             return Err(Errno::Inval);
         }
-        // `Session::new` asserts a power of two, so a mask replaces two divisions.
-        let block_mask = u64::from(self.block_sizes.minimum_bytes) - 1;
+        // Minimum block sizes are powers of two, so a mask replaces two divisions.
+        let block_mask = u64::from(minimum_bytes) - 1;
         if (offset_bytes | u64::from(length_bytes)) & block_mask != 0 {
             return Err(Errno::Inval);
         }
@@ -330,11 +416,21 @@ impl Session {
                 length_bytes,
                 fua,
             },
+            CommandType::Cache => Command::Cache {
+                offset_bytes,
+                length_bytes,
+            },
+            CommandType::BlockStatus => Command::BlockStatus {
+                offset_bytes,
+                length_bytes,
+                req_one: header.flags & command_flags::REQ_ONE != 0,
+            },
             _ => Command::WriteZeroes {
                 offset_bytes,
                 length_bytes,
                 fua,
                 no_hole: header.flags & command_flags::NO_HOLE != 0,
+                fast_zero: header.flags & command_flags::FAST_ZERO != 0,
             },
         };
         Ok(ValidatedCommand {
@@ -347,11 +443,12 @@ impl Session {
     /// `length_bytes` of data (a simple reply, or an `OFFSET_DATA` chunk with DONE when
     /// structured replies were negotiated); for other commands a simple reply with error 0
     /// (which the spec allows in structured mode, as it carries no payload). `None` for
-    /// `Disconnect`, which gets no reply.
+    /// `Disconnect`, which gets no reply, and for `BlockStatus`, whose reply carries a
+    /// payload ([`Self::reply_block_status`]).
     #[inline]
     pub fn reply_ok(&self, command: &ValidatedCommand) -> Option<ReplyBytes> {
         match command.command {
-            Command::Disconnect => None,
+            Command::Disconnect | Command::BlockStatus { .. } => None,
             Command::Read {
                 offset_bytes,
                 length_bytes,
@@ -368,6 +465,45 @@ impl Session {
                 }
                 .to_bytes(),
             )),
+        }
+    }
+
+    /// The header before one piece of a READ answered in several (a READ longer than the
+    /// server's buffers): with structured replies an `OFFSET_DATA` chunk for the piece's
+    /// `length_bytes` at `offset_bytes`, DONE on the last; with simple replies the reply
+    /// before the first piece and nothing before the others (the data of all pieces follows
+    /// the one reply, in order). A READ in one piece is [`Self::reply_ok`].
+    #[inline]
+    pub fn reply_read_piece(
+        &self,
+        cookie: u64,
+        offset_bytes: u64,
+        length_bytes: u32,
+        first: bool,
+        last: bool,
+    ) -> ReplyBytes {
+        if self.structured_replies {
+            offset_data_chunk(cookie, offset_bytes, length_bytes, last)
+        } else if first {
+            ReplyBytes::from(SimpleReply { error: 0, cookie }.to_bytes())
+        } else {
+            ReplyBytes::from([0u8; 0])
+        }
+    }
+
+    /// The `BLOCK_STATUS` chunk header (with DONE) before a payload of `payload_bytes` made by
+    /// [`encode_block_status`]; `None` unless `command` is a BLOCK_STATUS of this session.
+    #[inline]
+    pub fn reply_block_status(
+        &self,
+        command: &ValidatedCommand,
+        payload_bytes: u32,
+    ) -> Option<ReplyBytes> {
+        match command.command {
+            Command::BlockStatus { .. } if self.base_allocation => {
+                Some(block_status_chunk(command.cookie, payload_bytes))
+            }
+            _ => None,
         }
     }
 
@@ -515,6 +651,48 @@ pub fn error_chunk(cookie: u64, error: Errno, done: bool) -> ReplyBytes {
     let mut bytes: [u8; CHUNK_HEADER_SIZE + 6] = header.with_payload_room();
     FieldsMut(&mut bytes).put_u32_be::<CHUNK_HEADER_SIZE>(error.as_u32());
     ReplyBytes::from(bytes)
+}
+
+/// Bytes of one block descriptor in a `BLOCK_STATUS` chunk: extent length and status flags.
+pub const BLOCK_DESCRIPTOR_SIZE: usize = 8;
+
+/// A `BLOCK_STATUS` chunk header with DONE; `payload_bytes` (4 + 8 per descriptor) follow.
+#[inline]
+pub fn block_status_chunk(cookie: u64, payload_bytes: u32) -> ReplyBytes {
+    assert!(
+        payload_bytes >= 4 + BLOCK_DESCRIPTOR_SIZE as u32
+            && (payload_bytes - 4).is_multiple_of(BLOCK_DESCRIPTOR_SIZE as u32),
+        "a block status payload is a context id and at least one descriptor"
+    );
+    let header = ChunkHeader {
+        flags: chunk::FLAG_DONE,
+        chunk_type: chunk::TYPE_BLOCK_STATUS,
+        cookie,
+        length_bytes: payload_bytes,
+    };
+    ReplyBytes::from(header.to_bytes())
+}
+
+/// Writes a `BLOCK_STATUS` chunk's payload into `out`: the context id, then one descriptor
+/// (length, status flags) per extent. Returns its length, or `None` when `out` is too short or
+/// there is no extent or an empty one (a descriptor's length must be non-zero).
+pub fn encode_block_status(
+    context_id: u32,
+    extents: impl IntoIterator<Item = (u32, u32)>,
+    out: &mut [u8],
+) -> Option<usize> {
+    let mut length = 4;
+    out.get_mut(..4)?.copy_from_slice(&context_id.to_be_bytes());
+    for (extent_bytes, flags) in extents {
+        if extent_bytes == 0 {
+            return None;
+        }
+        let descriptor = out.get_mut(length..length + BLOCK_DESCRIPTOR_SIZE)?;
+        descriptor[..4].copy_from_slice(&extent_bytes.to_be_bytes());
+        descriptor[4..].copy_from_slice(&flags.to_be_bytes());
+        length += BLOCK_DESCRIPTOR_SIZE;
+    }
+    (length > 4).then_some(length)
 }
 
 /// A `NONE` chunk with DONE: ends a structured reply whose earlier chunks lacked DONE.

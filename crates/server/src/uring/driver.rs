@@ -23,7 +23,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types};
-use reflex_dataplane::namespaces::NamespaceSet;
 use reflex_dataplane::{
     BATCH_MAX, ConnectionId, CoreStats, Dataplane, DeviceCommand, DeviceOpId, GENERATION_MASK, Op,
     SEND_SEGMENTS_MAX,
@@ -32,6 +31,7 @@ use reflex_flash::{Completion, DeviceQueue, Submit};
 use reflex_qos::Nanos;
 
 use super::ring::{Cqe, Ring};
+use crate::driver::DriverSetup;
 use crate::sys;
 
 pub const RING_SQ_ENTRIES: u32 = 1024;
@@ -41,6 +41,44 @@ pub const RING_CQ_ENTRIES_MIN: u32 = 8192;
 
 /// Passes of `process` and issuing per iteration while synchronous devices keep finishing.
 const PASSES_PER_ITERATION_MAX: usize = 4;
+
+/// How one loop iteration waits.
+enum Sleep {
+    /// Do not sleep: enter without waiting (polling mode, or spinning to a near deadline).
+    Poll,
+    /// Sleep until a completion, or at most this long.
+    Until(Option<Duration>),
+}
+
+/// How late timed sleeps end, lately: a decaying maximum of how far past the requested
+/// time the thread woke, so that the thread wakes early enough for its deadlines.
+#[derive(Debug, Clone, Copy)]
+struct WakeCost {
+    late_ns: u64,
+    max: Nanos,
+}
+
+impl WakeCost {
+    fn new(max: Nanos) -> WakeCost {
+        WakeCost { late_ns: 0, max }
+    }
+
+    /// A timed sleep of `timeout` started at `slept_at` has just returned.
+    fn observe(&mut self, slept_at: Instant, timeout: Duration) {
+        let slept = slept_at.elapsed();
+        if slept < timeout {
+            return; // Woken by a completion: says nothing about timer precision.
+        }
+        let late_ns = (slept - timeout).as_nanos() as u64;
+        // Rise at once, decay by 1/16 per sample.
+        self.late_ns = late_ns.max(self.late_ns - self.late_ns / 16);
+    }
+
+    /// How long before a deadline to stop sleeping and spin.
+    fn guard(&self) -> Nanos {
+        Nanos(self.late_ns.saturating_mul(2).min(self.max.0))
+    }
+}
 
 /// `user_data`: kind (4 bits) | generation (28 bits) | index (32 bits). Kinds from
 /// [`Kind::Wake`] up are the driver's own operations.
@@ -55,6 +93,7 @@ mod token {
         Send = 3,
         Device = 4,
         Flush = 5,
+        Poll = 6,
         Wake = 0xC,
         Cancel = 0xD,
     }
@@ -70,6 +109,7 @@ mod token {
             3 => Kind::Send,
             4 => Kind::Device,
             5 => Kind::Flush,
+            6 => Kind::Poll,
             0xC => Kind::Wake,
             0xD => Kind::Cancel,
             _ => return None,
@@ -98,26 +138,13 @@ struct ListenerSlot {
     address: Box<(libc::sockaddr_storage, libc::socklen_t)>,
 }
 
-/// What the driver of one thread needs besides the dataplane.
-pub struct DriverSetup {
-    pub listeners: Vec<TcpListener>,
-    /// The namespaces whose devices the thread opens its queues on.
-    pub namespaces: Arc<NamespaceSet>,
-    pub poll: bool,
-    pub register_buffers: bool,
-    pub shutdown: Arc<AtomicBool>,
-    pub waker: Arc<File>,
-    pub clock_origin: Instant,
-    pub cq_entries: u32,
-}
-
 pub struct UringDriver {
     // Field order: the ring is dropped before the memory it may point into.
     ring: Ring,
     dataplane: Dataplane,
     listeners: Vec<ListenerSlot>,
-    /// By connection index.
-    sockets: Vec<Option<TcpStream>>,
+    /// By connection index: the socket and the generation of the connection it belongs to.
+    sockets: Vec<Option<(u32, TcpStream)>>,
     /// By connection index: the staging of the send in flight.
     staging: Vec<Option<Box<SendStaging>>>,
     /// Boxed: a staging's address is the kernel's from push to completion, so it must not move
@@ -134,8 +161,11 @@ pub struct UringDriver {
     wake_in_flight: bool,
     wake_cancelled: bool,
     clock_origin: Instant,
-    /// Operations pushed whose completion has not been reaped.
+    wake_cost: WakeCost,
+    /// Operations pushed whose completion has not been reaped, and how many of them are
+    /// device operations (a shutdown may abandon those).
     in_flight: u64,
+    device_in_flight: u64,
     cqes: Box<[Cqe; BATCH_MAX]>,
     polled: Vec<Completion>,
     /// Synchronous device results reported while issuing (then `process` runs again).
@@ -186,7 +216,9 @@ impl UringDriver {
             wake_in_flight: false,
             wake_cancelled: false,
             clock_origin: setup.clock_origin,
+            wake_cost: WakeCost::new(setup.spin_before_deadline_max),
             in_flight: 0,
+            device_in_flight: 0,
             cqes: Box::new([Cqe::default(); BATCH_MAX]),
             polled: Vec::new(),
             finished_synchronously: false,
@@ -252,7 +284,10 @@ impl UringDriver {
                     self.wake_cancelled = true;
                     self.push_cancel(token::encode(Kind::Wake, 0, 0));
                 }
-                if self.in_flight == 0 {
+                let abandoned = self.dataplane.abandoned_device_operations() > 0;
+                if self.in_flight == 0 || (abandoned && self.in_flight == self.device_in_flight) {
+                    // With abandoned device operations still in the kernel, `run` leaks the
+                    // memory they point into instead of freeing it.
                     return Ok(());
                 }
             }
@@ -262,11 +297,40 @@ impl UringDriver {
                 || device_due
                 || self.ring.more_in_cq();
             let wait = !self.poll && !busy;
-            let timeout = if wait { self.sleep_bound(now) } else { None };
-            if wait {
-                self.dataplane.will_sleep();
+            let sleep = if wait {
+                self.plan_sleep(now)
+            } else {
+                Sleep::Poll
+            };
+            match sleep {
+                Sleep::Poll => self.ring.enter(false, None)?,
+                Sleep::Until(timeout) => {
+                    self.dataplane.will_sleep();
+                    let slept_at = Instant::now();
+                    self.ring.enter(true, timeout)?;
+                    if let Some(timeout) = timeout {
+                        self.wake_cost.observe(slept_at, timeout);
+                    }
+                }
             }
-            self.ring.enter(wait, timeout)?;
+        }
+    }
+
+    /// How to wait for the next deadline: sleep until shortly before it (by the wake-up cost
+    /// measured lately), then spin the last stretch; a deadline nearer than that is spun for
+    /// at once. Waking from a timed sleep costs tens to hundreds of microseconds on a VM,
+    /// which a device deadline 50 µs away cannot afford (hybrid polling).
+    fn plan_sleep(&self, now: Nanos) -> Sleep {
+        let Some(deadline) = self.next_deadline() else {
+            return Sleep::Until(None);
+        };
+        let remaining = deadline.saturating_since(now);
+        let guard = self.wake_cost.guard();
+        if remaining <= guard {
+            Sleep::Poll
+        } else {
+            let sleep = Nanos(remaining.0 - guard.0);
+            Sleep::Until(Some(Duration::from_nanos(sleep.0.max(1_000))))
         }
     }
 
@@ -277,13 +341,12 @@ impl UringDriver {
             .min()
     }
 
-    /// The longest the thread may sleep: until the earliest dataplane or device deadline.
-    fn sleep_bound(&self, now: Nanos) -> Option<Duration> {
-        let deadline = match (self.dataplane.next_deadline(), self.device_deadline()) {
+    /// The earliest dataplane or device deadline.
+    fn next_deadline(&self) -> Option<Nanos> {
+        match (self.dataplane.next_deadline(), self.device_deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
-        };
-        deadline.map(|due| Duration::from_nanos(due.saturating_since(now).0.max(1_000)))
+        }
     }
 
     fn handle_cqe(&mut self, cqe: Cqe, now: Nanos) {
@@ -303,6 +366,15 @@ impl UringDriver {
                 let id = ConnectionId { index, generation };
                 self.dataplane.handle_recv(id, result, now);
             }
+            Kind::Poll => {
+                let id = ConnectionId { index, generation };
+                let ready = if cqe.result < 0 {
+                    Err(-cqe.result)
+                } else {
+                    Ok(())
+                };
+                self.dataplane.handle_readable(id, ready, now);
+            }
             Kind::Send => {
                 let id = ConnectionId { index, generation };
                 if let Some(staging) = self.staging[index as usize].take() {
@@ -311,6 +383,7 @@ impl UringDriver {
                 self.dataplane.handle_sent(id, result, now);
             }
             Kind::Device | Kind::Flush => {
+                self.device_in_flight -= 1;
                 let id = device_op_id(kind, generation, index);
                 let namespace_index = self.device_namespace(id);
                 // None: the device deferred the outcome (fault injection); it comes out of
@@ -372,11 +445,14 @@ impl UringDriver {
                     self.sockets.resize_with(index + 1, || None);
                     self.staging.resize_with(index + 1, || None);
                 }
-                assert!(
-                    self.sockets[index].is_none(),
-                    "connection slot still has a socket"
-                );
-                self.sockets[index] = Some(stream);
+                // A slot freed during this accept (its previous connection evicted) may still
+                // hold that connection's socket: its Close is queued but not yet issued, and
+                // nothing of it is in flight. Replacing it closes it now; the queued Close
+                // then finds a newer generation and leaves the new socket alone.
+                if let Some((generation, _)) = &self.sockets[index] {
+                    assert_ne!(*generation, id.generation, "connection slot still in use");
+                }
+                self.sockets[index] = Some((id.generation, stream));
             }
             (Ok(_), None) => panic!("the dataplane took a failed accept"),
             // Refused: dropping the stream closes it.
@@ -421,8 +497,24 @@ impl UringDriver {
                 }
                 Op::Recv { connection } => self.push_recv(connection),
                 Op::Send { connection } => self.push_send(connection),
+                Op::WaitReadable { connection } => {
+                    let fd = self.fd(connection);
+                    let entry = opcode::PollAdd::new(fd, libc::POLLIN as u32)
+                        .build()
+                        .user_data(token::encode(
+                            Kind::Poll,
+                            connection.generation,
+                            connection.index,
+                        ));
+                    self.push(entry);
+                }
                 Op::CancelRecv { connection } => self.push_cancel(token::encode(
                     Kind::Recv,
+                    connection.generation,
+                    connection.index,
+                )),
+                Op::CancelWait { connection } => self.push_cancel(token::encode(
+                    Kind::Poll,
                     connection.generation,
                     connection.index,
                 )),
@@ -432,8 +524,15 @@ impl UringDriver {
                     connection.index,
                 )),
                 Op::Close { connection } => {
-                    // Dropping the stream closes the socket; nothing uses it any more.
-                    self.sockets[connection.index as usize] = None;
+                    // Dropping the stream closes the socket; nothing uses it any more. A slot
+                    // already taken by a newer connection was closed at its accept.
+                    let slot = &mut self.sockets[connection.index as usize];
+                    if slot
+                        .as_ref()
+                        .is_some_and(|(generation, _)| *generation == connection.generation)
+                    {
+                        *slot = None;
+                    }
                 }
                 Op::Device(command) => self.submit_device(&command, now),
             }
@@ -442,8 +541,10 @@ impl UringDriver {
 
     fn fd(&self, connection: ConnectionId) -> types::Fd {
         match &self.sockets[connection.index as usize] {
-            Some(stream) => types::Fd(stream.as_raw_fd()),
-            None => panic!("operation on connection {connection:?} without a socket"),
+            Some((generation, stream)) if *generation == connection.generation => {
+                types::Fd(stream.as_raw_fd())
+            }
+            _ => panic!("operation on connection {connection:?} without a socket"),
         }
     }
 
@@ -565,6 +666,7 @@ impl UringDriver {
             Submit::Ring(entry) => {
                 assert_eq!(entry.get_user_data(), user_data, "device changed user_data");
                 self.push(entry);
+                self.device_in_flight += 1;
             }
             Submit::Done(result) => {
                 self.finished_synchronously = true;

@@ -7,5 +7,5 @@
 mod driver;
 mod ring;
 
-pub use driver::{DriverSetup, RING_CQ_ENTRIES_MIN, UringDriver};
+pub use driver::{RING_CQ_ENTRIES_MIN, UringDriver};
 pub use ring::{MissingFeature, Ring};

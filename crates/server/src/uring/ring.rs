@@ -73,7 +73,7 @@ impl Ring {
         ring.submitter()
             .register_probe(&mut probe)
             .map_err(|e| MissingFeature::Setup(format!("probe: {e}")))?;
-        let needed: [(u8, &'static str); 11] = [
+        let needed: [(u8, &'static str); 12] = [
             (opcode::Read::CODE, "READ"),
             (opcode::Write::CODE, "WRITE"),
             (opcode::ReadFixed::CODE, "READ_FIXED"),
@@ -85,6 +85,7 @@ impl Ring {
             (opcode::Accept::CODE, "ACCEPT"),
             (opcode::AsyncCancel::CODE, "ASYNC_CANCEL"),
             (opcode::Nop::CODE, "NOP"),
+            (opcode::PollAdd::CODE, "POLL_ADD"),
         ];
         for (code, name) in needed {
             if !probe.is_supported(code) {

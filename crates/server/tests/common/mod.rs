@@ -1,13 +1,70 @@
 //! Shared helpers for the end-to-end tests: servers on loopback with port 0, a raw native
 //! protocol connection for malformed traffic, and data patterns.
+//!
+//! Environment:
+//! - `REFLEX_DRIVER` (`auto`, `uring`, `epoll`; unset or empty: `auto`): the I/O driver of
+//!   every server the tests start, in process ([`config`]) or as a `reflexd` child
+//!   ([`driver_args`]); `scripts/test.sh` runs the suite once with `epoll`.
+//! - `REFLEX_TEST_RUNNER` (e.g. `qemu-aarch64 -L /usr/aarch64-linux-gnu`): the command that
+//!   runs a binary of this workspace when the kernel cannot run it itself (a cross-compiled
+//!   test run without binfmt_misc); see [`workspace_binary`].
 #![allow(dead_code)]
 
+use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use reflex_proto::native::{self, RequestHeader, ResponseHeader};
-use reflex_server::{Config, NamespaceConfig, NbdConfig, OriginalPortConfig, Server, ServerHandle};
+use reflex_server::{
+    Config, Driver, DriverChoice, NamespaceConfig, NbdConfig, OriginalPortConfig, Server,
+    ServerHandle,
+};
+
+/// The driver the tests' servers run on: `REFLEX_DRIVER`, or `auto` when it is unset.
+pub fn driver() -> DriverChoice {
+    match std::env::var("REFLEX_DRIVER") {
+        Ok(text) if !text.trim().is_empty() => text
+            .parse()
+            .unwrap_or_else(|e| panic!("REFLEX_DRIVER: {e}")),
+        _ => DriverChoice::Auto,
+    }
+}
+
+/// `--driver NAME` for a `reflexd` child process (nothing when `REFLEX_DRIVER` is unset, so
+/// the binary's own default applies).
+pub fn driver_args() -> Vec<String> {
+    match std::env::var("REFLEX_DRIVER") {
+        Ok(text) if !text.trim().is_empty() => vec!["--driver".into(), driver().to_string()],
+        _ => Vec::new(),
+    }
+}
+
+/// How to run `program`, a binary this workspace built: `(program, leading arguments)`,
+/// through `REFLEX_TEST_RUNNER` (split at whitespace) when that is set.
+pub fn workspace_binary(program: &Path) -> (PathBuf, Vec<OsString>) {
+    let runner = std::env::var("REFLEX_TEST_RUNNER").unwrap_or_default();
+    let mut words = runner.split_whitespace();
+    match words.next() {
+        None => (program.to_path_buf(), Vec::new()),
+        Some(runner_program) => {
+            let mut args: Vec<OsString> = words.map(OsString::from).collect();
+            args.push(program.as_os_str().to_os_string());
+            (PathBuf::from(runner_program), args)
+        }
+    }
+}
+
+/// A [`Command`] for `reflexd` (through the runner, see [`workspace_binary`]); the caller
+/// adds the flags, [`driver_args`] among them unless it picks a driver itself.
+pub fn reflexd_command() -> Command {
+    let (program, args) = workspace_binary(Path::new(env!("CARGO_BIN_EXE_reflexd")));
+    let mut command = Command::new(program);
+    command.args(args);
+    command
+}
 
 pub fn namespace(id: u32, backend: &str, size_bytes: Option<u64>) -> NamespaceConfig {
     NamespaceConfig {
@@ -33,12 +90,26 @@ pub fn config(namespaces: Vec<NamespaceConfig>) -> Config {
         connections_per_thread_max: 64,
         requests_per_thread_max: 256,
         namespaces,
+        driver: driver(),
         ..Config::default()
     }
 }
 
 pub fn start(config: Config) -> ServerHandle {
-    Server::start(config).unwrap_or_else(|e| panic!("server start: {e}"))
+    let choice = config.driver;
+    let server = Server::start(config).unwrap_or_else(|e| panic!("server start: {e}"));
+    check_driver(choice, &server);
+    server
+}
+
+/// A server asked for a driver runs on it (so `REFLEX_DRIVER=epoll` cannot silently test
+/// io_uring).
+pub fn check_driver(choice: DriverChoice, server: &ServerHandle) {
+    match choice {
+        DriverChoice::Epoll => assert_eq!(server.driver(), Driver::Epoll),
+        DriverChoice::Uring => assert_eq!(server.driver(), Driver::Uring),
+        DriverChoice::Auto => {}
+    }
 }
 
 pub fn mem_server() -> ServerHandle {

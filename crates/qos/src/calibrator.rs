@@ -1,0 +1,505 @@
+//! Online self-calibration: learns, from the read latency latency-critical tenants actually get,
+//! how much of its profile's token rate a device can really sustain, and says so as a scale
+//! factor (`device rate = profile rate at the strictest SLO × scale`,
+//! [`crate::TenantRegistry::set_rate_scale`]).
+//!
+//! Why: the profile is measured once, but Flash drifts (garbage collection, wear, temperature,
+//! a neighbour's writes). When the device is slower than its profile, the scheduler hands out
+//! tokens the device cannot honour and every LC promise breaks at once (`docs/QOS.md` §10).
+//! Gimbal (SIGCOMM'21) adapts its token rate online; this is the same idea with a deliberately
+//! simple control law, documented in `docs/QOS.md` §11.
+//!
+//! Sans-IO: the integrator closes a window every `window_us` of its `now`
+//! ([`Calibrator::next_deadline`]), summarises the LC reads that completed in it (count and
+//! p95 device latency; no histogram type crosses the API), and calls
+//! [`Calibrator::handle_window`]. The answer is the scale to apply. Nothing here reads a clock.
+//!
+//! # The control law (per window)
+//!
+//! With `p` the window's p95, `T` the target (strictest LC SLO − the client's share):
+//! - fewer than `samples_min` LC reads, or no LC SLO: no evidence, hold (and restart the
+//!   count of comfortable windows);
+//! - `p > T`: multiplicative decrease proportional to the overshoot,
+//!   `scale × (1 − min(decrease_step_max, decrease_gain × (p − T) / p))`, not below
+//!   `scale_floor`; except while a previous cut is still taking effect (within
+//!   `decrease_hold_windows` windows of it, with `p` lower than the window before: the backlog
+//!   is draining), when it holds;
+//! - `comfort_ratio × T ≤ p ≤ T`: the hysteresis band, hold;
+//! - `p < comfort_ratio × T` in a window where the device was driven at least at
+//!   `increase_load_min` of the rate in use: one more comfortable window; after
+//!   `increase_windows` in a row, additive increase by `increase_step` (of the profile rate),
+//!   not above `scale_ceiling`. A comfortable window at light load proves nothing about a higher
+//!   rate and restarts the count.
+//!
+//! For a fixed state, the new scale never increases with `p` (tested).
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::time::Nanos;
+
+/// Most recent windows kept for metrics.
+pub const RECENT_WINDOWS_MAX: usize = 32;
+
+/// The largest ceiling a configuration may set (twice the profile's rate).
+pub const SCALE_CEILING_MAX: f64 = 2.0;
+
+/// The calibrator's knobs; every field optional in TOML. Defaults in `docs/QOS.md` §11.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CalibratorConfig {
+    /// Whether reflexd calibrates online at all (on namespaces with a profile, QoS on).
+    pub enabled: bool,
+    /// The part of an LC SLO that the server never measures (network, the client's own
+    /// wake-ups), µs, on top of what it learns itself; the target is the SLO minus both.
+    pub client_share_us: u64,
+    /// One observation window: the integrator closes one every this long.
+    pub window_us: u64,
+    /// Fewest LC reads a window needs to count as evidence (at 100 the p95 is the 5th-slowest
+    /// read, not a single outlier).
+    pub samples_min: u64,
+    /// The scale never goes below this (a device 5x slower than its profile is broken, not
+    /// drifting; the floor keeps a burst of bad windows from starving every tenant).
+    pub scale_floor: f64,
+    /// The scale never goes above this; 1.0 = never trust the device beyond its profile.
+    pub scale_ceiling: f64,
+    /// Decrease per window = `decrease_gain` × relative overshoot `(p95 − target) / p95`...
+    pub decrease_gain: f64,
+    /// ...at most this share of the scale in one window.
+    pub decrease_step_max: f64,
+    /// After a decrease, this many windows in which a still-too-high but falling p95 does not
+    /// cut again (the last cut is still draining the backlog).
+    pub decrease_hold_windows: u32,
+    /// A cut stops at the scale where LC reservations still fit (best-effort tenants lose
+    /// their share first); cutting below it, into LC reservations, takes this many windows
+    /// over the target in a row there.
+    pub lc_squeeze_windows: u32,
+    /// Increase per step, as a share of the profile's rate.
+    pub increase_step: f64,
+    /// Comfortable windows in a row before one increase step.
+    pub increase_windows: u32,
+    /// A window is comfortable when its p95 is below this share of the target; between it and
+    /// the target lies the hysteresis band, where nothing changes.
+    pub comfort_ratio: f64,
+    /// A comfortable window counts only if the tokens spent in it were at least this share of
+    /// what the rate in use allowed (a light load says nothing about a higher rate).
+    pub increase_load_min: f64,
+}
+
+impl Default for CalibratorConfig {
+    fn default() -> CalibratorConfig {
+        CalibratorConfig {
+            enabled: true,
+            client_share_us: 0,
+            window_us: 100_000,
+            samples_min: 100,
+            scale_floor: 0.2,
+            scale_ceiling: 1.0,
+            decrease_gain: 1.0,
+            decrease_step_max: 0.3,
+            decrease_hold_windows: 3,
+            lc_squeeze_windows: 2,
+            increase_step: 0.05,
+            increase_windows: 3,
+            comfort_ratio: 0.8,
+            increase_load_min: 0.5,
+        }
+    }
+}
+
+/// Why a calibrator configuration was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CalibratorConfigError {
+    #[error("calibrator configuration field {field} {reason}")]
+    Invalid {
+        field: &'static str,
+        reason: &'static str,
+    },
+}
+
+impl CalibratorConfig {
+    pub fn window(&self) -> Nanos {
+        Nanos::from_micros(self.window_us)
+    }
+
+    /// Checks each knob's range and the relations between them.
+    pub fn validate(&self) -> Result<(), CalibratorConfigError> {
+        let invalid = |field, reason| Err(CalibratorConfigError::Invalid { field, reason });
+        let fraction = |value: f64| value.is_finite() && value > 0.0 && value < 1.0;
+        if self.window_us == 0 || self.window_us > 60_000_000 {
+            return invalid("window_us", "must be between 1 µs and 60 s");
+        }
+        if self.samples_min == 0 {
+            return invalid("samples_min", "must be at least 1");
+        }
+        if !(self.scale_floor.is_finite() && self.scale_floor > 0.0) {
+            return invalid("scale_floor", "must be positive");
+        }
+        if !(self.scale_ceiling.is_finite() && self.scale_ceiling <= SCALE_CEILING_MAX) {
+            return invalid("scale_ceiling", "must be at most 2.0");
+        }
+        if self.scale_floor > self.scale_ceiling {
+            return invalid("scale_floor", "must not exceed scale_ceiling");
+        }
+        if !(self.decrease_gain.is_finite() && self.decrease_gain > 0.0) {
+            return invalid("decrease_gain", "must be positive");
+        }
+        if !fraction(self.decrease_step_max) {
+            return invalid("decrease_step_max", "must be between 0 and 1 (exclusive)");
+        }
+        if !fraction(self.increase_step) {
+            return invalid("increase_step", "must be between 0 and 1 (exclusive)");
+        }
+        if self.lc_squeeze_windows == 0 {
+            return invalid("lc_squeeze_windows", "must be at least 1");
+        }
+        if self.increase_windows == 0 {
+            return invalid("increase_windows", "must be at least 1");
+        }
+        if !fraction(self.comfort_ratio) {
+            return invalid("comfort_ratio", "must be between 0 and 1 (exclusive)");
+        }
+        if !(self.increase_load_min.is_finite() && (0.0..=1.0).contains(&self.increase_load_min)) {
+            return invalid("increase_load_min", "must be between 0 and 1");
+        }
+        Ok(())
+    }
+}
+
+/// What the integrator measured in one window.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WindowObservation {
+    /// Latency-critical reads that completed in the window.
+    pub lc_reads: u64,
+    /// Their p95 latency at the device (from submission to the device to completion, µs):
+    /// not the time queued at the scheduler, which reflects a tenant's own excess, not the
+    /// device.
+    pub lc_read_latency_us_p95: u64,
+    /// The strictest LC p95 SLO on the device (µs); `None` without LC tenants.
+    pub slo_latency_us_p95: Option<u64>,
+    /// The part of that SLO the device never sees (network, client; µs); the target is the
+    /// SLO minus this, at least 1 µs.
+    pub client_share_us: u64,
+    /// The device token rate the schedulers granted in the window (profile rate × scale).
+    pub tokens_per_sec_in_use: f64,
+    /// Tokens the schedulers charged in the window, all tenants: how hard the device was driven.
+    pub tokens_spent: f64,
+    /// The scale at which Σ LC reservations take the whole device rate (`None` without LC
+    /// tenants): above it a cut only takes from best-effort tenants; below it, from LC
+    /// reservations, which needs more evidence (`lc_squeeze_windows`).
+    pub lc_fit_scale: Option<f64>,
+}
+
+impl WindowObservation {
+    /// The device-side p95 target, µs.
+    pub fn target_us(&self) -> Option<u64> {
+        self.slo_latency_us_p95
+            .map(|slo| slo.saturating_sub(self.client_share_us).max(1))
+    }
+}
+
+/// An observation the calibrator cannot use (an integrator's bug; nothing changes).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ObservationError {
+    #[error("window ends at {now:?}, before the previous one ({previous:?})")]
+    TimeWentBack { now: Nanos, previous: Nanos },
+    #[error("observation field {field} must be finite and non-negative, got {value}")]
+    InvalidNumber { field: &'static str, value: f64 },
+}
+
+/// Why a window changed nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hold {
+    /// No LC tenant: no latency target.
+    NoTarget,
+    /// Fewer than `samples_min` LC reads.
+    TooFewSamples,
+    /// p95 between `comfort_ratio × target` and the target.
+    InBand,
+    /// Over the target at the scale where LC reservations just fit: waiting for
+    /// `lc_squeeze_windows` such windows before cutting into them.
+    ProtectingLc { count: u32 },
+    /// Above the target but falling, within `decrease_hold_windows` of the last cut.
+    Settling,
+    /// Below the band, `count` comfortable windows in a row so far.
+    Comfortable { count: u32 },
+    /// Below the band at a light load: no evidence for more.
+    LightLoad,
+    /// A decrease was due but the scale is at the floor.
+    AtFloor,
+    /// An increase was due but the scale is at the ceiling.
+    AtCeiling,
+}
+
+/// What the calibrator did with a window.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Action {
+    /// Multiplicative decrease; `overshoot` = p95 / target.
+    Decreased {
+        from: f64,
+        overshoot: f64,
+    },
+    /// Additive increase.
+    Increased {
+        from: f64,
+    },
+    Held(Hold),
+}
+
+/// The answer to one window: the scale to apply from now on and why.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Decision {
+    pub scale: f64,
+    pub action: Action,
+}
+
+/// One window, for metrics.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WindowRecord {
+    pub window_end: Nanos,
+    pub lc_reads: u64,
+    pub lc_read_latency_us_p95: u64,
+    /// `None` without LC tenants.
+    pub target_us: Option<u64>,
+    pub action: Action,
+    pub scale_after: f64,
+}
+
+/// Counters for metrics.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CalibratorStats {
+    pub scale: f64,
+    pub windows: u64,
+    /// Windows with a target and at least `samples_min` LC reads.
+    pub windows_with_evidence: u64,
+    /// Evidence windows whose p95 was above the target.
+    pub windows_over_target: u64,
+    pub decreases: u64,
+    pub increases: u64,
+    /// The lowest scale reached so far.
+    pub scale_min: f64,
+}
+
+/// The online calibrator of one device (control-plane state, like the registry).
+#[derive(Clone, Debug)]
+pub struct Calibrator {
+    config: CalibratorConfig,
+    scale: f64,
+    /// End of the previous window (start of the current one).
+    window_start: Nanos,
+    comfortable_windows: u32,
+    /// Windows since the last decrease; `None` before the first.
+    windows_since_decrease: Option<u32>,
+    /// Windows over the target in a row at or below the LC-fit scale.
+    squeeze_windows: u32,
+    /// The p95 of the previous evidence window.
+    p95_previous_us: Option<u64>,
+    stats: CalibratorStats,
+    recent: VecDeque<WindowRecord>,
+}
+
+impl Calibrator {
+    /// A calibrator starting at the ceiling (the profile is trusted until the device says
+    /// otherwise), with its first window starting at `now`.
+    pub fn new(config: CalibratorConfig, now: Nanos) -> Result<Calibrator, CalibratorConfigError> {
+        config.validate()?;
+        let scale = config.scale_ceiling;
+        Ok(Calibrator {
+            config,
+            scale,
+            window_start: now,
+            comfortable_windows: 0,
+            windows_since_decrease: None,
+            squeeze_windows: 0,
+            p95_previous_us: None,
+            stats: CalibratorStats {
+                scale,
+                windows: 0,
+                windows_with_evidence: 0,
+                windows_over_target: 0,
+                decreases: 0,
+                increases: 0,
+                scale_min: scale,
+            },
+            recent: VecDeque::with_capacity(RECENT_WINDOWS_MAX),
+        })
+    }
+
+    pub fn config(&self) -> &CalibratorConfig {
+        &self.config
+    }
+
+    /// The scale in force: the device rate is the profile's rate × this.
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// When the current window should be closed.
+    pub fn next_deadline(&self) -> Nanos {
+        Nanos(self.window_start.0.saturating_add(self.config.window().0))
+    }
+
+    pub fn stats(&self) -> CalibratorStats {
+        self.stats
+    }
+
+    /// The most recent windows (at most [`RECENT_WINDOWS_MAX`]), oldest first.
+    pub fn recent(&self) -> impl Iterator<Item = &WindowRecord> {
+        self.recent.iter()
+    }
+
+    /// Closes the window that ends at `now` with what was measured in it and returns the scale
+    /// to apply. An invalid observation changes nothing.
+    pub fn handle_window(
+        &mut self,
+        now: Nanos,
+        observation: &WindowObservation,
+    ) -> Result<Decision, ObservationError> {
+        if now < self.window_start {
+            return Err(ObservationError::TimeWentBack {
+                now,
+                previous: self.window_start,
+            });
+        }
+        for (field, value) in [
+            ("tokens_per_sec_in_use", observation.tokens_per_sec_in_use),
+            ("tokens_spent", observation.tokens_spent),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(ObservationError::InvalidNumber { field, value });
+            }
+        }
+        let duration = now.saturating_since(self.window_start);
+        self.window_start = now;
+        self.stats.windows += 1;
+        if let Some(windows) = self.windows_since_decrease.as_mut() {
+            *windows = windows.saturating_add(1);
+        }
+        let before = self.scale;
+        let action = self.decide(duration, observation);
+        assert!(
+            self.scale >= self.config.scale_floor && self.scale <= self.config.scale_ceiling,
+            "scale {} outside [{}, {}]",
+            self.scale,
+            self.config.scale_floor,
+            self.config.scale_ceiling
+        );
+        match action {
+            Action::Decreased { .. } => {
+                assert!(self.scale < before, "a decrease lowers the scale");
+                self.stats.decreases += 1;
+            }
+            Action::Increased { .. } => {
+                assert!(self.scale > before, "an increase raises the scale");
+                self.stats.increases += 1;
+            }
+            Action::Held(_) => assert!(self.scale == before, "a hold keeps the scale"),
+        }
+        self.stats.scale = self.scale;
+        self.stats.scale_min = self.stats.scale_min.min(self.scale);
+        if self.recent.len() == RECENT_WINDOWS_MAX {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(WindowRecord {
+            window_end: now,
+            lc_reads: observation.lc_reads,
+            lc_read_latency_us_p95: observation.lc_read_latency_us_p95,
+            target_us: observation.target_us(),
+            action,
+            scale_after: self.scale,
+        });
+        Ok(Decision {
+            scale: self.scale,
+            action,
+        })
+    }
+
+    /// The control law (module documentation); changes `self.scale` and the streak state.
+    fn decide(&mut self, duration: Nanos, observation: &WindowObservation) -> Action {
+        let config = &self.config;
+        let Some(target_us) = observation.target_us() else {
+            self.comfortable_windows = 0;
+            return Action::Held(Hold::NoTarget);
+        };
+        if observation.lc_reads < config.samples_min {
+            self.comfortable_windows = 0;
+            return Action::Held(Hold::TooFewSamples);
+        }
+        self.stats.windows_with_evidence += 1;
+        let p95_us = observation.lc_read_latency_us_p95;
+        let p95_previous_us = self.p95_previous_us.replace(p95_us);
+        if p95_us > target_us {
+            self.stats.windows_over_target += 1;
+            self.comfortable_windows = 0;
+            let settling = self
+                .windows_since_decrease
+                .is_some_and(|windows| windows <= config.decrease_hold_windows)
+                && p95_previous_us.is_some_and(|previous| p95_us < previous);
+            if settling {
+                return Action::Held(Hold::Settling);
+            }
+            let overshoot = (p95_us - target_us) as f64 / p95_us as f64;
+            let cut = (config.decrease_gain * overshoot).min(config.decrease_step_max);
+            let mut scale = (self.scale * (1.0 - cut)).max(config.scale_floor);
+            if let Some(fit) = observation.lc_fit_scale {
+                // A relative margin: the scale arrives at `fit` by a clamp, not exactly.
+                let at_or_below_fit = self.scale <= fit * (1.0 + 1e-9);
+                if !at_or_below_fit {
+                    // Best-effort tenants first: stop where LC reservations still fit.
+                    scale = scale.max(fit.min(config.scale_ceiling));
+                } else {
+                    self.squeeze_windows += 1;
+                    if self.squeeze_windows < config.lc_squeeze_windows {
+                        return Action::Held(Hold::ProtectingLc {
+                            count: self.squeeze_windows,
+                        });
+                    }
+                }
+            }
+            if scale >= self.scale {
+                return Action::Held(Hold::AtFloor);
+            }
+            self.squeeze_windows = 0;
+            let from = self.scale;
+            self.scale = scale;
+            self.windows_since_decrease = Some(0);
+            return Action::Decreased {
+                from,
+                overshoot: p95_us as f64 / target_us as f64,
+            };
+        }
+        self.squeeze_windows = 0;
+        if p95_us as f64 >= config.comfort_ratio * target_us as f64 {
+            self.comfortable_windows = 0;
+            return Action::Held(Hold::InBand);
+        }
+        let allowed_tokens = observation.tokens_per_sec_in_use * duration.as_secs_f64();
+        let load = if allowed_tokens > 0.0 {
+            observation.tokens_spent / allowed_tokens
+        } else {
+            0.0
+        };
+        if load < config.increase_load_min {
+            self.comfortable_windows = 0;
+            return Action::Held(Hold::LightLoad);
+        }
+        self.comfortable_windows += 1;
+        if self.comfortable_windows < config.increase_windows {
+            return Action::Held(Hold::Comfortable {
+                count: self.comfortable_windows,
+            });
+        }
+        self.comfortable_windows = 0;
+        let scale = (self.scale + config.increase_step).min(config.scale_ceiling);
+        if scale <= self.scale {
+            return Action::Held(Hold::AtCeiling);
+        }
+        let from = self.scale;
+        self.scale = scale;
+        Action::Increased { from }
+    }
+}
+
+#[cfg(test)]
+mod tests;

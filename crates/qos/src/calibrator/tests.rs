@@ -1,0 +1,616 @@
+//! The calibrator against a synthetic device, in virtual time: 100 ms windows, a plant whose
+//! p95 follows an M/M/1 curve of the offered token rate, slowed and sped up on a schedule.
+
+use super::*;
+
+const SEED: u64 = 0x5ca1_ab1e;
+
+/// SLO of the strictest LC tenant, and the profile's rate at it (the plant meets the SLO at
+/// exactly that rate at full speed: ρ = 0.8 with a 100 µs base).
+const SLO_US: u64 = 500;
+const CAPACITY_TOKENS_PER_SEC: f64 = 1_000_000.0;
+const PROFILE_TOKENS_PER_SEC: f64 = 800_000.0;
+const BASE_US: f64 = 100.0;
+const LC_READS_PER_WINDOW: u64 = 1_000;
+
+/// xorshift64*: the qos crate has no random-number dependency.
+#[derive(Clone, Debug)]
+struct Noise(u64);
+
+impl Noise {
+    fn uniform(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A device whose p95 read latency depends on the offered token rate λ like an M/M/1 queue,
+/// p95 = base / (1 − λ/μ), plus the time to drain its backlog (a fluid queue: beyond μ the
+/// excess piles up and is served later), times ±5 % of measurement noise. At speed s, μ is
+/// s × the capacity and every service time is 1/s × longer (base / s).
+#[derive(Clone, Debug)]
+struct Plant {
+    speed: f64,
+    /// Relative amplitude of the measurement noise (0.1: ±5 %).
+    noise_amplitude: f64,
+    backlog_tokens: f64,
+    noise: Noise,
+}
+
+impl Plant {
+    fn new(seed: u64) -> Plant {
+        Plant {
+            speed: 1.0,
+            noise_amplitude: 0.1,
+            backlog_tokens: 0.0,
+            noise: Noise(seed | 1),
+        }
+    }
+
+    /// One window at `offered_tokens_per_sec`: its p95 (µs) and the tokens served.
+    fn window(&mut self, offered_tokens_per_sec: f64, duration: Nanos) -> (u64, f64) {
+        let seconds = duration.as_secs_f64();
+        let capacity = CAPACITY_TOKENS_PER_SEC * self.speed;
+        let arriving = offered_tokens_per_sec * seconds;
+        let served = (self.backlog_tokens + arriving).min(capacity * seconds);
+        self.backlog_tokens += arriving - served;
+        let utilisation = (offered_tokens_per_sec / capacity).min(0.99);
+        let queueing_us = BASE_US / self.speed / (1.0 - utilisation);
+        let backlog_us = self.backlog_tokens / capacity * 1e6;
+        let noise = 1.0 + self.noise_amplitude * (self.noise.uniform() - 0.5);
+        (((queueing_us + backlog_us) * noise) as u64, served)
+    }
+}
+
+/// One window of a run, as the test sees it.
+#[derive(Clone, Copy, Debug)]
+struct Step {
+    end: Nanos,
+    p95_us: u64,
+    decision: Decision,
+}
+
+/// The calibrator driving the plant: greedy tenants use every token the scale allows.
+struct Loop {
+    calibrator: Calibrator,
+    plant: Plant,
+    now: Nanos,
+    steps: Vec<Step>,
+}
+
+impl Loop {
+    fn new(config: CalibratorConfig) -> Loop {
+        Loop {
+            calibrator: Calibrator::new(config, Nanos::ZERO).unwrap(),
+            plant: Plant::new(SEED),
+            now: Nanos::ZERO,
+            steps: Vec::new(),
+        }
+    }
+
+    /// Runs windows until `end`, the plant at `speed`.
+    fn run(&mut self, speed: f64, end: Nanos) {
+        self.plant.speed = speed;
+        while self.calibrator.next_deadline() <= end {
+            let window_end = self.calibrator.next_deadline();
+            let duration = window_end.saturating_since(self.now);
+            let rate = PROFILE_TOKENS_PER_SEC * self.calibrator.scale();
+            let (p95_us, served) = self.plant.window(rate, duration);
+            let observation = WindowObservation {
+                lc_reads: LC_READS_PER_WINDOW,
+                lc_read_latency_us_p95: p95_us,
+                slo_latency_us_p95: Some(SLO_US),
+                client_share_us: 0,
+                tokens_per_sec_in_use: rate,
+                tokens_spent: served,
+                lc_fit_scale: None,
+            };
+            let decision = self
+                .calibrator
+                .handle_window(window_end, &observation)
+                .unwrap();
+            self.now = window_end;
+            self.steps.push(Step {
+                end: window_end,
+                p95_us,
+                decision,
+            });
+        }
+    }
+
+    fn between(&self, from: Nanos, to: Nanos) -> impl Iterator<Item = &Step> {
+        self.steps
+            .iter()
+            .filter(move |s| s.end > from && s.end <= to)
+    }
+
+    fn dump(&self, from: Nanos, to: Nanos) -> String {
+        self.between(from, to)
+            .map(|s| {
+                format!(
+                    "{:.1}s p95 {} scale {:.3} {:?}",
+                    s.end.as_secs_f64(),
+                    s.p95_us,
+                    s.decision.scale,
+                    s.decision.action
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+fn secs(s: u64) -> Nanos {
+    Nanos::from_secs(s)
+}
+
+/// The windows of a run over the target, as text for assertion messages.
+fn over_slo(run: &Loop, from: Nanos, to: Nanos) -> Vec<String> {
+    run.between(from, to)
+        .filter(|s| s.p95_us > SLO_US)
+        .map(|s| format!("{:.1}s: {} µs", s.end.as_secs_f64(), s.p95_us))
+        .collect()
+}
+
+fn scale_range(run: &Loop, from: Nanos, to: Nanos) -> (f64, f64) {
+    run.between(from, to)
+        .fold((f64::MAX, f64::MIN), |(low, high), s| {
+            (low.min(s.decision.scale), high.max(s.decision.scale))
+        })
+}
+
+fn adjustments(run: &Loop, from: Nanos, to: Nanos) -> usize {
+    run.between(from, to)
+        .filter(|s| !matches!(s.decision.action, Action::Held(_)))
+        .count()
+}
+
+/// Issue 11 item 2: a device that drops to half speed at 10 s is back under the SLO within
+/// 1 s of virtual time (10 windows), and stays there.
+#[test]
+fn a_half_speed_device_is_back_under_the_slo_within_a_second() {
+    let mut run = Loop::new(CalibratorConfig::default());
+    run.run(1.0, secs(10));
+    run.run(0.5, secs(20));
+    let last_over = run
+        .between(secs(10), secs(20))
+        .filter(|s| s.p95_us > SLO_US)
+        .map(|s| s.end)
+        .max()
+        .unwrap_or(secs(10));
+    assert!(
+        last_over <= Nanos::from_millis(10_700),
+        "seed {SEED}: still over the SLO at {last_over:?}:\n{}",
+        run.dump(secs(10), secs(12))
+    );
+    // The scale settles where the half-speed plant meets the SLO (0.375 of the profile rate;
+    // the last cut lands a little below, inside the band) and stays.
+    let (low, high) = scale_range(&run, secs(11), secs(20));
+    assert!(
+        (0.3..=0.375).contains(&low) && high - low < 1e-9,
+        "seed {SEED}: scale {low}..{high}\n{}",
+        run.dump(secs(10), secs(12))
+    );
+    assert_eq!(adjustments(&run, secs(10), secs(20)), 3, "seed {SEED}");
+    let stats = run.calibrator.stats();
+    assert_eq!(stats.decreases, 4, "seed {SEED}: {stats:?}");
+    assert_eq!(stats.increases, 0, "seed {SEED}: {stats:?}");
+}
+
+/// A device that matches its profile: the scale settles at once and stays within a small band
+/// for 60 s, with measurement noise of ±5 % (and, noisier, ±15 %: a bounded dither, never an
+/// oscillation that grows).
+#[test]
+fn a_steady_device_settles_and_stays_in_a_small_band() {
+    let mut run = Loop::new(CalibratorConfig::default());
+    run.run(1.0, secs(60));
+    let (low, high) = scale_range(&run, secs(1), secs(60));
+    assert!(
+        low >= 0.95 && high - low < 1e-9,
+        "seed {SEED}: scale {low}..{high}"
+    );
+    assert!(adjustments(&run, secs(0), secs(60)) <= 2, "seed {SEED}");
+    assert_eq!(
+        over_slo(&run, secs(1), secs(60)),
+        Vec::<String>::new(),
+        "seed {SEED}"
+    );
+
+    let mut noisy = Loop::new(CalibratorConfig::default());
+    noisy.plant.noise_amplitude = 0.3;
+    noisy.run(1.0, secs(60));
+    let (low, high) = scale_range(&noisy, secs(1), secs(60));
+    let over = over_slo(&noisy, secs(1), secs(60));
+    let mean = noisy
+        .between(secs(1), secs(60))
+        .map(|s| s.decision.scale)
+        .sum::<f64>()
+        / 590.0;
+    assert!(
+        low >= 0.85 && high <= 1.0 && mean >= 0.93,
+        "seed {SEED}: ±15 % noise: scale {low}..{high}, mean {mean}"
+    );
+    assert!(
+        over.len() <= 30,
+        "seed {SEED}: ±15 % noise: {} of 590 windows over the SLO: {over:?}",
+        over.len()
+    );
+}
+
+/// Slowed for 20 s, then back to full speed: the additive increase brings the scale back to
+/// the full-speed band within 5 s, without a window over the SLO on the way.
+#[test]
+fn the_scale_recovers_when_the_device_speeds_up_again() {
+    let mut run = Loop::new(CalibratorConfig::default());
+    run.run(1.0, secs(10));
+    run.run(0.5, secs(30));
+    run.run(1.0, secs(60));
+    let recovered = run
+        .between(secs(30), secs(60))
+        .find(|s| s.decision.scale >= 0.9)
+        .map(|s| s.end);
+    assert!(
+        recovered.is_some_and(|at| at <= secs(35)),
+        "seed {SEED}: recovered at {recovered:?}\n{}",
+        run.dump(secs(30), secs(36))
+    );
+    assert_eq!(
+        over_slo(&run, secs(30), secs(60)),
+        Vec::<String>::new(),
+        "seed {SEED}"
+    );
+    let (low, high) = scale_range(&run, secs(36), secs(60));
+    assert!(
+        low >= 0.93 && high <= 1.0 && high - low < 1e-9,
+        "seed {SEED}: scale {low}..{high}"
+    );
+}
+
+fn observation(lc_reads: u64, p95_us: u64, load: f64) -> WindowObservation {
+    WindowObservation {
+        lc_reads,
+        lc_read_latency_us_p95: p95_us,
+        slo_latency_us_p95: Some(SLO_US),
+        client_share_us: 0,
+        tokens_per_sec_in_use: 100_000.0,
+        // A 100 ms window at 100K tokens/s allows 10K tokens.
+        tokens_spent: 10_000.0 * load,
+        lc_fit_scale: None,
+    }
+}
+
+/// Feeds windows 100 ms apart; the decisions.
+fn feed(calibrator: &mut Calibrator, observations: &[WindowObservation]) -> Vec<Decision> {
+    observations
+        .iter()
+        .map(|o| {
+            let now = calibrator.next_deadline();
+            calibrator.handle_window(now, o).unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn too_few_samples_change_nothing() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let decisions = feed(&mut calibrator, &[observation(99, 50 * SLO_US, 1.0)]);
+    assert_eq!(decisions[0].action, Action::Held(Hold::TooFewSamples));
+    assert_eq!(calibrator.scale(), 1.0);
+    // Without an LC tenant there is no target either.
+    let none = WindowObservation {
+        slo_latency_us_p95: None,
+        ..observation(10_000, 50 * SLO_US, 1.0)
+    };
+    assert_eq!(
+        feed(&mut calibrator, &[none])[0].action,
+        Action::Held(Hold::NoTarget)
+    );
+    // One cut (1000 µs: half the p95 is overshoot, capped at 30 %), then comfortable windows:
+    // a window with too few samples restarts the count of three.
+    let decisions = feed(
+        &mut calibrator,
+        &[
+            observation(100, 2 * SLO_US, 1.0),
+            observation(100, SLO_US / 2, 1.0),
+            observation(100, SLO_US / 2, 1.0),
+            observation(99, SLO_US / 2, 1.0),
+            observation(100, SLO_US / 2, 1.0),
+            observation(100, SLO_US / 2, 1.0),
+            observation(100, SLO_US / 2, 1.0),
+        ],
+    );
+    let actions: Vec<Action> = decisions.iter().map(|d| d.action).collect();
+    assert_eq!(
+        actions,
+        vec![
+            Action::Decreased {
+                from: 1.0,
+                overshoot: 2.0
+            },
+            Action::Held(Hold::Comfortable { count: 1 }),
+            Action::Held(Hold::Comfortable { count: 2 }),
+            Action::Held(Hold::TooFewSamples),
+            Action::Held(Hold::Comfortable { count: 1 }),
+            Action::Held(Hold::Comfortable { count: 2 }),
+            Action::Increased { from: 0.7 },
+        ]
+    );
+    assert!((calibrator.scale() - 0.75).abs() < 1e-12);
+    let stats = calibrator.stats();
+    assert_eq!(
+        (
+            stats.windows,
+            stats.windows_with_evidence,
+            stats.decreases,
+            stats.increases
+        ),
+        (9, 6, 1, 1)
+    );
+}
+
+#[test]
+fn a_comfortable_p95_at_light_load_is_no_evidence_for_more() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    feed(&mut calibrator, &[observation(1_000, 2 * SLO_US, 1.0)]);
+    let decisions = feed(&mut calibrator, &[observation(1_000, SLO_US / 4, 0.3); 50]);
+    assert!(
+        decisions
+            .iter()
+            .all(|d| d.action == Action::Held(Hold::LightLoad)),
+        "{decisions:?}"
+    );
+    assert!((calibrator.scale() - 0.7).abs() < 1e-12);
+}
+
+/// For any state the calibrator can reach, a worse p95 never gives a higher scale, a decrease
+/// is at most `decrease_step_max` and an increase exactly `increase_step` (below the ceiling).
+#[test]
+fn a_worse_p95_never_raises_the_scale() {
+    let config = CalibratorConfig::default();
+    let mut noise = Noise(SEED);
+    let mut calibrator = Calibrator::new(config.clone(), Nanos::ZERO).unwrap();
+    let p95s: Vec<u64> = (0..=60).map(|i| i * SLO_US / 20).collect();
+    for step in 0..2_000 {
+        for load in [0.2, 1.0] {
+            let now = calibrator.next_deadline();
+            let scales: Vec<f64> = p95s
+                .iter()
+                .map(|&p95| {
+                    let mut probe = calibrator.clone();
+                    probe
+                        .handle_window(now, &observation(1_000, p95, load))
+                        .unwrap()
+                        .scale
+                })
+                .collect();
+            let before = calibrator.scale();
+            for (pair, p95) in scales.windows(2).zip(&p95s[1..]) {
+                assert!(
+                    pair[1] <= pair[0],
+                    "step {step}: p95 {p95} µs gives {} > {} (state {calibrator:?})",
+                    pair[1],
+                    pair[0]
+                );
+            }
+            for &scale in &scales {
+                assert!(scale >= before * (1.0 - config.decrease_step_max) - 1e-12);
+                assert!(scale >= config.scale_floor && scale <= config.scale_ceiling);
+                assert!(scale <= before + config.increase_step + 1e-12);
+            }
+        }
+        // Move to another reachable state: p95 anywhere from 0 to 1.4× the target.
+        let p95 = (noise.uniform() * 1.4 * SLO_US as f64) as u64;
+        let reads = if noise.uniform() < 0.1 { 10 } else { 1_000 };
+        let load = noise.uniform();
+        feed(&mut calibrator, &[observation(reads, p95, load)]);
+    }
+    let stats = calibrator.stats();
+    assert!(stats.decreases > 30 && stats.increases > 20, "{stats:?}");
+}
+
+#[test]
+fn the_target_is_the_slo_minus_the_client_share() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    // 450 µs at the device is fine for a 500 µs SLO, too slow once 100 µs go to the network.
+    let with_share = WindowObservation {
+        client_share_us: 100,
+        ..observation(1_000, 450, 1.0)
+    };
+    assert_eq!(with_share.target_us(), Some(400));
+    assert_eq!(
+        feed(&mut calibrator, &[observation(1_000, 450, 1.0)])[0].action,
+        Action::Held(Hold::InBand)
+    );
+    assert!(matches!(
+        feed(&mut calibrator, &[with_share])[0].action,
+        Action::Decreased { .. }
+    ));
+    let all_share = WindowObservation {
+        client_share_us: 10_000,
+        ..observation(1_000, 450, 1.0)
+    };
+    assert_eq!(all_share.target_us(), Some(1));
+}
+
+#[test]
+fn bad_observations_are_refused_and_change_nothing() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::from_secs(1)).unwrap();
+    assert_eq!(calibrator.next_deadline(), Nanos::from_millis(1_100));
+    assert_eq!(
+        calibrator.handle_window(Nanos::ZERO, &observation(1_000, 5_000, 1.0)),
+        Err(ObservationError::TimeWentBack {
+            now: Nanos::ZERO,
+            previous: Nanos::from_secs(1)
+        })
+    );
+    let nan = WindowObservation {
+        tokens_spent: f64::NAN,
+        ..observation(1_000, 5_000, 1.0)
+    };
+    assert!(matches!(
+        calibrator.handle_window(Nanos::from_secs(2), &nan),
+        Err(ObservationError::InvalidNumber {
+            field: "tokens_spent",
+            ..
+        })
+    ));
+    assert_eq!(calibrator.stats().windows, 0);
+    assert_eq!(calibrator.scale(), 1.0);
+    assert_eq!(calibrator.next_deadline(), Nanos::from_millis(1_100));
+}
+
+#[test]
+fn recent_windows_are_kept_for_metrics_and_bounded() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    feed(&mut calibrator, &[observation(1_000, 300, 1.0); 40]);
+    let recent: Vec<&WindowRecord> = calibrator.recent().collect();
+    assert_eq!(recent.len(), RECENT_WINDOWS_MAX);
+    assert_eq!(recent[0].window_end, Nanos::from_millis(900));
+    assert_eq!(recent[31].window_end, Nanos::from_secs(4));
+    assert_eq!(recent[31].target_us, Some(SLO_US));
+    assert_eq!(recent[31].lc_read_latency_us_p95, 300);
+    assert_eq!(calibrator.stats().windows, 40);
+}
+
+#[test]
+fn configurations_are_validated() {
+    assert_eq!(CalibratorConfig::default().validate(), Ok(()));
+    let parsed: CalibratorConfig = toml::from_str("scale_floor = 0.5\nwindow_us = 50000").unwrap();
+    assert_eq!(parsed.scale_floor, 0.5);
+    assert_eq!(parsed.window(), Nanos::from_millis(50));
+    assert_eq!(parsed.increase_windows, 3);
+    assert!(toml::from_str::<CalibratorConfig>("no_such_knob = 1").is_err());
+    let refused = |config: CalibratorConfig| match Calibrator::new(config, Nanos::ZERO) {
+        Ok(_) => panic!("accepted"),
+        Err(error) => error.to_string(),
+    };
+    let base = CalibratorConfig::default;
+    for (config, field) in [
+        (
+            CalibratorConfig {
+                window_us: 0,
+                ..base()
+            },
+            "window_us",
+        ),
+        (
+            CalibratorConfig {
+                samples_min: 0,
+                ..base()
+            },
+            "samples_min",
+        ),
+        (
+            CalibratorConfig {
+                scale_floor: 0.0,
+                ..base()
+            },
+            "scale_floor",
+        ),
+        (
+            CalibratorConfig {
+                scale_floor: 1.5,
+                ..base()
+            },
+            "scale_floor",
+        ),
+        (
+            CalibratorConfig {
+                scale_ceiling: 3.0,
+                ..base()
+            },
+            "scale_ceiling",
+        ),
+        (
+            CalibratorConfig {
+                decrease_gain: -1.0,
+                ..base()
+            },
+            "decrease_gain",
+        ),
+        (
+            CalibratorConfig {
+                decrease_step_max: 1.0,
+                ..base()
+            },
+            "decrease_step_max",
+        ),
+        (
+            CalibratorConfig {
+                increase_step: f64::NAN,
+                ..base()
+            },
+            "increase_step",
+        ),
+        (
+            CalibratorConfig {
+                increase_windows: 0,
+                ..base()
+            },
+            "increase_windows",
+        ),
+        (
+            CalibratorConfig {
+                comfort_ratio: 1.0,
+                ..base()
+            },
+            "comfort_ratio",
+        ),
+        (
+            CalibratorConfig {
+                increase_load_min: 2.0,
+                ..base()
+            },
+            "increase_load_min",
+        ),
+    ] {
+        let error = refused(config);
+        assert!(error.contains(field), "{field}: {error}");
+    }
+    // A ceiling above 1 lets the calibrator trust the device beyond its profile.
+    let trusting = CalibratorConfig {
+        scale_ceiling: 1.5,
+        ..base()
+    };
+    let calibrator = Calibrator::new(trusting, Nanos::ZERO).unwrap();
+    assert_eq!(calibrator.scale(), 1.5);
+}
+
+/// Best-effort tenants lose their share first: a cut stops at the scale where LC reservations
+/// still fit, and goes below it only after `lc_squeeze_windows` windows over the target there.
+#[test]
+fn a_cut_stops_where_lc_reservations_fit_until_the_evidence_persists() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let over = |p95_us| WindowObservation {
+        lc_fit_scale: Some(0.9),
+        ..observation(1_000, p95_us, 1.0)
+    };
+    // 10x over the target: a 30 % cut, but only down to 0.9.
+    let decisions = feed(&mut calibrator, &[over(10 * SLO_US)]);
+    assert!(matches!(decisions[0].action, Action::Decreased { .. }));
+    assert_eq!(calibrator.scale(), 0.9);
+    // Still over (and rising): the first window at the line protects LC, the second cuts.
+    let decisions = feed(&mut calibrator, &[over(11 * SLO_US), over(12 * SLO_US)]);
+    assert_eq!(
+        decisions[0].action,
+        Action::Held(Hold::ProtectingLc { count: 1 })
+    );
+    assert!(matches!(decisions[1].action, Action::Decreased { .. }));
+    assert!(
+        (calibrator.scale() - 0.63).abs() < 1e-9,
+        "{}",
+        calibrator.scale()
+    );
+    // A window under the target restarts the count.
+    let decisions = feed(
+        &mut calibrator,
+        &[over(SLO_US / 2), over(13 * SLO_US), over(14 * SLO_US)],
+    );
+    assert_eq!(
+        decisions[1].action,
+        Action::Held(Hold::ProtectingLc { count: 1 })
+    );
+    assert!(matches!(decisions[2].action, Action::Decreased { .. }));
+}

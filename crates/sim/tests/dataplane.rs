@@ -1,0 +1,263 @@
+//! The real dataplane in virtual time (issue 10): behaviour that depends on timing, proven
+//! exactly and fast through [`VirtualServer`] instead of with sleeps on a noisy machine.
+//! Clients speak the native protocol with the client library's sans-IO core.
+
+use std::sync::Arc;
+
+use reflex_client::{ConnectionCore, CoreOptions};
+use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
+use reflex_dataplane::{Limits, RECV_BUFFERS_SPARE_MAX, RequestState};
+use reflex_flash::Device;
+use reflex_qos::{Nanos, QosConfig};
+use reflex_sim::{
+    FixedDevice, ModelFlash, NetworkModel, SocketId, VirtualListener, VirtualServer,
+    VirtualServerSetup,
+};
+
+const NAMESPACE: u32 = 1;
+
+fn limits() -> Limits {
+    Limits::with_arena(32 << 20, 25)
+}
+
+/// A server with one thread and one namespace on `device`.
+fn server(device: Arc<dyn Device>, limits: Limits, network: NetworkModel) -> VirtualServer {
+    VirtualServer::new(VirtualServerSetup {
+        threads: 1,
+        namespaces: vec![(NAMESPACE, device, false)],
+        control: ControlSetup {
+            threads: 1,
+            handles: HandleKeys::Seeded(1),
+            tenant_limits: TenantLimits::default(),
+            qos_config: QosConfig::default(),
+            qos_enabled: false,
+            namespaces: vec![NamespaceControl {
+                namespace_id: NAMESPACE,
+                profile: None,
+                tenants: Vec::new(),
+            }],
+        },
+        qos_config: QosConfig::default(),
+        limits,
+        network,
+        listeners: vec![VirtualListener::Native],
+        nbd_exports: Vec::new(),
+        nbd_default_export: None,
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn mem() -> Arc<dyn Device> {
+    Arc::new(reflex_flash::mem::MemDevice::new(256 << 20).unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// A device that takes 100 µs per 4 KiB read, one at a time: requests pile up in it.
+fn slow() -> Arc<dyn Device> {
+    let mut model = FixedDevice::new(1, 100_000, 100_000, 1024);
+    model.set_capacity_bytes(256 << 20);
+    Arc::new(ModelFlash::new(Box::new(model), "slow"))
+}
+
+/// One native client on a virtual socket.
+struct Client {
+    socket: SocketId,
+    core: ConnectionCore,
+    answered: Vec<(u64, bool)>,
+    received: Vec<u8>,
+}
+
+impl Client {
+    fn connect(server: &mut VirtualServer) -> Client {
+        let socket = server
+            .connect(0, 0, None)
+            .unwrap_or_else(|e| panic!("connect: {e}"));
+        Client {
+            socket,
+            core: ConnectionCore::new(CoreOptions {
+                window_assumed: 128,
+            }),
+            answered: Vec::new(),
+            received: Vec::new(),
+        }
+    }
+
+    fn read(&mut self, server: &mut VirtualServer, id: u64, offset: u64, length: u32) {
+        self.core
+            .submit_read(id, NAMESPACE, offset, length)
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.transmit(server);
+    }
+
+    fn transmit(&mut self, server: &mut VirtualServer) {
+        if let Some(bytes) = self.core.transmit_start() {
+            let length = bytes.len();
+            server.client_send(self.socket, bytes);
+            self.core.transmit_done(length);
+        }
+    }
+
+    /// Takes what reached this client and records each answer (id, ok).
+    fn take_answers(&mut self, server: &mut VirtualServer) {
+        self.received.clear();
+        server.client_read(self.socket, &mut self.received);
+        let mut offered = &self.received[..];
+        loop {
+            let taken = self.core.handle_received_bytes(offered);
+            offered = &offered[taken..];
+            while let Some(completion) = self
+                .core
+                .poll_completion()
+                .unwrap_or_else(|e| panic!("{e}"))
+            {
+                self.answered
+                    .push((completion.request_id, completion.is_ok()));
+            }
+            if offered.is_empty() || taken == 0 {
+                break;
+            }
+        }
+    }
+}
+
+/// Runs virtual time until `until` (or nothing more happens).
+fn run_until(server: &mut VirtualServer, until: Nanos) {
+    server.run_instant(server.now());
+    while let Some(next) = server.next_event() {
+        if next > until {
+            break;
+        }
+        server.run_instant(next);
+    }
+    if server.now() < until {
+        server.run_instant(until);
+    }
+}
+
+const MS: u64 = 1_000_000;
+
+#[test]
+fn idle_connections_park_without_a_buffer_and_wake_on_their_next_request() {
+    let mut limits = limits();
+    limits.park_after = Some(Nanos(200 * MS));
+    let mut server = server(mem(), limits, NetworkModel::default());
+    let mut clients: Vec<Client> = (0..300).map(|_| Client::connect(&mut server)).collect();
+    for (index, client) in clients.iter_mut().enumerate() {
+        client.read(&mut server, 1, (index as u64) * 4096, 4096);
+    }
+    run_until(&mut server, Nanos(10 * MS));
+    for client in &mut clients {
+        client.take_answers(&mut server);
+        assert_eq!(client.answered, vec![(1, true)]);
+    }
+    let (parked, allocated) = server.dataplane(0).recv_buffer_usage();
+    assert_eq!(parked, 0);
+    assert_eq!(
+        allocated, 300,
+        "every active connection holds a receive buffer"
+    );
+    // Idle for a second: every connection parks and the buffers go (but a few spares).
+    run_until(&mut server, Nanos(1_000 * MS));
+    let (parked, allocated) = server.dataplane(0).recv_buffer_usage();
+    assert_eq!(parked, 300);
+    assert!(
+        allocated <= RECV_BUFFERS_SPARE_MAX,
+        "{allocated} buffers for idle connections"
+    );
+    // Each wakes on its next request and is served.
+    for client in &mut clients {
+        client.read(&mut server, 2, 0, 4096);
+    }
+    run_until(&mut server, Nanos(1_010 * MS));
+    for client in &mut clients {
+        client.take_answers(&mut server);
+        assert_eq!(client.answered, vec![(1, true), (2, true)]);
+    }
+    assert_eq!(server.dataplane(0).recv_buffer_usage().0, 0);
+}
+
+#[test]
+fn a_client_that_never_reads_its_answers_does_not_stall_the_others() {
+    let network = NetworkModel {
+        latency: Nanos(10_000),
+        client_buffer_bytes: 256 << 10,
+        ..NetworkModel::default()
+    };
+    let mut server = server(mem(), limits(), network);
+    let mut hog = Client::connect(&mut server);
+    for id in 0..128 {
+        hog.read(&mut server, id, 0, 1 << 20);
+    }
+    run_until(&mut server, Nanos(50 * MS));
+    // The hog holds what its share of the arena allows, nothing more.
+    let held = server
+        .dataplane(0)
+        .requests_in_state(RequestState::Completed)
+        + server.dataplane(0).requests_in_state(RequestState::Sending);
+    assert!(held <= 9, "the hog holds {held} answers of 1 MiB");
+    let mut polite = Client::connect(&mut server);
+    for id in 0..100 {
+        polite.read(&mut server, id, 4096 * id, 4096);
+    }
+    // The polite client reads as its answers arrive.
+    for step in 51..=60 {
+        run_until(&mut server, Nanos(step * MS));
+        polite.take_answers(&mut server);
+    }
+    assert_eq!(polite.answered.len(), 100);
+    assert!(polite.answered.iter().all(|&(_, ok)| ok));
+}
+
+#[test]
+fn shutdown_answers_the_requests_in_flight_then_finishes() {
+    let mut server = server(slow(), limits(), NetworkModel::default());
+    let mut clients: Vec<Client> = (0..4).map(|_| Client::connect(&mut server)).collect();
+    for (index, client) in clients.iter_mut().enumerate() {
+        for id in 0..20 {
+            client.read(&mut server, id, (index as u64 * 20 + id) * 4096, 4096);
+        }
+    }
+    // 80 reads at 100 µs each, one at a time: about 8 ms of work; shut down after 1 ms.
+    run_until(&mut server, Nanos(MS));
+    server.begin_shutdown();
+    run_until(&mut server, Nanos(100 * MS));
+    assert!(server.is_finished());
+    for client in &mut clients {
+        client.take_answers(&mut server);
+        assert_eq!(
+            client.answered.len(),
+            20,
+            "every request in flight was answered"
+        );
+        assert!(client.answered.iter().all(|&(_, ok)| ok));
+        assert!(server.is_closed_by_server(client.socket));
+    }
+    let stats = &server.stats()[0];
+    assert_eq!(
+        stats.requests_per_state[RequestState::Free as usize],
+        4096,
+        "every request slot is free again"
+    );
+}
+
+#[test]
+fn read_latency_is_measured_from_arrival_to_the_answer_leaving() {
+    // 100 µs per read on the device, 20 µs each way on the network: the server sees the
+    // device time only (it measures from the request's arrival off the socket to its answer
+    // leaving), whatever the network adds.
+    let network = NetworkModel {
+        latency: Nanos(20_000),
+        ..NetworkModel::default()
+    };
+    let mut server = server(slow(), limits(), network);
+    let mut client = Client::connect(&mut server);
+    for id in 0..10 {
+        client.read(&mut server, id, id * 4096, 4096);
+        run_until(&mut server, Nanos((id + 1) * 2 * MS));
+        client.take_answers(&mut server);
+    }
+    assert_eq!(client.answered.len(), 10);
+    let reads = &server.dataplane(0).namespace_telemetry(0).reads;
+    assert_eq!(reads.count(), 10);
+    let median = reads.quantile_us(0.5);
+    assert!((100..=107).contains(&median), "median {median} µs");
+}
