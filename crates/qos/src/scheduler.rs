@@ -433,6 +433,19 @@ impl Scheduler {
         } else {
             // A class change moves the tenant between lists in the next round.
             slot.state = SlotState::Active;
+            if slot.class != rates.class
+                && rates.class == TenantClass::BestEffort
+                && slot.balance < 0
+            {
+                // A best-effort tenant is never in deficit: the debt it ran up as a
+                // latency-critical one is written off (its episode ends).
+                self.ledger.written_off += Tokens(slot.balance);
+                slot.balance = 0;
+                if slot.in_episode {
+                    slot.in_episode = false;
+                    push_event(&mut self.events, slot, index, EVENT_RECOVERED);
+                }
+            }
             slot.class = rates.class;
         }
         slot.terms = rates;

@@ -590,3 +590,47 @@ fn cancelled_requests_leave_without_tokens_and_the_scheduler_stays_consistent() 
         assert_eq!(served, vec![20], "{policy:?}");
     }
 }
+
+/// Fuzz finding 7: an LC tenant in deficit renegotiated to best effort (a REGISTER naming its
+/// handle) panicked the dataplane thread ("BE tenant in deficit" in `serve_be`).
+#[test]
+fn an_lc_tenant_in_deficit_that_becomes_best_effort_is_not_a_best_effort_tenant_in_deficit() {
+    let mut s = Setup::new(1, no_lending(), Policy::Tokens);
+    let start = s.make_mixed(0);
+    let a = s.add(
+        TenantSpec::LatencyCritical {
+            latency_us_p95: 500,
+            iops: 1_000,
+            read_percent: 100,
+        },
+        &[0],
+        start,
+    );
+    for token in 0..100 {
+        s.threads[0].enqueue(a, write(token), start).unwrap();
+    }
+    s.round(0, start);
+    let balance = s.threads[0].tenant_stats(a).unwrap().balance;
+    assert!(balance < Tokens::ZERO, "{balance:?}");
+    s.registry.reregister(a, TenantSpec::BestEffort).unwrap();
+    s.sync(start + us(1));
+    s.threads[0].check();
+    let stats = s.threads[0].tenant_stats(a).unwrap();
+    assert_eq!(
+        stats.balance,
+        Tokens::ZERO,
+        "the debt is written off: {stats:?}"
+    );
+    assert!(s.threads[0].ledger().written_off < Tokens::ZERO);
+    // Served as best effort from now on (`round` checks the invariants every time), never
+    // in deficit.
+    let mut now = start + us(1);
+    let mut served = 0;
+    for _ in 0..1000 {
+        served += s.round(0, now).iter().filter(|x| x.tenant == a).count();
+        let balance = s.threads[0].tenant_stats(a).unwrap().balance;
+        assert!(balance >= Tokens::ZERO, "{balance:?}");
+        now += us(100);
+    }
+    assert!(served > 0);
+}

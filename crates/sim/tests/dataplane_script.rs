@@ -542,6 +542,53 @@ fn the_largest_request_gets_a_buffer_in_the_smallest_arena() {
     assert_eq!(outcome.requests_sent, 1, "{outcome:?}");
 }
 
+/// Finding 7 (fixed): a client panicked a dataplane thread by renegotiating an LC tenant in
+/// deficit to best effort (a REGISTER naming the tenant's handle): the scheduler moved it to
+/// the best-effort round with its negative balance, and `serve_be` asserts that no BE tenant
+/// is in deficit. Found by the `dataplane` target (`BE tenant 3 in deficit`).
+///
+/// Fix: the class change writes the debt off (`Scheduler::apply`, counted in the ledger's
+/// `written_off`); the tenant is served as best effort from a zero balance.
+#[test]
+fn an_lc_tenant_in_deficit_renegotiated_to_best_effort_does_not_stop_the_thread() {
+    let native = |opcode: u8, id: u8, length: u8, body: [u8; 4]| Step::Native {
+        socket: 0,
+        opcode,
+        flags: 0,
+        id,
+        namespace: 0,
+        offset: u16::from(id) * 128,
+        length,
+        body,
+    };
+    let script = Script {
+        // One thread, a window of 8 and 8 more request slots, no timeouts.
+        config: Config([0x00, 0xc0, 0x02, 0x00]),
+        steps: vec![
+            Step::Connect {
+                thread: 0,
+                listener: 0,
+                source: 0,
+            },
+            // REGISTER an LC tenant on namespace 1 (p95 1 ms, 1,000 IOPS, all writes): the
+            // sixth tenant. BIND it.
+            native(5, 1, 0, [0, 0, 15, 0]),
+            native(7, 2, 0, [6, 0, 0, 0]),
+            // 64 KiB WRITEs: the tenant bursts into its deficit.
+            native(2, 3, 8, [0; 4]),
+            native(2, 4, 8, [0; 4]),
+            native(2, 5, 8, [0; 4]),
+            native(2, 6, 8, [0; 4]),
+            // REGISTER naming the sixth tenant's handle: best effort now.
+            native(5, 7, 0, [1, 0, 0, 6 << 1]),
+            native(2, 8, 8, [0; 4]),
+            Step::Advance { mode: 9 },
+        ],
+    };
+    let outcome = script::run(&script, false);
+    assert_eq!(outcome.responses, 9, "{outcome:?}");
+}
+
 /// Runs events until every thread finished its shutdown or `limit` of virtual time passed.
 fn run_until_finished(server: &mut reflex_sim::VirtualServer, limit: Nanos) -> bool {
     let deadline = server.now() + limit;
