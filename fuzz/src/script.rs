@@ -1041,6 +1041,8 @@ enum Kind {
 struct Client {
     socket: SocketId,
     kind: Kind,
+    /// The listener it connected to, by index.
+    listener: usize,
     reading: bool,
     /// The client closed or reset its side: it sends nothing more.
     done_sending: bool,
@@ -1486,6 +1488,7 @@ impl Run {
                 self.clients.push(Client {
                     socket,
                     kind,
+                    listener: listener_index,
                     reading: true,
                     done_sending: false,
                     responses: ResponseStream::default(),
@@ -2014,16 +2017,28 @@ impl Run {
         oracle.next_id
     }
 
-    /// Connects unless the thread's table is full (the new connection would evict a client
-    /// whose requests are not answered yet: that is the server's right, not a lost answer).
+    /// Connects unless the thread's table or the listener's share of it is full (the new
+    /// connection would evict a client whose requests are not answered yet: that is the
+    /// server's right, not a lost answer).
     fn connect_well_formed(&mut self, thread: u8, listener: u8, source: u8) {
         let thread_index = u16::from(thread) % self.setup.threads;
-        let on_thread = self
-            .clients
-            .iter()
-            .filter(|c| self.server.socket_thread(c.socket) == thread_index)
-            .count();
-        if on_thread >= self.setup.limits.connections_max as usize {
+        let listener_index = usize::from(listener) % listeners().len();
+        let on_thread = |same_listener: bool| {
+            self.clients
+                .iter()
+                .filter(|c| self.server.socket_thread(c.socket) == thread_index)
+                .filter(|c| !same_listener || c.listener == listener_index)
+                .count()
+        };
+        let limits = &self.setup.limits;
+        let others = listeners().len() as u32 - 1;
+        let listener_max = limits
+            .connections_max
+            .saturating_sub(limits.connections_reserved_per_listener * others)
+            .max(1);
+        if on_thread(false) >= limits.connections_max as usize
+            || on_thread(true) >= listener_max as usize
+        {
             return;
         }
         let before = self.clients.len();
@@ -2031,7 +2046,6 @@ impl Run {
         if self.clients.len() == before {
             return;
         }
-        let listener_index = usize::from(listener) % listeners().len();
         let (nbd, sectors) = match &listeners()[listener_index] {
             VirtualListener::Nbd => {
                 let name = WELL_FORMED_EXPORTS[usize::from(source / 4) % WELL_FORMED_EXPORTS.len()];
