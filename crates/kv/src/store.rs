@@ -418,6 +418,12 @@ impl MemBlocks {
         }
     }
 
+    /// One block's bytes, to damage them in a test.
+    pub fn block_mut(&mut self, block_index: u64) -> &mut [u8] {
+        let range = self.range(block_index, BLOCK_SIZE_BYTES);
+        &mut self.data[range]
+    }
+
     fn range(&self, block_index: u64, length: usize) -> std::ops::Range<usize> {
         assert!(length.is_multiple_of(BLOCK_SIZE_BYTES));
         let start = usize::try_from(block_index).unwrap_or(usize::MAX) * BLOCK_SIZE_BYTES;
