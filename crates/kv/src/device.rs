@@ -121,10 +121,10 @@ impl DeviceBlocks {
                 offset,
                 buf: &mut self.buffer.as_mut_slice()[..length],
             },
-            Kind::Write => OpKind::Write {
+            Kind::Write { fua } => OpKind::Write {
                 offset,
                 buf: &self.buffer.as_slice()[..length],
-                fua: false,
+                fua,
             },
             Kind::Flush => OpKind::Flush,
         };
@@ -181,7 +181,7 @@ impl DeviceBlocks {
 #[derive(Clone, Copy)]
 enum Kind {
     Read,
-    Write,
+    Write { fua: bool },
     Flush,
 }
 
@@ -208,11 +208,11 @@ impl BlockStore for DeviceBlocks {
         Ok(())
     }
 
-    fn write_blocks(&mut self, block_index: u64, buf: &[u8]) -> Result<(), FlashError> {
+    fn write_blocks(&mut self, block_index: u64, buf: &[u8], fua: bool) -> Result<(), FlashError> {
         self.check(block_index, buf.len());
         let offset = block_index * BLOCK_SIZE_BYTES as u64;
         self.buffer.as_mut_slice()[..buf.len()].copy_from_slice(buf);
-        let result = self.submit_and_wait(Kind::Write, offset, buf.len());
+        let result = self.submit_and_wait(Kind::Write { fua }, offset, buf.len());
         whole(result, buf.len())
     }
 

@@ -30,6 +30,9 @@ pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"RFLXKV01");
 /// `"RKVB"` as a little-endian u32.
 pub const BUCKET_MAGIC: u32 = u32::from_le_bytes(*b"RKVB");
 pub const LAYOUT_VERSION: u32 = 1;
+/// Blocks a table may span: slots hold 32-bit block indexes (16 TiB of 4 KiB blocks). A larger
+/// device serves a table on its first 16 TiB.
+pub const TABLE_BLOCKS_MAX: u64 = 1 << 32;
 /// Probe window of a freshly formatted table, unless the caller picks one: a lookup reads at
 /// most this many bucket blocks.
 pub const PROBE_BUCKETS_MAX_DEFAULT: u32 = 16;
@@ -124,6 +127,15 @@ impl Geometry {
                 device_blocks,
                 bucket_count,
             })?;
+        // Slots name value blocks with 32 bits: a table covers at most the first 16 TiB.
+        let extent_block_count =
+            extent_block_count.min((TABLE_BLOCKS_MAX - 1).saturating_sub(bucket_count));
+        if extent_block_count < VALUE_BLOCKS_MAX as u64 {
+            return Err(GeometryError::DeviceTooSmall {
+                device_blocks,
+                bucket_count,
+            });
+        }
         Ok(Geometry {
             bucket_count,
             extent_block_count,
@@ -135,7 +147,7 @@ impl Geometry {
     /// 15 values of about 16 KiB (the paper's db_bench value) fill the extent area as fast as
     /// the index. The probe window is the default, or every bucket of a small table.
     pub fn for_device(device_blocks: u64) -> Result<Geometry, GeometryError> {
-        let bucket_count = (device_blocks / 64).max(1);
+        let bucket_count = (device_blocks.min(TABLE_BLOCKS_MAX) / 64).max(1);
         let probe = u32::try_from(bucket_count)
             .unwrap_or(u32::MAX)
             .min(PROBE_BUCKETS_MAX_DEFAULT);
@@ -273,9 +285,12 @@ pub enum SlotState {
 /// Where a value lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ValueLocation {
-    /// First block of the extent (absolute device block index); 0 for an empty value.
+    /// First block of the extent (absolute device block index, < 2^32); 0 for an empty value.
     pub extent_block: u64,
     pub value_length_bytes: u32,
+    /// CRC-32 of the value's bytes, checked on every read, so a value block that was damaged
+    /// or never written reads as an error, not as someone else's bytes.
+    pub value_crc: u32,
 }
 
 impl ValueLocation {
@@ -300,7 +315,8 @@ pub enum Slot<'a> {
 }
 
 /// One bucket block, checked on decode. Slot layout (272 bytes): state u8 @0, key length u8 @1,
-/// reserved u16 @2, value length u32 @4, extent block u64 @8, key @16 (255 bytes), 1 byte pad.
+/// reserved u16 @2, value length u32 @4, extent block u32 @8, value CRC-32 u32 @12, key @16
+/// (255 bytes), 1 byte pad.
 /// Header (16 bytes): magic u32 @0, bucket index u32 @4 (low 32 bits), CRC-32 u32 @8,
 /// reserved u32 @12.
 #[derive(Clone, PartialEq, Eq)]
@@ -416,7 +432,7 @@ impl BucketImage {
         if value_length > VALUE_SIZE_MAX_BYTES {
             return Err(bad("value longer than 64 KiB"));
         }
-        let extent_block = u64_at(bytes, 8);
+        let extent_block = u64::from(u32_at(bytes, 8));
         let blocks = value_blocks(value_length) as u64;
         let area = geometry.extent_start_block()
             ..geometry.extent_start_block() + geometry.extent_block_count();
@@ -444,8 +460,9 @@ impl BucketImage {
                 Slot::Used(UsedSlot {
                     key: &bytes[16..16 + key_length],
                     location: ValueLocation {
-                        extent_block: u64_at(bytes, 8),
+                        extent_block: u64::from(u32_at(bytes, 8)),
                         value_length_bytes: u32_at(bytes, 4),
+                        value_crc: u32_at(bytes, 12),
                     },
                 })
             }
@@ -467,12 +484,14 @@ impl BucketImage {
         assert!(!key.is_empty() && key.len() <= KEY_SIZE_MAX_BYTES);
         assert!(location.value_length_bytes as usize <= VALUE_SIZE_MAX_BYTES);
         assert_eq!(location.blocks() == 0, location.extent_block == 0);
+        let extent_block = u32::try_from(location.extent_block).expect("block index over 32 bits");
         let bytes = self.slot_bytes_mut(slot_index);
         bytes.fill(0);
         bytes[0] = SlotState::Used as u8;
         bytes[1] = key.len() as u8;
         bytes[4..8].copy_from_slice(&location.value_length_bytes.to_le_bytes());
-        bytes[8..16].copy_from_slice(&location.extent_block.to_le_bytes());
+        bytes[8..12].copy_from_slice(&extent_block.to_le_bytes());
+        bytes[12..16].copy_from_slice(&location.value_crc.to_le_bytes());
         bytes[16..16 + key.len()].copy_from_slice(key);
     }
 
@@ -523,6 +542,10 @@ mod tests {
         let default = Geometry::for_device(1 << 18).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(default.bucket_count(), 4096);
         assert_eq!(default.probe_buckets_max(), PROBE_BUCKETS_MAX_DEFAULT);
+        // A 4 PiB device serves a 16 TiB table (32-bit block indexes in the slots).
+        let huge = Geometry::for_device(1 << 40).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(huge.total_blocks(), TABLE_BLOCKS_MAX);
+        assert_eq!(huge.bucket_count(), TABLE_BLOCKS_MAX / 64);
     }
 
     #[test]
@@ -554,6 +577,7 @@ mod tests {
         let location = ValueLocation {
             extent_block: 11,
             value_length_bytes: 5000,
+            value_crc: 0xdead_beef,
         };
         image.set_slot(2, b"key", location);
         let block = *image.encode();
@@ -578,6 +602,7 @@ mod tests {
             ValueLocation {
                 extent_block: 999,
                 value_length_bytes: 8192,
+                value_crc: 0,
             },
         );
         let block = *outside.encode();
@@ -596,6 +621,7 @@ mod tests {
         let location = ValueLocation {
             extent_block: 0,
             value_length_bytes: 0,
+            value_crc: 0,
         };
         image.set_slot(0, b"a", location);
         assert_eq!(image.delete_slot(0), SlotState::Empty);

@@ -11,6 +11,7 @@
 //! - [`store`]: [`KvStore`], which sequences each operation's block reads and writes over any
 //!   [`BlockStore`] (open addressing with linear probing over whole bucket blocks, a bounded
 //!   probe window, tombstones, `TABLE_FULL` when the window or the value area is full);
+//! - [`serve`]: [`serve::answer`], one decoded `reflex_proto::kv::Request` to its response;
 //! - [`device`]: [`DeviceBlocks`], a synchronous [`BlockStore`] over a `reflex_flash` device
 //!   (the only module with `unsafe`: one call, documented there).
 //!
@@ -23,6 +24,7 @@ pub mod alloc;
 #[allow(unsafe_code)]
 pub mod device;
 pub mod layout;
+pub mod serve;
 pub mod store;
 
 pub use device::DeviceBlocks;

@@ -37,8 +37,9 @@ pub trait BlockStore {
     fn block_count(&self) -> u64;
     /// Reads `buf.len() / 4096` blocks starting at `block_index`.
     fn read_blocks(&mut self, block_index: u64, buf: &mut [u8]) -> Result<(), FlashError>;
-    /// Writes `buf.len() / 4096` blocks starting at `block_index`.
-    fn write_blocks(&mut self, block_index: u64, buf: &[u8]) -> Result<(), FlashError>;
+    /// Writes `buf.len() / 4096` blocks starting at `block_index`; with `fua`, durable when
+    /// this returns (forced unit access).
+    fn write_blocks(&mut self, block_index: u64, buf: &[u8], fua: bool) -> Result<(), FlashError>;
     /// Makes every completed write durable.
     fn flush(&mut self) -> Result<(), FlashError>;
 }
@@ -58,6 +59,8 @@ pub enum KvError {
     NoSpace { blocks: u64 },
     #[error("device: {0}")]
     Io(#[from] FlashError),
+    #[error("the value at block {extent_block} does not match its checksum")]
+    ValueChecksum { extent_block: u64 },
     #[error("damaged table: {0}")]
     Corrupt(#[from] LayoutError),
     #[error("damaged table: {0}")]
@@ -74,6 +77,7 @@ impl KvError {
             KvError::KeyTooLong { .. } | KvError::ValueTooLarge { .. } => Status::TooLarge,
             KvError::TableFull { .. } | KvError::NoSpace { .. } => Status::TableFull,
             KvError::Io(_)
+            | KvError::ValueChecksum { .. }
             | KvError::Corrupt(_)
             | KvError::ExtentConflict(_)
             | KvError::Geometry(_) => Status::IoError,
@@ -155,17 +159,21 @@ impl<B: BlockStore> KvStore<B> {
         }
         // Invalidate an older table first, so a crash mid-format leaves no superblock that
         // names a half-zeroed index.
-        blocks.write_blocks(0, &[0u8; BLOCK_SIZE_BYTES])?;
+        blocks.write_blocks(0, &[0u8; BLOCK_SIZE_BYTES], false)?;
         let zeroes = vec![0u8; FORMAT_BATCH_BLOCKS * BLOCK_SIZE_BYTES];
         let mut bucket_index = 0;
         while bucket_index < geometry.bucket_count() {
             let batch = (geometry.bucket_count() - bucket_index).min(FORMAT_BATCH_BLOCKS as u64);
             let length = batch as usize * BLOCK_SIZE_BYTES;
-            blocks.write_blocks(geometry.bucket_block(bucket_index), &zeroes[..length])?;
+            blocks.write_blocks(
+                geometry.bucket_block(bucket_index),
+                &zeroes[..length],
+                false,
+            )?;
             bucket_index += batch;
         }
         blocks.flush()?;
-        blocks.write_blocks(0, &geometry.encode_superblock())?;
+        blocks.write_blocks(0, &geometry.encode_superblock(), false)?;
         blocks.flush()?;
         Ok(KvStore::with_geometry(blocks, geometry))
     }
@@ -231,7 +239,8 @@ impl<B: BlockStore> KvStore<B> {
 
     fn write_bucket(&mut self, image: &mut BucketImage) -> Result<(), KvError> {
         let block_index = self.geometry.bucket_block(image.bucket_index());
-        self.blocks.write_blocks(block_index, image.encode())?;
+        self.blocks
+            .write_blocks(block_index, image.encode(), false)?;
         Ok(())
     }
 
@@ -283,6 +292,7 @@ impl<B: BlockStore> KvStore<B> {
             return Ok(ValueLocation {
                 extent_block: 0,
                 value_length_bytes: 0,
+                value_crc: crc32fast::hash(&[]),
             });
         }
         let blocks_u64 = blocks as u64;
@@ -301,7 +311,9 @@ impl<B: BlockStore> KvStore<B> {
         let staged = &mut self.value_buf[..blocks * BLOCK_SIZE_BYTES];
         staged[..value.len()].copy_from_slice(value);
         staged[value.len()..].fill(0);
-        if let Err(error) = self.blocks.write_blocks(extent_block, staged) {
+        // Durable before the bucket block that names it is written: after a crash the index
+        // never names a value that did not reach the device.
+        if let Err(error) = self.blocks.write_blocks(extent_block, staged, true) {
             self.allocator.free_now(extent_block, blocks_u64);
             return Err(error.into());
         }
@@ -309,6 +321,7 @@ impl<B: BlockStore> KvStore<B> {
             extent_block,
             // ≤ 64 KiB, checked by the caller.
             value_length_bytes: value.len() as u32,
+            value_crc: crc32fast::hash(value),
         })
     }
 
@@ -360,6 +373,11 @@ impl<B: BlockStore> KvStore<B> {
                 .read_blocks(found.location.extent_block, staged)?;
             out[..length].copy_from_slice(&staged[..length]);
         }
+        if crc32fast::hash(&out[..length]) != found.location.value_crc {
+            return Err(KvError::ValueChecksum {
+                extent_block: found.location.extent_block,
+            });
+        }
         Ok(Some(length))
     }
 
@@ -406,6 +424,8 @@ pub struct MemBlocks {
     /// Fail every write (value or bucket) from this many writes on; `None`: never.
     pub fail_writes_after: Option<u64>,
     pub write_count: u64,
+    /// Writes with forced unit access (value writes).
+    pub fua_write_count: u64,
     pub read_count: u64,
     pub flush_count: u64,
 }
@@ -444,7 +464,7 @@ impl BlockStore for MemBlocks {
         Ok(())
     }
 
-    fn write_blocks(&mut self, block_index: u64, buf: &[u8]) -> Result<(), FlashError> {
+    fn write_blocks(&mut self, block_index: u64, buf: &[u8], fua: bool) -> Result<(), FlashError> {
         if self
             .fail_writes_after
             .is_some_and(|after| self.write_count >= after)
@@ -452,6 +472,9 @@ impl BlockStore for MemBlocks {
             return Err(FlashError::Io { errno: 5 });
         }
         self.write_count += 1;
+        if fua {
+            self.fua_write_count += 1;
+        }
         let range = self.range(block_index, buf.len());
         self.data[range].copy_from_slice(buf);
         Ok(())
