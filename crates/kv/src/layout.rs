@@ -512,6 +512,17 @@ impl BucketImage {
     }
 }
 
+impl BucketImage {
+    /// Turns a used slot into a tombstone whatever the rest of the bucket holds (repairs on
+    /// open: always safe, since lookups probe past tombstones).
+    pub fn retire_slot(&mut self, slot_index: usize) {
+        assert!(matches!(self.slot(slot_index), Slot::Used(_)));
+        let bytes = self.slot_bytes_mut(slot_index);
+        bytes.fill(0);
+        bytes[0] = SlotState::Tombstone as u8;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -85,6 +85,17 @@ impl KvError {
     }
 }
 
+/// A used slot seen while opening.
+#[derive(Clone, Copy)]
+struct UsedEntry {
+    hash: u64,
+    /// Buckets from the key's home bucket to this one.
+    distance: u64,
+    bucket_index: u64,
+    slot_index: usize,
+    location: ValueLocation,
+}
+
 /// Where a key was found.
 struct Found {
     image: BucketImage,
@@ -105,6 +116,7 @@ pub struct KvStore<B: BlockStore> {
     geometry: Geometry,
     allocator: ExtentAllocator,
     entry_count: u64,
+    repaired_slot_count: u64,
     /// One block image for bucket reads.
     block: Box<Block>,
     /// Staging for one value's blocks.
@@ -142,6 +154,7 @@ impl<B: BlockStore> KvStore<B> {
             ),
             geometry,
             entry_count: 0,
+            repaired_slot_count: 0,
             block: Box::new([0u8; BLOCK_SIZE_BYTES]),
             value_buf: vec![0u8; VALUE_BLOCKS_MAX * BLOCK_SIZE_BYTES],
         }
@@ -178,28 +191,131 @@ impl<B: BlockStore> KvStore<B> {
         Ok(KvStore::with_geometry(blocks, geometry))
     }
 
-    /// Opens the table on `blocks`: checks the superblock and every bucket, and rebuilds the
-    /// extent allocator and the entry count from the index. A damaged block is an error, never
-    /// silently skipped.
+    /// Opens the table on `blocks`: checks the superblock and every bucket, repairs what a
+    /// crash between FLUSHes can leave (below), and rebuilds the extent allocator and the entry
+    /// count from the index. A damaged block is an error, never silently skipped.
+    ///
+    /// Repair: bucket writes between two FLUSHes may reach the device in any subset, so a
+    /// bucket can be older than its neighbours. That leaves two kinds of stale slot, both
+    /// invisible to lookups, which would resurface later if kept: a slot past a bucket of its
+    /// probe sequence that has a never-used slot again (the write that filled it was lost), and
+    /// a second copy of a key further along its probe sequence (the write that deleted it was
+    /// lost; a key's newest copy is always its first in probe order, because a PUT takes the
+    /// first free slot and the old copy's slot was free). Stale slots become tombstones and the
+    /// repair is flushed before `open` returns.
     pub fn open(mut blocks: B) -> Result<KvStore<B>, KvError> {
         let mut superblock = [0u8; BLOCK_SIZE_BYTES];
         blocks.read_blocks(0, &mut superblock)?;
         let geometry = Geometry::decode_superblock(&superblock, blocks.block_count())?;
         let mut store = KvStore::with_geometry(blocks, geometry);
-        for bucket_index in 0..geometry.bucket_count() {
+        let bucket_count = geometry.bucket_count();
+        // Pass 1: which buckets hold a never-used slot, and every used slot.
+        let mut has_empty = vec![false; usize::try_from(bucket_count).unwrap_or(usize::MAX)];
+        let mut used_slots: Vec<UsedEntry> = Vec::new();
+        for bucket_index in 0..bucket_count {
             let image = store.read_bucket(bucket_index)?;
-            for (_, slot) in image.slots() {
+            has_empty[bucket_index as usize] = image.has_empty_slot();
+            for (slot_index, slot) in image.slots() {
                 if let Slot::Used(used) = slot {
-                    store.entry_count += 1;
-                    if used.location.blocks() > 0 {
-                        store
-                            .allocator
-                            .mark_used(used.location.extent_block, used.location.blocks())?;
-                    }
+                    used_slots.push(UsedEntry {
+                        hash: key_hash(used.key),
+                        distance: 0,
+                        bucket_index,
+                        slot_index,
+                        location: used.location,
+                    });
                 }
             }
         }
+        // Pass 2: find the stale slots.
+        let mut stale: Vec<(u64, usize)> = Vec::new();
+        let mut live: Vec<UsedEntry> = Vec::with_capacity(used_slots.len());
+        for mut entry in used_slots {
+            let home = entry.hash % bucket_count;
+            entry.distance = (entry.bucket_index + bucket_count - home) % bucket_count;
+            if entry.distance >= u64::from(geometry.probe_buckets_max()) {
+                return Err(LayoutError::BadSlot {
+                    bucket_index: entry.bucket_index,
+                    slot_index: entry.slot_index,
+                    reason: "key outside its probe window",
+                }
+                .into());
+            }
+            let hidden =
+                (0..entry.distance).any(|step| has_empty[((home + step) % bucket_count) as usize]);
+            if hidden {
+                stale.push((entry.bucket_index, entry.slot_index));
+            } else {
+                live.push(entry);
+            }
+        }
+        // Copies of one key share its hash: sort by hash, then probe order, and compare the
+        // keys of equal hashes (rare: a few reads).
+        live.sort_unstable_by_key(|entry| (entry.hash, entry.distance, entry.slot_index));
+        let mut kept: Vec<UsedEntry> = Vec::with_capacity(live.len());
+        for group in live.chunk_by(|a, b| a.hash == b.hash) {
+            if let [single] = group {
+                kept.push(*single);
+                continue;
+            }
+            let group_start = kept.len();
+            for entry in group {
+                let key = store.read_key(entry.bucket_index, entry.slot_index)?;
+                let mut duplicate = false;
+                for earlier in kept[group_start..].iter().copied() {
+                    if store.read_key(earlier.bucket_index, earlier.slot_index)? == key {
+                        duplicate = true;
+                        break;
+                    }
+                }
+                if duplicate {
+                    stale.push((entry.bucket_index, entry.slot_index));
+                } else {
+                    kept.push(*entry);
+                }
+            }
+        }
+        // Pass 3: rebuild the allocator and the count; rewrite the buckets with stale slots.
+        for entry in &kept {
+            store.entry_count += 1;
+            if entry.location.blocks() > 0 {
+                store
+                    .allocator
+                    .mark_used(entry.location.extent_block, entry.location.blocks())?;
+            }
+        }
+        stale.sort_unstable();
+        store.repaired_slot_count = stale.len() as u64;
+        for bucket_stale in stale.chunk_by(|a, b| a.0 == b.0) {
+            let mut image = store.read_bucket(bucket_stale[0].0)?;
+            for &(_, slot_index) in bucket_stale {
+                image.retire_slot(slot_index);
+            }
+            store.write_bucket(&mut image)?;
+        }
+        if !stale.is_empty() {
+            store.blocks.flush()?;
+        }
         Ok(store)
+    }
+
+    /// The key in a slot that pass 1 of [`open`](Self::open) found used.
+    fn read_key(&mut self, bucket_index: u64, slot_index: usize) -> Result<Vec<u8>, KvError> {
+        let image = self.read_bucket(bucket_index)?;
+        match image.slot(slot_index) {
+            Slot::Used(used) => Ok(used.key.to_vec()),
+            Slot::Empty | Slot::Tombstone => Err(LayoutError::BadBucket {
+                bucket_index,
+                reason: "changed while opening",
+            }
+            .into()),
+        }
+    }
+
+    /// Stale slots [`open`](Self::open) turned into tombstones (0 after a clean shutdown or a
+    /// FLUSH).
+    pub const fn repaired_slot_count(&self) -> u64 {
+        self.repaired_slot_count
     }
 
     pub const fn geometry(&self) -> &Geometry {
@@ -218,6 +334,10 @@ impl<B: BlockStore> KvStore<B> {
     /// Blocks of the value area in use, including those freed since the last FLUSH.
     pub const fn used_value_blocks(&self) -> u64 {
         self.allocator.used_block_count()
+    }
+
+    pub const fn blocks(&self) -> &B {
+        &self.blocks
     }
 
     /// The block store, e.g. to reopen the same device in a test.
