@@ -15,8 +15,9 @@
 //! - [`device`]: [`DeviceBlocks`], a synchronous [`BlockStore`] over a `reflex_flash` device
 //!   (the only module with `unsafe`: one call, documented there).
 //!
-//! Architecture invariant: nothing here reads a clock or starts a thread; the table never
-//! panics on what it reads from the device (a damaged block is a typed error).
+//! Architecture invariant: nothing here reads a clock or starts a thread (only
+//! [`DeviceBlocks`] sleeps, bounded, while a file device's pool works); the table never panics
+//! on what it reads from the device (a damaged block is a typed error).
 #![deny(unsafe_code)]
 
 pub mod alloc;
