@@ -17,7 +17,10 @@
 //!
 //! Errors never leave the table inconsistent in memory: a PUT that fails before its bucket
 //! write changes nothing (the new extent is freed); a failed bucket write keeps both extents
-//! allocated (a leak until the next open, never a block in use twice).
+//! allocated (a leak until the next open, never a block in use twice). A failed bucket write
+//! may still have landed (a short completion): the key is then as asked, and [`KvStore::len`]
+//! may be off by the keys so affected until the next open. Buckets are always read from the
+//! device, never cached, so later operations see whichever version landed.
 
 use reflex_flash::FlashError;
 use reflex_proto::kv::{KEY_SIZE_MAX_BYTES, Status, VALUE_SIZE_MAX_BYTES};
