@@ -20,6 +20,7 @@ const UNSAFE_ALLOWED: &[&str] = &[
     "crates/flash/src/fault.rs",
     "crates/flash/src/file.rs",
     "crates/server/src/driver.rs",
+    "crates/kv/src/device.rs",
     "crates/dataplane/src/memory.rs",
     "crates/server/src/sys.rs",
     "crates/server/src/uring/ring.rs",
