@@ -1489,9 +1489,9 @@ pub fn status_for(answer: Answer, opcode: u8) -> Status {
         Answer::Permission | Answer::Native(native::Status::Permission) => Status::ACCESS_DENIED,
         Answer::Native(native::Status::OutOfRange) => Status::LBA_OUT_OF_RANGE,
         Answer::Native(native::Status::NoSuchNamespace) => Status::INVALID_NAMESPACE,
-        Answer::Native(native::Status::Busy) | Answer::Nbd(Errno::Shutdown) => {
-            Status::NAMESPACE_NOT_READY
-        }
+        Answer::Native(native::Status::Busy)
+        | Answer::Nbd(Errno::Shutdown)
+        | Answer::ShuttingDown => Status::NAMESPACE_NOT_READY,
         Answer::Native(native::Status::NoSpace)
         | Answer::DeviceError {
             errno: libc::ENOSPC | libc::EDQUOT,
