@@ -48,6 +48,7 @@ mod errors;
 mod io;
 mod limits;
 mod ops;
+mod publish;
 mod receive;
 mod request;
 mod send;
@@ -171,6 +172,8 @@ pub struct Dataplane {
     housekeeping_at: Nanos,
     /// The `now` of the last `process` (for work done outside it, such as a close).
     last_now: Nanos,
+    /// Counters only the live figures need (`publish`).
+    live: publish::LiveCounters,
 }
 
 impl Dataplane {
@@ -261,6 +264,7 @@ impl Dataplane {
             extents: Vec::with_capacity(crate::frontend::BLOCK_STATUS_EXTENTS_MAX),
             housekeeping_at: setup.now,
             last_now: setup.now,
+            live: publish::LiveCounters::new(qos_count, setup.now),
             limits,
         };
         // The device rates the registries computed at startup.
@@ -315,6 +319,9 @@ impl Dataplane {
     pub fn will_sleep(&mut self) {
         if self.qos_queued == 0 && self.blocked.is_empty() {
             self.set_qos_participating(false);
+        }
+        if !self.housekeeping_needed() {
+            self.publish_live(self.last_now, true);
         }
     }
 
@@ -380,6 +387,7 @@ impl Dataplane {
     pub fn count_iteration(&mut self, completions: u64) {
         self.stats.iterations += 1;
         self.stats.completions += completions;
+        self.live.count_batch(completions);
     }
 
     /// The driver's facts for the stats: registered buffers, full submission queue flushes.
