@@ -570,6 +570,8 @@ pub struct Config {
     /// Tenants declared with their class and SLO.
     #[serde(rename = "tenant")]
     pub tenants: Vec<TenantConfig>,
+    /// The admin API, its metrics and the state file (`docs/OPERATIONS.md`, "Admin API").
+    pub admin: crate::admin::AdminConfig,
 }
 
 fn size_bytes<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
@@ -605,6 +607,7 @@ impl Default for Config {
             qos: true,
             qos_config: QosConfig::default(),
             tenants: Vec::new(),
+            admin: crate::admin::AdminConfig::default(),
         }
     }
 }
@@ -625,6 +628,7 @@ impl Config {
             threads: 1,
             arena_bytes_per_thread: 16 << 20,
             namespaces,
+            admin: crate::admin::AdminConfig::disabled(),
             ..Config::default()
         }
     }
@@ -886,6 +890,7 @@ impl Config {
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         self.limits().check().map_err(ConfigError::Invalid)?;
+        self.admin.validate().map_err(ConfigError::Invalid)?;
 
         let names: Vec<String> = namespaces
             .iter()

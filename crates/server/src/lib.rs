@@ -34,9 +34,11 @@
 
 #![deny(unsafe_code)]
 
+pub mod admin;
 pub mod config;
 mod driver;
 mod epoll;
+pub mod metrics;
 #[allow(unsafe_code)]
 mod sys;
 mod uring;
@@ -101,6 +103,8 @@ pub enum ServerError {
     },
     #[error(transparent)]
     Qos(#[from] ControlError),
+    #[error(transparent)]
+    Admin(#[from] admin::AdminStartError),
 }
 
 /// Entry point; see the crate doc.
@@ -157,6 +161,16 @@ impl Server {
         let (control, qos) =
             ControlPlane::start(&control_setup(&config)?, &namespaces, control_wakers)?;
         let control = Arc::new(control);
+        // Tenants created through the admin API in an earlier life, and SLO changes of
+        // configured tenants, before any thread serves.
+        let persistence = match (&config.admin.enabled, &config.admin.state_file) {
+            (true, Some(path)) => {
+                let file = admin::state_file::StateFile::new(path);
+                let state = admin::restore(&control, &file)?;
+                Some((file, state))
+            }
+            _ => None,
+        };
         let configured = |namespace_index: u16, name: Option<&String>| -> TenantRef {
             let Some(name) = name else {
                 return TenantRef::NONE;
@@ -204,6 +218,7 @@ impl Server {
             threads: Vec::new(),
             control: Arc::clone(&control),
             namespaces: Arc::clone(&namespaces),
+            admin: None,
         };
         let limits = config.limits();
         let cq_entries = config.ring_cq_entries();
@@ -257,6 +272,18 @@ impl Server {
                     });
                 }
             }
+        }
+        if config.admin.enabled {
+            let effective = config.effective_namespaces();
+            handle.admin = Some(admin::start(admin::AdminSetup {
+                config: config.admin.clone(),
+                control: Arc::clone(&control),
+                namespaces: Arc::clone(&namespaces),
+                exports: effective.iter().map(NamespaceConfig::export_name).collect(),
+                devices: effective.iter().map(|ns| ns.backend.clone()).collect(),
+                persistence,
+                threads: config.threads,
+            })?);
         }
         log_startup(&config, driver, &namespaces, &handle, &registered, &qos);
         Ok(handle)
@@ -526,9 +553,16 @@ pub struct ServerHandle {
     threads: Vec<JoinHandle<Result<CoreStats, String>>>,
     control: Arc<ControlPlane>,
     namespaces: Arc<NamespaceSet>,
+    /// The admin API's thread, when it serves.
+    admin: Option<admin::AdminHandle>,
 }
 
 impl ServerHandle {
+    /// Address of the admin API, when it serves.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().map(admin::AdminHandle::addr)
+    }
+
     /// The I/O driver the dataplane threads run on.
     pub fn driver(&self) -> Driver {
         self.driver
@@ -605,6 +639,9 @@ impl ServerHandle {
     }
 
     fn join(&mut self) -> Result<Vec<CoreStats>, ServerError> {
+        if let Some(mut admin) = self.admin.take() {
+            admin.stop();
+        }
         let mut stats = Vec::new();
         let mut first_error = None;
         for (thread, handle) in self.threads.drain(..).enumerate() {
@@ -671,5 +708,110 @@ impl Drop for ServerHandle {
             self.begin_shutdown();
             let _ = self.join();
         }
+    }
+}
+
+/// `reflexd --check-config`: validates the configuration as start-up would, without opening
+/// a device or a port: every field, each QoS profile read and parsed, the configured tenants
+/// admitted against it, and the state file (when the admin API keeps one) parsed.
+pub fn check_config(config: &Config) -> Result<(), ServerError> {
+    config.validate()?;
+    let setup = control_setup(config)?;
+    for namespace in &setup.namespaces {
+        let Some(profile) = &namespace.profile else {
+            continue;
+        };
+        let qos = |reason: String| ControlError::Qos {
+            namespace_id: namespace.namespace_id,
+            reason,
+        };
+        let mut registry = reflex_qos::TenantRegistry::new(
+            profile.clone(),
+            setup.qos_config.clone(),
+            setup.threads,
+        )
+        .map_err(|e| qos(e.to_string()))?;
+        for (name, spec) in &namespace.tenants {
+            registry
+                .register(*spec)
+                .map_err(|error| ControlError::Refused {
+                    namespace_id: namespace.namespace_id,
+                    name: name.clone(),
+                    reason: error.to_string(),
+                })?;
+        }
+    }
+    if config.admin.enabled
+        && let Some(path) = &config.admin.state_file
+    {
+        admin::state_file::StateFile::new(path)
+            .load()
+            .map_err(admin::AdminStartError::from)?;
+    }
+    Ok(())
+}
+
+/// What a reload of the configured tenants did ([`ServerHandle::reload_tenants`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReloadReport {
+    /// Configured tenants whose SLO changed (admission ran again and admitted it).
+    pub changed: u32,
+    pub unchanged: u32,
+    /// SLO changes admission refused (the old SLO stays; each is logged with the reason).
+    pub refused: u32,
+    /// Tenants or bindings that are new or gone: they need a restart (each is logged).
+    pub needs_restart: u32,
+}
+
+impl ServerHandle {
+    /// Applies the configured tenants' SLOs of `config` (SIGHUP): each configured tenant that
+    /// is bound to a namespace here and whose SLO differs goes through admission again, and
+    /// its new rates reach the threads before their next scheduling round; no connection is
+    /// touched. Tenants or bindings that appear or disappear are logged as needing a restart.
+    pub fn reload_tenants(&self, config: &Config) -> ReloadReport {
+        let mut report = ReloadReport::default();
+        for namespace in config.effective_namespaces() {
+            if self.namespaces.index_of(namespace.id).is_none() {
+                tracing::warn!(
+                    namespace = namespace.id,
+                    "reload: a new namespace needs a restart"
+                );
+                report.needs_restart += 1;
+                continue;
+            }
+            for name in config.tenants_bound_to(namespace.id) {
+                let spec = match config.tenant(&name).spec() {
+                    Ok(spec) => spec,
+                    Err(reason) => {
+                        tracing::warn!(tenant = %name, %reason, "reload: tenant not valid");
+                        report.refused += 1;
+                        continue;
+                    }
+                };
+                let Some(handle) = self.control.find_tenant(namespace.id, &name) else {
+                    tracing::warn!(namespace = namespace.id, tenant = %name,
+                        "reload: a newly bound tenant needs a restart");
+                    report.needs_restart += 1;
+                    continue;
+                };
+                if self.control.tenant(handle).map(|info| info.spec) == Some(spec) {
+                    report.unchanged += 1;
+                    continue;
+                }
+                match self.control.admin_update(namespace.id, &name, spec) {
+                    Ok(_) => {
+                        tracing::info!(namespace = namespace.id, tenant = %name, ?spec,
+                            "reload: tenant's SLO changed");
+                        report.changed += 1;
+                    }
+                    Err(error) => {
+                        tracing::warn!(namespace = namespace.id, tenant = %name, %error,
+                            "reload: SLO change refused; the old SLO stays");
+                        report.refused += 1;
+                    }
+                }
+            }
+        }
+        report
     }
 }

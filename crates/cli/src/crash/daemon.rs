@@ -127,6 +127,7 @@ impl Daemon {
             .args(["--nbd-port", &ports.nbd.to_string()])
             .args(["--threads", &config.threads.to_string()])
             .args(["--namespace", &namespace])
+            .arg("--no-admin")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
