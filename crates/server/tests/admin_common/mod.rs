@@ -98,6 +98,35 @@ impl Api {
         Reply { status, text }
     }
 
+    pub fn addr(&self) -> SocketAddr {
+        self.base
+            .trim_start_matches("http://")
+            .parse()
+            .unwrap_or_else(|e| panic!("{}: {e}", self.base))
+    }
+
+    /// A request's status, or `None` when the server did not answer (it died).
+    pub fn try_status(&self, method: &str, path: &str, body: Option<&str>) -> Option<u16> {
+        let url = format!("{}{path}", self.base);
+        let result = match (method, body) {
+            ("post", Some(body)) => self
+                .agent
+                .post(url)
+                .header("content-type", "application/json")
+                .send(body),
+            ("patch", Some(body)) => self
+                .agent
+                .patch(url)
+                .header("content-type", "application/json")
+                .send(body),
+            ("delete", _) => self.agent.delete(url).call(),
+            _ => self.agent.get(url).call(),
+        };
+        let mut response = result.ok()?;
+        response.body_mut().read_to_string().ok()?;
+        Some(response.status().as_u16())
+    }
+
     pub fn get(&self, path: &str) -> Reply {
         Self::reply(self.agent.get(format!("{}{path}", self.base)).call())
     }
