@@ -133,6 +133,43 @@ fn gauges(
     )
 }
 
+/// The Prometheus text format (0.0.4) of an OpenMetrics text: what clients that do not ask
+/// for OpenMetrics get (`promtool check metrics`, curl). The samples are the same; a counter's
+/// `# HELP` and `# TYPE` name its `_total` series, and `# UNIT` and `# EOF` go.
+pub fn prometheus_text(open_metrics: &str) -> String {
+    let counters: std::collections::BTreeSet<&str> = open_metrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(open_metrics.len() + 64 * counters.len());
+    for line in open_metrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let descriptor = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|prefix| line.strip_prefix(prefix).map(|rest| (prefix, rest)));
+        match descriptor {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                out.push_str(prefix);
+                out.push_str(name);
+                if counters.contains(name) {
+                    out.push_str("_total");
+                }
+                if !tail.is_empty() {
+                    out.push(' ');
+                    out.push_str(tail);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
 /// A label value without the characters the text format would need to escape.
 fn clean(value: &str) -> String {
     value
@@ -488,5 +525,23 @@ impl Collector for SamplerCollector {
             |metric, histogram| encode_latency(metric, histogram),
         )?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod text_format_tests {
+    use super::prometheus_text;
+
+    #[test]
+    fn counters_are_described_by_their_total_series_and_eof_goes() {
+        let open_metrics = "# HELP reflex_x Time.\n# TYPE reflex_x counter\n# UNIT reflex_x seconds\n\
+            reflex_x_total{thread=\"0\"} 1.5\n# HELP reflex_g A gauge.\n# TYPE reflex_g gauge\n\
+            reflex_g 2\n# EOF\n";
+        assert_eq!(
+            prometheus_text(open_metrics),
+            "# HELP reflex_x_total Time.\n# TYPE reflex_x_total counter\n\
+             reflex_x_total{thread=\"0\"} 1.5\n# HELP reflex_g A gauge.\n# TYPE reflex_g gauge\n\
+             reflex_g 2\n"
+        );
     }
 }

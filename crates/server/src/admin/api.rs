@@ -674,21 +674,35 @@ pub async fn get_stats(State(state): State<Shared>) -> Response {
     json(view)
 }
 
-pub async fn get_metrics(State(state): State<Shared>) -> ApiResult<Response> {
+/// `GET /metrics`: OpenMetrics for clients that ask for it (Prometheus does), the Prometheus
+/// text format 0.0.4 for the rest.
+pub async fn get_metrics(
+    State(state): State<Shared>,
+    headers: axum::http::HeaderMap,
+) -> ApiResult<Response> {
     let text = crate::metrics::encode(&state.sampler).map_err(|_| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "cannot encode the metrics",
         )
     })?;
-    Ok((
-        [(
-            header::CONTENT_TYPE,
+    let open_metrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .any(|value| value.contains("application/openmetrics-text"));
+    let (content_type, text) = if open_metrics {
+        (
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response())
+            text,
+        )
+    } else {
+        (
+            "text/plain; version=0.0.4; charset=utf-8",
+            crate::metrics::prometheus_text(&text),
+        )
+    };
+    Ok(([(header::CONTENT_TYPE, content_type)], text).into_response())
 }
 
 pub async fn not_found() -> ApiError {

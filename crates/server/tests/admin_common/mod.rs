@@ -127,6 +127,15 @@ impl Api {
         Some(response.status().as_u16())
     }
 
+    pub fn get_with_accept(&self, path: &str, accept: &str) -> Reply {
+        Self::reply(
+            self.agent
+                .get(format!("{}{path}", self.base))
+                .header("accept", accept)
+                .call(),
+        )
+    }
+
     pub fn get(&self, path: &str) -> Reply {
         Self::reply(self.agent.get(format!("{}{path}", self.base)).call())
     }
