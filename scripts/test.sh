@@ -62,6 +62,8 @@ echo "==> cargo build --release (binaries the end-to-end tests run)"
 cargo build --release --workspace -q
 echo "==> cargo test"
 cargo test --workspace --release -q
+echo "==> schemathesis: the admin API against docs/admin-openapi.json, live"
+bash scripts/schemathesis.sh
 echo "==> cargo test -p reflex-server on the epoll driver"
 REFLEX_DRIVER=epoll cargo test --release -p reflex-server -q
 echo "==> aarch64: cross-build, reflex-server's tests under qemu-user (epoll)"

@@ -36,8 +36,10 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/metrics"),
 ];
 
-/// Longest tenant name the API accepts.
-pub const TENANT_NAME_BYTES_MAX: usize = 256;
+/// Longest tenant name the API accepts, in characters (at most 4 bytes each: within the
+/// configuration's and the wire's 256 bytes).
+pub const TENANT_NAME_CHARS_MAX: usize = 64;
+const _: () = assert!(TENANT_NAME_CHARS_MAX * 4 <= crate::config::TENANT_NAME_BYTES_MAX);
 
 /// What the handlers share.
 pub struct AdminState {
@@ -419,10 +421,50 @@ fn spec_of(
     }
 }
 
+/// A request body that must be a JSON object of `T`'s fields. Numbers with no fractional part
+/// count as integers whatever their spelling (`70.0` is 70), as JSON Schema has it. A body
+/// that is not an object, or fields of the wrong type, are a 422 naming the field.
+fn object_body<T: serde::de::DeserializeOwned>(
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+) -> ApiResult<T> {
+    /// 2^64: the first float above every u64.
+    const U64_END: f64 = 18_446_744_073_709_551_616.0;
+    let Json(mut value) = body?;
+    let Some(object) = value.as_object_mut() else {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "the body must be a JSON object",
+        ));
+    };
+    if let Some((key, _)) = object.iter().find(|(_, field)| field.is_null()) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("{key}: null is not a value (leave the field out instead)"),
+        ));
+    }
+    for field in object.values_mut() {
+        if field.is_f64()
+            && let Some(number) = field.as_f64()
+            && number.fract() == 0.0
+            && (0.0..U64_END).contains(&number)
+        {
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let integral = number as u64;
+            *field = serde_json::Value::from(integral);
+        }
+    }
+    serde_path_to_error::deserialize(value).map_err(|error| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("invalid body: {error}"),
+        )
+    })
+}
+
 fn check_name(name: &str) -> ApiResult<()> {
-    if name.is_empty() || name.len() > TENANT_NAME_BYTES_MAX {
+    if name.is_empty() || name.chars().count() > TENANT_NAME_CHARS_MAX {
         return Err(ApiError::bad_request(format!(
-            "tenant name must be 1..={TENANT_NAME_BYTES_MAX} bytes"
+            "tenant name must be 1..={TENANT_NAME_CHARS_MAX} characters"
         )));
     }
     if name.chars().any(char::is_control) {
@@ -524,10 +566,10 @@ pub async fn get_tenant(
 pub async fn create_tenant(
     State(state): State<Shared>,
     path: Result<Path<u32>, PathRejection>,
-    body: Result<Json<TenantCreate>, JsonRejection>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> ApiResult<Response> {
     let Path(namespace_id) = path?;
-    let Json(body) = body?;
+    let body: TenantCreate = object_body(body)?;
     state.namespace_index(namespace_id)?;
     check_name(&body.name)?;
     let spec = spec_of(
@@ -572,10 +614,10 @@ pub async fn create_tenant(
 pub async fn update_tenant(
     State(state): State<Shared>,
     path: Result<Path<(u32, String)>, PathRejection>,
-    body: Result<Json<TenantPatch>, JsonRejection>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> ApiResult<Response> {
     let Path((namespace_id, name)) = path?;
-    let Json(body) = body?;
+    let body: TenantPatch = object_body(body)?;
     let info = find(&state, namespace_id, &name)?;
     if info.name == "(default)" {
         return Err(ApiError::new(
@@ -597,6 +639,28 @@ pub async fn update_tenant(
         TenantSpec::BestEffort => (ClassBody::Be, None, None, None),
     };
     let class_after = body.class.unwrap_or(class);
+    // What is wrong only given the tenant's present class is a conflict with its state (the
+    // body alone is valid): SLO fields for a best-effort tenant, or too few to become LC.
+    let slo_given =
+        body.latency_us_p95.is_some() || body.iops.is_some() || body.read_percent.is_some();
+    if body.class.is_none() && class == ClassBody::Be && slo_given {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!(
+                "tenant {name} is best-effort: give \"class\": \"lc\" with latency_us_p95 and iops to make it latency-critical"
+            ),
+        ));
+    }
+    if class_after == ClassBody::Lc
+        && (body.latency_us_p95.or(latency).is_none() || body.iops.or(iops).is_none())
+    {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!(
+                "tenant {name} is best-effort: a change to latency-critical needs latency_us_p95 and iops"
+            ),
+        ));
+    }
     let spec = match class_after {
         ClassBody::Be => spec_of(
             ClassBody::Be,
