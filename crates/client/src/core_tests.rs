@@ -555,6 +555,8 @@ fn tenant_requests_encode_their_bodies_and_decode_their_answers() {
         reserved_iops: 12_000,
         reserved_tokens_per_sec: 12_000,
         observed_iops: 20_000,
+        reason: reflex_proto::native::RenegotiateReason::DeficitLimit,
+        granted_tokens_per_sec: 12_000,
     };
     answers.extend(response(
         Opcode::Renegotiate,

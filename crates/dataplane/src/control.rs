@@ -39,13 +39,17 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use reflex_proto::native::{RegisterBody, RenegotiateBody, Status, TenantClassRequest};
+use reflex_proto::native::{
+    RegisterBody, RenegotiateBody, RenegotiateReason, Status, TenantClassRequest,
+};
 use reflex_qos::{
-    DeviceProfile, DeviceShared, LoadMode, Nanos, Notice, Plan, Policy, QosConfig, RateUpdate,
-    SchedulerEvent, TenantId, TenantRegistry, TenantSpec, TokenLimit,
+    Action, DeviceProfile, DeviceShared, LoadMode, Nanos, Notice, Plan, Policy, QosConfig,
+    RateUpdate, SchedulerEvent, TenantId, TenantRegistry, TenantSpec, TokenLimit,
 };
 
+use crate::core::TelemetryWindow;
 use crate::namespaces::NamespaceSet;
+use crate::self_calibration::{CalibrationInfo, DeviceCalibration};
 
 /// A RENEGOTIATE notice as the control plane makes it (encoded by the native front end).
 pub type NoticeBody = RenegotiateBody;
@@ -308,9 +312,18 @@ struct NamespaceState {
     /// Without a profile the registry's rate is unlimited and only the default tenant lives.
     has_profile: bool,
     registry: TenantRegistry,
+    /// Online self-calibration of the device rate (with a profile, QoS and calibration on).
+    calibration: Option<DeviceCalibration>,
     /// The handle of each registered tenant id.
     handles: BTreeMap<TenantId, u64>,
+    /// The grant (tokens/s) last told to each LC tenant over the device's scaled rate: a new
+    /// notice goes out only when the grant moves by more than `NOTICE_GRANT_CHANGE_MIN`.
+    notified_grants: BTreeMap<TenantId, u64>,
 }
+
+/// A tenant still over the device's rate hears again only when its grant moved by more than
+/// this share (calibration moves the rate every window; a notice per window is noise).
+const NOTICE_GRANT_CHANGE_MIN: f64 = 0.05;
 
 struct State {
     threads: u16,
@@ -413,11 +426,26 @@ impl ControlPlane {
                     namespace_id: namespace.namespace_id,
                     reason: e.to_string(),
                 })?;
+            let calibrating =
+                has_profile && setup.qos_enabled && setup.qos_config.calibration.enabled;
+            let calibration = if calibrating {
+                let calibration =
+                    DeviceCalibration::new(setup.qos_config.calibration.clone(), Nanos::ZERO)
+                        .map_err(|e| ControlError::Qos {
+                            namespace_id: namespace.namespace_id,
+                            reason: e.to_string(),
+                        })?;
+                Some(calibration)
+            } else {
+                None
+            };
             state.namespaces.push(NamespaceState {
                 namespace_id: namespace.namespace_id,
                 has_profile,
                 registry,
+                calibration,
                 handles: BTreeMap::new(),
+                notified_grants: BTreeMap::new(),
             });
             if !has_profile && !namespace.tenants.is_empty() {
                 return Err(ControlError::Qos {
@@ -844,6 +872,8 @@ impl ControlPlane {
                 reserved_tokens_per_sec,
                 observed_iops: observed_iops_here.saturating_mul(u64::from(total.max(here)))
                     / u64::from(here),
+                reason: RenegotiateReason::DeficitLimit,
+                granted_tokens_per_sec: reserved_tokens_per_sec,
             };
             let name = state
                 .tenants
@@ -857,14 +887,95 @@ impl ControlPlane {
                 observed_iops = body.observed_iops,
                 "tenant reached its deficit limit: RENEGOTIATE notice"
             );
-            for (thread, &count) in connections.iter().enumerate() {
-                if count > 0 {
-                    state
-                        .outbox
-                        .push((thread as u16, ControlMessage::Notice { body }));
+            state.send_notice(&connections, body);
+        });
+    }
+
+    /// A thread's telemetry window of a namespace (`core::calibration`). When the device's
+    /// calibration window has ended, the merged window is judged: a new rate scale is applied
+    /// like any other change (rate updates to every thread), and LC tenants whose reservation
+    /// no longer fits the scaled rate (or fits again) get a RENEGOTIATE notice.
+    pub fn publish_window(
+        &self,
+        thread: usize,
+        namespace_index: u16,
+        window: &TelemetryWindow,
+        now: Nanos,
+        own: &mut Vec<ControlMessage>,
+    ) {
+        self.change(thread, own, |state| {
+            let Some(namespace) = state.namespace(namespace_index) else {
+                return;
+            };
+            let Some(calibration) = namespace.calibration.as_mut() else {
+                return;
+            };
+            if !calibration.add(window, now) {
+                return;
+            }
+            let decision = match calibration.close(now, &namespace.registry.plan()) {
+                Ok(decision) => decision,
+                Err(error) => {
+                    tracing::error!(%error, "self-calibration window refused");
+                    return;
+                }
+            };
+            let before = namespace.registry.rate_scale();
+            if matches!(decision.action, Action::Held(_)) || decision.scale == before {
+                return;
+            }
+            let over_before = namespace.registry.lc_tenants_over();
+            match namespace.registry.set_rate_scale(decision.scale) {
+                Ok(_newly_over) => {}
+                Err(error) => {
+                    tracing::error!(%error, scale = decision.scale, "rate scale refused");
+                    return;
+                }
+            };
+            let plan = namespace.registry.plan();
+            let last = calibration.info().last;
+            tracing::info!(
+                namespace = namespace.namespace_id,
+                scale_before = before,
+                scale = decision.scale,
+                lc_read_service_p95_us = last.map(|o| o.lc_read_latency_us_p95),
+                target_us = last.and_then(|o| o.target_us()),
+                device_tokens_per_sec = plan.device_tokens_per_sec[LoadMode::Mixed.index()]
+                    .as_tokens_per_sec_f64()
+                    .round(),
+                lc_tenants_over = plan.lc_tenants_over,
+                "self-calibration: device rate scaled"
+            );
+            let over_now = namespace.registry.lc_tenants_over();
+            let recovered: Vec<TenantId> = over_before
+                .iter()
+                .filter(|tenant| !over_now.contains(tenant))
+                .copied()
+                .collect();
+            // Every tenant still over hears its new grant, not only those newly over: a client
+            // that follows notices must not keep sending at a share the device lost since.
+            for (tenants, reason) in [
+                (over_now, RenegotiateReason::DeviceSlower),
+                (recovered, RenegotiateReason::DeviceRecovered),
+            ] {
+                for tenant in tenants {
+                    state.notify_device_change(namespace_index, tenant, reason);
                 }
             }
         });
+    }
+
+    /// Each calibrated namespace's calibration, by namespace id.
+    pub fn calibration(&self) -> Vec<(u32, CalibrationInfo)> {
+        let state = self.lock();
+        state
+            .namespaces
+            .iter()
+            .filter_map(|namespace| {
+                let calibration = namespace.calibration.as_ref()?;
+                Some((namespace.namespace_id, calibration.info()))
+            })
+            .collect()
     }
 
     // ----- Queries (operators, tests) ----------------------------------------------------------
@@ -1150,6 +1261,104 @@ impl State {
         }
     }
 
+    /// A RENEGOTIATE notice to every connection of LC tenant `tenant`: the device's scaled
+    /// rate no longer fits its reservation (or does again).
+    fn notify_device_change(
+        &mut self,
+        namespace_index: u16,
+        tenant: TenantId,
+        reason: RenegotiateReason,
+    ) {
+        let Some(namespace) = self.namespace(namespace_index) else {
+            return;
+        };
+        let Some(&handle) = namespace.handles.get(&tenant) else {
+            return;
+        };
+        let Some(TenantSpec::LatencyCritical {
+            iops, read_percent, ..
+        }) = namespace.registry.spec(tenant)
+        else {
+            return;
+        };
+        let reserved = namespace
+            .registry
+            .costs()
+            .reservation(iops, read_percent, LoadMode::Mixed)
+            .as_tokens_per_sec_f64();
+        // Tenants that still fit keep their whole reservation; those over share what is left
+        // in proportion to their reservations.
+        let factor = if namespace.registry.lc_tenants_over().contains(&tenant) {
+            namespace.registry.over_granted_share()[LoadMode::Mixed.index()]
+        } else {
+            1.0
+        };
+        let granted = (reserved * factor).round() as u64;
+        match reason {
+            RenegotiateReason::DeviceSlower => {
+                if let Some(&told) = namespace.notified_grants.get(&tenant) {
+                    let change = (granted as f64 - told as f64).abs() / (told.max(1) as f64);
+                    if change <= NOTICE_GRANT_CHANGE_MIN {
+                        return;
+                    }
+                }
+                namespace.notified_grants.insert(tenant, granted);
+            }
+            _ => {
+                namespace.notified_grants.remove(&tenant);
+            }
+        }
+        let connections = namespace
+            .registry
+            .connections(tenant)
+            .map(<[u32]>::to_vec)
+            .unwrap_or_default();
+        let (episode, _) = namespace
+            .registry
+            .deficit_episodes(tenant)
+            .unwrap_or((0, false));
+        let body = RenegotiateBody {
+            handle,
+            episode,
+            reserved_iops: iops,
+            reserved_tokens_per_sec: reserved.round() as u64,
+            observed_iops: 0,
+            reason,
+            granted_tokens_per_sec: granted,
+        };
+        let name = self
+            .tenants
+            .get(&handle)
+            .map_or_else(String::new, |entry| entry.name.clone());
+        match reason {
+            RenegotiateReason::DeviceSlower => tracing::warn!(
+                handle,
+                tenant = %name,
+                reserved_tokens_per_sec = body.reserved_tokens_per_sec,
+                granted_tokens_per_sec = body.granted_tokens_per_sec,
+                "the device is slower than its profile: the LC reservation no longer fits; \
+                 RENEGOTIATE notice"
+            ),
+            _ => tracing::info!(
+                handle,
+                tenant = %name,
+                ?reason,
+                "the LC reservation fits the device again: RENEGOTIATE notice"
+            ),
+        }
+        self.send_notice(&connections, body);
+    }
+
+    /// Queues `body` for every thread with connections of the tenant.
+    fn send_notice(&mut self, connections_per_thread: &[u32], body: RenegotiateBody) {
+        for (thread, &count) in connections_per_thread.iter().enumerate() {
+            if count > 0 {
+                self.outbox
+                    .push((thread as u16, ControlMessage::Notice { body }));
+            }
+        }
+    }
+
     /// Admits a tenant; returns its new handle or the refusal's reason.
     fn register(
         &mut self,
@@ -1274,6 +1483,7 @@ impl State {
             return false;
         }
         namespace.handles.remove(&id);
+        namespace.notified_grants.remove(&id);
         self.tenants.remove(&handle);
         self.orphans.remove(&handle);
         if let Some(owner) = owner {

@@ -784,7 +784,7 @@ pub const REGISTER_BODY_SIZE: usize = 32;
 /// Bytes of a tenant-handle body: UNREGISTER and BIND requests, and REGISTER's OK answer.
 pub const HANDLE_BODY_SIZE: usize = 8;
 /// Bytes of a RENEGOTIATE notice body.
-pub const RENEGOTIATE_BODY_SIZE: usize = 40;
+pub const RENEGOTIATE_BODY_SIZE: usize = 56;
 /// The handle that names no tenant: in REGISTER, "a new tenant"; in BIND, "back to the
 /// connection's default tenant". The server never hands it out.
 pub const NO_TENANT_HANDLE: u64 = 0;
@@ -926,7 +926,33 @@ pub fn decode_handle(body: &[u8]) -> Result<u64, BodyError> {
     Ok(u64::from_le_bytes(bytes))
 }
 
-/// The body of a RENEGOTIATE notice (§1.9): the tenant keeps reaching its deficit limit.
+/// Why a RENEGOTIATE notice was sent (§1.9).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum RenegotiateReason {
+    /// The tenant sent beyond its reservation until it reached its deficit limit.
+    #[default]
+    DeficitLimit = 1,
+    /// The device turned out slower than its profile (online self-calibration): the
+    /// reservation no longer fits, and the tenant is served at `granted_tokens_per_sec`.
+    DeviceSlower = 2,
+    /// The device is fast enough again: the reservation is honoured in full.
+    DeviceRecovered = 3,
+}
+
+impl RenegotiateReason {
+    fn from_u32(value: u32) -> Option<RenegotiateReason> {
+        match value {
+            1 => Some(RenegotiateReason::DeficitLimit),
+            2 => Some(RenegotiateReason::DeviceSlower),
+            3 => Some(RenegotiateReason::DeviceRecovered),
+            _ => None,
+        }
+    }
+}
+
+/// The body of a RENEGOTIATE notice (§1.9): the tenant keeps reaching its deficit limit, or
+/// the device can no longer honour its reservation (or can again).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct RenegotiateBody {
     pub handle: u64,
@@ -938,6 +964,10 @@ pub struct RenegotiateBody {
     pub reserved_tokens_per_sec: u64,
     /// Requests per second the tenant sent recently (see `docs/QOS.md`).
     pub observed_iops: u64,
+    pub reason: RenegotiateReason,
+    /// Tokens per second the schedulers grant the reservation now (mixed load): the
+    /// reservation itself, or less while the device is slower than its profile.
+    pub granted_tokens_per_sec: u64,
 }
 
 impl RenegotiateBody {
@@ -949,6 +979,8 @@ impl RenegotiateBody {
         f.put_u64_le::<16>(self.reserved_iops);
         f.put_u64_le::<24>(self.reserved_tokens_per_sec);
         f.put_u64_le::<32>(self.observed_iops);
+        f.put_u32_le::<40>(self.reason as u32);
+        f.put_u64_le::<48>(self.granted_tokens_per_sec);
         bytes
     }
 
@@ -966,12 +998,24 @@ impl RenegotiateBody {
                 reason: "notice for tenant handle 0",
             });
         }
+        let Some(reason) = RenegotiateReason::from_u32(f.u32_le::<40>()) else {
+            return Err(BodyError::InvalidTenant {
+                reason: "notice with an unknown reason",
+            });
+        };
+        if f.u32_le::<44>() != 0 {
+            return Err(BodyError::InvalidTenant {
+                reason: "notice with non-zero reserved bytes",
+            });
+        }
         Ok(RenegotiateBody {
             handle,
             episode: f.u64_le::<8>(),
             reserved_iops: f.u64_le::<16>(),
             reserved_tokens_per_sec: f.u64_le::<24>(),
             observed_iops: f.u64_le::<32>(),
+            reason,
+            granted_tokens_per_sec: f.u64_le::<48>(),
         })
     }
 }

@@ -945,15 +945,23 @@ fn handle_and_renegotiate_bodies() {
         reserved_iops: 7_000,
         reserved_tokens_per_sec: 19_838,
         observed_iops: 21_000,
+        reason: RenegotiateReason::DeviceSlower,
+        granted_tokens_per_sec: 15_000,
     };
     assert_eq!(RenegotiateBody::decode(&notice.to_bytes()), Ok(notice));
+    let mut unknown_reason = notice.to_bytes();
+    unknown_reason[40] = 9;
+    assert!(RenegotiateBody::decode(&unknown_reason).is_err());
+    let mut reserved_bytes = notice.to_bytes();
+    reserved_bytes[44] = 1;
+    assert!(RenegotiateBody::decode(&reserved_bytes).is_err());
     let mut no_tenant = notice.to_bytes();
     no_tenant[..8].fill(0);
     assert!(matches!(
         RenegotiateBody::decode(&no_tenant),
         Err(BodyError::InvalidTenant { .. })
     ));
-    assert!(RenegotiateBody::decode(&notice.to_bytes()[..39]).is_err());
+    assert!(RenegotiateBody::decode(&notice.to_bytes()[..55]).is_err());
 }
 
 #[test]
@@ -1015,7 +1023,7 @@ fn documented_register_example() {
     let notice = ResponseHeader::notice(RENEGOTIATE_BODY_SIZE as u32);
     assert_eq!(
         hex(&notice.to_bytes()),
-        "52 46 58 52 01 20 00 00 ff ff ff ff ff ff ff ff 28 00 00 00 00 00 00 00"
+        "52 46 58 52 01 20 00 00 ff ff ff ff ff ff ff ff 38 00 00 00 00 00 00 00"
     );
     let body = RenegotiateBody {
         handle: 1,
@@ -1023,10 +1031,13 @@ fn documented_register_example() {
         reserved_iops: 12_000,
         reserved_tokens_per_sec: 12_000,
         observed_iops: 20_000,
+        reason: RenegotiateReason::DeficitLimit,
+        granted_tokens_per_sec: 12_000,
     };
     assert_eq!(
         hex(&body.to_bytes()),
         "01 00 00 00 00 00 00 00 01 00 00 00 00 00 00 00 e0 2e 00 00 00 00 00 00 \
-         e0 2e 00 00 00 00 00 00 20 4e 00 00 00 00 00 00"
+         e0 2e 00 00 00 00 00 00 20 4e 00 00 00 00 00 00 01 00 00 00 00 00 00 00 \
+         e0 2e 00 00 00 00 00 00"
     );
 }

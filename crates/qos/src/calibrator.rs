@@ -49,6 +49,11 @@ pub const SCALE_CEILING_MAX: f64 = 2.0;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CalibratorConfig {
+    /// Whether reflexd calibrates online at all (on namespaces with a profile, QoS on).
+    pub enabled: bool,
+    /// The part of an LC SLO that the server never measures (network, the client's own
+    /// wake-ups), µs, on top of what it learns itself; the target is the SLO minus both.
+    pub client_share_us: u64,
     /// One observation window: the integrator closes one every this long.
     pub window_us: u64,
     /// Fewest LC reads a window needs to count as evidence (at 100 the p95 is the 5th-slowest
@@ -66,6 +71,10 @@ pub struct CalibratorConfig {
     /// After a decrease, this many windows in which a still-too-high but falling p95 does not
     /// cut again (the last cut is still draining the backlog).
     pub decrease_hold_windows: u32,
+    /// A cut stops at the scale where LC reservations still fit (best-effort tenants lose
+    /// their share first); cutting below it, into LC reservations, takes this many windows
+    /// over the target in a row there.
+    pub lc_squeeze_windows: u32,
     /// Increase per step, as a share of the profile's rate.
     pub increase_step: f64,
     /// Comfortable windows in a row before one increase step.
@@ -81,6 +90,8 @@ pub struct CalibratorConfig {
 impl Default for CalibratorConfig {
     fn default() -> CalibratorConfig {
         CalibratorConfig {
+            enabled: true,
+            client_share_us: 0,
             window_us: 100_000,
             samples_min: 100,
             scale_floor: 0.2,
@@ -88,6 +99,7 @@ impl Default for CalibratorConfig {
             decrease_gain: 1.0,
             decrease_step_max: 0.3,
             decrease_hold_windows: 3,
+            lc_squeeze_windows: 2,
             increase_step: 0.05,
             increase_windows: 3,
             comfort_ratio: 0.8,
@@ -139,6 +151,9 @@ impl CalibratorConfig {
         if !fraction(self.increase_step) {
             return invalid("increase_step", "must be between 0 and 1 (exclusive)");
         }
+        if self.lc_squeeze_windows == 0 {
+            return invalid("lc_squeeze_windows", "must be at least 1");
+        }
         if self.increase_windows == 0 {
             return invalid("increase_windows", "must be at least 1");
         }
@@ -170,6 +185,10 @@ pub struct WindowObservation {
     pub tokens_per_sec_in_use: f64,
     /// Tokens the schedulers charged in the window, all tenants: how hard the device was driven.
     pub tokens_spent: f64,
+    /// The scale at which Σ LC reservations take the whole device rate (`None` without LC
+    /// tenants): above it a cut only takes from best-effort tenants; below it, from LC
+    /// reservations, which needs more evidence (`lc_squeeze_windows`).
+    pub lc_fit_scale: Option<f64>,
 }
 
 impl WindowObservation {
@@ -198,6 +217,9 @@ pub enum Hold {
     TooFewSamples,
     /// p95 between `comfort_ratio × target` and the target.
     InBand,
+    /// Over the target at the scale where LC reservations just fit: waiting for
+    /// `lc_squeeze_windows` such windows before cutting into them.
+    ProtectingLc { count: u32 },
     /// Above the target but falling, within `decrease_hold_windows` of the last cut.
     Settling,
     /// Below the band, `count` comfortable windows in a row so far.
@@ -269,6 +291,8 @@ pub struct Calibrator {
     comfortable_windows: u32,
     /// Windows since the last decrease; `None` before the first.
     windows_since_decrease: Option<u32>,
+    /// Windows over the target in a row at or below the LC-fit scale.
+    squeeze_windows: u32,
     /// The p95 of the previous evidence window.
     p95_previous_us: Option<u64>,
     stats: CalibratorStats,
@@ -287,6 +311,7 @@ impl Calibrator {
             window_start: now,
             comfortable_windows: 0,
             windows_since_decrease: None,
+            squeeze_windows: 0,
             p95_previous_us: None,
             stats: CalibratorStats {
                 scale,
@@ -416,10 +441,26 @@ impl Calibrator {
             }
             let overshoot = (p95_us - target_us) as f64 / p95_us as f64;
             let cut = (config.decrease_gain * overshoot).min(config.decrease_step_max);
-            let scale = (self.scale * (1.0 - cut)).max(config.scale_floor);
+            let mut scale = (self.scale * (1.0 - cut)).max(config.scale_floor);
+            if let Some(fit) = observation.lc_fit_scale {
+                // A relative margin: the scale arrives at `fit` by a clamp, not exactly.
+                let at_or_below_fit = self.scale <= fit * (1.0 + 1e-9);
+                if !at_or_below_fit {
+                    // Best-effort tenants first: stop where LC reservations still fit.
+                    scale = scale.max(fit.min(config.scale_ceiling));
+                } else {
+                    self.squeeze_windows += 1;
+                    if self.squeeze_windows < config.lc_squeeze_windows {
+                        return Action::Held(Hold::ProtectingLc {
+                            count: self.squeeze_windows,
+                        });
+                    }
+                }
+            }
             if scale >= self.scale {
                 return Action::Held(Hold::AtFloor);
             }
+            self.squeeze_windows = 0;
             let from = self.scale;
             self.scale = scale;
             self.windows_since_decrease = Some(0);
@@ -428,6 +469,7 @@ impl Calibrator {
                 overshoot: p95_us as f64 / target_us as f64,
             };
         }
+        self.squeeze_windows = 0;
         if p95_us as f64 >= config.comfort_ratio * target_us as f64 {
             self.comfortable_windows = 0;
             return Action::Held(Hold::InBand);

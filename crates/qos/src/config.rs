@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::calibrator::{CalibratorConfig, CalibratorConfigError};
 use crate::time::Nanos;
 use crate::tokens::Tokens;
 
@@ -51,6 +52,8 @@ pub struct QosConfig {
     /// this. A profile calibrated on the device itself needs it for SLOs measured at the
     /// client; 0 (the paper's rule) when the profile was calibrated through the server.
     pub slo_headroom_us: u64,
+    /// Online self-calibration of the device rate (`docs/QOS.md` §11).
+    pub calibration: CalibratorConfig,
 }
 
 impl Default for QosConfig {
@@ -67,6 +70,7 @@ impl Default for QosConfig {
             thread_queued_requests_max: 16_384,
             tenants_max: 16_384,
             slo_headroom_us: 0,
+            calibration: CalibratorConfig::default(),
         }
     }
 }
@@ -144,6 +148,12 @@ impl QosConfig {
                 reason: "must be between 1 and 65536",
             });
         }
+        self.calibration.validate().map_err(
+            |CalibratorConfigError::Invalid { field, reason }| ConfigError::Invalid {
+                field,
+                reason,
+            },
+        )?;
         Ok(())
     }
 }

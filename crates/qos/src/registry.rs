@@ -31,11 +31,11 @@
 //! makes the device rate the profile's rate at the strictest SLO × the scale, for admission and
 //! for the rates alike. A scale-down may leave Σ LC reservations above the device rate: the
 //! plan is then *overcommitted*. Reservations are kept (nobody is unregistered); BE tenants get
-//! nothing (they share what LC leaves); the schedulers scale every LC reservation down by
-//! device / Σ LC ([`crate::rates::effective_rates`]); and the LC tenants that no longer fit
-//! are named so the control plane can ask them to renegotiate: replaying admission in the order
-//! tenants were admitted against the scaled rate, the first that does not fit and every one
-//! after it. While overcommitted, a registration or re-registration is admitted only if it
+//! nothing (they share what LC leaves); the LC tenants that no longer fit are named so the
+//! control plane can ask them to renegotiate: replaying admission in the order tenants were
+//! admitted against the scaled rate, the first that does not fit and every one after it. The
+//! tenants that fit keep their whole reservation (their promise still holds); the ones over
+//! share what is left, in proportion to their reservations. While overcommitted, a registration or re-registration is admitted only if it
 //! keeps the admission mode, does not lower the device rate and does not grow the excess, so
 //! it never puts another tenant over; unregistering and connection changes are always allowed.
 
@@ -276,6 +276,10 @@ pub struct TenantRegistry {
     rate_scale: f64,
     /// LC tenants that no longer fit the scaled rate (empty unless overcommitted).
     over: BTreeSet<TenantId>,
+    /// Per mode: Σ of the reservations of the tenants `over`, and the part of it the
+    /// schedulers grant them (what the tenants that fit leave of the device rate).
+    over_reserved: [u64; 2],
+    over_granted: [u64; 2],
     plan: Plan,
     sent_device: Vec<Option<DeviceRates>>,
     sent_tenants: Vec<BTreeMap<TenantId, TenantRates>>,
@@ -317,6 +321,8 @@ impl TenantRegistry {
             admissions: 0,
             rate_scale: 1.0,
             over: BTreeSet::new(),
+            over_reserved: [0; 2],
+            over_granted: [0; 2],
             plan: Plan {
                 latency_us_p95: None,
                 clamp: None,
@@ -846,6 +852,40 @@ impl TenantRegistry {
         over
     }
 
+    /// What the tenants `over` are granted under `plan`, per mode: the device rate the
+    /// tenants that fit leave, split in proportion to their reservations (never more than
+    /// them). The tenants that fit keep their whole reservation.
+    fn grant_over(&mut self, plan: &Plan) {
+        let mut reserved = [0u64; 2];
+        for tenant in &self.over {
+            if let Some(entry) = self.tenants.get(tenant) {
+                let own = self.contribution(&entry.spec, true).lc_reserved;
+                reserved[0] += own[0];
+                reserved[1] += own[1];
+            }
+        }
+        self.over_reserved = reserved;
+        self.over_granted = [0, 1].map(|m| {
+            let fitting = plan.lc_reserved_tokens_per_sec[m].0 - reserved[m];
+            plan.device_tokens_per_sec[m]
+                .0
+                .saturating_sub(fitting)
+                .min(reserved[m])
+        });
+    }
+
+    /// The part of the tenants over the device rate's reservations they are granted now,
+    /// per mode (1.0 when none is over).
+    pub fn over_granted_share(&self) -> [f64; 2] {
+        [0, 1].map(|m| {
+            if self.over_reserved[m] == 0 {
+                1.0
+            } else {
+                self.over_granted[m] as f64 / self.over_reserved[m] as f64
+            }
+        })
+    }
+
     /// Adopts `plan` and queues the updates: device rates where they changed (one message per
     /// thread) and the rates of `changed` (the only tenant whose own terms can have moved).
     fn commit(&mut self, plan: Plan, changed: Option<TenantId>) {
@@ -859,9 +899,11 @@ impl TenantRegistry {
             );
         }
         let mut plan = plan;
+        let over_before = (self.over.clone(), self.over_reserved, self.over_granted);
         if plan.overcommitted || !self.over.is_empty() {
             self.over = self.tenants_over(&plan);
         }
+        self.grant_over(&plan);
         plan.lc_tenants_over = self.over.len() as u32;
         if plan.overcommitted && !self.plan.overcommitted {
             tracing::warn!(
@@ -877,13 +919,25 @@ impl TenantRegistry {
         if let Some(tenant) = changed {
             self.send_tenant(tenant);
         }
+        // Tenants that went over, came back, or whose granted share moved get their terms.
+        if over_before != (self.over.clone(), self.over_reserved, self.over_granted) {
+            let touched: BTreeSet<TenantId> = over_before.0.union(&self.over).copied().collect();
+            for tenant in touched {
+                if Some(tenant) != changed {
+                    self.send_tenant(tenant);
+                }
+            }
+        }
+        let granted_total = [0, 1].map(|m| {
+            plan.lc_reserved_tokens_per_sec[m].0 - self.over_reserved[m] + self.over_granted[m]
+        });
         let threads = usize::from(self.threads);
         // Reservations nobody serves yet (and their share of spare capacity) are donated, by
         // every thread evenly.
         let mut unbound = [0u64; 2];
         for mode in LoadMode::ALL {
             let m = mode.index();
-            let sum = plan.lc_reserved_tokens_per_sec[m];
+            let sum = TokenRate(granted_total[m]);
             let available = plan.device_tokens_per_sec[m];
             let reserved = TokenRate(self.totals.lc_unbound_reserved[m]);
             let scaled = if sum > available {
@@ -904,7 +958,7 @@ impl TenantRegistry {
             let device = DeviceRates {
                 costs: self.costs,
                 device_tokens_per_sec: plan.device_tokens_per_sec,
-                lc_reserved_tokens_per_sec: plan.lc_reserved_tokens_per_sec,
+                lc_reserved_tokens_per_sec: granted_total.map(TokenRate),
                 be_tokens_per_sec_each: plan.be_tokens_per_sec_each,
                 lc_boost_tokens_per_sec_each: plan.lc_boost_tokens_per_sec_each,
                 unbound_tokens_per_sec: [TokenRate(unbound_mixed), TokenRate(unbound_read_only)],
@@ -926,7 +980,12 @@ impl TenantRegistry {
         if let Some(entry) = self.tenants.get(&tenant) {
             let total = entry.connections_total();
             if total > 0 {
-                let reserved = self.contribution(&entry.spec, true).lc_reserved;
+                let mut reserved = self.contribution(&entry.spec, true).lc_reserved;
+                if self.over.contains(&tenant) {
+                    for (m, value) in reserved.iter_mut().enumerate() {
+                        *value = share_of(*value, self.over_granted[m], self.over_reserved[m]);
+                    }
+                }
                 let shares = [
                     split(reserved[0], &entry.connections),
                     split(reserved[1], &entry.connections),
@@ -970,6 +1029,14 @@ impl TenantRegistry {
             }
         }
     }
+}
+
+/// `value × part / whole` without overflow (`value` when `whole` is 0).
+fn share_of(value: u64, part: u64, whole: u64) -> u64 {
+    if whole == 0 {
+        return value;
+    }
+    (u128::from(value) * u128::from(part) / u128::from(whole)) as u64
 }
 
 /// How far Σ LC reservations exceed the device rate in `plan`'s admission mode (0: they fit).
@@ -1428,7 +1495,7 @@ mod tests {
         assert_eq!(view.rate(0, a), 120_000_000);
 
         // 50 %: 210K. A (admitted first) fits, B does not: B is named once. BE gets nothing;
-        // the schedulers scale both reservations by 210 / 316.
+        // A keeps its whole reservation and B gets what A leaves (90K of its 196K).
         assert_eq!(r.set_rate_scale(0.5), Ok(vec![b]));
         view.apply(r.take_updates());
         let plan = r.plan();
@@ -1436,8 +1503,9 @@ mod tests {
         assert_eq!(plan.lc_tenants_over, 1);
         assert_eq!(r.lc_tenants_over(), vec![b]);
         assert_eq!(view.rate(0, c), 0);
-        assert_eq!(view.rate(0, a), 120_000_000 * 210 / 316);
-        assert_eq!(view.rate(1, b), 196_000_000 * 210 / 316);
+        assert_eq!(view.rate(0, a), 120_000_000);
+        assert_eq!(view.rate(1, b), 90_000_000);
+        assert_eq!(r.over_granted_share()[0], 90.0 / 196.0);
         assert_eq!(r.set_rate_scale(0.5), Ok(vec![]), "named once");
         assert_eq!(
             r.spec(b),

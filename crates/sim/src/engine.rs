@@ -25,16 +25,19 @@ use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, Tena
 use reflex_dataplane::frontend::Protocol;
 use reflex_dataplane::{Limits, TenantStats};
 use reflex_flash::Device;
-use reflex_proto::native::{Opcode, RegisterBody, TenantClassRequest};
+use reflex_proto::native::{Opcode, RegisterBody, RenegotiateReason, TenantClassRequest};
 use reflex_qos::{DeviceProfile, Nanos, Policy, QosConfig, TenantClass, TenantSpec};
 
 use crate::network::NetworkModel;
-use crate::report::{PointReport, TenantReport};
+use crate::report::{PointReport, TenantReport, TimelinePoint, TimelineTenant};
 use crate::server::{SocketId, VirtualServer, VirtualServerError, VirtualServerSetup};
 
 /// Requests a client holds back beyond its window before it sheds arrivals (bounds memory when
 /// a tenant offers far more than it gets).
 pub const CLIENT_BACKLOG_MAX: usize = 1 << 16;
+/// A client that follows a notice sends this share of what it was granted: a Poisson source
+/// at exactly its token rate would queue behind its own bursts.
+pub const FOLLOW_MARGIN: f64 = 0.9;
 /// The namespace every simulated tenant uses.
 pub const NAMESPACE_ID: u32 = 1;
 /// How long the setup (REGISTER and BIND over the network) may take in virtual time.
@@ -43,8 +46,13 @@ const SETUP_TIME_MAX: Nanos = Nanos(1_000_000_000);
 /// How a simulated tenant's clients send.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Load {
-    /// Poisson arrivals at `iops`; at most `window` requests in flight.
-    Open { iops: u64, window: u32 },
+    /// Poisson arrivals at `iops`; at most `window` requests in flight. `follow_notices`:
+    /// the rate follows what RENEGOTIATE notices about the device grant.
+    Open {
+        iops: u64,
+        window: u32,
+        follow_notices: bool,
+    },
     /// Always `depth` requests in flight.
     Closed { depth: u32 },
 }
@@ -83,6 +91,8 @@ pub struct SimConfig {
     pub duration: Nanos,
     pub tenants: Vec<SimTenant>,
     pub network: NetworkModel,
+    /// Report each tenant's IOPS and read p95 per interval of this length (measured time only).
+    pub timeline: Option<Nanos>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -97,8 +107,12 @@ pub enum SimError {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
-    Arrival { tenant: u32 },
+    Arrival {
+        tenant: u32,
+    },
     WarmupEnd,
+    /// The end of a timeline interval.
+    Tick,
 }
 
 /// A request sent and not answered yet.
@@ -132,6 +146,13 @@ struct TenantState {
     millitokens_at_warmup: i64,
     /// Deficit episodes announced by RENEGOTIATE notices.
     episodes: BTreeSet<u64>,
+    /// Notices for other reasons (the device slower than its profile, or recovered).
+    device_notices: u64,
+    /// The share of its open-loop rate the tenant sends (below 1 while following a notice).
+    rate_factor: f64,
+    /// The current timeline interval: read latencies (by completion) and completions.
+    interval_reads_ns: Histogram<u64>,
+    interval_completed: u64,
 }
 
 /// Runs one simulation against `device` (the namespace's storage) and reports per tenant.
@@ -162,6 +183,7 @@ struct Sim<'c> {
     capacity_bytes: u64,
     readable: Vec<SocketId>,
     received: Vec<u8>,
+    timeline: Vec<TimelinePoint>,
 }
 
 /// The dataplane limits of a simulated server: every tenant's window fits on one connection,
@@ -262,6 +284,11 @@ impl<'c> Sim<'c> {
                 errors: 0,
                 millitokens_at_warmup: 0,
                 episodes: BTreeSet::new(),
+                device_notices: 0,
+                rate_factor: 1.0,
+                interval_reads_ns: Histogram::new_with_bounds(1_000, 60_000_000_000, 2)
+                    .map_err(|e| SimError::Config(e.to_string()))?,
+                interval_completed: 0,
             });
         }
         Ok(Sim {
@@ -281,6 +308,7 @@ impl<'c> Sim<'c> {
             capacity_bytes,
             readable: Vec::new(),
             received: Vec::new(),
+            timeline: Vec::new(),
         })
     }
 
@@ -432,13 +460,17 @@ impl<'c> Sim<'c> {
         self.warmup_end = start + self.config.warmup;
         self.end = self.warmup_end + self.config.duration;
         self.push(self.warmup_end, Event::WarmupEnd);
+        if let Some(interval) = self.config.timeline {
+            assert!(interval > Nanos::ZERO, "timeline interval zero");
+            self.push(self.warmup_end + interval, Event::Tick);
+        }
         for index in 0..self.tenants.len() {
             if self.tenants[index].handle.is_none() {
                 continue;
             }
             match self.tenants[index].sim.load {
                 Load::Open { iops, .. } => {
-                    let gap = exponential(&mut self.tenants[index].rng, iops);
+                    let gap = exponential(&mut self.tenants[index].rng, iops as f64);
                     self.push(
                         start + Nanos(gap),
                         Event::Arrival {
@@ -486,7 +518,8 @@ impl<'c> Sim<'c> {
             Event::Arrival { tenant } => {
                 let index = tenant as usize;
                 if let Load::Open { iops, .. } = self.tenants[index].sim.load {
-                    let gap = exponential(&mut self.tenants[index].rng, iops);
+                    let rate = iops as f64 * self.tenants[index].rate_factor;
+                    let gap = exponential(&mut self.tenants[index].rng, rate);
                     self.push(now + Nanos(gap), Event::Arrival { tenant });
                 }
                 if now >= self.warmup_end {
@@ -501,8 +534,11 @@ impl<'c> Sim<'c> {
                         .handle
                         .and_then(|handle| stats.iter().find(|s| s.handle == handle))
                         .map_or(0, |s| s.millitokens);
+                    tenant.interval_reads_ns.reset();
+                    tenant.interval_completed = 0;
                 }
             }
+            Event::Tick => self.tick(now),
         }
     }
 
@@ -602,9 +638,18 @@ impl<'c> Sim<'c> {
             return Ok(None);
         };
         if let Some(notice) = completion.notice() {
+            let granted = match notice.reason {
+                RenegotiateReason::DeficitLimit => None,
+                _ if notice.reserved_tokens_per_sec == 0 => Some(1.0),
+                _ => Some(
+                    (notice.granted_tokens_per_sec as f64 / notice.reserved_tokens_per_sec as f64)
+                        .min(1.0),
+                ),
+            };
             return Ok(Some(Answer::Notice {
                 tenant,
                 episode: notice.episode,
+                granted,
             }));
         }
         Ok(Some(Answer::Io {
@@ -615,8 +660,33 @@ impl<'c> Sim<'c> {
 
     fn answered(&mut self, answer: Answer, now: Nanos) {
         let (id, ok) = match answer {
-            Answer::Notice { tenant, episode } => {
-                self.tenants[tenant as usize].episodes.insert(episode);
+            Answer::Notice {
+                tenant,
+                episode,
+                granted,
+            } => {
+                let tenant = &mut self.tenants[tenant as usize];
+                match granted {
+                    None => {
+                        tenant.episodes.insert(episode);
+                    }
+                    Some(share) => {
+                        tenant.device_notices += 1;
+                        if let Load::Open {
+                            follow_notices: true,
+                            ..
+                        } = tenant.sim.load
+                        {
+                            // Every connection of the tenant gets the notice; the share is
+                            // the same in each.
+                            tenant.rate_factor = if share >= 1.0 {
+                                1.0
+                            } else {
+                                (share * FOLLOW_MARGIN).max(0.01)
+                            };
+                        }
+                    }
+                }
                 return;
             }
             Answer::Io { id, ok } => (id, ok),
@@ -633,10 +703,12 @@ impl<'c> Sim<'c> {
         }
         if now >= self.warmup_end && now <= self.end {
             tenant.completed_in_window += 1;
+            tenant.interval_completed += 1;
         }
         if pending.read && pending.due >= self.warmup_end {
             let latency = now.saturating_since(pending.due).0.max(1_000);
             tenant.read_latency_ns.saturating_record(latency);
+            tenant.interval_reads_ns.saturating_record(latency);
         }
         match tenant.sim.load {
             Load::Closed { .. } => self.send(index, now),
@@ -645,6 +717,46 @@ impl<'c> Sim<'c> {
                     self.send(index, due);
                 }
             }
+        }
+    }
+
+    /// A timeline interval ended at `now`: each tenant's IOPS and read p95 in it, and the
+    /// device's calibrated rate scale.
+    fn tick(&mut self, now: Nanos) {
+        let Some(interval) = self.config.timeline else {
+            return;
+        };
+        let seconds = interval.as_secs_f64();
+        let tenants = self
+            .tenants
+            .iter_mut()
+            .map(|tenant| {
+                let hist = &tenant.interval_reads_ns;
+                let point = TimelineTenant {
+                    iops: tenant.interval_completed as f64 / seconds,
+                    read_p95_us: if hist.is_empty() {
+                        0.0
+                    } else {
+                        hist.value_at_quantile(0.95) as f64 / 1e3
+                    },
+                };
+                tenant.interval_reads_ns.reset();
+                tenant.interval_completed = 0;
+                point
+            })
+            .collect();
+        let rate_scale = self
+            .server
+            .control()
+            .plan(0)
+            .map_or(1.0, |plan| plan.rate_scale);
+        self.timeline.push(TimelinePoint {
+            end_ms: now.saturating_since(self.warmup_end).0 / 1_000_000,
+            rate_scale,
+            tenants,
+        });
+        if now + interval <= self.end {
+            self.push(now + interval, Event::Tick);
         }
     }
 
@@ -728,6 +840,7 @@ impl<'c> Sim<'c> {
                 tokens_per_sec: tokens / seconds,
                 slo_met,
                 notices: tenant.episodes.len() as u64,
+                device_notices: tenant.device_notices,
                 errors: tenant.errors,
                 shed: tenant.shed,
                 backlog: tenant.backlog.len() as u64,
@@ -745,21 +858,31 @@ impl<'c> Sim<'c> {
             tokens_used_per_sec: tokens_total / seconds,
             tenants,
             refusals: self.refusals.clone(),
+            rate_scale: plan.as_ref().map_or(1.0, |p| p.rate_scale),
+            timeline: self.timeline.clone(),
         }
     }
 }
 
 enum Answer {
-    Io { id: u64, ok: bool },
-    Notice { tenant: u32, episode: u64 },
+    Io {
+        id: u64,
+        ok: bool,
+    },
+    Notice {
+        tenant: u32,
+        episode: u64,
+        /// A notice about the device: the share of the reservation granted now.
+        granted: Option<f64>,
+    },
 }
 
 /// An exponentially distributed gap in nanoseconds for a Poisson process at `rate_per_sec`.
-fn exponential(rng: &mut Xoshiro256PlusPlus, rate_per_sec: u64) -> u64 {
-    assert!(rate_per_sec > 0, "Poisson rate zero");
+fn exponential(rng: &mut Xoshiro256PlusPlus, rate_per_sec: f64) -> u64 {
+    assert!(rate_per_sec > 0.0, "Poisson rate zero");
     // Uniform in (0, 1]: never ln(0).
     let uniform = ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
-    let gap_ns = -uniform.ln() * 1e9 / rate_per_sec as f64;
+    let gap_ns = -uniform.ln() * 1e9 / rate_per_sec;
     (gap_ns.round() as u64).max(1)
 }
 
@@ -771,7 +894,7 @@ mod tests {
     fn exponential_gaps_average_to_the_rate() {
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(7);
         let n = 200_000;
-        let total: u64 = (0..n).map(|_| exponential(&mut rng, 100_000)).sum();
+        let total: u64 = (0..n).map(|_| exponential(&mut rng, 100_000.0)).sum();
         let mean_ns = total as f64 / n as f64;
         assert!((mean_ns - 10_000.0).abs() < 100.0, "{mean_ns}");
     }

@@ -121,6 +121,7 @@ pub fn sim_config(
         duration: Nanos::from_millis(options.duration_ms.unwrap_or(scenario.duration_ms)),
         tenants,
         network: scenario.network.model(),
+        timeline: scenario.timeline_ms.map(Nanos::from_millis),
     }
 }
 
@@ -137,6 +138,7 @@ fn sim_tenant(tenant: &TenantSpecToml, name: String, connections: Vec<u16>) -> S
         (Some(iops), _) => Load::Open {
             iops,
             window: tenant.load.window,
+            follow_notices: tenant.load.follow_notices,
         },
         (None, depth) => Load::Closed {
             depth: depth.unwrap_or(1),
@@ -177,7 +179,10 @@ fn make_device(
             "fixed-latency model",
         )));
     }
-    let name = spec.emulated.as_deref().unwrap_or("device-a");
+    // `emu(slow=2x@10s;...):NAME` drifts over the run (`docs/EMULATION.md`, "Drift").
+    let (schedule, name) =
+        reflex_flash::emu::split_spec(spec.emulated.as_deref().unwrap_or("device-a"))
+            .map_err(|e| RunError::Device(e.to_string()))?;
     let resolved = if name.contains('/') || name.ends_with(".toml") {
         loaded.base_dir.join(name).display().to_string()
     } else {
@@ -185,7 +190,10 @@ fn make_device(
     };
     let profile = reflex_flash::emu::EmuProfile::lookup(&resolved)
         .map_err(|e| RunError::Device(e.to_string()))?;
-    let device = reflex_flash::emu::EmuDevice::new(profile, capacity_bytes, seed)
+    let mut device = reflex_flash::emu::EmuDevice::new(profile, capacity_bytes, seed)
+        .map_err(|e| RunError::Device(e.to_string()))?;
+    device
+        .set_schedule(schedule)
         .map_err(|e| RunError::Device(e.to_string()))?;
     Ok(std::sync::Arc::new(ModelFlash::new(
         Box::new(EmuSimDevice::new(device)),

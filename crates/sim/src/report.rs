@@ -33,6 +33,9 @@ pub struct TenantReport {
     pub slo_met: Option<bool>,
     /// Renegotiation notices (deficit-limit episodes) the control plane raised.
     pub notices: u64,
+    /// Renegotiation notices because the device's calibrated rate no longer fits the
+    /// reservation (or fits again).
+    pub device_notices: u64,
     /// Requests answered with an error status.
     pub errors: u64,
     /// Arrivals dropped because the client's backlog was full.
@@ -63,6 +66,29 @@ pub struct PointReport {
     pub tenants: Vec<TenantReport>,
     /// Admission refusals (tenant and reason).
     pub refusals: Vec<String>,
+    /// The device rate's share of the profile's at the end (online self-calibration).
+    pub rate_scale: f64,
+    /// Per interval, when the scenario asks for a timeline.
+    pub timeline: Vec<TimelinePoint>,
+}
+
+/// One timeline interval.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TimelinePoint {
+    /// The interval's end, in ms after the warm-up.
+    pub end_ms: u64,
+    /// The device rate's share of the profile's at the interval's end.
+    pub rate_scale: f64,
+    /// In the report's tenant order.
+    pub tenants: Vec<TimelineTenant>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct TimelineTenant {
+    /// Completions per second in the interval.
+    pub iops: f64,
+    /// p95 of the reads that completed in the interval (0 without reads).
+    pub read_p95_us: f64,
 }
 
 impl PointReport {
@@ -75,7 +101,7 @@ impl PointReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "threads {}, QoS {}, seed {}, {} ms measured; device rate {:.0}K tokens/s{}; used {:.0}K tokens/s",
+            "threads {}, QoS {}, seed {}, {} ms measured; device rate {:.0}K tokens/s{}{}; used {:.0}K tokens/s",
             self.threads,
             if self.qos { "on" } else { "off" },
             self.seed,
@@ -84,6 +110,11 @@ impl PointReport {
             self.latency_us_p95
                 .map(|l| format!(" at {l} µs"))
                 .unwrap_or_default(),
+            if self.rate_scale == 1.0 {
+                String::new()
+            } else {
+                format!(" (calibrated: {:.2} of the profile's)", self.rate_scale)
+            },
             self.tokens_used_per_sec / 1e3,
         );
         let _ = writeln!(out);
@@ -125,6 +156,28 @@ impl PointReport {
         }
         for refusal in &self.refusals {
             let _ = writeln!(out, "\nrefused: {refusal}");
+        }
+        if !self.timeline.is_empty() {
+            out.push_str(&self.timeline_table());
+        }
+        out
+    }
+
+    /// The timeline: one row per interval, each tenant's IOPS and read p95.
+    pub fn timeline_table(&self) -> String {
+        let mut out = String::from("\n| t ms | scale |");
+        let mut rule = String::from("|---:|---:|");
+        for t in &self.tenants {
+            let _ = write!(out, " {} IOPS | {} p95 µs |", t.name, t.name);
+            rule.push_str("---:|---:|");
+        }
+        let _ = writeln!(out, "\n{rule}");
+        for point in &self.timeline {
+            let _ = write!(out, "| {} | {:.2} |", point.end_ms, point.rate_scale);
+            for t in &point.tenants {
+                let _ = write!(out, " {:.1}K | {:.0} |", t.iops / 1e3, t.read_p95_us);
+            }
+            out.push('\n');
         }
         out
     }

@@ -7,6 +7,7 @@
 //! qos = true                       # false: the scheduler passes requests through (QoS off)
 //! duration_ms = 300                # measured time, after the warm-up
 //! warmup_ms = 50
+//! timeline_ms = 500                # optional: IOPS and read p95 per interval, per tenant
 //!
 //! [device]
 //! emulated = "device-a"            # emu profile: shipped name or a path (relative to this file)
@@ -30,6 +31,8 @@
 //! threads = [0]                    # one connection per entry, on that thread (mod threads)
 //! per_thread = false               # true: one copy of this tenant per thread ("A-0", "A-1", ..)
 //! load = { open_iops = 120000, read_percent = 100 }   # Poisson; or { closed_depth = 32 }
+//!                                  # open loop: follow_notices = true lowers the rate to what
+//!                                  # a RENEGOTIATE notice grants while the device is slower
 //!
 //! [sweep]                          # optional: run once per value (Figure 6a)
 //! per_thread_tenants = [0, 1, 2, 4, 8, 12]   # how many per-thread tenants exist
@@ -87,6 +90,9 @@ pub struct Scenario {
     pub tenants: Vec<TenantSpecToml>,
     #[serde(default)]
     pub sweep: Option<Sweep>,
+    /// Report each tenant's IOPS and read p95 per interval of this many ms.
+    #[serde(default)]
+    pub timeline_ms: Option<u64>,
 }
 
 fn default_seed() -> u64 {
@@ -191,6 +197,11 @@ pub struct LoadToml {
     /// (their latency still counts from when they were due).
     #[serde(default = "default_window")]
     pub window: u32,
+    /// Open loop: the client follows RENEGOTIATE notices about the device: when the server
+    /// says the reservation no longer fits, it lowers its rate to the share granted, and
+    /// goes back to its rate when told the reservation fits again.
+    #[serde(default)]
+    pub follow_notices: bool,
 }
 
 fn default_window() -> u32 {
@@ -247,6 +258,9 @@ impl Scenario {
         }
         if self.duration_ms == 0 {
             return Err(self.invalid("duration_ms must be above 0"));
+        }
+        if self.timeline_ms == Some(0) {
+            return Err(self.invalid("timeline_ms must be above 0"));
         }
         if self.tenants.is_empty() {
             return Err(self.invalid("no tenants"));

@@ -176,7 +176,11 @@ fn lc(name: &str, iops: u64, read_percent: u8, latency_us_p95: u64, send: Load) 
 }
 
 fn open(iops: u64) -> Load {
-    Load::Open { iops, window: 1024 }
+    Load::Open {
+        iops,
+        window: 1024,
+        follow_notices: false,
+    }
 }
 
 #[test]

@@ -165,13 +165,14 @@ impl Dataplane {
         let namespace = &mut self.qos[namespace_index];
         let mut admitted = std::mem::take(&mut self.admitted);
         assert!(admitted.is_empty());
-        namespace.scheduler.schedule(now, &mut |request: Admitted| {
+        let summary = namespace.scheduler.schedule(now, &mut |request: Admitted| {
             if admitted.len() >= room {
                 return false; // The device takes no more from this thread now.
             }
             admitted.push(request);
             true
         });
+        self.telemetry[namespace_index].window.tokens_spent += summary.tokens_spent;
         for request in &admitted {
             if let Some(account) = namespace.accounts.get_mut(request.tenant.0 as usize) {
                 let queued_at = self.requests[(request.token as u32) as usize].queued_at;

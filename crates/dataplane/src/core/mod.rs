@@ -42,6 +42,7 @@ use crate::memory::Arena;
 use crate::namespaces::NamespaceSet;
 use crate::telemetry::LatencyHistogram;
 
+mod calibration;
 mod connection;
 mod dispatch;
 mod errors;
@@ -74,12 +75,43 @@ pub use tenants::{NOTICES_PENDING_MAX, TenantStats};
 pub use timeouts::HOUSEKEEPING_INTERVAL;
 
 /// One namespace's read latencies on this thread, from arrival off the socket to the answer's
-/// last byte leaving: all reads since start, and the latency-critical tenants' reads of the
-/// current window (what online self-calibration compares with the SLO).
+/// last byte leaving, since start; and what the current calibration window collected.
 #[derive(Debug, Clone, Default)]
 pub struct NamespaceTelemetry {
     pub reads: LatencyHistogram,
-    pub window_latency_critical_reads: LatencyHistogram,
+    pub window: TelemetryWindow,
+}
+
+/// What one thread saw of a namespace since it last published to the control plane (online
+/// self-calibration, `docs/QOS.md` §11).
+#[derive(Debug, Clone, Default)]
+pub struct TelemetryWindow {
+    /// Latency-critical tenants' reads, from arrival off the socket to the answer leaving.
+    pub lc_reads: LatencyHistogram,
+    /// The same reads from their submission to the device to the answer leaving: what the
+    /// device and the server's own timing add, without the time a tenant's requests waited
+    /// for its own tokens (the calibration signal).
+    pub lc_reads_service: LatencyHistogram,
+    /// Tokens the namespace's scheduler charged (all tenants): how hard the device was driven.
+    pub tokens_spent: reflex_qos::Tokens,
+}
+
+impl TelemetryWindow {
+    pub fn is_empty(&self) -> bool {
+        self.lc_reads.is_empty() && self.tokens_spent == reflex_qos::Tokens::ZERO
+    }
+
+    pub fn merge(&mut self, other: &TelemetryWindow) {
+        self.lc_reads.merge(&other.lc_reads);
+        self.lc_reads_service.merge(&other.lc_reads_service);
+        self.tokens_spent += other.tokens_spent;
+    }
+
+    pub fn clear(&mut self) {
+        self.lc_reads.clear();
+        self.lc_reads_service.clear();
+        self.tokens_spent = reflex_qos::Tokens::ZERO;
+    }
 }
 
 /// Completions a driver handles per iteration (the paper's adaptive batching cap).
@@ -170,6 +202,9 @@ pub struct Dataplane {
     /// Scratch: the extents of one block status.
     extents: Vec<reflex_flash::Extent>,
     housekeeping_at: Nanos,
+    /// Publication of the telemetry windows (`None`: self-calibration off).
+    telemetry_interval: Option<Nanos>,
+    telemetry_publish_at: Nanos,
     /// The `now` of the last `process` (for work done outside it, such as a close).
     last_now: Nanos,
     /// Counters only the live figures need (`publish`).
@@ -263,6 +298,11 @@ impl Dataplane {
             gate_waits: GateWaits::new(limits.requests_max),
             extents: Vec::with_capacity(crate::frontend::BLOCK_STATUS_EXTENTS_MAX),
             housekeeping_at: setup.now,
+            telemetry_interval: calibration::publish_interval(
+                setup.qos_config.calibration.enabled,
+                setup.qos_config.calibration.window(),
+            ),
+            telemetry_publish_at: setup.now,
             last_now: setup.now,
             live: publish::LiveCounters::new(qos_count, setup.now),
             limits,
@@ -288,6 +328,7 @@ impl Dataplane {
         self.set_qos_participating(true);
         self.advance_phase(now);
         self.housekeeping(now);
+        self.publish_telemetry(now);
         self.parse_step(now);
         self.dispatch_step(now);
         self.handle_scheduler_events(now);
@@ -344,6 +385,9 @@ impl Dataplane {
             consider(self.housekeeping_at);
         }
         if let Some(due) = self.gate_deadline() {
+            consider(due);
+        }
+        if let Some(due) = self.telemetry_deadline() {
             consider(due);
         }
         deadline

@@ -175,7 +175,7 @@ impl Dataplane {
     }
 
     /// A READ's answer has left: its latency, from its arrival off the socket to now, goes
-    /// into its namespace's histograms.
+    /// into its namespace's histograms; a latency-critical one's also from its submission.
     fn measure_sent(&mut self, index: u32, now: Nanos) {
         let request = &self.requests[index as usize];
         let Some((namespace_index, latency_critical)) = request.measured_read else {
@@ -192,9 +192,9 @@ impl Dataplane {
         let telemetry = &mut self.telemetry[usize::from(namespace_index)];
         telemetry.reads.record_us(latency_us);
         if latency_critical {
-            telemetry
-                .window_latency_critical_reads
-                .record_us(latency_us);
+            telemetry.window.lc_reads.record_us(latency_us);
+            let service_us = now.saturating_since(request.submitted_at).0 / 1_000;
+            telemetry.window.lc_reads_service.record_us(service_us);
         }
     }
 

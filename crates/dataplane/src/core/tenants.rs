@@ -195,7 +195,7 @@ impl Dataplane {
 
     /// Calls the control plane for this thread and applies the messages it returns for this
     /// thread, in order, before anything else happens here.
-    fn with_control<R>(
+    pub(super) fn with_control<R>(
         &mut self,
         now: Nanos,
         call: impl FnOnce(&ControlPlane, usize, &mut Vec<ControlMessage>) -> R,

@@ -105,6 +105,7 @@ impl Loop {
                 client_share_us: 0,
                 tokens_per_sec_in_use: rate,
                 tokens_spent: served,
+                lc_fit_scale: None,
             };
             let decision = self
                 .calibrator
@@ -276,6 +277,7 @@ fn observation(lc_reads: u64, p95_us: u64, load: f64) -> WindowObservation {
         tokens_per_sec_in_use: 100_000.0,
         // A 100 ms window at 100K tokens/s allows 10K tokens.
         tokens_spent: 10_000.0 * load,
+        lc_fit_scale: None,
     }
 }
 
@@ -574,4 +576,41 @@ fn configurations_are_validated() {
     };
     let calibrator = Calibrator::new(trusting, Nanos::ZERO).unwrap();
     assert_eq!(calibrator.scale(), 1.5);
+}
+
+/// Best-effort tenants lose their share first: a cut stops at the scale where LC reservations
+/// still fit, and goes below it only after `lc_squeeze_windows` windows over the target there.
+#[test]
+fn a_cut_stops_where_lc_reservations_fit_until_the_evidence_persists() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let over = |p95_us| WindowObservation {
+        lc_fit_scale: Some(0.9),
+        ..observation(1_000, p95_us, 1.0)
+    };
+    // 10x over the target: a 30 % cut, but only down to 0.9.
+    let decisions = feed(&mut calibrator, &[over(10 * SLO_US)]);
+    assert!(matches!(decisions[0].action, Action::Decreased { .. }));
+    assert_eq!(calibrator.scale(), 0.9);
+    // Still over (and rising): the first window at the line protects LC, the second cuts.
+    let decisions = feed(&mut calibrator, &[over(11 * SLO_US), over(12 * SLO_US)]);
+    assert_eq!(
+        decisions[0].action,
+        Action::Held(Hold::ProtectingLc { count: 1 })
+    );
+    assert!(matches!(decisions[1].action, Action::Decreased { .. }));
+    assert!(
+        (calibrator.scale() - 0.63).abs() < 1e-9,
+        "{}",
+        calibrator.scale()
+    );
+    // A window under the target restarts the count.
+    let decisions = feed(
+        &mut calibrator,
+        &[over(SLO_US / 2), over(13 * SLO_US), over(14 * SLO_US)],
+    );
+    assert_eq!(
+        decisions[1].action,
+        Action::Held(Hold::ProtectingLc { count: 1 })
+    );
+    assert!(matches!(decisions[2].action, Action::Decreased { .. }));
 }

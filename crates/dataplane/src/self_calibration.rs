@@ -1,0 +1,83 @@
+//! Online self-calibration of one device, on the control plane's side (`docs/QOS.md` §11):
+//! the threads' telemetry windows are merged here, and when the calibrator's window has ended
+//! the merged window becomes its observation and the decision a new device rate scale.
+//!
+//! The signal: latency-critical reads from their submission to the device to their answer
+//! leaving (what the device and the server's own timing add; the time a tenant's requests
+//! waited for its own tokens is its own doing and no device rate changes it). The target:
+//! the strictest LC SLO minus the configured client share.
+
+use reflex_qos::{
+    Calibrator, CalibratorConfig, CalibratorConfigError, CalibratorStats, Decision, LoadMode,
+    Nanos, ObservationError, Plan, WindowObservation,
+};
+
+use crate::core::TelemetryWindow;
+
+/// A device's calibrator and the window it is collecting.
+#[derive(Debug)]
+pub struct DeviceCalibration {
+    calibrator: Calibrator,
+    window: TelemetryWindow,
+    /// The last observation, for operators.
+    last: Option<WindowObservation>,
+}
+
+/// What an operator sees of a device's calibration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CalibrationInfo {
+    pub stats: CalibratorStats,
+    pub last: Option<WindowObservation>,
+}
+
+impl DeviceCalibration {
+    pub fn new(config: CalibratorConfig, now: Nanos) -> Result<Self, CalibratorConfigError> {
+        Ok(DeviceCalibration {
+            calibrator: Calibrator::new(config, now)?,
+            window: TelemetryWindow::default(),
+            last: None,
+        })
+    }
+
+    /// Adds what a thread measured; true when the calibrator's window has ended.
+    pub fn add(&mut self, window: &TelemetryWindow, now: Nanos) -> bool {
+        self.window.merge(window);
+        now >= self.calibrator.next_deadline()
+    }
+
+    /// Closes the window: the merged measurements against `plan` (the device rate in use and
+    /// the strictest SLO) give the calibrator's decision.
+    pub fn close(&mut self, now: Nanos, plan: &Plan) -> Result<Decision, ObservationError> {
+        let config = self.calibrator.config();
+        let mode = if plan.read_only_admission {
+            LoadMode::ReadOnly
+        } else {
+            LoadMode::Mixed
+        };
+        let m = mode.index();
+        let device = plan.device_tokens_per_sec[m].as_tokens_per_sec_f64();
+        let reserved = plan.lc_reserved_tokens_per_sec[m].as_tokens_per_sec_f64();
+        // The profile's rate is the device rate without the scale.
+        let lc_fit_scale = (plan.lc_tenants > 0 && device > 0.0 && plan.rate_scale > 0.0)
+            .then(|| reserved / (device / plan.rate_scale));
+        let observation = WindowObservation {
+            lc_reads: self.window.lc_reads_service.count(),
+            lc_read_latency_us_p95: self.window.lc_reads_service.quantile_us(0.95),
+            slo_latency_us_p95: plan.latency_us_p95,
+            client_share_us: config.client_share_us,
+            tokens_per_sec_in_use: device,
+            tokens_spent: self.window.tokens_spent.as_tokens_f64().max(0.0),
+            lc_fit_scale,
+        };
+        self.window.clear();
+        self.last = Some(observation);
+        self.calibrator.handle_window(now, &observation)
+    }
+
+    pub fn info(&self) -> CalibrationInfo {
+        CalibrationInfo {
+            stats: self.calibrator.stats(),
+            last: self.last,
+        }
+    }
+}
