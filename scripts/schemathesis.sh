@@ -58,9 +58,11 @@ for _ in $(seq 1 100); do
 done
 grep -q "admin API listening" "$work/reflexd.log" || { cat "$work/reflexd.log"; exit 1; }
 
-timeout "$RUN_TIMEOUT" "$VENV/bin/st" run docs/admin-openapi.json \
+# From the scratch folder: hypothesis keeps its database (.hypothesis/) in the working directory.
+root=$PWD
+(cd "$work" && timeout "$RUN_TIMEOUT" "$root/$VENV/bin/st" run "$root/docs/admin-openapi.json" \
     --url "http://127.0.0.1:$port" --checks all --max-examples "$EXAMPLES" \
-    --seed 1 --no-color
+    --seed 1 --no-color)
 # The server survived everything it was sent.
 kill -0 "$reflexd_pid"
 echo "schemathesis: reflexd answered every request as docs/admin-openapi.json says"

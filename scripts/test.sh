@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(libnbd-bin fuse3 python3-libnbd nbdkit qemu-utils fio e2fsprogs util-linux prometheus
+APT_PACKAGES=(libnbd-bin fuse3 python3-libnbd nbdkit qemu-utils fio e2fsprogs util-linux prometheus systemd
     gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)
 
 # The aarch64 step: cross-built with Debian's gcc, run by qemu-user (which implements no
@@ -62,6 +62,8 @@ echo "==> cargo build --release (binaries the end-to-end tests run)"
 cargo build --release --workspace -q
 echo "==> cargo test"
 cargo test --workspace --release -q
+echo "==> deploy/: systemd unit, Prometheus configuration, dashboard, configs/"
+bash scripts/check-deploy.sh
 echo "==> schemathesis: the admin API against docs/admin-openapi.json, live"
 bash scripts/schemathesis.sh
 echo "==> cargo test -p reflex-server on the epoll driver"

@@ -167,7 +167,7 @@ pub struct NamespaceConfig {
     #[serde(default)]
     pub tenant: Option<String>,
     /// The device profile (`docs/CALIBRATION.md`) the QoS scheduler uses for this namespace,
-    /// a TOML path relative to the working directory. Without one the namespace is served
+    /// a TOML path (in a configuration file, relative to the file's folder). Without one the namespace is served
     /// first in, first out, without tenants' SLOs (logged at startup).
     #[serde(default)]
     pub profile: Option<String>,
@@ -447,6 +447,25 @@ pub struct NbdConfig {
     /// The export a client gets when it asks for the empty name; `None`: the first namespace
     /// in the configuration.
     pub default_export: Option<String>,
+    /// Exports besides each namespace's own (`[[nbd.export]]`): several may name one
+    /// namespace, each charged to its own tenant, so that standard clients (fio's nbd engine,
+    /// one job per export) can be several tenants at once.
+    #[serde(rename = "export")]
+    pub exports: Vec<NbdExportConfig>,
+}
+
+/// `[[nbd.export]]`: an NBD export of namespace `namespace` charged to `tenant`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NbdExportConfig {
+    /// The export's name (unique among every export, the namespaces' own included).
+    pub name: String,
+    /// The namespace id it serves.
+    pub namespace: u32,
+    /// The tenant its connections are charged to; `None`: the namespace's default
+    /// best-effort tenant.
+    #[serde(default)]
+    pub tenant: Option<String>,
 }
 
 impl Default for NbdConfig {
@@ -455,6 +474,7 @@ impl Default for NbdConfig {
             enabled: true,
             port: NBD_PORT_DEFAULT,
             default_export: None,
+            exports: Vec::new(),
         }
     }
 }
@@ -646,7 +666,42 @@ impl Config {
             path: shown.clone(),
             source,
         })?;
-        Config::from_toml(&text, &shown)
+        let mut config = Config::from_toml(&text, &shown)?;
+        config.resolve_relative_paths(path.parent().unwrap_or(Path::new("")));
+        Ok(config)
+    }
+
+    /// Makes the relative paths a configuration file names (file backends, QoS profiles, the
+    /// admin state file) relative to `base`, the file's folder, so that a configuration means
+    /// the same whatever the working directory. Absolute paths and non-file backends stay.
+    pub fn resolve_relative_paths(&mut self, base: &Path) {
+        let resolve = |path: &str| -> String {
+            if path.is_empty() || Path::new(path).is_absolute() {
+                path.to_string()
+            } else {
+                base.join(path).display().to_string()
+            }
+        };
+        for namespace in &mut self.namespaces {
+            let backend = namespace.backend.trim();
+            if let Some(path) = backend.strip_prefix("file:") {
+                namespace.backend = format!("file:{}", resolve(path));
+            } else if !backend.contains(':')
+                && !backend.starts_with("emu(")
+                && !backend.starts_with("fault(")
+                && backend != "null"
+                && backend != "mem"
+                && backend != "fault"
+            {
+                namespace.backend = resolve(backend);
+            }
+            if let Some(profile) = &namespace.profile {
+                namespace.profile = Some(resolve(profile));
+            }
+        }
+        if let Some(state_file) = &self.admin.state_file {
+            self.admin.state_file = Some(resolve(state_file));
+        }
     }
 
     /// The namespaces to serve: the configured ones, or the default 1 GiB file.
@@ -775,7 +830,13 @@ impl Config {
             .into_iter()
             .filter(|port| port.namespace == id)
             .filter_map(|port| port.tenant);
-        for name in namespace_tenant.chain(port_tenants) {
+        let export_tenants = self
+            .nbd
+            .exports
+            .iter()
+            .filter(|export| export.namespace == id)
+            .filter_map(|export| export.tenant.clone());
+        for name in namespace_tenant.chain(port_tenants).chain(export_tenants) {
             if !names.contains(&name) {
                 names.push(name);
             }
@@ -918,11 +979,42 @@ impl Config {
                 ));
             }
         }
+        let mut all_names = names.clone();
+        for export in &self.nbd.exports {
+            let name = &export.name;
+            if name.is_empty() || name.len() > EXPORT_NAME_BYTES_MAX || name.contains('\0') {
+                return invalid(format!(
+                    "nbd.export {name:?}: the name must be 1..={EXPORT_NAME_BYTES_MAX} bytes without NUL"
+                ));
+            }
+            if all_names.contains(name) {
+                return invalid(format!(
+                    "nbd.export {name:?}: the name is taken by another export or namespace"
+                ));
+            }
+            if !namespaces
+                .iter()
+                .any(|namespace| namespace.id == export.namespace)
+            {
+                return invalid(format!(
+                    "nbd.export {name:?}: no namespace {}",
+                    export.namespace
+                ));
+            }
+            if let Some(tenant) = &export.tenant
+                && (tenant.is_empty() || tenant.len() > TENANT_NAME_BYTES_MAX)
+            {
+                return invalid(format!(
+                    "nbd.export {name:?}: tenant name {tenant:?} must be 1..={TENANT_NAME_BYTES_MAX} bytes"
+                ));
+            }
+            all_names.push(name.clone());
+        }
         if let Some(default) = &self.nbd.default_export
-            && !names.contains(default)
+            && !all_names.contains(default)
         {
             return invalid(format!(
-                "nbd.default_export {default:?} is not the export name of any namespace"
+                "nbd.default_export {default:?} is not the name of any export"
             ));
         }
         Ok(())
@@ -1259,13 +1351,90 @@ mod example_file {
         let config = Config::from_file(Path::new(path)).unwrap_or_else(|e| panic!("{e}"));
         config.validate().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(config.namespaces.len(), 3);
+        // The state file is the default one, resolved against the example's folder.
+        let folder = Path::new(path).parent().unwrap_or_else(|| panic!("{path}"));
+        assert_eq!(
+            config.admin.state_file,
+            Some(folder.join("reflex-data/state.json").display().to_string())
+        );
         assert_eq!(
             config,
             Config {
                 namespaces: config.namespaces.clone(),
                 original_ports: config.original_ports.clone(),
+                admin: crate::admin::AdminConfig {
+                    state_file: config.admin.state_file.clone(),
+                    ..crate::admin::AdminConfig::default()
+                },
                 ..Config::default()
             }
         );
+    }
+
+    #[test]
+    fn relative_paths_resolve_against_the_configuration_files_folder() {
+        let directory = tempfile_dir();
+        let path = directory.join("reflexd.toml");
+        std::fs::write(
+            &path,
+            r#"
+[admin]
+state_file = "state/state.json"
+[[namespace]]
+id = 1
+backend = "file:data/ns1"
+profile = "../profiles/p.toml"
+[[namespace]]
+id = 2
+backend = "disk.img"
+[[namespace]]
+id = 3
+backend = "/abs/disk.img"
+profile = "/abs/p.toml"
+[[namespace]]
+id = 4
+backend = "mem:1M"
+[[namespace]]
+id = 5
+backend = "emu:device-a-small"
+[[namespace]]
+id = 6
+backend = "null"
+"#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let config = Config::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
+        let at = |relative: &str| directory.join(relative).display().to_string();
+        let backends: Vec<&str> = config
+            .namespaces
+            .iter()
+            .map(|n| n.backend.as_str())
+            .collect();
+        assert_eq!(
+            backends,
+            [
+                format!("file:{}", at("data/ns1")).as_str(),
+                at("disk.img").as_str(),
+                "/abs/disk.img",
+                "mem:1M",
+                "emu:device-a-small",
+                "null"
+            ]
+        );
+        assert_eq!(config.namespaces[0].profile, Some(at("../profiles/p.toml")));
+        assert_eq!(config.namespaces[2].profile.as_deref(), Some("/abs/p.toml"));
+        assert_eq!(config.admin.state_file, Some(at("state/state.json")));
+        let _ = std::fs::remove_dir_all(&directory);
+    }
+
+    /// A fresh folder under the system's temporary directory (no dev-dependency needed).
+    fn tempfile_dir() -> std::path::PathBuf {
+        let directory = std::env::temp_dir().join(format!(
+            "reflex-config-test-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&directory).unwrap_or_else(|e| panic!("{e}"));
+        directory
     }
 }

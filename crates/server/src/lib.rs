@@ -64,8 +64,8 @@ pub use reflex_dataplane::{CoreStats, TenantStats};
 use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
-    Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, OriginalPortConfig,
-    TenantClassConfig, TenantConfig, TimeoutsConfig,
+    Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NbdExportConfig,
+    OriginalPortConfig, TenantClassConfig, TenantConfig, TimeoutsConfig,
 };
 pub use crate::driver::{Driver, NO_IO_URING_ENV};
 use crate::driver::{DriverSetup, EventfdWaker, spawn_driver};
@@ -362,6 +362,31 @@ fn nbd_exports(
             ExportBinding {
                 namespace_index,
                 tenant,
+            },
+        ));
+    }
+    for extra in &config.nbd.exports {
+        let Some(namespace_index) = namespaces.index_of(extra.namespace) else {
+            return Err(ConfigError::Invalid(format!(
+                "nbd.export {:?}: no namespace {}",
+                extra.name, extra.namespace
+            ))
+            .into());
+        };
+        let size_bytes = namespaces.size_bytes(namespace_index) / minimum_bytes * minimum_bytes;
+        let mut export = Export::new(extra.name.clone(), size_bytes).with_description(format!(
+            "reflexd namespace {} for tenant {}",
+            extra.namespace,
+            extra.tenant.as_deref().unwrap_or("(default)")
+        ));
+        if namespaces.native_table()[usize::from(namespace_index)].read_only {
+            export = export.read_only();
+        }
+        exports.push((
+            export,
+            ExportBinding {
+                namespace_index,
+                tenant: configured(namespace_index, extra.tenant.as_ref()),
             },
         ));
     }

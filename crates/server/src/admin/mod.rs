@@ -50,7 +50,7 @@ pub struct AdminConfig {
     /// Serve peers that are not on this machine too (there is no authentication yet).
     pub allow_remote: bool,
     /// Where tenants created through the API and SLO changes persist; `None`: nowhere
-    /// (they are lost at exit). Relative paths are relative to the working directory.
+    /// (they are lost at exit). In a configuration file, relative to the file's folder.
     pub state_file: Option<String>,
     /// The statistics window: rates, quantiles and SLO attainment are per window.
     #[serde(with = "humantime_serde")]
