@@ -62,6 +62,8 @@ echo "==> cargo build --release (binaries the end-to-end tests run)"
 cargo build --release --workspace -q
 echo "==> cargo test"
 cargo test --workspace --release -q
+echo "==> docs: every command in README.md and docs/ checked, the short ones run"
+python3 scripts/check-docs.py
 echo "==> deploy/: systemd unit, Prometheus configuration, dashboard, configs/"
 bash scripts/check-deploy.sh
 echo "==> schemathesis: the admin API against docs/admin-openapi.json, live"
