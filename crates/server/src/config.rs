@@ -331,6 +331,35 @@ pub struct TenantConfig {
     /// Reads among the reserved I/Os, in percent (LC only; default 100).
     #[serde(default)]
     pub read_percent: Option<u8>,
+    /// The device submission queue (NVMe priority class) the tenant's I/O goes to when it
+    /// arrives through an NBD export or an original-protocol port bound to the tenant;
+    /// `None`: the connection's own (the class its client declared, else the default).
+    #[serde(default)]
+    pub priority: Option<PriorityConfig>,
+}
+
+/// `priority` of a tenant: an NVMe arbitration class (`docs/EMULATION.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PriorityConfig {
+    Urgent,
+    High,
+    Medium,
+    Low,
+}
+
+impl PriorityConfig {
+    /// The device submission queue of the class.
+    pub fn submission_queue(self) -> u16 {
+        use reflex_flash::emu::PriorityClass;
+        match self {
+            PriorityConfig::Urgent => PriorityClass::Urgent,
+            PriorityConfig::High => PriorityClass::High,
+            PriorityConfig::Medium => PriorityClass::Medium,
+            PriorityConfig::Low => PriorityClass::Low,
+        }
+        .submission_queue()
+    }
 }
 
 impl TenantConfig {
@@ -342,6 +371,7 @@ impl TenantConfig {
             latency_us_p95: None,
             iops: None,
             read_percent: None,
+            priority: None,
         }
     }
 
@@ -358,6 +388,7 @@ impl TenantConfig {
             latency_us_p95: Some(latency_us_p95),
             iops: Some(iops),
             read_percent: Some(read_percent),
+            priority: None,
         }
     }
 

@@ -65,7 +65,7 @@ use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
     Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NbdExportConfig,
-    OriginalPortConfig, TenantClassConfig, TenantConfig, TimeoutsConfig,
+    OriginalPortConfig, PriorityConfig, TenantClassConfig, TenantConfig, TimeoutsConfig,
 };
 pub use crate::driver::{Driver, NO_IO_URING_ENV};
 use crate::driver::{DriverSetup, EventfdWaker, spawn_driver};
@@ -199,6 +199,7 @@ impl Server {
             original_protocols.push(Protocol::Original {
                 namespace_index,
                 tenant: configured(namespace_index, original.tenant.as_ref()),
+                device_queue: device_queue_of(&config, original.tenant.as_ref()),
             });
         }
         let protocol_of = |role: ListenerRole| match role {
@@ -339,6 +340,17 @@ fn control_setup(config: &Config) -> Result<ControlSetup, ServerError> {
 
 /// The NBD export table: export `i` is namespace `i`, under its configured name, with its
 /// size (rounded down to the 512-byte minimum block), read-only setting and tenant binding.
+/// The device queue of the configured tenant `name`'s `priority`, if it has one.
+fn device_queue_of(config: &Config, name: Option<&String>) -> Option<u16> {
+    let name = name?;
+    config
+        .tenants
+        .iter()
+        .find(|tenant| &tenant.name == name)?
+        .priority
+        .map(config::PriorityConfig::submission_queue)
+}
+
 fn nbd_exports(
     config: &Config,
     namespaces: &NamespaceSet,
@@ -362,6 +374,7 @@ fn nbd_exports(
             ExportBinding {
                 namespace_index,
                 tenant,
+                device_queue: device_queue_of(config, namespace.tenant.as_ref()),
             },
         ));
     }
@@ -387,6 +400,7 @@ fn nbd_exports(
             ExportBinding {
                 namespace_index,
                 tenant: configured(namespace_index, extra.tenant.as_ref()),
+                device_queue: device_queue_of(config, extra.tenant.as_ref()),
             },
         ));
     }
@@ -596,6 +610,14 @@ impl ServerHandle {
     /// Address of the native protocol listener.
     pub fn native_addr(&self) -> SocketAddr {
         self.native_addr
+    }
+
+    /// The commands an emulated device accepted on submission queue `queue` (its priority
+    /// class's), `None` when namespace `namespace_id` is not an emulated device.
+    pub fn emu_commands_in_queue(&self, namespace_id: u32, queue: u16) -> Option<u64> {
+        let index = self.namespaces.index_of(namespace_id)?;
+        let controls = self.namespaces.device(index).emu_controls()?;
+        Some(controls.commands_submitted_in(queue))
     }
 
     /// `(namespace id, address)` of every original-protocol listener.

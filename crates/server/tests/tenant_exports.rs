@@ -261,3 +261,76 @@ backend = "mem:1M"
     toml_config.validate().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(toml_config.tenants_bound_to(1), ["gold"]);
 }
+
+/// Sends `count` 4 KiB reads through an original-protocol port and waits for each answer.
+fn original_reads(addr: std::net::SocketAddr, count: u64) {
+    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("{e}"));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    for read in 0..count {
+        let header = Header {
+            opcode: Opcode::Read,
+            handle: read.to_le_bytes(),
+            lba: read * 8,
+            lba_count: 8,
+        };
+        stream
+            .write_all(&header.to_bytes())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut answer = [0u8; 24 + 4096];
+        stream
+            .read_exact(&mut answer)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+#[test]
+fn a_tenants_configured_priority_class_picks_the_device_queue_its_requests_reach() {
+    use reflex_server::PriorityConfig;
+    let mut config = config();
+    // A urgent, C low, B and D without a class (the default queue).
+    config.tenants[0].priority = Some(PriorityConfig::Urgent);
+    config.tenants[2].priority = Some(PriorityConfig::Low);
+    let (server, api) = start(config);
+    let queue = |class: PriorityConfig| {
+        server
+            .emu_commands_in_queue(1, class.submission_queue())
+            .unwrap_or_else(|| panic!("namespace 1 is an emulated device"))
+    };
+    let before: Vec<u64> = [
+        PriorityConfig::Urgent,
+        PriorityConfig::High,
+        PriorityConfig::Medium,
+        PriorityConfig::Low,
+    ]
+    .into_iter()
+    .map(queue)
+    .collect();
+    let ports = server.original_addrs().to_vec();
+    original_reads(ports[0].1, 30); // A: urgent
+    original_reads(ports[2].1, 20); // C: low
+    assert_eq!(queue(PriorityConfig::Urgent) - before[0], 30);
+    assert_eq!(queue(PriorityConfig::Low) - before[3], 20);
+    // B has no class: its reads go where a connection's go by default, not to A's or C's.
+    original_reads(ports[1].1, 10);
+    assert_eq!(queue(PriorityConfig::Urgent) - before[0], 30);
+    assert_eq!(queue(PriorityConfig::Low) - before[3], 20);
+    let default_queues =
+        (queue(PriorityConfig::High) - before[1]) + (queue(PriorityConfig::Medium) - before[2]);
+    assert_eq!(default_queues, 10);
+
+    // Through NBD: export fig5-A is A's, so urgent too.
+    let nbd = server
+        .nbd_addr()
+        .unwrap_or_else(|| panic!("no NBD listener"));
+    let output = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 0 64k"])
+        .arg(format!("nbd://{nbd}/fig5-A"))
+        .output()
+        .unwrap_or_else(|e| panic!("qemu-io (scripts/test.sh installs qemu-utils): {e}"));
+    assert!(output.status.success(), "{output:?}");
+    assert!(queue(PriorityConfig::Urgent) - before[0] > 30);
+    assert_eq!(queue(PriorityConfig::Low) - before[3], 20);
+    drop(api);
+}

@@ -246,7 +246,13 @@ impl Dataplane {
         self.ops.push_back(Op::Device(DeviceCommand {
             id,
             namespace_index: request.io().namespace_index,
-            queue: self.connections[connection_index as usize].device_queue,
+            queue: {
+                let connection = &self.connections[connection_index as usize];
+                connection
+                    .frontend
+                    .device_queue()
+                    .unwrap_or(connection.device_queue)
+            },
             kind,
         }));
     }

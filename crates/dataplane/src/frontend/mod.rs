@@ -86,6 +86,8 @@ pub enum Protocol {
     Original {
         namespace_index: u16,
         tenant: TenantRef,
+        /// The tenant's configured device queue (priority class); `None`: the default.
+        device_queue: Option<u16>,
     },
     Nbd,
 }
@@ -97,6 +99,7 @@ pub enum Frontend {
     Original {
         namespace_index: u16,
         tenant: TenantRef,
+        device_queue: Option<u16>,
     },
     Nbd(NbdFrontend),
 }
@@ -316,9 +319,11 @@ impl Frontend {
             Protocol::Original {
                 namespace_index,
                 tenant,
+                device_queue,
             } => Frontend::Original {
                 namespace_index,
                 tenant,
+                device_queue,
             },
             Protocol::Nbd => {
                 let Some(exports) = nbd_exports else {
@@ -326,6 +331,16 @@ impl Frontend {
                 };
                 Frontend::Nbd(NbdFrontend::new(Arc::clone(exports)))
             }
+        }
+    }
+
+    /// The device queue (priority class) the configuration gives this connection's tenant:
+    /// an original-protocol port's or an NBD export's; `None`: the connection's own.
+    pub fn device_queue(&self) -> Option<u16> {
+        match self {
+            Frontend::Native => None,
+            Frontend::Original { device_queue, .. } => *device_queue,
+            Frontend::Nbd(nbd) => nbd.device_queue(),
         }
     }
 
@@ -337,6 +352,7 @@ impl Frontend {
             Frontend::Original {
                 namespace_index,
                 tenant,
+                ..
             } => original_frontend::decode(input, *namespace_index, *tenant, namespaces),
             Frontend::Nbd(nbd) => nbd.decode(input),
         }
