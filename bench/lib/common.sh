@@ -20,9 +20,13 @@
 #   used at most MAX_PERCENT of every CPU; returns 1 if the machine never got that quiet.
 # - now_ns: monotonic-enough wall clock in nanoseconds.
 # - fs_type DIR: the filesystem type of DIR (to refuse tmpfs where a disk is wanted).
+# - autogroup_nice NICE: give this script's session (its scheduler autogroup) niceness NICE,
+#   restored by autogroup_restore. With kernel.sched_autogroup_enabled (on here), CPU time is
+#   shared between sessions first and `nice` orders tasks only inside a session: without this,
+#   `nice -n -20` does not shield a benchmark from other sessions' builds at all.
 
 die() { echo "error: $*" >&2; exit 1; }
-note() { echo "==> $*" >&2; }
+note() { echo "==> $(date -u +%H:%M:%S) $*" >&2; }
 
 require() {
     local missing=()
@@ -92,7 +96,8 @@ cpu_ticks() {
 
 cpu_ns() {
     # A thread may exit between the glob and the read: skip it rather than fail.
-    cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ total += $1 } END { printf "%.0f\n", total }'
+    { cat /proc/"$1"/task/*/schedstat 2>/dev/null || true; } |
+        awk '{ total += $1 } END { printf "%.0f\n", total }'
 }
 
 listener_pid() {
@@ -127,3 +132,14 @@ wait_quiet() {
 now_ns() { date +%s%N; }
 
 fs_type() { findmnt -n -o FSTYPE --target "$1"; }
+
+AUTOGROUP_NICE_BEFORE=""
+autogroup_nice() {
+    [ -w /proc/self/autogroup ] || return 0
+    AUTOGROUP_NICE_BEFORE=$(awk '{ print $3 }' /proc/self/autogroup)
+    echo "$1" >/proc/self/autogroup 2>/dev/null || AUTOGROUP_NICE_BEFORE=""
+}
+autogroup_restore() {
+    [ -z "$AUTOGROUP_NICE_BEFORE" ] || echo "$AUTOGROUP_NICE_BEFORE" >/proc/self/autogroup 2>/dev/null || true
+    AUTOGROUP_NICE_BEFORE=""
+}

@@ -9,6 +9,7 @@ mod admin;
 mod bench;
 mod calibrate;
 mod crash;
+mod flood;
 mod model;
 
 #[derive(Parser)]
@@ -37,6 +38,10 @@ enum Command {
     /// Kill reflexd with SIGKILL mid-write over native, original and NBD, restart it, and
     /// check every acknowledged write that was made durable.
     CrashTest(crash::Args),
+    /// Crowds and hostile clients for scale and overload benchmarks: idle, slowloris and
+    /// non-reading connections, thousands of tenants, and fresh clients timing their first
+    /// answer.
+    Flood(flood::Args),
 }
 
 fn main() -> Result<()> {
@@ -61,5 +66,6 @@ fn main() -> Result<()> {
         Command::Calibrate(args) => calibrate::run(args),
         Command::Model(args) => model::run(args),
         Command::CrashTest(args) => crash::run(args),
+        Command::Flood(args) => flood::run(args),
     }
 }

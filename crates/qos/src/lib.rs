@@ -31,6 +31,12 @@
 //! [`Calibrator::handle_window`]`(now, ..) -> Decision`; the decision's `scale` (in
 //! `[scale_floor, scale_ceiling]`) is what the profile's rate is multiplied by.
 //!
+//! **Fairness** (OctoFAS monitor, control plane): every window the integrator passes each
+//! flow's completed requests and latency sum and each core's busy time
+//! ([`FairnessWindow`]) to [`FairnessMonitor::handle_window`]; the [`FairnessReport`] gives
+//! slowdowns, fairness F, load balance LB, dense and sparse flows, backwardings and the
+//! policy (none, inter-core, intra-core, hybrid).
+//!
 //! **Dataplane** (one [`Scheduler`] per thread per device, all sharing one `Arc<DeviceShared>`):
 //! - [`Scheduler::new`]`(shared, thread_index, &config, Policy::Tokens | Policy::Fifo, now)`;
 //!   everything it needs is allocated here, nothing per round;
@@ -91,6 +97,7 @@
 pub mod calibrator;
 pub mod config;
 pub mod cost;
+pub mod fairness;
 pub mod profile;
 mod queue;
 pub mod rates;
@@ -107,6 +114,10 @@ pub use calibrator::{
 };
 pub use config::{ConfigError, QosConfig, THREADS_MAX};
 pub use cost::{COST_UNIT_BYTES, CostModel, IoKind, LoadMode, REQUEST_BYTES_MAX};
+pub use fairness::{
+    CoreSample, Density, FairnessConfig, FairnessMonitor, FairnessPolicy, FairnessReport,
+    FairnessWindow, FlowId, FlowReport, FlowSample,
+};
 pub use profile::{DeviceProfile, TokenLimit};
 pub use rates::{DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates};
 pub use registry::{AdmissionError, Notice, Plan, TenantRegistry, TenantSpec};

@@ -83,7 +83,9 @@ pub enum RateUpdate {
     Remove(TenantId),
 }
 
-/// A tenant's token rate on a thread, per mode.
+/// A tenant's token rate on a thread, per mode. (The scheduler skips recomputing its tenants
+/// when none of the `DeviceRates` fields read here changed: `scheduler::same_tenant_terms`
+/// must list every one of them.)
 pub fn effective_rates(device: &DeviceRates, tenant: &TenantRates) -> RatePerMode {
     let mut rates = [TokenRate::ZERO; 2];
     let total = u64::from(tenant.connections_total.max(1));

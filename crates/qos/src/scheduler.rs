@@ -391,7 +391,13 @@ impl Scheduler {
         sub_rates(&mut self.idle_rate_q32, self.unbound_rate_q32);
         add_rates(&mut self.idle_rate_q32, unbound);
         self.unbound_rate_q32 = unbound;
-        self.device_rates = Some(rates);
+        let previous = self.device_rates.replace(rates);
+        if previous.is_some_and(|previous| same_tenant_terms(&previous, &rates)) {
+            // Only the unbound donations or the bucket limits moved (a BIND, a close):
+            // no tenant's effective rate changed, and a thread with thousands of tenants
+            // need not walk them all.
+            return;
+        }
         // Every tenant's effective rate may have changed (O(tenants of this thread)). Retiring
         // tenants keep their last rate until their queue is empty.
         for index in 0..self.slots.len() {
@@ -1310,4 +1316,13 @@ fn push_event(events: &mut VecDeque<u32>, slot: &mut Slot, index: usize, event: 
     if before == 0 && slot.events != 0 {
         events.push_back(index as u32);
     }
+}
+
+/// Whether `a` and `b` give every tenant the same effective rate: `effective_rates` reads only
+/// these fields.
+fn same_tenant_terms(a: &DeviceRates, b: &DeviceRates) -> bool {
+    a.device_tokens_per_sec == b.device_tokens_per_sec
+        && a.lc_reserved_tokens_per_sec == b.lc_reserved_tokens_per_sec
+        && a.be_tokens_per_sec_each == b.be_tokens_per_sec_each
+        && a.lc_boost_tokens_per_sec_each == b.lc_boost_tokens_per_sec_each
 }

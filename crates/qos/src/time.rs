@@ -6,7 +6,20 @@ use std::ops::{Add, AddAssign, Sub};
 
 /// Nanoseconds since an arbitrary epoch fixed by whoever drives the structure
 /// (process start for the dataplane, zero for the simulator).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(transparent)]
 pub struct Nanos(pub u64);
 
 impl Nanos {

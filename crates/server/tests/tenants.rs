@@ -769,3 +769,69 @@ fn refusal_alone(spec: TenantSpec) -> String {
         Ok(_) => panic!("{spec:?} fits"),
     }
 }
+
+/// Several devices in one reflexd (issue 11): each namespace's device has its own profile,
+/// token bucket and admission, so filling one device leaves the other's budget whole.
+#[test]
+fn each_device_admits_against_its_own_profile_and_budget() {
+    const PROFILE_LARGE: &str =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../profiles/device-a.toml");
+    let server = start(config(vec![
+        qos_namespace(1, "mem:64M"),
+        NamespaceConfig {
+            profile: Some(PROFILE_LARGE.to_string()),
+            ..namespace(2, "mem:64M", Some(64 << 20))
+        },
+    ]));
+    let mut client = connect(&server);
+    let small_before = server
+        .qos_plan(1)
+        .unwrap_or_else(|| panic!("no plan for 1"));
+    let large_before = server
+        .qos_plan(2)
+        .unwrap_or_else(|| panic!("no plan for 2"));
+    assert!(
+        large_before.device_tokens_per_sec[0].0 > small_before.device_tokens_per_sec[0].0,
+        "each namespace has its own profile's rate"
+    );
+    client
+        .register_lc(1, 500, 12_000, 100)
+        .unwrap_or_else(|e| panic!("A on 1: {e}"));
+    client
+        .register_lc(1, 500, 7_000, 80)
+        .unwrap_or_else(|e| panic!("B on 1: {e}"));
+    // Device 1 is full...
+    let Err(ClientError::Refused { reason }) = client.register_lc(1, 500, 5_000, 90) else {
+        panic!("C fits on the small device");
+    };
+    assert_eq!(reason, "needs 10K tokens/s, 5K left at 500 µs");
+    // ...device 2 is untouched and admits the same tenant.
+    assert_eq!(server.qos_plan(2), Some(large_before));
+    let c = client
+        .register_lc(2, 500, 5_000, 90)
+        .unwrap_or_else(|e| panic!("C on 2: {e}"));
+    let plan_2 = server
+        .qos_plan(2)
+        .unwrap_or_else(|| panic!("no plan for 2"));
+    assert!(plan_2.lc_reserved_tokens_per_sec[0].0 > large_before.lc_reserved_tokens_per_sec[0].0);
+    // And admitting on 2 moved nothing on 1: the refused C still does not fit there.
+    let Err(ClientError::Refused { reason: again }) = client.register_lc(1, 500, 5_000, 90) else {
+        panic!("C fits on the small device after joining the large one");
+    };
+    assert_eq!(again, reason);
+    // I/O on device 2 through C is charged to C.
+    client.bind(c).unwrap_or_else(|e| panic!("bind: {e}"));
+    let data = common::pattern(3, 4096);
+    client
+        .write(2, 0, &data)
+        .unwrap_or_else(|e| panic!("write: {e}"));
+    let mut back = vec![0u8; 4096];
+    client
+        .read(2, 0, &mut back)
+        .unwrap_or_else(|e| panic!("read: {e}"));
+    assert_eq!(back, data);
+    let totals = totals(server);
+    let charged = totals.get(&c).unwrap_or_else(|| panic!("C has no totals"));
+    assert_eq!(charged.requests, 2, "{charged:?}");
+    assert_eq!(charged.namespace_id, 2);
+}

@@ -3,34 +3,14 @@
 //! spread over threads. Every assertion message carries the seed, which replays the run
 //! (`reflex-sim --seed N scenarios/...`).
 
-use std::path::PathBuf;
+mod common;
+
+use common::{load, run};
 
 use reflex_qos::{Nanos, TenantSpec};
 use reflex_sim::{
-    Load, LoadedScenario, PointReport, RunOptions, SimTenant, TenantReport, run_point,
-    run_scenario, scenario, sim_config,
+    Load, PointReport, RunOptions, SimTenant, TenantReport, run_point, run_scenario, sim_config,
 };
-
-fn scenario_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../scenarios")
-        .join(format!("{name}.toml"))
-}
-
-fn load(name: &str) -> LoadedScenario {
-    let path = scenario_path(name);
-    scenario::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn run(name: &str, seed: u64) -> PointReport {
-    let options = RunOptions {
-        seed: Some(seed),
-        ..RunOptions::default()
-    };
-    let report = run_scenario(&load(name), &options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    assert_eq!(report.points.len(), 1, "{name} is not a sweep");
-    report.points[0].1.clone()
-}
 
 fn tenant<'a>(point: &'a PointReport, name: &str) -> &'a TenantReport {
     point

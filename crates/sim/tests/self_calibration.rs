@@ -4,30 +4,13 @@
 //! the device recovers, the rate and the reservations come back. Without calibration the same
 //! run keeps missing the SLO. Each run is exact for its seed; two seeds guard against luck.
 
-use std::path::PathBuf;
+mod common;
 
+use common::run;
 use reflex_sim::report::PointReport;
-use reflex_sim::scenario::{self, LoadedScenario};
-use reflex_sim::{RunOptions, run_scenario};
 
 const SLO_US: f64 = 500.0;
 const SEEDS: [u64; 2] = [1, 2];
-
-fn load(name: &str) -> LoadedScenario {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../scenarios")
-        .join(format!("{name}.toml"));
-    scenario::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn run(name: &str, seed: u64) -> PointReport {
-    let options = RunOptions {
-        seed: Some(seed),
-        ..RunOptions::default()
-    };
-    let report = run_scenario(&load(name), &options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    report.points[0].1.clone()
-}
 
 /// Position of tenant `name` in the report (and so in every timeline point).
 fn index(point: &PointReport, name: &str) -> usize {

@@ -113,6 +113,54 @@ pub struct EngineConfig {
     pub spin: bool,
     /// Pin bench thread `i` to `cpus[i % cpus.len()]`.
     pub cpus: Vec<usize>,
+    /// Remote target: connection `k` (counted over all threads) BINDs to
+    /// `bind_handles[k % len]` before the run; empty: no BIND.
+    pub bind_handles: Vec<u64>,
+    /// A server process on this machine whose CPU time (all its threads, from
+    /// `/proc/PID/task/*/schedstat`) thread 0 reads at the start and end of the measurement.
+    pub server_pid: Option<u32>,
+    /// Shell commands thread 0 runs (and waits for) when the measurement starts and when it
+    /// ends, e.g. zeroing and dumping a profiler's counters of the server.
+    pub measure_hooks: MeasureHooks,
+    /// Open loop: RENEGOTIATE device notices set the rate to `FOLLOW_MARGIN` × the granted
+    /// share of `rate_per_sec` (and back to all of it when the device recovers).
+    pub follow_notices: bool,
+    /// Record the measured operations and read latencies per interval of this length.
+    pub timeline: Option<Duration>,
+}
+
+/// A client following a notice sends this share of its grant: a Poisson source at exactly its
+/// token rate queues behind its own bursts (the simulator's `FOLLOW_MARGIN`).
+pub const FOLLOW_MARGIN: f64 = reflex_sim::engine::FOLLOW_MARGIN;
+
+/// One interval of the measurement (`EngineConfig::timeline`).
+#[derive(Clone, Default)]
+pub struct TimelineSample {
+    /// End of the interval, from the start of the measurement.
+    pub end_ns: u64,
+    /// Measured operations answered OK in the interval.
+    pub ops: u64,
+    pub read: Latency,
+}
+
+/// Commands run at the edges of the measurement (`reflex bench --at-measure-start/-end`).
+#[derive(Debug, Clone, Default)]
+pub struct MeasureHooks {
+    pub start: Option<String>,
+    pub end: Option<String>,
+}
+
+/// Runs `command` with `sh -c` and waits for it; fails on a non-zero exit.
+fn run_hook(command: &str) -> Result<()> {
+    let status = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .status()
+        .with_context(|| format!("running {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed: {status}");
+    }
+    Ok(())
 }
 
 /// Once-per-second report of one thread.
@@ -146,6 +194,10 @@ pub struct Outcome {
     pub unissued_ops: u64,
     /// RENEGOTIATE notices the server sent on the connections (not answers to requests).
     pub notices: u64,
+    /// CPU time of `EngineConfig::server_pid` during the measurement, in ns.
+    pub server_cpu_ns: Option<u64>,
+    /// Per interval, when `EngineConfig::timeline` asks for it.
+    pub timeline: Vec<TimelineSample>,
 }
 
 impl Outcome {
@@ -165,6 +217,16 @@ impl Outcome {
         }
         self.unissued_ops += other.unissued_ops;
         self.notices += other.notices;
+        self.server_cpu_ns = self.server_cpu_ns.or(other.server_cpu_ns);
+        if self.timeline.len() < other.timeline.len() {
+            self.timeline
+                .resize(other.timeline.len(), TimelineSample::default());
+        }
+        for (mine, theirs) in self.timeline.iter_mut().zip(&other.timeline) {
+            mine.end_ns = theirs.end_ns;
+            mine.ops += theirs.ops;
+            mine.read.add(&theirs.read);
+        }
     }
 }
 
@@ -174,6 +236,40 @@ pub fn connect_channel(address: SocketAddr) -> Result<(TcpStream, ConnectionCore
         .with_context(|| format!("connecting to {address}"))?;
     let (stream, core, _capabilities) = client.into_parts();
     Ok((stream, core))
+}
+
+/// Connects one pipelined connection, BINDs it to the tenant `handle` and hands over its parts.
+pub fn connect_bound_channel(
+    address: SocketAddr,
+    handle: u64,
+) -> Result<(TcpStream, ConnectionCore)> {
+    let mut client = reflex_client::Client::connect_with(address, &ClientOptions::default())
+        .with_context(|| format!("connecting to {address}"))?;
+    client
+        .bind(handle)
+        .with_context(|| format!("BIND to tenant handle {handle}"))?;
+    let (stream, core, _capabilities) = client.into_pipelined().into_parts();
+    Ok((stream, core))
+}
+
+/// CPU time of process `pid` in ns: the sum over its live threads of the first field of
+/// `/proc/PID/task/*/schedstat` (the scheduler's exact run time, steal excluded).
+pub fn process_cpu_ns(pid: u32) -> Result<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .with_context(|| format!("reading the threads of process {pid}"))?;
+    let mut total = 0u64;
+    for task in tasks {
+        let path = task?.path().join("schedstat");
+        // A thread may exit between the listing and the read: skip it.
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let field = text.split_whitespace().next().unwrap_or("0");
+        total += field
+            .parse::<u64>()
+            .with_context(|| format!("parsing {}", path.display()))?;
+    }
+    Ok(total)
 }
 
 /// Runs the engine: all threads, then their merged outcome.
@@ -186,7 +282,16 @@ pub fn run(config: &EngineConfig, progress: Option<&mpsc::Sender<Progress>>) -> 
         for _ in 0..config.channels_per_thread {
             match &config.target {
                 Target::Remote { address, namespace } => {
-                    let (stream, core) = connect_channel(*address)?;
+                    let connection_index = per_thread_connections.len()
+                        * config.channels_per_thread
+                        + connections.len();
+                    let (stream, core) = match config.bind_handles.as_slice() {
+                        [] => connect_channel(*address)?,
+                        handles => connect_bound_channel(
+                            *address,
+                            handles[connection_index % handles.len()],
+                        )?,
+                    };
                     let namespace = *namespace;
                     connections.push((stream, Wire::Native { core, namespace }));
                 }
@@ -319,6 +424,8 @@ struct ThreadRun<'a> {
     payload: Vec<u8>,
     outcome: Outcome,
     interval: Latency,
+    /// The timeline interval being filled.
+    timeline_current: TimelineSample,
     completed_ops: u64,
     last_measured_ns: u64,
     events: Vec<Event>,
@@ -391,6 +498,7 @@ impl<'a> ThreadRun<'a> {
             payload,
             outcome: Outcome::default(),
             interval: Latency::new(),
+            timeline_current: TimelineSample::default(),
             completed_ops: 0,
             last_measured_ns: 0,
             events: Vec::with_capacity(entries as usize * 2),
@@ -416,8 +524,47 @@ impl<'a> ThreadRun<'a> {
             channel.start(self.config, 0);
         }
         let mut next_progress_ns = PROGRESS_INTERVAL_NS;
+        let timeline_step_ns = self
+            .config
+            .timeline
+            .map(|step| step.as_nanos().max(1) as u64);
+        let mut next_timeline_ns = timeline_step_ns.map_or(u64::MAX, |step| warmup_ns + step);
         let mut now = now_ns(start);
+        // Thread 0 reads the server's CPU time when the measurement starts and ends.
+        let server_pid = self
+            .config
+            .server_pid
+            .filter(|_| self.thread_index == 0 && self.config.phase == Phase::Measure);
+        let mut server_cpu_start: Option<u64> = None;
+        let hooks = (self.thread_index == 0 && self.config.phase == Phase::Measure)
+            .then_some(&self.config.measure_hooks);
+        let (mut hook_started, mut hook_ended) = (false, false);
         loop {
+            if let Some(hooks) = hooks {
+                if !hook_started && now >= warmup_ns {
+                    hook_started = true;
+                    if let Some(command) = &hooks.start {
+                        run_hook(command)?;
+                    }
+                }
+                if hook_started && !hook_ended && now >= end_ns {
+                    hook_ended = true;
+                    if let Some(command) = &hooks.end {
+                        run_hook(command)?;
+                    }
+                }
+            }
+            if let Some(pid) = server_pid {
+                if server_cpu_start.is_none() && now >= warmup_ns {
+                    server_cpu_start = Some(process_cpu_ns(pid)?);
+                }
+                if let (Some(start_ns), None, true) =
+                    (server_cpu_start, self.outcome.server_cpu_ns, now >= end_ns)
+                {
+                    self.outcome.server_cpu_ns =
+                        Some(process_cpu_ns(pid)?.saturating_sub(start_ns));
+                }
+            }
             if now >= end_ns {
                 for channel in &mut self.channels {
                     channel.finished = true;
@@ -474,6 +621,12 @@ impl<'a> ThreadRun<'a> {
             self.events.clear();
             self.reactor.reap(&mut self.events);
             self.handle_events(now)?;
+            while now >= next_timeline_ns && next_timeline_ns <= end_ns {
+                let mut sample = std::mem::take(&mut self.timeline_current);
+                sample.end_ns = next_timeline_ns - warmup_ns;
+                self.outcome.timeline.push(sample);
+                next_timeline_ns += timeline_step_ns.unwrap_or(u64::MAX);
+            }
             if now >= next_progress_ns {
                 next_progress_ns = now + PROGRESS_INTERVAL_NS;
                 if let Some(progress) = progress {
@@ -485,6 +638,17 @@ impl<'a> ThreadRun<'a> {
                 }
                 self.interval.reset();
             }
+        }
+        // A run that met its operation quota before the end: the measurement ended now.
+        if let (Some(hooks), true, false) = (hooks, hook_started, hook_ended)
+            && let Some(command) = &hooks.end
+        {
+            run_hook(command)?;
+        }
+        if let (Some(pid), Some(start_ns), None) =
+            (server_pid, server_cpu_start, self.outcome.server_cpu_ns)
+        {
+            self.outcome.server_cpu_ns = Some(process_cpu_ns(pid)?.saturating_sub(start_ns));
         }
         for channel in &mut self.channels {
             if channel.quota_met {
@@ -636,12 +800,22 @@ impl<'a> ThreadRun<'a> {
         let verify_seed = self.config.verify_seed;
         let core = self.reactor.core(channel_index);
         let channel = &mut self.channels[channel_index];
+        let mut rate_factor = None;
         while let Some(answer) = core
             .poll_answer()
             .with_context(|| format!("bad answer on connection {channel_index}; closing it"))?
         {
             if answer.notice {
                 self.outcome.notices += 1;
+                if self.config.follow_notices
+                    && let Some(share) = answer.granted_share
+                {
+                    rate_factor = Some(if share >= 1.0 {
+                        1.0
+                    } else {
+                        (share * FOLLOW_MARGIN).max(0.01)
+                    });
+                }
                 continue;
             }
             let Some(slot) = usize::try_from(answer.request_id)
@@ -663,7 +837,7 @@ impl<'a> ThreadRun<'a> {
             let failure = answer.failure;
             channel.free_slots.push(answer.request_id as u32);
             channel.in_flight -= 1;
-            record(
+            let measured = record(
                 &mut self.outcome,
                 &mut self.interval,
                 &mut self.last_measured_ns,
@@ -672,7 +846,12 @@ impl<'a> ThreadRun<'a> {
                 failure,
                 mismatch,
             );
+            add_to_timeline(&mut self.timeline_current, measured);
             self.completed_ops += 1;
+        }
+        // Every connection of the tenant gets the notice: each paces its own arrivals.
+        if let (Some(factor), Some(arrivals)) = (rate_factor, channel.arrivals.as_mut()) {
+            arrivals.set_rate_factor(factor);
         }
         Ok(())
     }
@@ -711,7 +890,7 @@ impl<'a> ThreadRun<'a> {
             ),
             _ => None,
         };
-        record(
+        let measured = record(
             &mut self.outcome,
             &mut self.interval,
             &mut self.last_measured_ns,
@@ -720,12 +899,13 @@ impl<'a> ThreadRun<'a> {
             failure,
             mismatch,
         );
+        add_to_timeline(&mut self.timeline_current, measured);
         self.completed_ops += 1;
         Ok(())
     }
 }
 
-/// Accounts one answered request.
+/// Accounts one answered request; a measured one answered OK is returned with its latency.
 fn record(
     outcome: &mut Outcome,
     interval: &mut Latency,
@@ -734,7 +914,7 @@ fn record(
     now: u64,
     failure: Option<String>,
     mismatch: Option<Mismatch>,
-) {
+) -> Option<(OpKind, u64)> {
     let latency_ns = now.saturating_sub(slot.intended_ns);
     interval.record(latency_ns);
     if let Some(mismatch) = mismatch {
@@ -744,10 +924,10 @@ fn record(
     if let Some(failure) = failure {
         outcome.errors += 1;
         outcome.first_error.get_or_insert(failure);
-        return;
+        return None;
     }
     if !slot.measured {
-        return;
+        return None;
     }
     *last_measured_ns = (*last_measured_ns).max(now);
     outcome.measured_ops += 1;
@@ -755,6 +935,17 @@ fn record(
     match slot.op.kind {
         OpKind::Read => outcome.read.record(latency_ns),
         OpKind::Write => outcome.write.record(latency_ns),
+    }
+    Some((slot.op.kind, latency_ns))
+}
+
+/// Counts a measured answer in the timeline interval being filled.
+fn add_to_timeline(current: &mut TimelineSample, measured: Option<(OpKind, u64)>) {
+    if let Some((kind, latency_ns)) = measured {
+        current.ops += 1;
+        if kind == OpKind::Read {
+            current.read.record(latency_ns);
+        }
     }
 }
 

@@ -17,6 +17,11 @@
 //!
 //! `--scenario FILE` runs several tenants at once instead (`scenario.rs`): each REGISTERs with
 //! its SLO, BINDs its connections and sends its own load; the table is per tenant.
+//!
+//! For the scale benchmarks: `--bind-handles FILE` BINDs connection k to the k-th tenant handle
+//! of the file (modulo their number; `reflex flood --register N --handles FILE` writes one),
+//! and `--server-pid PID` reports the server's exact CPU time during each row's measurement
+//! (`/proc/PID/task/*/schedstat`), per operation and in cores.
 
 mod engine;
 pub(crate) mod nbd;
@@ -165,6 +170,22 @@ pub struct Args {
     /// With --scenario: seed instead of the file's.
     #[arg(long, requires = "scenario")]
     scenario_seed: Option<u64>,
+    /// Tenant handles, one per line (as `reflex flood --register N --handles FILE` writes
+    /// them): connection k of the run BINDs to handle k modulo their number before the load.
+    #[arg(long, value_name = "FILE")]
+    bind_handles: Option<PathBuf>,
+    /// The server's process id (it must run on this machine): each row reports the server's
+    /// CPU time during the measurement, summed over its threads from
+    /// /proc/PID/task/*/schedstat, and per operation.
+    #[arg(long, value_name = "PID")]
+    server_pid: Option<u32>,
+    /// A shell command to run (and wait for) when each row's measurement starts, e.g.
+    /// `callgrind_control -z PID` to count a server's instructions in the measurement only.
+    #[arg(long, value_name = "COMMAND")]
+    at_measure_start: Option<String>,
+    /// A shell command to run (and wait for) when each row's measurement ends.
+    #[arg(long, value_name = "COMMAND")]
+    at_measure_end: Option<String>,
 }
 
 /// What the run targets, resolved before any row.
@@ -235,6 +256,12 @@ struct Row {
     errors: u64,
     first_error: Option<String>,
     verify: Option<VerifyRow>,
+    /// With --server-pid: the server's CPU time during the measurement.
+    server_cpu_ns: Option<u64>,
+    /// With --server-pid: server CPU time per measured operation.
+    server_cpu_per_op_ns: Option<f64>,
+    /// With --server-pid: server CPU time / measured time.
+    server_cores: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -253,7 +280,7 @@ struct VerifyRow {
 }
 
 /// The first address `HOST:PORT` resolves to.
-fn resolve_server(server: &str) -> Result<SocketAddr> {
+pub(crate) fn resolve_server(server: &str) -> Result<SocketAddr> {
     server
         .to_socket_addrs()
         .with_context(|| format!("resolving {server}"))?
@@ -401,6 +428,13 @@ pub fn run(args: Args) -> Result<()> {
         },
         Resolved::Local { file, .. } => Target::Local { file: file.clone() },
     };
+    let bind_handles = match &args.bind_handles {
+        None => Vec::new(),
+        Some(path) => read_handles(path)?,
+    };
+    if !bind_handles.is_empty() && !matches!(resolved, Resolved::Remote { .. }) {
+        bail!("--bind-handles needs a native server");
+    }
     let base = EngineConfig {
         target,
         threads: args.threads,
@@ -415,6 +449,14 @@ pub fn run(args: Args) -> Result<()> {
         ops_max: args.ops,
         spin: args.spin,
         cpus: args.cpus.clone(),
+        bind_handles,
+        server_pid: args.server_pid,
+        measure_hooks: engine::MeasureHooks {
+            start: args.at_measure_start.clone(),
+            end: args.at_measure_end.clone(),
+        },
+        follow_notices: false,
+        timeline: None,
     };
 
     let fill = match verify_seed {
@@ -573,6 +615,25 @@ fn resolve_target(args: &Args) -> Result<Resolved> {
             Ok(Resolved::Remote { address, namespace })
         }
     }
+}
+
+/// Tenant handles from `path`, one per line (blank lines skipped), at least one.
+fn read_handles(path: &PathBuf) -> Result<Vec<u64>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let handles = text
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .map(|line| {
+            line.parse::<u64>()
+                .with_context(|| format!("{}: {line:?} is not a tenant handle", path.display()))
+        })
+        .collect::<Result<Vec<u64>>>()?;
+    if handles.is_empty() {
+        bail!("{} holds no tenant handle", path.display());
+    }
+    Ok(handles)
 }
 
 /// Opens the local target with O_DIRECT when asked and allowed; returns whether it is direct.
@@ -760,6 +821,14 @@ fn make_row(load: &Load, outcome: &Outcome, probe: Option<&Outcome>, verify: boo
             expected_byte: first_mismatch.map(|m| m.expected),
             found_byte: first_mismatch.map(|m| m.found),
         }),
+        server_cpu_ns: outcome.server_cpu_ns,
+        server_cpu_per_op_ns: outcome
+            .server_cpu_ns
+            .filter(|_| outcome.measured_ops > 0)
+            .map(|cpu| cpu as f64 / outcome.measured_ops as f64),
+        server_cores: outcome
+            .server_cpu_ns
+            .map(|cpu| cpu as f64 / (outcome.measured_ns.max(1)) as f64),
     }
 }
 
@@ -844,6 +913,13 @@ fn print_table(out: &mut impl Write, report: &Report) -> std::io::Result<()> {
                 summary.p99_us,
                 summary.p999_us,
                 summary.max_us
+            )?;
+        }
+        if let (Some(per_op), Some(cores)) = (row.server_cpu_per_op_ns, row.server_cores) {
+            writeln!(
+                out,
+                "  server CPU: {:.0} ns per operation, {:.2} cores",
+                per_op, cores
             )?;
         }
         if row.unissued_ops > 0 {

@@ -134,6 +134,11 @@ pub fn run(spec: &PointSpec, progress: &mut dyn FnMut(u64)) -> Result<PointOutco
         ops_max: spec.ops_max,
         spin: false,
         cpus: Vec::new(),
+        bind_handles: Vec::new(),
+        server_pid: None,
+        measure_hooks: Default::default(),
+        follow_notices: false,
+        timeline: None,
     };
     let (sender, receiver) = mpsc::channel::<engine::Progress>();
     let outcome = std::thread::scope(|scope| {

@@ -145,6 +145,17 @@ pub struct TenantRow {
     pub unissued_ops: u64,
     pub errors: u64,
     pub first_error: Option<String>,
+    /// Per `timeline_ms` interval of the measurement (empty without it).
+    pub timeline: Vec<TimelinePoint>,
+}
+
+/// One tenant in one timeline interval.
+#[derive(Debug, Clone, Serialize)]
+pub struct TimelinePoint {
+    pub end_ms: u64,
+    pub iops: f64,
+    /// 0 without reads in the interval.
+    pub read_p95_us: f64,
 }
 
 /// A tenant ready to run: its handle and its bound load connections.
@@ -376,6 +387,11 @@ fn prepare(
             ops_max: None,
             spin: options.spin,
             cpus: options.cpus.clone(),
+            bind_handles: Vec::new(),
+            server_pid: None,
+            measure_hooks: Default::default(),
+            follow_notices: tenant.load.follow_notices,
+            timeline: scenario.timeline_ms.map(Duration::from_millis),
         };
         prepared.push(Prepared {
             handle,
@@ -423,7 +439,28 @@ fn row(tenant: &TenantSpecToml, handle: u64, outcome: &Outcome, window: u32) -> 
         unissued_ops: outcome.unissued_ops,
         errors: outcome.errors,
         first_error: outcome.first_error.clone(),
+        timeline: timeline_points(&outcome.timeline),
     }
+}
+
+fn timeline_points(samples: &[engine::TimelineSample]) -> Vec<TimelinePoint> {
+    let mut start_ns = 0;
+    samples
+        .iter()
+        .map(|sample| {
+            let seconds = (sample.end_ns.saturating_sub(start_ns) as f64 / 1e9).max(1e-9);
+            start_ns = sample.end_ns;
+            TimelinePoint {
+                end_ms: sample.end_ns / 1_000_000,
+                iops: sample.ops as f64 / seconds,
+                read_p95_us: if sample.read.count() == 0 {
+                    0.0
+                } else {
+                    sample.read.quantile_us(0.95)
+                },
+            }
+        })
+        .collect()
 }
 
 fn human(count: f64) -> String {
@@ -496,6 +533,49 @@ pub fn print_table(out: &mut impl Write, report: &ScenarioReport) -> std::io::Re
         )?;
     }
     writeln!(out, "(latencies from the intended send time)")?;
+    write_timeline(out, report)?;
+    Ok(())
+}
+
+/// Each tenant's IOPS and read p95 per timeline interval, one row per interval.
+fn write_timeline(out: &mut impl Write, report: &ScenarioReport) -> std::io::Result<()> {
+    let intervals = report
+        .tenants
+        .iter()
+        .map(|t| t.timeline.len())
+        .max()
+        .unwrap_or(0);
+    if intervals == 0 {
+        return Ok(());
+    }
+    writeln!(out)?;
+    let mut header = "| t ms |".to_string();
+    let mut rule = "|---:|".to_string();
+    for tenant in &report.tenants {
+        header.push_str(&format!(" {0} IOPS | {0} p95 µs |", tenant.name));
+        rule.push_str("---:|---:|");
+    }
+    writeln!(out, "{header}")?;
+    writeln!(out, "{rule}")?;
+    for index in 0..intervals {
+        let end_ms = report
+            .tenants
+            .iter()
+            .find_map(|t| t.timeline.get(index))
+            .map_or(0, |point| point.end_ms);
+        let mut row = format!("| {end_ms} |");
+        for tenant in &report.tenants {
+            match tenant.timeline.get(index) {
+                Some(point) => row.push_str(&format!(
+                    " {} | {:.0} |",
+                    human(point.iops),
+                    point.read_p95_us
+                )),
+                None => row.push_str(" - | - |"),
+            }
+        }
+        writeln!(out, "{row}")?;
+    }
     Ok(())
 }
 
@@ -611,6 +691,33 @@ mod tests {
         // The server charged each tenant exactly what the bench saw answered (warm-up too).
         assert!(totals[&a.handle].requests >= a.read.count);
         assert!(totals[&c.handle].requests >= c.read.count + c.write.count);
+    }
+
+    #[test]
+    fn a_timeline_gives_each_interval_of_the_measurement() {
+        let server = server(true);
+        let text = TWO_TENANTS.replace(
+            "warmup_ms = 50",
+            "warmup_ms = 50\n        timeline_ms = 100",
+        );
+        let scenario = check(&text).unwrap_or_else(|e| panic!("{e:#}"));
+        let report = execute(&scenario, &options(&server)).unwrap_or_else(|e| panic!("{e:#}"));
+        for tenant in &report.tenants {
+            let ends: Vec<u64> = tenant.timeline.iter().map(|p| p.end_ms).collect();
+            assert_eq!(ends, [100, 200, 300], "{}", tenant.name);
+            let ops: f64 = tenant.timeline.iter().map(|p| p.iops * 0.1).sum();
+            let measured = (tenant.read.count + tenant.write.count) as f64;
+            assert!(ops > 0.0 && ops <= measured + 0.5, "{ops} of {measured}");
+        }
+        let mut table = Vec::new();
+        print_table(&mut table, &report).unwrap_or_else(|e| panic!("{e}"));
+        let table = String::from_utf8(table).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            table.contains("| t ms | A IOPS | A p95 µs | C IOPS | C p95 µs |"),
+            "{table}"
+        );
+        assert!(table.contains("\n| 300 |"), "{table}");
+        server.shutdown().unwrap_or_else(|e| panic!("{e}"));
     }
 
     #[test]

@@ -47,7 +47,6 @@ impl Latency {
         self.histogram.reset();
     }
 
-    #[cfg(test)]
     pub fn count(&self) -> u64 {
         self.histogram.len()
     }

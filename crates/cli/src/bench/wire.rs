@@ -33,6 +33,9 @@ pub struct Answer<'a> {
     pub data: &'a [u8],
     /// A native RENEGOTIATE notice, which answers no request.
     pub notice: bool,
+    /// The share of its reservation a device notice says the tenant is granted now (`None`
+    /// for deficit-limit notices and answers).
+    pub granted_share: Option<f64>,
 }
 
 impl Wire {
@@ -125,6 +128,7 @@ impl Wire {
                     return Ok(None);
                 };
                 let notice = completion.is_notice();
+                let granted_share = completion.notice().and_then(granted_share);
                 let failure = if completion.is_ok() || notice {
                     None
                 } else {
@@ -135,6 +139,7 @@ impl Wire {
                     failure,
                     data: completion.data,
                     notice,
+                    granted_share,
                 }))
             }
             Wire::Nbd(core) => {
@@ -146,8 +151,21 @@ impl Wire {
                     failure: completion.error_text(),
                     data: completion.data,
                     notice: false,
+                    granted_share: None,
                 }))
             }
         }
+    }
+}
+
+/// What a device notice grants, as a share of the reservation (1.0 when recovered).
+fn granted_share(body: reflex_client::RenegotiateBody) -> Option<f64> {
+    use reflex_proto::native::RenegotiateReason;
+    match body.reason {
+        RenegotiateReason::DeficitLimit => None,
+        _ if body.reserved_tokens_per_sec == 0 => Some(1.0),
+        _ => Some(
+            (body.granted_tokens_per_sec as f64 / body.reserved_tokens_per_sec as f64).min(1.0),
+        ),
     }
 }

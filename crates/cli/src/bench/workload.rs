@@ -164,6 +164,8 @@ impl FillGenerator {
 /// Poisson arrivals: exponential gaps with mean 1 / rate, on the thread's nanosecond clock.
 pub struct Arrivals {
     rng: Xoshiro256PlusPlus,
+    /// The mean gap at the full rate.
+    base_gap_ns: f64,
     mean_gap_ns: f64,
     next_ns: u64,
 }
@@ -173,6 +175,7 @@ impl Arrivals {
         assert!(rate_per_sec > 0.0);
         let mut arrivals = Arrivals {
             rng: Xoshiro256PlusPlus::seed_from_u64(stream_seed(seed ^ 0xA11C_E5ED, stream_index)),
+            base_gap_ns: 1e9 / rate_per_sec,
             mean_gap_ns: 1e9 / rate_per_sec,
             next_ns: start_ns,
         };
@@ -183,6 +186,12 @@ impl Arrivals {
     /// The intended send time of the next request.
     pub fn next_ns(&self) -> u64 {
         self.next_ns
+    }
+
+    /// Sends at `factor` (0 < factor ≤ 1) of the rate given at the start, from the next gap on.
+    pub fn set_rate_factor(&mut self, factor: f64) {
+        assert!(factor > 0.0 && factor <= 1.0, "rate factor {factor}");
+        self.mean_gap_ns = self.base_gap_ns / factor;
     }
 
     pub fn advance(&mut self) {
@@ -196,6 +205,26 @@ impl Arrivals {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rate_factor_stretches_the_gaps_from_the_next_arrival_on() {
+        let mean_gap = |factor: f64| {
+            let mut arrivals = Arrivals::new(10_000.0, 7, 0, 0);
+            arrivals.set_rate_factor(factor);
+            let start = arrivals.next_ns();
+            for _ in 0..20_000 {
+                arrivals.advance();
+            }
+            (arrivals.next_ns() - start) as f64 / 20_000.0
+        };
+        let full = mean_gap(1.0);
+        let half = mean_gap(0.5);
+        assert!((full / 100_000.0 - 1.0).abs() < 0.03, "{full}");
+        assert!(
+            (half / full - 2.0).abs() < 1e-4,
+            "{half} vs {full}: same stream, twice the gaps"
+        );
+    }
 
     fn spec(read_ratio: f64, access: Access) -> WorkloadSpec {
         WorkloadSpec {
