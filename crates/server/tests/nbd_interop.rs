@@ -597,6 +597,7 @@ impl NbdServer {
                     "--port",
                     "0",
                     "--no-original",
+                    "--no-admin",
                     "--nbd-port",
                     &port.to_string(),
                     "--threads",
