@@ -134,10 +134,11 @@ def main():
                     problem = result.stdout
                 else:
                     for word in words_after:
-                        flag = word.split("=", 1)[0]
-                        if flag.startswith("-") and not re.search(
-                                re.escape(flag) + r"\b", result.stdout):
-                            problem = f"{flag} is not a flag of {base} {' '.join(subcommands)}"
+                        # `--a/--b` in prose names two flags.
+                        for flag in word.split("=", 1)[0].split("/"):
+                            if flag.startswith("-") and not re.search(
+                                    re.escape(flag) + r"\b", result.stdout):
+                                problem = f"{flag} is not a flag of {base} {' '.join(subcommands)}"
             elif problem is None:
                 if program in ("cargo",) and "--bin" in argv and "reflexd" in argv:
                     extra = argv[argv.index("--") + 1:] if "--" in argv else []
