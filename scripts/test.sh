@@ -75,5 +75,10 @@ aarch64_tests
 if [ -d fuzz ]; then
     echo "==> fuzz targets build"
     (cd fuzz && cargo +nightly fuzz build -O)
+    echo "==> dataplane fuzz target: 30 s from its seeds"
+    fuzz_work=$(mktemp -d)
+    (cd fuzz && cargo +nightly fuzz run -O dataplane "$fuzz_work" corpus/dataplane -- \
+        -max_total_time=30 -runs=200000 -artifact_prefix=artifacts/ 2>&1 | tail -25)
+    rm -rf "$fuzz_work"
 fi
 echo "==> all tests passed"

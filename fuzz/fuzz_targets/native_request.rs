@@ -6,8 +6,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use reflex_proto::native::{
-    ControlOp, HelloBody, Namespace, RegisterBody, ServerLimits, ValidatedRequest,
-    decode_handle, decode_request, encode_handle, validate_request,
+    ControlOp, HelloBody, Namespace, RegisterBody, ServerLimits, ValidatedRequest, decode_handle,
+    decode_request, encode_handle, validate_request,
 };
 
 const NAMESPACES: [Namespace; 2] = [

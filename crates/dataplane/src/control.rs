@@ -134,6 +134,18 @@ pub enum HandleKeys {
     Seeded(u64),
 }
 
+impl HandleKeys {
+    /// The `n`th handle candidate (from 1) of a `Seeded(seed)` source: the `n`th tenant
+    /// registered gets it unless it is 0 or already in use (then a later one), so simulations
+    /// and tests can name tenants by registration order.
+    pub fn seeded_candidate(seed: u64, n: u64) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::hash::DefaultHasher::new();
+        (seed, n).hash(&mut hasher);
+        hasher.finish()
+    }
+}
+
 struct HandleSource {
     hasher: HandleHasher,
     counter: u64,
@@ -155,16 +167,12 @@ impl HandleSource {
 
     /// The next handle candidate (never 0; the caller skips one already in use).
     fn next(&mut self) -> u64 {
-        use std::hash::{BuildHasher, Hash, Hasher};
+        use std::hash::BuildHasher;
         loop {
             self.counter += 1;
             let value = match &self.hasher {
                 HandleHasher::Random(state) => state.hash_one(self.counter),
-                HandleHasher::Seeded(seed) => {
-                    let mut hasher = std::hash::DefaultHasher::new();
-                    (*seed, self.counter).hash(&mut hasher);
-                    hasher.finish()
-                }
+                HandleHasher::Seeded(seed) => HandleKeys::seeded_candidate(*seed, self.counter),
             };
             if value != 0 {
                 return value;

@@ -1,6 +1,6 @@
 //! Wire formats of ReFlex as sans-IO codecs: the native protocol v1, the original ReFlex block
-//! protocol, and NBD. Nothing here opens a socket, reads a clock or uses `unsafe`; the server and
-//! client drivers move bytes, this crate says what they mean.
+//! protocol, NBD, and the key-value protocol. Nothing here opens a socket, reads a clock or uses
+//! `unsafe`; the server and client drivers move bytes, this crate says what they mean.
 //!
 //! Why: parsing, validation and negotiation are where malformed or hostile input meets the
 //! server, so they live in plain, fuzzed, exhaustively tested functions. Decoding separates
@@ -58,10 +58,25 @@
 //!   `none_chunk`, `SimpleReply`, `ChunkHeader`; `Errno::from_linux_errno` for device errors;
 //!   `session.export_index()` maps back to the namespace and tenant.
 //!
-//! All three decoders are fuzzed (`fuzz/`, targets `native_request`, `native_response`,
-//! `original_request`, `nbd_handshake`, `nbd_request`).
+//! ## [`kv`] — `docs/KV.md` (little-endian)
+//! - Server: a `kv::RequestDecoder` per connection; `decoder.decode(buf) ->
+//!   Result<(Option<Decoded>, usize /*consumed*/), RequestError /*close*/>` where `Decoded` is
+//!   `Request { request_id, request: Request::{Put{key,value}, Get{key}, Delete{key}, Flush} }`
+//!   (whole, borrowed from `buf`) or `Rejected { header, status }` (answer now; the decoder skips
+//!   the payload on later calls). Lower level: `kv::decode_request`,
+//!   `header.payload_length_bytes()`, `kv::validate_request(&header) -> Result<ValidatedRequest,
+//!   Status>`.
+//! - Responses: `ResponseHeader::for_request(&header, status, value_length).to_bytes()`, or
+//!   `ResponseHeader::new(opcode, status, request_id, value_length)`; GET's value follows.
+//! - Client: `Request::Put { key, value }.encode_into(request_id, out)`,
+//!   `kv::decode_response_frame(buf) -> Result<Option<ResponseFrame { header, value,
+//!   length_bytes }>, ResponseError /*close*/>`.
+//!
+//! All the decoders are fuzzed (`fuzz/`, targets `native_request`, `native_response`,
+//! `original_request`, `nbd_handshake`, `nbd_request`, `kv_request`, `kv_response`).
 #![forbid(unsafe_code)]
 
+pub mod kv;
 pub mod native;
 pub mod nbd;
 pub mod original;
@@ -109,6 +124,10 @@ pub enum ProtoError {
     NbdRequest(#[from] nbd::RequestError),
     #[error("nbd reply: {0}")]
     NbdReply(#[from] nbd::ReplyError),
+    #[error("key-value request: {0}")]
+    KvRequest(#[from] kv::RequestError),
+    #[error("key-value response: {0}")]
+    KvResponse(#[from] kv::ResponseError),
     #[error(transparent)]
     BufferTooSmall(#[from] BufferTooSmall),
 }

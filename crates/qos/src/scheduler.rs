@@ -439,6 +439,19 @@ impl Scheduler {
         } else {
             // A class change moves the tenant between lists in the next round.
             slot.state = SlotState::Active;
+            if slot.class != rates.class
+                && rates.class == TenantClass::BestEffort
+                && slot.balance < 0
+            {
+                // A best-effort tenant is never in deficit: the debt it ran up as a
+                // latency-critical one is written off (its episode ends).
+                self.ledger.written_off += Tokens(slot.balance);
+                slot.balance = 0;
+                if slot.in_episode {
+                    slot.in_episode = false;
+                    push_event(&mut self.events, slot, index, EVENT_RECOVERED);
+                }
+            }
             slot.class = rates.class;
         }
         slot.terms = rates;
@@ -685,6 +698,41 @@ impl Scheduler {
         self.last_round = now;
         self.deadline = None;
         summary
+    }
+
+    /// Takes every queued request out without admitting or charging it, handing each token to
+    /// `cancelled` (per tenant, oldest first): the dataplane answers them with an error when a
+    /// shutdown's drain times out. Balances are untouched; tenants left with empty queues
+    /// leave the lists in the next round, and tenants refused for a full queue get their
+    /// [`SchedulerEvent::QueueRoom`].
+    pub fn cancel_queued(&mut self, cancelled: &mut impl FnMut(TenantId, u64)) {
+        match self.policy {
+            Policy::Tokens => {
+                for index in 0..self.slots.len() {
+                    let slot = &mut self.slots[index];
+                    while let Some(node) = self.pool.pop_front(&mut slot.queue) {
+                        dequeued(slot, &node);
+                        cancelled(TenantId(node.tenant), node.request);
+                    }
+                }
+            }
+            Policy::Fifo => {
+                while let Some(node) = self.pool.pop_front(&mut self.fifo) {
+                    let index = node.tenant as usize;
+                    dequeued(&mut self.slots[index], &node);
+                    cancelled(TenantId(node.tenant), node.request);
+                    let slot = &self.slots[index];
+                    if slot.state == SlotState::Retiring && slot.queued == 0 {
+                        self.vacate_retired(index);
+                    }
+                }
+            }
+        }
+        // Nothing waits for tokens any more.
+        self.deadline = None;
+        if !self.blocked.is_empty() {
+            self.release_blocked();
+        }
     }
 
     fn vacate_retired(&mut self, index: usize) {

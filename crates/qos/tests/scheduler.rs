@@ -532,3 +532,105 @@ fn a_removed_tenant_is_served_until_its_queue_is_empty_and_a_class_change_moves_
         "a BE tenant is never in deficit: {stats:?}"
     );
 }
+
+#[test]
+fn cancelled_requests_leave_without_tokens_and_the_scheduler_stays_consistent() {
+    for policy in [Policy::Tokens, Policy::Fifo] {
+        let config = QosConfig {
+            tenant_queue_depth_max: 4,
+            ..no_lending()
+        };
+        let mut s = Setup::new(1, config, policy);
+        let start = s.make_mixed(0);
+        let a = s.add(
+            TenantSpec::LatencyCritical {
+                latency_us_p95: 500,
+                iops: 1_000,
+                read_percent: 100,
+            },
+            &[0],
+            start,
+        );
+        let c = s.add(TenantSpec::BestEffort, &[0], start);
+        for token in 0..4 {
+            s.threads[0].enqueue(a, write(token), start).unwrap();
+            s.threads[0].enqueue(c, write(10 + token), start).unwrap();
+        }
+        assert!(s.threads[0].enqueue(c, write(99), start).is_err());
+        let spent_before = s.threads[0].ledger().spent;
+        let mut cancelled = Vec::new();
+        s.threads[0].cancel_queued(&mut |tenant, token| cancelled.push((tenant, token)));
+        s.threads[0].check();
+        cancelled.sort_unstable_by_key(|&(_, token)| token);
+        let expected: Vec<(TenantId, u64)> = (0..4)
+            .map(|token| (a, token))
+            .chain((10..14).map(|token| (c, token)))
+            .collect();
+        assert_eq!(cancelled, expected, "{policy:?}");
+        assert_eq!(s.threads[0].queued(a), 0);
+        assert_eq!(s.threads[0].queued(c), 0);
+        assert_eq!(s.threads[0].ledger().spent, spent_before, "{policy:?}");
+        assert_eq!(s.threads[0].next_deadline(), None, "{policy:?}");
+        assert_eq!(
+            s.events(0),
+            vec![SchedulerEvent::QueueRoom { tenant: c }],
+            "{policy:?}"
+        );
+        // Nothing comes out later, and the tenants are served again afterwards.
+        assert!(s.round(0, start + us(10_000)).is_empty(), "{policy:?}");
+        s.threads[0]
+            .enqueue(c, read(20), start + us(10_000))
+            .unwrap();
+        let mut served = Vec::new();
+        let mut now = start + us(10_000);
+        while served.is_empty() && now < start + us(100_000) {
+            served.extend(s.round(0, now).iter().map(|x| x.token));
+            now += us(100);
+        }
+        assert_eq!(served, vec![20], "{policy:?}");
+    }
+}
+
+/// Fuzz finding 7: an LC tenant in deficit renegotiated to best effort (a REGISTER naming its
+/// handle) panicked the dataplane thread ("BE tenant in deficit" in `serve_be`).
+#[test]
+fn an_lc_tenant_in_deficit_that_becomes_best_effort_is_not_a_best_effort_tenant_in_deficit() {
+    let mut s = Setup::new(1, no_lending(), Policy::Tokens);
+    let start = s.make_mixed(0);
+    let a = s.add(
+        TenantSpec::LatencyCritical {
+            latency_us_p95: 500,
+            iops: 1_000,
+            read_percent: 100,
+        },
+        &[0],
+        start,
+    );
+    for token in 0..100 {
+        s.threads[0].enqueue(a, write(token), start).unwrap();
+    }
+    s.round(0, start);
+    let balance = s.threads[0].tenant_stats(a).unwrap().balance;
+    assert!(balance < Tokens::ZERO, "{balance:?}");
+    s.registry.reregister(a, TenantSpec::BestEffort).unwrap();
+    s.sync(start + us(1));
+    s.threads[0].check();
+    let stats = s.threads[0].tenant_stats(a).unwrap();
+    assert_eq!(
+        stats.balance,
+        Tokens::ZERO,
+        "the debt is written off: {stats:?}"
+    );
+    assert!(s.threads[0].ledger().written_off < Tokens::ZERO);
+    // Served as best effort from now on (`round` checks the invariants every time), never
+    // in deficit.
+    let mut now = start + us(1);
+    let mut served = 0;
+    for _ in 0..1000 {
+        served += s.round(0, now).iter().filter(|x| x.tenant == a).count();
+        let balance = s.threads[0].tenant_stats(a).unwrap().balance;
+        assert!(balance >= Tokens::ZERO, "{balance:?}");
+        now += us(100);
+    }
+    assert!(served > 0);
+}

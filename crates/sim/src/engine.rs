@@ -22,7 +22,6 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
 use reflex_client::{ConnectionCore, CoreOptions, SubmitError};
 use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
-use reflex_dataplane::frontend::Protocol;
 use reflex_dataplane::{Limits, TenantStats};
 use reflex_flash::Device;
 use reflex_proto::native::{Opcode, RegisterBody, RenegotiateReason, TenantClassRequest};
@@ -30,7 +29,9 @@ use reflex_qos::{DeviceProfile, Nanos, Policy, QosConfig, TenantClass, TenantSpe
 
 use crate::network::NetworkModel;
 use crate::report::{PointReport, TenantReport, TimelinePoint, TimelineTenant};
-use crate::server::{SocketId, VirtualServer, VirtualServerError, VirtualServerSetup};
+use crate::server::{
+    SocketId, VirtualListener, VirtualServer, VirtualServerError, VirtualServerSetup,
+};
 
 /// Requests a client holds back beyond its window before it sheds arrivals (bounds memory when
 /// a tenant offers far more than it gets).
@@ -250,7 +251,9 @@ impl<'c> Sim<'c> {
             qos_config: config.qos.clone(),
             limits: limits.clone(),
             network: config.network,
-            listeners: vec![Protocol::Native],
+            listeners: vec![VirtualListener::Native],
+            nbd_exports: Vec::new(),
+            nbd_default_export: None,
         })?;
         let mut tenants = Vec::with_capacity(config.tenants.len());
         for (index, sim) in config.tenants.iter().enumerate() {

@@ -27,7 +27,9 @@ pub use engine::{Load, SimConfig, SimError, SimTenant};
 pub use network::NetworkModel;
 pub use report::{PointReport, ScenarioReport, TenantReport};
 pub use scenario::{LoadedScenario, Scenario, ScenarioError};
-pub use server::{SocketId, VirtualServer, VirtualServerError, VirtualServerSetup};
+pub use server::{
+    SocketId, VirtualExport, VirtualListener, VirtualServer, VirtualServerError, VirtualServerSetup,
+};
 
 use scenario::{ClassToml, TenantSpecToml};
 

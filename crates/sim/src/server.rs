@@ -11,11 +11,12 @@
 //! in thread and socket order, then every thread processes in thread order until nothing
 //! moves; the same inputs give the same run.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use reflex_dataplane::control::{ControlPlane, ControlSetup, NamespaceQosSetup, Wake};
-use reflex_dataplane::frontend::Protocol;
+use reflex_dataplane::control::{ControlPlane, ControlSetup, NamespaceQosSetup, TenantRef, Wake};
+use reflex_dataplane::frontend::{ExportBinding, NbdExports, Protocol};
 use reflex_dataplane::namespaces::NamespaceSet;
 use reflex_dataplane::{
     ConnectionId, CoreStats, Dataplane, DataplaneSetup, DeviceOpId, Limits, Op, SetupError,
@@ -43,7 +44,36 @@ pub struct VirtualServerSetup {
     pub limits: Limits,
     pub network: NetworkModel,
     /// The protocols each thread listens for (listener index = position).
-    pub listeners: Vec<Protocol>,
+    pub listeners: Vec<VirtualListener>,
+    /// The NBD exports (needed when a listener speaks NBD), in the order clients list them.
+    pub nbd_exports: Vec<VirtualExport>,
+    /// The export a client gets for the empty name.
+    pub nbd_default_export: Option<String>,
+}
+
+/// What a listener speaks. Tenants are named as in reflexd's configuration: the virtual server
+/// resolves each name among its namespace's configured tenants once the control plane has
+/// admitted them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VirtualListener {
+    Native,
+    /// The original ReFlex protocol on one namespace, charged to a configured tenant (`None`:
+    /// the namespace's default tenant).
+    Original {
+        namespace_index: u16,
+        tenant: Option<String>,
+    },
+    Nbd,
+}
+
+/// One NBD export: a namespace under a name, optionally read-only and bound to a configured
+/// tenant of that namespace. Its size is the namespace's, rounded down to 512 bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VirtualExport {
+    pub name: String,
+    pub namespace_index: u16,
+    pub read_only: bool,
+    pub tenant: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -56,14 +86,17 @@ pub enum VirtualServerError {
     NotAccepting { thread: u16, listener: u32 },
     #[error("connection refused: {0}")]
     Refused(reflex_dataplane::AcceptRefused),
+    #[error("invalid setup: {0}")]
+    Config(String),
 }
 
 struct Thread {
     dataplane: Dataplane,
     queues: Vec<Box<dyn DeviceQueue>>,
     accept_armed: Vec<bool>,
-    /// Sockets of this thread by connection slot index.
-    sockets_by_slot: Vec<Option<SocketId>>,
+    /// Sockets of this thread by connection (slot index and generation): the dataplane may
+    /// hand a slot to a new connection before the driver has taken the old one's `Close`.
+    sockets_by_connection: HashMap<(u32, u32), SocketId>,
 }
 
 struct Socket {
@@ -81,6 +114,8 @@ struct Socket {
     client_closed: bool,
     /// The server closed the connection.
     server_closed: bool,
+    /// The client reset the connection: receives fail with ECONNRESET, sends with EPIPE.
+    reset: bool,
 }
 
 struct NoWake;
@@ -101,6 +136,9 @@ pub struct VirtualServer {
     readable: Vec<SocketId>,
     completions: Vec<Completion>,
     segments: Vec<u8>,
+    /// Accepts whose slot still belonged to a connection whose `Close` the driver had not
+    /// taken yet ([`Self::slot_reuses_before_close`]).
+    slot_reuses_before_close: u64,
 }
 
 impl VirtualServer {
@@ -111,13 +149,25 @@ impl VirtualServer {
             .collect();
         let (control, qos) = ControlPlane::start(&setup.control, &namespaces, wakers)?;
         let control = Arc::new(control);
+        let listeners = setup
+            .listeners
+            .iter()
+            .map(|listener| listener_protocol(listener, &namespaces, &qos))
+            .collect::<Result<Vec<Protocol>, VirtualServerError>>()?;
+        let nbd_exports = nbd_exports(
+            &setup.listeners,
+            &setup.nbd_exports,
+            setup.nbd_default_export.as_deref(),
+            &namespaces,
+            &qos,
+        )?;
         let mut threads = Vec::new();
         for thread_index in 0..usize::from(setup.threads) {
             let dataplane = Dataplane::new(DataplaneSetup {
                 thread_index,
-                listeners: setup.listeners.clone(),
+                listeners: listeners.clone(),
                 namespaces: Arc::clone(&namespaces),
-                nbd_exports: None,
+                nbd_exports: nbd_exports.clone(),
                 limits: setup.limits.clone(),
                 control: Arc::clone(&control),
                 qos: qos.clone(),
@@ -130,7 +180,7 @@ impl VirtualServer {
                     .map(|index| namespaces.device(index as u16).queue())
                     .collect(),
                 accept_armed: vec![false; setup.listeners.len()],
-                sockets_by_slot: Vec::new(),
+                sockets_by_connection: HashMap::new(),
             });
         }
         let mut server = VirtualServer {
@@ -144,6 +194,7 @@ impl VirtualServer {
             readable: Vec::new(),
             completions: Vec::new(),
             segments: Vec::new(),
+            slot_reuses_before_close: 0,
         };
         server.run_instant(Nanos::ZERO);
         Ok(server)
@@ -204,13 +255,21 @@ impl VirtualServer {
             wait_pending: false,
             client_closed: false,
             server_closed: false,
+            reset: false,
         });
         let state = &mut self.threads[usize::from(thread)];
-        let slot = id.index as usize;
-        if state.sockets_by_slot.len() <= slot {
-            state.sockets_by_slot.resize(slot + 1, None);
+        if state
+            .sockets_by_connection
+            .keys()
+            .any(|&(index, _)| index == id.index)
+        {
+            // reflexd's io_uring driver asserts that an accepted connection's slot has no
+            // socket: count what it would trip over.
+            self.slot_reuses_before_close += 1;
         }
-        state.sockets_by_slot[slot] = Some(socket);
+        state
+            .sockets_by_connection
+            .insert((id.index, id.generation), socket);
         // The connection's first operations (a receive) and the re-armed accept.
         self.run_instant(now);
         Ok(socket)
@@ -228,6 +287,70 @@ impl VirtualServer {
     /// The client closes its sending side.
     pub fn client_close(&mut self, socket: SocketId) {
         self.sockets[socket.0 as usize].client_closed = true;
+    }
+
+    /// The client resets the connection (RST): what it sent and the server has not read is
+    /// lost, the receive in flight fails with ECONNRESET and every send from now on with EPIPE.
+    /// The client sends nothing more; what already reached it stays readable.
+    pub fn client_reset(&mut self, socket: SocketId) {
+        let socket = &mut self.sockets[socket.0 as usize];
+        socket.reset = true;
+        socket.client_closed = true;
+        socket.to_server = Pipe::default();
+    }
+
+    /// Whether `thread` has an accept armed on `listener`: [`Self::connect`] would reach the
+    /// dataplane now.
+    pub fn is_accepting(&self, thread: u16, listener: u32) -> bool {
+        self.threads[usize::from(thread)]
+            .accept_armed
+            .get(listener as usize)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// The accept armed on `listener` of `thread` fails with `errno` (EMFILE, ECONNABORTED);
+    /// returns whether one was armed.
+    pub fn fail_accept(&mut self, thread: u16, listener: u32, errno: i32) -> bool {
+        if !self.is_accepting(thread, listener) {
+            return false;
+        }
+        let now = self.now;
+        let state = &mut self.threads[usize::from(thread)];
+        state.accept_armed[listener as usize] = false;
+        let refused = state.dataplane.handle_accept(listener, Err(errno), now);
+        assert!(refused.is_err(), "a failed accept made a connection");
+        self.run_instant(now);
+        true
+    }
+
+    /// Connections the dataplane accepted into a slot whose previous connection's `Op::Close`
+    /// was still queued (issued after the accept returned). The simulator tells the two apart
+    /// by generation; a driver that keeps one socket per slot cannot.
+    pub fn slot_reuses_before_close(&self) -> u64 {
+        self.slot_reuses_before_close
+    }
+
+    /// Sockets connected so far (closed ones included): `SocketId(0..count)`.
+    pub fn socket_count(&self) -> usize {
+        self.sockets.len()
+    }
+
+    /// The dataplane thread `socket` is connected to.
+    pub fn socket_thread(&self, socket: SocketId) -> u16 {
+        self.sockets[socket.0 as usize].thread
+    }
+
+    /// Whether the server closed `socket` (what it sent before may still be unread).
+    pub fn is_server_closed(&self, socket: SocketId) -> bool {
+        self.sockets[socket.0 as usize].server_closed
+    }
+
+    /// Whether the dataplane has a receive or a send in flight on `socket` (the driver's
+    /// operations; none may remain once the server closed the socket).
+    pub fn has_operations_in_flight(&self, socket: SocketId) -> bool {
+        let socket = &self.sockets[socket.0 as usize];
+        socket.recv_pending || socket.send_pending
     }
 
     /// Moves the bytes that reached the client on `socket` into `out` (the client reads).
@@ -289,6 +412,22 @@ impl VirtualServer {
             }
         }
         next.map(|at| at.max(self.now + Nanos(1)))
+    }
+
+    /// When the next network arrival or device completion is due (the dataplanes' own
+    /// deadlines left out), unclamped: for a driver that must not trust a deadline in the past.
+    pub fn next_external_event(&self) -> Option<Nanos> {
+        let sockets = self.sockets.iter().flat_map(|socket| {
+            [
+                socket.to_server.next_arrival(),
+                socket.to_client.next_arrival(),
+            ]
+        });
+        let queues = self
+            .threads
+            .iter()
+            .flat_map(|thread| thread.queues.iter().map(|queue| queue.next_deadline()));
+        sockets.chain(queues).flatten().min()
     }
 
     /// Runs everything due at `now`: device completions, network arrivals, and every
@@ -365,12 +504,17 @@ impl VirtualServer {
             return false;
         }
         let available = socket.to_server.readable_bytes();
-        if available == 0 && !(socket.client_closed && socket.to_server.is_empty()) {
+        if available == 0 && !socket.reset && !(socket.client_closed && socket.to_server.is_empty())
+        {
             return false;
         }
         socket.recv_pending = false;
         let (id, thread) = (socket.id, usize::from(socket.thread));
         let dataplane = &mut self.threads[thread].dataplane;
+        if socket.reset {
+            dataplane.handle_recv(id, Err(libc::ECONNRESET), now);
+            return true;
+        }
         let space = dataplane.receive_space(id);
         let received = self.sockets[index].to_server.read(space);
         dataplane.handle_recv(id, Ok(received), now);
@@ -401,7 +545,7 @@ impl VirtualServer {
             .network
             .client_buffer_bytes
             .saturating_sub(socket.to_client.unread_bytes());
-        if room == 0 {
+        if room == 0 && !socket.reset {
             return false;
         }
         self.sockets[index].send_pending = false;
@@ -415,6 +559,12 @@ impl VirtualServer {
         let model = self.network;
         let socket = &mut self.sockets[index];
         let (id, thread) = (socket.id, usize::from(socket.thread));
+        if socket.reset {
+            self.threads[thread]
+                .dataplane
+                .handle_sent(id, Err(libc::EPIPE), now);
+            return;
+        }
         let room = model
             .client_buffer_bytes
             .saturating_sub(socket.to_client.unread_bytes());
@@ -447,25 +597,11 @@ impl VirtualServer {
         true
     }
 
-    /// The socket of exactly this connection (slot and generation), even if its slot has
-    /// been reused since.
-    fn socket_of_generation(&self, thread: usize, connection: ConnectionId) -> usize {
-        match self
-            .sockets
-            .iter()
-            .rposition(|s| usize::from(s.thread) == thread && s.id == connection)
-        {
-            Some(index) => index,
-            None => panic!("close of unknown connection {connection:?}"),
-        }
-    }
-
     fn socket_of(&self, thread: usize, connection: ConnectionId) -> usize {
         match self.threads[thread]
-            .sockets_by_slot
-            .get(connection.index as usize)
+            .sockets_by_connection
+            .get(&(connection.index, connection.generation))
             .copied()
-            .flatten()
         {
             Some(socket) if self.sockets[socket.0 as usize].id == connection => socket.0 as usize,
             _ => panic!("operation on unknown connection {connection:?}"),
@@ -532,14 +668,13 @@ impl VirtualServer {
                 }
             }
             Op::Close { connection } => {
-                // The socket of that generation; a slot already given to a newer connection
-                // (reused in the accept that evicted this one) keeps its new socket.
-                let index = self.socket_of_generation(thread, connection);
+                // Sockets are keyed by slot and generation: a slot already given to a newer
+                // connection (a dataplane bug the harness counts) keeps its new socket.
+                let index = self.socket_of(thread, connection);
                 self.sockets[index].server_closed = true;
-                let slot = &mut self.threads[thread].sockets_by_slot[connection.index as usize];
-                if *slot == Some(SocketId(index as u32)) {
-                    *slot = None;
-                }
+                self.threads[thread]
+                    .sockets_by_connection
+                    .remove(&(connection.index, connection.generation));
             }
             Op::Device(command) => {
                 let state = &mut self.threads[thread];
@@ -556,6 +691,94 @@ impl VirtualServer {
             }
         }
     }
+}
+
+/// The dataplane's protocol for a listener, its tenant resolved by name.
+fn listener_protocol(
+    listener: &VirtualListener,
+    namespaces: &NamespaceSet,
+    qos: &[NamespaceQosSetup],
+) -> Result<Protocol, VirtualServerError> {
+    Ok(match listener {
+        VirtualListener::Native => Protocol::Native,
+        VirtualListener::Nbd => Protocol::Nbd,
+        VirtualListener::Original {
+            namespace_index,
+            tenant,
+        } => {
+            if usize::from(*namespace_index) >= namespaces.len() {
+                return Err(VirtualServerError::Config(format!(
+                    "original listener on namespace index {namespace_index} of {}",
+                    namespaces.len()
+                )));
+            }
+            Protocol::Original {
+                namespace_index: *namespace_index,
+                tenant: configured_tenant(qos, *namespace_index, tenant.as_deref())?,
+                device_queue: None,
+            }
+        }
+    })
+}
+
+/// A configured tenant of a namespace by name; `None`: the namespace's default tenant.
+fn configured_tenant(
+    qos: &[NamespaceQosSetup],
+    namespace_index: u16,
+    name: Option<&str>,
+) -> Result<TenantRef, VirtualServerError> {
+    let Some(name) = name else {
+        return Ok(TenantRef::NONE);
+    };
+    qos[usize::from(namespace_index)]
+        .tenants
+        .iter()
+        .find(|(configured, _)| configured == name)
+        .map(|(_, tenant)| *tenant)
+        .ok_or_else(|| {
+            VirtualServerError::Config(format!(
+                "no tenant {name:?} configured on namespace index {namespace_index}"
+            ))
+        })
+}
+
+/// The export table of the NBD listeners, as reflexd builds it from its configuration.
+fn nbd_exports(
+    listeners: &[VirtualListener],
+    configured: &[VirtualExport],
+    default_name: Option<&str>,
+    namespaces: &NamespaceSet,
+    qos: &[NamespaceQosSetup],
+) -> Result<Option<Arc<NbdExports>>, VirtualServerError> {
+    if !listeners.contains(&VirtualListener::Nbd) && configured.is_empty() {
+        return Ok(None);
+    }
+    let minimum_bytes = u64::from(reflex_proto::nbd::BlockSizes::default().minimum_bytes);
+    let mut exports = Vec::with_capacity(configured.len());
+    for export in configured {
+        let namespace_index = export.namespace_index;
+        if usize::from(namespace_index) >= namespaces.len() {
+            return Err(VirtualServerError::Config(format!(
+                "export {:?} on namespace index {namespace_index} of {}",
+                export.name,
+                namespaces.len()
+            )));
+        }
+        let size_bytes = namespaces.size_bytes(namespace_index) / minimum_bytes * minimum_bytes;
+        let mut table_entry = reflex_proto::nbd::Export::new(export.name.clone(), size_bytes);
+        if export.read_only || namespaces.native_table()[usize::from(namespace_index)].read_only {
+            table_entry = table_entry.read_only();
+        }
+        let binding = ExportBinding {
+            namespace_index,
+            tenant: configured_tenant(qos, namespace_index, export.tenant.as_deref())?,
+            device_queue: None,
+        };
+        exports.push((table_entry, binding));
+    }
+    let exports = NbdExports::new(exports, default_name)
+        .map_err(|e| VirtualServerError::Config(format!("NBD exports: {e}")))?;
+    Ok(Some(Arc::new(exports)))
 }
 
 /// Device operation ids in a device's `user_data`: a request's slot and generation, or a

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use reflex_client::{ConnectionCore, CoreOptions};
 use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
-use reflex_dataplane::frontend::Protocol;
 use reflex_dataplane::{Limits, RECV_BUFFERS_SPARE_MAX, RequestState};
 use reflex_flash::Device;
 use reflex_qos::{Nanos, QosConfig};
 use reflex_sim::{
-    FixedDevice, ModelFlash, NetworkModel, SocketId, VirtualServer, VirtualServerSetup,
+    FixedDevice, ModelFlash, NetworkModel, SocketId, VirtualListener, VirtualServer,
+    VirtualServerSetup,
 };
 
 const NAMESPACE: u32 = 1;
@@ -40,7 +40,9 @@ fn server(device: Arc<dyn Device>, limits: Limits, network: NetworkModel) -> Vir
         qos_config: QosConfig::default(),
         limits,
         network,
-        listeners: vec![Protocol::Native],
+        listeners: vec![VirtualListener::Native],
+        nbd_exports: Vec::new(),
+        nbd_default_export: None,
     })
     .unwrap_or_else(|e| panic!("{e}"))
 }

@@ -480,7 +480,7 @@ impl Dataplane {
     }
 
     /// Releases the slot once no operation and no request refers to the connection, and asks
-    /// the driver to close the socket.
+    /// the driver to close the socket; the slot is reused only after that.
     pub(super) fn maybe_finish_close(&mut self, index: u32) {
         let connection = &mut self.connections[index as usize];
         if connection.state != ConnectionState::Closing
@@ -523,7 +523,8 @@ impl Dataplane {
         connection.frontend = Frontend::Native;
         connection.state = ConnectionState::Free;
         connection.generation = next_generation(connection.generation);
-        self.free_connections.push(index);
+        // The slot becomes free when the driver takes this operation (`poll_op`): a driver
+        // that keys sockets by slot must close the old socket before a new one gets it.
         self.ops.push_back(Op::Close { connection: id });
     }
 

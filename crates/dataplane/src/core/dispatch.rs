@@ -104,7 +104,7 @@ impl Dataplane {
     }
 
     /// One blocked request of its connection left `blocked`; the last one lets it be read.
-    fn unblock(&mut self, index: u32) {
+    pub(super) fn unblock(&mut self, index: u32) {
         let connection_index = self.requests[index as usize].connection_index;
         let connection = &mut self.connections[connection_index as usize];
         assert!(connection.blocked_count > 0);

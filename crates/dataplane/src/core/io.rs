@@ -199,6 +199,16 @@ impl Dataplane {
         self.gate_waits.released = true;
     }
 
+    /// Takes the oldest request waiting at the gate out of the queue (a shutdown refuses it).
+    pub(super) fn take_gate_waiter(&mut self) -> Option<u32> {
+        let index = self.gate_waits.waiting.pop_front()?;
+        assert_eq!(
+            self.requests[index as usize].state,
+            RequestState::Overlapping
+        );
+        Some(index)
+    }
+
     /// Whether requests wait at the gate and one of this thread's writes left it (the
     /// driver must not sleep then).
     pub(super) fn gate_retry_ready(&self) -> bool {

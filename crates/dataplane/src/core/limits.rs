@@ -88,7 +88,8 @@ impl Limits {
     /// Fair shares of an arena of `arena_bytes`: `(connection_pages_max,
     /// arena_reserve_pages, connection_pages_share)`. A connection may hold `connection_percent`
     /// of it (at least one maximal run); the last eighth is kept for connections holding at
-    /// most 64 KiB.
+    /// most 64 KiB, less where that would leave no room for one maximal run beside it (a
+    /// 1 MiB arena keeps none: its one maximal run needs all of it).
     pub fn shares_for_arena(arena_bytes: usize, connection_percent: u32) -> (u32, u32, u32) {
         assert!((1..=100).contains(&connection_percent));
         let pages = (arena_bytes / PAGE_SIZE) as u32;
@@ -97,7 +98,7 @@ impl Limits {
             as u32)
             .max(run_pages)
             .min(pages);
-        let arena_reserve_pages = pages / 8;
+        let arena_reserve_pages = (pages / 8).min(pages.saturating_sub(run_pages));
         let connection_pages_share = (64 << 10) / PAGE_SIZE as u32;
         (
             connection_pages_max,
@@ -134,6 +135,49 @@ impl Limits {
         if self.connection_pages_max < 1 << ORDER_MAX {
             return Err("a connection's arena share cannot hold one maximal run".into());
         }
+        // A run is taken only while the reserve stays free (or the connection holds little):
+        // a maximal run must fit beside the reserve, or a request that needs one waits forever.
+        let pages = (self.arena_bytes / PAGE_SIZE) as u64;
+        if pages < (1u64 << ORDER_MAX) + u64::from(self.arena_reserve_pages) {
+            return Err(format!(
+                "an arena of {pages} pages with {} reserved cannot hold one maximal run beside \
+                 the reserve",
+                self.arena_reserve_pages
+            ));
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(arena_bytes: usize) -> Limits {
+        Limits::with_arena(arena_bytes, 25)
+    }
+
+    /// Finding 6: a 1 MiB arena kept an eighth in reserve, so its one maximal run could never
+    /// be allocated.
+    #[test]
+    fn the_reserve_leaves_room_for_one_maximal_run() {
+        let run_pages = 1u32 << ORDER_MAX;
+        for megabytes in [1, 2, 3, 16, 256] {
+            let limits = limits(megabytes << 20);
+            let pages = (limits.arena_bytes / PAGE_SIZE) as u32;
+            assert!(
+                limits.arena_reserve_pages + run_pages <= pages,
+                "{megabytes} MiB: {limits:?}"
+            );
+            assert!(limits.connection_pages_max >= run_pages);
+            assert_eq!(limits.check(), Ok(()), "{megabytes} MiB");
+        }
+        assert_eq!(limits(1 << 20).arena_reserve_pages, 0);
+        assert_eq!(limits(16 << 20).arena_reserve_pages, 512);
+        let squeezed = Limits {
+            arena_reserve_pages: 1,
+            ..limits(1 << 20)
+        };
+        assert!(squeezed.check().is_err());
     }
 }

@@ -148,6 +148,8 @@ pub struct Dataplane {
     requests: Box<[request::Request]>,
     free_requests: Vec<u32>,
     connections: Box<[Connection]>,
+    /// Slots free for a new connection: a closed one's slot joins when the driver takes its
+    /// [`Op::Close`].
     free_connections: Vec<u32>,
     /// Connections in the `Open` state (the table's limit counts these).
     open_connections: u32,
@@ -338,7 +340,12 @@ impl Dataplane {
 
     /// The next operation for the driver.
     pub fn poll_op(&mut self) -> Option<Op> {
-        self.ops.pop_front()
+        let op = self.ops.pop_front()?;
+        if let Op::Close { connection } = op {
+            // Its slot may be reused from now on, never before the driver saw the Close.
+            self.free_connections.push(connection.index);
+        }
+        Some(op)
     }
 
     /// Whether `process` has work to do without any new completion (the driver must not
@@ -367,7 +374,9 @@ impl Dataplane {
     }
 
     /// The earliest time `process` has something to do without a new completion: a
-    /// scheduler refill, the drain deadline, the next timeout sweep.
+    /// scheduler refill, a shutdown phase's deadline, the next timeout sweep. Never a time
+    /// before the last `process` unless that call left work for now (then
+    /// [`Self::has_pending_work`] is true).
     pub fn next_deadline(&self) -> Option<Nanos> {
         let mut deadline: Option<Nanos> = None;
         let mut consider = |due: Nanos| deadline = Some(deadline.map_or(due, |d| d.min(due)));
@@ -376,9 +385,7 @@ impl Dataplane {
                 consider(due);
             }
         }
-        if let Phase::Draining { deadline: due, .. } | Phase::Flushing { deadline: due } =
-            self.phase
-        {
+        if let Some(due) = self.phase_deadline() {
             consider(due);
         }
         if self.housekeeping_needed() {

@@ -48,7 +48,9 @@ pub enum Op {
     CancelWait { connection: ConnectionId },
     /// Cancel the connection's send in flight; it still completes through `handle_sent`.
     CancelSend { connection: ConnectionId },
-    /// Nothing uses the connection any more: close its socket. Its slot may be reused at once.
+    /// Nothing uses the connection any more: close its socket. Its slot is reused only after
+    /// this operation was taken from [`super::Dataplane::poll_op`], so a driver that keeps one
+    /// socket per slot closes the old socket before a new connection gets the slot.
     Close { connection: ConnectionId },
     /// A device operation; its memory through [`super::Dataplane::device_op`], its result
     /// through [`super::Dataplane::handle_device`].

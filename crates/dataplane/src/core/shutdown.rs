@@ -2,11 +2,22 @@
 //! in-flight requests are answered, except NBD sessions, which keep reading and answer new
 //! requests ESHUTDOWN until then (the spec's graceful shutdown); then every device is flushed.
 //!
-//! Bounded: after `drain_timeout` the connections that still have answers pending are
-//! aborted; whatever still waits one more `drain_timeout` later (operations a device never
-//! answered, requests queued behind them) is abandoned, and a shutdown flush that a device
-//! never answers is abandoned after `drain_timeout` too (logged; the driver must then keep
-//! the arena alive rather than free it, and may exit with the device's operations in flight).
+//! Bounded, one `drain_timeout` per stage, so a shutdown takes at most three:
+//! 1. at the drain deadline, requests still waiting in a QoS scheduler (a tenant in token
+//!    debt, a device that takes no more), for room in a full tenant queue or at the write
+//!    gate (behind an overlapping write) are answered
+//!    [`Answer::ShuttingDown`] (native BUSY, NBD ESHUTDOWN; the original protocol, which has
+//!    no status, closes), the answers are handed to the driver, and every connection that is
+//!    still open is aborted;
+//! 2. if a device still holds operations one drain timeout later, they are abandoned (logged;
+//!    their requests stay orphaned, the driver must keep the arena alive rather than free it
+//!    and may exit with those operations in flight), which releases the connections they
+//!    held;
+//! 3. every device is flushed; a flush not answered within one more drain timeout is given up
+//!    (logged) and the shutdown finishes.
+//!
+//! Every phase that waits has a deadline in the future: [`Dataplane::next_deadline`] never
+//! reports a passed one, so a driver never spins while nothing can happen.
 
 use reflex_flash::FlashError;
 use reflex_qos::Nanos;
@@ -14,12 +25,22 @@ use reflex_qos::Nanos;
 use super::Dataplane;
 use super::connection::ReadState;
 use super::ops::{DeviceCommand, DeviceOpId, DeviceOpKind, Op};
+use super::request::RequestState;
+use crate::frontend::Answer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Phase {
     Running,
-    Draining { deadline: Nanos, aborted: bool },
-    Flushing { deadline: Nanos },
+    /// Connections finish their requests; at `deadline` the next stage begins (`aborted`:
+    /// waiting requests were refused and connections aborted; then devices are abandoned).
+    Draining {
+        deadline: Nanos,
+        aborted: bool,
+    },
+    /// Every namespace's flush is in flight; at `deadline` they are given up.
+    Flushing {
+        deadline: Nanos,
+    },
     Finished,
 }
 
@@ -35,8 +56,9 @@ impl Dataplane {
         self.phase == Phase::Finished
     }
 
-    /// Device operations given up on at shutdown (the device never answered them): the
-    /// driver must not free memory they may still write.
+    /// Device operations given up on at shutdown (the device never answered them: request
+    /// operations and shutdown flushes): the driver must not free memory they may still
+    /// write, nor wait for their completions.
     pub fn abandoned_device_operations(&self) -> u32 {
         if self.phase == Phase::Finished {
             self.device_in_flight + self.flushes_pending
@@ -74,6 +96,15 @@ impl Dataplane {
             && self.blocked.is_empty()
     }
 
+    /// The deadline of the phase, when it waits for one: always after the `now` the phase
+    /// was last advanced at (a passed deadline is acted on in that same call).
+    pub(super) fn phase_deadline(&self) -> Option<Nanos> {
+        match self.phase {
+            Phase::Draining { deadline, .. } | Phase::Flushing { deadline } => Some(deadline),
+            Phase::Running | Phase::Finished => None,
+        }
+    }
+
     fn advance_phase_once(&mut self, now: Nanos) {
         match self.phase {
             Phase::Running => {
@@ -85,29 +116,29 @@ impl Dataplane {
                 if self.drained() {
                     self.start_flush(now);
                 } else if now >= deadline && !aborted {
-                    tracing::warn!(
-                        thread = self.thread_index,
-                        "drain timeout: closing connections that still have answers pending"
-                    );
                     self.phase = Phase::Draining {
                         deadline: now + self.limits.drain_timeout,
                         aborted: true,
                     };
+                    let refused = self.refuse_waiting_requests(now);
+                    tracing::warn!(
+                        thread = self.thread_index,
+                        refused_requests = refused,
+                        "drain timeout: requests still waiting for the device are refused \
+                         (shutting down), connections that still have answers pending close"
+                    );
+                    // Answers the sockets take at once still reach their clients.
+                    self.send_step(now);
                     for index in 0..self.connections.len() as u32 {
                         if self.connections[index as usize].is_open() {
                             self.abort_connection(index, "drain timeout");
                         }
                     }
                 } else if now >= deadline {
-                    let closing = self.connections.len() - self.free_connections.len();
-                    tracing::error!(
-                        thread = self.thread_index,
-                        device_operations = self.device_in_flight,
-                        queued = self.qos_queued + self.blocked.len() as u32,
-                        connections = closing,
-                        "shutdown cannot finish: abandoning what devices never answered"
-                    );
-                    self.phase = Phase::Finished;
+                    if self.device_in_flight > 0 {
+                        self.abandon_device_operations();
+                    }
+                    self.start_flush(now);
                 }
             }
             Phase::Flushing { deadline } => {
@@ -117,13 +148,99 @@ impl Dataplane {
                     tracing::error!(
                         thread = self.thread_index,
                         flushes = self.flushes_pending,
-                        "a device never answered its shutdown flush: abandoning it"
+                        "devices never answered the shutdown flush; giving up"
                     );
                     self.phase = Phase::Finished;
                 }
             }
             Phase::Finished => {}
         }
+    }
+
+    /// Answers [`Answer::ShuttingDown`] to every request that waits in a scheduler, for room
+    /// in a full tenant queue or at the write gate (those of closing connections are freed).
+    /// Returns how many were answered.
+    fn refuse_waiting_requests(&mut self, now: Nanos) -> u32 {
+        let mut tokens = Vec::new();
+        for namespace in &mut self.qos {
+            namespace
+                .scheduler
+                .cancel_queued(&mut |_, token| tokens.push(token));
+        }
+        assert_eq!(
+            tokens.len(),
+            self.qos_queued as usize,
+            "the schedulers held other requests than the dataplane queued"
+        );
+        self.qos_queued = 0;
+        let mut refused = 0;
+        for token in tokens {
+            let index = token as u32;
+            let generation = (token >> 32) as u32;
+            let request = &self.requests[index as usize];
+            assert_eq!(
+                request.generation, generation,
+                "stale request from a scheduler"
+            );
+            assert_eq!(request.state, RequestState::Queued);
+            refused += self.refuse_waiting(index);
+        }
+        while let Some(index) = self.blocked.pop_front() {
+            self.unblock(index);
+            refused += self.refuse_waiting(index);
+        }
+        while let Some(index) = self.take_gate_waiter() {
+            refused += self.refuse_waiting(index);
+        }
+        // The schedulers' room events have nothing left to retry.
+        self.handle_scheduler_events(now);
+        self.queue_room = false;
+        refused
+    }
+
+    fn refuse_waiting(&mut self, index: u32) -> u32 {
+        let connection_index = self.requests[index as usize].connection_index;
+        if self.connections[connection_index as usize].is_open() {
+            self.answer_io(index, Answer::ShuttingDown);
+            1
+        } else {
+            self.free_request(index);
+            self.maybe_finish_close(connection_index);
+            0
+        }
+    }
+
+    /// Gives up on the request operations the devices still hold (every connection was
+    /// aborted one drain timeout ago): each request is orphaned, which releases its
+    /// connection; a late completion frees it.
+    fn abandon_device_operations(&mut self) {
+        let mut abandoned = 0u32;
+        for index in 0..self.requests.len() as u32 {
+            if self.requests[index as usize].state != RequestState::Submitted {
+                continue;
+            }
+            abandoned += 1;
+            self.transition(index, RequestState::Orphaned);
+            let run_pages = self.requests[index as usize]
+                .work
+                .run()
+                .map_or(0, |run| run.page_count());
+            let connection_index = self.requests[index as usize].connection_index;
+            let connection = &mut self.connections[connection_index as usize];
+            assert!(
+                !connection.is_open(),
+                "a connection still open after the drain timeout"
+            );
+            connection.run_pages -= run_pages;
+            connection.outstanding -= 1;
+            self.maybe_finish_close(connection_index);
+        }
+        tracing::error!(
+            thread = self.thread_index,
+            device_operations = self.device_in_flight,
+            requests = abandoned,
+            "devices never answered; abandoning their operations"
+        );
     }
 
     fn start_drain(&mut self, now: Nanos) {

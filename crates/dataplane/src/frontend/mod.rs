@@ -236,6 +236,9 @@ pub enum Answer {
     },
     /// The device does not implement the operation.
     Unsupported,
+    /// The server is shutting down and gave up waiting for the request to be admitted
+    /// (native BUSY, NBD ESHUTDOWN; the original protocol has no status and closes).
+    ShuttingDown,
 }
 
 impl Answer {
@@ -258,6 +261,7 @@ impl Answer {
             Answer::Ok => Status::Ok,
             Answer::Permission => Status::Permission,
             Answer::Native(status) => status,
+            Answer::ShuttingDown => Status::Busy,
             // Not produced for native requests; the nearest meaning.
             Answer::Nbd(_) | Answer::Unsupported => Status::Invalid,
             Answer::DeviceError {
@@ -275,6 +279,7 @@ impl Answer {
     pub fn nbd_errno(self) -> Errno {
         match self {
             Answer::Nbd(errno) => errno,
+            Answer::ShuttingDown => Errno::Shutdown,
             // The tenant may not do this (unbound from an unregistered tenant, read-only).
             Answer::Permission | Answer::Native(Status::Permission) => Errno::Perm,
             Answer::Ok | Answer::Native(_) => Errno::Inval,

@@ -1,0 +1,2615 @@
+//! Operation scripts against the whole server: arbitrary bytes decode into a bounded list of
+//! client actions ([`Step`]) that run against a [`VirtualServer`] (the real dataplane threads
+//! and control plane over the in-memory network, with a memory device, a model device that
+//! completes asynchronously and a read-only one), followed by a graceful shutdown; invariants
+//! are checked along the way and at the end ([`run`]).
+//!
+//! Why a hand-written decoder and not `arbitrary`: every step has a fixed layout of raw
+//! selector bytes that [`Script::encode`] writes back, so seeds and regression inputs can be
+//! built as readable [`Step`] lists, and a crash input prints as one (`Script::decode` +
+//! `Debug`). Structured steps emit valid protocol units (native, original and NBD request
+//! headers, NBD handshake options) whose fields come from small tables of interesting values
+//! and, for some selector values, raw bytes: the fuzzer gets past the headers at once and
+//! still reaches the validation edges.
+//!
+//! Layout: four configuration bytes ([`Config`]), then steps, each a tag byte (`% 16`) and
+//! that step's fixed number of bytes (a [`Step::Raw`] also its bytes). Missing bytes at the
+//! end read as zero. At most [`STEPS_MAX`] steps are decoded.
+//!
+//! Two modes ([`Mode`]): `Any` runs the steps as written (the `dataplane` target);
+//! `WellFormed` turns them into a well-formed client's actions and additionally checks that
+//! every request is answered exactly once (the `dataplane_protocol` target).
+//!
+//! What a run checks (a violation panics, which is the finding):
+//! - nothing in the server panics (the dataplane's own assertions included);
+//! - after every step, each thread's requests per state add up to its request slots, and no
+//!   thread waits with nothing to do and a deadline already passed (its driver would spin);
+//! - every byte a native or original-protocol client receives parses as a stream of valid
+//!   response headers and their payloads (a truncated tail is allowed: the server may abort a
+//!   connection mid-send);
+//! - no accepted connection gets a slot whose previous connection's close the driver has not
+//!   taken yet (reflexd's io_uring driver asserts on it);
+//! - after the script, a graceful shutdown (devices still stalled stay stalled) finishes
+//!   within [`SHUTDOWN_TIME_MAX`] of virtual time, and no instant of it leaves a thread with
+//!   nothing to do and a deadline already passed (a driver would spin); then every request
+//!   slot is free, or orphaned on a stalled device, device operations were abandoned only on
+//!   stalled devices, every socket is closed by the server with no receive or send in flight,
+//!   and no tenant still counts a connection.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::{Arc, OnceLock};
+
+use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
+use reflex_dataplane::{Limits, REQUEST_STATE_COUNT, RequestState};
+use std::num::NonZeroU64;
+
+use reflex_flash::Device;
+use reflex_flash::fault::{Delay, DelayPick, FaultControls, FaultDevice, FaultPlan, LbaRange};
+use reflex_flash::mem::MemDevice;
+use reflex_proto::{native, nbd, original};
+use reflex_qos::{DeviceProfile, Nanos, QosConfig, TenantSpec};
+use reflex_sim::{
+    EmuSimDevice, FixedDevice, ModelFlash, NetworkModel, SocketId, VirtualExport, VirtualListener,
+    VirtualServer, VirtualServerError, VirtualServerSetup,
+};
+
+/// Steps decoded from one input at most.
+pub const STEPS_MAX: usize = 256;
+/// Client connections one script opens at most.
+pub const SOCKETS_MAX: usize = 8;
+/// Bytes of one request's payload a client actually sends (longer payloads are cut short, and
+/// the request waits for the rest until it times out or the connection closes).
+pub const PAYLOAD_BYTES_MAX: usize = 64 << 10;
+/// Bytes all clients of one script send at most; sends beyond it are dropped.
+pub const SEND_BYTES_MAX: usize = 512 << 10;
+/// Instants one [`Step::Advance`] steps through before it jumps to its target time.
+pub const INSTANTS_PER_ADVANCE_MAX: usize = 512;
+/// Instants the whole script steps through; later advances only jump.
+pub const INSTANTS_MAX: usize = 8_192;
+/// How long the final graceful shutdown may take in virtual time: after [`DRAIN_TIMEOUT`] the
+/// requests still waiting in a scheduler are refused and connections aborted, one drain
+/// timeout later device operations are abandoned, and the flushes get one more.
+pub const SHUTDOWN_TIME_MAX: Nanos = Nanos(3 * DRAIN_TIMEOUT.0);
+/// Instants the final shutdown may take (a bound on a livelock at one virtual time).
+pub const SHUTDOWN_INSTANTS_MAX: usize = 200_000;
+/// The drain timeout of every run: short, so that aborting a drain is exercised.
+pub const DRAIN_TIMEOUT: Nanos = Nanos(1_000_000_000);
+
+/// The seed of the tenant handles: handle selector `n` names the `n`th tenant registered
+/// ([`tenant_handle`]).
+pub const HANDLE_SEED: u64 = 1;
+
+/// The handle a selector names: 0 is "no tenant", `n` the `n`th tenant registered (the
+/// configured ones first, then each namespace's default, then those registered over the wire).
+pub fn tenant_handle(selector: u8) -> u64 {
+    match selector {
+        0 => 0,
+        n => HandleKeys::seeded_candidate(HANDLE_SEED, u64::from(n)),
+    }
+}
+
+/// Bytes of the configuration prefix.
+pub const CONFIG_BYTES: usize = 4;
+
+/// The namespaces every run serves, by index: a memory device with a QoS profile and two
+/// configured tenants, a model device (emulated Flash or fixed latency) without a profile,
+/// and a small read-only memory device.
+pub const NAMESPACE_IDS: [u32; 3] = [1, 2, 3];
+const MEM_BYTES: u64 = 1 << 20;
+const MODEL_BYTES: u64 = 8 << 20;
+const READ_ONLY_BYTES: u64 = 256 << 10;
+
+/// The listeners of every thread, by index.
+pub fn listeners() -> Vec<VirtualListener> {
+    vec![
+        VirtualListener::Native,
+        VirtualListener::Original {
+            namespace_index: 0,
+            tenant: None,
+        },
+        VirtualListener::Nbd,
+        VirtualListener::Original {
+            namespace_index: 1,
+            tenant: None,
+        },
+        VirtualListener::Original {
+            namespace_index: 0,
+            tenant: Some("be".into()),
+        },
+    ]
+}
+
+/// NBD export names, by selector (the last two do not exist; the empty name is the default).
+const EXPORT_NAMES: [&str; 6] = ["ns1", "ns2", "ro", "ns1-ro", "", "nope"];
+
+fn exports() -> Vec<VirtualExport> {
+    let export =
+        |name: &str, namespace_index: u16, read_only: bool, tenant: Option<&str>| VirtualExport {
+            name: name.into(),
+            namespace_index,
+            read_only,
+            tenant: tenant.map(String::from),
+        };
+    vec![
+        export("ns1", 0, false, Some("lc")),
+        export("ns2", 1, false, None),
+        export("ro", 2, false, None),
+        export("ns1-ro", 0, true, None),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configuration.
+
+/// The configuration bytes, raw; [`Config::decoded`] interprets them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Config(pub [u8; CONFIG_BYTES]);
+
+/// What the configuration bytes choose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Setup {
+    pub threads: u16,
+    pub network: NetworkModel,
+    pub limits: Limits,
+    pub qos_enabled: bool,
+    pub tenant_queue_depth_max: u32,
+    pub thread_queued_requests_max: u32,
+    pub tenants_max: u32,
+    /// The second namespace's model: the emulated Flash device, or fixed latency.
+    pub emulated: bool,
+    /// Operations the fixed-latency model holds; beyond them it refuses with EAGAIN (4 in
+    /// [`Mode::Any`]: a device that reports being full; [`Mode::WellFormed`] raises it so
+    /// that no error closes an original-protocol connection).
+    pub model_queue_depth: usize,
+}
+
+impl Config {
+    /// Bits, from bit 0: byte 0: two threads, 20 µs network latency, 1 GB/s links, a
+    /// fixed-latency model instead of the emulated device, at most two connections per source
+    /// address, one connection reserved per other listener, connections per thread (2 bits: 3,
+    /// 1, 2, 4). Byte 1: the handshake (500 ms), idle (700 ms), receive (300 ms), send
+    /// (300 ms) and device (1 ms) timeouts, a 2 MiB arena instead of 1 MiB, the window (2
+    /// bits: 4, 1, 2, 8). Byte 2: request slots beyond the window (2 bits: 0, 2, 8, 24), a
+    /// connection's share of the arena (2 bits: 100, 50, 25, 10 %), device operations in
+    /// flight per thread (2 bits: 1024, 1, 2, 8), QoS off, parking idle connections after
+    /// 50 ms. Byte 3: the client's
+    /// socket buffer (2 bits: 64 KiB, 4 KiB, 16 KiB, 1 MiB), the tenant queue depth (2 bits:
+    /// 1024, 1, 2, 4), requests queued in a thread's schedulers (2 bits: 64, 2, 8, 32), tenants
+    /// per namespace (16, 4), bit 7 unused. All zero is a plain single-thread server without
+    /// timeouts. (The QoS tables are small so that a run starts quickly.)
+    pub fn decoded(&self) -> Setup {
+        let [a, b, c, d] = self.0;
+        let bit = |byte: u8, index: u8| byte >> index & 1 == 1;
+        let two = |byte: u8, index: u8| usize::from(byte >> index & 3);
+        let short = |on: bool, ms: u64| on.then_some(Nanos::from_millis(ms));
+        let window = [4, 1, 2, 8][two(b, 6)];
+        let arena_bytes = if bit(b, 5) { 2 << 20 } else { 1 << 20 };
+        let connection_percent = [100, 50, 25, 10][two(c, 2)];
+        let (connection_pages_max, arena_reserve_pages, connection_pages_share) =
+            Limits::shares_for_arena(arena_bytes, connection_percent);
+        let limits = Limits {
+            window,
+            requests_max: window + [0, 2, 8, 24][two(c, 0)],
+            connections_max: [3, 1, 2, 4][two(a, 6)],
+            connections_reserved_per_listener: u32::from(bit(a, 5)),
+            connections_per_source_max: bit(a, 4).then_some(2),
+            recv_buffer_bytes: 16 << 10,
+            arena_bytes,
+            connection_pages_max,
+            arena_reserve_pages,
+            connection_pages_share,
+            handshake_timeout: short(bit(b, 0), 500),
+            idle_timeout: short(bit(b, 1), 700),
+            receive_timeout: short(bit(b, 2), 300),
+            send_timeout: short(bit(b, 3), 300),
+            device_timeout: short(bit(b, 4), 1),
+            drain_timeout: DRAIN_TIMEOUT,
+            device_in_flight_max: [1024, 1, 2, 8][two(c, 4)],
+            park_after: short(bit(c, 7), 50),
+        };
+        Setup {
+            threads: if bit(a, 0) { 2 } else { 1 },
+            network: NetworkModel {
+                latency: if bit(a, 1) {
+                    Nanos(20_000)
+                } else {
+                    Nanos::ZERO
+                },
+                bytes_per_sec: if bit(a, 2) { 1_000_000_000 } else { 0 },
+                client_buffer_bytes: [64 << 10, 4 << 10, 16 << 10, 1 << 20][two(d, 0)],
+            },
+            limits,
+            qos_enabled: !bit(c, 6),
+            tenant_queue_depth_max: [1024, 1, 2, 4][two(d, 2)],
+            thread_queued_requests_max: [64, 2, 8, 32][two(d, 4)],
+            tenants_max: if bit(d, 6) { 4 } else { 16 },
+            emulated: !bit(a, 3),
+            model_queue_depth: 4,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Steps.
+
+/// One client action. Fields are raw selector bytes, interpreted when the step runs (the
+/// comments say how); `socket` picks among the connections opened so far (modulo their
+/// count), `thread` and `listener` modulo theirs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Connect to `listener` of `thread` from a source address (`source % 4`: none, two IPv4
+    /// addresses, ::1).
+    Connect {
+        thread: u8,
+        listener: u8,
+        source: u8,
+    },
+    /// Send these bytes (at most 255).
+    Raw { socket: u8, bytes: Vec<u8> },
+    /// A native request header: `opcode` (< 0xf0: HELLO, READ, WRITE, FLUSH, TRIM, REGISTER,
+    /// UNREGISTER, BIND, RENEGOTIATE by `% 9`; otherwise that raw unknown opcode), `flags`
+    /// (bit 0 FUA, 1 an unknown flag, 2 a wrong version, bits 3–4 [`payload_mode`]),
+    /// `namespace` (`% 6`: ids 1, 2, 3, 0, 4, u32::MAX), `offset` ([`offset_bytes`]),
+    /// `length` ([`length_bytes`]; 0 gives a control request its proper body length), and
+    /// `body`, the HELLO, REGISTER or handle body's fields ([`native_body`]). Its payload
+    /// follows as `flags` says.
+    Native {
+        socket: u8,
+        opcode: u8,
+        flags: u8,
+        id: u8,
+        namespace: u8,
+        offset: u16,
+        length: u8,
+        body: [u8; 4],
+    },
+    /// An original-protocol header: `opcode % 4` READ, WRITE, an unknown opcode, a bad magic;
+    /// `lba` in sectors; `count` ([`sector_count`]); a WRITE's payload as `payload` says.
+    Original {
+        socket: u8,
+        opcode: u8,
+        handle: u8,
+        lba: u16,
+        count: u8,
+        payload: u8,
+    },
+    /// The NBD client flags (`% 4`: FIXED_NEWSTYLE | NO_ZEROES, FIXED_NEWSTYLE, none, all).
+    NbdFlags { socket: u8, flags: u8 },
+    /// One NBD option ([`nbd_option`]).
+    NbdOption {
+        socket: u8,
+        option: u8,
+        export: u8,
+        info: u8,
+        mode: u8,
+    },
+    /// A whole NBD handshake to transmission: client flags, optionally STRUCTURED_REPLY
+    /// (`variant` bit 0), then GO with a BLOCK_SIZE request, or EXPORT_NAME (bit 1).
+    NbdGo { socket: u8, export: u8, variant: u8 },
+    /// An NBD request header: `command % 10` READ, WRITE, DISC, FLUSH, TRIM, CACHE,
+    /// WRITE_ZEROES, BLOCK_STATUS, the raw type `command`, a bad magic; `flags` (bits 0–4 the
+    /// protocol's FUA, NO_HOLE, DF, REQ_ONE, FAST_ZERO; bit 5 an unknown flag; bits 6–7
+    /// [`payload_mode`]); a WRITE's payload follows.
+    NbdRequest {
+        socket: u8,
+        command: u8,
+        flags: u8,
+        cookie: u8,
+        offset: u16,
+        length: u8,
+    },
+    /// Virtual time passes ([`advance`]).
+    Advance { mode: u8 },
+    /// The client reads what has arrived (`mode` even), or stops or resumes reading (odd).
+    Read { socket: u8, mode: u8 },
+    /// The client closes its sending side.
+    Close { socket: u8 },
+    /// The client resets the connection.
+    Reset { socket: u8 },
+    /// The accept armed on a listener fails (`errno % 3`: EMFILE, ECONNABORTED, ENOBUFS).
+    FailAccept { thread: u8, listener: u8, errno: u8 },
+    /// The server begins its graceful shutdown (SIGTERM); the script goes on.
+    Shutdown,
+    /// Changes the faults a namespace's device injects ([`fault`]).
+    Fault {
+        namespace: u8,
+        kind: u8,
+        a: u8,
+        b: u8,
+    },
+}
+
+/// A whole input: configuration and steps.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Script {
+    pub config: Config,
+    pub steps: Vec<Step>,
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    position: usize,
+}
+
+impl Reader<'_> {
+    fn is_empty(&self) -> bool {
+        self.position >= self.bytes.len()
+    }
+
+    fn u8(&mut self) -> u8 {
+        let byte = self.bytes.get(self.position).copied().unwrap_or(0);
+        self.position += 1;
+        byte
+    }
+
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes([self.u8(), self.u8()])
+    }
+
+    fn bytes(&mut self, count: usize) -> Vec<u8> {
+        let start = self.position.min(self.bytes.len());
+        let end = (start + count).min(self.bytes.len());
+        self.position += count;
+        self.bytes[start..end].to_vec()
+    }
+}
+
+impl Script {
+    /// Decodes any bytes (never fails; missing bytes read as zero).
+    pub fn decode(bytes: &[u8]) -> Script {
+        let mut reader = Reader { bytes, position: 0 };
+        let config = Config([reader.u8(), reader.u8(), reader.u8(), reader.u8()]);
+        let mut steps = Vec::new();
+        while !reader.is_empty() && steps.len() < STEPS_MAX {
+            steps.push(Step::decode(&mut reader));
+        }
+        Script { config, steps }
+    }
+
+    /// The bytes that decode to this script.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = self.config.0.to_vec();
+        for step in &self.steps {
+            step.encode(&mut out);
+        }
+        out
+    }
+}
+
+impl Step {
+    fn decode(r: &mut Reader<'_>) -> Step {
+        match r.u8() % 16 {
+            0 => Step::Connect {
+                thread: r.u8(),
+                listener: r.u8(),
+                source: r.u8(),
+            },
+            1 | 15 => {
+                let socket = r.u8();
+                let count = usize::from(r.u8());
+                Step::Raw {
+                    socket,
+                    bytes: r.bytes(count),
+                }
+            }
+            2 => Step::Native {
+                socket: r.u8(),
+                opcode: r.u8(),
+                flags: r.u8(),
+                id: r.u8(),
+                namespace: r.u8(),
+                offset: r.u16(),
+                length: r.u8(),
+                body: [r.u8(), r.u8(), r.u8(), r.u8()],
+            },
+            3 => Step::Original {
+                socket: r.u8(),
+                opcode: r.u8(),
+                handle: r.u8(),
+                lba: r.u16(),
+                count: r.u8(),
+                payload: r.u8(),
+            },
+            4 => Step::NbdFlags {
+                socket: r.u8(),
+                flags: r.u8(),
+            },
+            5 => Step::NbdOption {
+                socket: r.u8(),
+                option: r.u8(),
+                export: r.u8(),
+                info: r.u8(),
+                mode: r.u8(),
+            },
+            6 => Step::NbdGo {
+                socket: r.u8(),
+                export: r.u8(),
+                variant: r.u8(),
+            },
+            7 => Step::NbdRequest {
+                socket: r.u8(),
+                command: r.u8(),
+                flags: r.u8(),
+                cookie: r.u8(),
+                offset: r.u16(),
+                length: r.u8(),
+            },
+            8 => Step::Advance { mode: r.u8() },
+            9 => Step::Read {
+                socket: r.u8(),
+                mode: r.u8(),
+            },
+            10 => Step::Close { socket: r.u8() },
+            11 => Step::Reset { socket: r.u8() },
+            12 => Step::FailAccept {
+                thread: r.u8(),
+                listener: r.u8(),
+                errno: r.u8(),
+            },
+            14 => Step::Fault {
+                namespace: r.u8(),
+                kind: r.u8(),
+                a: r.u8(),
+                b: r.u8(),
+            },
+            _ => Step::Shutdown,
+        }
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Step::Connect {
+                thread,
+                listener,
+                source,
+            } => out.extend([0, *thread, *listener, *source]),
+            Step::Raw { socket, bytes } => {
+                let count = bytes.len().min(255);
+                out.extend([1, *socket, count as u8]);
+                out.extend_from_slice(&bytes[..count]);
+            }
+            Step::Native {
+                socket,
+                opcode,
+                flags,
+                id,
+                namespace,
+                offset,
+                length,
+                body,
+            } => {
+                out.extend([2, *socket, *opcode, *flags, *id, *namespace]);
+                out.extend(offset.to_le_bytes());
+                out.push(*length);
+                out.extend(body);
+            }
+            Step::Original {
+                socket,
+                opcode,
+                handle,
+                lba,
+                count,
+                payload,
+            } => {
+                out.extend([3, *socket, *opcode, *handle]);
+                out.extend(lba.to_le_bytes());
+                out.extend([*count, *payload]);
+            }
+            Step::NbdFlags { socket, flags } => out.extend([4, *socket, *flags]),
+            Step::NbdOption {
+                socket,
+                option,
+                export,
+                info,
+                mode,
+            } => out.extend([5, *socket, *option, *export, *info, *mode]),
+            Step::NbdGo {
+                socket,
+                export,
+                variant,
+            } => out.extend([6, *socket, *export, *variant]),
+            Step::NbdRequest {
+                socket,
+                command,
+                flags,
+                cookie,
+                offset,
+                length,
+            } => {
+                out.extend([7, *socket, *command, *flags, *cookie]);
+                out.extend(offset.to_le_bytes());
+                out.push(*length);
+            }
+            Step::Advance { mode } => out.extend([8, *mode]),
+            Step::Read { socket, mode } => out.extend([9, *socket, *mode]),
+            Step::Close { socket } => out.extend([10, *socket]),
+            Step::Reset { socket } => out.extend([11, *socket]),
+            Step::FailAccept {
+                thread,
+                listener,
+                errno,
+            } => out.extend([12, *thread, *listener, *errno]),
+            Step::Shutdown => out.push(13),
+            Step::Fault {
+                namespace,
+                kind,
+                a,
+                b,
+            } => out.extend([14, *namespace, *kind, *a, *b]),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Field tables.
+
+/// A request length: 16 interesting values for selectors below 16, else `(selector - 16)`
+/// sectors of 512 bytes.
+pub fn length_bytes(selector: u8) -> u32 {
+    const TABLE: [u32; 16] = [
+        0,
+        1,
+        512,
+        4096,
+        4096,
+        8192,
+        12288,
+        16384,
+        65536,
+        131_072,
+        1 << 20,
+        (1 << 20) + 512,
+        4095,
+        511,
+        0x8000_0000,
+        u32::MAX,
+    ];
+    match TABLE.get(usize::from(selector)) {
+        Some(&length) => length,
+        None => u32::from(selector - 16) * 512,
+    }
+}
+
+/// A request offset: `selector` sectors of 512 bytes, a small misaligned offset for selectors
+/// from 0xff00, and the last sector of the 64-bit range for 0xffff.
+pub fn offset_bytes(selector: u16) -> u64 {
+    match selector {
+        0xffff => !511,
+        0xff00.. => u64::from(selector - 0xff00),
+        _ => u64::from(selector) * 512,
+    }
+}
+
+/// An original-protocol sector count: 8 interesting values, else the selector itself.
+pub fn sector_count(selector: u8) -> u32 {
+    const TABLE: [u32; 8] = [0, 1, 8, 9, 2048, 2049, u32::MAX, 4096];
+    TABLE
+        .get(usize::from(selector))
+        .copied()
+        .unwrap_or(u32::from(selector))
+}
+
+/// How much of a request's payload a client sends (two bits): all of it, none, half, or all
+/// of it and 16 bytes of garbage after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadMode {
+    Whole,
+    Nothing,
+    Half,
+    WholeAndGarbage,
+}
+
+pub fn payload_mode(bits: u8) -> PayloadMode {
+    match bits & 3 {
+        0 => PayloadMode::Whole,
+        1 => PayloadMode::Nothing,
+        2 => PayloadMode::Half,
+        _ => PayloadMode::WholeAndGarbage,
+    }
+}
+
+/// The bytes of a payload of `length` (at most [`PAYLOAD_BYTES_MAX`] of it) filled with `fill`.
+fn payload(length: u64, mode: PayloadMode, fill: u8) -> Vec<u8> {
+    let whole = length.min(PAYLOAD_BYTES_MAX as u64) as usize;
+    match mode {
+        PayloadMode::Whole => vec![fill; whole],
+        PayloadMode::Nothing => Vec::new(),
+        PayloadMode::Half => vec![fill; whole / 2],
+        PayloadMode::WholeAndGarbage => {
+            let mut bytes = vec![fill; whole];
+            bytes.extend([0xa5; 16]);
+            bytes
+        }
+    }
+}
+
+const NATIVE_OPCODES: [native::Opcode; 9] = [
+    native::Opcode::Hello,
+    native::Opcode::Read,
+    native::Opcode::Write,
+    native::Opcode::Flush,
+    native::Opcode::Trim,
+    native::Opcode::Register,
+    native::Opcode::Unregister,
+    native::Opcode::Bind,
+    native::Opcode::Renegotiate,
+];
+
+/// A native control or HELLO body from four selector bytes.
+/// - HELLO: `version_max` = `body[0]`, `io_priority` = `body[1] << 8 | body[2]`, non-zero
+///   reserved bytes if `body[3]` bit 0, non-zero flags if bit 1.
+/// - REGISTER: class `body[0] % 3` (LC, BE, the raw byte), read percentage `body[1]`,
+///   latency and IOPS from `body[2]` (`% 6` and `/ 6 % 6` of small tables), read-only
+///   `body[3]` bit 0, handle selector `body[3] >> 1 & 31` ([`tenant_handle`]), non-zero
+///   reserved bytes if bit 7.
+/// - UNREGISTER, BIND: handle selector `body[0]` ([`tenant_handle`]), or u64::MAX if
+///   `body[1]` bit 0.
+pub fn native_body(opcode: u8, namespace_id: u32, body: [u8; 4]) -> Vec<u8> {
+    match native::Opcode::from_u8(opcode) {
+        Ok(native::Opcode::Hello) => {
+            let mut bytes = vec![0u8; native::HELLO_BODY_SIZE];
+            bytes[0..2].copy_from_slice(&u16::from(body[0]).to_le_bytes());
+            bytes[2..4].copy_from_slice(&u16::from_be_bytes([body[1], body[2]]).to_le_bytes());
+            if body[3] & 2 != 0 {
+                bytes[4] = 1;
+            }
+            if body[3] & 1 != 0 {
+                bytes[8] = 1;
+            }
+            bytes
+        }
+        Ok(native::Opcode::Register) => {
+            const LATENCY_US: [u32; 6] = [0, 100, 500, 1000, 5000, u32::MAX];
+            const IOPS: [u64; 6] = [0, 1, 1000, 10_000, 1_000_000, u64::MAX];
+            let mut bytes = vec![0u8; native::REGISTER_BODY_SIZE];
+            bytes[0] = match body[0] % 3 {
+                0 => 1,
+                1 => 2,
+                _ => body[0],
+            };
+            bytes[1] = body[1];
+            bytes[2..4].copy_from_slice(&u16::from(body[3] & 1).to_le_bytes());
+            bytes[4..8].copy_from_slice(&namespace_id.to_le_bytes());
+            let latency = LATENCY_US[usize::from(body[2] % 6)];
+            let iops = IOPS[usize::from(body[2] / 6 % 6)];
+            bytes[8..12].copy_from_slice(&latency.to_le_bytes());
+            if body[3] & 0x80 != 0 {
+                bytes[12] = 1;
+            }
+            bytes[16..24].copy_from_slice(&iops.to_le_bytes());
+            let handle = tenant_handle(body[3] >> 1 & 31);
+            bytes[24..32].copy_from_slice(&handle.to_le_bytes());
+            bytes
+        }
+        Ok(native::Opcode::Unregister | native::Opcode::Bind) => {
+            let handle = if body[1] & 1 != 0 {
+                u64::MAX
+            } else {
+                tenant_handle(body[0])
+            };
+            native::encode_handle(handle).to_vec()
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// The bytes of a native request step.
+#[allow(clippy::too_many_arguments)]
+pub fn native_request(
+    opcode: u8,
+    flags: u8,
+    id: u8,
+    namespace: u8,
+    offset: u16,
+    length: u8,
+    body: [u8; 4],
+) -> Vec<u8> {
+    const NAMESPACES: [u32; 6] = [1, 2, 3, 0, 4, u32::MAX];
+    let opcode_raw = if opcode < 0xf0 {
+        NATIVE_OPCODES[usize::from(opcode % 9)].as_u8()
+    } else {
+        opcode
+    };
+    let namespace_id = NAMESPACES[usize::from(namespace % 6)];
+    let control_body = native_body(opcode_raw, namespace_id, body);
+    let length_bytes = if length == 0 && !control_body.is_empty() {
+        control_body.len() as u32
+    } else {
+        length_bytes(length)
+    };
+    let mut request_flags = 0u16;
+    if flags & 1 != 0 {
+        request_flags |= native::RequestFlags::FUA.bits();
+    }
+    if flags & 2 != 0 {
+        request_flags |= 0x8000;
+    }
+    let header = native::RequestHeader {
+        version: if flags & 4 != 0 { 2 } else { native::VERSION },
+        opcode_raw,
+        flags: native::RequestFlags::from_bits_retain(request_flags),
+        request_id: u64::from(id),
+        offset_bytes: offset_bytes(offset),
+        length_bytes,
+        namespace_id,
+    };
+    let mut bytes = header.to_bytes().to_vec();
+    let payload_bytes = u64::from(header.payload_length_bytes());
+    let mode = payload_mode(flags >> 3);
+    if payload_bytes > 0 {
+        let mut body = if control_body.is_empty() {
+            payload(payload_bytes, PayloadMode::Whole, id)
+        } else {
+            control_body
+        };
+        // The body as the length says: cut or padded with the request id.
+        body.resize(payload_bytes.min(PAYLOAD_BYTES_MAX as u64) as usize, id);
+        match mode {
+            PayloadMode::Whole => bytes.extend(body),
+            PayloadMode::Nothing => {}
+            PayloadMode::Half => bytes.extend(&body[..body.len() / 2]),
+            PayloadMode::WholeAndGarbage => {
+                bytes.extend(body);
+                bytes.extend([0xa5; 16]);
+            }
+        }
+    }
+    bytes
+}
+
+/// The bytes of an original-protocol request step.
+pub fn original_request(opcode: u8, handle: u8, lba: u16, count: u8, payload_bits: u8) -> Vec<u8> {
+    let header = original::Header {
+        opcode: if opcode % 4 == 1 {
+            original::Opcode::Write
+        } else {
+            original::Opcode::Read
+        },
+        handle: [handle; 8],
+        lba: u64::from(lba),
+        lba_count: sector_count(count),
+    };
+    let mut bytes = header.to_bytes().to_vec();
+    match opcode % 4 {
+        2 => bytes[2..4].copy_from_slice(&7u16.to_le_bytes()),
+        3 => bytes[0..2].copy_from_slice(&0x5a5au16.to_le_bytes()),
+        _ => {}
+    }
+    let length = header.request_payload_length_bytes();
+    bytes.extend(payload(length, payload_mode(payload_bits), handle));
+    bytes
+}
+
+/// The NBD client flags of a step.
+pub fn nbd_flags(selector: u8) -> Vec<u8> {
+    let flags = match selector % 4 {
+        0 => nbd::client_flags::FIXED_NEWSTYLE | nbd::client_flags::NO_ZEROES,
+        1 => nbd::client_flags::FIXED_NEWSTYLE,
+        2 => 0,
+        _ => u32::MAX,
+    };
+    flags.to_be_bytes().to_vec()
+}
+
+fn option_bytes(code: u32, data: &[u8]) -> Vec<u8> {
+    let mut bytes = nbd::IHAVEOPT.to_be_bytes().to_vec();
+    bytes.extend(code.to_be_bytes());
+    bytes.extend((data.len() as u32).to_be_bytes());
+    bytes.extend_from_slice(data);
+    bytes
+}
+
+/// The data of INFO and GO: the export name and information requests (`info` bits 0–3 ask for
+/// EXPORT, NAME, DESCRIPTION, BLOCK_SIZE; bit 4 asks for an unknown one; bit 5 announces one
+/// request more than it sends).
+fn go_data(export: u8, info: u8) -> Vec<u8> {
+    let name = export_name(export);
+    let mut data = (name.len() as u32).to_be_bytes().to_vec();
+    data.extend(name.as_bytes());
+    let mut requests: Vec<u16> = (0..4).filter(|bit| info >> bit & 1 == 1).collect();
+    if info & 0x10 != 0 {
+        requests.push(0x7777);
+    }
+    let announced = requests.len() as u16 + u16::from(info >> 5 & 1);
+    data.extend(announced.to_be_bytes());
+    for request in requests {
+        data.extend(request.to_be_bytes());
+    }
+    data
+}
+
+fn export_name(selector: u8) -> String {
+    match EXPORT_NAMES.get(usize::from(selector)) {
+        Some(name) => (*name).into(),
+        None if selector == 0xff => "x".repeat(nbd::STRING_SIZE_MAX + 1),
+        None => EXPORT_NAMES[usize::from(selector) % EXPORT_NAMES.len()].into(),
+    }
+}
+
+/// One NBD option: `option % 14` EXPORT_NAME, ABORT, LIST, PEEK_EXPORT, STARTTLS, INFO, GO,
+/// STRUCTURED_REPLY, LIST_META_CONTEXT, SET_META_CONTEXT, EXTENDED_HEADERS, an unknown option,
+/// a bad option magic, a length beyond the option data limit; the export name and
+/// information requests as [`go_data`] says; `mode` bit 0 adds 4 bytes of garbage to the
+/// data, bit 1 sends only half of the option.
+pub fn nbd_option(option: u8, export: u8, info: u8, mode: u8) -> Vec<u8> {
+    use nbd::option as code;
+    let codes = [
+        code::EXPORT_NAME,
+        code::ABORT,
+        code::LIST,
+        code::PEEK_EXPORT,
+        code::STARTTLS,
+        code::INFO,
+        code::GO,
+        code::STRUCTURED_REPLY,
+        code::LIST_META_CONTEXT,
+        code::SET_META_CONTEXT,
+        code::EXTENDED_HEADERS,
+        0x1234,
+    ];
+    let selector = usize::from(option % 14);
+    let mut data = match codes.get(selector) {
+        Some(&code::EXPORT_NAME) => export_name(export).into_bytes(),
+        Some(&(code::INFO | code::GO)) => go_data(export, info),
+        _ => Vec::new(),
+    };
+    if mode & 1 != 0 {
+        data.extend([0xde, 0xad, 0xbe, 0xef]);
+    }
+    let mut bytes = match codes.get(selector) {
+        Some(&code) => option_bytes(code, &data),
+        None if selector == 12 => {
+            let mut bytes = option_bytes(code::GO, &data);
+            bytes[0] ^= 0xff;
+            bytes
+        }
+        None => {
+            let mut bytes = option_bytes(code::INFO, &data);
+            bytes[12..16].copy_from_slice(&(nbd::OPTION_DATA_MAX_BYTES as u32 + 1).to_be_bytes());
+            bytes
+        }
+    };
+    if mode & 2 != 0 {
+        bytes.truncate(bytes.len() / 2);
+    }
+    bytes
+}
+
+/// A whole handshake to transmission (see [`Step::NbdGo`]).
+pub fn nbd_go(export: u8, variant: u8) -> Vec<u8> {
+    let mut bytes = nbd_flags(0);
+    if variant & 1 != 0 {
+        bytes.extend(option_bytes(nbd::option::STRUCTURED_REPLY, &[]));
+    }
+    if variant & 2 != 0 {
+        bytes.extend(option_bytes(
+            nbd::option::EXPORT_NAME,
+            export_name(export).as_bytes(),
+        ));
+    } else {
+        bytes.extend(option_bytes(nbd::option::GO, &go_data(export, 1 << 3)));
+    }
+    bytes
+}
+
+/// An NBD request step's bytes (see [`Step::NbdRequest`]).
+pub fn nbd_request(command: u8, flags: u8, cookie: u8, offset: u16, length: u8) -> Vec<u8> {
+    let selector = command % 10;
+    let command_type = match selector {
+        0..=7 => u16::from(selector),
+        _ => u16::from(command),
+    };
+    let mut request_flags = u16::from(flags & 0x1f);
+    if flags & 0x20 != 0 {
+        request_flags |= 0x4000;
+    }
+    let length_bytes = length_bytes(length);
+    let mut bytes = Vec::with_capacity(nbd::REQUEST_HEADER_SIZE);
+    let magic = if selector == 9 {
+        0x1234_5678
+    } else {
+        nbd::REQUEST_MAGIC
+    };
+    bytes.extend(magic.to_be_bytes());
+    bytes.extend(request_flags.to_be_bytes());
+    bytes.extend(command_type.to_be_bytes());
+    bytes.extend(u64::from(cookie).to_be_bytes());
+    bytes.extend(offset_bytes(offset).to_be_bytes());
+    bytes.extend(length_bytes.to_be_bytes());
+    if command_type == 1 {
+        bytes.extend(payload(
+            u64::from(length_bytes),
+            payload_mode(flags >> 6),
+            cookie,
+        ));
+    }
+    bytes
+}
+
+/// Changes a fault plan (`kind % 8`): 0 clears it; 1 stalls the device, 2 lifts the stall;
+/// 3 fails a share of one kind of operation (`a % 4`: read, write, flush, trim; share
+/// `b % 4`: all, half, a tenth, none; errno `b / 4 % 6`: EIO, ENOSPC, EDQUOT, ETIMEDOUT,
+/// EAGAIN, EROFS); 4 fails every read, write or trim (`a % 3`) touching 8 blocks from block
+/// `b * 8`; 5 delays completions by 100 µs, 1 ms, 10 ms or 200 ms (`a % 4`), every
+/// `b % 4 + 1`th one (or a random half if `b` bit 7); 6 shortens all, half or a tenth of the
+/// reads and writes (`a % 3`); 7 changes the seed to `a`.
+pub fn fault(plan: &mut FaultPlan, kind: u8, a: u8, b: u8) {
+    const SHARES: [f64; 4] = [1.0, 0.5, 0.1, 0.0];
+    const ERRNOS: [i32; 6] = [
+        libc::EIO,
+        libc::ENOSPC,
+        libc::EDQUOT,
+        libc::ETIMEDOUT,
+        libc::EAGAIN,
+        libc::EROFS,
+    ];
+    match kind % 8 {
+        0 => {
+            *plan = FaultPlan {
+                seed: plan.seed,
+                ..FaultPlan::default()
+            }
+        }
+        1 => plan.stall = true,
+        2 => plan.stall = false,
+        3 => {
+            let faults = match a % 4 {
+                0 => &mut plan.read,
+                1 => &mut plan.write,
+                2 => &mut plan.flush,
+                _ => &mut plan.trim,
+            };
+            faults.error_rate = SHARES[usize::from(b % 4)];
+            plan.errno = ERRNOS[usize::from(b / 4 % 6)];
+        }
+        4 => {
+            let faults = match a % 3 {
+                0 => &mut plan.read,
+                1 => &mut plan.write,
+                _ => &mut plan.trim,
+            };
+            let first = u64::from(b) * 8;
+            faults.error_lba = Some(LbaRange {
+                first,
+                last: first + 7,
+            });
+        }
+        5 => {
+            const DELAY_NS: [u64; 4] = [100_000, 1_000_000, 10_000_000, 200_000_000];
+            let pick = if b & 0x80 != 0 {
+                DelayPick::Rate(0.5)
+            } else {
+                DelayPick::Every(NonZeroU64::MIN.saturating_add(u64::from(b % 4)))
+            };
+            plan.delay = Some(Delay {
+                added: Nanos(DELAY_NS[usize::from(a % 4)]),
+                pick,
+            });
+        }
+        6 => plan.short_rate = SHARES[usize::from(a % 3)],
+        _ => plan.seed = u64::from(a),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run.
+
+/// What a run did (for regression tests and the trace).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub connections: usize,
+    pub connects_refused: usize,
+    pub bytes_sent: usize,
+    pub bytes_received: usize,
+    /// Complete native and original response headers the clients parsed.
+    pub responses: u64,
+    /// Native answers with status BUSY among them (requests refused at a drain timeout).
+    pub busy_answers: u64,
+    /// Virtual time at which the shutdown finished.
+    pub finished_at: Nanos,
+    pub requests_answered: u64,
+    pub connections_timed_out: u64,
+    pub framing_errors: u64,
+    /// [`Mode::WellFormed`]: requests the clients sent, each answered exactly once.
+    pub requests_sent: u64,
+    /// When the final shutdown began.
+    pub shutdown_started_at: Nanos,
+    /// Devices still stalled when the final shutdown began.
+    pub stalled_devices: usize,
+    /// Device operations the threads abandoned at shutdown (only on stalled devices).
+    pub abandoned_device_operations: u32,
+}
+
+/// What the clients of a run may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Anything the steps say: raw bytes, broken headers, closes, resets, shutdown midway.
+    Any,
+    /// Only well-formed clients ([`Run::well_formed_step`]): what is fuzzed is timing and
+    /// ordering, and every request must get exactly one answer.
+    WellFormed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Native,
+    Original,
+    Nbd,
+}
+
+struct Client {
+    socket: SocketId,
+    kind: Kind,
+    /// The listener it connected to, by index.
+    listener: usize,
+    reading: bool,
+    /// The client closed or reset its side: it sends nothing more.
+    done_sending: bool,
+    responses: ResponseStream,
+    /// [`Mode::WellFormed`]: the requests in flight and the parser that matches answers.
+    oracle: Option<Oracle>,
+}
+
+/// A client's view of the server's bytes: complete response headers parsed, their payloads
+/// skipped (never buffered).
+#[derive(Default)]
+struct ResponseStream {
+    pending: Vec<u8>,
+    skip_bytes: u64,
+    headers: u64,
+    /// Native answers with status BUSY.
+    busy: u64,
+}
+
+impl ResponseStream {
+    fn feed(&mut self, kind: Kind, mut input: &[u8]) {
+        if kind == Kind::Nbd {
+            return;
+        }
+        loop {
+            if self.skip_bytes > 0 {
+                let skipped = (input.len() as u64).min(self.skip_bytes);
+                self.skip_bytes -= skipped;
+                input = &input[skipped as usize..];
+                if self.skip_bytes > 0 {
+                    return;
+                }
+            }
+            let header_size = match kind {
+                Kind::Native => native::RESPONSE_HEADER_SIZE,
+                _ => original::HEADER_SIZE,
+            };
+            let wanted = header_size - self.pending.len();
+            let taken = wanted.min(input.len());
+            self.pending.extend_from_slice(&input[..taken]);
+            input = &input[taken..];
+            if self.pending.len() < header_size {
+                return;
+            }
+            self.skip_bytes = match kind {
+                Kind::Native => match native::decode_response(&self.pending) {
+                    Ok(Some((header, _))) => {
+                        match header.status() {
+                            Ok(native::Status::Busy) => self.busy += 1,
+                            Ok(_) => {}
+                            Err(e) => panic!("the server sent an unknown status: {e}: {header:?}"),
+                        }
+                        u64::from(header.length_bytes)
+                    }
+                    other => panic!(
+                        "a native client received broken framing: {other:?} from {:02x?}",
+                        self.pending
+                    ),
+                },
+                _ => match original::Header::decode(&self.pending) {
+                    Ok(Some((header, _))) => header.response_payload_length_bytes(),
+                    other => panic!(
+                        "an original-protocol client received broken framing: {other:?} from {:02x?}",
+                        self.pending
+                    ),
+                },
+            };
+            self.pending.clear();
+            self.headers += 1;
+        }
+    }
+}
+
+fn mem_profile() -> DeviceProfile {
+    static PROFILE: OnceLock<DeviceProfile> = OnceLock::new();
+    PROFILE
+        .get_or_init(|| {
+            match DeviceProfile::from_toml(include_str!("../../profiles/device-a-small.toml")) {
+                Ok(profile) => profile,
+                Err(e) => panic!("device-a-small profile: {e}"),
+            }
+        })
+        .clone()
+}
+
+fn emu_profile() -> reflex_flash::emu::EmuProfile {
+    static PROFILE: OnceLock<reflex_flash::emu::EmuProfile> = OnceLock::new();
+    PROFILE
+        .get_or_init(
+            || match reflex_flash::emu::EmuProfile::lookup("device-a-small") {
+                Ok(profile) => profile,
+                Err(e) => panic!("emulated device-a-small: {e}"),
+            },
+        )
+        .clone()
+}
+
+/// The virtual server a configuration describes, and the fault controls of its namespaces'
+/// devices (every device is wrapped in a fault-injecting one, injecting nothing at first).
+pub fn server(
+    setup: &Setup,
+) -> Result<(VirtualServer, Vec<Arc<FaultControls>>), VirtualServerError> {
+    let mem = |bytes: u64| match MemDevice::new(bytes) {
+        Ok(device) => device,
+        Err(e) => panic!("memory device: {e}"),
+    };
+    let model: Arc<dyn Device> = if setup.emulated {
+        let device = match reflex_flash::emu::EmuDevice::new(emu_profile(), MODEL_BYTES, 1) {
+            Ok(device) => device,
+            Err(e) => panic!("emulated device: {e}"),
+        };
+        Arc::new(ModelFlash::new(
+            Box::new(EmuSimDevice::new(device)),
+            "emulated device-a-small",
+        ))
+    } else {
+        let mut device = FixedDevice::new(2, 50_000, 200_000, setup.model_queue_depth);
+        device.set_capacity_bytes(MODEL_BYTES);
+        Arc::new(ModelFlash::new(Box::new(device), "fixed latency"))
+    };
+    let qos_config = QosConfig {
+        tenant_queue_depth_max: setup.tenant_queue_depth_max,
+        thread_queued_requests_max: setup.thread_queued_requests_max,
+        tenants_max: setup.tenants_max,
+        ..QosConfig::default()
+    };
+    let namespace = |index: usize, profile: Option<DeviceProfile>, tenants| NamespaceControl {
+        namespace_id: NAMESPACE_IDS[index],
+        profile,
+        tenants,
+    };
+    let devices: [Arc<dyn Device>; 3] = [
+        Arc::new(mem(MEM_BYTES)),
+        model,
+        Arc::new(mem(READ_ONLY_BYTES)),
+    ];
+    let mut controls = Vec::with_capacity(devices.len());
+    let mut namespaces = Vec::with_capacity(devices.len());
+    for (index, inner) in devices.into_iter().enumerate() {
+        let device = match FaultDevice::new(inner, FaultPlan::default()) {
+            Ok(device) => device,
+            Err(e) => panic!("fault device: {e}"),
+        };
+        controls.push(device.controls());
+        let read_only = index == 2;
+        namespaces.push((
+            NAMESPACE_IDS[index],
+            Arc::new(device) as Arc<dyn Device>,
+            read_only,
+        ));
+    }
+    let server = VirtualServer::new(VirtualServerSetup {
+        threads: setup.threads,
+        namespaces,
+        control: ControlSetup {
+            threads: setup.threads,
+            handles: HandleKeys::Seeded(HANDLE_SEED),
+            tenant_limits: TenantLimits::default(),
+            qos_config: qos_config.clone(),
+            qos_enabled: setup.qos_enabled,
+            namespaces: vec![
+                namespace(
+                    0,
+                    Some(mem_profile()),
+                    vec![
+                        (
+                            "lc".into(),
+                            TenantSpec::LatencyCritical {
+                                latency_us_p95: 1000,
+                                iops: 2000,
+                                read_percent: 90,
+                            },
+                        ),
+                        ("be".into(), TenantSpec::BestEffort),
+                    ],
+                ),
+                namespace(1, None, Vec::new()),
+                namespace(2, None, Vec::new()),
+            ],
+        },
+        qos_config,
+        limits: setup.limits.clone(),
+        network: setup.network,
+        listeners: listeners(),
+        nbd_exports: exports(),
+        nbd_default_export: Some("ns1".into()),
+    })?;
+    Ok((server, controls))
+}
+
+struct Run {
+    server: VirtualServer,
+    faults: Vec<Arc<FaultControls>>,
+    setup: Setup,
+    clients: Vec<Client>,
+    readable: Vec<SocketId>,
+    received: Vec<u8>,
+    instants: usize,
+    outcome: Outcome,
+    trace: bool,
+}
+
+/// Runs a script; panics on any violated invariant. `trace` prints each step and what it did.
+pub fn run(script: &Script, trace: bool) -> Outcome {
+    run_mode(script, Mode::Any, trace)
+}
+
+/// Runs a script with the clients `mode` allows.
+pub fn run_mode(script: &Script, mode: Mode, trace: bool) -> Outcome {
+    let mut setup = script.config.decoded();
+    if mode == Mode::WellFormed {
+        // A timeout would close a client that is only slow, with its answers pending.
+        let limits = &mut setup.limits;
+        limits.handshake_timeout = None;
+        limits.idle_timeout = None;
+        limits.receive_timeout = None;
+        limits.send_timeout = None;
+        limits.device_timeout = None;
+        setup.model_queue_depth = 1 << 16;
+    }
+    if trace {
+        eprintln!("setup: {setup:?}");
+    }
+    let (server, faults) = match server(&setup) {
+        Ok(started) => started,
+        Err(e) => panic!("the virtual server did not start: {e}"),
+    };
+    let mut run = Run {
+        server,
+        faults,
+        setup,
+        clients: Vec::new(),
+        readable: Vec::new(),
+        received: Vec::new(),
+        instants: 0,
+        outcome: Outcome::default(),
+        trace,
+    };
+    for step in &script.steps {
+        if trace {
+            eprintln!("[{:?}] {step:?}", run.server.now());
+        }
+        match mode {
+            Mode::Any => run.step(step),
+            Mode::WellFormed => run.well_formed_step(step),
+        }
+        run.settle();
+        run.check_running();
+    }
+    if mode == Mode::WellFormed {
+        run.await_answers();
+    }
+    run.shut_down();
+    run.outcome
+}
+
+/// Decodes and runs fuzz input bytes (the `dataplane` target).
+pub fn run_bytes(bytes: &[u8]) -> Outcome {
+    run(&Script::decode(bytes), false)
+}
+
+/// Decodes fuzz input bytes and runs them with well-formed clients (the `dataplane_protocol`
+/// target).
+pub fn run_well_formed_bytes(bytes: &[u8]) -> Outcome {
+    run_mode(&Script::decode(bytes), Mode::WellFormed, false)
+}
+
+impl Run {
+    fn client(&self, socket: u8) -> Option<usize> {
+        if self.clients.is_empty() {
+            None
+        } else {
+            Some(usize::from(socket) % self.clients.len())
+        }
+    }
+
+    fn send(&mut self, socket: u8, bytes: &[u8]) {
+        let Some(index) = self.client(socket) else {
+            return;
+        };
+        let client = &self.clients[index];
+        if client.done_sending || bytes.is_empty() {
+            return;
+        }
+        let room = SEND_BYTES_MAX - self.outcome.bytes_sent;
+        let bytes = &bytes[..bytes.len().min(room)];
+        if self.trace {
+            eprintln!("  send {} bytes on {:?}", bytes.len(), client.socket);
+        }
+        self.outcome.bytes_sent += bytes.len();
+        self.server.client_send(client.socket, bytes);
+    }
+
+    fn step(&mut self, step: &Step) {
+        match *step {
+            Step::Connect {
+                thread,
+                listener,
+                source,
+            } => self.connect(thread, listener, source),
+            Step::Raw { socket, ref bytes } => self.send(socket, bytes),
+            Step::Native {
+                socket,
+                opcode,
+                flags,
+                id,
+                namespace,
+                offset,
+                length,
+                body,
+            } => {
+                let bytes = native_request(opcode, flags, id, namespace, offset, length, body);
+                self.send(socket, &bytes);
+            }
+            Step::Original {
+                socket,
+                opcode,
+                handle,
+                lba,
+                count,
+                payload,
+            } => self.send(
+                socket,
+                &original_request(opcode, handle, lba, count, payload),
+            ),
+            Step::NbdFlags { socket, flags } => self.send(socket, &nbd_flags(flags)),
+            Step::NbdOption {
+                socket,
+                option,
+                export,
+                info,
+                mode,
+            } => self.send(socket, &nbd_option(option, export, info, mode)),
+            Step::NbdGo {
+                socket,
+                export,
+                variant,
+            } => self.send(socket, &nbd_go(export, variant)),
+            Step::NbdRequest {
+                socket,
+                command,
+                flags,
+                cookie,
+                offset,
+                length,
+            } => self.send(socket, &nbd_request(command, flags, cookie, offset, length)),
+            Step::Advance { mode } => self.advance(mode),
+            Step::Read { socket, mode } => {
+                if let Some(index) = self.client(socket) {
+                    if mode & 1 == 0 {
+                        let socket = self.clients[index].socket;
+                        self.read(index, socket);
+                    } else {
+                        let client = &mut self.clients[index];
+                        client.reading = !client.reading;
+                        if client.reading {
+                            let socket = client.socket;
+                            self.read(index, socket);
+                        }
+                    }
+                }
+            }
+            Step::Close { socket } => {
+                if let Some(index) = self.client(socket) {
+                    let client = &mut self.clients[index];
+                    if !client.done_sending {
+                        client.done_sending = true;
+                        self.server.client_close(client.socket);
+                    }
+                }
+            }
+            Step::Reset { socket } => {
+                if let Some(index) = self.client(socket) {
+                    let client = &mut self.clients[index];
+                    client.done_sending = true;
+                    self.server.client_reset(client.socket);
+                }
+            }
+            Step::FailAccept {
+                thread,
+                listener,
+                errno,
+            } => {
+                let thread = u16::from(thread) % self.setup.threads;
+                let listener = u32::from(listener) % listeners().len() as u32;
+                let errno =
+                    [libc::EMFILE, libc::ECONNABORTED, libc::ENOBUFS][usize::from(errno % 3)];
+                self.server.fail_accept(thread, listener, errno);
+            }
+            Step::Shutdown => self.server.begin_shutdown(),
+            Step::Fault {
+                namespace,
+                kind,
+                a,
+                b,
+            } => {
+                let controls = &self.faults[usize::from(namespace) % self.faults.len()];
+                let mut plan = controls.plan();
+                fault(&mut plan, kind, a, b);
+                if self.trace {
+                    eprintln!("  plan {plan}");
+                }
+                if let Err(e) = controls.set_plan(plan) {
+                    panic!("the script made an invalid fault plan: {e}");
+                }
+            }
+        }
+    }
+
+    fn connect(&mut self, thread: u8, listener: u8, source: u8) {
+        if self.clients.len() >= SOCKETS_MAX {
+            return;
+        }
+        let listeners = listeners();
+        let thread = u16::from(thread) % self.setup.threads;
+        let listener_index = usize::from(listener) % listeners.len();
+        let source = match source % 4 {
+            0 => None,
+            1 => Some(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1))),
+            2 => Some(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2))),
+            _ => Some(IpAddr::V6(Ipv6Addr::LOCALHOST)),
+        };
+        match self.server.connect(thread, listener_index as u32, source) {
+            Ok(socket) => {
+                // Finding 1: the dataplane handed out a slot whose previous connection's
+                // close was still queued (reflexd's io_uring driver asserted and the thread
+                // panicked).
+                assert_eq!(
+                    self.server.slot_reuses_before_close(),
+                    0,
+                    "{socket:?} got a connection slot whose previous connection's close the \
+                     driver had not taken yet"
+                );
+                let kind = match listeners[listener_index] {
+                    VirtualListener::Native => Kind::Native,
+                    VirtualListener::Original { .. } => Kind::Original,
+                    VirtualListener::Nbd => Kind::Nbd,
+                };
+                if self.trace {
+                    eprintln!("  connected {socket:?} ({kind:?})");
+                }
+                self.outcome.connections += 1;
+                self.clients.push(Client {
+                    socket,
+                    kind,
+                    listener: listener_index,
+                    reading: true,
+                    done_sending: false,
+                    responses: ResponseStream::default(),
+                    oracle: None,
+                });
+            }
+            Err(VirtualServerError::NotAccepting { .. } | VirtualServerError::Refused(_)) => {
+                if self.trace {
+                    eprintln!("  not connected");
+                }
+                self.outcome.connects_refused += 1;
+            }
+            Err(e) => panic!("connect failed: {e}"),
+        }
+    }
+
+    /// Virtual time passes: `mode % 16` 0–3 to the next event, 4–11 steps through events for
+    /// 1 µs, 10 µs, 100 µs, 1 ms, 10 ms, 100 ms, 500 ms or 2 s, 12–15 jumps straight over
+    /// 1 ms, 100 ms, 1 s or 5 s (a driver that woke up late).
+    fn advance(&mut self, mode: u8) {
+        const STEP_NS: [u64; 8] = [
+            1_000,
+            10_000,
+            100_000,
+            1_000_000,
+            10_000_000,
+            100_000_000,
+            500_000_000,
+            2_000_000_000,
+        ];
+        const JUMP_NS: [u64; 4] = [1_000_000, 100_000_000, 1_000_000_000, 5_000_000_000];
+        let now = self.server.now();
+        match mode % 16 {
+            0..=3 => {
+                if self.instants < INSTANTS_MAX
+                    && let Some(next) = self.server.next_event()
+                {
+                    self.instant(next);
+                }
+            }
+            selector @ 4..=11 => {
+                let target = now + Nanos(STEP_NS[usize::from(selector - 4)]);
+                for _ in 0..INSTANTS_PER_ADVANCE_MAX {
+                    if self.instants >= INSTANTS_MAX {
+                        break;
+                    }
+                    match self.server.next_event() {
+                        Some(next) if next <= target => self.instant(next),
+                        _ => break,
+                    }
+                }
+                self.instant(target.max(self.server.now()));
+            }
+            selector => {
+                let target = now + Nanos(JUMP_NS[usize::from(selector - 12)]);
+                self.instant(target);
+            }
+        }
+    }
+
+    /// Runs one instant and lets the reading clients read.
+    fn instant(&mut self, at: Nanos) {
+        self.instants += 1;
+        self.server.run_instant(at);
+        self.read_clients();
+    }
+
+    /// Finishes the work due now.
+    fn settle(&mut self) {
+        let now = self.server.now();
+        self.server.run_instant(now);
+        self.read_clients();
+    }
+
+    fn read_clients(&mut self) {
+        let mut readable = std::mem::take(&mut self.readable);
+        self.server.take_readable(&mut readable);
+        readable.sort_unstable();
+        readable.dedup();
+        for socket in readable.drain(..) {
+            if let Some(index) = self.clients.iter().position(|c| c.socket == socket)
+                && self.clients[index].reading
+            {
+                self.read(index, socket);
+            }
+        }
+        self.readable = readable;
+    }
+
+    fn read(&mut self, index: usize, socket: SocketId) {
+        let mut received = std::mem::take(&mut self.received);
+        received.clear();
+        self.server.client_read(socket, &mut received);
+        self.outcome.bytes_received += received.len();
+        let client = &mut self.clients[index];
+        client.responses.feed(client.kind, &received);
+        if client.oracle.is_some() {
+            self.answers(index, &received);
+        }
+        let client = &self.clients[index];
+        if self.trace && !received.is_empty() {
+            eprintln!(
+                "  {socket:?} read {} bytes ({} response headers so far){}",
+                received.len(),
+                client.responses.headers,
+                if self.server.is_server_closed(socket) {
+                    ", closed by the server"
+                } else {
+                    ""
+                }
+            );
+        }
+        self.received = received;
+    }
+
+    /// Checks that hold at any time.
+    fn check_running(&self) {
+        for thread in 0..self.setup.threads {
+            let states = &self.server.dataplane(thread).stats().requests_per_state;
+            let total: u64 = states.iter().map(|&count| u64::from(count)).sum();
+            assert_eq!(
+                total,
+                u64::from(self.setup.limits.requests_max),
+                "thread {thread}: requests per state {states:?} do not add up to the slots"
+            );
+        }
+        assert!(
+            !self.spinning(),
+            "a thread has no work and a deadline that has passed (its driver would spin); per \
+             thread: {}",
+            self.thread_states()
+        );
+    }
+
+    /// The graceful shutdown, run to its end, and the checks on what it left.
+    fn shut_down(&mut self) {
+        self.outcome.stalled_devices = self.faults.iter().filter(|c| c.is_stalled()).count();
+        if self.trace {
+            for tenant in self.server.control().tenants() {
+                eprintln!(
+                    "  tenant {:?} handle {:#x}: {:?}, connections {:?}",
+                    tenant.name, tenant.handle, tenant.spec, tenant.connections_per_thread
+                );
+            }
+        }
+        self.server.begin_shutdown();
+        self.settle();
+        let started = self.server.now();
+        self.outcome.shutdown_started_at = started;
+        let mut instants = 0;
+        while !self.server.is_finished() {
+            let now = self.server.now();
+            let next = self.server.next_event();
+            assert!(
+                instants < SHUTDOWN_INSTANTS_MAX,
+                "shutdown still running after {instants} instants (virtual time {now:?}, next \
+                 event {next:?}); per thread: {}",
+                self.thread_states()
+            );
+            // Finding 4: a draining thread reported its passed drain deadline while waiting
+            // for requests in a scheduler, and a driver woke up again and again.
+            assert!(
+                !self.spinning(),
+                "shutdown spins at {now:?}: no thread has work and a deadline has passed; per \
+                 thread: {}",
+                self.thread_states()
+            );
+            let Some(next) = next else {
+                panic!(
+                    "shutdown stalled at {now:?}: nothing more happens and it has not finished; \
+                     per thread: {}",
+                    self.thread_states()
+                );
+            };
+            assert!(
+                next <= started + SHUTDOWN_TIME_MAX,
+                "shutdown not finished {SHUTDOWN_TIME_MAX:?} after it began at {started:?} (next \
+                 event {next:?}); per thread: {}",
+                self.thread_states()
+            );
+            self.instant(next);
+            instants += 1;
+        }
+        // Driver operations the dataplane asked for while finishing (closes) run now.
+        self.settle();
+        for client in &mut self.clients {
+            client.reading = true;
+        }
+        let sockets: Vec<SocketId> = self.clients.iter().map(|c| c.socket).collect();
+        for (index, socket) in sockets.into_iter().enumerate() {
+            self.read(index, socket);
+        }
+        self.outcome.finished_at = self.server.now();
+        self.check_finished();
+    }
+
+    /// A thread that has not finished waits with nothing to do and a deadline already passed:
+    /// its driver would wake up at once, again and again.
+    fn spinning(&self) -> bool {
+        let now = self.server.now();
+        (0..self.setup.threads).any(|thread| {
+            let dataplane = self.server.dataplane(thread);
+            !dataplane.is_finished()
+                && !dataplane.has_pending_work()
+                && dataplane.next_deadline().is_some_and(|at| at <= now)
+        })
+    }
+
+    /// Each thread's shutdown state, deadline and requests per state (for failure messages).
+    fn thread_states(&self) -> String {
+        (0..self.setup.threads)
+            .map(|thread| {
+                let dataplane = self.server.dataplane(thread);
+                format!(
+                    "[thread {thread}: finished {}, next deadline {:?}, pending work {}, \
+                     requests per state {:?}]",
+                    dataplane.is_finished(),
+                    dataplane.next_deadline(),
+                    dataplane.has_pending_work(),
+                    dataplane.stats().requests_per_state
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    fn check_finished(&mut self) {
+        let stalled = self.outcome.stalled_devices > 0;
+        for thread in 0..self.setup.threads {
+            let dataplane = self.server.dataplane(thread);
+            let abandoned = dataplane.abandoned_device_operations();
+            assert!(
+                stalled || abandoned == 0,
+                "thread {thread} abandoned {abandoned} device operations of devices that answer"
+            );
+            self.outcome.abandoned_device_operations += abandoned;
+            // Requests whose device never answered stay orphaned (the device owns their
+            // buffers); every other slot is free.
+            let orphaned = dataplane.requests_in_state(RequestState::Orphaned);
+            assert!(
+                orphaned <= abandoned,
+                "thread {thread}: {orphaned} orphaned requests, {abandoned} abandoned operations"
+            );
+            for state in 0..REQUEST_STATE_COUNT {
+                let state = request_state(state);
+                let count = dataplane.requests_in_state(state);
+                let expected = match state {
+                    RequestState::Free => self.setup.limits.requests_max - orphaned,
+                    RequestState::Orphaned => orphaned,
+                    _ => 0,
+                };
+                assert_eq!(
+                    count, expected,
+                    "thread {thread}: {count} requests {state:?} after shutdown"
+                );
+            }
+            let stats = dataplane.stats();
+            self.outcome.requests_answered += stats.requests_answered;
+            self.outcome.connections_timed_out += stats.connections_timed_out;
+            self.outcome.framing_errors += stats.framing_errors;
+        }
+        for socket in 0..self.server.socket_count() {
+            let socket = SocketId(socket as u32);
+            assert!(
+                self.server.is_server_closed(socket),
+                "{socket:?} still open after shutdown"
+            );
+            assert!(
+                !self.server.has_operations_in_flight(socket),
+                "{socket:?} has a receive or send in flight after shutdown"
+            );
+        }
+        for tenant in self.server.control().tenants() {
+            assert!(
+                tenant
+                    .connections_per_thread
+                    .iter()
+                    .all(|&count| count == 0),
+                "tenant {} still counts connections after shutdown: {:?}",
+                tenant.name,
+                tenant.connections_per_thread
+            );
+        }
+        self.outcome.responses = self.clients.iter().map(|c| c.responses.headers).sum();
+        self.outcome.busy_answers = self.clients.iter().map(|c| c.responses.busy).sum();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Well-formed clients.
+
+/// The NBD exports a well-formed client asks for.
+const WELL_FORMED_EXPORTS: [&str; 4] = ["ns1", "ns2", "ro", "ns1-ro"];
+/// How long, in virtual time, the last answers may take once the script is over.
+pub const ANSWERS_TIME_MAX: Nanos = Nanos(60_000_000_000);
+
+/// A well-formed client's record of its requests and its parser of the answers.
+struct Oracle {
+    next_id: u64,
+    /// Requests sent and not answered yet: id (request id, cookie or handle) → bytes of data a
+    /// successful answer carries after its header (native answers say so themselves: 0).
+    outstanding: BTreeMap<u64, u64>,
+    /// An incomplete answer header.
+    pending: Vec<u8>,
+    skip_bytes: u64,
+    /// NBD: the handshake (`None` once transmission began) and requests waiting for it.
+    nbd: Option<(Option<nbd::ClientHandshake>, Vec<u8>)>,
+    /// Original protocol: sectors of the listener's namespace.
+    sectors: u64,
+}
+
+impl Oracle {
+    /// Parses answers; panics on one that matches no request in flight.
+    fn feed(&mut self, kind: Kind, mut input: &[u8]) {
+        loop {
+            let skipped = (input.len() as u64).min(self.skip_bytes);
+            self.skip_bytes -= skipped;
+            input = &input[skipped as usize..];
+            if self.skip_bytes > 0 || input.is_empty() {
+                return;
+            }
+            let header_size = match kind {
+                Kind::Native => native::RESPONSE_HEADER_SIZE,
+                Kind::Original => original::HEADER_SIZE,
+                Kind::Nbd => nbd::SIMPLE_REPLY_SIZE,
+            };
+            let taken = (header_size - self.pending.len()).min(input.len());
+            self.pending.extend_from_slice(&input[..taken]);
+            input = &input[taken..];
+            if self.pending.len() < header_size {
+                return;
+            }
+            self.skip_bytes = match kind {
+                Kind::Native => match native::decode_response(&self.pending) {
+                    Ok(Some((header, _))) => {
+                        if header.request_id != native::NOTICE_REQUEST_ID {
+                            self.answered(header.request_id);
+                        }
+                        u64::from(header.length_bytes)
+                    }
+                    other => panic!("a native client received broken framing: {other:?}"),
+                },
+                Kind::Original => match original::Header::decode(&self.pending) {
+                    Ok(Some((header, _))) => {
+                        let expected = self.answered(u64::from_le_bytes(header.handle));
+                        let data = header.response_payload_length_bytes();
+                        assert_eq!(data, expected, "original answer {header:?}: data length");
+                        data
+                    }
+                    other => panic!("an original client received broken framing: {other:?}"),
+                },
+                Kind::Nbd => match nbd::decode_simple_reply(&self.pending) {
+                    Ok(Some((reply, _))) => {
+                        let expected = self.answered(reply.cookie);
+                        if reply.error == 0 { expected } else { 0 }
+                    }
+                    other => panic!("an NBD client received a broken reply: {other:?}"),
+                },
+            };
+            self.pending.clear();
+        }
+    }
+
+    /// An answer to `id`: it must be in flight; returns the data it carries on success.
+    fn answered(&mut self, id: u64) -> u64 {
+        match self.outstanding.remove(&id) {
+            Some(data) => data,
+            None => panic!(
+                "an answer to request {id}, which is not in flight (answered twice, or never \
+                 sent); in flight: {:?}",
+                self.outstanding.keys().collect::<Vec<_>>()
+            ),
+        }
+    }
+}
+
+impl Run {
+    /// The `selector`th client of `kind` (modulo their count).
+    fn client_of_kind(&self, selector: u8, kind: Kind) -> Option<usize> {
+        let count = self.clients.iter().filter(|c| c.kind == kind).count();
+        if count == 0 {
+            return None;
+        }
+        self.clients
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.kind == kind)
+            .nth(usize::from(selector) % count)
+            .map(|(index, _)| index)
+    }
+
+    /// A step as a well-formed client would take it: valid framing and whole payloads,
+    /// request ids that are unique per connection, the NBD handshake done by the client
+    /// codec, only timing faults; raw bytes, closes, resets, failed accepts and an early
+    /// shutdown are left out. Requests may still be refused (bad range, unknown namespace,
+    /// read-only): a refusal is an answer too.
+    fn well_formed_step(&mut self, step: &Step) {
+        match *step {
+            Step::Connect {
+                thread,
+                listener,
+                source,
+            } => self.connect_well_formed(thread, listener, source),
+            Step::Native {
+                socket,
+                opcode,
+                flags,
+                namespace,
+                offset,
+                length,
+                body,
+                ..
+            } => {
+                let Some(index) = self.client_of_kind(socket, Kind::Native) else {
+                    return;
+                };
+                use native::Opcode::*;
+                const OPCODES: [native::Opcode; 8] =
+                    [Read, Write, Flush, Trim, Hello, Register, Bind, Unregister];
+                const NAMESPACES: [u32; 4] = [1, 2, 3, 9];
+                let opcode = OPCODES[usize::from(opcode % 8)];
+                let namespace_id = NAMESPACES[usize::from(namespace % 4)];
+                let id = self.next_id(index);
+                let control_body = native_body(opcode.as_u8(), namespace_id, body);
+                let mut length = length_bytes(length);
+                if !control_body.is_empty() {
+                    length = control_body.len() as u32;
+                } else if opcode == Write && length as usize > PAYLOAD_BYTES_MAX {
+                    length = 4096;
+                }
+                let fua = flags & 1 != 0 && opcode == Write;
+                let header = native::RequestHeader {
+                    flags: if fua {
+                        native::RequestFlags::FUA
+                    } else {
+                        native::RequestFlags::NONE
+                    },
+                    offset_bytes: offset_bytes(offset),
+                    length_bytes: length,
+                    namespace_id,
+                    ..native::RequestHeader::new(opcode, id)
+                };
+                let mut bytes = header.to_bytes().to_vec();
+                bytes.extend(control_body);
+                if opcode == Write {
+                    bytes.resize(bytes.len() + length as usize, id as u8);
+                }
+                self.send_request(index, bytes, id, 0);
+            }
+            Step::Original {
+                socket,
+                opcode,
+                lba,
+                count,
+                ..
+            } => {
+                let Some(index) = self.client_of_kind(socket, Kind::Original) else {
+                    return;
+                };
+                let count = [1u32, 8, 16, 128][usize::from(count % 4)];
+                let sectors = self.clients[index].oracle.as_ref().map_or(0, |o| o.sectors);
+                let lba = u64::from(lba) % (sectors - u64::from(count) + 1);
+                let write = opcode % 2 == 1;
+                let id = self.next_id(index);
+                let header = original::Header {
+                    opcode: if write {
+                        original::Opcode::Write
+                    } else {
+                        original::Opcode::Read
+                    },
+                    handle: id.to_le_bytes(),
+                    lba,
+                    lba_count: count,
+                };
+                let mut bytes = header.to_bytes().to_vec();
+                let data = u64::from(count) * u64::from(original::SECTOR_SIZE_BYTES);
+                if write {
+                    bytes.resize(bytes.len() + data as usize, id as u8);
+                }
+                self.send_request(index, bytes, id, if write { 0 } else { data });
+            }
+            Step::NbdRequest {
+                socket,
+                command,
+                flags,
+                offset,
+                length,
+                ..
+            } => {
+                let Some(index) = self.client_of_kind(socket, Kind::Nbd) else {
+                    return;
+                };
+                // READ, WRITE, FLUSH, TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS.
+                const COMMANDS: [u16; 7] = [0, 1, 3, 4, 6, 5, 7];
+                let command = COMMANDS[usize::from(command % 7)];
+                let mut length = length_bytes(length);
+                if command == 1 && length as usize > PAYLOAD_BYTES_MAX {
+                    length = 4096;
+                }
+                let id = self.next_id(index);
+                let mut bytes = Vec::with_capacity(nbd::REQUEST_HEADER_SIZE);
+                bytes.extend(nbd::REQUEST_MAGIC.to_be_bytes());
+                bytes.extend(u16::from(flags & 3).to_be_bytes());
+                bytes.extend(command.to_be_bytes());
+                bytes.extend(id.to_be_bytes());
+                bytes.extend(offset_bytes(offset).to_be_bytes());
+                bytes.extend(length.to_be_bytes());
+                if command == 1 {
+                    bytes.resize(bytes.len() + length as usize, id as u8);
+                }
+                let data = if command == 0 { u64::from(length) } else { 0 };
+                self.send_request(index, bytes, id, data);
+            }
+            Step::Advance { .. } | Step::Read { .. } => self.step(step),
+            // Timing faults only: clear, stall, lift, delay, seed.
+            Step::Fault { kind, .. } if matches!(kind % 8, 0 | 1 | 2 | 5 | 7) => self.step(step),
+            _ => {}
+        }
+    }
+
+    fn next_id(&mut self, index: usize) -> u64 {
+        let Some(oracle) = self.clients[index].oracle.as_mut() else {
+            panic!("a well-formed client without its record");
+        };
+        oracle.next_id += 1;
+        oracle.next_id
+    }
+
+    /// Connects unless the thread's table or the listener's share of it is full (the new
+    /// connection would evict a client whose requests are not answered yet: that is the
+    /// server's right, not a lost answer).
+    fn connect_well_formed(&mut self, thread: u8, listener: u8, source: u8) {
+        let thread_index = u16::from(thread) % self.setup.threads;
+        let listener_index = usize::from(listener) % listeners().len();
+        let on_thread = |same_listener: bool| {
+            self.clients
+                .iter()
+                .filter(|c| self.server.socket_thread(c.socket) == thread_index)
+                .filter(|c| !same_listener || c.listener == listener_index)
+                .count()
+        };
+        let limits = &self.setup.limits;
+        let others = listeners().len() as u32 - 1;
+        let listener_max = limits
+            .connections_max
+            .saturating_sub(limits.connections_reserved_per_listener * others)
+            .max(1);
+        if on_thread(false) >= limits.connections_max as usize
+            || on_thread(true) >= listener_max as usize
+        {
+            return;
+        }
+        let before = self.clients.len();
+        self.connect(thread, listener, source);
+        if self.clients.len() == before {
+            return;
+        }
+        let (nbd, sectors) = match &listeners()[listener_index] {
+            VirtualListener::Nbd => {
+                let name = WELL_FORMED_EXPORTS[usize::from(source / 4) % WELL_FORMED_EXPORTS.len()];
+                match nbd::ClientHandshake::new(name) {
+                    Ok(handshake) => (Some((Some(handshake), Vec::new())), 0),
+                    Err(e) => panic!("NBD client for {name:?}: {e}"),
+                }
+            }
+            VirtualListener::Original {
+                namespace_index, ..
+            } => {
+                let bytes = if *namespace_index == 1 {
+                    MODEL_BYTES
+                } else {
+                    MEM_BYTES
+                };
+                (None, bytes / u64::from(original::SECTOR_SIZE_BYTES))
+            }
+            VirtualListener::Native => (None, 0),
+        };
+        let index = self.clients.len() - 1;
+        self.clients[index].oracle = Some(Oracle {
+            next_id: 0,
+            outstanding: BTreeMap::new(),
+            pending: Vec::new(),
+            skip_bytes: 0,
+            nbd,
+            sectors,
+        });
+        // The NBD greeting may have arrived already.
+        let socket = self.clients[index].socket;
+        self.read(index, socket);
+    }
+
+    /// Sends a request (an NBD client still in its handshake queues it) and records it;
+    /// a request beyond the script's send budget is not sent at all.
+    fn send_request(&mut self, index: usize, bytes: Vec<u8>, id: u64, data: u64) {
+        if self.outcome.bytes_sent + bytes.len() > SEND_BYTES_MAX {
+            return;
+        }
+        self.outcome.bytes_sent += bytes.len();
+        self.outcome.requests_sent += 1;
+        let socket = self.clients[index].socket;
+        let Some(oracle) = self.clients[index].oracle.as_mut() else {
+            panic!("a well-formed client without its record");
+        };
+        let previous = oracle.outstanding.insert(id, data);
+        assert!(previous.is_none(), "request id {id} reused");
+        if let Some((Some(_), queued)) = &mut oracle.nbd {
+            queued.extend(bytes);
+            return;
+        }
+        if self.trace {
+            eprintln!("  request {id} ({} bytes) on {socket:?}", bytes.len());
+        }
+        self.server.client_send(socket, &bytes);
+    }
+
+    /// Received bytes for a well-formed client: the NBD handshake first, then answers.
+    fn answers(&mut self, index: usize, received: &[u8]) {
+        let (socket, kind) = (self.clients[index].socket, self.clients[index].kind);
+        let Some(oracle) = self.clients[index].oracle.as_mut() else {
+            return;
+        };
+        let mut rest = received;
+        let mut output = Vec::new();
+        if let Some((handshake_slot, queued)) = &mut oracle.nbd
+            && let Some(handshake) = handshake_slot
+        {
+            let consumed = match handshake.handle_bytes(rest) {
+                Ok(consumed) => consumed,
+                Err(e) => panic!("the NBD handshake failed on {socket:?}: {e}"),
+            };
+            rest = &rest[consumed..];
+            output.extend_from_slice(handshake.pending_output());
+            handshake.consume_output(output.len());
+            if handshake.outcome().is_some() {
+                *handshake_slot = None;
+                output.append(queued);
+            }
+        }
+        if !output.is_empty() {
+            self.server.client_send(socket, &output);
+        }
+        if let Some(oracle) = self.clients[index].oracle.as_mut() {
+            oracle.feed(kind, rest);
+        }
+    }
+
+    /// After a well-formed script: every client reads and every device answers; every
+    /// request must be answered, within [`ANSWERS_TIME_MAX`] of virtual time.
+    fn await_answers(&mut self) {
+        for controls in &self.faults {
+            controls.set_stalled(false);
+        }
+        for index in 0..self.clients.len() {
+            self.clients[index].reading = true;
+            let socket = self.clients[index].socket;
+            self.read(index, socket);
+        }
+        let deadline = self.server.now() + ANSWERS_TIME_MAX;
+        loop {
+            let waiting: Vec<(SocketId, u64)> = self
+                .clients
+                .iter()
+                .filter_map(|c| {
+                    let oracle = c.oracle.as_ref()?;
+                    oracle.outstanding.keys().next().map(|&id| (c.socket, id))
+                })
+                .collect();
+            if waiting.is_empty() {
+                break;
+            }
+            for &(socket, id) in &waiting {
+                assert!(
+                    !self.server.is_server_closed(socket),
+                    "the server closed well-formed client {socket:?} with request {id} (and maybe \
+                     more) unanswered"
+                );
+            }
+            let next = self.server.next_event();
+            match next {
+                Some(next) if next <= deadline => self.instant(next),
+                _ => panic!(
+                    "requests never answered (first per socket: {waiting:?}) at {:?}, next \
+                     event {next:?}\n{:#?}",
+                    self.server.now(),
+                    self.server.stats()
+                ),
+            }
+        }
+        for client in &self.clients {
+            assert!(
+                !self.server.is_server_closed(client.socket),
+                "the server closed well-formed client {:?}",
+                client.socket
+            );
+        }
+    }
+}
+
+fn request_state(index: usize) -> RequestState {
+    use RequestState::*;
+    const STATES: [RequestState; REQUEST_STATE_COUNT] = [
+        Free,
+        NeedBuffer,
+        Receiving,
+        Queued,
+        Submitted,
+        Completed,
+        Sending,
+        Blocked,
+        Orphaned,
+        Overlapping,
+    ];
+    STATES[index]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Seeds.
+
+/// The seed corpus (`fuzz/corpus/dataplane/<name>`): each a short, well-formed conversation
+/// that reaches one area of the server, for the fuzzer to mutate. The regression test
+/// `crates/sim/tests/dataplane_script.rs` checks that the files match (`UPDATE_SEEDS=1`
+/// rewrites them).
+pub fn seeds() -> Vec<(&'static str, Script)> {
+    let connect = |thread: u8, listener: u8, source: u8| Step::Connect {
+        thread,
+        listener,
+        source,
+    };
+    // Native opcode selectors: 0 HELLO, 1 READ, 2 WRITE, 3 FLUSH, 4 TRIM, 5 REGISTER,
+    // 6 UNREGISTER, 7 BIND, 8 RENEGOTIATE. Namespace selectors: 0 id 1 (memory, QoS),
+    // 1 id 2 (model device), 2 id 3 (read-only).
+    let native =
+        |socket: u8, opcode: u8, id: u8, namespace: u8, offset: u16, length: u8| Step::Native {
+            socket,
+            opcode,
+            flags: 0,
+            id,
+            namespace,
+            offset,
+            length,
+            body: [0; 4],
+        };
+    let control = |socket: u8, opcode: u8, id: u8, body: [u8; 4]| Step::Native {
+        socket,
+        opcode,
+        flags: 0,
+        id,
+        namespace: 0,
+        offset: 0,
+        length: 0,
+        body,
+    };
+    let nbd = |socket: u8, command: u8, flags: u8, cookie: u8, offset: u16, length: u8| {
+        Step::NbdRequest {
+            socket,
+            command,
+            flags,
+            cookie,
+            offset,
+            length,
+        }
+    };
+    let original = |socket: u8, opcode: u8, handle: u8, lba: u16, count: u8| Step::Original {
+        socket,
+        opcode,
+        handle,
+        lba,
+        count,
+        payload: 0,
+    };
+    let advance = |mode: u8| Step::Advance { mode };
+    let fault = |namespace: u8, kind: u8, a: u8, b: u8| Step::Fault {
+        namespace,
+        kind,
+        a,
+        b,
+    };
+    const HELLO: [u8; 4] = [1, 0x40, 0x04, 0];
+    // LC: 90 % reads, 1000 µs (latency index 3), 1000 IOPS (IOPS index 2).
+    const REGISTER_LC: [u8; 4] = [0, 90, 3 + 2 * 6, 0];
+    const REGISTER_BE: [u8; 4] = [1, 0, 0, 0];
+    let bind = |handle: u8| [handle, 0, 0, 0];
+    let script = |config: [u8; CONFIG_BYTES], steps: Vec<Step>| Script {
+        config: Config(config),
+        steps,
+    };
+    vec![
+        (
+            "native-io",
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 0, 0),
+                    control(0, 0, 1, HELLO),
+                    native(0, 2, 2, 0, 8, 3),
+                    native(0, 1, 3, 0, 8, 3),
+                    native(0, 2, 4, 1, 0, 5),
+                    native(0, 1, 5, 1, 0, 5),
+                    native(0, 3, 6, 0, 0, 0),
+                    native(0, 4, 7, 0, 8, 3),
+                    native(0, 1, 8, 2, 0, 3),
+                    native(0, 2, 9, 2, 0, 3),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "native-tenants",
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 0, 0),
+                    connect(0, 0, 0),
+                    control(0, 5, 1, REGISTER_LC),
+                    control(0, 5, 2, REGISTER_BE),
+                    advance(7),
+                    control(1, 7, 3, bind(6)),
+                    control(1, 7, 4, bind(7)),
+                    native(1, 2, 5, 0, 16, 3),
+                    native(1, 1, 6, 0, 16, 3),
+                    control(0, 6, 7, bind(6)),
+                    native(1, 1, 8, 0, 16, 3),
+                    control(1, 7, 9, bind(0)),
+                    native(0, 8, 10, 0, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "original",
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 1, 0),
+                    connect(0, 3, 0),
+                    connect(0, 4, 0),
+                    original(0, 1, 1, 8, 2),
+                    original(0, 0, 2, 8, 2),
+                    original(1, 1, 3, 0, 4),
+                    original(1, 0, 4, 0, 4),
+                    original(2, 0, 5, 0, 1),
+                    advance(9),
+                    original(0, 0, 6, 0xffff, 1),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "nbd-io",
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 2, 0),
+                    Step::NbdGo {
+                        socket: 0,
+                        export: 0,
+                        variant: 1,
+                    },
+                    advance(7),
+                    nbd(0, 1, 0, 1, 8, 3),
+                    nbd(0, 0, 0, 2, 8, 3),
+                    nbd(0, 1, 1, 3, 16, 5),
+                    nbd(0, 3, 0, 4, 0, 0),
+                    nbd(0, 4, 0, 5, 8, 3),
+                    nbd(0, 6, 0, 6, 16, 3),
+                    nbd(0, 6, 2, 7, 24, 3),
+                    nbd(0, 7, 0, 8, 0, 3),
+                    advance(9),
+                    nbd(0, 2, 0, 9, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "nbd-handshake",
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 2, 0),
+                    Step::NbdFlags {
+                        socket: 0,
+                        flags: 0,
+                    },
+                    Step::NbdOption {
+                        socket: 0,
+                        option: 7,
+                        export: 0,
+                        info: 0,
+                        mode: 0,
+                    },
+                    Step::NbdOption {
+                        socket: 0,
+                        option: 2,
+                        export: 0,
+                        info: 0,
+                        mode: 0,
+                    },
+                    Step::NbdOption {
+                        socket: 0,
+                        option: 5,
+                        export: 1,
+                        info: 0x0f,
+                        mode: 0,
+                    },
+                    Step::NbdOption {
+                        socket: 0,
+                        option: 6,
+                        export: 5,
+                        info: 0x08,
+                        mode: 0,
+                    },
+                    Step::NbdOption {
+                        socket: 0,
+                        option: 6,
+                        export: 1,
+                        info: 0x08,
+                        mode: 0,
+                    },
+                    advance(7),
+                    nbd(0, 0, 0, 1, 0, 3),
+                    nbd(0, 1, 0, 2, 0, 3),
+                    advance(9),
+                    connect(0, 2, 0),
+                    Step::NbdGo {
+                        socket: 1,
+                        export: 2,
+                        variant: 2,
+                    },
+                    nbd(1, 1, 0, 1, 0, 3),
+                    nbd(1, 0, 0, 2, 0, 3),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "timeouts",
+            // Every timeout on, two threads.
+            script(
+                [0x01, 0x1f, 0, 0],
+                vec![
+                    connect(0, 0, 1),
+                    connect(1, 2, 1),
+                    connect(0, 1, 2),
+                    Step::Raw {
+                        socket: 0,
+                        bytes: native::RequestHeader::read(1, 1, 0, 4096).to_bytes()[..20].to_vec(),
+                    },
+                    Step::Native {
+                        socket: 2,
+                        opcode: 2,
+                        flags: 2 << 3,
+                        id: 1,
+                        namespace: 0,
+                        offset: 0,
+                        length: 5,
+                        body: [0; 4],
+                    },
+                    advance(10),
+                    advance(10),
+                    advance(11),
+                ],
+            ),
+        ),
+        (
+            "back-pressure",
+            // A 4 KiB client buffer, the send timeout, a window of 8 and 24 more slots.
+            script(
+                [0x00, 0xc8, 0x03, 0x01],
+                vec![
+                    connect(0, 0, 0),
+                    native(0, 1, 1, 0, 0, 8),
+                    native(0, 1, 2, 0, 0, 8),
+                    native(0, 1, 3, 1, 0, 8),
+                    native(0, 1, 4, 0, 0, 10),
+                    Step::Read { socket: 0, mode: 1 },
+                    advance(8),
+                    advance(9),
+                    Step::Read { socket: 0, mode: 1 },
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "shutdown",
+            // Two threads with NBD and native requests in flight on the model device when the
+            // shutdown begins; NBD requests after it are answered ESHUTDOWN.
+            script(
+                [0x01, 0, 0, 0],
+                vec![
+                    connect(0, 2, 0),
+                    connect(1, 0, 0),
+                    Step::NbdGo {
+                        socket: 0,
+                        export: 1,
+                        variant: 0,
+                    },
+                    advance(4),
+                    nbd(0, 1, 0, 1, 0, 5),
+                    native(1, 2, 1, 1, 0, 5),
+                    native(1, 1, 2, 1, 0, 5),
+                    Step::Shutdown,
+                    nbd(0, 0, 0, 2, 0, 3),
+                    native(1, 1, 3, 1, 0, 5),
+                    advance(1),
+                    connect(0, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "resets",
+            script(
+                [0x10, 0, 0, 0],
+                vec![
+                    connect(0, 0, 1),
+                    connect(0, 0, 1),
+                    connect(0, 0, 1),
+                    Step::Native {
+                        socket: 0,
+                        opcode: 2,
+                        flags: 2 << 3,
+                        id: 1,
+                        namespace: 1,
+                        offset: 0,
+                        length: 8,
+                        body: [0; 4],
+                    },
+                    native(1, 1, 1, 1, 0, 8),
+                    Step::Reset { socket: 0 },
+                    Step::Reset { socket: 1 },
+                    Step::Close { socket: 2 },
+                    Step::FailAccept {
+                        thread: 0,
+                        listener: 0,
+                        errno: 0,
+                    },
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "small-limits",
+            // One device operation in flight, tenant queues of one, window 8, 10 % shares of
+            // a 2 MiB arena.
+            script(
+                [0x00, 0xe0, 0x1f, 0x04],
+                vec![
+                    connect(0, 0, 0),
+                    connect(0, 1, 0),
+                    native(0, 1, 1, 0, 0, 8),
+                    native(0, 1, 2, 1, 0, 8),
+                    native(0, 2, 3, 0, 0, 8),
+                    native(0, 1, 4, 0, 0, 10),
+                    native(0, 2, 5, 1, 0, 10),
+                    original(1, 1, 6, 0, 4),
+                    original(1, 0, 7, 0, 4),
+                    advance(8),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "faults",
+            // The device timeout (1 ms) on; errors, ENOSPC, a delay past the device timeout,
+            // short reads, a stall and its lift, over native and NBD.
+            script(
+                [0x00, 0x10, 0x00, 0x00],
+                vec![
+                    connect(0, 0, 0),
+                    connect(0, 2, 0),
+                    Step::NbdGo {
+                        socket: 1,
+                        export: 0,
+                        variant: 1,
+                    },
+                    fault(0, 3, 0, 0),
+                    native(0, 1, 1, 0, 0, 3),
+                    fault(0, 3, 1, 4),
+                    native(0, 2, 2, 0, 0, 3),
+                    nbd(1, 1, 0, 1, 0, 3),
+                    fault(1, 5, 2, 0),
+                    native(0, 1, 3, 1, 0, 3),
+                    advance(8),
+                    fault(0, 0, 0, 0),
+                    fault(0, 6, 0, 0),
+                    native(0, 1, 4, 0, 0, 5),
+                    nbd(1, 0, 0, 2, 0, 5),
+                    fault(0, 3, 3, 0),
+                    native(0, 4, 5, 0, 0, 3),
+                    nbd(1, 6, 0, 3, 0, 3),
+                    fault(1, 1, 0, 0),
+                    native(0, 1, 6, 1, 0, 3),
+                    advance(9),
+                    fault(1, 2, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "garbage",
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 0, 0),
+                    connect(0, 1, 0),
+                    connect(0, 2, 0),
+                    Step::Raw {
+                        socket: 0,
+                        bytes: b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+                    },
+                    Step::Raw {
+                        socket: 1,
+                        bytes: vec![0xff; 24],
+                    },
+                    Step::Raw {
+                        socket: 2,
+                        bytes: vec![0; 4],
+                    },
+                    advance(9),
+                ],
+            ),
+        ),
+    ]
+}
