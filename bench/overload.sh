@@ -2,7 +2,7 @@
 # Overload proof (issue 9, a benchmark, not a test): does an attack on reflexd hurt a
 # latency-critical tenant, lock out newcomers, or grow the server's memory without bound?
 #
-# The server: reflexd as scenarios/reflexd-small-headroom.toml (one dataplane thread, blocking
+# The server: reflexd as configs/reflexd-small-headroom.toml (one dataplane thread, blocking
 # mode, emu:device-a-small with its profile, slo_headroom_us 100) with room for the attack's
 # connections: connections_per_thread_max CONNECTIONS (12000). Pinned to SERVER_CPU; every
 # client is pinned to CLIENT_CPU (2 vCPUs: the attackers compete with the LC client for that
@@ -81,9 +81,9 @@ RUNS="$RAW/runs.jsonl"
 : >"$RUNS"
 CONFIG="$WORK/overload.toml"
 {
-    echo "# bench/overload.sh: scenarios/reflexd-small-headroom.toml with room for the attack."
-    grep -v '^#' scenarios/reflexd-small-headroom.toml |
-        sed "s/^port = .*/port = $PORT/; s/^threads = 1/threads = 1\nconnections_per_thread_max = $CONNECTIONS/"
+    echo "# bench/overload.sh: configs/reflexd-small-headroom.toml with room for the attack."
+    grep -v '^#' configs/reflexd-small-headroom.toml |
+        sed "s/^port = .*/port = $PORT/; s/^threads = 1/threads = 1\nconnections_per_thread_max = $CONNECTIONS/; s#\"\.\./profiles/#\"$PWD/profiles/#"
 } >"$CONFIG"
 grep -q "connections_per_thread_max = $CONNECTIONS" "$CONFIG" || die "could not write $CONFIG"
 SECONDS_SCENARIO=$(awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$SCENARIO")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Scale per core (issue 10, a benchmark, not a test): one reflexd dataplane thread pinned to
 # SERVER_CPU, every client pinned to CLIENT_CPU, a `mem` namespace with the QoS profile
-# scenarios/profile-mem-unlimited.toml (token rates no core reaches: the scheduler runs and
+# profiles/mem-unlimited.toml (token rates no core reaches: the scheduler runs and
 # charges every request but never holds one back). Three parts (PARTS), REPS repetitions each:
 #
 #   connections - 10,000 connections per core: reflexd with connections_per_thread_max 10240.
@@ -87,7 +87,7 @@ mkdir -p "$RAW"
 rm -f "$RAW"/*.json "$RAW"/*.log "$RAW"/*.txt
 RUNS="$RAW/runs.jsonl"
 : >"$RUNS"
-PROFILE=scenarios/profile-mem-unlimited.toml
+PROFILE=profiles/mem-unlimited.toml
 ACTIVE=$((ACTIVE_THREADS * ACTIVE_PER_THREAD))
 
 # Configurations (written here so the script is the whole record).

@@ -5,7 +5,7 @@
 # For each mode of bench/scale.sh's tenants part (off: profile with --no-qos; one: QoS on, the
 # default tenant; reg: QoS on, TENANTS registered, the load on the default tenant; bound: QoS
 # on, TENANTS registered, connection k bound to tenant k), reflexd (tenants config of
-# bench/scale.sh, one dataplane thread, `mem:256M` with scenarios/profile-mem-unlimited.toml)
+# bench/scale.sh, one dataplane thread, `mem:256M` with profiles/mem-unlimited.toml)
 # runs under `valgrind --tool=callgrind`; the load is the scale benchmark's (ACTIVE_THREADS ×
 # ACTIVE_PER_THREAD connections, QD 1, 4 KiB random reads) for WARMUP + DURATION, and the bench
 # itself zeroes the server's counters when its measurement starts and dumps them when it ends
@@ -69,7 +69,7 @@ tenants_max = 16384
 [[namespace]]
 id = 1
 backend = "mem:256M"
-profile = "scenarios/profile-mem-unlimited.toml"
+profile = "$PWD/profiles/mem-unlimited.toml"
 EOF
 
 SERVER_PID=""
@@ -269,7 +269,7 @@ add("# The scheduler's cost with 10,000 tenants, in instructions (issue 10)")
 add("")
 add(f"- date: {env['RUN_DATE']}; commit: {env['COMMIT']}{env['DIRTY']}; {env['VALGRIND']}")
 add(f"- command: `{env['COMMAND']}`")
-add(f"- reflexd (one dataplane thread, blocking, `mem:256M` with `scenarios/profile-mem-unlimited.toml`) "
+add(f"- reflexd (one dataplane thread, blocking, `mem:256M` with `profiles/mem-unlimited.toml`) "
     f"under `valgrind --tool=callgrind`; load: {env['ACTIVE_THREADS']} × {env['ACTIVE_PER_THREAD']} "
     f"connections at QD 1, 4 KiB random reads, {env['WARMUP']} warm-up and {env['DURATION']} measured; the "
     "bench zeroes the server's counters when its measurement starts and dumps them when it ends "

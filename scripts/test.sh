@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(libnbd-bin fuse3 python3-libnbd nbdkit qemu-utils fio e2fsprogs util-linux
-    gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user tshark)
+    prometheus systemd gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user tshark)
 
 # The aarch64 step: cross-built with Debian's gcc, run by qemu-user (which implements no
 # io_uring, so reflexd falls back to epoll by itself). Bounded in time.
@@ -62,6 +62,12 @@ echo "==> cargo build --release (binaries the end-to-end tests run)"
 cargo build --release --workspace -q
 echo "==> cargo test"
 cargo test --workspace --release -q
+echo "==> docs: every command in README.md and docs/ checked, the short ones run"
+python3 scripts/check-docs.py
+echo "==> deploy/: systemd unit, Prometheus configuration, dashboard, configs/"
+bash scripts/check-deploy.sh
+echo "==> schemathesis: the admin API against docs/admin-openapi.json, live"
+bash scripts/schemathesis.sh
 echo "==> cargo test -p reflex-server on the epoll driver"
 REFLEX_DRIVER=epoll cargo test --release -p reflex-server -q
 echo "==> aarch64: cross-build, reflex-server's tests under qemu-user (epoll)"

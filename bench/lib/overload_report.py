@@ -59,7 +59,7 @@ add(f"- date: {env['RUN_DATE']}")
 add(f"- machine: {env['MACHINE']}")
 add(f"- commit: {env['COMMIT']}{env['DIRTY']}")
 add(f"- command: `{env['COMMAND']}`")
-add(f"- server: reflexd as `scenarios/reflexd-small-headroom.toml` (one dataplane thread, blocking "
+add(f"- server: reflexd as `configs/reflexd-small-headroom.toml` (one dataplane thread, blocking "
     f"mode, `emu:device-a-small` with its profile, `slo_headroom_us = 100`) with "
     f"`connections_per_thread_max = {connections}` (written to `{env['CONFIG']}`), other limits and "
     f"timeouts at their defaults (handshake 10 s, receive 30 s, send 60 s, park after 1 s). "

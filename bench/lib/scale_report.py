@@ -65,7 +65,7 @@ add(f"- reflexd `--threads 1` pinned to CPU {env['SERVER_CPU']}; every client (`
     f"load average before {env['LOAD_BEFORE']}, after {env['LOAD_AFTER']}.")
 add(f"- active load: {env['ACTIVE']} connections ({env['ACTIVE_THREADS']} bench threads × "
     f"{env['ACTIVE_PER_THREAD']}), closed loop at QD {env['QD']} each, 4 KiB random reads over a "
-    f"`mem:256M` namespace with the QoS profile `scenarios/profile-mem-unlimited.toml` (rates no "
+    f"`mem:256M` namespace with the QoS profile `profiles/mem-unlimited.toml` (rates no "
     f"core reaches: the scheduler charges every request but never holds one back); "
     f"{env['WARMUP']} warm-up, {env['DURATION']} measured.")
 add("- server CPU per request: `reflex bench --server-pid` reads `/proc/PID/task/*/schedstat` "

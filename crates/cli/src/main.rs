@@ -5,6 +5,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+mod admin;
 mod bench;
 mod calibrate;
 mod crash;
@@ -15,7 +16,7 @@ mod model;
 #[command(
     name = "reflex",
     version,
-    about = "ReFlex tools: load generator, calibration, models, crash test"
+    about = "ReFlex tools: admin API client, load generator, calibration, models, crash test"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -24,6 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The admin API of a running reflexd: tenants, namespaces, live statistics.
+    Admin(admin::Args),
     /// Open- or closed-loop load generator against a ReFlex server or a local file.
     Bench(bench::Args),
     /// Raw TCP ping-pong on loopback: the latency floor of remote access.
@@ -50,6 +53,14 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Admin(args) => {
+            // The server's message is the whole story: no backtrace, exit status 1.
+            if let Err(error) = admin::run(args) {
+                eprintln!("reflex admin: {error:#}");
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Command::Bench(args) => bench::run(args),
         Command::Pingpong(args) => bench::pingpong::run(args),
         Command::Calibrate(args) => calibrate::run(args),

@@ -26,7 +26,7 @@ fn start_reflexd(namespace: NamespaceConfig) -> ServerHandle {
         nbd: NbdConfig {
             enabled: true,
             port: 0,
-            default_export: None,
+            ..NbdConfig::default()
         },
         ..Config::loopback(vec![NamespaceConfig {
             name: Some("disk".to_string()),

@@ -16,7 +16,7 @@ use common::{bench_ok, reflex};
 fn qos_namespace() -> NamespaceConfig {
     NamespaceConfig {
         profile: Some(format!(
-            "{}/../../scenarios/profile-mem-unlimited.toml",
+            "{}/../../profiles/mem-unlimited.toml",
             env!("CARGO_MANIFEST_DIR")
         )),
         ..NamespaceConfig::new(1, "mem:64M")

@@ -346,6 +346,9 @@ struct State {
     orphans: BTreeMap<u64, Nanos>,
     /// Messages for threads other than the registries' rate updates: (thread, message).
     outbox: Vec<(u16, ControlMessage)>,
+    /// Tenants created through the admin API (`Self::admin_register`): they live until the
+    /// admin API removes them.
+    managed: std::collections::BTreeSet<u64>,
 }
 
 /// Tenants, registries and the threads' mailboxes. Shared by the server handle and every
@@ -354,6 +357,8 @@ pub struct ControlPlane {
     state: Mutex<State>,
     mailboxes: Box<[Mailbox]>,
     wakers: Vec<Arc<dyn Wake>>,
+    /// Where the threads publish their live figures (`crate::live`).
+    live: Arc<crate::live::LiveBoard>,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -416,6 +421,7 @@ impl ControlPlane {
             owned_by_source: BTreeMap::new(),
             orphans: BTreeMap::new(),
             outbox: Vec::new(),
+            managed: std::collections::BTreeSet::new(),
         };
         let mut setups = Vec::new();
         for (index, namespace) in setup.namespaces.iter().enumerate() {
@@ -496,6 +502,7 @@ impl ControlPlane {
             state: Mutex::new(state),
             mailboxes,
             wakers,
+            live: Arc::new(crate::live::LiveBoard::new(usize::from(threads))),
         };
         // The registries' first messages (device rates) wait in the mailboxes until each
         // thread starts; no thread runs yet, so none needs waking.
@@ -504,6 +511,11 @@ impl ControlPlane {
             plane.distribute(&mut state, None);
         }
         Ok((plane, setups))
+    }
+
+    /// The board the dataplane threads publish their live figures on.
+    pub fn live(&self) -> &Arc<crate::live::LiveBoard> {
+        &self.live
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -1029,6 +1041,222 @@ impl ControlPlane {
     }
 }
 
+/// Why the admin API's change of a tenant was not made (nothing changed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdminError {
+    #[error("no namespace {0}")]
+    NoSuchNamespace(u32),
+    #[error("namespace {0} has no QoS profile: tenants cannot be added to it")]
+    NoQos(u32),
+    #[error("no tenant {name:?} on namespace {namespace_id}")]
+    NoSuchTenant { namespace_id: u32, name: String },
+    #[error("namespace {namespace_id} already has a tenant {name:?}")]
+    Duplicate { namespace_id: u32, name: String },
+    #[error("tenant {name:?} {reason}")]
+    NotChangeable { name: String, reason: &'static str },
+    /// Admission control's reason.
+    #[error("refused by admission control: {0}")]
+    Refused(String),
+}
+
+/// A tenant the admin API changed, and the plan of its namespace afterwards.
+#[derive(Debug, Clone)]
+pub struct AdminOutcome {
+    pub tenant: TenantInfo,
+    pub plan: Option<Plan>,
+}
+
+impl ControlPlane {
+    /// Runs `change` on the state from outside the dataplane (the admin API's thread): every
+    /// message it makes goes to the threads' mailboxes, and the threads are woken, so each
+    /// applies the change before its next scheduling round.
+    fn change_from_outside<R>(&self, change: impl FnOnce(&mut State) -> R) -> R {
+        let mut state = self.lock();
+        let result = change(&mut state);
+        let mut none = Vec::new();
+        let woken = self.distribute_to(&mut state, None, &mut none);
+        assert!(none.is_empty(), "no thread is served directly from outside");
+        drop(state);
+        self.wake(&woken);
+        result
+    }
+
+    /// The index of namespace `namespace_id` among the registries.
+    fn namespace_index_of(state: &State, namespace_id: u32) -> Option<u16> {
+        state
+            .namespaces
+            .iter()
+            .position(|namespace| namespace.namespace_id == namespace_id)
+            .map(|index| index as u16)
+    }
+
+    /// The handle of the tenant called `name` on `namespace_id`.
+    pub fn find_tenant(&self, namespace_id: u32, name: &str) -> Option<u64> {
+        let state = self.lock();
+        let index = Self::namespace_index_of(&state, namespace_id)?;
+        state
+            .tenants
+            .iter()
+            .find(|(_, entry)| entry.namespace_index == index && entry.name == name)
+            .map(|(handle, _)| *handle)
+    }
+
+    /// Whether the admin API created the tenant (and may remove it).
+    pub fn is_managed(&self, handle: u64) -> bool {
+        self.lock().managed.contains(&handle)
+    }
+
+    /// Admits a tenant named `name` on `namespace_id` for the admin API; it lives until
+    /// [`Self::admin_remove`]. Refused (nothing changes) when the name is taken there, the
+    /// namespace has no QoS profile, or admission control says no.
+    pub fn admin_register(
+        &self,
+        namespace_id: u32,
+        name: &str,
+        spec: TenantSpec,
+        read_only: bool,
+    ) -> Result<AdminOutcome, AdminError> {
+        let handle = self.change_from_outside(|state| {
+            let index = Self::namespace_index_of(state, namespace_id)
+                .ok_or(AdminError::NoSuchNamespace(namespace_id))?;
+            if !state.namespaces[usize::from(index)].has_profile {
+                return Err(AdminError::NoQos(namespace_id));
+            }
+            if state
+                .tenants
+                .values()
+                .any(|entry| entry.namespace_index == index && entry.name == name)
+            {
+                return Err(AdminError::Duplicate {
+                    namespace_id,
+                    name: name.to_string(),
+                });
+            }
+            let handle = state
+                .register(index, spec, name, read_only, false)
+                .map_err(AdminError::Refused)?;
+            state.managed.insert(handle);
+            Ok(handle)
+        })?;
+        self.outcome(handle, namespace_id, name)
+    }
+
+    /// Changes a tenant's SLO (or class) for the admin API: admission runs again; on refusal
+    /// the old SLO stays. The threads apply the new rates before their next scheduling round.
+    pub fn admin_update(
+        &self,
+        namespace_id: u32,
+        name: &str,
+        spec: TenantSpec,
+    ) -> Result<AdminOutcome, AdminError> {
+        let handle = self.change_from_outside(|state| {
+            let index = Self::namespace_index_of(state, namespace_id)
+                .ok_or(AdminError::NoSuchNamespace(namespace_id))?;
+            let (handle, id) = state
+                .tenants
+                .iter()
+                .find(|(_, entry)| entry.namespace_index == index && entry.name == name)
+                .map(|(handle, entry)| (*handle, entry.id))
+                .ok_or_else(|| AdminError::NoSuchTenant {
+                    namespace_id,
+                    name: name.to_string(),
+                })?;
+            let namespace = &mut state.namespaces[usize::from(index)];
+            if !namespace.has_profile {
+                return Err(AdminError::NoQos(namespace_id));
+            }
+            if namespace.handles.get(&id) != Some(&handle) {
+                return Err(AdminError::NoSuchTenant {
+                    namespace_id,
+                    name: name.to_string(),
+                });
+            }
+            namespace
+                .registry
+                .reregister(id, spec)
+                .map_err(|error| AdminError::Refused(error.to_string()))?;
+            if let Some(entry) = state.tenants.get_mut(&handle) {
+                entry.spec = spec;
+            }
+            tracing::info!(handle, tenant = %name, namespace = namespace_id, ?spec,
+                "tenant's SLO changed through the admin API");
+            Ok(handle)
+        })?;
+        self.outcome(handle, namespace_id, name)
+    }
+
+    /// Removes a tenant the admin API created, or one a client registered over the wire:
+    /// its connections' I/O is refused (PERMISSION) from then on. Configured tenants and the
+    /// namespace's default tenant stay (they are the configuration file's).
+    pub fn admin_remove(&self, namespace_id: u32, name: &str) -> Result<TenantInfo, AdminError> {
+        let handle =
+            self.find_tenant(namespace_id, name)
+                .ok_or_else(|| AdminError::NoSuchTenant {
+                    namespace_id,
+                    name: name.to_string(),
+                })?;
+        let info = self
+            .tenant(handle)
+            .ok_or_else(|| AdminError::NoSuchTenant {
+                namespace_id,
+                name: name.to_string(),
+            })?;
+        self.change_from_outside(|state| {
+            let removable = state
+                .tenants
+                .get(&handle)
+                .is_some_and(|entry| entry.dynamic)
+                || state.managed.contains(&handle);
+            if !removable {
+                return Err(AdminError::NotChangeable {
+                    name: name.to_string(),
+                    reason: "comes from the configuration file: remove it there (and reload)",
+                });
+            }
+            if state.remove_dynamic(handle) {
+                Ok(())
+            } else {
+                Err(AdminError::NoSuchTenant {
+                    namespace_id,
+                    name: name.to_string(),
+                })
+            }
+        })?;
+        Ok(info)
+    }
+
+    fn outcome(
+        &self,
+        handle: u64,
+        namespace_id: u32,
+        name: &str,
+    ) -> Result<AdminOutcome, AdminError> {
+        let tenant = self
+            .tenant(handle)
+            .ok_or_else(|| AdminError::NoSuchTenant {
+                namespace_id,
+                name: name.to_string(),
+            })?;
+        let plan = {
+            let state = self.lock();
+            Self::namespace_index_of(&state, namespace_id).and_then(|index| {
+                let namespace = &state.namespaces[usize::from(index)];
+                namespace.has_profile.then(|| namespace.registry.plan())
+            })
+        };
+        Ok(AdminOutcome { tenant, plan })
+    }
+
+    /// The registry's current scale of the device rate and whether the namespace has QoS.
+    pub fn rate_scale(&self, namespace_index: u16) -> Option<f64> {
+        let mut state = self.lock();
+        state
+            .namespace(namespace_index)
+            .filter(|namespace| namespace.has_profile)
+            .map(|namespace| namespace.registry.rate_scale())
+    }
+}
+
 impl State {
     fn namespace(&mut self, namespace_index: u16) -> Option<&mut NamespaceState> {
         self.namespaces.get_mut(usize::from(namespace_index))
@@ -1249,9 +1477,10 @@ impl State {
             return false;
         };
         assert!(
-            entry.dynamic,
-            "only tenants registered over the wire are removed"
+            entry.dynamic || self.managed.contains(&handle),
+            "only tenants registered over the wire or through the admin API are removed"
         );
+        self.managed.remove(&handle);
         let (namespace_index, id, owner, source) =
             (entry.namespace_index, entry.id, entry.owner, entry.source);
         let Some(namespace) = self.namespace(namespace_index) else {

@@ -24,6 +24,7 @@ pub mod control;
 mod core;
 pub mod frontend;
 pub mod gate;
+pub mod live;
 #[allow(unsafe_code)]
 mod memory;
 pub mod namespaces;

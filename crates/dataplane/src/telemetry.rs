@@ -121,6 +121,32 @@ impl LatencyHistogram {
             self.total = 0;
         }
     }
+
+    /// Each non-empty bucket as (its upper bound in µs, its count), in increasing order (what
+    /// a Prometheus histogram is made of).
+    pub fn buckets(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.counts
+            .iter()
+            .enumerate()
+            .filter(|(_, count)| **count > 0)
+            .map(|(bucket, count)| (bucket_upper_us(bucket), u64::from(*count)))
+    }
+
+    /// What was recorded since `earlier`, an older copy of this histogram (a window from two
+    /// cumulative snapshots; buckets that went down, as after a reset, count 0).
+    pub fn since(&self, earlier: &LatencyHistogram) -> LatencyHistogram {
+        let mut window = LatencyHistogram::new();
+        for ((bucket, now), before) in window
+            .counts
+            .iter_mut()
+            .zip(self.counts.iter())
+            .zip(earlier.counts.iter())
+        {
+            *bucket = now.saturating_sub(*before);
+            window.total += u64::from(*bucket);
+        }
+        window
+    }
 }
 
 #[cfg(test)]
@@ -163,6 +189,10 @@ mod tests {
         b.merge(&a);
         assert_eq!(b.count(), 200);
         assert_eq!(b.quantile_us(0.5), 5);
+        let window = b.since(&a);
+        assert_eq!(window.count(), 100);
+        assert_eq!(window.quantile_us(0.95), 5);
+        assert_eq!(a.buckets().map(|(_, count)| count).sum::<u64>(), 100);
         b.clear();
         assert!(b.is_empty());
         assert_eq!(b.quantile_us(0.95), 0);

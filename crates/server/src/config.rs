@@ -173,7 +173,7 @@ pub struct NamespaceConfig {
     #[serde(default)]
     pub tenant: Option<String>,
     /// The device profile (`docs/CALIBRATION.md`) the QoS scheduler uses for this namespace,
-    /// a TOML path relative to the working directory. Without one the namespace is served
+    /// a TOML path (in a configuration file, relative to the file's folder). Without one the namespace is served
     /// first in, first out, without tenants' SLOs (logged at startup).
     #[serde(default)]
     pub profile: Option<String>,
@@ -337,6 +337,35 @@ pub struct TenantConfig {
     /// Reads among the reserved I/Os, in percent (LC only; default 100).
     #[serde(default)]
     pub read_percent: Option<u8>,
+    /// The device submission queue (NVMe priority class) the tenant's I/O goes to when it
+    /// arrives through an NBD export or an original-protocol port bound to the tenant;
+    /// `None`: the connection's own (the class its client declared, else the default).
+    #[serde(default)]
+    pub priority: Option<PriorityConfig>,
+}
+
+/// `priority` of a tenant: an NVMe arbitration class (`docs/EMULATION.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PriorityConfig {
+    Urgent,
+    High,
+    Medium,
+    Low,
+}
+
+impl PriorityConfig {
+    /// The device submission queue of the class.
+    pub fn submission_queue(self) -> u16 {
+        use reflex_flash::emu::PriorityClass;
+        match self {
+            PriorityConfig::Urgent => PriorityClass::Urgent,
+            PriorityConfig::High => PriorityClass::High,
+            PriorityConfig::Medium => PriorityClass::Medium,
+            PriorityConfig::Low => PriorityClass::Low,
+        }
+        .submission_queue()
+    }
 }
 
 impl TenantConfig {
@@ -348,6 +377,7 @@ impl TenantConfig {
             latency_us_p95: None,
             iops: None,
             read_percent: None,
+            priority: None,
         }
     }
 
@@ -364,6 +394,7 @@ impl TenantConfig {
             latency_us_p95: Some(latency_us_p95),
             iops: Some(iops),
             read_percent: Some(read_percent),
+            priority: None,
         }
     }
 
@@ -453,6 +484,25 @@ pub struct NbdConfig {
     /// The export a client gets when it asks for the empty name; `None`: the first namespace
     /// in the configuration.
     pub default_export: Option<String>,
+    /// Exports besides each namespace's own (`[[nbd.export]]`): several may name one
+    /// namespace, each charged to its own tenant, so that standard clients (fio's nbd engine,
+    /// one job per export) can be several tenants at once.
+    #[serde(rename = "export")]
+    pub exports: Vec<NbdExportConfig>,
+}
+
+/// `[[nbd.export]]`: an NBD export of namespace `namespace` charged to `tenant`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NbdExportConfig {
+    /// The export's name (unique among every export, the namespaces' own included).
+    pub name: String,
+    /// The namespace id it serves.
+    pub namespace: u32,
+    /// The tenant its connections are charged to; `None`: the namespace's default
+    /// best-effort tenant.
+    #[serde(default)]
+    pub tenant: Option<String>,
 }
 
 impl Default for NbdConfig {
@@ -461,6 +511,7 @@ impl Default for NbdConfig {
             enabled: true,
             port: NBD_PORT_DEFAULT,
             default_export: None,
+            exports: Vec::new(),
         }
     }
 }
@@ -648,6 +699,8 @@ pub struct Config {
     /// Tenants declared with their class and SLO.
     #[serde(rename = "tenant")]
     pub tenants: Vec<TenantConfig>,
+    /// The admin API, its metrics and the state file (`docs/OPERATIONS.md`, "Admin API").
+    pub admin: crate::admin::AdminConfig,
 }
 
 fn size_bytes<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
@@ -684,6 +737,7 @@ impl Default for Config {
             qos: true,
             qos_config: QosConfig::default(),
             tenants: Vec::new(),
+            admin: crate::admin::AdminConfig::default(),
         }
     }
 }
@@ -708,6 +762,7 @@ impl Config {
             threads: 1,
             arena_bytes_per_thread: 16 << 20,
             namespaces,
+            admin: crate::admin::AdminConfig::disabled(),
             ..Config::default()
         }
     }
@@ -725,7 +780,42 @@ impl Config {
             path: shown.clone(),
             source,
         })?;
-        Config::from_toml(&text, &shown)
+        let mut config = Config::from_toml(&text, &shown)?;
+        config.resolve_relative_paths(path.parent().unwrap_or(Path::new("")));
+        Ok(config)
+    }
+
+    /// Makes the relative paths a configuration file names (file backends, QoS profiles, the
+    /// admin state file) relative to `base`, the file's folder, so that a configuration means
+    /// the same whatever the working directory. Absolute paths and non-file backends stay.
+    pub fn resolve_relative_paths(&mut self, base: &Path) {
+        let resolve = |path: &str| -> String {
+            if path.is_empty() || Path::new(path).is_absolute() {
+                path.to_string()
+            } else {
+                base.join(path).display().to_string()
+            }
+        };
+        for namespace in &mut self.namespaces {
+            let backend = namespace.backend.trim();
+            if let Some(path) = backend.strip_prefix("file:") {
+                namespace.backend = format!("file:{}", resolve(path));
+            } else if !backend.contains(':')
+                && !backend.starts_with("emu(")
+                && !backend.starts_with("fault(")
+                && backend != "null"
+                && backend != "mem"
+                && backend != "fault"
+            {
+                namespace.backend = resolve(backend);
+            }
+            if let Some(profile) = &namespace.profile {
+                namespace.profile = Some(resolve(profile));
+            }
+        }
+        if let Some(state_file) = &self.admin.state_file {
+            self.admin.state_file = Some(resolve(state_file));
+        }
     }
 
     /// The namespaces to serve: the configured ones, or the default 1 GiB file.
@@ -897,7 +987,17 @@ impl Config {
         } else {
             Vec::new()
         };
-        for name in namespace_tenant.chain(port_tenants).chain(nvme_tenants) {
+        let export_tenants = self
+            .nbd
+            .exports
+            .iter()
+            .filter(|export| export.namespace == id)
+            .filter_map(|export| export.tenant.clone());
+        for name in namespace_tenant
+            .chain(port_tenants)
+            .chain(nvme_tenants)
+            .chain(export_tenants)
+        {
             if !names.contains(&name) {
                 names.push(name);
             }
@@ -1012,6 +1112,7 @@ impl Config {
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         self.limits().check().map_err(ConfigError::Invalid)?;
+        self.admin.validate().map_err(ConfigError::Invalid)?;
 
         let names: Vec<String> = namespaces
             .iter()
@@ -1039,11 +1140,42 @@ impl Config {
                 ));
             }
         }
+        let mut all_names = names.clone();
+        for export in &self.nbd.exports {
+            let name = &export.name;
+            if name.is_empty() || name.len() > EXPORT_NAME_BYTES_MAX || name.contains('\0') {
+                return invalid(format!(
+                    "nbd.export {name:?}: the name must be 1..={EXPORT_NAME_BYTES_MAX} bytes without NUL"
+                ));
+            }
+            if all_names.contains(name) {
+                return invalid(format!(
+                    "nbd.export {name:?}: the name is taken by another export or namespace"
+                ));
+            }
+            if !namespaces
+                .iter()
+                .any(|namespace| namespace.id == export.namespace)
+            {
+                return invalid(format!(
+                    "nbd.export {name:?}: no namespace {}",
+                    export.namespace
+                ));
+            }
+            if let Some(tenant) = &export.tenant
+                && (tenant.is_empty() || tenant.len() > TENANT_NAME_BYTES_MAX)
+            {
+                return invalid(format!(
+                    "nbd.export {name:?}: tenant name {tenant:?} must be 1..={TENANT_NAME_BYTES_MAX} bytes"
+                ));
+            }
+            all_names.push(name.clone());
+        }
         if let Some(default) = &self.nbd.default_export
-            && !names.contains(default)
+            && !all_names.contains(default)
         {
             return invalid(format!(
-                "nbd.default_export {default:?} is not the export name of any namespace"
+                "nbd.default_export {default:?} is not the name of any export"
             ));
         }
         if self.nvme_tcp.enabled {
@@ -1468,13 +1600,90 @@ mod example_file {
         let config = Config::from_file(Path::new(path)).unwrap_or_else(|e| panic!("{e}"));
         config.validate().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(config.namespaces.len(), 3);
+        // The state file is the default one, resolved against the example's folder.
+        let folder = Path::new(path).parent().unwrap_or_else(|| panic!("{path}"));
+        assert_eq!(
+            config.admin.state_file,
+            Some(folder.join("reflex-data/state.json").display().to_string())
+        );
         assert_eq!(
             config,
             Config {
                 namespaces: config.namespaces.clone(),
                 original_ports: config.original_ports.clone(),
+                admin: crate::admin::AdminConfig {
+                    state_file: config.admin.state_file.clone(),
+                    ..crate::admin::AdminConfig::default()
+                },
                 ..Config::default()
             }
         );
+    }
+
+    #[test]
+    fn relative_paths_resolve_against_the_configuration_files_folder() {
+        let directory = tempfile_dir();
+        let path = directory.join("reflexd.toml");
+        std::fs::write(
+            &path,
+            r#"
+[admin]
+state_file = "state/state.json"
+[[namespace]]
+id = 1
+backend = "file:data/ns1"
+profile = "../profiles/p.toml"
+[[namespace]]
+id = 2
+backend = "disk.img"
+[[namespace]]
+id = 3
+backend = "/abs/disk.img"
+profile = "/abs/p.toml"
+[[namespace]]
+id = 4
+backend = "mem:1M"
+[[namespace]]
+id = 5
+backend = "emu:device-a-small"
+[[namespace]]
+id = 6
+backend = "null"
+"#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let config = Config::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
+        let at = |relative: &str| directory.join(relative).display().to_string();
+        let backends: Vec<&str> = config
+            .namespaces
+            .iter()
+            .map(|n| n.backend.as_str())
+            .collect();
+        assert_eq!(
+            backends,
+            [
+                format!("file:{}", at("data/ns1")).as_str(),
+                at("disk.img").as_str(),
+                "/abs/disk.img",
+                "mem:1M",
+                "emu:device-a-small",
+                "null"
+            ]
+        );
+        assert_eq!(config.namespaces[0].profile, Some(at("../profiles/p.toml")));
+        assert_eq!(config.namespaces[2].profile.as_deref(), Some("/abs/p.toml"));
+        assert_eq!(config.admin.state_file, Some(at("state/state.json")));
+        let _ = std::fs::remove_dir_all(&directory);
+    }
+
+    /// A fresh folder under the system's temporary directory (no dev-dependency needed).
+    fn tempfile_dir() -> std::path::PathBuf {
+        let directory = std::env::temp_dir().join(format!(
+            "reflex-config-test-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&directory).unwrap_or_else(|e| panic!("{e}"));
+        directory
     }
 }

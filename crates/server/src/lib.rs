@@ -34,9 +34,11 @@
 
 #![deny(unsafe_code)]
 
+pub mod admin;
 pub mod config;
 mod driver;
 mod epoll;
+pub mod metrics;
 #[allow(unsafe_code)]
 mod sys;
 mod uring;
@@ -62,9 +64,9 @@ pub use reflex_dataplane::{CoreStats, TenantStats};
 use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
-    Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NvmeHostConfig,
-    NvmeSubsystemConfig, NvmeTcpConfig, OriginalPortConfig, TenantClassConfig, TenantConfig,
-    TimeoutsConfig,
+    Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NbdExportConfig, NvmeHostConfig,
+    NvmeSubsystemConfig, NvmeTcpConfig, OriginalPortConfig, PriorityConfig, TenantClassConfig,
+    TenantConfig, TimeoutsConfig,
 };
 pub use crate::driver::{Driver, NO_IO_URING_ENV};
 use crate::driver::{DriverSetup, EventfdWaker, spawn_driver};
@@ -102,6 +104,8 @@ pub enum ServerError {
     },
     #[error(transparent)]
     Qos(#[from] ControlError),
+    #[error(transparent)]
+    Admin(#[from] admin::AdminStartError),
 }
 
 /// Entry point; see the crate doc.
@@ -167,6 +171,16 @@ impl Server {
         let (control, qos) =
             ControlPlane::start(&control_setup(&config)?, &namespaces, control_wakers)?;
         let control = Arc::new(control);
+        // Tenants created through the admin API in an earlier life, and SLO changes of
+        // configured tenants, before any thread serves.
+        let persistence = match (&config.admin.enabled, &config.admin.state_file) {
+            (true, Some(path)) => {
+                let file = admin::state_file::StateFile::new(path);
+                let state = admin::restore(&control, &file)?;
+                Some((file, state))
+            }
+            _ => None,
+        };
         let configured = |namespace_index: u16, name: Option<&String>| -> TenantRef {
             let Some(name) = name else {
                 return TenantRef::NONE;
@@ -204,6 +218,7 @@ impl Server {
             original_protocols.push(Protocol::Original {
                 namespace_index,
                 tenant: configured(namespace_index, original.tenant.as_ref()),
+                device_queue: device_queue_of(&config, original.tenant.as_ref()),
             });
         }
         let protocol_of = |role: ListenerRole| match role {
@@ -226,6 +241,7 @@ impl Server {
             threads: Vec::new(),
             control: Arc::clone(&control),
             namespaces: Arc::clone(&namespaces),
+            admin: None,
         };
         let limits = config.limits();
         let cq_entries = config.ring_cq_entries();
@@ -281,6 +297,18 @@ impl Server {
                 }
             }
         }
+        if config.admin.enabled {
+            let effective = config.effective_namespaces();
+            handle.admin = Some(admin::start(admin::AdminSetup {
+                config: config.admin.clone(),
+                control: Arc::clone(&control),
+                namespaces: Arc::clone(&namespaces),
+                exports: effective.iter().map(NamespaceConfig::export_name).collect(),
+                devices: effective.iter().map(|ns| ns.backend.clone()).collect(),
+                persistence,
+                threads: config.threads,
+            })?);
+        }
         log_startup(&config, driver, &namespaces, &handle, &registered, &qos);
         Ok(handle)
     }
@@ -335,6 +363,17 @@ fn control_setup(config: &Config) -> Result<ControlSetup, ServerError> {
 
 /// The NBD export table: export `i` is namespace `i`, under its configured name, with its
 /// size (rounded down to the 512-byte minimum block), read-only setting and tenant binding.
+/// The device queue of the configured tenant `name`'s `priority`, if it has one.
+fn device_queue_of(config: &Config, name: Option<&String>) -> Option<u16> {
+    let name = name?;
+    config
+        .tenants
+        .iter()
+        .find(|tenant| &tenant.name == name)?
+        .priority
+        .map(config::PriorityConfig::submission_queue)
+}
+
 fn nbd_exports(
     config: &Config,
     namespaces: &NamespaceSet,
@@ -358,6 +397,33 @@ fn nbd_exports(
             ExportBinding {
                 namespace_index,
                 tenant,
+                device_queue: device_queue_of(config, namespace.tenant.as_ref()),
+            },
+        ));
+    }
+    for extra in &config.nbd.exports {
+        let Some(namespace_index) = namespaces.index_of(extra.namespace) else {
+            return Err(ConfigError::Invalid(format!(
+                "nbd.export {:?}: no namespace {}",
+                extra.name, extra.namespace
+            ))
+            .into());
+        };
+        let size_bytes = namespaces.size_bytes(namespace_index) / minimum_bytes * minimum_bytes;
+        let mut export = Export::new(extra.name.clone(), size_bytes).with_description(format!(
+            "reflexd namespace {} for tenant {}",
+            extra.namespace,
+            extra.tenant.as_deref().unwrap_or("(default)")
+        ));
+        if namespaces.native_table()[usize::from(namespace_index)].read_only {
+            export = export.read_only();
+        }
+        exports.push((
+            export,
+            ExportBinding {
+                namespace_index,
+                tenant: configured(namespace_index, extra.tenant.as_ref()),
+                device_queue: device_queue_of(config, extra.tenant.as_ref()),
             },
         ));
     }
@@ -641,9 +707,16 @@ pub struct ServerHandle {
     threads: Vec<JoinHandle<Result<CoreStats, String>>>,
     control: Arc<ControlPlane>,
     namespaces: Arc<NamespaceSet>,
+    /// The admin API's thread, when it serves.
+    admin: Option<admin::AdminHandle>,
 }
 
 impl ServerHandle {
+    /// Address of the admin API, when it serves.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().map(admin::AdminHandle::addr)
+    }
+
     /// The I/O driver the dataplane threads run on.
     pub fn driver(&self) -> Driver {
         self.driver
@@ -652,6 +725,14 @@ impl ServerHandle {
     /// Address of the native protocol listener.
     pub fn native_addr(&self) -> SocketAddr {
         self.native_addr
+    }
+
+    /// The commands an emulated device accepted on submission queue `queue` (its priority
+    /// class's), `None` when namespace `namespace_id` is not an emulated device.
+    pub fn emu_commands_in_queue(&self, namespace_id: u32, queue: u16) -> Option<u64> {
+        let index = self.namespaces.index_of(namespace_id)?;
+        let controls = self.namespaces.device(index).emu_controls()?;
+        Some(controls.commands_submitted_in(queue))
     }
 
     /// `(namespace id, address)` of every original-protocol listener.
@@ -732,6 +813,9 @@ impl ServerHandle {
     }
 
     fn join(&mut self) -> Result<Vec<CoreStats>, ServerError> {
+        if let Some(mut admin) = self.admin.take() {
+            admin.stop();
+        }
         let mut stats = Vec::new();
         let mut first_error = None;
         for (thread, handle) in self.threads.drain(..).enumerate() {
@@ -798,5 +882,110 @@ impl Drop for ServerHandle {
             self.begin_shutdown();
             let _ = self.join();
         }
+    }
+}
+
+/// `reflexd --check-config`: validates the configuration as start-up would, without opening
+/// a device or a port: every field, each QoS profile read and parsed, the configured tenants
+/// admitted against it, and the state file (when the admin API keeps one) parsed.
+pub fn check_config(config: &Config) -> Result<(), ServerError> {
+    config.validate()?;
+    let setup = control_setup(config)?;
+    for namespace in &setup.namespaces {
+        let Some(profile) = &namespace.profile else {
+            continue;
+        };
+        let qos = |reason: String| ControlError::Qos {
+            namespace_id: namespace.namespace_id,
+            reason,
+        };
+        let mut registry = reflex_qos::TenantRegistry::new(
+            profile.clone(),
+            setup.qos_config.clone(),
+            setup.threads,
+        )
+        .map_err(|e| qos(e.to_string()))?;
+        for (name, spec) in &namespace.tenants {
+            registry
+                .register(*spec)
+                .map_err(|error| ControlError::Refused {
+                    namespace_id: namespace.namespace_id,
+                    name: name.clone(),
+                    reason: error.to_string(),
+                })?;
+        }
+    }
+    if config.admin.enabled
+        && let Some(path) = &config.admin.state_file
+    {
+        admin::state_file::StateFile::new(path)
+            .load()
+            .map_err(admin::AdminStartError::from)?;
+    }
+    Ok(())
+}
+
+/// What a reload of the configured tenants did ([`ServerHandle::reload_tenants`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReloadReport {
+    /// Configured tenants whose SLO changed (admission ran again and admitted it).
+    pub changed: u32,
+    pub unchanged: u32,
+    /// SLO changes admission refused (the old SLO stays; each is logged with the reason).
+    pub refused: u32,
+    /// Tenants or bindings that are new or gone: they need a restart (each is logged).
+    pub needs_restart: u32,
+}
+
+impl ServerHandle {
+    /// Applies the configured tenants' SLOs of `config` (SIGHUP): each configured tenant that
+    /// is bound to a namespace here and whose SLO differs goes through admission again, and
+    /// its new rates reach the threads before their next scheduling round; no connection is
+    /// touched. Tenants or bindings that appear or disappear are logged as needing a restart.
+    pub fn reload_tenants(&self, config: &Config) -> ReloadReport {
+        let mut report = ReloadReport::default();
+        for namespace in config.effective_namespaces() {
+            if self.namespaces.index_of(namespace.id).is_none() {
+                tracing::warn!(
+                    namespace = namespace.id,
+                    "reload: a new namespace needs a restart"
+                );
+                report.needs_restart += 1;
+                continue;
+            }
+            for name in config.tenants_bound_to(namespace.id) {
+                let spec = match config.tenant(&name).spec() {
+                    Ok(spec) => spec,
+                    Err(reason) => {
+                        tracing::warn!(tenant = %name, %reason, "reload: tenant not valid");
+                        report.refused += 1;
+                        continue;
+                    }
+                };
+                let Some(handle) = self.control.find_tenant(namespace.id, &name) else {
+                    tracing::warn!(namespace = namespace.id, tenant = %name,
+                        "reload: a newly bound tenant needs a restart");
+                    report.needs_restart += 1;
+                    continue;
+                };
+                if self.control.tenant(handle).map(|info| info.spec) == Some(spec) {
+                    report.unchanged += 1;
+                    continue;
+                }
+                match self.control.admin_update(namespace.id, &name, spec) {
+                    Ok(_) => {
+                        tracing::info!(namespace = namespace.id, tenant = %name, ?spec,
+                            "reload: tenant's SLO changed");
+                        report.changed += 1;
+                    }
+                    Err(error) => {
+                        tracing::warn!(namespace = namespace.id, tenant = %name, %error,
+                            "reload: SLO change refused; the old SLO stays");
+                        report.refused += 1;
+                    }
+                }
+            }
+        }
+        report
     }
 }

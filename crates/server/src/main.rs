@@ -1,6 +1,6 @@
 //! `reflexd`: the ReFlex server binary. Parses flags over an optional TOML file, starts the
-//! server, and turns SIGINT/SIGTERM into a graceful shutdown (drain, flush, exit 0).
-//! See `docs/OPERATIONS.md`.
+//! server, turns SIGINT/SIGTERM into a graceful shutdown (drain, flush, exit 0) and SIGHUP
+//! into a reload of the configured tenants' SLOs. See `docs/OPERATIONS.md`.
 
 use std::io::IsTerminal;
 use std::net::IpAddr;
@@ -76,35 +76,77 @@ struct Args {
     /// Buffer arena per thread, e.g. 32M (a multiple of 1M).
     #[arg(long)]
     arena_size: Option<String>,
+    /// Admin API address (default 127.0.0.1:7071; port 0 picks a free one).
+    #[arg(long)]
+    admin_listen: Option<std::net::SocketAddr>,
+    /// Do not serve the admin API (and keep no state file).
+    #[arg(long, conflicts_with = "admin_listen")]
+    no_admin: bool,
+    /// Where tenants created through the admin API persist (default ./reflex-data/state.json).
+    #[arg(long)]
+    state_file: Option<PathBuf>,
+    /// Check the configuration (file and flags, profiles included) and exit: 0 when valid.
+    #[arg(long)]
+    check_config: bool,
+    /// Log format on standard error: text (default) or json (one object per line).
+    #[arg(long, default_value = "text")]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_target(false)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
     let args = Args::parse();
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+    };
+    match args.log_format {
+        LogFormat::Text => tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_target(false)
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter())
+            .with_target(false)
+            .with_writer(std::io::stderr)
+            .init(),
+    }
+    let config_path = args.config.clone();
+    let check_only = args.check_config;
     let config = build_config(args)?;
+    if check_only {
+        reflex_server::check_config(&config).context("checking the configuration")?;
+        println!("configuration OK");
+        return Ok(());
+    }
 
     // Register the signal handlers before any thread starts, so every thread inherits them.
     let mut signals = signal_hook::iterator::Signals::new([
         signal_hook::consts::SIGINT,
         signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
     ])
     .context("installing signal handlers")?;
     let server = Server::start(config).context("starting reflexd")?;
-    loop {
-        if let Some(signal) = signals.pending().next() {
+    'serving: loop {
+        for signal in signals.pending() {
+            if signal == signal_hook::consts::SIGHUP {
+                reload(&server, config_path.as_deref());
+                continue;
+            }
             tracing::info!(
                 signal,
                 "shutting down: draining connections and flushing devices"
             );
-            break;
+            break 'serving;
         }
         if server.any_thread_finished() {
             tracing::error!("a dataplane thread stopped unexpectedly; shutting down");
@@ -123,6 +165,33 @@ fn main() -> anyhow::Result<()> {
         "reflexd stopped"
     );
     Ok(())
+}
+
+/// SIGHUP: reads the configuration file again and applies what can change without a restart
+/// (the SLOs of configured tenants); connections stay. What needs a restart is logged.
+fn reload(server: &reflex_server::ServerHandle, path: Option<&std::path::Path>) {
+    let Some(path) = path else {
+        tracing::info!("SIGHUP: no configuration file to reload (started without --config)");
+        return;
+    };
+    let config = match Config::from_file(path).and_then(|config| {
+        config.validate()?;
+        Ok(config)
+    }) {
+        Ok(config) => config,
+        Err(error) => {
+            tracing::error!(%error, "SIGHUP: the configuration file is not valid; nothing changed");
+            return;
+        }
+    };
+    let report = server.reload_tenants(&config);
+    tracing::info!(
+        changed = report.changed,
+        unchanged = report.unchanged,
+        refused = report.refused,
+        needs_restart = report.needs_restart,
+        "SIGHUP: configured tenants reloaded"
+    );
 }
 
 fn build_config(args: Args) -> anyhow::Result<Config> {
@@ -190,6 +259,15 @@ fn build_config(args: Args) -> anyhow::Result<Config> {
     if let Some(size) = &args.arena_size {
         config.arena_bytes_per_thread =
             reflex_flash::spec::parse_size(size).context("--arena-size")?;
+    }
+    if args.no_admin {
+        config.admin.enabled = false;
+    } else if let Some(addr) = args.admin_listen {
+        config.admin.enabled = true;
+        config.admin.listen = addr;
+    }
+    if let Some(path) = &args.state_file {
+        config.admin.state_file = Some(path.display().to_string());
     }
     config.validate()?;
     Ok(config)

@@ -598,6 +598,7 @@ impl NbdServer {
                     "0",
                     "--no-original",
                     "--no-nvme-tcp",
+                    "--no-admin",
                     "--nbd-port",
                     &port.to_string(),
                     "--threads",

@@ -716,6 +716,7 @@ fn listener_protocol(
             Protocol::Original {
                 namespace_index: *namespace_index,
                 tenant: configured_tenant(qos, *namespace_index, tenant.as_deref())?,
+                device_queue: None,
             }
         }
     })
@@ -772,6 +773,7 @@ fn nbd_exports(
         let binding = ExportBinding {
             namespace_index,
             tenant: configured_tenant(qos, namespace_index, export.tenant.as_deref())?,
+            device_queue: None,
         };
         exports.push((table_entry, binding));
     }

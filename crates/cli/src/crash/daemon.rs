@@ -128,6 +128,7 @@ impl Daemon {
             .arg("--no-nvme-tcp")
             .args(["--threads", &config.threads.to_string()])
             .args(["--namespace", &namespace])
+            .arg("--no-admin")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -272,6 +272,13 @@ impl Dataplane {
         if let Some(source) = source {
             *self.connections_by_source.entry(source).or_insert(0) += 1;
         }
+        tracing::debug!(
+            thread = self.thread_index,
+            connection = index,
+            peer = ?source,
+            ?protocol,
+            "connection opened"
+        );
         // Parsing first: a protocol may speak before it listens (the NBD greeting); the
         // others find nothing to parse and receive.
         self.mark_parse(index);
@@ -502,6 +509,12 @@ impl Dataplane {
         self.release_owned_tenants(index);
         let connection = &mut self.connections[index as usize];
         let id = connection.id(index);
+        tracing::debug!(
+            thread = self.thread_index,
+            connection = index,
+            peer = ?connection.source,
+            "connection closed"
+        );
         connection.source = None;
         connection.parked = false;
         let recv_buffer = std::mem::take(&mut connection.recv_buffer);

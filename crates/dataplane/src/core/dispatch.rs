@@ -205,6 +205,9 @@ impl Dataplane {
     fn submit_io(&mut self, index: u32, now: Nanos) {
         self.transition(index, RequestState::Submitted);
         self.device_in_flight += 1;
+        let namespace_index = self.requests[index as usize].io().namespace_index;
+        self.requests[index as usize].submitted_namespace = namespace_index;
+        self.live.device_in_flight[usize::from(namespace_index)] += 1;
         let kind = match self.operation(index) {
             Operation::Read {
                 offset_bytes,
@@ -243,7 +246,13 @@ impl Dataplane {
         self.ops.push_back(Op::Device(DeviceCommand {
             id,
             namespace_index: request.io().namespace_index,
-            queue: self.connections[connection_index as usize].device_queue,
+            queue: {
+                let connection = &self.connections[connection_index as usize];
+                connection
+                    .frontend
+                    .device_queue()
+                    .unwrap_or(connection.device_queue)
+            },
             kind,
         }));
     }
@@ -359,6 +368,8 @@ impl Dataplane {
     fn complete_io(&mut self, index: u32, result: Result<u32, FlashError>, now: Nanos) {
         assert!(self.device_in_flight > 0);
         self.device_in_flight -= 1;
+        let live_index = usize::from(self.requests[index as usize].submitted_namespace);
+        self.live.device_in_flight[live_index] -= 1;
         let state = self.requests[index as usize].state;
         if state == RequestState::Orphaned {
             // Answered with an error when it timed out; the device has given the buffer back.
@@ -371,6 +382,8 @@ impl Dataplane {
             panic!("completing a request without I/O");
         };
         let device_ns = now.saturating_since(request.submitted_at).0;
+        self.live.device_operations[live_index] += 1;
+        self.live.device_ns[live_index] += device_ns;
         let namespace = &mut self.qos[usize::from(io.namespace_index)];
         if let Some(account) = namespace.accounts.get_mut(io.tenant.id as usize) {
             account.stats.device_ns += device_ns;

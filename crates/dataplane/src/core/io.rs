@@ -489,6 +489,7 @@ impl Dataplane {
                 == Some(reflex_qos::TenantClass::LatencyCritical);
             self.requests[index as usize].measured_read =
                 Some((io.namespace_index, latency_critical));
+            self.requests[index as usize].measured_tenant = io.tenant.id;
         }
         self.transition(index, RequestState::Completed);
         if last {

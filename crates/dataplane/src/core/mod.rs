@@ -49,6 +49,7 @@ mod errors;
 mod io;
 mod limits;
 mod ops;
+mod publish;
 mod receive;
 mod request;
 mod send;
@@ -211,6 +212,8 @@ pub struct Dataplane {
     telemetry_publish_at: Nanos,
     /// The `now` of the last `process` (for work done outside it, such as a close).
     last_now: Nanos,
+    /// Counters only the live figures need (`publish`).
+    live: publish::LiveCounters,
 }
 
 impl Dataplane {
@@ -307,6 +310,7 @@ impl Dataplane {
             ),
             telemetry_publish_at: setup.now,
             last_now: setup.now,
+            live: publish::LiveCounters::new(qos_count, setup.now),
             limits,
         };
         // The device rates the registries computed at startup.
@@ -367,6 +371,9 @@ impl Dataplane {
     pub fn will_sleep(&mut self) {
         if self.qos_queued == 0 && self.blocked.is_empty() {
             self.set_qos_participating(false);
+        }
+        if !self.housekeeping_needed() {
+            self.publish_live(self.last_now, true);
         }
     }
 
@@ -435,6 +442,7 @@ impl Dataplane {
     pub fn count_iteration(&mut self, completions: u64) {
         self.stats.iterations += 1;
         self.stats.completions += completions;
+        self.live.count_batch(completions);
     }
 
     /// The driver's facts for the stats: registered buffers, full submission queue flushes.

@@ -225,6 +225,10 @@ pub(super) struct Request {
     /// A READ whose answer is measured once it has been sent: its namespace and whether its
     /// tenant is latency-critical (`docs/QOS.md`, online self-calibration).
     pub(super) measured_read: Option<(u16, bool)>,
+    /// The tenant id (in its namespace) a measured READ is charged to (live figures).
+    pub(super) measured_tenant: u32,
+    /// The namespace of the device operation in flight (live figures: queue depth).
+    pub(super) submitted_namespace: u16,
     pub(super) queued_at: Nanos,
     pub(super) submitted_at: Nanos,
 }
@@ -247,6 +251,8 @@ impl Request {
             next: NONE,
             arrived_at: Nanos::ZERO,
             measured_read: None,
+            measured_tenant: 0,
+            submitted_namespace: 0,
             queued_at: Nanos::ZERO,
             submitted_at: Nanos::ZERO,
         }

@@ -207,6 +207,13 @@ impl Dataplane {
             return;
         };
         let latency_us = now.saturating_since(request.arrived_at).0 / 1_000;
+        let tenant = request.measured_tenant as usize;
+        if let Some(account) = self.qos[usize::from(namespace_index)]
+            .accounts
+            .get_mut(tenant)
+        {
+            account.read_latency.record_us(latency_us);
+        }
         let telemetry = &mut self.telemetry[usize::from(namespace_index)];
         telemetry.reads.record_us(latency_us);
         if latency_critical {

@@ -66,6 +66,15 @@ impl TenantStats {
 pub(super) struct TenantAccount {
     pub(super) stats: TenantStats,
     meter: DemandMeter,
+    /// Live figures (`crate::live`): device operations by kind, read latency, and the
+    /// deficit episode going on here, if any, with the time spent in finished ones.
+    pub(super) reads: u64,
+    pub(super) read_bytes: u64,
+    pub(super) writes: u64,
+    pub(super) write_bytes: u64,
+    pub(super) read_latency: crate::telemetry::LatencyHistogram,
+    pub(super) deficit_since: Option<Nanos>,
+    pub(super) deficit_ns: u64,
 }
 
 impl TenantAccount {
@@ -75,6 +84,16 @@ impl TenantAccount {
         self.stats.millitokens += request.cost.0;
         self.stats.scheduler_wait_ns += wait_ns;
         self.stats.scheduler_wait_ns_max = self.stats.scheduler_wait_ns_max.max(wait_ns);
+        match request.kind {
+            reflex_qos::IoKind::Read => {
+                self.reads += 1;
+                self.read_bytes += u64::from(request.size_bytes);
+            }
+            reflex_qos::IoKind::Write => {
+                self.writes += 1;
+                self.write_bytes += u64::from(request.size_bytes);
+            }
+        }
     }
 }
 
@@ -146,12 +165,20 @@ impl Dataplane {
                         match namespace.accounts.get_mut(tenant.0 as usize) {
                             Some(account) => {
                                 account.stats.deficit_episodes += 1;
+                                account.deficit_since.get_or_insert(now);
                                 account.meter.iops(now)
                             }
                             None => 0,
                         }
                     }
-                    SchedulerEvent::DeficitRecovered { .. } => 0,
+                    SchedulerEvent::DeficitRecovered { tenant } => {
+                        if let Some(account) = namespace.accounts.get_mut(tenant.0 as usize)
+                            && let Some(since) = account.deficit_since.take()
+                        {
+                            account.deficit_ns += now.saturating_since(since).0;
+                        }
+                        0
+                    }
                 };
                 self.with_control(now, |control, thread, own| {
                     control.scheduler_event(
@@ -350,6 +377,7 @@ impl Dataplane {
                 ..TenantStats::default()
             },
             meter: DemandMeter::starting(now),
+            ..TenantAccount::default()
         };
     }
 

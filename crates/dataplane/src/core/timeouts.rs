@@ -33,6 +33,7 @@ impl Dataplane {
         self.time_out_device_operations(now);
         self.device_errors.tick(now);
         self.reap_orphaned_tenants(now);
+        self.publish_live(now, false);
     }
 
     fn time_out_connections(&mut self, now: Nanos) {

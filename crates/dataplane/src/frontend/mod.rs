@@ -105,6 +105,8 @@ pub enum Protocol {
     Original {
         namespace_index: u16,
         tenant: TenantRef,
+        /// The tenant's configured device queue (priority class); `None`: the default.
+        device_queue: Option<u16>,
     },
     Nbd,
     NvmeTcp,
@@ -117,6 +119,7 @@ pub enum Frontend {
     Original {
         namespace_index: u16,
         tenant: TenantRef,
+        device_queue: Option<u16>,
     },
     Nbd(NbdFrontend),
     /// Boxed: a connection slot stays small.
@@ -348,9 +351,11 @@ impl Frontend {
             Protocol::Original {
                 namespace_index,
                 tenant,
+                device_queue,
             } => Frontend::Original {
                 namespace_index,
                 tenant,
+                device_queue,
             },
             Protocol::Nbd => {
                 let Some(exports) = nbd_exports else {
@@ -367,6 +372,18 @@ impl Frontend {
         }
     }
 
+    /// The device queue (priority class) the configuration gives this connection's tenant:
+    /// an original-protocol port's or an NBD export's; `None`: the connection's own.
+    pub fn device_queue(&self) -> Option<u16> {
+        match self {
+            Frontend::Native => None,
+            Frontend::Original { device_queue, .. } => *device_queue,
+            Frontend::Nbd(nbd) => nbd.device_queue(),
+            // NVMe/TCP hosts have no configured priority class yet: the default queue.
+            Frontend::NvmeTcp(_) => None,
+        }
+    }
+
     /// Looks at the unparsed bytes. `&mut self`: a protocol with per-connection state (NBD's
     /// handshake) advances it here.
     pub fn decode(&mut self, input: &[u8], namespaces: &NamespaceSet) -> Decoded {
@@ -375,6 +392,7 @@ impl Frontend {
             Frontend::Original {
                 namespace_index,
                 tenant,
+                ..
             } => original_frontend::decode(input, *namespace_index, *tenant, namespaces),
             Frontend::Nbd(nbd) => nbd.decode(input),
             Frontend::NvmeTcp(nvme) => nvme.decode(input),

@@ -18,6 +18,9 @@ pub struct ExportBinding {
     /// The tenant bound to the export in the configuration; `NONE` when none is (or the
     /// namespace has no QoS): the namespace's default tenant.
     pub tenant: TenantRef,
+    /// The device submission queue (priority class) of the tenant's configuration; `None`:
+    /// the connection's own (the default class).
+    pub device_queue: Option<u16>,
 }
 
 /// The NBD exports of a server: the codec's table (what clients see) and, at the same index,
@@ -80,6 +83,15 @@ pub(super) struct Transmission {
 }
 
 impl NbdFrontend {
+    /// The device queue the export's configuration gives its I/O, once the handshake chose
+    /// an export.
+    pub(super) fn device_queue(&self) -> Option<u16> {
+        match &self.phase {
+            NbdPhase::Transmission(transmission) => transmission.binding.device_queue,
+            _ => None,
+        }
+    }
+
     pub(super) fn new(exports: Arc<NbdExports>) -> NbdFrontend {
         let handshake = Handshake::new(Arc::clone(&exports.table), exports.handshake);
         NbdFrontend {

@@ -116,6 +116,7 @@ fn original_requests() {
     let mut frontend = Frontend::Original {
         namespace_index: 0,
         tenant: TenantRef::NONE,
+        device_queue: None,
     };
     let header = original::Header {
         opcode: original::Opcode::Write,
@@ -161,6 +162,7 @@ fn nbd_frontend() -> Frontend {
                 ExportBinding {
                     namespace_index: 0,
                     tenant: TENANT,
+                    device_queue: None,
                 },
             ),
             (
@@ -168,6 +170,7 @@ fn nbd_frontend() -> Frontend {
                 ExportBinding {
                     namespace_index: 0,
                     tenant: TenantRef::NONE,
+                    device_queue: None,
                 },
             ),
         ],

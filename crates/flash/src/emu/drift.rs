@@ -543,7 +543,13 @@ pub struct EmuControls {
     state_slowdown_permille: AtomicU64,
     state_stalled: AtomicBool,
     state_changes: AtomicU64,
+    /// Commands accepted per submission queue (the last counts every queue from it on): which
+    /// priority class a tenant's I/O reached, for operators and end-to-end tests.
+    commands_by_queue: [AtomicU64; QUEUES_COUNTED],
 }
+
+/// Submission queues [`EmuControls`] counts one by one: the four priority classes' queues.
+pub const QUEUES_COUNTED: usize = 4;
 
 impl Default for EmuControls {
     fn default() -> EmuControls {
@@ -554,11 +560,25 @@ impl Default for EmuControls {
             state_slowdown_permille: AtomicU64::new(u64::from(SLOWDOWN_PERMILLE_ONE)),
             state_stalled: AtomicBool::new(false),
             state_changes: AtomicU64::new(0),
+            commands_by_queue: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 }
 
 impl EmuControls {
+    /// Counts a command the device accepted on submission queue `queue`.
+    pub fn record_submission(&self, queue: u16) {
+        let index = usize::from(queue).min(QUEUES_COUNTED - 1);
+        self.commands_by_queue[index].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Commands accepted on submission queue `queue` so far (the last counted queue sums
+    /// every queue from it on).
+    pub fn commands_submitted_in(&self, queue: u16) -> u64 {
+        let index = usize::from(queue).min(QUEUES_COUNTED - 1);
+        self.commands_by_queue[index].load(Ordering::Relaxed)
+    }
+
     /// Multiplies every service time by `slowdown` (on top of the schedule's factor) for work
     /// that starts from the device's next call on; [`Slowdown::NONE`] undoes it.
     pub fn set_slowdown(&self, slowdown: Slowdown) {

@@ -405,6 +405,7 @@ impl EmuDevice {
         };
         self.arbiter.push(request.queue, command, len)?;
         self.stats.commands_submitted += 1;
+        self.drift.controls.record_submission(request.queue);
         self.fetch(now);
         Ok(())
     }

@@ -221,8 +221,14 @@ impl EpollDriver {
         if let Err(e) = crate::sys::set_timer_slack_ns(1) {
             tracing::debug!(error = %e, "timer slack unchanged");
         }
+        // When the loop last found nothing to do: the time from then to the next iteration
+        // is idle (the complement of the thread's busy share in the live figures).
+        let mut idle_since: Option<Nanos> = None;
         loop {
             let now = self.now();
+            if let Some(since) = idle_since.take() {
+                self.dataplane.count_idle(now.saturating_since(since).0);
+            }
             self.accepts_left = ACCEPTS_PER_ITERATION_MAX;
             for slot in 0..std::mem::take(&mut self.event_count) {
                 let event = self.events[slot];
@@ -256,6 +262,9 @@ impl EpollDriver {
                 || self.finished_synchronously
                 || device_due
                 || self.accept_deferred;
+            if !busy {
+                idle_since = Some(self.now());
+            }
             let timeout = if self.poll || busy {
                 Timeout::Zero
             } else {

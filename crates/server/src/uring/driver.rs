@@ -258,8 +258,14 @@ impl UringDriver {
             tracing::debug!(error = %e, "timer slack unchanged");
         }
         self.arm_wake();
+        // When the loop last found nothing to do: the time from then to the next iteration
+        // is idle (the complement of the thread's busy share in the live figures).
+        let mut idle_since: Option<Nanos> = None;
         loop {
             let now = self.now();
+            if let Some(since) = idle_since.take() {
+                self.dataplane.count_idle(now.saturating_since(since).0);
+            }
             let reaped = self.ring.reap(&mut self.cqes[..]);
             for slot in 0..reaped {
                 let cqe = self.cqes[slot];
@@ -296,6 +302,9 @@ impl UringDriver {
                 || self.finished_synchronously
                 || device_due
                 || self.ring.more_in_cq();
+            if !busy {
+                idle_since = Some(self.now());
+            }
             let wait = !self.poll && !busy;
             let sleep = if wait {
                 self.plan_sleep(now)

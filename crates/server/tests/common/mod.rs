@@ -63,6 +63,8 @@ pub fn reflexd_command() -> Command {
     let (program, args) = workspace_binary(Path::new(env!("CARGO_BIN_EXE_reflexd")));
     let mut command = Command::new(program);
     command.args(args);
+    // Tests run in parallel: the admin API's fixed default port would collide.
+    command.arg("--no-admin");
     command
 }
 
@@ -95,6 +97,7 @@ pub fn config(namespaces: Vec<NamespaceConfig>) -> Config {
         requests_per_thread_max: 256,
         namespaces,
         driver: driver(),
+        admin: reflex_server::admin::AdminConfig::disabled(),
         ..Config::default()
     }
 }

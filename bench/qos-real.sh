@@ -7,10 +7,10 @@
 # time (the scenario's warm-up + duration, plus STEP_SLACK seconds).
 #
 # Usage (from the repository root, release binaries built):
-#   scenarios/qos-real.sh                                  # the scaled Figure 5 scenarios
-#   SERVER_CONFIG=scenarios/reflexd-file.toml SCENARIOS="scenarios/file-scenario1.toml" \
-#     scenarios/qos-real.sh
-# Environment: REPS (3), SCENARIOS, SERVER_CONFIG (scenarios/reflexd-small.toml),
+#   bench/qos-real.sh                                  # the scaled Figure 5 scenarios
+#   SERVER_CONFIG=configs/reflexd-file.toml SCENARIOS="scenarios/file-scenario1.toml" \
+#     bench/qos-real.sh
+# Environment: REPS (3), SCENARIOS, SERVER_CONFIG (configs/reflexd-small.toml),
 #   SERVER_CPU (1), CLIENT_CPU (0), PORT (17070), BIN (target/release), WORK
 #   (target/qos-real), MODES ("on off"), STEP_SLACK (20).
 set -euo pipefail
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 
 REPS=${REPS:-3}
 SCENARIOS=${SCENARIOS:-"scenarios/fig5-small-scenario1.toml scenarios/fig5-small-scenario2.toml"}
-SERVER_CONFIG=${SERVER_CONFIG:-scenarios/reflexd-small.toml}
+SERVER_CONFIG=${SERVER_CONFIG:-configs/reflexd-small.toml}
 SERVER_CPU=${SERVER_CPU:-1}
 CLIENT_CPU=${CLIENT_CPU:-0}
 PORT=${PORT:-17070}

@@ -6,10 +6,10 @@
 #   off    - profile, --no-qos: tenants, charging and accounting, FIFO scheduling;
 #   tokens - profile, QoS on: every request through the token scheduler (one BE tenant, the
 #            namespace's default, since the bench never BINDs).
-# The profile (scenarios/profile-mem-unlimited.toml) has rates no core can reach, so tokens
+# The profile (profiles/mem-unlimited.toml) has rates no core can reach, so tokens
 # never hold a request back: the difference is the scheduler's own cost. Reports IOPS and IOPS
 # per server core (IOPS / the server's CPU utilisation from /proc/PID/stat), medians of REPS.
-# Usage: scenarios/qos-overhead.sh   Environment: REPS (3), DURATION (5s), BIN (target/release),
+# Usage: bench/qos-overhead.sh   Environment: REPS (3), DURATION (5s), BIN (target/release),
 #   SERVER_CPU (1), CLIENT_CPU (0), PORT (17080).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +36,8 @@ for rep in $(seq 1 "$REPS"); do
         namespace="1=mem:256M"
         flags=()
         case $mode in
-            off) namespace+=",profile=scenarios/profile-mem-unlimited.toml"; flags+=(--no-qos) ;;
-            tokens) namespace+=",profile=scenarios/profile-mem-unlimited.toml" ;;
+            off) namespace+=",profile=profiles/mem-unlimited.toml"; flags+=(--no-qos) ;;
+            tokens) namespace+=",profile=profiles/mem-unlimited.toml" ;;
         esac
         taskset -c "$SERVER_CPU" "$BIN/reflexd" --port "$PORT" --no-nbd --no-original \
             -n "$namespace" "${flags[@]}" 2>/dev/null &

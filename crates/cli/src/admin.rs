@@ -1,0 +1,696 @@
+//! `reflex admin`: the command line over reflexd's admin API (`docs/admin-openapi.json`).
+//!
+//! Each subcommand is one or two HTTP requests; the answer is printed as a table (or as the
+//! server's JSON with `--json`). A server that does not answer is reported as such, naming the
+//! address and how to enable the API; a 4xx/5xx prints the server's message and exits non-zero.
+
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write as _};
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use clap::{Args as ClapArgs, Subcommand, ValueEnum};
+use serde_json::{Map, Value, json};
+use thiserror::Error;
+
+/// Default address of the admin API (reflexd's `[admin] listen`).
+pub const API_DEFAULT: &str = "http://127.0.0.1:7071";
+/// Longest `--watch` run: bounded so a forgotten terminal does not poll forever.
+pub const WATCH_REFRESHES_MAX: u64 = 1_000_000;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// Base URL of the admin API (reflexd's `[admin] listen`).
+    #[arg(long, env = "REFLEX_ADMIN", default_value = API_DEFAULT, global = true)]
+    api: String,
+    /// Print the server's JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Seconds to wait for an answer.
+    #[arg(long, default_value_t = 10, global = true)]
+    timeout_secs: u64,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The server: version, threads, namespaces, tenants, state file.
+    Server,
+    /// Tenants: list, show, add, set (change an SLO), rm.
+    #[command(subcommand)]
+    Tenants(TenantCommand),
+    /// Namespaces: list, show.
+    #[command(subcommand)]
+    Namespaces(NamespaceCommand),
+    /// Live statistics per tenant, thread and namespace over the server's last window.
+    Stats(StatsArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Class {
+    Lc,
+    Be,
+}
+
+impl Class {
+    fn name(self) -> &'static str {
+        match self {
+            Class::Lc => "lc",
+            Class::Be => "be",
+        }
+    }
+}
+
+#[derive(ClapArgs)]
+struct Slo {
+    /// Tail read-latency bound (p95), µs.
+    #[arg(long)]
+    latency_us_p95: Option<u64>,
+    /// Reserved IOPS.
+    #[arg(long)]
+    iops: Option<u64>,
+    /// Share of reads in the reserved IOPS, 0..=100.
+    #[arg(long)]
+    read_percent: Option<u8>,
+}
+
+#[derive(Subcommand)]
+enum TenantCommand {
+    /// Every tenant of every namespace.
+    List,
+    /// One tenant.
+    Show {
+        name: String,
+        #[arg(short, long, default_value_t = 1)]
+        namespace: u32,
+    },
+    /// Create a tenant: the server answers with its admission decision.
+    Add {
+        name: String,
+        #[arg(short, long, default_value_t = 1)]
+        namespace: u32,
+        #[arg(long, value_enum)]
+        class: Class,
+        #[command(flatten)]
+        slo: Slo,
+        /// The tenant may only read.
+        #[arg(long)]
+        read_only: bool,
+    },
+    /// Change a tenant's class or SLO: admission runs again.
+    Set {
+        name: String,
+        #[arg(short, long, default_value_t = 1)]
+        namespace: u32,
+        #[arg(long, value_enum)]
+        class: Option<Class>,
+        #[command(flatten)]
+        slo: Slo,
+    },
+    /// Delete a tenant: its connections get an error.
+    Rm {
+        name: String,
+        #[arg(short, long, default_value_t = 1)]
+        namespace: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum NamespaceCommand {
+    /// Every namespace.
+    List,
+    /// One namespace.
+    Show { namespace_id: u32 },
+}
+
+#[derive(ClapArgs)]
+struct StatsArgs {
+    /// Refresh every SECONDS until interrupted (or `--count` refreshes).
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "1")]
+    watch: Option<f64>,
+    /// With `--watch`: stop after this many refreshes.
+    #[arg(long)]
+    count: Option<u64>,
+}
+
+/// Why a request got no usable answer.
+#[derive(Debug, Error)]
+pub enum AdminClientError {
+    #[error(
+        "cannot reach reflexd's admin API at {api}: {reason}\n\
+         (is reflexd running with the admin API enabled? See `[admin] listen` and \
+         `--admin-listen`; `--api URL` or REFLEX_ADMIN picks another address)"
+    )]
+    Unreachable { api: String, reason: String },
+    #[error("{method} {path}: {status}: {message}")]
+    Refused {
+        method: &'static str,
+        path: String,
+        status: u16,
+        message: String,
+    },
+    #[error("{method} {path}: the answer is not JSON: {reason}")]
+    NotJson {
+        method: &'static str,
+        path: String,
+        reason: String,
+    },
+}
+
+struct Client {
+    base: String,
+    agent: ureq::Agent,
+}
+
+impl Client {
+    fn new(api: &str, timeout: Duration) -> Client {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(timeout))
+            .build()
+            .into();
+        let api = api.trim_end_matches('/');
+        let base = if api.contains("://") {
+            api.to_string()
+        } else {
+            format!("http://{api}")
+        };
+        Client { base, agent }
+    }
+
+    fn request(
+        &self,
+        method: &'static str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, AdminClientError> {
+        let url = format!("{}{path}", self.base);
+        let result = match (method, body) {
+            ("POST", Some(body)) => self.agent.post(&url).send_json(body),
+            ("PATCH", Some(body)) => self.agent.patch(&url).send_json(body),
+            ("DELETE", _) => self.agent.delete(&url).call(),
+            _ => self.agent.get(&url).call(),
+        };
+        let mut response = result.map_err(|error| AdminClientError::Unreachable {
+            api: self.base.clone(),
+            reason: error.to_string(),
+        })?;
+        let status = response.status().as_u16();
+        let text = response.body_mut().read_to_string().map_err(|error| {
+            AdminClientError::Unreachable {
+                api: self.base.clone(),
+                reason: error.to_string(),
+            }
+        })?;
+        let value: Value = if text.trim().is_empty() {
+            Value::Null
+        } else {
+            match serde_json::from_str(&text) {
+                Ok(value) => value,
+                Err(error) if (200..300).contains(&status) => {
+                    return Err(AdminClientError::NotJson {
+                        method,
+                        path: path.to_string(),
+                        reason: error.to_string(),
+                    });
+                }
+                Err(_) => Value::String(text.clone()),
+            }
+        };
+        if (200..300).contains(&status) {
+            return Ok(value);
+        }
+        let message = value["error"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| text.trim().to_string());
+        Err(AdminClientError::Refused {
+            method,
+            path: path.to_string(),
+            status,
+            message,
+        })
+    }
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let client = Client::new(&args.api, Duration::from_secs(args.timeout_secs.max(1)));
+    let json = args.json;
+    match args.command {
+        Command::Server => {
+            let server = client.request("GET", "/v1/server", None)?;
+            print_value(json, &server, render_object)
+        }
+        Command::Tenants(command) => tenants(&client, json, command),
+        Command::Namespaces(command) => namespaces(&client, json, command),
+        Command::Stats(stats_args) => stats(&client, json, &stats_args),
+    }
+}
+
+fn print_value(json: bool, value: &Value, table: fn(&Value) -> String) -> Result<()> {
+    let text = if json {
+        serde_json::to_string_pretty(value)? + "\n"
+    } else {
+        table(value)
+    };
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(text.as_bytes())?;
+    stdout.flush()?;
+    Ok(())
+}
+
+fn slo_body(body: &mut Map<String, Value>, slo: &Slo) {
+    if let Some(latency) = slo.latency_us_p95 {
+        body.insert("latency_us_p95".into(), json!(latency));
+    }
+    if let Some(iops) = slo.iops {
+        body.insert("iops".into(), json!(iops));
+    }
+    if let Some(read_percent) = slo.read_percent {
+        body.insert("read_percent".into(), json!(read_percent));
+    }
+}
+
+fn tenant_path(namespace: u32, name: &str) -> String {
+    format!(
+        "/v1/namespaces/{namespace}/tenants/{}",
+        encode_segment(name)
+    )
+}
+
+/// Percent-encodes a path segment (names may hold any UTF-8 but `/`-free is not promised).
+fn encode_segment(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            out.push(byte as char);
+        } else {
+            let _ = write!(out, "%{byte:02X}");
+        }
+    }
+    out
+}
+
+fn tenants(client: &Client, json: bool, command: TenantCommand) -> Result<()> {
+    match command {
+        TenantCommand::List => {
+            let list = client.request("GET", "/v1/tenants", None)?;
+            print_value(json, &list, render_tenants)
+        }
+        TenantCommand::Show { name, namespace } => {
+            let tenant = client.request("GET", &tenant_path(namespace, &name), None)?;
+            print_value(json, &tenant, |value| render_tenants(&json!([value])))
+        }
+        TenantCommand::Add {
+            name,
+            namespace,
+            class,
+            slo,
+            read_only,
+        } => {
+            let mut body = Map::new();
+            body.insert("name".into(), json!(name));
+            body.insert("class".into(), json!(class.name()));
+            slo_body(&mut body, &slo);
+            if read_only {
+                body.insert("read_only".into(), json!(true));
+            }
+            let path = format!("/v1/namespaces/{namespace}/tenants");
+            let changed = client.request("POST", &path, Some(&Value::Object(body)))?;
+            print_value(json, &changed, render_changed)
+        }
+        TenantCommand::Set {
+            name,
+            namespace,
+            class,
+            slo,
+        } => {
+            let mut body = Map::new();
+            if let Some(class) = class {
+                body.insert("class".into(), json!(class.name()));
+            }
+            slo_body(&mut body, &slo);
+            if body.is_empty() {
+                bail!(
+                    "nothing to change: give --class, --latency-us-p95, --iops or --read-percent"
+                );
+            }
+            let changed = client.request(
+                "PATCH",
+                &tenant_path(namespace, &name),
+                Some(&Value::Object(body)),
+            )?;
+            print_value(json, &changed, render_changed)
+        }
+        TenantCommand::Rm { name, namespace } => {
+            let answer = client.request("DELETE", &tenant_path(namespace, &name), None)?;
+            if json {
+                print_value(json, &answer, render_object)
+            } else {
+                println!("removed tenant {name} of namespace {namespace}");
+                Ok(())
+            }
+        }
+    }
+}
+
+fn namespaces(client: &Client, json: bool, command: NamespaceCommand) -> Result<()> {
+    match command {
+        NamespaceCommand::List => {
+            let list = client.request("GET", "/v1/namespaces", None)?;
+            print_value(json, &list, render_namespaces)
+        }
+        NamespaceCommand::Show { namespace_id } => {
+            let namespace =
+                client.request("GET", &format!("/v1/namespaces/{namespace_id}"), None)?;
+            print_value(json, &namespace, |value| render_namespaces(&json!([value])))
+        }
+    }
+}
+
+fn stats(client: &Client, json: bool, args: &StatsArgs) -> Result<()> {
+    let Some(period_secs) = args.watch else {
+        let stats = client.request("GET", "/v1/stats", None)?;
+        return print_value(json, &stats, render_stats);
+    };
+    if !(period_secs.is_finite() && period_secs >= 0.05) {
+        bail!("--watch {period_secs}: the period must be at least 0.05 s");
+    }
+    let refreshes = args.count.unwrap_or(WATCH_REFRESHES_MAX);
+    let clear = !json && std::io::stdout().is_terminal();
+    for refresh in 0..refreshes {
+        if refresh > 0 {
+            std::thread::sleep(Duration::from_secs_f64(period_secs));
+        }
+        let stats = client.request("GET", "/v1/stats", None)?;
+        if clear {
+            // Home the cursor and clear the screen: the table refreshes in place.
+            print!("\x1b[H\x1b[2J");
+        }
+        if json {
+            println!("{}", serde_json::to_string(&stats)?);
+        } else {
+            print_value(false, &stats, render_stats)?;
+            if !clear {
+                println!();
+            }
+        }
+    }
+    Ok(())
+}
+
+// ----- Tables -------------------------------------------------------------------------------
+
+/// A plain text table: a header row, then rows, each column as wide as its widest cell.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|cell| cell.chars().count()).collect();
+    for row in rows {
+        for (index, cell) in row.iter().enumerate() {
+            if let Some(width) = widths.get_mut(index) {
+                *width = (*width).max(cell.chars().count());
+            }
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::new();
+        for (index, cell) in cells.enumerate() {
+            let width = widths.get(index).copied().unwrap_or(0);
+            let _ = write!(text, "{cell:<width$}  ");
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&mut header.iter().copied());
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+fn cell(value: &Value) -> String {
+    match value {
+        Value::Null => "-".to_string(),
+        Value::String(text) => text.clone(),
+        Value::Bool(flag) => if *flag { "yes" } else { "no" }.to_string(),
+        Value::Number(number) => match (number.as_u64(), number.as_i64(), number.as_f64()) {
+            (Some(unsigned), _, _) => unsigned.to_string(),
+            (None, Some(signed), _) => signed.to_string(),
+            (None, None, Some(float)) => format_float(float),
+            _ => number.to_string(),
+        },
+        other => other.to_string(),
+    }
+}
+
+fn format_float(value: f64) -> String {
+    if value.abs() >= 100.0 {
+        format!("{value:.0}")
+    } else if value.abs() >= 1.0 {
+        format!("{value:.1}")
+    } else {
+        format!("{value:.3}")
+    }
+}
+
+fn percent(value: &Value) -> String {
+    value
+        .as_f64()
+        .map(|share| format!("{:.1}%", share * 100.0))
+        .unwrap_or_else(|| "-".to_string())
+}
+
+fn render_object(value: &Value) -> String {
+    let Some(object) = value.as_object() else {
+        return format!("{}\n", cell(value));
+    };
+    let rows: Vec<Vec<String>> = object
+        .iter()
+        .map(|(key, value)| vec![key.clone(), cell(value)])
+        .collect();
+    table(&["field", "value"], &rows)
+}
+
+fn render_tenants(value: &Value) -> String {
+    let rows: Vec<Vec<String>> = value
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|tenant| {
+            vec![
+                cell(&tenant["namespace_id"]),
+                cell(&tenant["name"]),
+                cell(&tenant["class"]),
+                cell(&tenant["latency_us_p95"]),
+                cell(&tenant["iops"]),
+                cell(&tenant["read_percent"]),
+                cell(&tenant["read_only"]),
+                cell(&tenant["origin"]),
+                cell(&tenant["connections"]),
+                cell(&tenant["handle"]),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ns",
+            "tenant",
+            "class",
+            "p95_us",
+            "iops",
+            "read_%",
+            "read_only",
+            "origin",
+            "conns",
+            "handle",
+        ],
+        &rows,
+    )
+}
+
+fn render_changed(value: &Value) -> String {
+    let mut out = String::new();
+    let admitted = value["admission"]["admitted"].as_bool().unwrap_or(false);
+    let _ = writeln!(
+        out,
+        "{}: {}",
+        if admitted { "admitted" } else { "refused" },
+        value["admission"]["reason"].as_str().unwrap_or("")
+    );
+    out.push_str(&render_tenants(&json!([value["tenant"]])));
+    if let Some(plan) = value["plan"].as_object() {
+        let _ = writeln!(
+            out,
+            "plan: device {} tokens/s, LC reserved {}, left {}, BE each {}, {} LC tenant(s)",
+            cell(&plan["device_tokens_per_sec"]),
+            cell(&plan["lc_reserved_tokens_per_sec"]),
+            cell(&plan["left_tokens_per_sec"]),
+            cell(&plan["be_tokens_per_sec_each"]),
+            cell(&plan["lc_tenants"]),
+        );
+    }
+    out
+}
+
+fn render_namespaces(value: &Value) -> String {
+    let rows: Vec<Vec<String>> = value
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|namespace| {
+            let tenants = namespace["tenants"]
+                .as_array()
+                .map(|names| names.iter().map(cell).collect::<Vec<String>>().join(","))
+                .unwrap_or_default();
+            vec![
+                cell(&namespace["namespace_id"]),
+                cell(&namespace["nbd_export"]),
+                cell(&namespace["size_bytes"]),
+                cell(&namespace["read_only"]),
+                cell(&namespace["device"]),
+                cell(&namespace["qos"]),
+                tenants,
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ns",
+            "nbd_export",
+            "size_bytes",
+            "read_only",
+            "device",
+            "qos",
+            "tenants",
+        ],
+        &rows,
+    )
+}
+
+fn render_stats(value: &Value) -> String {
+    let empty = Vec::new();
+    let list = |key: &str| value[key].as_array().unwrap_or(&empty).clone();
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "window {} s, {} windows closed",
+        cell(&value["window_seconds"]),
+        cell(&value["windows"])
+    );
+    let tenants: Vec<Vec<String>> = list("tenants")
+        .iter()
+        .map(|tenant| {
+            let window = &tenant["window"];
+            vec![
+                cell(&tenant["namespace_id"]),
+                cell(&tenant["name"]),
+                cell(&tenant["class"]),
+                cell(&tenant["slo_latency_us_p95"]),
+                cell(&window["read_iops"]),
+                cell(&window["write_iops"]),
+                cell(&window["read_latency_us"]["p50"]),
+                cell(&window["read_latency_us"]["p95"]),
+                cell(&window["read_latency_us"]["p99"]),
+                cell(&window["tokens_spent_per_sec"]),
+                cell(&window["tokens_donated_per_sec"]),
+                percent(&window["deficit_share"]),
+                percent(&tenant["slo"]["attainment"]),
+            ]
+        })
+        .collect();
+    out.push('\n');
+    out.push_str(&table(
+        &[
+            "ns",
+            "tenant",
+            "class",
+            "slo_p95_us",
+            "read_iops",
+            "write_iops",
+            "p50_us",
+            "p95_us",
+            "p99_us",
+            "tokens/s",
+            "donated/s",
+            "deficit",
+            "slo_met",
+        ],
+        &tenants,
+    ));
+    let threads: Vec<Vec<String>> = list("threads")
+        .iter()
+        .map(|thread| {
+            vec![
+                cell(&thread["thread"]),
+                percent(&thread["busy_share"]),
+                cell(&thread["batch_mean"]),
+                cell(&thread["connections"]),
+                cell(&thread["requests_per_sec"]),
+            ]
+        })
+        .collect();
+    out.push('\n');
+    out.push_str(&table(
+        &["thread", "busy", "batch_mean", "conns", "requests/s"],
+        &threads,
+    ));
+    let namespaces: Vec<Vec<String>> = list("namespaces")
+        .iter()
+        .map(|namespace| {
+            vec![
+                cell(&namespace["namespace_id"]),
+                cell(&namespace["device"]),
+                cell(&namespace["device_queue_depth"]),
+                cell(&namespace["device_operations_per_sec"]),
+                cell(&namespace["device_latency_us_mean"]),
+                cell(&namespace["read_latency_us"]["p95"]),
+                cell(&namespace["device_tokens_per_sec"]),
+                cell(&namespace["tokens_spent_per_sec"]),
+            ]
+        })
+        .collect();
+    out.push('\n');
+    out.push_str(&table(
+        &[
+            "ns",
+            "device",
+            "queue_depth",
+            "ops/s",
+            "latency_us",
+            "read_p95_us",
+            "token_rate",
+            "tokens_in_use/s",
+        ],
+        &namespaces,
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_align_columns_and_show_missing_values_as_dashes() {
+        let text = render_tenants(&json!([
+            {"namespace_id": 1, "name": "gold", "class": "lc", "latency_us_p95": 500,
+             "iops": 10000, "read_percent": 100, "read_only": false, "origin": "config",
+             "connections": 0, "handle": "0x1"},
+            {"namespace_id": 1, "name": "b", "class": "be", "latency_us_p95": null}
+        ]));
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert!(lines[0].starts_with("ns  tenant  class  p95_us"));
+        assert!(lines[1].contains("gold    lc     500"));
+        assert!(lines[2].contains("b       be     -"));
+    }
+
+    #[test]
+    fn path_segments_are_percent_encoded() {
+        assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
+        assert_eq!(encode_segment("gold-1.x"), "gold-1.x");
+    }
+}

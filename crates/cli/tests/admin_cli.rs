@@ -1,0 +1,224 @@
+//! `reflex admin` against a real reflexd (in this process, admin API on a free loopback port):
+//! every tenant subcommand changes what the API then serves, refusals print the server's
+//! message and exit non-zero, `stats --watch` refreshes a bounded number of times, and a server
+//! that is not there is reported as unreachable.
+
+use std::net::TcpListener;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use reflex_server::admin::AdminConfig;
+use reflex_server::{Config, NamespaceConfig, Server, ServerHandle, TenantConfig};
+use serde_json::Value;
+
+fn profile(name: &str) -> String {
+    format!("{}/../../profiles/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn start() -> (ServerHandle, String) {
+    let namespace = NamespaceConfig {
+        profile: Some(profile("device-a-small.toml")),
+        tenant: Some("gold".into()),
+        ..NamespaceConfig::new(1, "emu:device-a-small").sized(64 << 20)
+    };
+    let config = Config {
+        tenants: vec![TenantConfig::latency_critical("gold", 500, 10_000, 100)],
+        admin: AdminConfig {
+            stats_window: Duration::from_millis(100),
+            ..AdminConfig::loopback()
+        },
+        ..Config::loopback(vec![namespace])
+    };
+    let server = Server::start(config).unwrap_or_else(|e| panic!("server start: {e}"));
+    let addr = server
+        .admin_addr()
+        .unwrap_or_else(|| panic!("no admin listener"));
+    (server, format!("http://{addr}"))
+}
+
+fn admin(api: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_reflex"))
+        .arg("admin")
+        .arg("--api")
+        .arg(api)
+        .args(args)
+        .env_remove("REFLEX_ADMIN")
+        .output()
+        .unwrap_or_else(|e| panic!("running reflex: {e}"))
+}
+
+fn ok(api: &str, args: &[&str]) -> String {
+    let output = admin(api, args);
+    assert!(
+        output.status.success(),
+        "reflex admin {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn ok_json(api: &str, args: &[&str]) -> Value {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let text = ok(api, &all);
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+fn failed(api: &str, args: &[&str]) -> String {
+    let output = admin(api, args);
+    assert!(!output.status.success(), "reflex admin {args:?} succeeded");
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("backtrace"),
+        "{stderr}"
+    );
+    stderr
+}
+
+fn names(list: &Value) -> Vec<String> {
+    list.as_array()
+        .unwrap_or_else(|| panic!("not a list: {list}"))
+        .iter()
+        .map(|tenant| tenant["name"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+#[test]
+fn tenants_add_set_list_show_rm_round_trip_through_the_api() {
+    let (_server, api) = start();
+
+    let table = ok(&api, &["tenants", "list"]);
+    let header = table.lines().next().unwrap_or("");
+    assert!(
+        header.starts_with("ns") && header.contains("tenant"),
+        "{table}"
+    );
+    assert!(
+        table
+            .lines()
+            .any(|line| line.contains("gold") && line.contains("config"))
+    );
+
+    let added = ok(
+        &api,
+        &[
+            "tenants",
+            "add",
+            "silver",
+            "--namespace",
+            "1",
+            "--class",
+            "lc",
+            "--latency-us-p95",
+            "1000",
+            "--iops",
+            "5000",
+            "--read-percent",
+            "80",
+        ],
+    );
+    assert!(added.starts_with("admitted: "), "{added}");
+    assert!(added.contains("silver"), "{added}");
+    ok(&api, &["tenants", "add", "bronze", "--class", "be"]);
+
+    let list = ok_json(&api, &["tenants", "list"]);
+    for name in ["gold", "silver", "bronze"] {
+        assert!(names(&list).contains(&name.to_string()), "{list}");
+    }
+
+    let changed = ok_json(&api, &["tenants", "set", "silver", "--iops", "6000"]);
+    assert_eq!(changed["admission"]["admitted"], true, "{changed}");
+    let silver = ok_json(&api, &["tenants", "show", "silver", "-n", "1"]);
+    assert_eq!(silver["iops"], 6000, "{silver}");
+    assert_eq!(silver["latency_us_p95"], 1000, "{silver}");
+    assert_eq!(silver["read_percent"], 80, "{silver}");
+    assert_eq!(silver["origin"], "admin", "{silver}");
+
+    // An SLO the device cannot keep is refused with the server's reason; nothing changes.
+    let refused = failed(&api, &["tenants", "set", "silver", "--iops", "100000000"]);
+    assert!(refused.contains("409"), "{refused}");
+    assert!(refused.contains("silver"), "{refused}");
+    let silver = ok_json(&api, &["tenants", "show", "silver"]);
+    assert_eq!(silver["iops"], 6000, "{silver}");
+
+    // Duplicates, unknown tenants and empty changes name the problem.
+    let duplicate = failed(&api, &["tenants", "add", "bronze", "--class", "be"]);
+    assert!(duplicate.contains("bronze"), "{duplicate}");
+    let missing = failed(&api, &["tenants", "show", "nobody"]);
+    assert!(
+        missing.contains("404") && missing.contains("nobody"),
+        "{missing}"
+    );
+    let nothing = failed(&api, &["tenants", "set", "silver"]);
+    assert!(nothing.contains("nothing to change"), "{nothing}");
+
+    let removed = ok(&api, &["tenants", "rm", "bronze"]);
+    assert!(removed.contains("removed tenant bronze"), "{removed}");
+    let list = ok_json(&api, &["tenants", "list"]);
+    assert!(!names(&list).contains(&"bronze".to_string()), "{list}");
+    let gone = failed(&api, &["tenants", "rm", "bronze"]);
+    assert!(gone.contains("404"), "{gone}");
+
+    // Namespaces and the server.
+    let namespaces = ok(&api, &["namespaces", "list"]);
+    assert!(
+        namespaces
+            .lines()
+            .any(|line| line.starts_with('1') && line.contains("silver")),
+        "{namespaces}"
+    );
+    let namespace = ok_json(&api, &["namespaces", "show", "1"]);
+    assert_eq!(namespace["namespace_id"], 1, "{namespace}");
+    let server = ok_json(&api, &["server"]);
+    assert_eq!(server["namespaces"], 1, "{server}");
+}
+
+#[test]
+fn stats_prints_a_table_and_watch_refreshes_a_bounded_number_of_times() {
+    let (_server, api) = start();
+    let table = ok(&api, &["stats"]);
+    assert!(table.starts_with("window "), "{table}");
+    assert!(table.contains("slo_met"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|line| line.contains("gold") && line.contains("lc")),
+        "{table}"
+    );
+    assert!(table.contains("queue_depth"), "{table}");
+
+    // Not a terminal: each refresh is a table of its own, no escape sequences.
+    let watched = ok(&api, &["stats", "--watch", "0.1", "--count", "3"]);
+    assert_eq!(watched.matches("window ").count(), 3, "{watched}");
+    assert!(!watched.contains('\x1b'), "{watched}");
+
+    let lines = ok(&api, &["--json", "stats", "--watch", "0.1", "--count", "2"]);
+    let windows: Vec<u64> = lines
+        .lines()
+        .map(|line| {
+            let value: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+            value["windows"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{line}"))
+        })
+        .collect();
+    assert_eq!(windows.len(), 2, "{lines}");
+}
+
+#[test]
+fn an_unreachable_server_is_reported_with_its_address() {
+    // A port nobody listens on: bind one, note it, close it.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let api = format!("http://127.0.0.1:{port}");
+    let stderr = failed(&api, &["tenants", "list"]);
+    assert!(stderr.contains("cannot reach"), "{stderr}");
+    assert!(stderr.contains(&api), "{stderr}");
+    assert!(stderr.contains("admin"), "{stderr}");
+    // Bare host:port works too.
+    let stderr = failed(&format!("127.0.0.1:{port}"), &["stats"]);
+    assert!(stderr.contains("cannot reach"), "{stderr}");
+}

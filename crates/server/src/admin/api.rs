@@ -1,0 +1,795 @@
+//! The admin API's resources: JSON in and out, every route listed in [`ROUTES`] and described
+//! by `docs/admin-openapi.json` (a test checks the two agree, and schemathesis checks the
+//! running server against the document).
+//!
+//! Bad input never changes anything: malformed JSON, unknown fields, values out of range,
+//! duplicate names, a refused admission and removing what the configuration owns are all
+//! answered with a 4xx whose JSON body names the problem (`{"error": "..."}`).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::Json;
+use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use reflex_dataplane::control::{AdminError, ControlPlane, TenantInfo};
+use reflex_dataplane::namespaces::NamespaceSet;
+use reflex_qos::{Plan, TenantSpec};
+use serde::{Deserialize, Serialize};
+
+use super::state_file::{Origin, PersistedState, PersistedTenant, StateFile};
+use super::stats::Sampler;
+
+/// Every route of the admin API: (method, path) as the OpenAPI document writes them.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("get", "/v1/server"),
+    ("get", "/v1/namespaces"),
+    ("get", "/v1/namespaces/{namespace_id}"),
+    ("get", "/v1/tenants"),
+    ("post", "/v1/namespaces/{namespace_id}/tenants"),
+    ("get", "/v1/namespaces/{namespace_id}/tenants/{name}"),
+    ("patch", "/v1/namespaces/{namespace_id}/tenants/{name}"),
+    ("delete", "/v1/namespaces/{namespace_id}/tenants/{name}"),
+    ("get", "/v1/stats"),
+    ("get", "/metrics"),
+];
+
+/// Longest tenant name the API accepts, in characters (at most 4 bytes each: within the
+/// configuration's and the wire's 256 bytes).
+pub const TENANT_NAME_CHARS_MAX: usize = 64;
+const _: () = assert!(TENANT_NAME_CHARS_MAX * 4 <= crate::config::TENANT_NAME_BYTES_MAX);
+
+/// What the handlers share.
+pub struct AdminState {
+    pub control: Arc<ControlPlane>,
+    pub namespaces: Arc<NamespaceSet>,
+    pub sampler: Arc<Mutex<Sampler>>,
+    /// Per namespace index: its NBD export name and device label.
+    pub exports: Vec<String>,
+    pub devices: Vec<String>,
+    /// The state file and what it holds, when state persists.
+    pub persistence: Mutex<Option<(StateFile, PersistedState)>>,
+    pub allow_remote: bool,
+    pub version: &'static str,
+    pub threads: usize,
+}
+
+pub type Shared = Arc<AdminState>;
+
+/// A 4xx or 5xx with a JSON body naming the problem.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+#[derive(Debug, Serialize)]
+struct ErrorBody<'a> {
+    error: &'a str,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(ErrorBody {
+                error: &self.message,
+            }),
+        )
+            .into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> ApiError {
+        let status = match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            StatusCode::UNPROCESSABLE_ENTITY => StatusCode::UNPROCESSABLE_ENTITY,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        ApiError::new(status, rejection.body_text())
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> ApiError {
+        ApiError::bad_request(rejection.body_text())
+    }
+}
+
+impl From<AdminError> for ApiError {
+    fn from(error: AdminError) -> ApiError {
+        let status = match &error {
+            AdminError::NoSuchNamespace(_) | AdminError::NoSuchTenant { .. } => {
+                StatusCode::NOT_FOUND
+            }
+            AdminError::NoQos(_)
+            | AdminError::Duplicate { .. }
+            | AdminError::NotChangeable { .. }
+            | AdminError::Refused(_) => StatusCode::CONFLICT,
+        };
+        ApiError::new(status, error.to_string())
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+// ----- Bodies -------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClassBody {
+    Lc,
+    Be,
+}
+
+/// `POST /v1/namespaces/{namespace_id}/tenants`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantCreate {
+    pub name: String,
+    pub class: ClassBody,
+    #[serde(default)]
+    pub latency_us_p95: Option<u64>,
+    #[serde(default)]
+    pub iops: Option<u64>,
+    #[serde(default)]
+    pub read_percent: Option<u8>,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// `PATCH /v1/namespaces/{namespace_id}/tenants/{name}`: what is given replaces the tenant's
+/// value, the rest stays (a class change to `lc` needs `latency_us_p95` and `iops`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantPatch {
+    #[serde(default)]
+    pub class: Option<ClassBody>,
+    #[serde(default)]
+    pub latency_us_p95: Option<u64>,
+    #[serde(default)]
+    pub iops: Option<u64>,
+    #[serde(default)]
+    pub read_percent: Option<u8>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TenantView {
+    pub name: String,
+    pub namespace_id: u32,
+    /// The wire handle (hex): what a native client BINDs to.
+    pub handle: String,
+    pub class: ClassBody,
+    pub latency_us_p95: Option<u64>,
+    pub iops: Option<u64>,
+    pub read_percent: Option<u8>,
+    pub read_only: bool,
+    /// `config` (the configuration file), `default` (the namespace's default best-effort
+    /// tenant), `admin` (this API) or `wire` (a client's REGISTER).
+    pub origin: &'static str,
+    pub connections: u32,
+    pub renegotiation_notices: u64,
+    pub in_deficit_episode: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PlanView {
+    pub latency_us_p95: Option<u64>,
+    pub device_tokens_per_sec: f64,
+    pub lc_reserved_tokens_per_sec: f64,
+    pub left_tokens_per_sec: f64,
+    pub be_tokens_per_sec_each: f64,
+    pub lc_tenants: u32,
+    pub be_tenants_bound: u32,
+    pub rate_scale: f64,
+    pub overcommitted: bool,
+    pub read_only_admission: bool,
+}
+
+impl PlanView {
+    fn of(plan: &Plan) -> PlanView {
+        let device = plan.device_tokens_per_sec[0].as_tokens_per_sec_f64();
+        let reserved = plan.lc_reserved_tokens_per_sec[0].as_tokens_per_sec_f64();
+        PlanView {
+            latency_us_p95: plan.latency_us_p95,
+            device_tokens_per_sec: device,
+            lc_reserved_tokens_per_sec: reserved,
+            left_tokens_per_sec: (device - reserved).max(0.0),
+            be_tokens_per_sec_each: plan.be_tokens_per_sec_each[0].as_tokens_per_sec_f64(),
+            lc_tenants: plan.lc_tenants,
+            be_tenants_bound: plan.be_tenants_bound,
+            rate_scale: plan.rate_scale,
+            overcommitted: plan.overcommitted,
+            read_only_admission: plan.read_only_admission,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct AdmissionView {
+    pub admitted: bool,
+    pub reason: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TenantChanged {
+    pub tenant: TenantView,
+    pub admission: AdmissionView,
+    pub plan: Option<PlanView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct NamespaceView {
+    pub namespace_id: u32,
+    pub nbd_export: String,
+    pub size_bytes: u64,
+    pub read_only: bool,
+    pub device: String,
+    pub qos: bool,
+    pub tenants: Vec<String>,
+    pub plan: Option<PlanView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ServerView {
+    pub version: &'static str,
+    pub threads: usize,
+    pub namespaces: usize,
+    pub tenants: usize,
+    pub persistent_state: Option<String>,
+}
+
+// ----- Handlers -----------------------------------------------------------------------------
+
+fn json<T: Serialize>(value: T) -> Response {
+    Json(value).into_response()
+}
+
+impl AdminState {
+    fn origin(&self, info: &TenantInfo) -> &'static str {
+        if info.dynamic {
+            "wire"
+        } else if self.control.is_managed(info.handle) {
+            "admin"
+        } else if info.name == "(default)" {
+            "default"
+        } else {
+            "config"
+        }
+    }
+
+    fn tenant_view(&self, info: &TenantInfo) -> TenantView {
+        let (class, latency_us_p95, iops, read_percent) = match info.spec {
+            TenantSpec::LatencyCritical {
+                latency_us_p95,
+                iops,
+                read_percent,
+            } => (
+                ClassBody::Lc,
+                Some(latency_us_p95),
+                Some(iops),
+                Some(read_percent),
+            ),
+            TenantSpec::BestEffort => (ClassBody::Be, None, None, None),
+        };
+        TenantView {
+            name: info.name.clone(),
+            namespace_id: info.namespace_id,
+            handle: format!("{:016x}", info.handle),
+            class,
+            latency_us_p95,
+            iops,
+            read_percent,
+            read_only: info.read_only,
+            origin: self.origin(info),
+            connections: info.connections_per_thread.iter().sum(),
+            renegotiation_notices: info.deficit_episodes,
+            in_deficit_episode: info.in_deficit_episode,
+        }
+    }
+
+    fn namespace_view(&self, index: u16) -> NamespaceView {
+        let id = self.namespaces.id(index);
+        let plan = self.control.plan(index);
+        NamespaceView {
+            namespace_id: id,
+            nbd_export: self
+                .exports
+                .get(usize::from(index))
+                .cloned()
+                .unwrap_or_default(),
+            size_bytes: self.namespaces.size_bytes(index),
+            read_only: self.namespaces.is_read_only(index),
+            device: self
+                .devices
+                .get(usize::from(index))
+                .cloned()
+                .unwrap_or_default(),
+            qos: plan.is_some(),
+            tenants: self
+                .control
+                .tenants()
+                .into_iter()
+                .filter(|tenant| tenant.namespace_id == id)
+                .map(|tenant| tenant.name)
+                .collect(),
+            plan: plan.as_ref().map(PlanView::of),
+        }
+    }
+
+    fn namespace_index(&self, namespace_id: u32) -> ApiResult<u16> {
+        self.namespaces.index_of(namespace_id).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("no namespace {namespace_id}"),
+            )
+        })
+    }
+
+    /// Records a tenant's new state in the state file (when state persists). Called with the
+    /// change already made; on failure the caller undoes it.
+    fn persist(&self, change: impl FnOnce(&mut PersistedState)) -> ApiResult<()> {
+        let mut persistence = self
+            .persistence
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some((file, state)) = persistence.as_mut() else {
+            return Ok(());
+        };
+        let mut next = state.clone();
+        change(&mut next);
+        next.generation += 1;
+        match file.store(&next) {
+            Ok(()) => {
+                *state = next;
+                Ok(())
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot write the state file; the change is undone");
+                Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("the change could not be made durable: {error}"),
+                ))
+            }
+        }
+    }
+}
+
+/// The spec a create body asks for, or what is wrong with it.
+fn spec_of(
+    class: ClassBody,
+    latency_us_p95: Option<u64>,
+    iops: Option<u64>,
+    read_percent: Option<u8>,
+) -> ApiResult<TenantSpec> {
+    match class {
+        ClassBody::Be => {
+            if latency_us_p95.is_some() || iops.is_some() || read_percent.is_some() {
+                return Err(ApiError::bad_request(
+                    "a best-effort tenant takes no latency_us_p95, iops or read_percent",
+                ));
+            }
+            Ok(TenantSpec::BestEffort)
+        }
+        ClassBody::Lc => {
+            let (Some(latency_us_p95), Some(iops)) = (latency_us_p95, iops) else {
+                return Err(ApiError::bad_request(
+                    "a latency-critical tenant needs latency_us_p95 and iops",
+                ));
+            };
+            let read_percent = read_percent.unwrap_or(100);
+            if latency_us_p95 == 0 || latency_us_p95 > reflex_qos::registry::LATENCY_SLO_US_MAX {
+                return Err(ApiError::bad_request(format!(
+                    "latency_us_p95 {latency_us_p95} not in 1..={}",
+                    reflex_qos::registry::LATENCY_SLO_US_MAX
+                )));
+            }
+            if iops == 0 || iops > reflex_qos::registry::IOPS_MAX {
+                return Err(ApiError::bad_request(format!(
+                    "iops {iops} not in 1..={}",
+                    reflex_qos::registry::IOPS_MAX
+                )));
+            }
+            if read_percent > 100 {
+                return Err(ApiError::bad_request(format!(
+                    "read_percent {read_percent} above 100"
+                )));
+            }
+            Ok(TenantSpec::LatencyCritical {
+                latency_us_p95,
+                iops,
+                read_percent,
+            })
+        }
+    }
+}
+
+/// A request body that must be a JSON object of `T`'s fields. Numbers with no fractional part
+/// count as integers whatever their spelling (`70.0` is 70), as JSON Schema has it. A body
+/// that is not an object, or fields of the wrong type, are a 422 naming the field.
+fn object_body<T: serde::de::DeserializeOwned>(
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+) -> ApiResult<T> {
+    /// 2^64: the first float above every u64.
+    const U64_END: f64 = 18_446_744_073_709_551_616.0;
+    let Json(mut value) = body?;
+    let Some(object) = value.as_object_mut() else {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "the body must be a JSON object",
+        ));
+    };
+    if let Some((key, _)) = object.iter().find(|(_, field)| field.is_null()) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("{key}: null is not a value (leave the field out instead)"),
+        ));
+    }
+    for field in object.values_mut() {
+        if field.is_f64()
+            && let Some(number) = field.as_f64()
+            && number.fract() == 0.0
+            && (0.0..U64_END).contains(&number)
+        {
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let integral = number as u64;
+            *field = serde_json::Value::from(integral);
+        }
+    }
+    serde_path_to_error::deserialize(value).map_err(|error| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("invalid body: {error}"),
+        )
+    })
+}
+
+fn check_name(name: &str) -> ApiResult<()> {
+    if name.is_empty() || name.chars().count() > TENANT_NAME_CHARS_MAX {
+        return Err(ApiError::bad_request(format!(
+            "tenant name must be 1..={TENANT_NAME_CHARS_MAX} characters"
+        )));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(ApiError::bad_request(
+            "tenant name must not contain control characters",
+        ));
+    }
+    if name == "(default)" || name.starts_with("tenant ") {
+        return Err(ApiError::bad_request(
+            "tenant names \"(default)\" and \"tenant ...\" are the server's own",
+        ));
+    }
+    Ok(())
+}
+
+fn admission_reason(plan: Option<&Plan>) -> String {
+    match plan {
+        Some(plan) => {
+            let view = PlanView::of(plan);
+            format!(
+                "admitted: {:.0} of {:.0} tokens/s reserved for latency-critical tenants, {:.0} left{}",
+                view.lc_reserved_tokens_per_sec,
+                view.device_tokens_per_sec,
+                view.left_tokens_per_sec,
+                plan.latency_us_p95
+                    .map(|us| format!(" at {us} µs"))
+                    .unwrap_or_default()
+            )
+        }
+        None => "admitted".to_string(),
+    }
+}
+
+pub async fn get_server(State(state): State<Shared>) -> Response {
+    let persistent_state = state
+        .persistence
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .as_ref()
+        .map(|(file, _)| file.path().display().to_string());
+    json(ServerView {
+        version: state.version,
+        threads: state.threads,
+        namespaces: state.namespaces.len(),
+        tenants: state.control.tenants().len(),
+        persistent_state,
+    })
+}
+
+pub async fn list_namespaces(State(state): State<Shared>) -> Response {
+    let views: Vec<NamespaceView> = (0..state.namespaces.len())
+        .map(|index| state.namespace_view(index as u16))
+        .collect();
+    json(views)
+}
+
+pub async fn get_namespace(
+    State(state): State<Shared>,
+    path: Result<Path<u32>, PathRejection>,
+) -> ApiResult<Response> {
+    let Path(namespace_id) = path?;
+    let index = state.namespace_index(namespace_id)?;
+    Ok(json(state.namespace_view(index)))
+}
+
+pub async fn list_tenants(State(state): State<Shared>) -> Response {
+    let views: Vec<TenantView> = state
+        .control
+        .tenants()
+        .iter()
+        .map(|info| state.tenant_view(info))
+        .collect();
+    json(views)
+}
+
+fn find(state: &AdminState, namespace_id: u32, name: &str) -> ApiResult<TenantInfo> {
+    state.namespace_index(namespace_id)?;
+    state
+        .control
+        .find_tenant(namespace_id, name)
+        .and_then(|handle| state.control.tenant(handle))
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("no tenant {name:?} on namespace {namespace_id}"),
+            )
+        })
+}
+
+pub async fn get_tenant(
+    State(state): State<Shared>,
+    path: Result<Path<(u32, String)>, PathRejection>,
+) -> ApiResult<Response> {
+    let Path((namespace_id, name)) = path?;
+    let info = find(&state, namespace_id, &name)?;
+    Ok(json(state.tenant_view(&info)))
+}
+
+pub async fn create_tenant(
+    State(state): State<Shared>,
+    path: Result<Path<u32>, PathRejection>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Path(namespace_id) = path?;
+    let body: TenantCreate = object_body(body)?;
+    state.namespace_index(namespace_id)?;
+    check_name(&body.name)?;
+    let spec = spec_of(
+        body.class,
+        body.latency_us_p95,
+        body.iops,
+        body.read_percent,
+    )?;
+    let outcome = state
+        .control
+        .admin_register(namespace_id, &body.name, spec, body.read_only)?;
+    let persisted = PersistedTenant {
+        namespace_id,
+        name: body.name.clone(),
+        spec,
+        read_only: body.read_only,
+        origin: Origin::Admin,
+    };
+    if let Err(error) = state.persist(|file| file.upsert(persisted)) {
+        let _ = state.control.admin_remove(namespace_id, &body.name);
+        return Err(error);
+    }
+    let response = TenantChanged {
+        tenant: state.tenant_view(&outcome.tenant),
+        admission: AdmissionView {
+            admitted: true,
+            reason: admission_reason(outcome.plan.as_ref()),
+        },
+        plan: outcome.plan.as_ref().map(PlanView::of),
+    };
+    Ok((
+        StatusCode::CREATED,
+        [(
+            header::LOCATION,
+            format!("/v1/namespaces/{namespace_id}/tenants/{}", body.name),
+        )],
+        Json(response),
+    )
+        .into_response())
+}
+
+pub async fn update_tenant(
+    State(state): State<Shared>,
+    path: Result<Path<(u32, String)>, PathRejection>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Path((namespace_id, name)) = path?;
+    let body: TenantPatch = object_body(body)?;
+    let info = find(&state, namespace_id, &name)?;
+    if info.name == "(default)" {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "the namespace's default tenant stays best-effort",
+        ));
+    }
+    let (class, latency, iops, read_percent) = match info.spec {
+        TenantSpec::LatencyCritical {
+            latency_us_p95,
+            iops,
+            read_percent,
+        } => (
+            ClassBody::Lc,
+            Some(latency_us_p95),
+            Some(iops),
+            Some(read_percent),
+        ),
+        TenantSpec::BestEffort => (ClassBody::Be, None, None, None),
+    };
+    let class_after = body.class.unwrap_or(class);
+    // What is wrong only given the tenant's present class is a conflict with its state (the
+    // body alone is valid): SLO fields for a best-effort tenant, or too few to become LC.
+    let slo_given =
+        body.latency_us_p95.is_some() || body.iops.is_some() || body.read_percent.is_some();
+    if body.class.is_none() && class == ClassBody::Be && slo_given {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!(
+                "tenant {name} is best-effort: give \"class\": \"lc\" with latency_us_p95 and iops to make it latency-critical"
+            ),
+        ));
+    }
+    if class_after == ClassBody::Lc
+        && (body.latency_us_p95.or(latency).is_none() || body.iops.or(iops).is_none())
+    {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!(
+                "tenant {name} is best-effort: a change to latency-critical needs latency_us_p95 and iops"
+            ),
+        ));
+    }
+    let spec = match class_after {
+        ClassBody::Be => spec_of(
+            ClassBody::Be,
+            body.latency_us_p95,
+            body.iops,
+            body.read_percent,
+        )?,
+        ClassBody::Lc => spec_of(
+            ClassBody::Lc,
+            body.latency_us_p95.or(latency),
+            body.iops.or(iops),
+            body.read_percent.or(read_percent),
+        )?,
+    };
+    let old_spec = info.spec;
+    let outcome = state.control.admin_update(namespace_id, &name, spec)?;
+    let origin = if state.control.is_managed(info.handle) {
+        Origin::Admin
+    } else {
+        Origin::Config
+    };
+    let persisted = PersistedTenant {
+        namespace_id,
+        name: name.clone(),
+        spec,
+        read_only: info.read_only,
+        origin,
+    };
+    // A wire tenant's SLO is its client's business: it does not outlive the server.
+    if !info.dynamic
+        && let Err(error) = state.persist(|file| file.upsert(persisted))
+    {
+        let _ = state.control.admin_update(namespace_id, &name, old_spec);
+        return Err(error);
+    }
+    Ok(json(TenantChanged {
+        tenant: state.tenant_view(&outcome.tenant),
+        admission: AdmissionView {
+            admitted: true,
+            reason: admission_reason(outcome.plan.as_ref()),
+        },
+        plan: outcome.plan.as_ref().map(PlanView::of),
+    }))
+}
+
+pub async fn delete_tenant(
+    State(state): State<Shared>,
+    path: Result<Path<(u32, String)>, PathRejection>,
+) -> ApiResult<Response> {
+    let Path((namespace_id, name)) = path?;
+    let info = find(&state, namespace_id, &name)?;
+    let managed = state.control.is_managed(info.handle);
+    if !managed && !info.dynamic {
+        return Err(AdminError::NotChangeable {
+            name,
+            reason: "comes from the configuration file: remove it there",
+        }
+        .into());
+    }
+    if managed {
+        // Durable first: a crash after this leaves the tenant gone at the next start, which
+        // is what was asked; the change in memory cannot fail for a managed tenant.
+        state.persist(|file| file.remove(namespace_id, &name))?;
+    }
+    state.control.admin_remove(namespace_id, &name)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+pub async fn get_stats(State(state): State<Shared>) -> Response {
+    let view = state
+        .sampler
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .view();
+    json(view)
+}
+
+/// `GET /metrics`: OpenMetrics for clients that ask for it (Prometheus does), the Prometheus
+/// text format 0.0.4 for the rest.
+pub async fn get_metrics(
+    State(state): State<Shared>,
+    headers: axum::http::HeaderMap,
+) -> ApiResult<Response> {
+    let text = crate::metrics::encode(&state.sampler).map_err(|_| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "cannot encode the metrics",
+        )
+    })?;
+    let open_metrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .any(|value| value.contains("application/openmetrics-text"));
+    let (content_type, text) = if open_metrics {
+        (
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            text,
+        )
+    } else {
+        (
+            "text/plain; version=0.0.4; charset=utf-8",
+            crate::metrics::prometheus_text(&text),
+        )
+    };
+    Ok(([(header::CONTENT_TYPE, content_type)], text).into_response())
+}
+
+pub async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such resource")
+}
+
+/// Refuses peers that are not on this machine unless `allow_remote` is set.
+pub async fn only_local(
+    State(state): State<Shared>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if !state.allow_remote && !peer.ip().is_loopback() {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!(
+                "the admin API serves only this machine; {} is not a loopback address \
+                 ([admin] allow_remote = true opens it)",
+                peer.ip()
+            ),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}

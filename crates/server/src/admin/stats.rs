@@ -1,0 +1,543 @@
+//! Live statistics: the control-plane thread reads every dataplane thread's latest snapshot
+//! (`reflex_dataplane::live`) once per window, sums them per tenant, namespace and thread,
+//! and subtracts the previous sum: the window's rates and latency quantiles. SLO attainment
+//! is counted here: a window in which a latency-critical tenant completed at least
+//! [`SLO_READS_MIN`] reads is judged, and met when its read p95 is within the SLO.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reflex_dataplane::control::{ControlPlane, TenantInfo};
+use reflex_dataplane::live::{BATCH_BUCKETS, ThreadSnapshot};
+use reflex_dataplane::namespaces::NamespaceSet;
+use reflex_dataplane::telemetry::LatencyHistogram;
+use reflex_qos::{Ledger, TenantSpec};
+use serde::Serialize;
+
+/// Reads a window needs before its p95 says anything about an SLO.
+pub const SLO_READS_MIN: u64 = 20;
+
+/// One tenant's cumulative figures, summed over threads.
+#[derive(Debug, Clone, Default)]
+pub struct TenantTotals {
+    pub namespace_id: u32,
+    pub arrivals: u64,
+    pub reads: u64,
+    pub read_bytes: u64,
+    pub writes: u64,
+    pub write_bytes: u64,
+    pub read_latency: LatencyHistogram,
+    pub millitokens_spent: i64,
+    pub millitokens_earned: i64,
+    pub millitokens_from_bucket: i64,
+    pub millitokens_donated: i64,
+    pub deficit_episodes: u64,
+    pub deficit_ns: u64,
+    pub queued: u64,
+}
+
+impl TenantTotals {
+    fn add(&mut self, tenant: &reflex_dataplane::live::TenantSnapshot) {
+        self.namespace_id = tenant.namespace_id;
+        self.arrivals += tenant.arrivals;
+        self.reads += tenant.reads;
+        self.read_bytes += tenant.read_bytes;
+        self.writes += tenant.writes;
+        self.write_bytes += tenant.write_bytes;
+        self.read_latency.merge(&tenant.read_latency);
+        self.millitokens_spent += tenant.millitokens_spent;
+        self.millitokens_earned += tenant.millitokens_earned;
+        self.millitokens_from_bucket += tenant.millitokens_from_bucket;
+        self.millitokens_donated += tenant.millitokens_donated;
+        self.deficit_episodes += tenant.deficit_episodes;
+        self.deficit_ns += tenant.deficit_ns;
+        self.queued += u64::from(tenant.queued);
+    }
+}
+
+/// One namespace's cumulative figures, summed over threads.
+#[derive(Debug, Clone, Default)]
+pub struct NamespaceTotals {
+    pub device_in_flight: u64,
+    pub device_operations: u64,
+    pub device_ns: u64,
+    pub read_latency: LatencyHistogram,
+    pub ledger: Ledger,
+}
+
+/// Everything summed at one instant.
+#[derive(Debug, Clone)]
+pub struct Totals {
+    pub at: Instant,
+    pub tenants: BTreeMap<u64, TenantTotals>,
+    pub namespaces: BTreeMap<u32, NamespaceTotals>,
+    pub threads: Vec<Arc<ThreadSnapshot>>,
+}
+
+impl Totals {
+    pub fn read(board: &reflex_dataplane::live::LiveBoard) -> Totals {
+        let threads = board.read();
+        let mut tenants: BTreeMap<u64, TenantTotals> = BTreeMap::new();
+        let mut namespaces: BTreeMap<u32, NamespaceTotals> = BTreeMap::new();
+        for thread in &threads {
+            for tenant in &thread.tenants {
+                tenants.entry(tenant.handle).or_default().add(tenant);
+            }
+            for namespace in &thread.namespaces {
+                let total = namespaces.entry(namespace.namespace_id).or_default();
+                total.device_in_flight += u64::from(namespace.device_in_flight);
+                total.device_operations += namespace.device_operations;
+                total.device_ns += namespace.device_ns;
+                total.read_latency.merge(&namespace.read_latency);
+                let ledger = &namespace.ledger;
+                total.ledger.generated.0 += ledger.generated.0;
+                total.ledger.from_bucket.0 += ledger.from_bucket.0;
+                total.ledger.spent.0 += ledger.spent.0;
+                total.ledger.to_bucket.0 += ledger.to_bucket.0;
+                total.ledger.written_off.0 += ledger.written_off.0;
+                total.ledger.held.0 += ledger.held.0;
+            }
+        }
+        Totals {
+            at: Instant::now(),
+            tenants,
+            namespaces,
+            threads,
+        }
+    }
+}
+
+/// Latency quantiles of a window, in µs (0 without reads).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Quantiles {
+    pub p50: u64,
+    pub p95: u64,
+    pub p99: u64,
+}
+
+impl Quantiles {
+    pub fn of(histogram: &LatencyHistogram) -> Quantiles {
+        Quantiles {
+            p50: histogram.quantile_us(0.50),
+            p95: histogram.quantile_us(0.95),
+            p99: histogram.quantile_us(0.99),
+        }
+    }
+}
+
+/// One tenant's last window.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TenantWindow {
+    pub arrivals_per_sec: f64,
+    pub read_iops: f64,
+    pub write_iops: f64,
+    pub read_bytes_per_sec: f64,
+    pub write_bytes_per_sec: f64,
+    pub reads: u64,
+    pub read_latency_us: Quantiles,
+    pub tokens_spent_per_sec: f64,
+    pub tokens_earned_per_sec: f64,
+    pub tokens_claimed_per_sec: f64,
+    pub tokens_donated_per_sec: f64,
+    /// Share of the window spent in a deficit episode (summed over threads, so up to the
+    /// number of threads).
+    pub deficit_share: f64,
+    pub queued: u64,
+}
+
+/// How often a tenant's SLO held.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct SloAttainment {
+    /// Windows with enough reads to judge.
+    pub windows_judged: u64,
+    pub windows_met: u64,
+    /// `windows_met / windows_judged`; `None` before the first judged window.
+    pub attainment: Option<f64>,
+    /// Whether the last judged window met the SLO.
+    pub last_met: Option<bool>,
+}
+
+impl SloAttainment {
+    fn judge(&mut self, met: bool) {
+        self.windows_judged += 1;
+        self.windows_met += u64::from(met);
+        self.attainment = Some(self.windows_met as f64 / self.windows_judged as f64);
+        self.last_met = Some(met);
+    }
+}
+
+/// One tenant as `GET /v1/stats` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct TenantStatsView {
+    pub name: String,
+    pub namespace_id: u32,
+    pub handle: String,
+    pub class: &'static str,
+    pub slo_latency_us_p95: Option<u64>,
+    pub reserved_iops: Option<u64>,
+    pub window: TenantWindow,
+    pub totals: TenantTotalsView,
+    pub slo: SloAttainment,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TenantTotalsView {
+    pub arrivals: u64,
+    pub reads: u64,
+    pub writes: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub read_latency_us: Quantiles,
+    pub tokens_spent: f64,
+    pub tokens_earned: f64,
+    pub tokens_claimed: f64,
+    pub tokens_donated: f64,
+    pub deficit_seconds: f64,
+    /// Deficit episodes, each of which sent a RENEGOTIATE notice.
+    pub renegotiation_notices: u64,
+    pub in_deficit_episode: bool,
+    pub connections: u32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ThreadStatsView {
+    pub thread: usize,
+    /// Share of the window the thread worked (did not sleep or find nothing to do).
+    pub busy_share: f64,
+    pub iterations_per_sec: f64,
+    /// Completions handled per loop iteration, on average over the window.
+    pub batch_mean: f64,
+    /// Iterations of the window by completions handled: 0, 1, 2–3, 4–7, …, 64 and more.
+    pub batch_sizes: [u64; BATCH_BUCKETS],
+    pub connections: u32,
+    pub requests_per_sec: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct NamespaceStatsView {
+    pub namespace_id: u32,
+    pub device: String,
+    pub device_queue_depth: u64,
+    pub device_operations_per_sec: f64,
+    pub device_latency_us_mean: f64,
+    pub read_latency_us: Quantiles,
+    /// The token rate the schedulers hand out (the profile's at the strictest SLO × the
+    /// rate scale); `None` without QoS.
+    pub device_tokens_per_sec: Option<f64>,
+    pub lc_reserved_tokens_per_sec: Option<f64>,
+    pub rate_scale: Option<f64>,
+    pub tokens_spent_per_sec: f64,
+}
+
+/// `GET /v1/stats`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StatsView {
+    pub window_seconds: f64,
+    /// Windows closed since the server started.
+    pub windows: u64,
+    pub tenants: Vec<TenantStatsView>,
+    pub threads: Vec<ThreadStatsView>,
+    pub namespaces: Vec<NamespaceStatsView>,
+}
+
+/// The sampler's state: the last two sums, the last window per tenant, SLO attainment.
+pub struct Sampler {
+    control: Arc<ControlPlane>,
+    namespaces: Arc<NamespaceSet>,
+    devices: Vec<String>,
+    previous: Totals,
+    latest: Totals,
+    windows: u64,
+    tenant_windows: BTreeMap<u64, TenantWindow>,
+    attainment: BTreeMap<u64, SloAttainment>,
+    thread_views: Vec<ThreadStatsView>,
+    /// Per namespace id: device operations/s, mean device latency (µs), read quantiles,
+    /// tokens spent/s.
+    namespace_windows: BTreeMap<u32, (f64, f64, Quantiles, f64)>,
+    window_seconds: f64,
+}
+
+fn per_sec(delta: f64, seconds: f64) -> f64 {
+    if seconds > 0.0 { delta / seconds } else { 0.0 }
+}
+
+fn delta_u(now: u64, before: u64) -> f64 {
+    now.saturating_sub(before) as f64
+}
+
+fn delta_tokens(now: i64, before: i64) -> f64 {
+    (now - before).max(0) as f64 / 1000.0
+}
+
+impl Sampler {
+    pub fn new(
+        control: Arc<ControlPlane>,
+        namespaces: Arc<NamespaceSet>,
+        devices: Vec<String>,
+    ) -> Sampler {
+        let totals = Totals::read(control.live());
+        Sampler {
+            control,
+            namespaces,
+            devices,
+            previous: totals.clone(),
+            latest: totals,
+            windows: 0,
+            tenant_windows: BTreeMap::new(),
+            attainment: BTreeMap::new(),
+            thread_views: Vec::new(),
+            namespace_windows: BTreeMap::new(),
+            window_seconds: 0.0,
+        }
+    }
+
+    pub fn control(&self) -> &Arc<ControlPlane> {
+        &self.control
+    }
+
+    pub fn namespaces(&self) -> &Arc<NamespaceSet> {
+        &self.namespaces
+    }
+
+    /// The device label of namespace index `index`.
+    pub fn device(&self, index: usize) -> &str {
+        self.devices.get(index).map_or("", String::as_str)
+    }
+
+    /// The latest sums (what `/metrics` shows: counters since start).
+    pub fn latest(&self) -> &Totals {
+        &self.latest
+    }
+
+    /// SLO attainment of a tenant so far.
+    pub fn attainment(&self, handle: u64) -> SloAttainment {
+        self.attainment.get(&handle).copied().unwrap_or_default()
+    }
+
+    /// The last window of a tenant.
+    pub fn tenant_window(&self, handle: u64) -> Option<&TenantWindow> {
+        self.tenant_windows.get(&handle)
+    }
+
+    /// Closes a window: reads the board, computes rates since the previous window and judges
+    /// each latency-critical tenant's SLO.
+    pub fn close_window(&mut self) {
+        let totals = Totals::read(self.control.live());
+        let seconds = totals
+            .at
+            .saturating_duration_since(self.latest.at)
+            .max(Duration::from_millis(1))
+            .as_secs_f64();
+        self.previous = std::mem::replace(&mut self.latest, totals);
+        self.windows += 1;
+        let infos: BTreeMap<u64, TenantInfo> = self
+            .control
+            .tenants()
+            .into_iter()
+            .map(|info| (info.handle, info))
+            .collect();
+        let empty = TenantTotals::default();
+        let mut windows = BTreeMap::new();
+        for (handle, now) in &self.latest.tenants {
+            let before = self.previous.tenants.get(handle).unwrap_or(&empty);
+            let latency = now.read_latency.since(&before.read_latency);
+            let window = TenantWindow {
+                arrivals_per_sec: per_sec(delta_u(now.arrivals, before.arrivals), seconds),
+                read_iops: per_sec(delta_u(now.reads, before.reads), seconds),
+                write_iops: per_sec(delta_u(now.writes, before.writes), seconds),
+                read_bytes_per_sec: per_sec(delta_u(now.read_bytes, before.read_bytes), seconds),
+                write_bytes_per_sec: per_sec(delta_u(now.write_bytes, before.write_bytes), seconds),
+                reads: latency.count(),
+                read_latency_us: Quantiles::of(&latency),
+                tokens_spent_per_sec: per_sec(
+                    delta_tokens(now.millitokens_spent, before.millitokens_spent),
+                    seconds,
+                ),
+                tokens_earned_per_sec: per_sec(
+                    delta_tokens(now.millitokens_earned, before.millitokens_earned),
+                    seconds,
+                ),
+                tokens_claimed_per_sec: per_sec(
+                    delta_tokens(now.millitokens_from_bucket, before.millitokens_from_bucket),
+                    seconds,
+                ),
+                tokens_donated_per_sec: per_sec(
+                    delta_tokens(now.millitokens_donated, before.millitokens_donated),
+                    seconds,
+                ),
+                deficit_share: per_sec(delta_u(now.deficit_ns, before.deficit_ns) / 1e9, seconds),
+                queued: now.queued,
+            };
+            if let Some(TenantSpec::LatencyCritical { latency_us_p95, .. }) =
+                infos.get(handle).map(|info| info.spec)
+                && latency.count() >= SLO_READS_MIN
+            {
+                self.attainment
+                    .entry(*handle)
+                    .or_default()
+                    .judge(window.read_latency_us.p95 <= latency_us_p95);
+            }
+            windows.insert(*handle, window);
+        }
+        self.attainment
+            .retain(|handle, _| infos.contains_key(handle));
+        self.tenant_windows = windows;
+
+        let previous_threads: BTreeMap<usize, &Arc<ThreadSnapshot>> = self
+            .previous
+            .threads
+            .iter()
+            .map(|thread| (thread.thread_index, thread))
+            .collect();
+        self.thread_views = self
+            .latest
+            .threads
+            .iter()
+            .map(|now| {
+                let before = previous_threads.get(&now.thread_index);
+                let field = |get: fn(&ThreadSnapshot) -> u64| {
+                    delta_u(get(now), before.map_or(0, |before| get(before)))
+                };
+                let busy = field(|t| t.busy_ns);
+                let iterations = field(|t| t.iterations);
+                let mut batch_sizes = now.batch_sizes;
+                if let Some(before) = before {
+                    for (bucket, earlier) in batch_sizes.iter_mut().zip(before.batch_sizes) {
+                        *bucket = bucket.saturating_sub(earlier);
+                    }
+                }
+                ThreadStatsView {
+                    thread: now.thread_index,
+                    // A thread that slept through the window published nothing: busy 0.
+                    busy_share: (busy / 1e9 / seconds).clamp(0.0, 1.0),
+                    iterations_per_sec: per_sec(iterations, seconds),
+                    batch_mean: if iterations > 0.0 {
+                        field(|t| t.completions) / iterations
+                    } else {
+                        0.0
+                    },
+                    batch_sizes,
+                    connections: now.connections_open,
+                    requests_per_sec: per_sec(field(|t| t.requests_answered), seconds),
+                }
+            })
+            .collect();
+
+        let empty = NamespaceTotals::default();
+        self.namespace_windows = self
+            .latest
+            .namespaces
+            .iter()
+            .map(|(id, now)| {
+                let before = self.previous.namespaces.get(id).unwrap_or(&empty);
+                let operations = delta_u(now.device_operations, before.device_operations);
+                let device_ns = delta_u(now.device_ns, before.device_ns);
+                let latency = now.read_latency.since(&before.read_latency);
+                let spent = delta_tokens(now.ledger.spent.0, before.ledger.spent.0);
+                (
+                    *id,
+                    (
+                        per_sec(operations, seconds),
+                        if operations > 0.0 {
+                            device_ns / operations / 1e3
+                        } else {
+                            0.0
+                        },
+                        Quantiles::of(&latency),
+                        per_sec(spent, seconds),
+                    ),
+                )
+            })
+            .collect();
+        self.window_seconds = seconds;
+    }
+
+    /// What `GET /v1/stats` shows: the last window, totals since start, SLO attainment.
+    pub fn view(&self) -> StatsView {
+        let mut tenants = Vec::new();
+        for info in self.control.tenants() {
+            let totals = self.latest.tenants.get(&info.handle);
+            let (slo, reserved_iops, class) = match info.spec {
+                TenantSpec::LatencyCritical {
+                    latency_us_p95,
+                    iops,
+                    ..
+                } => (Some(latency_us_p95), Some(iops), "lc"),
+                TenantSpec::BestEffort => (None, None, "be"),
+            };
+            let totals_view = match totals {
+                Some(t) => TenantTotalsView {
+                    arrivals: t.arrivals,
+                    reads: t.reads,
+                    writes: t.writes,
+                    read_bytes: t.read_bytes,
+                    write_bytes: t.write_bytes,
+                    read_latency_us: Quantiles::of(&t.read_latency),
+                    tokens_spent: t.millitokens_spent as f64 / 1000.0,
+                    tokens_earned: t.millitokens_earned as f64 / 1000.0,
+                    tokens_claimed: t.millitokens_from_bucket as f64 / 1000.0,
+                    tokens_donated: t.millitokens_donated as f64 / 1000.0,
+                    deficit_seconds: t.deficit_ns as f64 / 1e9,
+                    renegotiation_notices: info.deficit_episodes,
+                    in_deficit_episode: info.in_deficit_episode,
+                    connections: info.connections_per_thread.iter().sum(),
+                },
+                None => TenantTotalsView {
+                    renegotiation_notices: info.deficit_episodes,
+                    in_deficit_episode: info.in_deficit_episode,
+                    connections: info.connections_per_thread.iter().sum(),
+                    ..TenantTotalsView::default()
+                },
+            };
+            tenants.push(TenantStatsView {
+                name: info.name.clone(),
+                namespace_id: info.namespace_id,
+                handle: format!("{:016x}", info.handle),
+                class,
+                slo_latency_us_p95: slo,
+                reserved_iops,
+                window: self
+                    .tenant_windows
+                    .get(&info.handle)
+                    .cloned()
+                    .unwrap_or_default(),
+                totals: totals_view,
+                slo: self.attainment(info.handle),
+            });
+        }
+        let mut namespaces = Vec::new();
+        for index in 0..self.namespaces.len() {
+            let namespace_index = index as u16;
+            let id = self.namespaces.id(namespace_index);
+            let plan = self.control.plan(namespace_index);
+            let (operations, latency_mean, quantiles, spent) =
+                self.namespace_windows.get(&id).copied().unwrap_or_default();
+            namespaces.push(NamespaceStatsView {
+                namespace_id: id,
+                device: self.device(index).to_string(),
+                device_queue_depth: self
+                    .latest
+                    .namespaces
+                    .get(&id)
+                    .map_or(0, |n| n.device_in_flight),
+                device_operations_per_sec: operations,
+                device_latency_us_mean: latency_mean,
+                read_latency_us: quantiles,
+                device_tokens_per_sec: plan
+                    .map(|plan| plan.device_tokens_per_sec[0].as_tokens_per_sec_f64()),
+                lc_reserved_tokens_per_sec: plan
+                    .map(|plan| plan.lc_reserved_tokens_per_sec[0].as_tokens_per_sec_f64()),
+                rate_scale: plan.map(|plan| plan.rate_scale),
+                tokens_spent_per_sec: spent,
+            });
+        }
+        StatsView {
+            window_seconds: self.window_seconds,
+            windows: self.windows,
+            tenants,
+            threads: self.thread_views.clone(),
+            namespaces,
+        }
+    }
+}
