@@ -124,16 +124,6 @@ start_server() {
 
 rss_kb() { awk '/^VmRSS:/ { print $2 }' /proc/"$1"/status 2>/dev/null || echo 0; }
 
-wait_file() {
-    local file=$1 pid=$2 seconds=$3 i
-    for ((i = 0; i < seconds * 10; i++)); do
-        [ -e "$file" ] && return 0
-        kill -0 "$pid" 2>/dev/null || return 1
-        sleep 0.1
-    done
-    return 1
-}
-
 # one_run REP MODE: a fresh server, the attack (MODE attack), the scenario and the fresh client.
 one_run() {
     local rep=$1 mode=$2 name="$2-$1" flood_pid="" fresh_pid sampler cpu_before cpu_after

@@ -254,16 +254,6 @@ stop_flood() {
 }
 STOP=$RAW/stop
 
-wait_file() {
-    local file=$1 pid=$2 seconds=$3 i
-    for ((i = 0; i < seconds * 10; i++)); do
-        [ -e "$file" ] && return 0
-        kill -0 "$pid" 2>/dev/null || return 1
-        sleep 0.1
-    done
-    return 1
-}
-
 part_connections() {
     local rep=$1 rss_empty rss_before rss_unparked rss_idle rss_loaded slab_before slab_idle
     local tcp_before tcp_idle others_base others_idle ready=$RAW/ready-connections-$rep

@@ -143,3 +143,15 @@ autogroup_restore() {
     [ -z "$AUTOGROUP_NICE_BEFORE" ] || echo "$AUTOGROUP_NICE_BEFORE" >/proc/self/autogroup 2>/dev/null || true
     AUTOGROUP_NICE_BEFORE=""
 }
+
+# wait_file FILE PID SECONDS: waits until FILE exists; fails when PID exits first or after
+# SECONDS.
+wait_file() {
+    local file=$1 pid=$2 seconds=$3 i
+    for ((i = 0; i < seconds * 10; i++)); do
+        [ -e "$file" ] && return 0
+        kill -0 "$pid" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
