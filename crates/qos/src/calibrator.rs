@@ -49,7 +49,10 @@ pub const SCALE_CEILING_MAX: f64 = 2.0;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CalibratorConfig {
-    /// Whether reflexd calibrates online at all (on namespaces with a profile, QoS on).
+    /// Whether reflexd calibrates online at all (on namespaces with a profile, QoS on). Off by
+    /// default: it throttles best-effort tenants first, and on a server driven at its
+    /// profile's operating point that left newcomers (best effort) waiting up to 0.7 s in
+    /// `bench/overload.sh` (docs/QOS.md §11).
     pub enabled: bool,
     /// The part of an LC SLO that the server never measures (network, the client's own
     /// wake-ups), µs, on top of what it learns itself; the target is the SLO minus both.
@@ -90,7 +93,7 @@ pub struct CalibratorConfig {
 impl Default for CalibratorConfig {
     fn default() -> CalibratorConfig {
         CalibratorConfig {
-            enabled: true,
+            enabled: false,
             client_share_us: 0,
             window_us: 100_000,
             samples_min: 100,
