@@ -27,6 +27,17 @@ fn start_server(config: Config) -> ServerHandle {
     common::start_server(config)
 }
 
+/// The tests of this file run one at a time: one of them reads this process's CPU time as the
+/// server's, summed over its threads, and a server of a parallel test shutting down takes its
+/// threads' time out of that sum (the difference then comes out as 0).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Runs `reflex flood ARGS --json -q`, expects success, returns the report.
 fn flood_ok(args: &[&str]) -> Value {
     let mut all = vec!["flood", "--json", "-q"];
@@ -47,6 +58,7 @@ fn flood_ok(args: &[&str]) -> Value {
 
 #[test]
 fn every_kind_of_flood_is_set_up_held_and_counted() {
+    let _serial = serial();
     let server = start_server(Config::loopback(vec![qos_namespace()]));
     let address = server.native_addr().to_string();
     let dir = tempfile::tempdir().expect("tempdir");
@@ -111,6 +123,7 @@ fn every_kind_of_flood_is_set_up_held_and_counted() {
 
 #[test]
 fn slowloris_connections_are_closed_by_the_handshake_timeout_and_replaced() {
+    let _serial = serial();
     let server = start_server(Config {
         timeouts: TimeoutsConfig {
             handshake: Duration::from_millis(200),
@@ -145,6 +158,7 @@ fn slowloris_connections_are_closed_by_the_handshake_timeout_and_replaced() {
 
 #[test]
 fn bench_binds_its_connections_to_the_handles_given_and_reads_the_server_cpu() {
+    let _serial = serial();
     let server = start_server(Config {
         window: 32,
         ..Config::loopback(vec![qos_namespace()])
@@ -211,6 +225,7 @@ fn bench_binds_its_connections_to_the_handles_given_and_reads_the_server_cpu() {
 
 #[test]
 fn a_stop_file_ends_the_hold_before_its_duration() {
+    let _serial = serial();
     let server = start_server(Config::loopback(vec![NamespaceConfig::new(1, "mem:16M")]));
     let address = server.native_addr().to_string();
     let dir = tempfile::tempdir().expect("tempdir");
@@ -235,6 +250,7 @@ fn a_stop_file_ends_the_hold_before_its_duration() {
 
 #[test]
 fn bench_runs_the_measure_hooks_once_each_and_fails_with_a_failing_hook() {
+    let _serial = serial();
     let server = start_server(Config::loopback(vec![NamespaceConfig::new(1, "mem:16M")]));
     let address = server.native_addr().to_string();
     let dir = tempfile::tempdir().expect("tempdir");
