@@ -178,7 +178,17 @@ tenant = "gold"
         seed ^= seed << 13;
         seed ^= seed >> 7;
         seed ^= seed << 17;
-        let delay = Duration::from_micros(2_000 + seed % 40_000);
+        // At least one change lands in every cycle, however slow the machine's fsync,
+        // then the kill comes at a random point of the changes that follow.
+        let waiting = Instant::now();
+        while acknowledged.load(Ordering::SeqCst) == done && !changer.is_finished() {
+            assert!(
+                waiting.elapsed() < Duration::from_secs(60),
+                "cycle {cycle}: no change acknowledged in 60 s"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let delay = Duration::from_micros(seed % 40_000);
         let started = Instant::now();
         while started.elapsed() < delay {
             std::thread::sleep(Duration::from_micros(500));
