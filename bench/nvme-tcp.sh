@@ -12,6 +12,8 @@
 # all threads), as cores busy = CPU seconds / wall seconds; IOPS per target core = IOPS /
 # cores busy (a target that spins is busy 1.0 core whatever the load; one that sleeps when
 # idle uses less at partial load). Both targets serve RAM: nothing here measures Flash.
+# This VM drops into a slow state for whole runs now and then (every target, the same
+# workload: ~300K instead of ~500K IOPS), so the table gives the median and the best run.
 #
 # Usage: bench/nvme-tcp.sh
 # Environment: SPDK_DIR (required: an SPDK v24.01 source tree built as docs/NVME-TCP.md says) REPS (5) DURATION (5, seconds) TARGET_CPU (0)
@@ -135,8 +137,8 @@ print(f"spdk_nvme_perf, 4 KiB, {duration} s per run, medians of {reps} runs; eac
       f" perf on another. Load average before {load_before}, after {load_after}.\n")
 for workload in ["randread-qd32", "randrw50-qd32", "randread-qd1"]:
     print(f"## {workload}\n")
-    print("| target | IOPS | mean latency (us) | target cores busy | IOPS per target core | IOPS of each run |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("| target | IOPS | mean latency (us) | target cores busy | IOPS per target core | best run's IOPS per target core | IOPS of each run |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for name in ["spdk", "reflexd", "reflexd-poll"]:
         runs = cells.get((name, workload), [])
         if not runs:
@@ -145,8 +147,9 @@ for workload in ["randread-qd32", "randrw50-qd32", "randread-qd1"]:
         latency = statistics.median(r[1] for r in runs)
         cores = statistics.median(r[2] for r in runs)
         per_core = statistics.median(r[0] / r[2] if r[2] > 0 else 0 for r in runs)
+        best = max(r[0] / r[2] if r[2] > 0 else 0 for r in runs)
         each = ", ".join(f"{r[0]:.0f}" for r in runs)
-        print(f"| {labels[name]} | {iops:.0f} | {latency:.1f} | {cores:.2f} | {per_core:.0f} | {each} |")
+        print(f"| {labels[name]} | {iops:.0f} | {latency:.1f} | {cores:.2f} | {per_core:.0f} | {best:.0f} | {each} |")
     print()
 EOF
 cat "$OUT"
