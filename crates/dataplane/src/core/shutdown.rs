@@ -69,6 +69,9 @@ impl Dataplane {
 
     /// Moves through the shutdown phases as far as their conditions allow.
     pub(super) fn advance_phase(&mut self, now: Nanos) {
+        if matches!(self.phase, Phase::Running) && !self.shutdown_requested {
+            return; // The common case, twice per `process`.
+        }
         loop {
             let before = self.phase;
             self.advance_phase_once(now);

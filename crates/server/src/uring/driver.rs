@@ -63,9 +63,9 @@ impl WakeCost {
         WakeCost { late_ns: 0, max }
     }
 
-    /// A timed sleep of `timeout` started at `slept_at` has just returned.
-    fn observe(&mut self, slept_at: Instant, timeout: Duration) {
-        let slept = slept_at.elapsed();
+    /// A timed sleep of `timeout` returned after `slept` (measured with the clock reads the
+    /// loop makes anyway).
+    fn observe(&mut self, slept: Duration, timeout: Duration) {
         if slept < timeout {
             return; // Woken by a completion: says nothing about timer precision.
         }
@@ -261,23 +261,41 @@ impl UringDriver {
         // When the loop last found nothing to do: the time from then to the next iteration
         // is idle (the complement of the thread's busy share in the live figures).
         let mut idle_since: Option<Nanos> = None;
+        // A timed sleep that has just returned: when it began and how long it asked for.
+        let mut timed_sleep: Option<(Nanos, Duration)> = None;
         loop {
             let now = self.now();
             if let Some(since) = idle_since.take() {
                 self.dataplane.count_idle(now.saturating_since(since).0);
+            }
+            if let Some((slept_at, timeout)) = timed_sleep.take() {
+                let slept = Duration::from_nanos(now.saturating_since(slept_at).0);
+                self.wake_cost.observe(slept, timeout);
             }
             let reaped = self.ring.reap(&mut self.cqes[..]);
             for slot in 0..reaped {
                 let cqe = self.cqes[slot];
                 self.handle_cqe(cqe, now);
             }
-            self.poll_devices(now);
+            let device_completions = self.poll_devices(now);
             self.dataplane.count_iteration(reaped as u64);
             if !self.shutdown_begun && self.shutdown.load(Ordering::Relaxed) {
                 self.shutdown_begun = true;
                 self.dataplane.begin_shutdown();
             }
-            for _ in 0..PASSES_PER_ITERATION_MAX {
+            // An iteration that brought nothing (a polling loop spinning, mostly) skips the
+            // dataplane: with no completion, no pending work and no deadline passed, `process`
+            // would find nothing to do, which is what lets the blocking loop sleep.
+            let nothing_new = reaped == 0
+                && device_completions == 0
+                && !self.finished_synchronously
+                && !self.dataplane.has_pending_work()
+                && self.next_deadline().is_none_or(|due| due > now);
+            for _ in 0..if nothing_new {
+                0
+            } else {
+                PASSES_PER_ITERATION_MAX
+            } {
                 self.finished_synchronously = false;
                 self.dataplane.process(now);
                 self.issue_ops(now);
@@ -302,9 +320,9 @@ impl UringDriver {
                 || self.finished_synchronously
                 || device_due
                 || self.ring.more_in_cq();
-            if !busy {
-                idle_since = Some(self.now());
-            }
+            // An iteration that skipped the dataplane took no time worth a clock read.
+            let idle_at = (!busy).then(|| if nothing_new { now } else { self.now() });
+            idle_since = idle_at;
             let wait = !self.poll && !busy;
             let sleep = if wait {
                 self.plan_sleep(now)
@@ -315,11 +333,10 @@ impl UringDriver {
                 Sleep::Poll => self.ring.enter(false, None)?,
                 Sleep::Until(timeout) => {
                     self.dataplane.will_sleep();
-                    let slept_at = Instant::now();
-                    self.ring.enter(true, timeout)?;
-                    if let Some(timeout) = timeout {
-                        self.wake_cost.observe(slept_at, timeout);
+                    if let (Some(timeout), Some(slept_at)) = (timeout, idle_at) {
+                        timed_sleep = Some((slept_at, timeout));
                     }
+                    self.ring.enter(true, timeout)?;
                 }
             }
         }
@@ -469,11 +486,13 @@ impl UringDriver {
         }
     }
 
-    fn poll_devices(&mut self, now: Nanos) {
+    /// Hands the devices' completions to the dataplane; returns how many there were.
+    fn poll_devices(&mut self, now: Nanos) -> usize {
         let mut polled = std::mem::take(&mut self.polled);
         for queue in self.queues.iter_mut() {
             queue.poll_completions(now, &mut polled);
         }
+        let count = polled.len();
         for completion in polled.drain(..) {
             let Some((kind @ (Kind::Device | Kind::Flush), generation, index)) =
                 token::decode(completion.user_data)
@@ -487,6 +506,7 @@ impl UringDriver {
             self.dataplane.handle_device(id, completion.result, now);
         }
         self.polled = polled;
+        count
     }
 
     // ----- Issuing the dataplane's operations ----------------------------------------------
