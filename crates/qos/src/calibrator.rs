@@ -50,10 +50,13 @@ pub const SCALE_CEILING_MAX: f64 = 2.0;
 #[serde(default, deny_unknown_fields)]
 pub struct CalibratorConfig {
     /// Whether reflexd calibrates online at all (on namespaces with a profile, QoS on). Off by
-    /// default: it throttles best-effort tenants first, and on a server driven at its
-    /// profile's operating point that left newcomers (best effort) waiting up to 0.7 s in
-    /// `bench/overload.sh` (docs/QOS.md §11).
+    /// default: it throttles best-effort tenants first (down to `best_effort_floor`), and
+    /// changes what admission promises (docs/QOS.md §11).
     pub enabled: bool,
+    /// The share of the device rate that best-effort tenants keep however far a cut goes: LC
+    /// admission and the cuts leave it to them (without it, a cut to what LC reservations
+    /// need left newcomers, who are best effort, waiting up to 0.7 s in `bench/overload.sh`).
+    pub best_effort_floor: f64,
     /// The part of an LC SLO that the server never measures (network, the client's own
     /// wake-ups), µs, on top of what it learns itself; the target is the SLO minus both.
     pub client_share_us: u64,
@@ -94,6 +97,7 @@ impl Default for CalibratorConfig {
     fn default() -> CalibratorConfig {
         CalibratorConfig {
             enabled: false,
+            best_effort_floor: 0.05,
             client_share_us: 0,
             window_us: 100_000,
             samples_min: 100,
@@ -135,6 +139,9 @@ impl CalibratorConfig {
         }
         if self.samples_min == 0 {
             return invalid("samples_min", "must be at least 1");
+        }
+        if !(self.best_effort_floor.is_finite() && (0.0..0.5).contains(&self.best_effort_floor)) {
+            return invalid("best_effort_floor", "must be at least 0 and below 0.5");
         }
         if !(self.scale_floor.is_finite() && self.scale_floor > 0.0) {
             return invalid("scale_floor", "must be positive");
@@ -188,9 +195,10 @@ pub struct WindowObservation {
     pub tokens_per_sec_in_use: f64,
     /// Tokens the schedulers charged in the window, all tenants: how hard the device was driven.
     pub tokens_spent: f64,
-    /// The scale at which Σ LC reservations take the whole device rate (`None` without LC
-    /// tenants): above it a cut only takes from best-effort tenants; below it, from LC
-    /// reservations, which needs more evidence (`lc_squeeze_windows`).
+    /// The scale at which Σ LC reservations take the whole LC budget (the device rate less
+    /// the best-effort floor; `None` without LC tenants): above it a cut only takes from
+    /// best-effort tenants; below it, from LC reservations, which needs more evidence
+    /// (`lc_squeeze_windows`).
     pub lc_fit_scale: Option<f64>,
 }
 

@@ -183,6 +183,10 @@ pub struct Plan {
     pub be_tenants_bound: u32,
     /// The device rate's share of the profile's rate ([`TenantRegistry::set_rate_scale`]).
     pub rate_scale: f64,
+    /// What LC reservations may take of the device rate, per mode: all of it, or with
+    /// self-calibration on, all but the best-effort floor
+    /// ([`crate::calibrator::CalibratorConfig::best_effort_floor`]).
+    pub lc_budget_tokens_per_sec: [TokenRate; 2],
     /// Σ LC reservations exceed the device rate in the admission mode (only after a
     /// scale-down); the schedulers scale LC reservations down to fit.
     pub overcommitted: bool,
@@ -334,6 +338,7 @@ impl TenantRegistry {
                 lc_tenants: 0,
                 be_tenants_bound: 0,
                 rate_scale: 1.0,
+                lc_budget_tokens_per_sec: [TokenRate::ZERO; 2],
                 overcommitted: false,
                 lc_tenants_over: 0,
             },
@@ -446,6 +451,16 @@ impl TenantRegistry {
     /// The device rate's share of the profile's rate.
     pub fn rate_scale(&self) -> f64 {
         self.rate_scale
+    }
+
+    /// The share of the device rate kept from LC reservations for best-effort tenants: the
+    /// calibrator's floor when self-calibration is on, else none.
+    pub fn best_effort_floor(&self) -> f64 {
+        if self.config.calibration.enabled {
+            self.config.calibration.best_effort_floor
+        } else {
+            0.0
+        }
     }
 
     /// The LC tenants that no longer fit the scaled device rate, in admission order (empty
@@ -743,6 +758,13 @@ impl TenantRegistry {
             TokenRate(totals.lc_reserved[0]),
             TokenRate(totals.lc_reserved[1]),
         ];
+        // With self-calibration on, best-effort tenants keep a floor of the device rate that
+        // LC reservations never take, so that a cut to what LC needs cannot starve them (nor
+        // a newcomer, who is best effort until it registers).
+        let floor_share = self.best_effort_floor();
+        let lc_budget = device.map(|rate| {
+            TokenRate(rate.0 - (rate.0 as f64 * floor_share).round().min(rate.0 as f64) as u64)
+        });
         let read_only_admission =
             totals.lc_count > 0 && totals.lc_writers == 0 && totals.be_count == 0;
         let admission_mode = if read_only_admission {
@@ -751,14 +773,14 @@ impl TenantRegistry {
             LoadMode::Mixed
         };
         let m = admission_mode.index();
-        let excess = reserved[m].0.saturating_sub(device[m].0);
+        let excess = reserved[m].0.saturating_sub(lc_budget[m].0);
         // Overcommitted already (after a scale-down): a change that keeps the mode, does not
         // lower the device rate and does not grow the excess puts nobody new over.
         let current = &self.plan;
         let current_excess = plan_excess(current);
         let keeps_overcommit = current_excess > 0
             && current.read_only_admission == read_only_admission
-            && device[m] >= current.device_tokens_per_sec[m]
+            && lc_budget[m] >= current.lc_budget_tokens_per_sec[m]
             && excess <= current_excess;
         if excess > 0
             && let Some(candidate) = candidate
@@ -768,7 +790,7 @@ impl TenantRegistry {
             return Err(match *candidate {
                 TenantSpec::BestEffort => AdmissionError::WouldEndReadOnly {
                     reserved_tokens_per_sec: reserved[m].as_tokens_per_sec_f64(),
-                    mixed_tokens_per_sec: device[m].as_tokens_per_sec_f64(),
+                    mixed_tokens_per_sec: lc_budget[m].as_tokens_per_sec_f64(),
                     latency_us_p95,
                 },
                 TenantSpec::LatencyCritical {
@@ -778,7 +800,7 @@ impl TenantRegistry {
                     let others = reserved[m].0.saturating_sub(needed.0);
                     AdmissionError::Insufficient {
                         needed_tokens_per_sec: needed.as_tokens_per_sec_f64(),
-                        left_tokens_per_sec: device[m].0.saturating_sub(others) as f64 / 1e3,
+                        left_tokens_per_sec: lc_budget[m].0.saturating_sub(others) as f64 / 1e3,
                         latency_us_p95,
                         read_only: read_only_admission,
                     }
@@ -789,7 +811,8 @@ impl TenantRegistry {
         let mut lc_boost = [TokenRate::ZERO; 2];
         for mode in LoadMode::ALL {
             let m = mode.index();
-            let spare = device[m].0.saturating_sub(reserved[m].0);
+            // LC tenants over the budget share it; the rest (at least the floor) is spare.
+            let spare = device[m].0 - reserved[m].0.min(lc_budget[m].0);
             if totals.be_bound > 0 {
                 be_each[m] = TokenRate(spare / u64::from(totals.be_bound));
             } else if totals.lc_count > 0 {
@@ -807,6 +830,7 @@ impl TenantRegistry {
             lc_tenants: totals.lc_count,
             be_tenants_bound: totals.be_bound,
             rate_scale: self.rate_scale,
+            lc_budget_tokens_per_sec: lc_budget,
             overcommitted: excess > 0,
             lc_tenants_over: 0,
         })
@@ -824,7 +848,7 @@ impl TenantRegistry {
         } else {
             LoadMode::Mixed
         };
-        let budget = plan.device_tokens_per_sec[mode.index()].0;
+        let budget = plan.lc_budget_tokens_per_sec[mode.index()].0;
         let mut lc: Vec<(u64, TenantId, u64)> = self
             .tenants
             .iter()
@@ -867,7 +891,7 @@ impl TenantRegistry {
         self.over_reserved = reserved;
         self.over_granted = [0, 1].map(|m| {
             let fitting = plan.lc_reserved_tokens_per_sec[m].0 - reserved[m];
-            plan.device_tokens_per_sec[m]
+            plan.lc_budget_tokens_per_sec[m]
                 .0
                 .saturating_sub(fitting)
                 .min(reserved[m])
@@ -1048,7 +1072,7 @@ fn plan_excess(plan: &Plan) -> u64 {
     };
     plan.lc_reserved_tokens_per_sec[m]
         .0
-        .saturating_sub(plan.device_tokens_per_sec[m].0)
+        .saturating_sub(plan.lc_budget_tokens_per_sec[m].0)
 }
 
 fn lc_latency(spec: &TenantSpec) -> Option<u64> {
@@ -1456,6 +1480,59 @@ mod tests {
             r.register(TenantSpec::BestEffort),
             Err(AdmissionError::TooManyTenants { tenants_max: 2 })
         );
+    }
+
+    /// With self-calibration on, best-effort tenants keep a floor of the device rate: LC
+    /// admission leaves it, and a cut into LC reservations still leaves it to them (the LC
+    /// tenants over share the rest).
+    #[test]
+    fn with_calibration_on_best_effort_keeps_its_floor() {
+        let mut config = QosConfig::default();
+        config.calibration.enabled = true;
+        config.calibration.best_effort_floor = 0.1;
+        let mut r = TenantRegistry::new(device_a(), config, 1).unwrap();
+        let mut view = View::default();
+        assert_eq!(r.best_effort_floor(), 0.1);
+        // 420K at 500 µs; LC may take 378K. A (120K) fits, a second 260K tenant does not.
+        let c = r.register(TenantSpec::BestEffort).unwrap();
+        let a = r.register(lc(500, 120_000, 100)).unwrap();
+        let error = r.register(lc(500, 260_000, 100)).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "needs 260K tokens/s, 258K left at 500 µs"
+        );
+        let b = r.register(lc(500, 258_000, 100)).unwrap();
+        for tenant in [a, b, c] {
+            r.connect(tenant, 0).unwrap();
+        }
+        view.apply(r.take_updates());
+        let plan = r.plan();
+        assert!(!plan.overcommitted);
+        assert_eq!(
+            plan.lc_budget_tokens_per_sec[0],
+            TokenRate::from_tokens_per_sec(378_000)
+        );
+        assert_eq!(
+            view.rate(0, c),
+            42_000_000,
+            "the floor, and nothing else is left"
+        );
+        // Half the rate (210K): B is over and gets what A leaves of the 189K budget; C
+        // keeps its 21K floor.
+        assert_eq!(r.set_rate_scale(0.5), Ok(vec![b]));
+        view.apply(r.take_updates());
+        assert!(r.plan().overcommitted);
+        assert_eq!(view.rate(0, c), 21_000_000);
+        assert_eq!(view.rate(0, a), 120_000_000);
+        assert_eq!(view.rate(0, b), 69_000_000);
+        // A newcomer, best effort, is still admitted while the plan is overcommitted.
+        let d = r.register(TenantSpec::BestEffort).unwrap();
+        r.connect(d, 0).unwrap();
+        view.apply(r.take_updates());
+        assert_eq!(view.rate(0, d), 10_500_000);
+        // Without calibration there is no floor.
+        let r = registry(1);
+        assert_eq!(r.best_effort_floor(), 0.0);
     }
 
     /// Issue 11 item 2: the calibrator's scale reaches the plan and the threads, BE tenants
