@@ -32,6 +32,7 @@
 #   SLOWLORIS (2000) NON_READERS (1) CONNECTIONS (12000) CONNECT_RATE (1000) SOURCE (127.0.0.2)
 #   FRESH_INTERVAL (20ms) SERVER_CPU (0) CLIENT_CPU (1) PORT (17280) NICE (-20 as root) RT_PRIO
 #   QUIET_MAX_PERCENT (20) QUIET_WAIT_S (30) WORK (target/bench-overload)
+#   CALIBRATION (off; on: online self-calibration with its best-effort floor, docs/QOS.md §11)
 #   OUT (docs/results/overload.md)
 set -euo pipefail
 shopt -s inherit_errexit
@@ -39,6 +40,8 @@ cd "$(dirname "$0")/.."
 source bench/lib/common.sh
 
 REPS=${REPS:-3}
+CALIBRATION=${CALIBRATION:-off}
+case "$CALIBRATION" in on | off) ;; *) die "CALIBRATION must be on or off, not $CALIBRATION" ;; esac
 SCENARIO=${SCENARIO:-scenarios/fig5-small-scenario2.toml}
 IDLE=${IDLE:-10000}
 SLOWLORIS=${SLOWLORIS:-2000}
@@ -84,6 +87,9 @@ CONFIG="$WORK/overload.toml"
     echo "# bench/overload.sh: configs/reflexd-small-headroom.toml with room for the attack."
     grep -v '^#' configs/reflexd-small-headroom.toml |
         sed "s/^port = .*/port = $PORT/; s/^threads = 1/threads = 1\nconnections_per_thread_max = $CONNECTIONS/; s#\"\.\./profiles/#\"$PWD/profiles/#"
+    if [ "$CALIBRATION" = on ]; then
+        printf '\n[qos_config.calibration]\nenabled = true\n'
+    fi
 } >"$CONFIG"
 grep -q "connections_per_thread_max = $CONNECTIONS" "$CONFIG" || die "could not write $CONFIG"
 SECONDS_SCENARIO=$(awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$SCENARIO")
@@ -197,7 +203,7 @@ DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitt
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
-COMMAND="REPS=$REPS${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
+COMMAND="REPS=$REPS CALIBRATION=$CALIBRATION${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
 PRIORITY=$(if [ -n "$RT_PRIO" ]; then echo "SCHED_FIFO priority $RT_PRIO"; else echo "niceness $NICE"; fi)
 export AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU PRIORITY \
     IDLE SLOWLORIS NON_READERS CONNECTIONS CONNECT_RATE SOURCE FRESH_INTERVAL SCENARIO RAW CONFIG

@@ -38,12 +38,23 @@ pub struct Ring {
 
 impl Ring {
     pub fn new(sq_entries: u32, cq_entries: u32) -> io::Result<Ring> {
+        // Deferred task running (6.1+): completions of socket operations are posted only when
+        // this thread enters the kernel asking for events, never by interrupting it; the
+        // TASKRUN flag still says when some are due. Cooperative task running is the fallback.
         let ring = IoUring::builder()
             .setup_cqsize(cq_entries)
             .setup_single_issuer()
-            .setup_coop_taskrun()
+            .setup_defer_taskrun()
             .setup_taskrun_flag()
             .build(sq_entries)
+            .or_else(|_| {
+                IoUring::builder()
+                    .setup_cqsize(cq_entries)
+                    .setup_single_issuer()
+                    .setup_coop_taskrun()
+                    .setup_taskrun_flag()
+                    .build(sq_entries)
+            })
             .or_else(|_| {
                 IoUring::builder()
                     .setup_cqsize(cq_entries)
