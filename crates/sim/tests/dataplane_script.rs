@@ -589,15 +589,24 @@ fn an_lc_tenant_in_deficit_renegotiated_to_best_effort_does_not_stop_the_thread(
     assert_eq!(outcome.responses, 9, "{outcome:?}");
 }
 
-/// Finding 8 (open, not investigated yet): with well-formed clients, a 1 MiB arena, one
-/// device slot and a native client whose socket buffer is 4 KiB, three 1 MiB READs hold the
-/// arena while the client drains them 4 KiB at a time, and an original-protocol READ on
-/// another connection waits for a buffer run (`NeedBuffer`) past the 60 s the well-formed
-/// check allows. Either the per-connection share of so small an arena (a connection may hold
-/// all of it) or the harness's read cadence; found by `dataplane_protocol` after 693,913
+/// Finding 8 (fixed): with well-formed clients, a 1 MiB arena, one device slot and a native
+/// client whose socket buffer is 4 KiB, three pipelined 1 MiB READs on the native connection
+/// each took the whole arena in turn while the client drained them 4 KiB at a time, and an
+/// original-protocol READ on another connection, which had begun to wait for a buffer run
+/// (`NeedBuffer`) before the native connection's third READ, was served only after all three,
+/// past the 60 s the well-formed check allows. Found by `dataplane_protocol` after 693,913
 /// executions (`crash-8b04c70e…`).
+///
+/// Root cause: when a run was freed, every waiting connection was marked for parsing in
+/// queue order; the native connection, first in the queue, started its stalled READ, parsed
+/// its next one, stalled on it and queued again before the other connection had tried, so it
+/// stayed ahead and took every freed run for as long as it kept sending large requests.
+///
+/// Fix: `Dataplane::wake_waiters` lets the waiting connections try in the order they began to
+/// wait, before any other parsing, and one that got its run and waits again for its next
+/// request goes behind those still waiting; here the original READ is served after the
+/// native connection's second READ.
 #[test]
-#[ignore = "finding 8: a slow reader's 1 MiB answers starve another connection of a 1 MiB arena"]
 fn a_slow_reader_of_large_answers_does_not_starve_another_connection() {
     const INPUT: [u8; 364] = [
         0x00, 0x06, 0x10, 0x39, 0x00, 0x03, 0x07, 0x00, 0x06, 0x1c, 0x02, 0x00, 0x00, 0x00, 0x00,
