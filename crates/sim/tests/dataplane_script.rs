@@ -639,6 +639,26 @@ fn a_slow_reader_of_large_answers_does_not_starve_another_connection() {
     assert!(outcome.requests_sent > 0, "{outcome:?}");
 }
 
+/// Finding 9 (open, not investigated yet): `thread 0 abandoned 1 device operations of devices
+/// that answer`. One thread, one device slot, a 1 s drain timeout and no connection: a 100 µs
+/// completion delay on the model device's namespace, a shutdown, and a jump of 1 s of virtual
+/// time (no instant in between). Found by `dataplane` after 112,398 executions of a 60 s run
+/// (2026-11-24; minimised by libFuzzer to these 12 bytes); it fails the same way without the
+/// fix of finding 8 and with the fault wrapper's stall rechecks. A guess to check: the
+/// shutdown flushes go one at a time, the delayed one completes in the instant at 1 s where
+/// the flush phase's deadline has passed too, and the next namespace's flush, submitted in
+/// that instant, is given up at once; whether a driver that wakes up late may do that (and
+/// the check is too strict after a jump), or the flush phase should wait for a flush it has
+/// just submitted, is the open question.
+#[test]
+#[ignore = "finding 9: a shutdown after a 1 s jump abandons a flush of a device that answers"]
+fn a_late_wakeup_in_the_shutdown_flush_abandons_no_operation_of_a_device_that_answers() {
+    const INPUT: [u8; 12] = [
+        0x00, 0xe0, 0x1f, 0x84, 0x6e, 0x61, 0x6d, 0x04, 0x08, 0x3d, 0x08, 0x6e,
+    ];
+    script::run(&Script::decode(&INPUT), false);
+}
+
 /// Runs events until every thread finished its shutdown or `limit` of virtual time passed.
 fn run_until_finished(server: &mut reflex_sim::VirtualServer, limit: Nanos) -> bool {
     let deadline = server.now() + limit;
