@@ -644,17 +644,21 @@ fn a_slow_reader_of_large_answers_does_not_starve_another_connection() {
     assert!(outcome.requests_sent > 0, "{outcome:?}");
 }
 
-/// Finding 9 (open, not investigated yet): `thread 0 abandoned 1 device operations of devices
-/// that answer`. One thread, one device slot, a 1 s drain timeout and no connection: a 100 µs
-/// completion delay on the model device's namespace, a shutdown, and a jump of 1 s of virtual
-/// time (no instant in between). Found by `dataplane` after 112,398 executions of a 60 s run
-/// (2026-11-24; minimised by libFuzzer to these 12 bytes); it fails the same way without the
-/// fix of finding 8 and with the fault wrapper's stall rechecks. A guess to check: the
-/// shutdown flushes go one at a time, the delayed one completes in the instant at 1 s where
-/// the flush phase's deadline has passed too, and the next namespace's flush, submitted in
-/// that instant, is given up at once; whether a driver that wakes up late may do that (and
-/// the check is too strict after a jump), or the flush phase should wait for a flush it has
-/// just submitted, is the open question.
+/// Finding 9 (open): `thread 0 abandoned 1 device operations of devices that answer`. One
+/// thread, one device slot, a 1 s drain timeout and no connection: a 100 µs completion delay
+/// on one namespace's device, a shutdown, and a jump of 1 s of virtual time (no instant in
+/// between: the driver does not run). Found by `dataplane` after 112,398 executions of a 60 s
+/// run (2026-11-24; minimised by libFuzzer to these 12 bytes); it fails the same way without
+/// the fix of finding 8 and with the fault wrapper's stall rechecks.
+///
+/// What happens (read from the code, not yet traced step by step): the shutdown's flushes are
+/// issued at 0 with a flush deadline at 1 s. The fault wrapper starts a completion's delay
+/// when it learns of the completion, at a poll; the first poll is at 1 s, so the delayed
+/// flush becomes due at 1 s + 100 µs, and the dataplane, processing at 1 s, finds the flush
+/// phase's deadline passed and gives the flush up (`abandoned_device_operations` counts
+/// `flushes_pending`). Open: whether giving up after a driver woke up late is right (then the
+/// harness's check must allow it after a jump past a deadline), or the dataplane should look
+/// at the devices once more before it gives up.
 #[test]
 #[ignore = "finding 9: a shutdown after a 1 s jump abandons a flush of a device that answers"]
 fn a_late_wakeup_in_the_shutdown_flush_abandons_no_operation_of_a_device_that_answers() {
