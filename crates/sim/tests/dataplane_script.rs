@@ -653,10 +653,10 @@ fn a_slow_reader_of_large_answers_does_not_starve_another_connection() {
 ///
 /// What happens (read from the code, not yet traced step by step): the shutdown's flushes are
 /// issued at 0 with a flush deadline at 1 s. The fault wrapper starts a completion's delay
-/// when it learns of the completion, at a poll; the first poll is at 1 s, so the delayed
-/// flush becomes due at 1 s + 100 µs, and the dataplane, processing at 1 s, finds the flush
-/// phase's deadline passed and gives the flush up (`abandoned_device_operations` counts
-/// `flushes_pending`). Open: whether giving up after a driver woke up late is right (then the
+/// when it learns of the completion, at a poll; the first poll after the device completed is
+/// at 1 s, so the delayed flush becomes due at 1 s + 100 µs, and the dataplane, processing at
+/// 1 s, finds the flush phase's deadline passed and gives the flush up
+/// (`abandoned_device_operations` counts `flushes_pending`). Open: whether giving up after a driver woke up late is right (then the
 /// harness's check must allow it after a jump past a deadline), or the dataplane should look
 /// at the devices once more before it gives up.
 #[test]
