@@ -677,6 +677,8 @@ pub struct FaultDevice {
     controls: Arc<FaultControls>,
     /// Queues handed out so far; the next queue's index picks its random stream.
     queues_created: AtomicU32,
+    /// How often a stalled queue with held completions asks to be polled (`None`: never).
+    stall_recheck: Option<Nanos>,
 }
 
 impl fmt::Debug for FaultDevice {
@@ -707,6 +709,7 @@ impl FaultDevice {
             held_sequence: 0,
             now_latest: Nanos::ZERO,
             scratch: Vec::new(),
+            stall_recheck: self.stall_recheck,
         };
         queue.restart_stream();
         Box::new(queue)
@@ -733,7 +736,17 @@ impl FaultDevice {
             inner,
             controls: Arc::new(FaultControls::new(plan)),
             queues_created: AtomicU32::new(0),
+            stall_recheck: Some(STALL_RECHECK),
         })
+    }
+
+    /// Its queues do not ask to be polled while stalled (no [`STALL_RECHECK`]): for a
+    /// single-threaded driver that lifts stalls itself between polls (the simulator), where
+    /// a lift is seen at the next poll anyway and the rechecks would only fill idle time.
+    /// Queues handed out before keep rechecking.
+    pub fn without_stall_recheck(mut self) -> FaultDevice {
+        self.stall_recheck = None;
+        self
     }
 
     /// The shared run-time switch.
@@ -843,6 +856,8 @@ struct FaultQueue {
     /// The latest `now` handed in (time never goes back here).
     now_latest: Nanos,
     scratch: Vec<Completion>,
+    /// See [`FaultDevice::without_stall_recheck`].
+    stall_recheck: Option<Nanos>,
 }
 
 /// What [`FaultQueue::decide`] picked for one operation.
@@ -1077,9 +1092,9 @@ impl DeviceQueue for FaultQueue {
     fn next_deadline(&self) -> Option<Nanos> {
         let own = match self.held.peek() {
             None => None,
-            Some(_) if self.controls.is_stalled() => {
-                Some(Nanos(self.now_latest.0.saturating_add(STALL_RECHECK.0)))
-            }
+            Some(_) if self.controls.is_stalled() => self
+                .stall_recheck
+                .map(|recheck| Nanos(self.now_latest.0.saturating_add(recheck.0))),
             Some(Reverse(next)) => Some(next.due),
         };
         match (own, self.inner.next_deadline()) {

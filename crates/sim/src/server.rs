@@ -116,6 +116,11 @@ struct Socket {
     server_closed: bool,
     /// The client reset the connection: receives fail with ECONNRESET, sends with EPIPE.
     reset: bool,
+    /// The client reads as soon as bytes arrive, within an instant
+    /// ([`VirtualServer::set_client_draining`]): what arrived moves to `drained`.
+    draining: bool,
+    /// Bytes read by a draining client and not yet taken by [`VirtualServer::client_read`].
+    drained: Vec<u8>,
 }
 
 struct NoWake;
@@ -257,6 +262,8 @@ impl VirtualServer {
             client_closed: false,
             server_closed: false,
             reset: false,
+            draining: false,
+            drained: Vec::new(),
         });
         let state = &mut self.threads[usize::from(thread)];
         if state
@@ -356,13 +363,23 @@ impl VirtualServer {
 
     /// Moves the bytes that reached the client on `socket` into `out` (the client reads).
     pub fn client_read(&mut self, socket: SocketId, out: &mut Vec<u8>) {
-        self.sockets[socket.0 as usize].to_client.read_all(out);
+        let socket = &mut self.sockets[socket.0 as usize];
+        out.append(&mut socket.drained);
+        socket.to_client.read_all(out);
+    }
+
+    /// Whether the client of `socket` reads every byte as soon as it arrives, inside an
+    /// instant, as a client blocked in `read` would (the bytes wait for [`Self::client_read`]
+    /// outside the socket's buffer). Otherwise it reads only when [`Self::client_read`] is
+    /// called, between instants, so an instant moves at most one client buffer.
+    pub fn set_client_draining(&mut self, socket: SocketId, draining: bool) {
+        self.sockets[socket.0 as usize].draining = draining;
     }
 
     /// Whether the server closed `socket` and the client has read everything before that.
     pub fn is_closed_by_server(&self, socket: SocketId) -> bool {
         let socket = &self.sockets[socket.0 as usize];
-        socket.server_closed && socket.to_client.is_empty()
+        socket.server_closed && socket.to_client.is_empty() && socket.drained.is_empty()
     }
 
     /// Sockets where bytes arrived for the client since the last call.
@@ -490,6 +507,9 @@ impl VirtualServer {
             socket.to_server.deliver(now);
             if socket.to_client.deliver(now) {
                 self.readable.push(SocketId(index as u32));
+                if socket.draining {
+                    socket.to_client.read_all(&mut socket.drained);
+                }
             }
             moved |= self.complete_recv(index);
             moved |= self.complete_send(index);

@@ -261,3 +261,40 @@ fn read_latency_is_measured_from_arrival_to_the_answer_leaving() {
     let median = reads.quantile_us(0.5);
     assert!((100..=107).contains(&median), "median {median} µs");
 }
+
+/// Finding 8 at the dataplane: with a 1 MiB arena (one maximal run, which one connection may
+/// hold), a client pipelining 1 MiB READs and reading its answers slowly took every freed run
+/// ahead of another client's small READ that had waited longer, for as long as it kept
+/// sending. Waiting connections are now served in the order they began to wait.
+#[test]
+fn a_connection_pipelining_large_reads_does_not_take_every_freed_buffer() {
+    let network = NetworkModel {
+        client_buffer_bytes: 64 << 10,
+        ..NetworkModel::default()
+    };
+    let mut server = server(mem(), Limits::with_arena(1 << 20, 25), network);
+    let mut hog = Client::connect(&mut server);
+    for id in 0..8 {
+        hog.read(&mut server, id, 0, 1 << 20);
+    }
+    run_until(&mut server, Nanos(MS));
+    let mut polite = Client::connect(&mut server);
+    polite.read(&mut server, 100, 0, 4096);
+    // The hog takes 64 KiB per millisecond; the polite client reads as its answer arrives.
+    for step in 2..=1_000 {
+        run_until(&mut server, Nanos(step * MS));
+        hog.take_answers(&mut server);
+        polite.take_answers(&mut server);
+        if !polite.answered.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(polite.answered, [(100, true)]);
+    // Its READ waited for the run of the hog's first READ and then for the one the hog had
+    // begun to wait for before it: not for the hog's later READs.
+    assert!(
+        hog.answered.len() <= 2,
+        "the polite READ waited for {} of the hog's 1 MiB READs",
+        hog.answered.len()
+    );
+}

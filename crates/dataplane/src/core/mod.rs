@@ -170,6 +170,9 @@ pub struct Dataplane {
     send_ready: VecDeque<u32>,
     /// Connections waiting for a request slot or a buffer run.
     waiters: VecDeque<u32>,
+    /// Scratch for [`Self::wake_waiters`]: the waiters being woken, and those that go behind.
+    waiters_woken: VecDeque<u32>,
+    waiters_behind: Vec<u32>,
     resources_freed: bool,
     /// Operations for the driver, in order.
     ops: VecDeque<Op>,
@@ -281,6 +284,8 @@ impl Dataplane {
             parse_ready: VecDeque::with_capacity(table_size as usize),
             send_ready: VecDeque::with_capacity(table_size as usize),
             waiters: VecDeque::with_capacity(table_size as usize),
+            waiters_woken: VecDeque::with_capacity(table_size as usize),
+            waiters_behind: Vec::with_capacity(table_size as usize),
             resources_freed: false,
             ops: VecDeque::with_capacity(2 * BATCH_MAX),
             phase: Phase::Running,

@@ -15,7 +15,10 @@
 //! Buffer runs are shared fairly ([`Dataplane::allocate_run`]): a connection may hold at most
 //! a quarter of the arena, and the last eighth is kept for connections that hold little, so
 //! that a client that never reads its answers, or that sends large WRITE headers and then
-//! stalls, cannot take what the others need.
+//! stalls, cannot take what the others need. Connections waiting for a run (or a request
+//! slot) are served in the order they began to wait ([`Dataplane::wake_waiters`]), so a
+//! connection that keeps sending large requests cannot take every freed run from one that
+//! waits.
 
 use reflex_flash::emu::class_from_ioprio;
 use reflex_qos::Nanos;
@@ -33,15 +36,43 @@ impl Dataplane {
     pub(super) fn parse_step(&mut self, now: Nanos) {
         if self.resources_freed {
             self.resources_freed = false;
-            while let Some(index) = self.waiters.pop_front() {
-                self.connections[index as usize].in_waiters = false;
-                self.mark_parse(index);
-            }
+            self.wake_waiters(now);
         }
         while let Some(index) = self.parse_ready.pop_front() {
             self.connections[index as usize].in_parse_ready = false;
             self.parse_connection(index, now);
         }
+    }
+
+    /// Something was freed: the waiting connections try again, before any other connection
+    /// is parsed and in the order they began to wait. One that got what it waited for and then
+    /// waits again (for its next request) goes behind those still waiting for theirs; one that
+    /// still waits for the same thing keeps its place. Finding 8: without this, a connection
+    /// pipelining large requests took every freed run ahead of one that had waited longer
+    /// (it was woken first, started its request, stalled on the next one and queued again
+    /// before the other connection was parsed), so one client could starve another for as long
+    /// as it kept sending.
+    fn wake_waiters(&mut self, now: Nanos) {
+        let mut woken = std::mem::take(&mut self.waiters_woken);
+        let mut behind = std::mem::take(&mut self.waiters_behind);
+        debug_assert!(woken.is_empty() && behind.is_empty());
+        std::mem::swap(&mut woken, &mut self.waiters);
+        for index in woken.drain(..) {
+            let connection = &mut self.connections[index as usize];
+            connection.in_waiters = false;
+            let before = (connection.stalled, connection.outstanding);
+            self.parse_connection(index, now);
+            let connection = &self.connections[index as usize];
+            if connection.in_waiters && (connection.stalled, connection.outstanding) != before {
+                // It made progress and queued again at the tail: behind the rest.
+                let last = self.waiters.pop_back();
+                debug_assert_eq!(last, Some(index));
+                behind.push(index);
+            }
+        }
+        self.waiters.extend(behind.drain(..));
+        self.waiters_woken = woken;
+        self.waiters_behind = behind;
     }
 
     fn parse_connection(&mut self, index: u32, now: Nanos) {

@@ -333,6 +333,24 @@ fn a_stall_holds_everything_and_release_delivers_all() {
 }
 
 #[test]
+fn without_stall_recheck_a_stalled_queue_asks_for_no_poll_and_a_lift_is_seen_at_the_next() {
+    let device = wrap(mem(), plan("stall")).without_stall_recheck();
+    let controls = device.controls();
+    let mut queue = device.queue();
+    let data = [5u8; 4096];
+    assert_eq!(write(queue.as_mut(), 1, 0, &data, Nanos(1)), None);
+    assert_eq!(poll(queue.as_mut(), Nanos(2)), []);
+    assert_eq!(queue.next_deadline(), None, "no recheck while stalled");
+    controls.set_stalled(false);
+    // The held completion is due already: the next poll releases it.
+    assert!(queue.next_deadline().is_some_and(|due| due <= Nanos(3)));
+    let done = poll(queue.as_mut(), Nanos(3));
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].result, Ok(4096));
+    assert_eq!(queue.next_deadline(), None);
+}
+
+#[test]
 fn short_completions_report_fewer_bytes() {
     let inner = mem();
     let device = wrap(inner.clone(), plan("short_rate=1"));
