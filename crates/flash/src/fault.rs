@@ -1059,6 +1059,32 @@ impl DeviceQueue for FaultQueue {
     fn poll_completions(&mut self, now: Nanos, out: &mut Vec<Completion>) {
         self.observe(now);
         let now = self.now_latest;
+        // A delay counts from when the inner device completed, not from when it was polled:
+        // a driver that polls late (a thread that slept past the completion) must not add
+        // its own lateness to the delay. The inner device's earliest deadline is when the
+        // first of these completions happened (the others are no earlier).
+        let completed_at = self.inner.next_deadline().map_or(now, |due| due.min(now));
+        let mut scratch = std::mem::take(&mut self.scratch);
+        self.inner.poll_completions(now, &mut scratch);
+        for completion in scratch.drain(..) {
+            let alteration = self
+                .altered
+                .remove(&completion.user_data)
+                .unwrap_or_default();
+            if let Some(result) = self.finish(
+                completion.user_data,
+                completion.result,
+                alteration,
+                completed_at,
+            ) {
+                out.push(Completion {
+                    user_data: completion.user_data,
+                    result,
+                });
+            }
+        }
+        self.scratch = scratch;
+        // Then what is due of the held ones, those just held included.
         if !self.controls.is_stalled() {
             while let Some(Reverse(next)) = self.held.peek() {
                 if next.due > now {
@@ -1070,23 +1096,6 @@ impl DeviceQueue for FaultQueue {
                 out.push(held.completion);
             }
         }
-        let mut scratch = std::mem::take(&mut self.scratch);
-        self.inner.poll_completions(now, &mut scratch);
-        for completion in scratch.drain(..) {
-            let alteration = self
-                .altered
-                .remove(&completion.user_data)
-                .unwrap_or_default();
-            if let Some(result) =
-                self.finish(completion.user_data, completion.result, alteration, now)
-            {
-                out.push(Completion {
-                    user_data: completion.user_data,
-                    result,
-                });
-            }
-        }
-        self.scratch = scratch;
     }
 
     fn next_deadline(&self) -> Option<Nanos> {

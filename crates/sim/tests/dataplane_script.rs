@@ -644,23 +644,18 @@ fn a_slow_reader_of_large_answers_does_not_starve_another_connection() {
     assert!(outcome.requests_sent > 0, "{outcome:?}");
 }
 
-/// Finding 9 (open): `thread 0 abandoned 1 device operations of devices that answer`. One
+/// Finding 9 (fixed): `thread 0 abandoned 1 device operations of devices that answer`. One
 /// thread, one device slot, a 1 s drain timeout and no connection: a 100 µs completion delay
 /// on one namespace's device, a shutdown, and a jump of 1 s of virtual time (no instant in
 /// between: the driver does not run). Found by `dataplane` after 112,398 executions of a 60 s
-/// run (2026-11-24; minimised by libFuzzer to these 12 bytes); it fails the same way without
-/// the fix of finding 8 and with the fault wrapper's stall rechecks.
+/// run (2026-11-24; minimised by libFuzzer to these 12 bytes).
 ///
-/// What happens (read from the code, not yet traced step by step): the shutdown's flushes are
-/// issued at 0 with a flush deadline at 1 s. The fault wrapper starts a completion's delay
-/// when it learns of the completion, at a poll; the first poll after the device completed is
-/// at 1 s, so the delayed flush becomes due at 1 s + 100 µs, and the dataplane, processing at
-/// 1 s, finds the flush phase's deadline passed and gives the flush up
-/// (`abandoned_device_operations` counts `flushes_pending`). Open: whether giving up after a driver woke up late is right (then the
-/// harness's check must allow it after a jump past a deadline), or the dataplane should look
-/// at the devices once more before it gives up.
+/// The shutdown's flush was issued at 0 with its deadline at 1 s; the inner device completed
+/// it long before, but the fault wrapper started the 100 µs delay when it first polled the
+/// completion, at 1 s, so the dataplane found the flush phase's deadline passed and gave the
+/// flush up. The wrapper now counts a delay from when the inner device completed (its
+/// earliest deadline, not the poll), and releases what is due in the same poll.
 #[test]
-#[ignore = "finding 9: a shutdown after a 1 s jump abandons a flush of a device that answers"]
 fn a_late_wakeup_in_the_shutdown_flush_abandons_no_operation_of_a_device_that_answers() {
     const INPUT: [u8; 12] = [
         0x00, 0xe0, 0x1f, 0x84, 0x6e, 0x61, 0x6d, 0x04, 0x08, 0x3d, 0x08, 0x6e,
