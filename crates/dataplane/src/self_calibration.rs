@@ -57,10 +57,11 @@ impl DeviceCalibration {
         let m = mode.index();
         let device = plan.device_tokens_per_sec[m].as_tokens_per_sec_f64();
         let reserved = plan.lc_reserved_tokens_per_sec[m].as_tokens_per_sec_f64();
-        let lc_budget = plan.lc_budget_tokens_per_sec[m].as_tokens_per_sec_f64();
-        // The profile's LC budget is the plan's without the scale.
-        let lc_fit_scale = (plan.lc_tenants > 0 && lc_budget > 0.0 && plan.rate_scale > 0.0)
-            .then(|| reserved / (lc_budget / plan.rate_scale));
+        // The profile's rate is the device rate without the scale; below it, LC reservations
+        // may take all but the best-effort floor.
+        let lc_share = 1.0 - config.best_effort_floor;
+        let lc_fit_scale = (plan.lc_tenants > 0 && device > 0.0 && plan.rate_scale > 0.0)
+            .then(|| reserved / (lc_share * device / plan.rate_scale));
         let observation = WindowObservation {
             lc_reads: self.window.lc_reads_service.count(),
             lc_read_latency_us_p95: self.window.lc_reads_service.quantile_us(0.95),

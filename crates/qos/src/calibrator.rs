@@ -53,9 +53,10 @@ pub struct CalibratorConfig {
     /// default: it throttles best-effort tenants first (down to `best_effort_floor`), and
     /// changes what admission promises (docs/QOS.md §11).
     pub enabled: bool,
-    /// The share of the device rate that best-effort tenants keep however far a cut goes: LC
-    /// admission and the cuts leave it to them (without it, a cut to what LC reservations
-    /// need left newcomers, who are best effort, waiting up to 0.7 s in `bench/overload.sh`).
+    /// Once a cut has taken the rate below the profile's, the share of it that best-effort
+    /// tenants keep however far the cut goes: LC admission and further cuts leave it to them
+    /// (without it, a cut to what LC reservations need left newcomers, who are best effort,
+    /// waiting up to 0.7 s in `bench/overload.sh`).
     pub best_effort_floor: f64,
     /// The part of an LC SLO that the server never measures (network, the client's own
     /// wake-ups), µs, on top of what it learns itself; the target is the SLO minus both.

@@ -150,18 +150,6 @@ fn when_the_device_recovers_the_rate_and_the_reservations_come_back() {
     }
 }
 
-/// The lowest completions per second `tenant` got in any timeline interval ending in
-/// `from_ms..=to_ms`.
-fn min_iops(point: &PointReport, tenant: &str, from_ms: u64, to_ms: u64) -> f64 {
-    let i = index(point, tenant);
-    point
-        .timeline
-        .iter()
-        .filter(|p| (from_ms..=to_ms).contains(&p.end_ms))
-        .map(|p| p.tenants[i].iops)
-        .fold(f64::INFINITY, f64::min)
-}
-
 /// The slowdown scenario with the best-effort floor set to `floor`.
 fn run_with_floor(floor: f64, seed: u64) -> PointReport {
     let mut loaded = common::load("fig5-small-scenario1-slowdown");
@@ -179,11 +167,27 @@ fn run_with_floor(floor: f64, seed: u64) -> PointReport {
     report.points[0].1.clone()
 }
 
+/// Mean completions per second of the best-effort tenants C and D together over the timeline
+/// intervals ending in `from_ms..=to_ms`, and the worst interval.
+fn best_effort_iops(point: &PointReport, from_ms: u64, to_ms: u64) -> (f64, f64) {
+    let (c, d) = (index(point, "C"), index(point, "D"));
+    let per_interval: Vec<f64> = point
+        .timeline
+        .iter()
+        .filter(|p| (from_ms..=to_ms).contains(&p.end_ms))
+        .map(|p| p.tenants[c].iops + p.tenants[d].iops)
+        .collect();
+    assert!(!per_interval.is_empty());
+    let mean = per_interval.iter().sum::<f64>() / per_interval.len() as f64;
+    let worst = per_interval.iter().copied().fold(f64::INFINITY, f64::min);
+    (mean, worst)
+}
+
 /// A cut to what the LC reservations need leaves best-effort tenants only what LC tenants
-/// happen not to use: without a floor, whole intervals pass in which they complete almost
-/// nothing (a newcomer, best effort until it registers, waited up to 0.7 s on the real
-/// server). The floor (5 % of the device rate by default) keeps them served in every
-/// interval, and the LC tenants still meet their SLOs.
+/// happen not to use (a newcomer, best effort until it registers, waited up to 0.7 s on the
+/// real server). With the floor (5 % of the device rate by default) they keep a steady share
+/// through the cut: more on average and in their worst interval than without it, never an
+/// interval without service, and the LC tenants still meet their SLOs.
 #[test]
 fn best_effort_tenants_keep_their_floor_through_a_cut() {
     for seed in SEEDS {
@@ -197,20 +201,20 @@ fn best_effort_tenants_keep_their_floor_through_a_cut() {
             )
         };
         // From the cut's first effect to the end.
-        let (from, to) = (10_500, 20_000);
-        let be_floor = min_iops(&floor, "C", from, to) + min_iops(&floor, "D", from, to);
-        let be_none = min_iops(&none, "C", from, to) + min_iops(&none, "D", from, to);
+        let (mean_floor, worst_floor) = best_effort_iops(&floor, 10_500, 20_000);
+        let (mean_none, worst_none) = best_effort_iops(&none, 10_500, 20_000);
         eprintln!(
-            "seed {seed}: best effort's worst interval {be_floor:.0} IOPS with the floor, {be_none:.0} without"
+            "seed {seed}: best effort after the cut, mean / worst 250 ms interval: \
+             {mean_floor:.0} / {worst_floor:.0} IOPS with the floor, {mean_none:.0} / {worst_none:.0} without"
         );
         assert!(
-            be_floor >= 300.0,
-            "with the floor, best effort fell to {be_floor:.0} IOPS in an interval; {}",
+            mean_floor > mean_none && worst_floor > worst_none,
+            "the floor gave best effort no more; {}",
             context()
         );
         assert!(
-            be_none < be_floor,
-            "without the floor best effort did as well ({be_none:.0} IOPS); {}",
+            worst_floor >= 150.0,
+            "with the floor, best effort fell to {worst_floor:.0} IOPS in an interval; {}",
             context()
         );
         for (tenant, share_min) in [("A", 0.9), ("B", 0.75)] {
