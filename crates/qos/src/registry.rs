@@ -454,9 +454,11 @@ impl TenantRegistry {
     }
 
     /// The share of the device rate kept from LC reservations for best-effort tenants: the
-    /// calibrator's floor when self-calibration is on, else none.
+    /// calibrator's floor while self-calibration has cut the rate below the profile's, else
+    /// none (at the profile's rate, admission promised LC tenants all of it, and best-effort
+    /// tenants share what they leave, as in the paper).
     pub fn best_effort_floor(&self) -> f64 {
-        if self.config.calibration.enabled {
+        if self.config.calibration.enabled && self.rate_scale < 1.0 {
             self.config.calibration.best_effort_floor
         } else {
             0.0
@@ -758,7 +760,7 @@ impl TenantRegistry {
             TokenRate(totals.lc_reserved[0]),
             TokenRate(totals.lc_reserved[1]),
         ];
-        // With self-calibration on, best-effort tenants keep a floor of the device rate that
+        // Once self-calibration has cut the rate, best-effort tenants keep a floor of it that
         // LC reservations never take, so that a cut to what LC needs cannot starve them (nor
         // a newcomer, who is best effort until it registers).
         let floor_share = self.best_effort_floor();
@@ -1482,43 +1484,47 @@ mod tests {
         );
     }
 
-    /// With self-calibration on, best-effort tenants keep a floor of the device rate: LC
-    /// admission leaves it, and a cut into LC reservations still leaves it to them (the LC
-    /// tenants over share the rest).
+    /// With self-calibration on, once a cut has taken the rate below the profile's,
+    /// best-effort tenants keep a floor of it: LC admission leaves it, and a cut into LC
+    /// reservations still leaves it to them (the LC tenants over share the rest). At the
+    /// profile's rate LC tenants may reserve all of it, as without calibration.
     #[test]
-    fn with_calibration_on_best_effort_keeps_its_floor() {
+    fn with_calibration_on_best_effort_keeps_its_floor_through_a_cut() {
         let mut config = QosConfig::default();
         config.calibration.enabled = true;
         config.calibration.best_effort_floor = 0.1;
         let mut r = TenantRegistry::new(device_a(), config, 1).unwrap();
         let mut view = View::default();
-        assert_eq!(r.best_effort_floor(), 0.1);
-        // 420K at 500 µs; LC may take 378K. A (120K) fits, a second 260K tenant does not.
+        assert_eq!(r.best_effort_floor(), 0.0, "no floor at the profile's rate");
+        // 420K at 500 µs, all of it for LC: A and B take it.
         let c = r.register(TenantSpec::BestEffort).unwrap();
         let a = r.register(lc(500, 120_000, 100)).unwrap();
-        let error = r.register(lc(500, 260_000, 100)).unwrap_err();
-        assert_eq!(
-            error.to_string(),
-            "needs 260K tokens/s, 258K left at 500 µs"
-        );
-        let b = r.register(lc(500, 258_000, 100)).unwrap();
+        let b = r.register(lc(500, 300_000, 100)).unwrap();
         for tenant in [a, b, c] {
             r.connect(tenant, 0).unwrap();
         }
         view.apply(r.take_updates());
+        assert!(!r.plan().overcommitted);
+        assert_eq!(view.rate(0, c), 0, "nothing is left");
+        // 90 % (378K): LC may take 340.2K of it, C keeps 37.8K; B is over and gets what A
+        // leaves of the budget.
+        assert_eq!(r.set_rate_scale(0.9), Ok(vec![b]));
+        assert_eq!(r.best_effort_floor(), 0.1);
+        view.apply(r.take_updates());
         let plan = r.plan();
-        assert!(!plan.overcommitted);
+        assert!(plan.overcommitted);
         assert_eq!(
             plan.lc_budget_tokens_per_sec[0],
-            TokenRate::from_tokens_per_sec(378_000)
+            TokenRate::from_tokens_per_sec(340_200)
         );
-        assert_eq!(
-            view.rate(0, c),
-            42_000_000,
-            "the floor, and nothing else is left"
-        );
-        // Half the rate (210K): B is over and gets what A leaves of the 189K budget; C
-        // keeps its 21K floor.
+        assert_eq!(view.rate(0, c), 37_800_000);
+        assert_eq!(view.rate(0, b), 220_200_000);
+        // While cut, admission leaves the floor too.
+        r.reregister(b, lc(500, 200_000, 100)).unwrap();
+        let error = r.register(lc(500, 30_000, 100)).unwrap_err();
+        assert_eq!(error.to_string(), "needs 30K tokens/s, 20K left at 500 µs");
+        // Half the rate (210K): B is over again and gets what A leaves of the 189K budget;
+        // C keeps its 21K floor.
         assert_eq!(r.set_rate_scale(0.5), Ok(vec![b]));
         view.apply(r.take_updates());
         assert!(r.plan().overcommitted);
