@@ -43,6 +43,7 @@ use crate::namespaces::NamespaceSet;
 use crate::telemetry::LatencyHistogram;
 
 mod calibration;
+mod catalog;
 mod connection;
 mod dispatch;
 mod errors;
@@ -202,6 +203,11 @@ pub struct Dataplane {
     device_errors: DeviceErrorLog,
     /// Per namespace: read latencies measured as answers leave.
     telemetry: Vec<NamespaceTelemetry>,
+    /// Per namespace slot: whether the driver holds this thread's queue of its device.
+    queues_open: Vec<bool>,
+    /// Slots being removed that this thread has not drained yet (`catalog`).
+    draining: Vec<u16>,
+    qos_config: QosConfig,
     /// Requests waiting at the write gate (`io`).
     gate_waits: GateWaits,
     /// Scratch: the extents of one block status.
@@ -301,6 +307,9 @@ impl Dataplane {
             retired_accounts: BTreeMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
             telemetry: vec![NamespaceTelemetry::default(); qos_count],
+            queues_open: vec![true; qos_count],
+            draining: Vec::new(),
+            qos_config: setup.qos_config.clone(),
             gate_waits: GateWaits::new(limits.requests_max),
             extents: Vec::with_capacity(crate::frontend::BLOCK_STATUS_EXTENTS_MAX),
             housekeeping_at: setup.now,
@@ -339,6 +348,7 @@ impl Dataplane {
         self.dispatch_step(now);
         self.handle_scheduler_events(now);
         self.send_step(now);
+        self.check_drained(now);
         self.advance_phase(now);
     }
 

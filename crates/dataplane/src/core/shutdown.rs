@@ -311,6 +311,14 @@ impl Dataplane {
             deadline: now + self.limits.drain_timeout,
         };
         for namespace_index in 0..self.namespaces.len() as u16 {
+            if !self
+                .queues_open
+                .get(usize::from(namespace_index))
+                .copied()
+                .unwrap_or(false)
+            {
+                continue;
+            }
             self.flushes_pending += 1;
             self.ops.push_back(Op::Device(DeviceCommand {
                 id: DeviceOpId::ShutdownFlush { namespace_index },

@@ -54,6 +54,59 @@ impl NbdExports {
     pub fn binding(&self, export_index: usize) -> Option<ExportBinding> {
         self.bindings.get(export_index).copied()
     }
+
+    /// This table with one more export (a namespace added at run time). Refused when the
+    /// name is taken or the table is full.
+    pub fn with_added(
+        &self,
+        export: nbd::Export,
+        binding: ExportBinding,
+    ) -> Result<NbdExports, nbd::ExportError> {
+        let mut exports: Vec<nbd::Export> = self.table.exports().to_vec();
+        exports.push(export);
+        let table = ExportTable::new(exports, self.table.default_name())?;
+        let mut bindings = self.bindings.clone();
+        bindings.push(binding);
+        Ok(NbdExports {
+            table: Arc::new(table),
+            bindings,
+            handshake: self.handshake,
+        })
+    }
+
+    /// This table without the exports of namespace slot `namespace_index` (removed at run
+    /// time); the default export goes too if it was one of them. Sessions already in
+    /// transmission keep their binding (their requests are refused from then on).
+    pub fn without_namespace(&self, namespace_index: u16) -> NbdExports {
+        let (exports, bindings): (Vec<nbd::Export>, Vec<ExportBinding>) = self
+            .table
+            .exports()
+            .iter()
+            .zip(&self.bindings)
+            .filter(|(_, binding)| binding.namespace_index != namespace_index)
+            .map(|(export, binding)| (export.clone(), *binding))
+            .unzip();
+        let default = self
+            .table
+            .default_name()
+            .filter(|name| exports.iter().any(|export| export.name == *name));
+        match ExportTable::new(exports.clone(), default) {
+            Ok(table) => NbdExports {
+                table: Arc::new(table),
+                bindings,
+                handshake: self.handshake,
+            },
+            // A subset of a valid table is valid; keep serving the old one rather than fail.
+            Err(error) => {
+                tracing::error!(%error, "export table without a namespace refused");
+                NbdExports {
+                    table: Arc::clone(&self.table),
+                    bindings: self.bindings.clone(),
+                    handshake: self.handshake,
+                }
+            }
+        }
+    }
 }
 
 /// One NBD connection: handshake, then transmission.
