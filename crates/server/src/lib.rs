@@ -849,6 +849,12 @@ impl ServerHandle {
             .unwrap_or_else(|| Arc::new(NamespaceSet::new(Vec::new())))
     }
 
+    /// Namespaces removed at run time whose device some thread still holds (it closes once
+    /// every thread has drained it).
+    pub fn namespaces_removing(&self) -> usize {
+        self.control.namespaces_removing()
+    }
+
     /// Adds and removes namespaces at run time (what the admin API calls).
     pub fn namespace_manager(&self) -> &Arc<namespaces::NamespaceManager> {
         &self.manager
