@@ -224,11 +224,7 @@ impl Server {
             effective
                 .iter()
                 .map(|namespace| namespaces::NamespaceMeta {
-                    export: if config.nbd.enabled {
-                        namespace.export_name()
-                    } else {
-                        String::new()
-                    },
+                    export: namespace.export_name(),
                     device: namespace.backend.clone(),
                     runtime: None,
                 })

@@ -21,7 +21,7 @@ use crate::config::NamespaceConfig;
 /// What the server knows of a namespace slot besides the dataplane's facts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NamespaceMeta {
-    /// Its NBD export's name (empty without NBD or once removed).
+    /// Its NBD export's name (served when NBD is on; empty once removed).
     pub export: String,
     /// The backend spec it was opened from.
     pub device: String,
@@ -197,11 +197,7 @@ impl NamespaceManager {
             });
         }
         let entry = NamespaceMeta {
-            export: if self.nbd {
-                export_name.clone()
-            } else {
-                String::new()
-            },
+            export: export_name.clone(),
             device: namespace.backend.clone(),
             runtime: runtime.then(|| PersistedNamespace {
                 namespace_id: id,
