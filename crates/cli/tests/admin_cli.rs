@@ -217,7 +217,7 @@ fn namespaces_add_and_rm_change_what_the_server_serves() {
     );
     let bad = failed(&api, &["namespaces", "add", "5", "nosuchkind:x"]);
     assert!(
-        bad.contains("422") && bad.contains("unknown backend kind"),
+        bad.contains("409") && bad.contains("unknown backend kind"),
         "{bad}"
     );
     // A size that does not parse is the command line's error (clap's usage exit status).

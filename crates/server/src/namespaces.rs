@@ -18,6 +18,10 @@ use reflex_qos::DeviceProfile;
 use crate::admin::state_file::PersistedNamespace;
 use crate::config::NamespaceConfig;
 
+/// Longest NBD export name a namespace added at run time may have, in characters (at most 4
+/// bytes each: within the configuration's 256 bytes).
+pub const EXPORT_NAME_CHARS_MAX: usize = 64;
+
 /// What the server knows of a namespace slot besides the dataplane's facts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NamespaceMeta {
@@ -118,13 +122,19 @@ impl NamespaceManager {
             ));
         }
         let export_name = namespace.export_name();
-        if export_name.is_empty() || export_name.len() > 256 || export_name.contains('\0') {
+        if export_name.is_empty()
+            || export_name.chars().count() > EXPORT_NAME_CHARS_MAX
+            || export_name.contains('\0')
+        {
             return Err(AddError::Invalid(format!(
-                "NBD export name {export_name:?} must be 1 to 256 bytes without NUL"
+                "NBD export name {export_name:?} must be 1 to {EXPORT_NAME_CHARS_MAX} characters without NUL"
             )));
         }
-        if namespace.backend.trim().is_empty() {
+        if namespace.backend.is_empty() {
             return Err(AddError::Invalid("backend is empty".into()));
+        }
+        if namespace.profile.as_ref().is_some_and(String::is_empty) {
+            return Err(AddError::Invalid("profile is empty".into()));
         }
         // Conflicts first: nothing is opened (or created) for a request that cannot succeed.
         let current = self

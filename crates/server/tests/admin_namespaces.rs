@@ -336,7 +336,7 @@ fn bad_namespaces_are_a_4xx_naming_the_problem_and_change_nothing() {
         ),
         (
             r#"{"namespace_id": 4, "backend": "nosuchkind:x"}"#.into(),
-            422,
+            409,
             "unknown backend kind",
         ),
         (
@@ -350,7 +350,7 @@ fn bad_namespaces_are_a_4xx_naming_the_problem_and_change_nothing() {
                 new_file.display(),
                 missing_profile.display()
             ),
-            422,
+            409,
             "cannot read QoS profile",
         ),
         (
@@ -359,7 +359,7 @@ fn bad_namespaces_are_a_4xx_naming_the_problem_and_change_nothing() {
                 new_file.display(),
                 not_a_profile.display()
             ),
-            422,
+            409,
             "cannot read QoS profile",
         ),
         // A file that does not exist, without a size to create it at.
@@ -368,7 +368,7 @@ fn bad_namespaces_are_a_4xx_naming_the_problem_and_change_nothing() {
                 r#"{{"namespace_id": 4, "backend": "file:{}"}}"#,
                 new_file.display()
             ),
-            422,
+            409,
             "namespace 4",
         ),
         // A folder is not a backing file.
@@ -377,7 +377,7 @@ fn bad_namespaces_are_a_4xx_naming_the_problem_and_change_nothing() {
                 r#"{{"namespace_id": 4, "backend": "file:{}"}}"#,
                 directory.path().display()
             ),
-            422,
+            409,
             "namespace 4",
         ),
         (
@@ -386,6 +386,19 @@ fn bad_namespaces_are_a_4xx_naming_the_problem_and_change_nothing() {
             "unknown field",
         ),
         (r#"{"backend": "mem:16M"}"#.into(), 422, "namespace_id"),
+        (
+            r#"{"namespace_id": 4, "backend": "mem:16M", "profile": ""}"#.into(),
+            400,
+            "profile is empty",
+        ),
+        (
+            format!(
+                r#"{{"namespace_id": 4, "backend": "mem:16M", "nbd_export": "{}"}}"#,
+                "x".repeat(65)
+            ),
+            400,
+            "1 to 64 characters",
+        ),
     ];
     for (body, status, message) in &cases {
         let reply = api.post("/v1/namespaces", body);

@@ -107,14 +107,17 @@ impl Dataplane {
         }
     }
 
-    /// Whether a request of this thread refers to slot `namespace_index`.
+    /// Whether a request of this thread refers to slot `namespace_index` (admitted and waiting
+    /// for a buffer, at the write gate or the scheduler, on the device, or being sent).
     fn slot_in_use(&self, namespace_index: u16) -> bool {
         self.live
             .device_in_flight
             .get(usize::from(namespace_index))
             .is_some_and(|&n| n > 0)
             || self.requests.iter().any(|request| match request.work {
-                Work::Io { io, .. } | Work::Part { io, .. } => {
+                Work::Io { io, .. }
+                | Work::Part { io, .. }
+                | Work::Start(crate::frontend::Action::Io(io)) => {
                     io.namespace_index == namespace_index
                 }
                 _ => false,

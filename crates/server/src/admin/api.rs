@@ -124,8 +124,8 @@ impl From<NamespaceChangeError> for ApiError {
     fn from(error: NamespaceChangeError) -> ApiError {
         let status = match &error {
             NamespaceChangeError::NoSuchNamespace(_) => StatusCode::NOT_FOUND,
-            NamespaceChangeError::Qos { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            NamespaceChangeError::Fixed
+            NamespaceChangeError::Qos { .. }
+            | NamespaceChangeError::Fixed
             | NamespaceChangeError::Set(_)
             | NamespaceChangeError::Export(_)
             | NamespaceChangeError::InUse { .. } => StatusCode::CONFLICT,
@@ -139,8 +139,11 @@ impl From<AddError> for ApiError {
         match error {
             AddError::Conflict(error) => error.into(),
             AddError::Invalid(_) => ApiError::bad_request(error.to_string()),
+            // The body is well formed; what it names cannot be served here (a missing file,
+            // an unknown backend kind, an unreadable profile): a conflict with the server's
+            // surroundings, like an admission refusal.
             AddError::Profile { .. } | AddError::Open { .. } => {
-                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, error.to_string())
+                ApiError::new(StatusCode::CONFLICT, error.to_string())
             }
         }
     }
