@@ -44,6 +44,8 @@ struct Slot {
 #[derive(Clone)]
 pub struct NamespaceSet {
     slots: Vec<Slot>,
+    /// Counts the changes that led to this set (frontends cache what they derive from it).
+    generation: u64,
     /// The live namespaces, in slot order: what the native codec validates against.
     table: Vec<native::Namespace>,
     limits: ServerLimits,
@@ -77,6 +79,7 @@ impl NamespaceSet {
     pub fn new(entries: Vec<(u32, Arc<dyn Device>, bool)>) -> NamespaceSet {
         let mut set = NamespaceSet {
             slots: Vec::new(),
+            generation: 0,
             table: Vec::new(),
             limits: ServerLimits::default(),
         };
@@ -114,6 +117,7 @@ impl NamespaceSet {
             return Err(NamespaceSetError::BlockSize(info.block_size));
         }
         let mut set = self.clone();
+        set.generation += 1;
         set.slots.push(Slot {
             id,
             device: Some(device),
@@ -130,6 +134,7 @@ impl NamespaceSet {
     /// States only move forward: Live, Removing, Gone.
     pub fn with_state(&self, index: u16, state: SlotState) -> NamespaceSet {
         let mut set = self.clone();
+        set.generation += 1;
         if let Some(slot) = set.slots.get_mut(usize::from(index)) {
             let rank = |state: SlotState| state as u8;
             if rank(state) > rank(slot.state) {
@@ -154,6 +159,11 @@ impl NamespaceSet {
                 read_only: slot.read_only,
             })
             .collect();
+    }
+
+    /// How many changes led to this set: a later set of the same server has a larger one.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Slots (live or not): per-namespace vectors are this long.
