@@ -10,10 +10,12 @@ mod admin_common;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use admin_common::{Api, profile, start, tenant};
-use reflex_client::{Client, ClientError};
+use reflex_client::{Client, ClientError, PipelinedClient};
 use reflex_proto::native::Status;
 use reflex_proto::nbd::{self, ClientHandshake};
 use reflex_server::NbdConfig;
@@ -487,4 +489,119 @@ fn runtime_namespaces_and_their_tenants_survive_a_restart() {
     assert_eq!(namespace_ids(&api), vec![1]);
     assert!(tenant(&api.get("/v1/tenants").json(), "fiver").is_none());
     drop(server);
+}
+
+/// Requests one load connection keeps in flight.
+const IN_FLIGHT: u64 = 16;
+
+/// Keeps `IN_FLIGHT` writes and reads going on namespace `namespace` until one is refused as
+/// naming no namespace, then collects every answer still owed. Returns (OK answers, refused
+/// answers); every request submitted is answered exactly once, with OK or NO_SUCH_NAMESPACE.
+fn load_until_removed(
+    addr: SocketAddr,
+    namespace: u32,
+    region: u64,
+    done: &AtomicU64,
+) -> (u64, u64) {
+    let mut client = PipelinedClient::connect(addr).unwrap_or_else(|e| panic!("connect: {e}"));
+    let (mut submitted, mut ok, mut refused) = (0u64, 0u64, 0u64);
+    let started = Instant::now();
+    loop {
+        while refused == 0 && submitted - (ok + refused) < IN_FLIGHT {
+            let offset = region + (submitted % 64) * 8192;
+            if submitted % 2 == 0 {
+                client
+                    .submit_write(
+                        submitted,
+                        namespace,
+                        offset,
+                        &pattern(submitted as u8, 8192),
+                        false,
+                    )
+                    .unwrap_or_else(|e| panic!("{e}"));
+            } else {
+                client
+                    .submit_read(submitted, namespace, offset, 8192)
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+            submitted += 1;
+        }
+        if ok + refused == submitted {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "answers still owed: {} of {submitted}",
+            submitted - ok - refused
+        );
+        client
+            .wait(Some(Duration::from_secs(30)))
+            .unwrap_or_else(|e| panic!("wait: {e}"));
+        while let Some(completion) = client.reap().unwrap_or_else(|e| panic!("reap: {e}")) {
+            match completion.status() {
+                Ok(Status::Ok) => {
+                    ok += 1;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Status::NoSuchNamespace) => refused += 1,
+                other => panic!("request {}: {other:?}", completion.request_id),
+            }
+        }
+    }
+    // The connection lives on: namespace 1 still answers.
+    client
+        .submit_read(u64::MAX - 1, 1, 0, 4096)
+        .unwrap_or_else(|e| panic!("{e}"));
+    loop {
+        client
+            .wait(Some(Duration::from_secs(30)))
+            .unwrap_or_else(|e| panic!("wait: {e}"));
+        if let Some(completion) = client.reap().unwrap_or_else(|e| panic!("reap: {e}")) {
+            assert!(completion.is_ok(), "namespace 1 after the removal");
+            break;
+        }
+    }
+    (ok, refused)
+}
+
+#[test]
+fn a_forced_removal_under_load_answers_every_request_and_then_closes_the_device() {
+    let directory = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let file = directory.path().join("ns8");
+    let (server, api) = start(config(None));
+    let created = api.post(
+        "/v1/namespaces",
+        &format!(
+            r#"{{"namespace_id": 8, "backend": "file:{}", "size_bytes": 16777216}}"#,
+            file.display()
+        ),
+    );
+    assert_eq!(created.status, 201, "{}", created.text);
+    let done = Arc::new(AtomicU64::new(0));
+    let addr = server.native_addr();
+    let loads: Vec<_> = (0..3u64)
+        .map(|connection| {
+            let done = Arc::clone(&done);
+            std::thread::spawn(move || load_until_removed(addr, 8, connection << 20, &done))
+        })
+        .collect();
+    eventually("the load is under way", || {
+        done.load(Ordering::Relaxed) >= 300
+    });
+    let removed = api.delete("/v1/namespaces/8?force=true");
+    assert_eq!(removed.status, 204, "{}", removed.text);
+    for load in loads {
+        let (ok, refused) = load
+            .join()
+            .unwrap_or_else(|_| panic!("a load thread failed"));
+        assert!(ok > 0 && refused > 0, "ok {ok}, refused {refused}");
+    }
+    eventually("every thread drains namespace 8", || {
+        server.namespaces_removing() == 0
+    });
+    eventually("the device of namespace 8 is closed", || !holds_open(&file));
+    let stats = server
+        .shutdown()
+        .unwrap_or_else(|e| panic!("shutdown: {e}"));
+    assert!(stats.iter().all(|thread| thread.flush_errors == 0));
 }
