@@ -1493,6 +1493,32 @@ impl ControlPlane {
         });
     }
 
+    /// The tenant `handle` as the dataplane addresses it ([`TenantRef::NONE`] when unknown).
+    pub fn tenant_ref(&self, handle: u64) -> TenantRef {
+        self.lock().tenant_ref(handle)
+    }
+
+    /// Charges NBD export `name`'s new sessions to `tenant` on `device_queue` from now on (a
+    /// configuration reload moved its binding; sessions already open keep theirs). Returns
+    /// whether anything changed.
+    pub fn rebind_export(&self, name: &str, tenant: TenantRef, device_queue: Option<u16>) -> bool {
+        self.change_from_outside(|state| {
+            let Some(catalog) = state.catalog.as_mut() else {
+                return false;
+            };
+            let Some(exports) = catalog
+                .nbd_exports
+                .as_ref()
+                .and_then(|exports| exports.with_binding(name, tenant, device_queue))
+            else {
+                return false;
+            };
+            catalog.nbd_exports = Some(Arc::new(exports));
+            state.announce = true;
+            true
+        })
+    }
+
     /// Namespace slots some thread has not drained yet.
     pub fn namespaces_removing(&self) -> usize {
         self.lock().removing.len()

@@ -997,6 +997,8 @@ pub struct ReloadReport {
     pub unbound: u32,
     /// `[[namespace]]` tables that are new: added like the admin API adds one.
     pub namespaces_added: u32,
+    /// NBD exports whose new sessions are charged to another tenant now.
+    pub exports_rebound: u32,
     /// What a reload cannot change (a namespace gone from the file, a changed backend):
     /// each is logged.
     pub needs_restart: u32,
@@ -1006,26 +1008,25 @@ impl ServerHandle {
     /// Applies `config`'s namespaces and tenant bindings (SIGHUP) without touching a
     /// connection: a new `[[namespace]]` is added (as `POST /v1/namespaces` would, without
     /// persisting it: the file has it); each tenant bound to a namespace in the file that is
-    /// not bound yet is admitted; a configured tenant whose binding left the file is unbound
-    /// (its connections' I/O is refused, as after the admin API's tenant delete); a changed SLO
-    /// goes through admission again, its rates reaching the threads before their next
-    /// scheduling round. Tenants made through the admin API or over the wire are left alone;
-    /// a namespace gone from the file stays (remove it through the admin API).
+    /// not bound yet is admitted; NBD exports charge new sessions to the tenants the file names
+    /// now; a configured tenant whose binding left the file is unbound (its connections' I/O is
+    /// refused, as after the admin API's tenant delete); a changed SLO goes through admission
+    /// again, its rates reaching the threads before their next scheduling round. Tenants made
+    /// through the admin API or over the wire are left alone; a namespace gone from the file
+    /// stays (remove it through the admin API); original-protocol ports and NVMe/TCP hosts keep
+    /// the tenant they started with until a restart.
     pub fn reload_tenants(&self, config: &Config) -> ReloadReport {
         let mut report = ReloadReport::default();
         let effective = config.effective_namespaces();
         for namespace in &effective {
             if self.namespaces().index_of(namespace.id).is_none() {
+                // Its tenant is bound below, and its export rebound to it, like any binding.
                 let mut plain = namespace.clone();
-                let tenant = plain.tenant.take();
+                plain.tenant = None;
                 match self.manager.add(&plain, false) {
                     Ok(_) => {
                         tracing::info!(namespace = namespace.id, "reload: namespace added");
                         report.namespaces_added += 1;
-                        if tenant.is_some() {
-                            tracing::warn!(namespace = namespace.id, tenant = ?tenant,
-                                "reload: the new namespace's NBD export is charged to its default tenant until a restart");
-                        }
                     }
                     Err(error) => {
                         tracing::warn!(namespace = namespace.id, %error,
@@ -1075,6 +1076,36 @@ impl ServerHandle {
                             "reload: SLO change refused; the old SLO stays");
                         report.refused += 1;
                     }
+                }
+            }
+            // The namespace's NBD exports charge new sessions to the tenants the file names now
+            // (an unbound tenant's export would refuse every new session otherwise).
+            let mut exports = vec![(namespace.export_name(), namespace.tenant.clone())];
+            exports.extend(
+                config
+                    .nbd
+                    .exports
+                    .iter()
+                    .filter(|export| export.namespace == namespace.id)
+                    .map(|export| (export.name.clone(), export.tenant.clone())),
+            );
+            for (export, tenant) in exports {
+                let tenant_ref = match &tenant {
+                    None => TenantRef::NONE,
+                    Some(name) => match self.control.find_tenant(namespace.id, name) {
+                        Some(handle) => self.control.tenant_ref(handle),
+                        None => continue,
+                    },
+                };
+                if self.control.rebind_export(
+                    &export,
+                    tenant_ref,
+                    device_queue_of(config, tenant.as_ref()),
+                ) {
+                    tracing::info!(namespace = namespace.id, nbd_export = %export,
+                        tenant = tenant.as_deref().unwrap_or("(default)"),
+                        "reload: NBD export rebound");
+                    report.exports_rebound += 1;
                 }
             }
             let stale: Vec<String> = self

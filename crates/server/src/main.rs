@@ -193,6 +193,7 @@ fn reload(server: &reflex_server::ServerHandle, path: Option<&std::path::Path>) 
         bound = report.bound,
         unbound = report.unbound,
         namespaces_added = report.namespaces_added,
+        exports_rebound = report.exports_rebound,
         needs_restart = report.needs_restart,
         "SIGHUP: configured namespaces and tenants reloaded"
     );

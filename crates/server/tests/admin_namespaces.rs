@@ -7,17 +7,15 @@
 
 mod admin_common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use admin_common::{Api, profile, start, tenant};
+use admin_common::{Api, Nbd, profile, start, tenant};
 use reflex_client::{Client, ClientError, PipelinedClient};
 use reflex_proto::native::Status;
-use reflex_proto::nbd::{self, ClientHandshake};
 use reflex_server::NbdConfig;
 
 /// The admin tests' server (namespace 1 on an emulated device with a profile, tenant gold)
@@ -31,80 +29,6 @@ fn config(state_file: Option<String>) -> reflex_server::Config {
         },
         threads: 2,
         ..admin_common::config(state_file)
-    }
-}
-
-/// A minimal NBD client: the fixed newstyle handshake for one export, then simple replies.
-struct Nbd {
-    stream: TcpStream,
-    cookie: u64,
-}
-
-impl Nbd {
-    /// Connects and negotiates `export`; `Err` when the server refuses it.
-    fn connect(addr: SocketAddr, export: &str) -> Result<Nbd, String> {
-        let mut stream = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-        stream
-            .set_read_timeout(Some(Duration::from_secs(30)))
-            .map_err(|e| e.to_string())?;
-        let mut handshake = ClientHandshake::new(export).map_err(|e| e.to_string())?;
-        let mut buffer = [0u8; 4096];
-        while handshake.outcome().is_none() {
-            let pending = handshake.pending_output().to_vec();
-            if !pending.is_empty() {
-                stream.write_all(&pending).map_err(|e| e.to_string())?;
-                handshake.consume_output(pending.len());
-                continue;
-            }
-            let count = stream.read(&mut buffer).map_err(|e| e.to_string())?;
-            if count == 0 {
-                return Err(handshake.handle_eof().to_string());
-            }
-            let consumed = handshake
-                .handle_bytes(&buffer[..count])
-                .map_err(|e| e.to_string())?;
-            assert_eq!(consumed, count, "bytes after the handshake");
-        }
-        let pending = handshake.pending_output().to_vec();
-        stream.write_all(&pending).map_err(|e| e.to_string())?;
-        Ok(Nbd { stream, cookie: 0 })
-    }
-
-    /// The reply's error (0: success), after reading `data_bytes` of READ data into `data`.
-    fn reply(&mut self, data: &mut [u8]) -> u32 {
-        let mut header = [0u8; 16];
-        self.stream
-            .read_exact(&mut header)
-            .unwrap_or_else(|e| panic!("reply: {e}"));
-        let (reply, _) = nbd::decode_simple_reply(&header)
-            .unwrap_or_else(|e| panic!("{e}"))
-            .unwrap_or_else(|| panic!("short reply"));
-        assert_eq!(reply.cookie, self.cookie);
-        if reply.error == 0 && !data.is_empty() {
-            self.stream
-                .read_exact(data)
-                .unwrap_or_else(|e| panic!("data: {e}"));
-        }
-        reply.error
-    }
-
-    fn write(&mut self, offset: u64, data: &[u8]) -> u32 {
-        self.cookie += 1;
-        let mut request = nbd::write_request(self.cookie, offset, data.len() as u32, 0).to_vec();
-        request.extend_from_slice(data);
-        self.stream
-            .write_all(&request)
-            .unwrap_or_else(|e| panic!("send: {e}"));
-        self.reply(&mut [])
-    }
-
-    fn read(&mut self, offset: u64, data: &mut [u8]) -> u32 {
-        self.cookie += 1;
-        let request = nbd::read_request(self.cookie, offset, data.len() as u32);
-        self.stream
-            .write_all(&request)
-            .unwrap_or_else(|e| panic!("send: {e}"));
-        self.reply(data)
     }
 }
 

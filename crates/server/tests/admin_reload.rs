@@ -1,7 +1,8 @@
 //! SIGHUP with a real `reflexd`: the configuration file gains a namespace and moves namespace
-//! 1's binding from tenant `gold` to tenant `silver`; after the signal the new namespace serves,
-//! `silver` is bound and serves, `gold`'s bound connection is refused (PERMISSION, as after the
-//! admin API's tenant delete), and every connection opened before stays open.
+//! 1's binding from tenant `gold` to tenant `silver`; after the signal the new namespace serves
+//! (native and NBD), `silver` is bound and serves, namespace 1's NBD export charges new sessions
+//! to `silver`, `gold`'s connections are refused (PERMISSION, NBD EPERM, as after the admin
+//! API's tenant delete), and every connection opened before stays open.
 
 mod admin_common;
 mod common;
@@ -13,12 +14,12 @@ use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use admin_common::{Api, tenant};
+use admin_common::{Api, Nbd, tenant};
 use reflex_client::{Client, ClientError};
 use reflex_proto::native::Status;
 
-/// Starts reflexd; returns it with its admin API and native address.
-fn spawn(config: &Path) -> (Child, Api, SocketAddr) {
+/// Starts reflexd; returns it with its admin API, native and NBD addresses.
+fn spawn(config: &Path) -> (Child, Api, SocketAddr, SocketAddr) {
     let (program, args) = common::workspace_binary(Path::new(env!("CARGO_BIN_EXE_reflexd")));
     let mut child = std::process::Command::new(program)
         .args(args)
@@ -46,18 +47,20 @@ fn spawn(config: &Path) -> (Child, Api, SocketAddr) {
                 admin = field(&line, "addr=");
             }
             if line.contains("reflexd serving")
-                && let (Some(admin), Some(native)) = (admin.clone(), field(&line, "native="))
+                && let (Some(admin), Some(native), Some(nbd)) =
+                    (admin.clone(), field(&line, "native="), field(&line, "nbd="))
             {
-                let _ = found.send((admin, native));
+                let _ = found.send((admin, native, nbd));
             }
         }
     });
-    let (admin, native) = addresses
+    let (admin, native, nbd) = addresses
         .recv_timeout(Duration::from_secs(60))
         .unwrap_or_else(|_| panic!("reflexd did not start"));
     let admin: SocketAddr = admin.parse().unwrap_or_else(|e| panic!("{admin}: {e}"));
     let native = native.parse().unwrap_or_else(|e| panic!("{native}: {e}"));
-    (child, Api::new(admin), native)
+    let nbd = nbd.parse().unwrap_or_else(|e| panic!("{nbd}: {e}"));
+    (child, Api::new(admin), native, nbd)
 }
 
 fn write_config(path: &Path, namespace_1_tenant: &str, namespace_2: bool) {
@@ -69,7 +72,7 @@ original_ports = []
 arena_bytes_per_thread = "4M"
 threads = 2
 [nbd]
-enabled = false
+port = 0
 [admin]
 listen = "127.0.0.1:0"
 [[tenant]]
@@ -117,7 +120,7 @@ fn sighup_adds_namespaces_and_moves_bindings_without_dropping_a_connection() {
     let directory = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let config = directory.path().join("reflexd.toml");
     write_config(&config, "gold", false);
-    let (mut child, api, native) = spawn(&config);
+    let (mut child, api, native, nbd_addr) = spawn(&config);
 
     let mut plain = Client::connect(native).unwrap_or_else(|e| panic!("{e}"));
     let mut buffer = vec![0u8; 4096];
@@ -132,6 +135,9 @@ fn sighup_adds_namespaces_and_moves_bindings_without_dropping_a_connection() {
         .read(1, 0, &mut buffer)
         .unwrap_or_else(|e| panic!("read: {e}"));
     assert!(tenant(&api.get("/v1/tenants").json(), "silver").is_none());
+    // NBD sessions of namespace 1's export are gold's.
+    let mut gold_session = Nbd::connect(nbd_addr, "ns1").unwrap_or_else(|e| panic!("NBD: {e}"));
+    assert_eq!(gold_session.read(0, &mut buffer), 0);
 
     write_config(&config, "silver", true);
     signal(&child, "HUP");
@@ -168,6 +174,17 @@ fn sighup_adds_namespaces_and_moves_bindings_without_dropping_a_connection() {
         Err(ClientError::Status { status, .. }) => assert_eq!(status, Status::Permission),
         other => panic!("gold's connection after the reload: {other:?}"),
     }
+    assert_eq!(gold_session.read(0, &mut buffer), libc::EPERM as u32);
+    // The export charges new sessions to silver; the new namespace has its export.
+    let mut silver_session = Nbd::connect(nbd_addr, "ns1").unwrap_or_else(|e| panic!("NBD: {e}"));
+    assert_eq!(silver_session.read(0, &mut buffer), 0);
+    let mut two = Nbd::connect(nbd_addr, "two").unwrap_or_else(|e| panic!("NBD: {e}"));
+    assert_eq!(two.read(4096, &mut buffer), 0);
+    assert_eq!(buffer, data);
+    let silver_connections = api.wait_for("/v1/tenants", |list| {
+        tenant(list, "silver").is_some_and(|silver| silver["connections"].as_u64() >= Some(1))
+    });
+    assert!(tenant(&silver_connections, "silver").is_some());
     // silver is bound and serves.
     let mut silver = Client::connect(native).unwrap_or_else(|e| panic!("{e}"));
     silver

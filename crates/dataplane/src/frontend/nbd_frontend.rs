@@ -74,6 +74,36 @@ impl NbdExports {
         })
     }
 
+    /// This table with export `name`'s tenant and device queue replaced (a configuration
+    /// reload moved its binding); `None` when no export is called `name` or nothing changes.
+    pub fn with_binding(
+        &self,
+        name: &str,
+        tenant: TenantRef,
+        device_queue: Option<u16>,
+    ) -> Option<NbdExports> {
+        let index = self
+            .table
+            .exports()
+            .iter()
+            .position(|export| export.name == name)?;
+        let binding = self.bindings.get(index)?;
+        if binding.tenant == tenant && binding.device_queue == device_queue {
+            return None;
+        }
+        let mut bindings = self.bindings.clone();
+        bindings[index] = ExportBinding {
+            tenant,
+            device_queue,
+            ..*binding
+        };
+        Some(NbdExports {
+            table: Arc::clone(&self.table),
+            bindings,
+            handshake: self.handshake,
+        })
+    }
+
     /// This table without the exports of namespace slot `namespace_index` (removed at run
     /// time); the default export goes too if it was one of them. Sessions already in
     /// transmission keep their binding (their requests are refused from then on).
