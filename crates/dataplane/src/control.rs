@@ -31,6 +31,14 @@
 //! [`TenantLimits::orphan_grace`] (so a client that reconnects can BIND again) and are then
 //! unregistered, unless a connection still counts for them.
 //!
+//! Namespaces at run time: the plane holds the catalog the threads serve ([`Catalog`]: the
+//! namespace slots and the NBD exports). [`ControlPlane::add_namespace`] and
+//! [`ControlPlane::remove_namespace`] make a new catalog and send every thread a
+//! [`ControlMessage::Namespaces`] ahead of any rate update of the slot; a thread adopts it
+//! (`core::catalog`), and reports a removed slot drained ([`ControlPlane::namespace_drained`])
+//! once none of its requests uses it; when every thread has, the slot is gone and the catalog
+//! drops its device.
+//!
 //! Invariants: a handle maps to exactly one live (namespace, `TenantId`) pair; a connection
 //! is counted in a registry (`connect`) exactly while it is in its connection's charge list
 //! (`core.rs`); lock order is state, then a mailbox.

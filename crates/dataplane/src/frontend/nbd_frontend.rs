@@ -24,7 +24,9 @@ pub struct ExportBinding {
 }
 
 /// The NBD exports of a server: the codec's table (what clients see) and, at the same index,
-/// each export's namespace and tenant. Built once at start and shared by every connection.
+/// each export's namespace and tenant. Built at start and shared by the connections; a
+/// namespace added or removed at run time, or an export rebound by a reload, makes a new one
+/// (sessions already in transmission keep the binding they negotiated).
 #[derive(Debug)]
 pub struct NbdExports {
     table: Arc<ExportTable>,

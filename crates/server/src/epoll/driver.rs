@@ -745,7 +745,6 @@ fn forget(epoll: &Epoll, fd: std::os::fd::RawFd) {
 
 /// Each namespace's ring-less queue for this thread; completions from a device's own threads
 /// wake it through `notify`.
-#[allow(unsafe_code)]
 fn open_queues(
     namespaces: &NamespaceSet,
     notify: &Arc<dyn Notify>,
@@ -759,23 +758,20 @@ fn open_queues(
         .collect()
 }
 
-/// One namespace's ring-less queue for this thread.
+/// One namespace's ring-less queue for this thread (opened at start, or on
+/// `Op::OpenDevice` for a namespace added at run time; dropped on `Op::CloseDevice`, when none
+/// of its operations is outstanding).
 #[allow(unsafe_code)]
 fn open_queue(
     device: &Arc<dyn reflex_flash::Device>,
     notify: &Arc<dyn Notify>,
 ) -> Box<dyn DeviceQueue> {
-    {
-        {
-            // SAFETY: every buffer the driver submits to these queues is a run of the
-            // dataplane's arena (a heap allocation that never moves), which the dataplane
-            // leaves untouched until `handle_device` for that operation; the driver calls
-            // `handle_device` only for a result out of `Submit::Done` or `poll_completions`,
-            // and leaks the arena instead of freeing it when its loop ends with any device
-            // operation outstanding (`EpollDriver::run`).
-            unsafe { device.queue_without_ring(Arc::clone(notify)) }
-        }
-    }
+    // SAFETY: every buffer the driver submits to these queues is a run of the dataplane's
+    // arena (a heap allocation that never moves), which the dataplane leaves untouched until
+    // `handle_device` for that operation; the driver calls `handle_device` only for a result
+    // out of `Submit::Done` or `poll_completions`, and leaks the arena instead of freeing it
+    // when its loop ends with any device operation outstanding (`EpollDriver::run`).
+    unsafe { device.queue_without_ring(Arc::clone(notify)) }
 }
 
 fn device_op_id(kind: Kind, generation: u32, index: u32) -> DeviceOpId {
