@@ -529,3 +529,25 @@ fn a_forced_removal_under_load_answers_every_request_and_then_closes_the_device(
         .unwrap_or_else(|e| panic!("shutdown: {e}"));
     assert!(stats.iter().all(|thread| thread.flush_errors == 0));
 }
+
+#[test]
+fn every_thread_flushes_a_removed_namespace_once_before_closing_it() {
+    // Every flush of this device fails: each one shows in the threads' flush error counts.
+    let (server, api) = start(config(None));
+    let created = api.post(
+        "/v1/namespaces",
+        r#"{"namespace_id": 6, "backend": "fault(flush_error_rate=100%):mem:16M"}"#,
+    );
+    assert_eq!(created.status, 201, "{}", created.text);
+    let removed = api.delete("/v1/namespaces/6");
+    assert_eq!(removed.status, 204, "{}", removed.text);
+    eventually("every thread drains namespace 6", || {
+        server.namespaces_removing() == 0
+    });
+    let stats = server
+        .shutdown()
+        .unwrap_or_else(|e| panic!("shutdown: {e}"));
+    // One removal flush per thread; the shutdown flushes namespace 1 only (it succeeds).
+    let flush_errors: u64 = stats.iter().map(|thread| thread.flush_errors).sum();
+    assert_eq!(flush_errors, stats.len() as u64, "{stats:?}");
+}

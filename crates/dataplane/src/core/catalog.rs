@@ -5,8 +5,10 @@
 //! thread uses the slot any more.
 //!
 //! Invariants: the driver sees [`Op::OpenDevice`] for a slot before any [`Op::Device`] of it,
-//! and [`Op::CloseDevice`] only when no request of this thread refers to the slot; a slot that
-//! is not live is refused at [`Dataplane::charge`] (the protocol's "no such namespace").
+//! and [`Op::CloseDevice`] only when no request of this thread refers to the slot and the
+//! flush this thread issued for it (what it wrote reaches stable storage before the device
+//! closes) has finished, so no operation of the slot is outstanding; a slot that is not live
+//! is refused at [`Dataplane::charge`] (the protocol's "no such namespace").
 
 use std::sync::Arc;
 
@@ -14,7 +16,7 @@ use reflex_qos::Nanos;
 
 use super::request::Work;
 use super::tenants::NamespaceQos;
-use super::{Dataplane, NamespaceTelemetry, Op};
+use super::{Dataplane, DeviceCommand, DeviceOpId, DeviceOpKind, NamespaceTelemetry, Op};
 use crate::namespaces::SlotState;
 
 impl Dataplane {
@@ -81,11 +83,17 @@ impl Dataplane {
         self.check_drained(now);
     }
 
-    /// Closes the device queue of every slot being removed that no request of this thread
-    /// refers to any more, and tells the control plane.
+    /// Moves every slot being removed on: once no request of this thread refers to it, a
+    /// flush of its device; once that has finished, its queue closes and the control plane
+    /// hears that this thread is done with it.
     pub(super) fn check_drained(&mut self, now: Nanos) {
-        if self.draining.is_empty() {
+        if self.draining.is_empty() && self.flushed.is_empty() {
             return;
+        }
+        while let Some(namespace_index) = self.flushed.pop() {
+            // Its flush was the slot's last operation here: nothing of it is outstanding.
+            self.close_queue(namespace_index);
+            self.report_drained(namespace_index, now);
         }
         let mut index = 0;
         while index < self.draining.len() {
@@ -95,16 +103,51 @@ impl Dataplane {
                 continue;
             }
             self.draining.swap_remove(index);
-            if let Some(open) = self.queues_open.get_mut(usize::from(namespace_index))
-                && *open
-            {
-                *open = false;
-                self.ops.push_back(Op::CloseDevice { namespace_index });
+            let open = self
+                .queues_open
+                .get(usize::from(namespace_index))
+                .copied()
+                .unwrap_or(false);
+            if open && self.phase == super::Phase::Running {
+                self.flushes_pending += 1;
+                self.flushing.push(namespace_index);
+                self.ops.push_back(Op::Device(DeviceCommand {
+                    id: DeviceOpId::ShutdownFlush { namespace_index },
+                    namespace_index,
+                    queue: 0,
+                    kind: DeviceOpKind::Flush,
+                }));
+            } else {
+                // Shutting down: the shutdown's flush covers the device (it may be in flight
+                // now), and the queue closes when the thread ends.
+                self.report_drained(namespace_index, now);
             }
-            self.with_control(now, |control, thread, own| {
-                control.namespace_drained(thread, namespace_index, own);
-            });
         }
+    }
+
+    /// The flush of a slot being removed finished (`handle_device`).
+    pub(super) fn on_removal_flush(&mut self, namespace_index: u16) -> bool {
+        let Some(position) = self.flushing.iter().position(|&n| n == namespace_index) else {
+            return false;
+        };
+        self.flushing.swap_remove(position);
+        self.flushed.push(namespace_index);
+        true
+    }
+
+    fn close_queue(&mut self, namespace_index: u16) {
+        if let Some(open) = self.queues_open.get_mut(usize::from(namespace_index))
+            && *open
+        {
+            *open = false;
+            self.ops.push_back(Op::CloseDevice { namespace_index });
+        }
+    }
+
+    fn report_drained(&mut self, namespace_index: u16, now: Nanos) {
+        self.with_control(now, |control, thread, own| {
+            control.namespace_drained(thread, namespace_index, own);
+        });
     }
 
     /// Whether a request of this thread refers to slot `namespace_index` (admitted and waiting
@@ -126,7 +169,13 @@ impl Dataplane {
 
     /// Slots this thread has not drained yet (tests).
     pub fn namespaces_draining(&self) -> usize {
-        self.draining.len()
+        self.draining.len() + self.flushing.len() + self.flushed.len()
+    }
+
+    /// Slots whose removal flush is in flight on this thread (the shutdown's flush skips them:
+    /// one flush per slot at a time).
+    pub(super) fn removal_flush_in_flight(&self, namespace_index: u16) -> bool {
+        self.flushing.contains(&namespace_index)
     }
 
     /// The namespaces this thread serves now (a driver opens a new slot's device queue from

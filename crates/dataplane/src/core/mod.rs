@@ -205,8 +205,11 @@ pub struct Dataplane {
     telemetry: Vec<NamespaceTelemetry>,
     /// Per namespace slot: whether the driver holds this thread's queue of its device.
     queues_open: Vec<bool>,
-    /// Slots being removed that this thread has not drained yet (`catalog`).
+    /// Slots being removed that this thread has not drained yet (`catalog`), then those whose
+    /// flush is in flight, then those flushed (their queue closes at the next `process`).
     draining: Vec<u16>,
+    flushing: Vec<u16>,
+    flushed: Vec<u16>,
     qos_config: QosConfig,
     /// Requests waiting at the write gate (`io`).
     gate_waits: GateWaits,
@@ -309,6 +312,8 @@ impl Dataplane {
             telemetry: vec![NamespaceTelemetry::default(); qos_count],
             queues_open: vec![true; qos_count],
             draining: Vec::new(),
+            flushing: Vec::new(),
+            flushed: Vec::new(),
             qos_config: setup.qos_config.clone(),
             gate_waits: GateWaits::new(limits.requests_max),
             extents: Vec::with_capacity(crate::frontend::BLOCK_STATUS_EXTENTS_MAX),
@@ -372,6 +377,7 @@ impl Dataplane {
             || self.queue_room
             || self.qos_fresh
             || self.control.has_messages(self.thread_index)
+            || !self.flushed.is_empty()
             || self.phase_ready()
             || self.gate_retry_ready()
     }

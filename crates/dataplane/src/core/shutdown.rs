@@ -316,7 +316,9 @@ impl Dataplane {
                 .get(usize::from(namespace_index))
                 .copied()
                 .unwrap_or(false)
+                || self.removal_flush_in_flight(namespace_index)
             {
+                // Closed, or its removal's flush is in flight (and counted) already.
                 continue;
             }
             self.flushes_pending += 1;
@@ -336,12 +338,14 @@ impl Dataplane {
     ) {
         assert!(self.flushes_pending > 0);
         self.flushes_pending -= 1;
+        let removal = self.on_removal_flush(namespace_index);
         if let Err(error) = result {
             self.stats.flush_errors += 1;
             tracing::error!(
                 namespace = self.namespaces.id(namespace_index),
                 %error,
-                "shutdown flush failed"
+                "{} flush failed",
+                if removal { "removed namespace's" } else { "shutdown" }
             );
         }
     }
