@@ -49,7 +49,9 @@ size_bytes = "64M"
 profile = "$PWD/profiles/device-a-small.toml"
 tenant = "gold"
 TOML
-target/release/reflexd --config "$work/reflexd.toml" 2>"$work/reflexd.log" &
+# From the scratch folder: POST /v1/namespaces may create backend files at relative paths.
+root=$PWD
+(cd "$work" && exec "$root/target/release/reflexd" --config "$work/reflexd.toml") 2>"$work/reflexd.log" &
 reflexd_pid=$!
 for _ in $(seq 1 100); do
     if grep -q "admin API listening" "$work/reflexd.log"; then break; fi
@@ -59,7 +61,6 @@ done
 grep -q "admin API listening" "$work/reflexd.log" || { cat "$work/reflexd.log"; exit 1; }
 
 # From the scratch folder: hypothesis keeps its database (.hypothesis/) in the working directory.
-root=$PWD
 (cd "$work" && timeout "$RUN_TIMEOUT" "$root/$VENV/bin/st" run "$root/docs/admin-openapi.json" \
     --url "http://127.0.0.1:$port" --checks all --max-examples "$EXAMPLES" \
     --seed 1 --no-color)

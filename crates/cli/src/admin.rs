@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::io::{IsTerminal, Write as _};
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 use serde_json::{Map, Value, json};
 use thiserror::Error;
@@ -40,7 +40,7 @@ enum Command {
     /// Tenants: list, show, add, set (change an SLO), rm.
     #[command(subcommand)]
     Tenants(TenantCommand),
-    /// Namespaces: list, show.
+    /// Namespaces: list, show, add, rm.
     #[command(subcommand)]
     Namespaces(NamespaceCommand),
     /// Live statistics per tenant, thread and namespace over the server's last window.
@@ -122,6 +122,33 @@ enum NamespaceCommand {
     List,
     /// One namespace.
     Show { namespace_id: u32 },
+    /// Serve a new namespace from now on (kept in the server's state file across restarts).
+    Add {
+        namespace_id: u32,
+        /// As a configuration's `backend`: `file:PATH` or a path, `mem:SIZE`, `null[:SIZE]`,
+        /// `emu:NAME`, a block device. A relative path is reflexd's working directory's.
+        backend: String,
+        /// Size of a file to create (or of `mem`/`null` without one in the spec), e.g. 1G.
+        #[arg(long, value_parser = crate::bench::units::parse_size)]
+        size: Option<u64>,
+        /// Writes, trims and write-zeroes are refused.
+        #[arg(long)]
+        read_only: bool,
+        /// Its NBD export name (default nsID).
+        #[arg(long)]
+        name: Option<String>,
+        /// Device profile (TOML): QoS on for the namespace. A relative path is taken from
+        /// here and sent as an absolute one.
+        #[arg(long)]
+        profile: Option<std::path::PathBuf>,
+    },
+    /// Stop serving a namespace. Refused while tenants are bound to it or connections use
+    /// it, unless --force (its tenants are unbound and its requests refused).
+    Rm {
+        namespace_id: u32,
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(ClapArgs)]
@@ -365,6 +392,51 @@ fn namespaces(client: &Client, json: bool, command: NamespaceCommand) -> Result<
             let namespace =
                 client.request("GET", &format!("/v1/namespaces/{namespace_id}"), None)?;
             print_value(json, &namespace, |value| render_namespaces(&json!([value])))
+        }
+        NamespaceCommand::Add {
+            namespace_id,
+            backend,
+            size,
+            read_only,
+            name,
+            profile,
+        } => {
+            let mut body = Map::new();
+            body.insert("namespace_id".into(), json!(namespace_id));
+            body.insert("backend".into(), json!(backend));
+            if let Some(size) = size {
+                body.insert("size_bytes".into(), json!(size));
+            }
+            if read_only {
+                body.insert("read_only".into(), json!(true));
+            }
+            if let Some(name) = name {
+                body.insert("nbd_export".into(), json!(name));
+            }
+            if let Some(profile) = profile {
+                let absolute = std::path::absolute(&profile)
+                    .with_context(|| format!("profile {}", profile.display()))?;
+                body.insert("profile".into(), json!(absolute.display().to_string()));
+            }
+            let namespace = client.request("POST", "/v1/namespaces", Some(&Value::Object(body)))?;
+            print_value(json, &namespace, |value| render_namespaces(&json!([value])))
+        }
+        NamespaceCommand::Rm {
+            namespace_id,
+            force,
+        } => {
+            let path = if force {
+                format!("/v1/namespaces/{namespace_id}?force=true")
+            } else {
+                format!("/v1/namespaces/{namespace_id}")
+            };
+            let answer = client.request("DELETE", &path, None)?;
+            if json {
+                print_value(json, &answer, render_object)
+            } else {
+                println!("removed namespace {namespace_id}");
+                Ok(())
+            }
         }
     }
 }

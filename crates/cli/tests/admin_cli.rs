@@ -175,6 +175,69 @@ fn tenants_add_set_list_show_rm_round_trip_through_the_api() {
 }
 
 #[test]
+fn namespaces_add_and_rm_change_what_the_server_serves() {
+    let (server, api) = start();
+    let directory = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let file = directory.path().join("ns4");
+    let file_spec = format!("file:{}", file.display());
+    let added = ok_json(
+        &api,
+        &[
+            "namespaces",
+            "add",
+            "4",
+            &file_spec,
+            "--size",
+            "4M",
+            "--name",
+            "four",
+            "--profile",
+            &profile("device-a-small.toml"),
+        ],
+    );
+    assert_eq!(added["namespace_id"], 4, "{added}");
+    assert_eq!(added["nbd_export"], "four", "{added}");
+    assert_eq!(added["size_bytes"], 4 << 20, "{added}");
+    assert_eq!(added["qos"], true, "{added}");
+    assert!(file.exists());
+    let table = ok(&api, &["namespaces", "list"]);
+    assert!(table.lines().any(|line| line.contains("four")), "{table}");
+    let mut client =
+        reflex_client::Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    let data = vec![0x44u8; 4096];
+    client
+        .write(4, 0, &data)
+        .unwrap_or_else(|e| panic!("write: {e}"));
+
+    // Refusals print the server's reason: a duplicate, a bad spec, a namespace in use.
+    let duplicate = failed(&api, &["namespaces", "add", "4", "mem:1M"]);
+    assert!(
+        duplicate.contains("409") && duplicate.contains("namespace 4 exists"),
+        "{duplicate}"
+    );
+    let bad = failed(&api, &["namespaces", "add", "5", "nosuchkind:x"]);
+    assert!(
+        bad.contains("409") && bad.contains("unknown backend kind"),
+        "{bad}"
+    );
+    // A size that does not parse is the command line's error (clap's usage exit status).
+    let bad_size = admin(&api, &["namespaces", "add", "5", "mem", "--size", "lots"]);
+    assert!(!bad_size.status.success());
+    let stderr = String::from_utf8_lossy(&bad_size.stderr);
+    assert!(stderr.contains("--size"), "{stderr}");
+    let busy = failed(&api, &["namespaces", "rm", "4"]);
+    assert!(busy.contains("409") && busy.contains("in use"), "{busy}");
+
+    let removed = ok(&api, &["namespaces", "rm", "4", "--force"]);
+    assert!(removed.contains("removed namespace 4"), "{removed}");
+    let gone = failed(&api, &["namespaces", "show", "4"]);
+    assert!(gone.contains("404"), "{gone}");
+    let list = ok_json(&api, &["namespaces", "list"]);
+    assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+    assert!(client.read(4, 0, &mut vec![0u8; 4096]).is_err());
+}
+
+#[test]
 fn stats_prints_a_table_and_watch_refreshes_a_bounded_number_of_times() {
     let (_server, api) = start();
     let table = ok(&api, &["stats"]);

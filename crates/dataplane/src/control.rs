@@ -31,6 +31,14 @@
 //! [`TenantLimits::orphan_grace`] (so a client that reconnects can BIND again) and are then
 //! unregistered, unless a connection still counts for them.
 //!
+//! Namespaces at run time: the plane holds the catalog the threads serve ([`Catalog`]: the
+//! namespace slots and the NBD exports). [`ControlPlane::add_namespace`] and
+//! [`ControlPlane::remove_namespace`] make a new catalog and send every thread a
+//! [`ControlMessage::Namespaces`] ahead of any rate update of the slot; a thread adopts it
+//! (`core::catalog`), and reports a removed slot drained ([`ControlPlane::namespace_drained`])
+//! once none of its requests uses it; when every thread has, the slot is gone and the catalog
+//! drops its device.
+//!
 //! Invariants: a handle maps to exactly one live (namespace, `TenantId`) pair; a connection
 //! is counted in a registry (`connect`) exactly while it is in its connection's charge list
 //! (`core.rs`); lock order is state, then a mailbox.
@@ -48,7 +56,8 @@ use reflex_qos::{
 };
 
 use crate::core::TelemetryWindow;
-use crate::namespaces::NamespaceSet;
+use crate::frontend::{ExportBinding, NbdExports};
+use crate::namespaces::{NamespaceSet, SlotState};
 use crate::self_calibration::{CalibrationInfo, DeviceCalibration};
 
 /// A RENEGOTIATE notice as the control plane makes it (encoded by the native front end).
@@ -88,6 +97,9 @@ pub enum ControlMessage {
     Revoke { handle: u64 },
     /// Send this RENEGOTIATE notice to every native connection charged to the tenant.
     Notice { body: RenegotiateBody },
+    /// The namespaces changed (one added, one being removed, one gone): adopt
+    /// [`ControlPlane::catalog`]. Sent before any other message about a new namespace.
+    Namespaces,
 }
 
 /// A connection as the control plane knows it: its thread, slot and the slot's generation.
@@ -317,6 +329,8 @@ struct Mailbox {
 
 struct NamespaceState {
     namespace_id: u32,
+    /// Removed at run time: its tenants are gone and nothing refers to it any more.
+    removed: bool,
     /// Without a profile the registry's rate is unlimited and only the default tenant lives.
     has_profile: bool,
     registry: TenantRegistry,
@@ -349,6 +363,59 @@ struct State {
     /// Tenants created through the admin API (`Self::admin_register`): they live until the
     /// admin API removes them.
     managed: std::collections::BTreeSet<u64>,
+    /// The namespaces and NBD exports the threads serve now (`None` until the server sets
+    /// them: namespaces cannot change at run time then).
+    catalog: Option<Catalog>,
+    /// Per namespace slot: its scheduler setup, for threads that adopt a new namespace.
+    qos_setups: Vec<NamespaceQosSetup>,
+    /// Slots being removed: the threads (bit per thread) that have not drained them yet.
+    removing: BTreeMap<u16, u64>,
+    /// Every thread must adopt the catalog before the next messages ([`ControlMessage::Namespaces`]).
+    announce: bool,
+    qos_config: QosConfig,
+    qos_enabled: bool,
+}
+
+/// What the threads serve: the namespace slots and the NBD export table.
+#[derive(Debug, Clone)]
+pub struct Catalog {
+    pub namespaces: Arc<NamespaceSet>,
+    pub nbd_exports: Option<Arc<NbdExports>>,
+}
+
+/// Why a namespace was not added or removed (nothing changed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NamespaceChangeError {
+    #[error("namespaces cannot change at run time on this server")]
+    Fixed,
+    #[error(transparent)]
+    Set(#[from] crate::namespaces::NamespaceSetError),
+    #[error("NBD export: {0}")]
+    Export(#[from] reflex_proto::nbd::ExportError),
+    #[error("namespace {namespace_id}: QoS configuration: {reason}")]
+    Qos { namespace_id: u32, reason: String },
+    #[error("no namespace {0}")]
+    NoSuchNamespace(u32),
+    #[error(
+        "namespace {namespace_id} is in use ({tenants} tenant(s) bound: {names}; {connections} connection(s)): remove with force to unbind them"
+    )]
+    InUse {
+        namespace_id: u32,
+        tenants: usize,
+        names: String,
+        connections: u32,
+    },
+}
+
+/// A namespace to add at run time ([`ControlPlane::add_namespace`]).
+pub struct NewNamespace {
+    pub id: u32,
+    pub device: Arc<dyn reflex_flash::Device>,
+    pub read_only: bool,
+    /// Its device profile (`None`: no QoS, first in, first out).
+    pub profile: Option<DeviceProfile>,
+    /// Its NBD export (when the server speaks NBD).
+    pub export: Option<reflex_proto::nbd::Export>,
 }
 
 /// Tenants, registries and the threads' mailboxes. Shared by the server handle and every
@@ -422,76 +489,20 @@ impl ControlPlane {
             orphans: BTreeMap::new(),
             outbox: Vec::new(),
             managed: std::collections::BTreeSet::new(),
+            catalog: None,
+            qos_setups: Vec::new(),
+            removing: BTreeMap::new(),
+            announce: false,
+            qos_config: setup.qos_config.clone(),
+            qos_enabled: setup.qos_enabled,
         };
         let mut setups = Vec::new();
         for (index, namespace) in setup.namespaces.iter().enumerate() {
             let namespace_index = index as u16;
             assert_eq!(namespaces.id(namespace_index), namespace.namespace_id);
-            let has_profile = namespace.profile.is_some();
-            let profile = namespace.profile.clone().unwrap_or_else(unlimited_profile);
-            let registry = TenantRegistry::new(profile, setup.qos_config.clone(), threads)
-                .map_err(|e| ControlError::Qos {
-                    namespace_id: namespace.namespace_id,
-                    reason: e.to_string(),
-                })?;
-            let calibrating =
-                has_profile && setup.qos_enabled && setup.qos_config.calibration.enabled;
-            let calibration = if calibrating {
-                let calibration =
-                    DeviceCalibration::new(setup.qos_config.calibration.clone(), Nanos::ZERO)
-                        .map_err(|e| ControlError::Qos {
-                            namespace_id: namespace.namespace_id,
-                            reason: e.to_string(),
-                        })?;
-                Some(calibration)
-            } else {
-                None
-            };
-            state.namespaces.push(NamespaceState {
-                namespace_id: namespace.namespace_id,
-                has_profile,
-                registry,
-                calibration,
-                handles: BTreeMap::new(),
-                notified_grants: BTreeMap::new(),
-            });
-            if !has_profile && !namespace.tenants.is_empty() {
-                return Err(ControlError::Qos {
-                    namespace_id: namespace.namespace_id,
-                    reason: "tenants are bound to it but it has no QoS profile".into(),
-                });
-            }
-            let mut tenants = Vec::new();
-            for (name, spec) in &namespace.tenants {
-                let handle = state
-                    .register(namespace_index, *spec, name, false, false)
-                    .map_err(|reason| ControlError::Refused {
-                        namespace_id: namespace.namespace_id,
-                        name: name.clone(),
-                        reason,
-                    })?;
-                tenants.push((name.clone(), state.tenant_ref(handle)));
-            }
-            let default_handle = state
-                .register(
-                    namespace_index,
-                    TenantSpec::BestEffort,
-                    "(default)",
-                    false,
-                    false,
-                )
-                .map_err(|reason| ControlError::Refused {
-                    namespace_id: namespace.namespace_id,
-                    name: "(default)".into(),
-                    reason,
-                })?;
-            setups.push(NamespaceQosSetup {
-                policy: crate::core::policy_for(has_profile, setup.qos_enabled),
-                shared: Arc::new(DeviceShared::new(setup.qos_config.read_only_window())),
-                default_tenant: state.tenant_ref(default_handle),
-                tenants,
-            });
+            setups.push(state.add_namespace_state(namespace)?);
         }
+        state.qos_setups = setups.clone();
         let mailboxes = (0..threads)
             .map(|_| Mailbox {
                 pending: AtomicBool::new(false),
@@ -599,7 +610,16 @@ impl ControlPlane {
             mailbox.pending.store(true, Ordering::Release);
             woken |= 1u64 << thread;
         };
+        if std::mem::take(&mut state.announce) {
+            for thread in 0..usize::from(state.threads) {
+                send(thread, ControlMessage::Namespaces);
+            }
+        }
         for (index, namespace) in state.namespaces.iter_mut().enumerate() {
+            if namespace.removed {
+                let _ = namespace.registry.take_updates();
+                continue;
+            }
             for (thread, update) in namespace.registry.take_updates() {
                 send(
                     usize::from(thread),
@@ -1086,7 +1106,7 @@ impl ControlPlane {
         state
             .namespaces
             .iter()
-            .position(|namespace| namespace.namespace_id == namespace_id)
+            .position(|namespace| namespace.namespace_id == namespace_id && !namespace.removed)
             .map(|index| index as u16)
     }
 
@@ -1254,6 +1274,333 @@ impl ControlPlane {
             .namespace(namespace_index)
             .filter(|namespace| namespace.has_profile)
             .map(|namespace| namespace.registry.rate_scale())
+    }
+}
+
+/// A namespace added at run time: its slot and the handle of its default tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AddedNamespace {
+    pub namespace_index: u16,
+    pub default_tenant: TenantRef,
+}
+
+/// A namespace removed at run time: its slot and the tenants that were unbound.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemovedNamespace {
+    pub namespace_index: u16,
+    pub unbound: Vec<String>,
+}
+
+impl ControlPlane {
+    /// The namespaces and exports the threads serve from now on (start-up, before any thread
+    /// runs). Without it namespaces cannot be added or removed at run time.
+    pub fn set_catalog(&self, catalog: Catalog) {
+        let mut state = self.lock();
+        assert_eq!(catalog.namespaces.len(), state.namespaces.len());
+        state.catalog = Some(catalog);
+    }
+
+    /// What the threads serve now.
+    pub fn catalog(&self) -> Option<Catalog> {
+        self.lock().catalog.clone()
+    }
+
+    /// The scheduler setup of namespace slot `namespace_index`.
+    pub fn qos_setup(&self, namespace_index: u16) -> Option<NamespaceQosSetup> {
+        self.lock()
+            .qos_setups
+            .get(usize::from(namespace_index))
+            .cloned()
+    }
+
+    /// Adds a namespace in a new slot: its registry and default tenant, its NBD export, and
+    /// the new catalog every thread adopts (each opens its device queue for the slot before
+    /// it reads another request). Refused with nothing changed on a duplicate id, a full set,
+    /// an export name that is taken, or a profile the registry refuses.
+    pub fn add_namespace(
+        &self,
+        namespace: NewNamespace,
+    ) -> Result<AddedNamespace, NamespaceChangeError> {
+        self.change_from_outside(|state| {
+            let catalog = state.catalog.clone().ok_or(NamespaceChangeError::Fixed)?;
+            let namespaces = catalog.namespaces.with_added(
+                namespace.id,
+                namespace.device,
+                namespace.read_only,
+            )?;
+            let namespace_index = (namespaces.len() - 1) as u16;
+            let nbd_exports = match (&catalog.nbd_exports, namespace.export) {
+                (Some(exports), Some(export)) => {
+                    let export = if namespaces.is_read_only(namespace_index) {
+                        export.read_only()
+                    } else {
+                        export
+                    };
+                    Some(Arc::new(exports.with_added(
+                        export,
+                        ExportBinding {
+                            namespace_index,
+                            tenant: TenantRef::NONE,
+                            device_queue: None,
+                        },
+                    )?))
+                }
+                (exports, _) => exports.clone(),
+            };
+            if state.namespaces.len() != usize::from(namespace_index) {
+                return Err(NamespaceChangeError::Qos {
+                    namespace_id: namespace.id,
+                    reason: "the control plane's slots are out of step".into(),
+                });
+            }
+            let setup = state
+                .add_namespace_state(&NamespaceControl {
+                    namespace_id: namespace.id,
+                    profile: namespace.profile,
+                    tenants: Vec::new(),
+                })
+                .map_err(|error| {
+                    // Nothing of the namespace stays behind.
+                    if state.namespaces.len() > usize::from(namespace_index) {
+                        state.namespaces.truncate(usize::from(namespace_index));
+                    }
+                    NamespaceChangeError::Qos {
+                        namespace_id: namespace.id,
+                        reason: error.to_string(),
+                    }
+                })?;
+            let default_tenant = setup.default_tenant;
+            state.qos_setups.push(setup);
+            state.catalog = Some(Catalog {
+                namespaces: Arc::new(namespaces),
+                nbd_exports,
+            });
+            state.announce = true;
+            tracing::info!(namespace = namespace.id, namespace_index, "namespace added");
+            Ok(AddedNamespace {
+                namespace_index,
+                default_tenant,
+            })
+        })
+    }
+
+    /// Removes namespace `namespace_id`: refused while tenants other than its default are
+    /// bound to it or connections use it, unless `force` (then its tenants are unbound and
+    /// their connections' I/O refused). From the new catalog on, requests naming it are
+    /// refused as naming no namespace; requests already admitted finish on its device, which
+    /// closes once every thread has drained the slot ([`Self::namespace_drained`]).
+    pub fn remove_namespace(
+        &self,
+        namespace_id: u32,
+        force: bool,
+    ) -> Result<RemovedNamespace, NamespaceChangeError> {
+        self.change_from_outside(|state| {
+            let catalog = state.catalog.clone().ok_or(NamespaceChangeError::Fixed)?;
+            let namespace_index = catalog
+                .namespaces
+                .index_of(namespace_id)
+                .ok_or(NamespaceChangeError::NoSuchNamespace(namespace_id))?;
+            let handles: Vec<u64> = state
+                .tenants
+                .iter()
+                .filter(|(_, entry)| entry.namespace_index == namespace_index)
+                .map(|(handle, _)| *handle)
+                .collect();
+            let names: Vec<String> = handles
+                .iter()
+                .filter_map(|handle| state.tenants.get(handle))
+                .filter(|entry| entry.name != "(default)")
+                .map(|entry| entry.name.clone())
+                .collect();
+            let connections: u32 = {
+                let namespace = &state.namespaces[usize::from(namespace_index)];
+                handles
+                    .iter()
+                    .filter_map(|handle| state.tenants.get(handle))
+                    .filter_map(|entry| namespace.registry.connections(entry.id))
+                    .flat_map(|per_thread| per_thread.iter().copied())
+                    .sum()
+            };
+            if !force && (!names.is_empty() || connections > 0) {
+                return Err(NamespaceChangeError::InUse {
+                    namespace_id,
+                    tenants: names.len(),
+                    names: names.join(", "),
+                    connections,
+                });
+            }
+            for handle in handles {
+                state.forget_tenant(handle);
+            }
+            let namespace = &mut state.namespaces[usize::from(namespace_index)];
+            namespace.removed = true;
+            namespace.calibration = None;
+            let nbd_exports = catalog
+                .nbd_exports
+                .as_ref()
+                .map(|exports| Arc::new(exports.without_namespace(namespace_index)));
+            state.catalog = Some(Catalog {
+                namespaces: Arc::new(
+                    catalog
+                        .namespaces
+                        .with_state(namespace_index, SlotState::Removing),
+                ),
+                nbd_exports,
+            });
+            let all_threads = if state.threads >= 64 {
+                u64::MAX
+            } else {
+                (1u64 << state.threads) - 1
+            };
+            state.removing.insert(namespace_index, all_threads);
+            state.announce = true;
+            tracing::info!(
+                namespace = namespace_id,
+                namespace_index,
+                force,
+                unbound = ?names,
+                "namespace removed; its device closes once every thread has drained it"
+            );
+            Ok(RemovedNamespace {
+                namespace_index,
+                unbound: names,
+            })
+        })
+    }
+
+    /// `thread` holds no request of slot `namespace_index` any more and has closed its device
+    /// queue: once every thread has, the slot is gone and the catalog no longer holds its
+    /// device.
+    pub fn namespace_drained(
+        &self,
+        thread: usize,
+        namespace_index: u16,
+        own: &mut Vec<ControlMessage>,
+    ) {
+        self.change(thread, own, |state| {
+            let Some(waiting) = state.removing.get_mut(&namespace_index) else {
+                return;
+            };
+            *waiting &= !(1u64 << thread);
+            if *waiting != 0 {
+                return;
+            }
+            state.removing.remove(&namespace_index);
+            if let Some(catalog) = state.catalog.as_mut() {
+                catalog.namespaces = Arc::new(
+                    catalog
+                        .namespaces
+                        .with_state(namespace_index, SlotState::Gone),
+                );
+                state.announce = true;
+            }
+            tracing::info!(
+                namespace_index,
+                "namespace drained on every thread: device released"
+            );
+        });
+    }
+
+    /// The tenant `handle` as the dataplane addresses it ([`TenantRef::NONE`] when unknown).
+    pub fn tenant_ref(&self, handle: u64) -> TenantRef {
+        self.lock().tenant_ref(handle)
+    }
+
+    /// Charges NBD export `name`'s new sessions to `tenant` on `device_queue` from now on (a
+    /// configuration reload moved its binding; sessions already open keep theirs). Returns
+    /// whether anything changed.
+    pub fn rebind_export(&self, name: &str, tenant: TenantRef, device_queue: Option<u16>) -> bool {
+        self.change_from_outside(|state| {
+            let Some(catalog) = state.catalog.as_mut() else {
+                return false;
+            };
+            let Some(exports) = catalog
+                .nbd_exports
+                .as_ref()
+                .and_then(|exports| exports.with_binding(name, tenant, device_queue))
+            else {
+                return false;
+            };
+            catalog.nbd_exports = Some(Arc::new(exports));
+            state.announce = true;
+            true
+        })
+    }
+
+    /// Namespace slots some thread has not drained yet.
+    pub fn namespaces_removing(&self) -> usize {
+        self.lock().removing.len()
+    }
+
+    /// Binds configured tenant `name` to `namespace_id` (a configuration reload): admitted
+    /// like a tenant of the configuration file at start. Refused with nothing changed when the
+    /// namespace has no QoS, the name is taken there, or admission says no.
+    pub fn bind_configured(
+        &self,
+        namespace_id: u32,
+        name: &str,
+        spec: TenantSpec,
+    ) -> Result<u64, AdminError> {
+        self.change_from_outside(|state| {
+            let index = Self::namespace_index_of(state, namespace_id)
+                .ok_or(AdminError::NoSuchNamespace(namespace_id))?;
+            if !state.namespaces[usize::from(index)].has_profile {
+                return Err(AdminError::NoQos(namespace_id));
+            }
+            if state
+                .tenants
+                .values()
+                .any(|entry| entry.namespace_index == index && entry.name == name)
+            {
+                return Err(AdminError::Duplicate {
+                    namespace_id,
+                    name: name.to_string(),
+                });
+            }
+            let handle = state
+                .register(index, spec, name, false, false)
+                .map_err(AdminError::Refused)?;
+            if let Some(setup) = state.qos_setups.get_mut(usize::from(index)) {
+                let tenant = state
+                    .tenants
+                    .get(&handle)
+                    .map_or(TenantRef::NONE, |entry| entry.tenant_ref(handle));
+                setup.tenants.push((name.to_string(), tenant));
+            }
+            Ok(handle)
+        })
+    }
+
+    /// Unbinds configured tenant `name` from `namespace_id` (its binding left the
+    /// configuration): its connections' I/O is refused (PERMISSION), as after the admin API's
+    /// tenant delete.
+    pub fn unbind_configured(&self, namespace_id: u32, name: &str) -> Result<(), AdminError> {
+        self.change_from_outside(|state| {
+            let index = Self::namespace_index_of(state, namespace_id)
+                .ok_or(AdminError::NoSuchNamespace(namespace_id))?;
+            let handle = state
+                .tenants
+                .iter()
+                .find(|(_, entry)| {
+                    entry.namespace_index == index && entry.name == name && !entry.dynamic
+                })
+                .map(|(handle, _)| *handle)
+                .ok_or_else(|| AdminError::NoSuchTenant {
+                    namespace_id,
+                    name: name.to_string(),
+                })?;
+            if state.remove_tenant(handle) {
+                if let Some(setup) = state.qos_setups.get_mut(usize::from(index)) {
+                    setup.tenants.retain(|(known, _)| known != name);
+                }
+                Ok(())
+            } else {
+                Err(AdminError::NoSuchTenant {
+                    namespace_id,
+                    name: name.to_string(),
+                })
+            }
+        })
     }
 }
 
@@ -1480,6 +1827,88 @@ impl State {
             entry.dynamic || self.managed.contains(&handle),
             "only tenants registered over the wire or through the admin API are removed"
         );
+        self.remove_tenant(handle)
+    }
+
+    /// The registry, calibration and default tenant of a namespace in the next slot (and its
+    /// configured tenants, admitted in order); its scheduler setup for the threads.
+    fn add_namespace_state(
+        &mut self,
+        namespace: &NamespaceControl,
+    ) -> Result<NamespaceQosSetup, ControlError> {
+        let namespace_index = self.namespaces.len() as u16;
+        let has_profile = namespace.profile.is_some();
+        let profile = namespace.profile.clone().unwrap_or_else(unlimited_profile);
+        let registry = TenantRegistry::new(profile, self.qos_config.clone(), self.threads)
+            .map_err(|e| ControlError::Qos {
+                namespace_id: namespace.namespace_id,
+                reason: e.to_string(),
+            })?;
+        let calibrating = has_profile && self.qos_enabled && self.qos_config.calibration.enabled;
+        let calibration = if calibrating {
+            let calibration =
+                DeviceCalibration::new(self.qos_config.calibration.clone(), Nanos::ZERO).map_err(
+                    |e| ControlError::Qos {
+                        namespace_id: namespace.namespace_id,
+                        reason: e.to_string(),
+                    },
+                )?;
+            Some(calibration)
+        } else {
+            None
+        };
+        if !has_profile && !namespace.tenants.is_empty() {
+            return Err(ControlError::Qos {
+                namespace_id: namespace.namespace_id,
+                reason: "tenants are bound to it but it has no QoS profile".into(),
+            });
+        }
+        self.namespaces.push(NamespaceState {
+            namespace_id: namespace.namespace_id,
+            removed: false,
+            has_profile,
+            registry,
+            calibration,
+            handles: BTreeMap::new(),
+            notified_grants: BTreeMap::new(),
+        });
+        let mut tenants = Vec::new();
+        for (name, spec) in &namespace.tenants {
+            let handle = self
+                .register(namespace_index, *spec, name, false, false)
+                .map_err(|reason| ControlError::Refused {
+                    namespace_id: namespace.namespace_id,
+                    name: name.clone(),
+                    reason,
+                })?;
+            tenants.push((name.clone(), self.tenant_ref(handle)));
+        }
+        let default_handle = self
+            .register(
+                namespace_index,
+                TenantSpec::BestEffort,
+                "(default)",
+                false,
+                false,
+            )
+            .map_err(|reason| ControlError::Refused {
+                namespace_id: namespace.namespace_id,
+                name: "(default)".into(),
+                reason,
+            })?;
+        Ok(NamespaceQosSetup {
+            policy: crate::core::policy_for(has_profile, self.qos_enabled),
+            shared: Arc::new(DeviceShared::new(self.qos_config.read_only_window())),
+            default_tenant: self.tenant_ref(default_handle),
+            tenants,
+        })
+    }
+
+    /// Removes any tenant (configured, default, or dynamic) and revokes it on every thread.
+    fn remove_tenant(&mut self, handle: u64) -> bool {
+        let Some(entry) = self.tenants.get(&handle) else {
+            return false;
+        };
         self.managed.remove(&handle);
         let (namespace_index, id, owner, source) =
             (entry.namespace_index, entry.id, entry.owner, entry.source);
@@ -1506,6 +1935,27 @@ impl State {
         }
         tracing::info!(handle, "tenant unregistered");
         true
+    }
+
+    /// Forgets a tenant of a namespace being removed (its registry goes with the namespace)
+    /// and revokes it on every thread: its connections' I/O is refused from then on.
+    fn forget_tenant(&mut self, handle: u64) {
+        let Some(entry) = self.tenants.remove(&handle) else {
+            return;
+        };
+        self.managed.remove(&handle);
+        self.orphans.remove(&handle);
+        if let Some(owner) = entry.owner {
+            decrement(&mut self.owned_by_connection, &owner);
+        }
+        if let Some(source) = entry.source {
+            decrement(&mut self.owned_by_source, &source);
+        }
+        for thread in 0..self.threads {
+            self.outbox
+                .push((thread, ControlMessage::Revoke { handle }));
+        }
+        tracing::info!(handle, tenant = %entry.name, "tenant unbound: its namespace is removed");
     }
 
     fn connect(&mut self, handle: u64, thread: u16) -> bool {

@@ -29,6 +29,10 @@ use crate::{
 /// Bytes one allocation bit stands for.
 pub const GRANULE_BYTES: u64 = 4096;
 
+/// Largest memory device: its allocation map (one bit per granule, 32 MiB at this size) is
+/// allocated at once, and a namespace added at run time must not take the server's memory.
+pub const MEM_BYTES_MAX: u64 = 1 << 40;
+
 /// Which granules were written: bit `g % 64` of word `g / 64` for granule `g`.
 #[derive(Debug)]
 struct AllocationMap {
@@ -91,6 +95,12 @@ impl MemDevice {
             return Err(FlashError::Open {
                 spec,
                 reason: "size must be a non-zero multiple of 512 bytes".into(),
+            });
+        }
+        if size_bytes > MEM_BYTES_MAX {
+            return Err(FlashError::Open {
+                spec,
+                reason: format!("size above the {MEM_BYTES_MAX} bytes a memory device may have"),
             });
         }
         let region = StripedRegion::new(size_bytes).map_err(|e| FlashError::Open {
@@ -349,5 +359,6 @@ mod tests {
     fn bad_sizes_are_refused() {
         assert!(MemDevice::new(0).is_err());
         assert!(MemDevice::new(1000).is_err());
+        assert!(MemDevice::new(MEM_BYTES_MAX + 512).is_err());
     }
 }

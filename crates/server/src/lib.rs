@@ -39,6 +39,7 @@ pub mod config;
 mod driver;
 mod epoll;
 pub mod metrics;
+pub mod namespaces;
 #[allow(unsafe_code)]
 mod sys;
 mod uring;
@@ -54,10 +55,11 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use reflex_dataplane::DataplaneSetup;
-pub use reflex_dataplane::control::{ControlError, TenantInfo};
 use reflex_dataplane::control::{
-    ControlPlane, ControlSetup, HandleKeys, NamespaceControl, NamespaceQosSetup, TenantRef, Wake,
+    Catalog, ControlPlane, ControlSetup, HandleKeys, NamespaceControl, NamespaceQosSetup,
+    TenantRef, Wake,
 };
+pub use reflex_dataplane::control::{ControlError, TenantInfo};
 use reflex_dataplane::frontend::{ExportBinding, NbdExports, NvmeTcpTargets, Protocol};
 use reflex_dataplane::namespaces::NamespaceSet;
 pub use reflex_dataplane::{CoreStats, TenantStats};
@@ -171,16 +173,6 @@ impl Server {
         let (control, qos) =
             ControlPlane::start(&control_setup(&config)?, &namespaces, control_wakers)?;
         let control = Arc::new(control);
-        // Tenants created through the admin API in an earlier life, and SLO changes of
-        // configured tenants, before any thread serves.
-        let persistence = match (&config.admin.enabled, &config.admin.state_file) {
-            (true, Some(path)) => {
-                let file = admin::state_file::StateFile::new(path);
-                let state = admin::restore(&control, &file)?;
-                Some((file, state))
-            }
-            _ => None,
-        };
         let configured = |namespace_index: u16, name: Option<&String>| -> TenantRef {
             let Some(name) = name else {
                 return TenantRef::NONE;
@@ -221,6 +213,41 @@ impl Server {
                 device_queue: device_queue_of(&config, original.tenant.as_ref()),
             });
         }
+        control.set_catalog(Catalog {
+            namespaces: Arc::clone(&namespaces),
+            nbd_exports: nbd_exports.clone(),
+        });
+        let effective = config.effective_namespaces();
+        let manager = Arc::new(namespaces::NamespaceManager::new(
+            Arc::clone(&control),
+            config.nbd.enabled,
+            effective
+                .iter()
+                .map(|namespace| namespaces::NamespaceMeta {
+                    export: namespace.export_name(),
+                    device: namespace.backend.clone(),
+                    runtime: None,
+                })
+                .collect(),
+        ));
+        // Namespaces and tenants created through the admin API in an earlier life, and SLO
+        // changes of configured tenants, before any thread serves.
+        let persistence = match (&config.admin.enabled, &config.admin.state_file) {
+            (true, Some(path)) => {
+                let file = admin::state_file::StateFile::new(path);
+                let state = admin::restore(&control, &manager, &file)?;
+                Some((file, state))
+            }
+            _ => None,
+        };
+        // What the threads start from: the configured namespaces and the restored ones.
+        let (namespaces, nbd_exports) = match control.catalog() {
+            Some(catalog) => (catalog.namespaces, catalog.nbd_exports),
+            None => (namespaces, nbd_exports),
+        };
+        let qos: Vec<NamespaceQosSetup> = (0..namespaces.len())
+            .filter_map(|index| control.qos_setup(index as u16))
+            .collect();
         let protocol_of = |role: ListenerRole| match role {
             ListenerRole::Native => Protocol::Native,
             ListenerRole::Original(position) => original_protocols[position],
@@ -240,7 +267,7 @@ impl Server {
             wakers: wakers.clone(),
             threads: Vec::new(),
             control: Arc::clone(&control),
-            namespaces: Arc::clone(&namespaces),
+            manager: Arc::clone(&manager),
             admin: None,
         };
         let limits = config.limits();
@@ -298,13 +325,10 @@ impl Server {
             }
         }
         if config.admin.enabled {
-            let effective = config.effective_namespaces();
             handle.admin = Some(admin::start(admin::AdminSetup {
                 config: config.admin.clone(),
                 control: Arc::clone(&control),
-                namespaces: Arc::clone(&namespaces),
-                exports: effective.iter().map(NamespaceConfig::export_name).collect(),
-                devices: effective.iter().map(|ns| ns.backend.clone()).collect(),
+                manager: Arc::clone(&manager),
                 persistence,
                 threads: config.threads,
             })?);
@@ -519,6 +543,18 @@ fn nvme_tcp_targets(
 fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
     let mut entries = Vec::new();
     for namespace in config.effective_namespaces() {
+        let device = open_device(&namespace)?;
+        entries.push((namespace.id, device, namespace.read_only));
+    }
+    Ok(Arc::new(NamespaceSet::new(entries)))
+}
+
+/// Opens a namespace's backend as start-up does (a run-time add too): the spec, then the
+/// block-size check.
+pub(crate) fn open_device(
+    namespace: &NamespaceConfig,
+) -> Result<Arc<dyn reflex_flash::Device>, ServerError> {
+    {
         let options = reflex_flash::spec::OpenOptions {
             size_bytes: namespace.size_bytes,
             read_only: namespace.read_only,
@@ -539,9 +575,8 @@ fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
                 },
             });
         }
-        entries.push((namespace.id, device, namespace.read_only));
+        Ok(device)
     }
-    Ok(Arc::new(NamespaceSet::new(entries)))
 }
 
 /// Which front end a listening socket serves, before the namespaces are open (the original
@@ -706,7 +741,8 @@ pub struct ServerHandle {
     wakers: Vec<Arc<File>>,
     threads: Vec<JoinHandle<Result<CoreStats, String>>>,
     control: Arc<ControlPlane>,
-    namespaces: Arc<NamespaceSet>,
+    /// The namespaces (they change at run time).
+    manager: Arc<namespaces::NamespaceManager>,
     /// The admin API's thread, when it serves.
     admin: Option<admin::AdminHandle>,
 }
@@ -730,8 +766,9 @@ impl ServerHandle {
     /// The commands an emulated device accepted on submission queue `queue` (its priority
     /// class's), `None` when namespace `namespace_id` is not an emulated device.
     pub fn emu_commands_in_queue(&self, namespace_id: u32, queue: u16) -> Option<u64> {
-        let index = self.namespaces.index_of(namespace_id)?;
-        let controls = self.namespaces.device(index).emu_controls()?;
+        let namespaces = self.namespaces();
+        let index = namespaces.index_of(namespace_id)?;
+        let controls = namespaces.device(index)?.emu_controls()?;
         Some(controls.commands_submitted_in(queue))
     }
 
@@ -790,14 +827,33 @@ impl ServerHandle {
         &self,
         namespace_id: u32,
     ) -> Option<Arc<reflex_flash::fault::FaultControls>> {
-        let index = self.namespaces.index_of(namespace_id)?;
-        self.namespaces.device(index).fault_controls()
+        let namespaces = self.namespaces();
+        let index = namespaces.index_of(namespace_id)?;
+        namespaces.device(index)?.fault_controls()
     }
 
     /// The current allocation of a namespace's device (`None`: no QoS on it).
     pub fn qos_plan(&self, namespace_id: u32) -> Option<reflex_qos::Plan> {
-        let index = self.namespaces.index_of(namespace_id)?;
+        let index = self.namespaces().index_of(namespace_id)?;
         self.control.plan(index)
+    }
+
+    /// The namespaces served now.
+    pub fn namespaces(&self) -> Arc<NamespaceSet> {
+        self.manager
+            .namespaces()
+            .unwrap_or_else(|| Arc::new(NamespaceSet::new(Vec::new())))
+    }
+
+    /// Namespaces removed at run time whose device some thread still holds (it closes once
+    /// every thread has drained it).
+    pub fn namespaces_removing(&self) -> usize {
+        self.control.namespaces_removing()
+    }
+
+    /// Adds and removes namespaces at run time (what the admin API calls).
+    pub fn namespace_manager(&self) -> &Arc<namespaces::NamespaceManager> {
+        &self.manager
     }
 
     /// Whether some dataplane thread has exited (only after shutdown, or on a fatal error).
@@ -931,30 +987,58 @@ pub struct ReloadReport {
     /// Configured tenants whose SLO changed (admission ran again and admitted it).
     pub changed: u32,
     pub unchanged: u32,
-    /// SLO changes admission refused (the old SLO stays; each is logged with the reason).
+    /// Changes refused (an SLO admission refused, a new binding or namespace that cannot be
+    /// made): what was there stays; each is logged with the reason.
     pub refused: u32,
-    /// Tenants or bindings that are new or gone: they need a restart (each is logged).
+    /// Tenants newly bound to a namespace (admitted).
+    pub bound: u32,
+    /// Configured tenants whose binding left the configuration (their connections' I/O is
+    /// refused from now on).
+    pub unbound: u32,
+    /// `[[namespace]]` tables that are new: added like the admin API adds one.
+    pub namespaces_added: u32,
+    /// NBD exports whose new sessions are charged to another tenant now.
+    pub exports_rebound: u32,
+    /// What a reload cannot change (a namespace gone from the file, a changed backend):
+    /// each is logged.
     pub needs_restart: u32,
 }
 
 impl ServerHandle {
-    /// Applies the configured tenants' SLOs of `config` (SIGHUP): each configured tenant that
-    /// is bound to a namespace here and whose SLO differs goes through admission again, and
-    /// its new rates reach the threads before their next scheduling round; no connection is
-    /// touched. Tenants or bindings that appear or disappear are logged as needing a restart.
+    /// Applies `config`'s namespaces and tenant bindings (SIGHUP) without touching a
+    /// connection: a new `[[namespace]]` is added (as `POST /v1/namespaces` would, without
+    /// persisting it: the file has it); each tenant bound to a namespace in the file that is
+    /// not bound yet is admitted; NBD exports charge new sessions to the tenants the file names
+    /// now; a configured tenant whose binding left the file is unbound (its connections' I/O is
+    /// refused, as after the admin API's tenant delete); a changed SLO goes through admission
+    /// again, its rates reaching the threads before their next scheduling round. Tenants made
+    /// through the admin API or over the wire are left alone; a namespace gone from the file
+    /// stays (remove it through the admin API); original-protocol ports and NVMe/TCP hosts keep
+    /// the tenant they started with until a restart.
     pub fn reload_tenants(&self, config: &Config) -> ReloadReport {
         let mut report = ReloadReport::default();
-        for namespace in config.effective_namespaces() {
-            if self.namespaces.index_of(namespace.id).is_none() {
-                tracing::warn!(
-                    namespace = namespace.id,
-                    "reload: a new namespace needs a restart"
-                );
-                report.needs_restart += 1;
-                continue;
+        let effective = config.effective_namespaces();
+        for namespace in &effective {
+            if self.namespaces().index_of(namespace.id).is_none() {
+                // Its tenant is bound below, and its export rebound to it, like any binding.
+                let mut plain = namespace.clone();
+                plain.tenant = None;
+                match self.manager.add(&plain, false) {
+                    Ok(_) => {
+                        tracing::info!(namespace = namespace.id, "reload: namespace added");
+                        report.namespaces_added += 1;
+                    }
+                    Err(error) => {
+                        tracing::warn!(namespace = namespace.id, %error,
+                            "reload: new namespace refused");
+                        report.refused += 1;
+                        continue;
+                    }
+                }
             }
-            for name in config.tenants_bound_to(namespace.id) {
-                let spec = match config.tenant(&name).spec() {
+            let bound = config.tenants_bound_to(namespace.id);
+            for name in &bound {
+                let spec = match config.tenant(name).spec() {
                     Ok(spec) => spec,
                     Err(reason) => {
                         tracing::warn!(tenant = %name, %reason, "reload: tenant not valid");
@@ -962,17 +1046,26 @@ impl ServerHandle {
                         continue;
                     }
                 };
-                let Some(handle) = self.control.find_tenant(namespace.id, &name) else {
-                    tracing::warn!(namespace = namespace.id, tenant = %name,
-                        "reload: a newly bound tenant needs a restart");
-                    report.needs_restart += 1;
+                let Some(handle) = self.control.find_tenant(namespace.id, name) else {
+                    match self.control.bind_configured(namespace.id, name, spec) {
+                        Ok(handle) => {
+                            tracing::info!(namespace = namespace.id, tenant = %name, handle,
+                                ?spec, "reload: tenant bound");
+                            report.bound += 1;
+                        }
+                        Err(error) => {
+                            tracing::warn!(namespace = namespace.id, tenant = %name, %error,
+                                "reload: new binding refused");
+                            report.refused += 1;
+                        }
+                    }
                     continue;
                 };
                 if self.control.tenant(handle).map(|info| info.spec) == Some(spec) {
                     report.unchanged += 1;
                     continue;
                 }
-                match self.control.admin_update(namespace.id, &name, spec) {
+                match self.control.admin_update(namespace.id, name, spec) {
                     Ok(_) => {
                         tracing::info!(namespace = namespace.id, tenant = %name, ?spec,
                             "reload: tenant's SLO changed");
@@ -984,6 +1077,78 @@ impl ServerHandle {
                         report.refused += 1;
                     }
                 }
+            }
+            // The namespace's NBD exports charge new sessions to the tenants the file names now
+            // (an unbound tenant's export would refuse every new session otherwise).
+            let mut exports = vec![(namespace.export_name(), namespace.tenant.clone())];
+            exports.extend(
+                config
+                    .nbd
+                    .exports
+                    .iter()
+                    .filter(|export| export.namespace == namespace.id)
+                    .map(|export| (export.name.clone(), export.tenant.clone())),
+            );
+            for (export, tenant) in exports {
+                let tenant_ref = match &tenant {
+                    None => TenantRef::NONE,
+                    Some(name) => match self.control.find_tenant(namespace.id, name) {
+                        Some(handle) => self.control.tenant_ref(handle),
+                        None => continue,
+                    },
+                };
+                if self.control.rebind_export(
+                    &export,
+                    tenant_ref,
+                    device_queue_of(config, tenant.as_ref()),
+                ) {
+                    tracing::info!(namespace = namespace.id, nbd_export = %export,
+                        tenant = tenant.as_deref().unwrap_or("(default)"),
+                        "reload: NBD export rebound");
+                    report.exports_rebound += 1;
+                }
+            }
+            let stale: Vec<String> = self
+                .control
+                .tenants()
+                .into_iter()
+                .filter(|info| {
+                    info.namespace_id == namespace.id
+                        && !info.dynamic
+                        && info.name != "(default)"
+                        && !self.control.is_managed(info.handle)
+                        && !bound.contains(&info.name)
+                })
+                .map(|info| info.name)
+                .collect();
+            for name in stale {
+                match self.control.unbind_configured(namespace.id, &name) {
+                    Ok(()) => {
+                        tracing::info!(namespace = namespace.id, tenant = %name,
+                            "reload: binding left the configuration; tenant unbound");
+                        report.unbound += 1;
+                    }
+                    Err(error) => {
+                        tracing::warn!(namespace = namespace.id, tenant = %name, %error,
+                            "reload: cannot unbind");
+                        report.refused += 1;
+                    }
+                }
+            }
+        }
+        let namespaces = self.namespaces();
+        for index in namespaces.live_indices() {
+            let id = namespaces.id(index);
+            let runtime = self
+                .manager
+                .meta(index)
+                .is_some_and(|meta| meta.runtime.is_some());
+            if !runtime && !effective.iter().any(|namespace| namespace.id == id) {
+                tracing::warn!(
+                    namespace = id,
+                    "reload: the namespace left the configuration; it stays until removed through the admin API or a restart"
+                );
+                report.needs_restart += 1;
             }
         }
         report

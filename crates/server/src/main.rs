@@ -1,6 +1,6 @@
 //! `reflexd`: the ReFlex server binary. Parses flags over an optional TOML file, starts the
 //! server, turns SIGINT/SIGTERM into a graceful shutdown (drain, flush, exit 0) and SIGHUP
-//! into a reload of the configured tenants' SLOs. See `docs/OPERATIONS.md`.
+//! into a reload of the configured namespaces, tenant bindings and SLOs. See `docs/OPERATIONS.md`.
 
 use std::io::IsTerminal;
 use std::net::IpAddr;
@@ -168,7 +168,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// SIGHUP: reads the configuration file again and applies what can change without a restart
-/// (the SLOs of configured tenants); connections stay. What needs a restart is logged.
+/// (new namespaces, tenant bindings and SLOs); connections stay. What needs a restart is
+/// logged.
 fn reload(server: &reflex_server::ServerHandle, path: Option<&std::path::Path>) {
     let Some(path) = path else {
         tracing::info!("SIGHUP: no configuration file to reload (started without --config)");
@@ -189,8 +190,12 @@ fn reload(server: &reflex_server::ServerHandle, path: Option<&std::path::Path>) 
         changed = report.changed,
         unchanged = report.unchanged,
         refused = report.refused,
+        bound = report.bound,
+        unbound = report.unbound,
+        namespaces_added = report.namespaces_added,
+        exports_rebound = report.exports_rebound,
         needs_restart = report.needs_restart,
-        "SIGHUP: configured tenants reloaded"
+        "SIGHUP: configured namespaces and tenants reloaded"
     );
 }
 

@@ -195,7 +195,7 @@ impl Collector for SamplerCollector {
             namespaces
                 .index_of(namespace_id)
                 .map_or_else(String::new, |index| {
-                    clean(sampler.device(usize::from(index)))
+                    clean(&sampler.device(usize::from(index)))
                 })
         };
         let tenant_labels = |name: &str, namespace_id: u32| -> Labels {
@@ -451,8 +451,7 @@ impl Collector for SamplerCollector {
         let mut scales = Vec::new();
         let mut spent = Vec::new();
         let mut namespace_latencies = Vec::new();
-        for index in 0..namespaces.len() {
-            let namespace_index = index as u16;
+        for namespace_index in namespaces.live_indices() {
             let id = namespaces.id(namespace_index);
             let labels: Labels = vec![("namespace", id.to_string()), ("device", device_of(id))];
             if let Some(totals) = latest.namespaces.get(&id) {

@@ -3,6 +3,7 @@
 //! kill the state file must parse and hold exactly the state after the changes the server
 //! acknowledged, or after one more (the change in flight when it died): the old state or the
 //! new one, never a torn or mixed one. The restarted server must then serve that state.
+//! Namespaces added and removed through the API, and tenants on them, survive a kill too.
 
 mod admin_common;
 mod common;
@@ -222,4 +223,90 @@ tenant = "gold"
     eprintln!(
         "{CYCLES} kill -9 cycles, {total} changes; {in_flight_kills} kills landed after a change was durable but before its answer"
     );
+}
+
+/// A namespace added through the admin API, a tenant on it and a forced removal of another:
+/// acknowledged before a SIGKILL, each is what the restarted server serves.
+#[test]
+fn namespaces_changed_before_a_kill_9_are_served_after_the_restart() {
+    let directory = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let state_path = directory.path().join("state.json");
+    let config_path = directory.path().join("reflexd.toml");
+    let profile = admin_common::profile("device-a-small.toml");
+    std::fs::write(
+        &config_path,
+        format!(
+            r#"
+port = 0
+original_ports = []
+arena_bytes_per_thread = "4M"
+[nbd]
+enabled = false
+[admin]
+listen = "127.0.0.1:0"
+state_file = "{}"
+[[namespace]]
+id = 1
+backend = "mem:16M"
+"#,
+            state_path.display()
+        ),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let file = directory.path().join("ns2");
+    let (mut child, api) = spawn(&config_path);
+    for body in [
+        format!(
+            r#"{{"namespace_id": 2, "backend": "file:{}", "size_bytes": 4194304, "profile": "{profile}"}}"#,
+            file.display()
+        ),
+        r#"{"namespace_id": 3, "backend": "mem:8M"}"#.to_string(),
+    ] {
+        assert_eq!(
+            api.try_status("post", "/v1/namespaces", Some(&body)),
+            Some(201),
+            "{body}"
+        );
+    }
+    assert_eq!(
+        api.try_status(
+            "post",
+            "/v1/namespaces/2/tenants",
+            Some(r#"{"name": "two", "class": "lc", "latency_us_p95": 1000, "iops": 500}"#)
+        ),
+        Some(201)
+    );
+    assert_eq!(
+        api.try_status("delete", "/v1/namespaces/3?force=true", None),
+        Some(204)
+    );
+    child.kill().unwrap_or_else(|e| panic!("kill: {e}"));
+    let _ = child.wait();
+
+    let state = StateFile::new(&state_path)
+        .load()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ids: Vec<u32> = state
+        .namespaces
+        .iter()
+        .map(|namespace| namespace.namespace_id)
+        .collect();
+    assert_eq!(ids, vec![2]);
+    let (mut child, api) = spawn(&config_path);
+    let namespaces = api.get("/v1/namespaces").json();
+    let served: Vec<u64> = namespaces
+        .as_array()
+        .unwrap_or_else(|| panic!("{namespaces}"))
+        .iter()
+        .filter_map(|namespace| namespace["namespace_id"].as_u64())
+        .collect();
+    assert_eq!(served, vec![1, 2]);
+    assert_eq!(api.get("/v1/namespaces/2").json()["qos"], true);
+    let two = admin_common::tenant(&api.get("/v1/tenants").json(), "two")
+        .cloned()
+        .unwrap_or_else(|| panic!("tenant two was not restored"));
+    assert_eq!(two["namespace_id"], 2);
+    assert_eq!(two["origin"], "admin");
+    child.kill().unwrap_or_else(|e| panic!("kill: {e}"));
+    let _ = child.wait();
 }

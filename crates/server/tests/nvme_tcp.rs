@@ -728,3 +728,62 @@ fn an_io_queue_connects_with_a_fresh_host_identifier() {
     assert!(read == data);
     controller.keep_alive().unwrap_or_else(|e| panic!("{e}"));
 }
+
+#[test]
+fn a_namespace_removed_at_run_time_leaves_the_active_list_and_its_io_is_refused() {
+    let server = nvme_server();
+    let mut controller = attach(&server, NvmeTcpOptions::new(HOST, NQN), 1);
+    let mut queue = controller
+        .connect_io_queue()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let block_bytes = controller
+        .namespace(2)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .block_bytes;
+    let data = pattern(3, 0, 4096);
+    queue
+        .write(2, 0, &data, block_bytes, false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    // A namespace added at run time is in no subsystem: the host does not see it.
+    let added = server
+        .namespace_manager()
+        .add(&namespace(7, "mem:16M", None), true)
+        .unwrap_or_else(|e| panic!("add: {e}"));
+    assert_eq!(added, 2);
+    server
+        .namespace_manager()
+        .remove(2, true)
+        .unwrap_or_else(|e| panic!("remove: {e}"));
+    assert_eq!(
+        controller
+            .active_namespaces()
+            .unwrap_or_else(|e| panic!("{e}")),
+        vec![1]
+    );
+    // Inactive: Identify Namespace answers zeroes, descriptors are refused.
+    let gone = controller.namespace(2).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(gone.size_blocks, 0);
+    assert_eq!(
+        status_of(controller.namespace_descriptors(2)),
+        Status::INVALID_NAMESPACE
+    );
+    let blocks = 4096 / block_bytes;
+    assert_eq!(
+        status_of(queue.read(2, 0, blocks, block_bytes)),
+        Status::INVALID_NAMESPACE
+    );
+    assert_eq!(
+        status_of(queue.write(2, 0, &data, block_bytes, false)),
+        Status::INVALID_NAMESPACE
+    );
+    // Namespace 1 is unharmed.
+    queue
+        .write(1, 0, &data, block_bytes, false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        queue
+            .read(1, 0, blocks, block_bytes)
+            .unwrap_or_else(|e| panic!("{e}")),
+        data
+    );
+}

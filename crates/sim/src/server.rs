@@ -92,7 +92,8 @@ pub enum VirtualServerError {
 
 struct Thread {
     dataplane: Dataplane,
-    queues: Vec<Box<dyn DeviceQueue>>,
+    /// Per namespace slot: this thread's queue of its device (`None`: removed).
+    queues: Vec<Option<Box<dyn DeviceQueue>>>,
     accept_armed: Vec<bool>,
     /// Sockets of this thread by connection (slot index and generation): the dataplane may
     /// hand a slot to a new connection before the driver has taken the old one's `Close`.
@@ -166,6 +167,10 @@ impl VirtualServer {
             &namespaces,
             &qos,
         )?;
+        control.set_catalog(reflex_dataplane::control::Catalog {
+            namespaces: Arc::clone(&namespaces),
+            nbd_exports: nbd_exports.clone(),
+        });
         let mut threads = Vec::new();
         for thread_index in 0..usize::from(setup.threads) {
             let dataplane = Dataplane::new(DataplaneSetup {
@@ -183,7 +188,7 @@ impl VirtualServer {
             threads.push(Thread {
                 dataplane,
                 queues: (0..namespaces.len())
-                    .map(|index| namespaces.device(index as u16).queue())
+                    .map(|index| namespaces.device(index as u16).map(|device| device.queue()))
                     .collect(),
                 accept_armed: vec![false; setup.listeners.len()],
                 sockets_by_connection: HashMap::new(),
@@ -425,7 +430,7 @@ impl VirtualServer {
         }
         for thread in &self.threads {
             consider(thread.dataplane.next_deadline());
-            for queue in &thread.queues {
+            for queue in thread.queues.iter().flatten() {
                 consider(queue.next_deadline());
             }
         }
@@ -441,10 +446,13 @@ impl VirtualServer {
                 socket.to_client.next_arrival(),
             ]
         });
-        let queues = self
-            .threads
-            .iter()
-            .flat_map(|thread| thread.queues.iter().map(|queue| queue.next_deadline()));
+        let queues = self.threads.iter().flat_map(|thread| {
+            thread
+                .queues
+                .iter()
+                .flatten()
+                .map(|queue| queue.next_deadline())
+        });
         sockets.chain(queues).flatten().min()
     }
 
@@ -483,7 +491,7 @@ impl VirtualServer {
         let mut moved = false;
         let mut completions = std::mem::take(&mut self.completions);
         for thread in &mut self.threads {
-            for queue in &mut thread.queues {
+            for queue in thread.queues.iter_mut().flatten() {
                 if queue.next_deadline().is_some_and(|due| due <= now) {
                     queue.poll_completions(now, &mut completions);
                 }
@@ -701,13 +709,47 @@ impl VirtualServer {
                 let state = &mut self.threads[thread];
                 let user_data = device_user_data(command.id);
                 let op = state.dataplane.device_op(&command, user_data, None);
-                match state.queues[usize::from(command.namespace_index)].submit(op, now) {
+                let Some(queue) = state
+                    .queues
+                    .get_mut(usize::from(command.namespace_index))
+                    .and_then(Option::as_mut)
+                else {
+                    // Not reachable: the dataplane opens a slot's queue before its first
+                    // operation and closes it only when none is left.
+                    state.dataplane.handle_device(
+                        command.id,
+                        Err(reflex_flash::FlashError::Io { errno: 6 }),
+                        now,
+                    );
+                    return;
+                };
+                match queue.submit(op, now) {
                     Submit::Pending => {}
                     Submit::Done(result) => state.dataplane.handle_device(command.id, result, now),
                     // Only ring-driven devices (files) ask for a ring entry; the simulator
                     // has none (the variant exists when a workspace build turns `uring` on).
                     #[allow(unreachable_patterns)]
                     other => panic!("a simulated device asked for a ring: {other:?}"),
+                }
+            }
+            Op::OpenDevice { namespace_index } => {
+                let state = &mut self.threads[thread];
+                let index = usize::from(namespace_index);
+                if state.queues.len() <= index {
+                    state.queues.resize_with(index + 1, || None);
+                }
+                state.queues[index] = state
+                    .dataplane
+                    .namespaces()
+                    .device(namespace_index)
+                    .map(|device| device.queue());
+            }
+            Op::CloseDevice { namespace_index } => {
+                if let Some(queue) = self.threads[thread]
+                    .queues
+                    .get_mut(usize::from(namespace_index))
+                {
+                    *queue = None;
                 }
             }
         }

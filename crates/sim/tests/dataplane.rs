@@ -82,8 +82,19 @@ impl Client {
     }
 
     fn read(&mut self, server: &mut VirtualServer, id: u64, offset: u64, length: u32) {
+        self.read_from(server, NAMESPACE, id, offset, length);
+    }
+
+    fn read_from(
+        &mut self,
+        server: &mut VirtualServer,
+        namespace: u32,
+        id: u64,
+        offset: u64,
+        length: u32,
+    ) {
         self.core
-            .submit_read(id, NAMESPACE, offset, length)
+            .submit_read(id, namespace, offset, length)
             .unwrap_or_else(|e| panic!("{e}"));
         self.transmit(server);
     }
@@ -297,4 +308,58 @@ fn a_connection_pipelining_large_reads_does_not_take_every_freed_buffer() {
         "the polite READ waited for {} of the hog's 1 MiB READs",
         hog.answered.len()
     );
+}
+
+#[test]
+fn a_namespace_added_then_removed_under_load_finishes_its_admitted_requests() {
+    use reflex_dataplane::control::NewNamespace;
+    use reflex_dataplane::namespaces::SlotState;
+    let mut server = server(mem(), limits(), NetworkModel::default());
+    let mut client = Client::connect(&mut server);
+    // Namespace 2 on a slow device, added while the server runs.
+    let added = server
+        .control()
+        .add_namespace(NewNamespace {
+            id: 2,
+            device: slow(),
+            read_only: false,
+            profile: None,
+            export: None,
+        })
+        .unwrap_or_else(|e| panic!("add: {e}"));
+    assert_eq!(added.namespace_index, 1);
+    for id in 1..=10 {
+        client.read_from(&mut server, 2, id, id * 4096, 4096);
+    }
+    // Two reads take 200 µs: the others wait in the device and the scheduler.
+    let until = server.now() + Nanos(250_000);
+    run_until(&mut server, until);
+    client.take_answers(&mut server);
+    let early = client.answered.len();
+    assert!((1..10).contains(&early), "{:?}", client.answered);
+    let removed = server
+        .control()
+        .remove_namespace(2, true)
+        .unwrap_or_else(|e| panic!("remove: {e}"));
+    assert_eq!(removed.namespace_index, 1);
+    // Admitted requests finish on the device; a new one is refused as naming no namespace.
+    client.read_from(&mut server, 2, 11, 0, 4096);
+    client.read(&mut server, 12, 0, 4096);
+    let until = server.now() + Nanos(10 * MS);
+    run_until(&mut server, until);
+    client.take_answers(&mut server);
+    let mut answers = client.answered.clone();
+    answers.sort_unstable();
+    let expected: Vec<(u64, bool)> = (1..=12).map(|id| (id, id != 11)).collect();
+    assert_eq!(answers, expected);
+    // Every thread drained the slot: its queue is closed and the catalog dropped its device.
+    assert_eq!(server.dataplane(0).namespaces_draining(), 0);
+    assert_eq!(server.control().namespaces_removing(), 0);
+    let catalog = server
+        .control()
+        .catalog()
+        .unwrap_or_else(|| panic!("no catalog"));
+    assert_eq!(catalog.namespaces.state(1), SlotState::Gone);
+    assert!(catalog.namespaces.device(1).is_none());
+    assert_eq!(catalog.namespaces.index_of(2), None);
 }

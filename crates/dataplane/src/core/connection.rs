@@ -233,6 +233,11 @@ impl Dataplane {
             }
         };
         self.arm_accept(listener_index);
+        // Control messages waiting for this thread apply before the connection gets its front
+        // end: a new NBD session must not be offered an export removed before it connected.
+        if self.control.has_messages(self.thread_index) {
+            self.apply_control_messages(now);
+        }
         if let Err(refusal) = self.admit_connection(listener_index, source) {
             self.stats.connections_refused += 1;
             tracing::debug!(thread = self.thread_index, ?source, %refusal, "connection refused");

@@ -37,6 +37,12 @@ impl DeviceErrorLog {
         }
     }
 
+    /// A namespace slot added at run time.
+    pub(super) fn add_namespace(&mut self, namespace_id: u32) {
+        self.namespace_ids.push(namespace_id);
+        self.bursts.push(Burst::default());
+    }
+
     pub(super) fn record(&mut self, namespace_index: u16, reason: &str, now: Nanos) {
         let namespace = self.namespace_ids[usize::from(namespace_index)];
         let burst = &mut self.bursts[usize::from(namespace_index)];

@@ -538,8 +538,12 @@ impl Dataplane {
         let mut extents = std::mem::take(&mut self.extents);
         extents.clear();
         let length_bytes = u64::from(io.length_bytes);
-        let device = self.namespaces.device(io.namespace_index);
-        let known = device.block_status(io.offset_bytes, length_bytes, extents_max, &mut extents);
+        let known = match self.namespaces.device(io.namespace_index) {
+            Some(device) => {
+                device.block_status(io.offset_bytes, length_bytes, extents_max, &mut extents)
+            }
+            None => Err(reflex_flash::FlashError::Unsupported),
+        };
         let covered: u64 = extents.iter().map(|extent| extent.length_bytes).sum();
         let valid = !extents.is_empty()
             && extents.len() <= extents_max

@@ -43,6 +43,7 @@ use crate::namespaces::NamespaceSet;
 use crate::telemetry::LatencyHistogram;
 
 mod calibration;
+mod catalog;
 mod connection;
 mod dispatch;
 mod errors;
@@ -205,6 +206,14 @@ pub struct Dataplane {
     device_errors: DeviceErrorLog,
     /// Per namespace: read latencies measured as answers leave.
     telemetry: Vec<NamespaceTelemetry>,
+    /// Per namespace slot: whether the driver holds this thread's queue of its device.
+    queues_open: Vec<bool>,
+    /// Slots being removed that this thread has not drained yet (`catalog`), then those whose
+    /// flush is in flight, then those flushed (their queue closes at the next `process`).
+    draining: Vec<u16>,
+    flushing: Vec<u16>,
+    flushed: Vec<u16>,
+    qos_config: QosConfig,
     /// Requests waiting at the write gate (`io`).
     gate_waits: GateWaits,
     /// Scratch: the extents of one block status.
@@ -306,6 +315,11 @@ impl Dataplane {
             retired_accounts: BTreeMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
             telemetry: vec![NamespaceTelemetry::default(); qos_count],
+            queues_open: vec![true; qos_count],
+            draining: Vec::new(),
+            flushing: Vec::new(),
+            flushed: Vec::new(),
+            qos_config: setup.qos_config.clone(),
             gate_waits: GateWaits::new(limits.requests_max),
             extents: Vec::with_capacity(crate::frontend::BLOCK_STATUS_EXTENTS_MAX),
             housekeeping_at: setup.now,
@@ -344,6 +358,7 @@ impl Dataplane {
         self.dispatch_step(now);
         self.handle_scheduler_events(now);
         self.send_step(now);
+        self.check_drained(now);
         self.advance_phase(now);
     }
 
@@ -367,6 +382,7 @@ impl Dataplane {
             || self.queue_room
             || self.qos_fresh
             || self.control.has_messages(self.thread_index)
+            || !self.flushed.is_empty()
             || self.phase_ready()
             || self.gate_retry_ready()
     }

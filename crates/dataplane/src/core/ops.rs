@@ -55,6 +55,12 @@ pub enum Op {
     /// A device operation; its memory through [`super::Dataplane::device_op`], its result
     /// through [`super::Dataplane::handle_device`].
     Device(DeviceCommand),
+    /// A namespace slot was added: open this thread's queue of its device
+    /// ([`super::Dataplane::namespaces`]) before the slot's first [`Op::Device`].
+    OpenDevice { namespace_index: u16 },
+    /// A namespace slot is being removed and nothing of this thread uses it any more: drop
+    /// this thread's queue of its device (no operation of it is in flight).
+    CloseDevice { namespace_index: u16 },
 }
 
 /// A device operation on a namespace's device.

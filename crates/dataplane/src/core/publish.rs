@@ -27,6 +27,13 @@ pub(super) struct LiveCounters {
 }
 
 impl LiveCounters {
+    /// A namespace slot added at run time.
+    pub(super) fn add_namespace(&mut self) {
+        self.device_in_flight.push(0);
+        self.device_operations.push(0);
+        self.device_ns.push(0);
+    }
+
     pub(super) fn new(namespaces: usize, now: Nanos) -> LiveCounters {
         LiveCounters {
             started_at: now,
@@ -83,6 +90,9 @@ impl Dataplane {
         let mut namespaces = Vec::with_capacity(self.qos.len());
         let mut tenants = Vec::new();
         for (index, namespace) in self.qos.iter().enumerate() {
+            if !self.namespaces.is_live(index as u16) {
+                continue;
+            }
             namespaces.push(NamespaceSnapshot {
                 namespace_id: namespace.namespace_id,
                 device_in_flight: self.live.device_in_flight[index],

@@ -314,6 +314,16 @@ impl Dataplane {
             deadline: now + self.limits.drain_timeout,
         };
         for namespace_index in 0..self.namespaces.len() as u16 {
+            if !self
+                .queues_open
+                .get(usize::from(namespace_index))
+                .copied()
+                .unwrap_or(false)
+                || self.removal_flush_in_flight(namespace_index)
+            {
+                // Closed, or its removal's flush is in flight (and counted) already.
+                continue;
+            }
             self.flushes_pending += 1;
             self.ops.push_back(Op::Device(DeviceCommand {
                 id: DeviceOpId::ShutdownFlush { namespace_index },
@@ -331,12 +341,14 @@ impl Dataplane {
     ) {
         assert!(self.flushes_pending > 0);
         self.flushes_pending -= 1;
+        let removal = self.on_removal_flush(namespace_index);
         if let Err(error) = result {
             self.stats.flush_errors += 1;
             tracing::error!(
                 namespace = self.namespaces.id(namespace_index),
                 %error,
-                "shutdown flush failed"
+                "{} flush failed",
+                if removal { "removed namespace's" } else { "shutdown" }
             );
         }
     }

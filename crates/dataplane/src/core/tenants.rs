@@ -235,10 +235,16 @@ impl Dataplane {
                     ?update,
                     "rate update"
                 );
-                self.qos[usize::from(namespace_index)]
-                    .scheduler
-                    .apply(update, now);
+                match self.qos.get_mut(usize::from(namespace_index)) {
+                    Some(namespace) => namespace.scheduler.apply(update, now),
+                    None => tracing::error!(
+                        thread = self.thread_index,
+                        namespace_index,
+                        "rate update for a namespace slot this thread does not know"
+                    ),
+                }
             }
+            ControlMessage::Namespaces => self.adopt_catalog(now),
             ControlMessage::Revoke { handle } => {
                 for connection in self.connections.iter_mut() {
                     if let Some(bound) = connection.bound.as_mut()
@@ -299,6 +305,14 @@ impl Dataplane {
         now: Nanos,
     ) -> Result<IoRequest, Answer> {
         let namespace_index = io.namespace_index;
+        if !self.namespaces.is_live(namespace_index)
+            || self.qos.len() <= usize::from(namespace_index)
+        {
+            // Removed at run time (an NBD export or original port still names its slot).
+            return Err(Answer::Native(
+                reflex_proto::native::Status::NoSuchNamespace,
+            ));
+        }
         let connection = &self.connections[connection_index as usize];
         let writes = matches!(
             io.kind,

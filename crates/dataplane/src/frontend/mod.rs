@@ -395,7 +395,10 @@ impl Frontend {
                 ..
             } => original_frontend::decode(input, *namespace_index, *tenant, namespaces),
             Frontend::Nbd(nbd) => nbd.decode(input),
-            Frontend::NvmeTcp(nvme) => nvme.decode(input),
+            Frontend::NvmeTcp(nvme) => {
+                nvme.follow_namespaces(namespaces);
+                nvme.decode(input)
+            }
         }
     }
 

@@ -24,7 +24,9 @@ pub struct ExportBinding {
 }
 
 /// The NBD exports of a server: the codec's table (what clients see) and, at the same index,
-/// each export's namespace and tenant. Built once at start and shared by every connection.
+/// each export's namespace and tenant. Built at start and shared by the connections; a
+/// namespace added or removed at run time, or an export rebound by a reload, makes a new one
+/// (sessions already in transmission keep the binding they negotiated).
 #[derive(Debug)]
 pub struct NbdExports {
     table: Arc<ExportTable>,
@@ -53,6 +55,89 @@ impl NbdExports {
 
     pub fn binding(&self, export_index: usize) -> Option<ExportBinding> {
         self.bindings.get(export_index).copied()
+    }
+
+    /// This table with one more export (a namespace added at run time). Refused when the
+    /// name is taken or the table is full.
+    pub fn with_added(
+        &self,
+        export: nbd::Export,
+        binding: ExportBinding,
+    ) -> Result<NbdExports, nbd::ExportError> {
+        let mut exports: Vec<nbd::Export> = self.table.exports().to_vec();
+        exports.push(export);
+        let table = ExportTable::new(exports, self.table.default_name())?;
+        let mut bindings = self.bindings.clone();
+        bindings.push(binding);
+        Ok(NbdExports {
+            table: Arc::new(table),
+            bindings,
+            handshake: self.handshake,
+        })
+    }
+
+    /// This table with export `name`'s tenant and device queue replaced (a configuration
+    /// reload moved its binding); `None` when no export is called `name` or nothing changes.
+    pub fn with_binding(
+        &self,
+        name: &str,
+        tenant: TenantRef,
+        device_queue: Option<u16>,
+    ) -> Option<NbdExports> {
+        let index = self
+            .table
+            .exports()
+            .iter()
+            .position(|export| export.name == name)?;
+        let binding = self.bindings.get(index)?;
+        if binding.tenant == tenant && binding.device_queue == device_queue {
+            return None;
+        }
+        let mut bindings = self.bindings.clone();
+        bindings[index] = ExportBinding {
+            tenant,
+            device_queue,
+            ..*binding
+        };
+        Some(NbdExports {
+            table: Arc::clone(&self.table),
+            bindings,
+            handshake: self.handshake,
+        })
+    }
+
+    /// This table without the exports of namespace slot `namespace_index` (removed at run
+    /// time); the default export goes too if it was one of them. Sessions already in
+    /// transmission keep their binding (their requests are refused from then on).
+    pub fn without_namespace(&self, namespace_index: u16) -> NbdExports {
+        let (exports, bindings): (Vec<nbd::Export>, Vec<ExportBinding>) = self
+            .table
+            .exports()
+            .iter()
+            .zip(&self.bindings)
+            .filter(|(_, binding)| binding.namespace_index != namespace_index)
+            .map(|(export, binding)| (export.clone(), *binding))
+            .unzip();
+        let default = self
+            .table
+            .default_name()
+            .filter(|name| exports.iter().any(|export| export.name == *name));
+        match ExportTable::new(exports.clone(), default) {
+            Ok(table) => NbdExports {
+                table: Arc::new(table),
+                bindings,
+                handshake: self.handshake,
+            },
+            // A subset of a valid table is valid; keep serving the old one rather than fail.
+            Err(error) => {
+                tracing::error!(%error, "export table without a namespace refused");
+                NbdExports {
+                    table: Arc::clone(&self.table),
+                    bindings: self.bindings.clone(),
+                    handshake: self.handshake,
+                }
+            }
+        }
     }
 }
 

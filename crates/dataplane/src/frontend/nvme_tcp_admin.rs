@@ -1,7 +1,9 @@
 //! The admin queue of an NVMe/TCP controller: Property Get/Set (CAP, VS, CC, CSTS with the
 //! enable/ready and shutdown handshakes), Identify, Get Log Page, Get/Set Features, Keep
-//! Alive, Asynchronous Event Request (held until an event: reflexd's namespaces do not change
-//! while it runs, so they are held until the controller goes) and Abort. A discovery
+//! Alive, Asynchronous Event Request (held until the controller goes: no event is sent; a
+//! subsystem's namespaces change only when one is removed at run time, which leaves the active
+//! list and answers Identify Namespace as inactive, without a Namespace Attribute Changed
+//! notice) and Abort. A discovery
 //! controller answers Identify Controller, the discovery log, keep-alive and its features.
 
 use reflex_proto::nvme_tcp::admin::{
@@ -15,7 +17,9 @@ use reflex_proto::nvme_tcp::{Command, Status};
 
 use super::Decoded;
 use super::nvme_tcp_frontend::{ASYNC_EVENTS_HELD_MAX, NvmeTcpFrontend, Outcome, Phase};
-use super::nvme_tcp_targets::{ControllerState, IN_CAPSULE_DATA_BYTES, MDTS, Subsystem};
+use super::nvme_tcp_targets::{
+    ControllerState, IN_CAPSULE_DATA_BYTES, MDTS, Subsystem, SubsystemNamespace,
+};
 
 /// The NVMe version reflexd reports (VS, Identify Controller VER): 1.3.
 pub const NVME_VERSION: u32 = 0x0001_0300;
@@ -40,6 +44,14 @@ impl NvmeTcpFrontend {
                 .and_then(|index| self.targets.subsystems.get(index)),
             _ => None,
         }
+    }
+
+    /// Namespace `nsid` of the controller's subsystem, unless it was removed at run time.
+    fn live_namespace(&self, nsid: u32) -> Option<&SubsystemNamespace> {
+        self.subsystem()?
+            .namespace(nsid)
+            .map(|(_, namespace)| namespace)
+            .filter(|namespace| !self.removed.contains(&namespace.namespace_index))
     }
 
     fn is_discovery(&self) -> bool {
@@ -217,7 +229,13 @@ impl NvmeTcpFrontend {
             cns::ACTIVE_NAMESPACES => {
                 let ids: Vec<u32> = self
                     .subsystem()
-                    .map(|s| s.namespaces.iter().map(|n| n.nsid).collect())
+                    .map(|s| {
+                        s.namespaces
+                            .iter()
+                            .filter(|n| !self.removed.contains(&n.namespace_index))
+                            .map(|n| n.nsid)
+                            .collect()
+                    })
                     .unwrap_or_default();
                 if command.nsid() >= 0xFFFF_FFFE {
                     Status::INVALID_NAMESPACE
@@ -228,9 +246,8 @@ impl NvmeTcpFrontend {
             }
             cns::NAMESPACE_DESCRIPTORS => {
                 match self
-                    .subsystem()
-                    .and_then(|s| s.namespace(command.nsid()))
-                    .map(|(_, namespace)| namespace.nguid)
+                    .live_namespace(command.nsid())
+                    .map(|namespace| namespace.nguid)
                 {
                     Some(nguid) => {
                         let mut uuid = nguid;
@@ -299,7 +316,7 @@ impl NvmeTcpFrontend {
         let Some(subsystem) = self.subsystem() else {
             return Status::INVALID_NAMESPACE;
         };
-        let Some((_, namespace)) = subsystem.namespace(nsid) else {
+        let Some(namespace) = self.live_namespace(nsid) else {
             let highest = subsystem
                 .namespaces
                 .iter()

@@ -217,6 +217,10 @@ pub struct NvmeTcpFrontend {
     generation: u16,
     /// The server is shutting down: I/O is refused (namespace not ready).
     shutting_down: bool,
+    /// Namespace slots removed at run time (hidden from Identify; their I/O is refused by
+    /// the dataplane), as of namespace set generation `namespaces_seen`.
+    pub(super) removed: Vec<u16>,
+    namespaces_seen: u64,
 }
 
 /// What handling a command leads to (before it becomes a [`Decoded`]).
@@ -268,7 +272,20 @@ impl NvmeTcpFrontend {
             transfers: (0..2).map(|_| None).collect(),
             generation: 0,
             shutting_down: false,
+            removed: Vec::new(),
+            namespaces_seen: 0,
         }
+    }
+
+    /// Notes which namespace slots are gone from `namespaces` (once per change of the set).
+    pub(super) fn follow_namespaces(&mut self, namespaces: &crate::namespaces::NamespaceSet) {
+        if namespaces.generation() == self.namespaces_seen {
+            return;
+        }
+        self.namespaces_seen = namespaces.generation();
+        self.removed = (0..namespaces.len() as u16)
+            .filter(|&index| !namespaces.is_live(index))
+            .collect();
     }
 
     pub(super) fn in_session(&self) -> bool {

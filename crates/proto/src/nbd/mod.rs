@@ -510,6 +510,13 @@ impl ExportTable {
         &self.exports
     }
 
+    /// The name of the export a client gets when it asks for the empty name.
+    pub fn default_name(&self) -> Option<&str> {
+        self.default_index
+            .and_then(|index| self.exports.get(index))
+            .map(|export| export.name.as_str())
+    }
+
     pub fn get(&self, index: usize) -> Option<&Export> {
         self.exports.get(index)
     }

@@ -10,23 +10,26 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use axum::Json;
-use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{ConnectInfo, Path, State};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use reflex_dataplane::control::{AdminError, ControlPlane, TenantInfo};
+use reflex_dataplane::control::{AdminError, ControlPlane, NamespaceChangeError, TenantInfo};
 use reflex_dataplane::namespaces::NamespaceSet;
 use reflex_qos::{Plan, TenantSpec};
 use serde::{Deserialize, Serialize};
 
 use super::state_file::{Origin, PersistedState, PersistedTenant, StateFile};
 use super::stats::Sampler;
+use crate::namespaces::{AddError, NamespaceManager};
 
 /// Every route of the admin API: (method, path) as the OpenAPI document writes them.
 pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/server"),
     ("get", "/v1/namespaces"),
+    ("post", "/v1/namespaces"),
     ("get", "/v1/namespaces/{namespace_id}"),
+    ("delete", "/v1/namespaces/{namespace_id}"),
     ("get", "/v1/tenants"),
     ("post", "/v1/namespaces/{namespace_id}/tenants"),
     ("get", "/v1/namespaces/{namespace_id}/tenants/{name}"),
@@ -44,11 +47,9 @@ const _: () = assert!(TENANT_NAME_CHARS_MAX * 4 <= crate::config::TENANT_NAME_BY
 /// What the handlers share.
 pub struct AdminState {
     pub control: Arc<ControlPlane>,
-    pub namespaces: Arc<NamespaceSet>,
+    /// The namespaces, their export names and device labels (they change at run time).
+    pub manager: Arc<NamespaceManager>,
     pub sampler: Arc<Mutex<Sampler>>,
-    /// Per namespace index: its NBD export name and device label.
-    pub exports: Vec<String>,
-    pub devices: Vec<String>,
     /// The state file and what it holds, when state persists.
     pub persistence: Mutex<Option<(StateFile, PersistedState)>>,
     pub allow_remote: bool,
@@ -113,6 +114,41 @@ impl From<PathRejection> for ApiError {
     }
 }
 
+impl From<QueryRejection> for ApiError {
+    fn from(rejection: QueryRejection) -> ApiError {
+        ApiError::bad_request(rejection.body_text())
+    }
+}
+
+impl From<NamespaceChangeError> for ApiError {
+    fn from(error: NamespaceChangeError) -> ApiError {
+        let status = match &error {
+            NamespaceChangeError::NoSuchNamespace(_) => StatusCode::NOT_FOUND,
+            NamespaceChangeError::Qos { .. }
+            | NamespaceChangeError::Fixed
+            | NamespaceChangeError::Set(_)
+            | NamespaceChangeError::Export(_)
+            | NamespaceChangeError::InUse { .. } => StatusCode::CONFLICT,
+        };
+        ApiError::new(status, error.to_string())
+    }
+}
+
+impl From<AddError> for ApiError {
+    fn from(error: AddError) -> ApiError {
+        match error {
+            AddError::Conflict(error) => error.into(),
+            AddError::Invalid(_) => ApiError::bad_request(error.to_string()),
+            // The body is well formed; what it names cannot be served here (a missing file,
+            // an unknown backend kind, an unreadable profile): a conflict with the server's
+            // surroundings, like an admission refusal.
+            AddError::Profile { .. } | AddError::Open { .. } => {
+                ApiError::new(StatusCode::CONFLICT, error.to_string())
+            }
+        }
+    }
+}
+
 impl From<AdminError> for ApiError {
     fn from(error: AdminError) -> ApiError {
         let status = match &error {
@@ -153,6 +189,34 @@ pub struct TenantCreate {
     pub read_percent: Option<u8>,
     #[serde(default)]
     pub read_only: bool,
+}
+
+/// `POST /v1/namespaces`: a namespace to serve from now on (and after a restart).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceCreate {
+    pub namespace_id: u32,
+    /// As a configuration's `backend`: `file:PATH` or a path, `mem:SIZE`, `null[:SIZE]`,
+    /// `emu:NAME`, a block device, a `fault(...)` wrapper.
+    pub backend: String,
+    #[serde(default)]
+    pub size_bytes: Option<u64>,
+    #[serde(default)]
+    pub read_only: bool,
+    /// NBD export name (default `ns<ID>`).
+    #[serde(default)]
+    pub nbd_export: Option<String>,
+    /// Device profile (TOML path): QoS on for the namespace.
+    #[serde(default)]
+    pub profile: Option<String>,
+}
+
+/// `DELETE /v1/namespaces/{namespace_id}?force=true`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceDelete {
+    #[serde(default)]
+    pub force: bool,
 }
 
 /// `PATCH /v1/namespaces/{namespace_id}/tenants/{name}`: what is given replaces the tenant's
@@ -305,23 +369,26 @@ impl AdminState {
         }
     }
 
+    fn namespaces(&self) -> Arc<NamespaceSet> {
+        self.manager
+            .namespaces()
+            .unwrap_or_else(|| Arc::new(NamespaceSet::new(Vec::new())))
+    }
+
     fn namespace_view(&self, index: u16) -> NamespaceView {
-        let id = self.namespaces.id(index);
+        let namespaces = self.namespaces();
+        let id = namespaces.id(index);
         let plan = self.control.plan(index);
+        let meta = self.manager.meta(index);
         NamespaceView {
             namespace_id: id,
-            nbd_export: self
-                .exports
-                .get(usize::from(index))
-                .cloned()
+            nbd_export: meta
+                .as_ref()
+                .map(|meta| meta.export.clone())
                 .unwrap_or_default(),
-            size_bytes: self.namespaces.size_bytes(index),
-            read_only: self.namespaces.is_read_only(index),
-            device: self
-                .devices
-                .get(usize::from(index))
-                .cloned()
-                .unwrap_or_default(),
+            size_bytes: namespaces.size_bytes(index),
+            read_only: namespaces.is_read_only(index),
+            device: meta.map(|meta| meta.device).unwrap_or_default(),
             qos: plan.is_some(),
             tenants: self
                 .control
@@ -335,7 +402,7 @@ impl AdminState {
     }
 
     fn namespace_index(&self, namespace_id: u32) -> ApiResult<u16> {
-        self.namespaces.index_of(namespace_id).ok_or_else(|| {
+        self.namespaces().index_of(namespace_id).ok_or_else(|| {
             ApiError::new(
                 StatusCode::NOT_FOUND,
                 format!("no namespace {namespace_id}"),
@@ -508,17 +575,73 @@ pub async fn get_server(State(state): State<Shared>) -> Response {
     json(ServerView {
         version: state.version,
         threads: state.threads,
-        namespaces: state.namespaces.len(),
+        namespaces: state.namespaces().live_count(),
         tenants: state.control.tenants().len(),
         persistent_state,
     })
 }
 
 pub async fn list_namespaces(State(state): State<Shared>) -> Response {
-    let views: Vec<NamespaceView> = (0..state.namespaces.len())
-        .map(|index| state.namespace_view(index as u16))
+    let views: Vec<NamespaceView> = state
+        .namespaces()
+        .live_indices()
+        .map(|index| state.namespace_view(index))
         .collect();
     json(views)
+}
+
+pub async fn create_namespace(
+    State(state): State<Shared>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+) -> ApiResult<Response> {
+    let body: NamespaceCreate = object_body(body)?;
+    let namespace_id = body.namespace_id;
+    let config = crate::config::NamespaceConfig {
+        id: namespace_id,
+        backend: body.backend,
+        size_bytes: body.size_bytes,
+        read_only: body.read_only,
+        name: body.nbd_export,
+        tenant: None,
+        profile: body.profile,
+    };
+    let index = state.manager.add(&config, true)?;
+    let runtime = state.manager.runtime_namespaces();
+    if let Err(error) = state.persist(|file| file.namespaces = runtime) {
+        let _ = state.manager.remove(namespace_id, true);
+        return Err(error);
+    }
+    Ok((
+        StatusCode::CREATED,
+        [(header::LOCATION, format!("/v1/namespaces/{namespace_id}"))],
+        Json(state.namespace_view(index)),
+    )
+        .into_response())
+}
+
+pub async fn delete_namespace(
+    State(state): State<Shared>,
+    path: Result<Path<u32>, PathRejection>,
+    query: Result<Query<NamespaceDelete>, QueryRejection>,
+) -> ApiResult<Response> {
+    let Path(namespace_id) = path?;
+    let Query(query) = query?;
+    state.namespace_index(namespace_id)?;
+    state.manager.remove(namespace_id, query.force)?;
+    let runtime = state.manager.runtime_namespaces();
+    state
+        .persist(|file| {
+            file.namespaces = runtime;
+            file.tenants
+                .retain(|tenant| tenant.namespace_id != namespace_id);
+        })
+        .inspect_err(|_| {
+            tracing::error!(
+                namespace = namespace_id,
+                "namespace removed, but the state file still has it: it comes back at restart"
+            );
+        })?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 pub async fn get_namespace(

@@ -27,7 +27,6 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::get;
 use reflex_dataplane::control::{AdminError, ControlPlane};
-use reflex_dataplane::namespaces::NamespaceSet;
 use serde::Deserialize;
 
 use self::api::{AdminState, Shared};
@@ -132,9 +131,27 @@ pub enum AdminStartError {
 /// operator decides).
 pub fn restore(
     control: &ControlPlane,
+    manager: &crate::namespaces::NamespaceManager,
     file: &StateFile,
 ) -> Result<PersistedState, AdminStartError> {
     let mut state = file.load()?;
+    // Namespaces first: tenants may be bound to them. One that cannot be added again (its
+    // backend is gone, the configuration now has its id) is dropped with the reason.
+    let mut namespaces_kept = Vec::new();
+    for namespace in std::mem::take(&mut state.namespaces) {
+        match manager.add(&namespace.to_config(), true) {
+            Ok(_) => {
+                tracing::info!(namespace = namespace.namespace_id, backend = %namespace.backend,
+                    "namespace restored from the state file");
+                namespaces_kept.push(namespace);
+            }
+            Err(error) => {
+                tracing::warn!(namespace = namespace.namespace_id, %error,
+                    "the state file's namespace cannot be added again; dropped");
+            }
+        }
+    }
+    state.namespaces = namespaces_kept;
     let mut kept = Vec::new();
     for tenant in std::mem::take(&mut state.tenants) {
         let result = match tenant.origin {
@@ -206,9 +223,7 @@ impl Drop for AdminHandle {
 pub struct AdminSetup {
     pub config: AdminConfig,
     pub control: Arc<ControlPlane>,
-    pub namespaces: Arc<NamespaceSet>,
-    pub exports: Vec<String>,
-    pub devices: Vec<String>,
+    pub manager: Arc<crate::namespaces::NamespaceManager>,
     pub persistence: Option<(StateFile, PersistedState)>,
     pub threads: usize,
 }
@@ -218,8 +233,14 @@ pub fn router(state: Shared) -> Router {
     use axum::routing::post;
     Router::new()
         .route("/v1/server", get(api::get_server))
-        .route("/v1/namespaces", get(api::list_namespaces))
-        .route("/v1/namespaces/{namespace_id}", get(api::get_namespace))
+        .route(
+            "/v1/namespaces",
+            get(api::list_namespaces).post(api::create_namespace),
+        )
+        .route(
+            "/v1/namespaces/{namespace_id}",
+            get(api::get_namespace).delete(api::delete_namespace),
+        )
         .route("/v1/tenants", get(api::list_tenants))
         .route(
             "/v1/namespaces/{namespace_id}/tenants",
@@ -256,15 +277,12 @@ pub fn start(setup: AdminSetup) -> Result<AdminHandle, AdminStartError> {
         .map_err(|source| AdminStartError::Bind { addr, source })?;
     let sampler = Arc::new(Mutex::new(Sampler::new(
         Arc::clone(&setup.control),
-        Arc::clone(&setup.namespaces),
-        setup.devices.clone(),
+        Arc::clone(&setup.manager),
     )));
     let state = Arc::new(AdminState {
         control: setup.control,
-        namespaces: setup.namespaces,
+        manager: setup.manager,
         sampler: Arc::clone(&sampler),
-        exports: setup.exports,
-        devices: setup.devices,
         persistence: Mutex::new(setup.persistence),
         allow_remote: setup.config.allow_remote,
         version: env!("CARGO_PKG_VERSION"),

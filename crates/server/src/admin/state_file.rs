@@ -60,6 +60,25 @@ pub struct PersistedState {
     /// Increases with every write (a reader can tell two versions apart).
     pub generation: u64,
     pub tenants: Vec<PersistedTenant>,
+    /// Namespaces added through the admin API, added again at start (before the tenants).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<PersistedNamespace>,
+}
+
+/// A namespace added through the admin API, as it was asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PersistedNamespace {
+    pub namespace_id: u32,
+    pub backend: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+    #[serde(default)]
+    pub read_only: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_export: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
 }
 
 impl PersistedState {
@@ -198,6 +217,7 @@ mod tests {
             version: STATE_VERSION,
             generation: 3,
             tenants: Vec::new(),
+            namespaces: Vec::new(),
         };
         state.upsert(PersistedTenant {
             namespace_id: 1,

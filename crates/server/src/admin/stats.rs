@@ -244,8 +244,7 @@ pub struct StatsView {
 /// The sampler's state: the last two sums, the last window per tenant, SLO attainment.
 pub struct Sampler {
     control: Arc<ControlPlane>,
-    namespaces: Arc<NamespaceSet>,
-    devices: Vec<String>,
+    manager: Arc<crate::namespaces::NamespaceManager>,
     previous: Totals,
     latest: Totals,
     windows: u64,
@@ -273,14 +272,12 @@ fn delta_tokens(now: i64, before: i64) -> f64 {
 impl Sampler {
     pub fn new(
         control: Arc<ControlPlane>,
-        namespaces: Arc<NamespaceSet>,
-        devices: Vec<String>,
+        manager: Arc<crate::namespaces::NamespaceManager>,
     ) -> Sampler {
         let totals = Totals::read(control.live());
         Sampler {
             control,
-            namespaces,
-            devices,
+            manager,
             previous: totals.clone(),
             latest: totals,
             windows: 0,
@@ -296,13 +293,19 @@ impl Sampler {
         &self.control
     }
 
-    pub fn namespaces(&self) -> &Arc<NamespaceSet> {
-        &self.namespaces
+    /// The namespaces served now.
+    pub fn namespaces(&self) -> Arc<NamespaceSet> {
+        self.manager
+            .namespaces()
+            .unwrap_or_else(|| Arc::new(NamespaceSet::new(Vec::new())))
     }
 
     /// The device label of namespace index `index`.
-    pub fn device(&self, index: usize) -> &str {
-        self.devices.get(index).map_or("", String::as_str)
+    pub fn device(&self, index: usize) -> String {
+        self.manager
+            .meta(index as u16)
+            .map(|meta| meta.device)
+            .unwrap_or_default()
     }
 
     /// The latest sums (what `/metrics` shows: counters since start).
@@ -507,15 +510,16 @@ impl Sampler {
             });
         }
         let mut namespaces = Vec::new();
-        for index in 0..self.namespaces.len() {
-            let namespace_index = index as u16;
-            let id = self.namespaces.id(namespace_index);
+        let current = self.namespaces();
+        for namespace_index in current.live_indices() {
+            let index = usize::from(namespace_index);
+            let id = current.id(namespace_index);
             let plan = self.control.plan(namespace_index);
             let (operations, latency_mean, quantiles, spent) =
                 self.namespace_windows.get(&id).copied().unwrap_or_default();
             namespaces.push(NamespaceStatsView {
                 namespace_id: id,
-                device: self.device(index).to_string(),
+                device: self.device(index),
                 device_queue_depth: self
                     .latest
                     .namespaces

@@ -127,8 +127,11 @@ struct ConnectionSlot {
 
 pub struct EpollDriver {
     // Field order: the queues (whose pool may still use the arena) go before the dataplane.
-    queues: Vec<Box<dyn DeviceQueue>>,
+    /// Per namespace slot: this thread's queue of its device (`None`: removed, not open).
+    queues: Vec<Option<Box<dyn DeviceQueue>>>,
     dataplane: Dataplane,
+    /// Wakes this thread when a device's pool completes (new queues need it).
+    notify: Arc<dyn Notify>,
     epoll: Epoll,
     events: Box<[libc::epoll_event]>,
     /// Events the last wait returned, handled at the start of the next iteration.
@@ -180,6 +183,7 @@ impl EpollDriver {
         Ok(EpollDriver {
             queues,
             dataplane,
+            notify,
             epoll,
             events: vec![empty_event; BATCH_MAX].into_boxed_slice(),
             event_count: 0,
@@ -278,6 +282,7 @@ impl EpollDriver {
     fn device_deadline(&self) -> Option<Nanos> {
         self.queues
             .iter()
+            .flatten()
             .filter_map(|queue| queue.next_deadline())
             .min()
     }
@@ -562,7 +567,7 @@ impl EpollDriver {
 
     fn poll_devices(&mut self, now: Nanos) {
         let mut polled = std::mem::take(&mut self.polled);
-        for queue in self.queues.iter_mut() {
+        for queue in self.queues.iter_mut().flatten() {
             queue.poll_completions(now, &mut polled);
         }
         for completion in polled.drain(..) {
@@ -669,6 +674,22 @@ impl EpollDriver {
                     }
                 }
                 Op::Device(command) => self.submit_device(&command, now),
+                Op::OpenDevice { namespace_index } => {
+                    let index = usize::from(namespace_index);
+                    if self.queues.len() <= index {
+                        self.queues.resize_with(index + 1, || None);
+                    }
+                    self.queues[index] = self
+                        .dataplane
+                        .namespaces()
+                        .device(namespace_index)
+                        .map(|device| open_queue(device, &self.notify));
+                }
+                Op::CloseDevice { namespace_index } => {
+                    if let Some(queue) = self.queues.get_mut(usize::from(namespace_index)) {
+                        *queue = None;
+                    }
+                }
             }
         }
     }
@@ -684,7 +705,22 @@ impl EpollDriver {
         };
         let op = self.dataplane.device_op(command, user_data, None);
         let namespace_index = usize::from(command.namespace_index);
-        match self.queues[namespace_index].submit(op, now) {
+        let Some(queue) = self
+            .queues
+            .get_mut(namespace_index)
+            .and_then(Option::as_mut)
+        else {
+            // Not reachable: the dataplane opens a slot's queue before its first operation
+            // and closes it only when none is left.
+            self.reported();
+            self.dataplane.handle_device(
+                command.id,
+                Err(reflex_flash::FlashError::Io { errno: libc::ENXIO }),
+                now,
+            );
+            return;
+        };
+        match queue.submit(op, now) {
             Submit::Done(result) => {
                 self.reported();
                 self.dataplane.handle_device(command.id, result, now);
@@ -709,20 +745,33 @@ fn forget(epoll: &Epoll, fd: std::os::fd::RawFd) {
 
 /// Each namespace's ring-less queue for this thread; completions from a device's own threads
 /// wake it through `notify`.
-#[allow(unsafe_code)]
-fn open_queues(namespaces: &NamespaceSet, notify: &Arc<dyn Notify>) -> Vec<Box<dyn DeviceQueue>> {
+fn open_queues(
+    namespaces: &NamespaceSet,
+    notify: &Arc<dyn Notify>,
+) -> Vec<Option<Box<dyn DeviceQueue>>> {
     (0..namespaces.len())
         .map(|index| {
-            let device = namespaces.device(index as u16);
-            // SAFETY: every buffer the driver submits to these queues is a run of the
-            // dataplane's arena (a heap allocation that never moves), which the dataplane
-            // leaves untouched until `handle_device` for that operation; the driver calls
-            // `handle_device` only for a result out of `Submit::Done` or `poll_completions`,
-            // and leaks the arena instead of freeing it when its loop ends with any device
-            // operation outstanding (`EpollDriver::run`).
-            unsafe { device.queue_without_ring(Arc::clone(notify)) }
+            namespaces
+                .device(index as u16)
+                .map(|device| open_queue(device, notify))
         })
         .collect()
+}
+
+/// One namespace's ring-less queue for this thread (opened at start, or on
+/// `Op::OpenDevice` for a namespace added at run time; dropped on `Op::CloseDevice`, when none
+/// of its operations is outstanding).
+#[allow(unsafe_code)]
+fn open_queue(
+    device: &Arc<dyn reflex_flash::Device>,
+    notify: &Arc<dyn Notify>,
+) -> Box<dyn DeviceQueue> {
+    // SAFETY: every buffer the driver submits to these queues is a run of the dataplane's
+    // arena (a heap allocation that never moves), which the dataplane leaves untouched until
+    // `handle_device` for that operation; the driver calls `handle_device` only for a result
+    // out of `Submit::Done` or `poll_completions`, and leaks the arena instead of freeing it
+    // when its loop ends with any device operation outstanding (`EpollDriver::run`).
+    unsafe { device.queue_without_ring(Arc::clone(notify)) }
 }
 
 fn device_op_id(kind: Kind, generation: u32, index: u32) -> DeviceOpId {

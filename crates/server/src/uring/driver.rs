@@ -151,7 +151,8 @@ pub struct UringDriver {
     /// when the pool grows.
     #[allow(clippy::vec_box)]
     spare_staging: Vec<Box<SendStaging>>,
-    queues: Vec<Box<dyn DeviceQueue>>,
+    /// Per namespace slot: this thread's queue of its device (`None`: removed, not open).
+    queues: Vec<Option<Box<dyn DeviceQueue>>>,
     registered: bool,
     poll: bool,
     shutdown: Arc<AtomicBool>,
@@ -205,7 +206,12 @@ impl UringDriver {
             staging: Vec::new(),
             spare_staging: Vec::new(),
             queues: (0..setup.namespaces.len())
-                .map(|index| setup.namespaces.device(index as u16).queue())
+                .map(|index| {
+                    setup
+                        .namespaces
+                        .device(index as u16)
+                        .map(|device| device.queue())
+                })
                 .collect(),
             registered,
             poll: setup.poll,
@@ -363,6 +369,7 @@ impl UringDriver {
     fn device_deadline(&self) -> Option<Nanos> {
         self.queues
             .iter()
+            .flatten()
             .filter_map(|queue| queue.next_deadline())
             .min()
     }
@@ -414,10 +421,23 @@ impl UringDriver {
                 let namespace_index = self.device_namespace(id);
                 // None: the device deferred the outcome (fault injection); it comes out of
                 // poll_completions later and the operation stays in flight until then.
-                if let Some(result) =
-                    self.queues[namespace_index].complete_ring(cqe.user_data, cqe.result, now)
+                match self
+                    .queues
+                    .get_mut(namespace_index)
+                    .and_then(Option::as_mut)
                 {
-                    self.dataplane.handle_device(id, result, now);
+                    Some(queue) => {
+                        if let Some(result) = queue.complete_ring(cqe.user_data, cqe.result, now) {
+                            self.dataplane.handle_device(id, result, now);
+                        }
+                    }
+                    // Not reachable: a queue closes only when nothing of its slot is in
+                    // flight. Fail the operation rather than lose it.
+                    None => self.dataplane.handle_device(
+                        id,
+                        Err(reflex_flash::FlashError::Io { errno: libc::ENXIO }),
+                        now,
+                    ),
                 }
             }
             Kind::Wake => {
@@ -489,7 +509,7 @@ impl UringDriver {
     /// Hands the devices' completions to the dataplane; returns how many there were.
     fn poll_devices(&mut self, now: Nanos) -> usize {
         let mut polled = std::mem::take(&mut self.polled);
-        for queue in self.queues.iter_mut() {
+        for queue in self.queues.iter_mut().flatten() {
             queue.poll_completions(now, &mut polled);
         }
         let count = polled.len();
@@ -564,6 +584,22 @@ impl UringDriver {
                     }
                 }
                 Op::Device(command) => self.submit_device(&command, now),
+                Op::OpenDevice { namespace_index } => {
+                    let index = usize::from(namespace_index);
+                    if self.queues.len() <= index {
+                        self.queues.resize_with(index + 1, || None);
+                    }
+                    self.queues[index] = self
+                        .dataplane
+                        .namespaces()
+                        .device(namespace_index)
+                        .map(|device| device.queue());
+                }
+                Op::CloseDevice { namespace_index } => {
+                    if let Some(queue) = self.queues.get_mut(usize::from(namespace_index)) {
+                        *queue = None;
+                    }
+                }
             }
         }
     }
@@ -690,7 +726,21 @@ impl UringDriver {
         };
         let buf_index = if self.registered { Some(0) } else { None };
         let op = self.dataplane.device_op(command, user_data, buf_index);
-        let queue = &mut self.queues[usize::from(command.namespace_index)];
+        let Some(queue) = self
+            .queues
+            .get_mut(usize::from(command.namespace_index))
+            .and_then(Option::as_mut)
+        else {
+            // Not reachable: the dataplane opens a slot's queue before its first operation
+            // and closes it only when none is left.
+            self.finished_synchronously = true;
+            self.dataplane.handle_device(
+                command.id,
+                Err(reflex_flash::FlashError::Io { errno: libc::ENXIO }),
+                now,
+            );
+            return;
+        };
         match queue.submit(op, now) {
             Submit::Ring(entry) => {
                 assert_eq!(entry.get_user_data(), user_data, "device changed user_data");

@@ -2,8 +2,11 @@
 //! and a small JSON client over it.
 #![allow(dead_code)]
 
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
+
+use reflex_proto::nbd::{self, ClientHandshake};
 
 use reflex_server::admin::AdminConfig;
 use reflex_server::{Config, NamespaceConfig, Server, ServerHandle, TenantConfig};
@@ -198,4 +201,78 @@ pub fn tenant<'a>(list: &'a serde_json::Value, name: &str) -> Option<&'a serde_j
     list.as_array()?
         .iter()
         .find(|tenant| tenant["name"] == name)
+}
+
+/// A minimal NBD client: the fixed newstyle handshake for one export, then simple replies.
+pub struct Nbd {
+    stream: TcpStream,
+    cookie: u64,
+}
+
+impl Nbd {
+    /// Connects and negotiates `export`; `Err` when the server refuses it.
+    pub fn connect(addr: SocketAddr, export: &str) -> Result<Nbd, String> {
+        let mut stream = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .map_err(|e| e.to_string())?;
+        let mut handshake = ClientHandshake::new(export).map_err(|e| e.to_string())?;
+        let mut buffer = [0u8; 4096];
+        while handshake.outcome().is_none() {
+            let pending = handshake.pending_output().to_vec();
+            if !pending.is_empty() {
+                stream.write_all(&pending).map_err(|e| e.to_string())?;
+                handshake.consume_output(pending.len());
+                continue;
+            }
+            let count = stream.read(&mut buffer).map_err(|e| e.to_string())?;
+            if count == 0 {
+                return Err(handshake.handle_eof().to_string());
+            }
+            let consumed = handshake
+                .handle_bytes(&buffer[..count])
+                .map_err(|e| e.to_string())?;
+            assert_eq!(consumed, count, "bytes after the handshake");
+        }
+        let pending = handshake.pending_output().to_vec();
+        stream.write_all(&pending).map_err(|e| e.to_string())?;
+        Ok(Nbd { stream, cookie: 0 })
+    }
+
+    /// The reply's error (0: success), after reading `data_bytes` of READ data into `data`.
+    fn reply(&mut self, data: &mut [u8]) -> u32 {
+        let mut header = [0u8; 16];
+        self.stream
+            .read_exact(&mut header)
+            .unwrap_or_else(|e| panic!("reply: {e}"));
+        let (reply, _) = nbd::decode_simple_reply(&header)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("short reply"));
+        assert_eq!(reply.cookie, self.cookie);
+        if reply.error == 0 && !data.is_empty() {
+            self.stream
+                .read_exact(data)
+                .unwrap_or_else(|e| panic!("data: {e}"));
+        }
+        reply.error
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> u32 {
+        self.cookie += 1;
+        let mut request = nbd::write_request(self.cookie, offset, data.len() as u32, 0).to_vec();
+        request.extend_from_slice(data);
+        self.stream
+            .write_all(&request)
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        self.reply(&mut [])
+    }
+
+    pub fn read(&mut self, offset: u64, data: &mut [u8]) -> u32 {
+        self.cookie += 1;
+        let request = nbd::read_request(self.cookie, offset, data.len() as u32);
+        self.stream
+            .write_all(&request)
+            .unwrap_or_else(|e| panic!("send: {e}"));
+        self.reply(data)
+    }
 }
