@@ -107,11 +107,29 @@ pub const IOPS_MAX: u64 = 1_000_000_000;
 /// Largest device rate scale: four times the profile (a calibrator's ceiling is at most 2).
 pub const RATE_SCALE_MAX: f64 = 4.0;
 
+/// "needs X tokens/s, Y left", rounded as people read rates, except when the two round to the
+/// same figure (a near miss): then exact, so the refusal never reads "needs 20K, 20K left".
+struct NeedsLeft(f64, f64);
+
+impl fmt::Display for NeedsLeft {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (needed, left) = (
+            HumanRate(self.0).to_string(),
+            HumanCount(self.1).to_string(),
+        );
+        if needed.trim_end_matches(" tokens/s") == left {
+            write!(f, "needs {:.0} tokens/s, {:.0} left", self.0, self.1)
+        } else {
+            write!(f, "needs {needed}, {left} left")
+        }
+    }
+}
+
 /// A refused registration or an invalid control request. `Display` gives the reason a client
 /// sees (e.g. "needs 196K tokens/s, 82K left at 500 µs").
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum AdmissionError {
-    #[error("needs {}, {} left at {latency_us_p95} µs{}", HumanRate(*needed_tokens_per_sec), HumanCount(*left_tokens_per_sec), if *read_only { " (read-only load)" } else { "" })]
+    #[error("{} at {latency_us_p95} µs{}", NeedsLeft(*needed_tokens_per_sec, *left_tokens_per_sec), if *read_only { " (read-only load)" } else { "" })]
     Insufficient {
         needed_tokens_per_sec: f64,
         left_tokens_per_sec: f64,
@@ -1523,6 +1541,12 @@ mod tests {
         r.reregister(b, lc(500, 200_000, 100)).unwrap();
         let error = r.register(lc(500, 30_000, 100)).unwrap_err();
         assert_eq!(error.to_string(), "needs 30K tokens/s, 20K left at 500 µs");
+        // A near miss reads exactly.
+        let error = r.register(lc(500, 20_500, 100)).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "needs 20500 tokens/s, 20200 left at 500 µs"
+        );
         // Half the rate (210K): B is over again and gets what A leaves of the 189K budget;
         // C keeps its 21K floor.
         assert_eq!(r.set_rate_scale(0.5), Ok(vec![b]));
