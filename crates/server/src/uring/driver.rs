@@ -297,16 +297,14 @@ impl UringDriver {
                 && !self.finished_synchronously
                 && !self.dataplane.has_pending_work()
                 && self.next_deadline().is_none_or(|due| due > now);
-            for _ in 0..if nothing_new {
-                0
-            } else {
-                PASSES_PER_ITERATION_MAX
-            } {
-                self.finished_synchronously = false;
-                self.dataplane.process(now);
-                self.issue_ops(now);
-                if !self.finished_synchronously {
-                    break;
+            if !nothing_new {
+                for _ in 0..PASSES_PER_ITERATION_MAX {
+                    self.finished_synchronously = false;
+                    self.dataplane.process(now);
+                    self.issue_ops(now);
+                    if !self.finished_synchronously {
+                        break;
+                    }
                 }
             }
             if self.dataplane.is_finished() {
@@ -321,11 +319,16 @@ impl UringDriver {
                     return Ok(());
                 }
             }
-            let device_due = self.device_deadline().is_some_and(|due| due <= now);
-            let busy = self.dataplane.has_pending_work()
-                || self.finished_synchronously
-                || device_due
-                || self.ring.more_in_cq();
+            // After a skipped iteration nothing but the completion queue can have changed:
+            // pending work and deadlines were just checked.
+            let busy = if nothing_new {
+                self.ring.more_in_cq()
+            } else {
+                self.dataplane.has_pending_work()
+                    || self.finished_synchronously
+                    || self.device_deadline().is_some_and(|due| due <= now)
+                    || self.ring.more_in_cq()
+            };
             // An iteration that skipped the dataplane took no time worth a clock read.
             let idle_at = (!busy).then(|| if nothing_new { now } else { self.now() });
             idle_since = idle_at;
