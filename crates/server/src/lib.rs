@@ -42,6 +42,7 @@ pub mod metrics;
 pub mod namespaces;
 #[allow(unsafe_code)]
 mod sys;
+pub mod tls;
 mod uring;
 
 pub use reflex_dataplane as dataplane;
@@ -54,7 +55,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use reflex_dataplane::DataplaneSetup;
 use reflex_dataplane::control::{
     Catalog, ControlPlane, ControlSetup, HandleKeys, NamespaceControl, NamespaceQosSetup,
     TenantRef, Wake,
@@ -63,6 +63,7 @@ pub use reflex_dataplane::control::{ControlError, TenantInfo};
 use reflex_dataplane::frontend::{ExportBinding, NbdExports, NvmeTcpTargets, Protocol};
 use reflex_dataplane::namespaces::NamespaceSet;
 pub use reflex_dataplane::{CoreStats, TenantStats};
+use reflex_dataplane::{DataplaneSetup, TlsSetup};
 use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
@@ -108,6 +109,8 @@ pub enum ServerError {
     Qos(#[from] ControlError),
     #[error(transparent)]
     Admin(#[from] admin::AdminStartError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsSetupError),
 }
 
 /// Entry point; see the crate doc.
@@ -270,13 +273,25 @@ impl Server {
             manager: Arc::clone(&manager),
             admin: None,
         };
+        let tls_server_config = tls::server_config(&config.tls)?;
         let limits = config.limits();
         let cq_entries = config.ring_cq_entries();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<bool, String>)>();
         for (thread_index, listeners) in per_thread.into_iter().enumerate() {
             let (sockets, roles): (Vec<TcpListener>, Vec<ListenerRole>) =
                 listeners.into_iter().unzip();
+            let tls = tls_server_config.as_ref().map(|server_config| TlsSetup {
+                server_config: Arc::clone(server_config),
+                listeners_tls: roles
+                    .iter()
+                    .map(|role| {
+                        matches!(role, ListenerRole::Native)
+                            && config.tls.native == config::TlsMode::Require
+                    })
+                    .collect(),
+            });
             let dataplane_setup = DataplaneSetup {
+                tls,
                 thread_index,
                 listeners: roles.into_iter().map(protocol_of).collect(),
                 namespaces: Arc::clone(&namespaces),
@@ -452,7 +467,13 @@ fn nbd_exports(
         ));
     }
     let default_export = config.effective_default_export();
+    let tls = match config.tls.nbd {
+        config::TlsMode::Off => reflex_proto::nbd::TlsPolicy::Off,
+        config::TlsMode::Optional => reflex_proto::nbd::TlsPolicy::Optional,
+        config::TlsMode::Require => reflex_proto::nbd::TlsPolicy::Required,
+    };
     NbdExports::new(exports, default_export.as_deref())
+        .map(|exports| exports.with_tls(tls))
         .map_err(|e| ConfigError::Invalid(format!("NBD exports: {e}")).into())
 }
 
