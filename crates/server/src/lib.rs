@@ -274,6 +274,7 @@ impl Server {
             admin: None,
         };
         let tls_server_config = tls::server_config(&config.tls)?;
+        let tls_identities = Arc::new(tls::identities(&config));
         let limits = config.limits();
         let cq_entries = config.ring_cq_entries();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<bool, String>)>();
@@ -282,6 +283,7 @@ impl Server {
                 listeners.into_iter().unzip();
             let tls = tls_server_config.as_ref().map(|server_config| TlsSetup {
                 server_config: Arc::clone(server_config),
+                identities: Arc::clone(&tls_identities),
                 listeners_tls: roles
                     .iter()
                     .map(|role| {

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-use crate::config::TlsConfig;
+use std::collections::HashMap;
+
+use crate::config::{Config, TlsConfig};
 
 /// Why `[tls]` could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -94,4 +96,28 @@ fn certificates(
         return Err(error("no certificate in the file".to_string()));
     }
     Ok(chain)
+}
+
+/// Per tenant name, the namespaces the configuration binds it to (through the namespace, an
+/// original port, an NVMe/TCP host or an NBD export): where a certificate naming that tenant
+/// may go on namespaces without QoS.
+pub fn identities(config: &Config) -> HashMap<String, Vec<u32>> {
+    let mut identities: HashMap<String, Vec<u32>> = HashMap::new();
+    let mut add = |name: &str, id: u32| {
+        let ids = identities.entry(name.to_string()).or_default();
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    };
+    for namespace in config.effective_namespaces() {
+        for name in config.tenants_bound_to(namespace.id) {
+            add(&name, namespace.id);
+        }
+    }
+    for export in &config.nbd.exports {
+        if let Some(name) = &export.tenant {
+            add(name, export.namespace);
+        }
+    }
+    identities
 }

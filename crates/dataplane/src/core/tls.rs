@@ -49,6 +49,10 @@ pub struct TlsSetup {
     /// Per listener index: whether it speaks TLS from the first byte (the native protocol's
     /// TLS port). NBD begins TLS in the handshake (`NBD_OPT_STARTTLS`).
     pub listeners_tls: Vec<bool>,
+    /// Per certificate name (a tenant's name): the namespace ids the configuration binds
+    /// that tenant to, for namespaces without QoS (which keep no tenant registry). Where a
+    /// namespace has QoS, the control plane's configured tenant of that name decides.
+    pub identities: Arc<std::collections::HashMap<String, Vec<u32>>>,
 }
 
 impl std::fmt::Debug for TlsSetup {
@@ -90,6 +94,8 @@ pub(super) struct TlsLink {
     cancelled: bool,
     /// The certificate's subject, once the handshake completed with a client certificate.
     pub(super) peer_name: Option<String>,
+    /// The tenant `peer_name` is on each namespace slot asked so far (`core/tenants.rs`).
+    pub(super) identity_tenants: Vec<(u16, Option<crate::control::TenantRef>)>,
 }
 
 impl TlsLink {
@@ -113,6 +119,7 @@ impl TlsLink {
             ended: false,
             cancelled: false,
             peer_name: None,
+            identity_tenants: Vec::new(),
         })
     }
 
