@@ -41,8 +41,9 @@ fn openssl(dir: &Path, args: &[&str]) {
 }
 
 /// A key and a certificate signed by `ca` (the CA's files are `{ca}-cert.pem` and
-/// `{ca}-key.pem`), with the extensions in `extensions`.
-fn issue(dir: &Path, name: &str, subject: &str, ca: &str, extensions: &str) {
+/// `{ca}-key.pem`), with the extensions in `extensions`, valid for `days` (-1: it expired
+/// yesterday).
+fn issue(dir: &Path, name: &str, subject: &str, ca: &str, extensions: &str, days: &str) {
     let key = format!("{name}-key.pem");
     let csr = format!("{name}.csr");
     let ext = format!("{name}.ext");
@@ -77,7 +78,7 @@ fn issue(dir: &Path, name: &str, subject: &str, ca: &str, extensions: &str) {
             &format!("{ca}-key.pem"),
             "-CAcreateserial",
             "-days",
-            "2",
+            days,
             "-out",
             &format!("{name}-cert.pem"),
             "-extfile",
@@ -129,18 +130,21 @@ impl Pki {
             "/CN=localhost",
             "ca",
             "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n",
+            "2",
         );
-        issue(path, "A", "/CN=A", "ca", CLIENT_EXTENSIONS);
-        issue(path, "B", "/CN=B", "ca", CLIENT_EXTENSIONS);
-        issue(path, "rogue", "/CN=A", "rogue-ca", CLIENT_EXTENSIONS);
+        issue(path, "A", "/CN=A", "ca", CLIENT_EXTENSIONS, "2");
+        issue(path, "B", "/CN=B", "ca", CLIENT_EXTENSIONS, "2");
+        issue(path, "rogue", "/CN=A", "rogue-ca", CLIENT_EXTENSIONS, "2");
+        issue(path, "expired", "/CN=A", "ca", CLIENT_EXTENSIONS, "-1");
         issue(
             path,
             "wrong-purpose",
             "/CN=A",
             "ca",
             "extendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n",
+            "2",
         );
-        for client in ["A", "B", "rogue", "wrong-purpose"] {
+        for client in ["A", "B", "rogue", "expired", "wrong-purpose"] {
             let folder = path.join(format!("nbd-{client}"));
             std::fs::create_dir(&folder).unwrap();
             std::fs::copy(path.join("ca-cert.pem"), folder.join("ca-cert.pem")).unwrap();
@@ -257,8 +261,8 @@ fn nbd_refuses_plaintext_and_bad_certificates_and_keeps_serving() {
     // Plaintext on a TLS-required server: every option but STARTTLS is refused.
     let plain = run("nbdinfo", &[&format!("nbd://localhost:{port}/ns1")]);
     assert!(!plain.status.success(), "plaintext NBD was served");
-    // A certificate of another CA, and one not meant for clients.
-    for client in ["rogue", "wrong-purpose"] {
+    // A certificate of another CA, an expired one, and one not meant for clients.
+    for client in ["rogue", "expired", "wrong-purpose"] {
         let refused = run("nbdinfo", &[&nbd_uri(&server, "ns1", &pki, client)]);
         assert!(
             !refused.status.success(),
