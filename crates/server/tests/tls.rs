@@ -462,3 +462,137 @@ fn native_tls_port_closes_plaintext_and_bad_certificates() {
     let (answer, _) = call(&mut a, &RequestHeader::read(2, 1, 0, 4096), &[]);
     assert_eq!(answer.status(), Ok(Status::Ok));
 }
+
+/// Starts `reflexd --config PATH`; returns it, its NBD address and its log lines as they come.
+fn spawn_reflexd(
+    config: &Path,
+) -> (
+    std::process::Child,
+    SocketAddr,
+    std::sync::mpsc::Receiver<String>,
+) {
+    use std::io::BufRead;
+    let mut child = common::reflexd_command()
+        .arg("--config")
+        .arg(config)
+        .args(common::driver_args())
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
+    let stderr = child.stderr.take().unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let nbd = wait_for(&lines, "reflexd serving")
+        .split("nbd=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no NBD address in the log"))
+        .parse()
+        .unwrap();
+    (child, nbd, lines)
+}
+
+/// The first log line containing `needle` (within a minute).
+fn wait_for(lines: &std::sync::mpsc::Receiver<String>, needle: &str) -> String {
+    loop {
+        let line = lines
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("reflexd never logged {needle:?}"));
+        if line.contains(needle) {
+            return line;
+        }
+    }
+}
+
+#[test]
+fn sighup_reloads_the_certificate_for_new_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path();
+    let server_extensions =
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n";
+    for ca in ["old", "new"] {
+        self_signed_ca(path, &format!("{ca}-ca"), &format!("/CN={ca} CA"));
+        issue(
+            path,
+            ca,
+            "/CN=localhost",
+            &format!("{ca}-ca"),
+            server_extensions,
+            "2",
+        );
+        let folder = path.join(format!("trusts-{ca}"));
+        std::fs::create_dir(&folder).unwrap();
+        std::fs::copy(
+            path.join(format!("{ca}-ca-cert.pem")),
+            folder.join("ca-cert.pem"),
+        )
+        .unwrap();
+    }
+    std::fs::copy(path.join("old-cert.pem"), path.join("server-cert.pem")).unwrap();
+    std::fs::copy(path.join("old-key.pem"), path.join("server-key.pem")).unwrap();
+    let config = path.join("reflexd.toml");
+    std::fs::write(
+        &config,
+        "port = 0\noriginal_ports = []\narena_bytes_per_thread = \"4M\"\n\
+         [nbd]\nport = 0\n[nvme_tcp]\nenabled = false\n\
+         [[namespace]]\nid = 1\nbackend = \"mem:4M\"\n\
+         [tls]\ncertificate = \"server-cert.pem\"\nkey = \"server-key.pem\"\nnbd = \"require\"\n",
+    )
+    .unwrap();
+    let (mut child, nbd, lines) = spawn_reflexd(&config);
+    let uri = |ca: &str| {
+        format!(
+            "nbds://localhost:{}/ns1?tls-certificates={}",
+            nbd.port(),
+            path.join(format!("trusts-{ca}")).display()
+        )
+    };
+    assert!(run("nbdinfo", &[&uri("old")]).status.success());
+    assert!(!run("nbdinfo", &[&uri("new")]).status.success());
+
+    std::fs::copy(path.join("new-cert.pem"), path.join("server-cert.pem")).unwrap();
+    std::fs::copy(path.join("new-key.pem"), path.join("server-key.pem")).unwrap();
+    let status = Command::new("kill")
+        .arg("-HUP")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    wait_for(&lines, "TLS certificates reloaded");
+    assert!(run("nbdinfo", &[&uri("new")]).status.success());
+    assert!(!run("nbdinfo", &[&uri("old")]).status.success());
+
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn a_tls_client_on_a_plaintext_port_is_refused_and_others_are_served() {
+    let pki = Pki::new();
+    let server = common::mem_server();
+    let mut tls = native_tls(server.native_addr(), &pki, "A");
+    let mut response = [0u8; native::RESPONSE_HEADER_SIZE];
+    let sent = tls
+        .write_all(&RequestHeader::read(1, 1, 0, 4096).to_bytes())
+        .and_then(|()| tls.flush())
+        .and_then(|()| tls.read_exact(&mut response));
+    assert!(sent.is_err(), "a TLS handshake got an answer");
+    let mut plain = TcpStream::connect(server.native_addr()).unwrap();
+    plain
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let (answer, _) = call(&mut plain, &RequestHeader::read(2, 1, 0, 4096), &[]);
+    assert_eq!(answer.status(), Ok(Status::Ok));
+}

@@ -75,7 +75,7 @@ pub use stats::CoreStats;
 use tenants::NamespaceQos;
 pub use tenants::{NOTICES_PENDING_MAX, TenantStats};
 pub use timeouts::HOUSEKEEPING_INTERVAL;
-pub use tls::TlsSetup;
+pub use tls::{TlsCurrent, TlsKeys, TlsSetup};
 
 /// One namespace's read latencies on this thread, from arrival off the socket to the answer's
 /// last byte leaving, since start; and what the current calibration window collected.

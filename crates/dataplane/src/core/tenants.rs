@@ -435,8 +435,8 @@ impl Dataplane {
         // A namespace without QoS keeps no tenants: the configuration says whom it serves.
         let namespace = &self.qos[usize::from(namespace_index)];
         let tenant = registered.or_else(|| {
-            let tls = self.tls.as_ref()?;
-            tls.identities
+            let identities = self.tls.as_ref()?.keys.current().identities;
+            identities
                 .get(&name)?
                 .contains(&namespace.namespace_id)
                 .then_some(namespace.default_tenant)

@@ -45,14 +45,11 @@ const CIPHER_OUT_KEEP_BYTES: usize = 2 * SEND_PLAINTEXT_MAX;
 /// How a dataplane thread speaks TLS.
 #[derive(Clone)]
 pub struct TlsSetup {
-    pub server_config: Arc<rustls::ServerConfig>,
+    /// What new sessions start with (shared by every thread; SIGHUP replaces it).
+    pub keys: Arc<TlsKeys>,
     /// Per listener index: whether it speaks TLS from the first byte (the native protocol's
     /// TLS port). NBD begins TLS in the handshake (`NBD_OPT_STARTTLS`).
     pub listeners_tls: Vec<bool>,
-    /// Per certificate name (a tenant's name): the namespace ids the configuration binds
-    /// that tenant to, for namespaces without QoS (which keep no tenant registry). Where a
-    /// namespace has QoS, the control plane's configured tenant of that name decides.
-    pub identities: Arc<std::collections::HashMap<String, Vec<u32>>>,
 }
 
 impl std::fmt::Debug for TlsSetup {
@@ -60,6 +57,46 @@ impl std::fmt::Debug for TlsSetup {
         f.debug_struct("TlsSetup")
             .field("listeners_tls", &self.listeners_tls)
             .finish_non_exhaustive()
+    }
+}
+
+/// The certificates, keys and identities new TLS sessions use. A reload replaces them at
+/// once for every thread; sessions already running keep what they started with.
+pub struct TlsKeys {
+    current: std::sync::Mutex<TlsCurrent>,
+}
+
+/// One generation of [`TlsKeys`].
+#[derive(Clone)]
+pub struct TlsCurrent {
+    pub server_config: Arc<rustls::ServerConfig>,
+    /// Per certificate name (a tenant's name): the namespace ids the configuration binds
+    /// that tenant to, for namespaces without QoS (which keep no tenant registry). Where a
+    /// namespace has QoS, the control plane's configured tenant of that name decides.
+    pub identities: Arc<std::collections::HashMap<String, Vec<u32>>>,
+}
+
+impl TlsKeys {
+    pub fn new(current: TlsCurrent) -> TlsKeys {
+        TlsKeys {
+            current: std::sync::Mutex::new(current),
+        }
+    }
+
+    /// What a session starting now uses (a lock per new session or identity lookup, never
+    /// per request).
+    pub fn current(&self) -> TlsCurrent {
+        self.current
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    pub fn replace(&self, current: TlsCurrent) {
+        *self
+            .current
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = current;
     }
 }
 
@@ -195,7 +232,7 @@ impl Dataplane {
         let Some(setup) = self.tls.as_ref() else {
             panic!("TLS started without a TLS setup");
         };
-        let mut link = match TlsLink::new(&setup.server_config) {
+        let mut link = match TlsLink::new(&setup.keys.current().server_config) {
             Ok(link) => Box::new(link),
             Err(e) => {
                 tracing::warn!(thread = self.thread_index, error = %e, "TLS session refused");
