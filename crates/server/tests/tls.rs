@@ -596,3 +596,111 @@ fn a_tls_client_on_a_plaintext_port_is_refused_and_others_are_served() {
     let (answer, _) = call(&mut plain, &RequestHeader::read(2, 1, 0, 4096), &[]);
     assert_eq!(answer.status(), Ok(Status::Ok));
 }
+
+/// Sends `bytes` (pipelined requests) while reading answers, without blocking either way,
+/// until `count` answers came; returns them (header and body) in arrival order.
+fn pipeline(
+    stream: &mut rustls::StreamOwned<rustls::ClientConnection, TcpStream>,
+    bytes: &[u8],
+    count: usize,
+) -> Vec<(ResponseHeader, Vec<u8>)> {
+    stream.sock.set_nonblocking(true).unwrap();
+    let mut answers = Vec::new();
+    let mut sent = 0;
+    let mut pending = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while answers.len() < count {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "answers stopped coming"
+        );
+        let mut progress = false;
+        if sent < bytes.len() {
+            let end = (sent + 64 * 1024).min(bytes.len());
+            match stream.write(&bytes[sent..end]) {
+                Ok(n) => {
+                    sent += n;
+                    progress = n > 0;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("send: {e}"),
+            }
+        }
+        match stream.flush() {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("flush: {e}"),
+        }
+        match stream.read(&mut buffer) {
+            Ok(0) => panic!("the server closed the connection"),
+            Ok(n) => {
+                pending.extend_from_slice(&buffer[..n]);
+                progress = true;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("receive: {e}"),
+        }
+        while let Ok(Some((header, _))) = ResponseHeader::decode(&pending) {
+            let total = native::RESPONSE_HEADER_SIZE + header.length_bytes as usize;
+            if pending.len() < total {
+                break;
+            }
+            answers.push((
+                header,
+                pending[native::RESPONSE_HEADER_SIZE..total].to_vec(),
+            ));
+            pending.drain(..total);
+        }
+        if !progress {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    stream.sock.set_nonblocking(false).unwrap();
+    answers
+}
+
+#[test]
+fn native_tls_pipelined_large_requests_come_back_exact() {
+    let pki = Pki::new();
+    let server = tls_server(&pki);
+    let mut a = native_tls(server.native_addr(), &pki, "A");
+    const CHUNK: usize = 256 * 1024;
+    let chunks = NAMESPACE_BYTES as usize / CHUNK;
+    let data = pattern(31, NAMESPACE_BYTES as usize);
+    // Every request is sent before its answer is read: the server's sends and receives stall
+    // on full socket buffers and resume in pieces of TLS records.
+    let mut writes = Vec::new();
+    for (i, chunk) in data.chunks(CHUNK).enumerate() {
+        let offset = (i * CHUNK) as u64;
+        writes.extend_from_slice(
+            &RequestHeader::write(i as u64, 1, offset, CHUNK as u32, false).to_bytes(),
+        );
+        writes.extend_from_slice(chunk);
+    }
+    for (header, _) in pipeline(&mut a, &writes, chunks) {
+        assert_eq!(
+            header.status(),
+            Ok(Status::Ok),
+            "write {}",
+            header.request_id
+        );
+    }
+    let mut reads = Vec::new();
+    for i in 0..chunks {
+        let offset = (i * CHUNK) as u64;
+        reads.extend_from_slice(&RequestHeader::read(i as u64, 1, offset, CHUNK as u32).to_bytes());
+    }
+    let mut read_back = vec![0u8; data.len()];
+    for (header, body) in pipeline(&mut a, &reads, chunks) {
+        assert_eq!(
+            header.status(),
+            Ok(Status::Ok),
+            "read {}",
+            header.request_id
+        );
+        let offset = header.request_id as usize * CHUNK;
+        read_back[offset..offset + CHUNK].copy_from_slice(&body);
+    }
+    assert!(read_back == data, "data read back differs");
+}
