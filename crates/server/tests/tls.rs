@@ -1,6 +1,6 @@
 //! TLS and certificate identity against a real server, with real clients: `nbdinfo` and
-//! `nbdcopy` (libnbd over GnuTLS) with `nbds://` URIs, and a rustls client speaking the
-//! native protocol. Certificates are made in the test with `openssl`: a CA, the server's
+//! `nbdcopy` (libnbd over GnuTLS) with `nbds://` URIs, `qemu-img` with its x509 credentials,
+//! and a rustls client speaking the native protocol. Certificates are made in the test with `openssl`: a CA, the server's
 //! certificate for localhost, client certificates whose common names are the tenants `A`
 //! and `B`, one of another CA, and one whose purpose is server authentication only.
 //!
@@ -250,6 +250,49 @@ fn nbd_over_tls_copies_data_exactly_with_a_client_certificate() {
     assert!(
         std::fs::read(&output).unwrap() == data,
         "data read back differs"
+    );
+
+    // qemu-img with its own TLS options (x509 credentials from the same folder).
+    let port = server.nbd_addr().unwrap().port();
+    let object = format!(
+        "tls-creds-x509,id=tls0,dir={},endpoint=client",
+        pki.nbd_folder("A").display()
+    );
+    let target = format!("driver=nbd,host=localhost,port={port},export=ns1,tls-creds=tls0");
+    let other = pattern(8, NAMESPACE_BYTES as usize);
+    std::fs::write(&input, &other).unwrap();
+    let write = run(
+        "qemu-img",
+        &[
+            "convert",
+            "-n",
+            "--object",
+            &object,
+            "-f",
+            "raw",
+            input.to_str().unwrap(),
+            "--target-image-opts",
+            &target,
+        ],
+    );
+    assert!(write.status.success(), "qemu-img write: {write:?}");
+    let read = run(
+        "qemu-img",
+        &[
+            "convert",
+            "--object",
+            &object,
+            "--image-opts",
+            &target,
+            "-O",
+            "raw",
+            output.to_str().unwrap(),
+        ],
+    );
+    assert!(read.status.success(), "qemu-img read: {read:?}");
+    assert!(
+        std::fs::read(&output).unwrap() == other,
+        "qemu-img read back differs"
     );
 }
 
