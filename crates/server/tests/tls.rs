@@ -454,7 +454,7 @@ fn native_tls_identity_chooses_the_tenant_and_refuses_the_others() {
     assert_eq!(answer.status(), Ok(Status::Permission));
     let (answer, _) = call(&mut a, &RequestHeader::read(4, 2, 8192, 4096), &[]);
     assert_eq!(answer.status(), Ok(Status::Permission));
-    // BIND to B's tenant (even knowing its handle) and REGISTER: refused.
+    // BIND to B's tenant, even knowing its handle: refused.
     let b_handle = server.tenant_handle(2, "B").expect("tenant B");
     let bind = RequestHeader {
         length_bytes: 8,
@@ -462,7 +462,7 @@ fn native_tls_identity_chooses_the_tenant_and_refuses_the_others() {
     };
     let (answer, _) = call(&mut a, &bind, &b_handle.to_le_bytes());
     assert_eq!(answer.status(), Ok(Status::Permission));
-    // B sees its namespace unchanged (zeroes) and its own write.
+    // B sees its namespace unchanged: A's refused write left nothing.
     let mut b = native_tls(server.native_addr(), &pki, "B");
     let (answer, data) = call(&mut b, &RequestHeader::read(6, 2, 8192, 4096), &[]);
     assert_eq!(answer.status(), Ok(Status::Ok));
