@@ -747,3 +747,35 @@ fn native_tls_pipelined_large_requests_come_back_exact() {
     }
     assert!(read_back == data, "data read back differs");
 }
+
+#[test]
+fn the_client_library_speaks_tls_with_its_certificate() {
+    use reflex_client::{Client, ClientError, ClientOptions, TlsOptions};
+    let pki = Pki::new();
+    let server = tls_server(&pki);
+    let tls = TlsOptions::from_pem_files(
+        Path::new(&pki.file("ca-cert.pem")),
+        Some((
+            Path::new(&pki.file("A-cert.pem")),
+            Path::new(&pki.file("A-key.pem")),
+        )),
+        "localhost",
+    )
+    .unwrap();
+    let options = ClientOptions {
+        tls: Some(tls),
+        ..ClientOptions::default()
+    };
+    let mut client = Client::connect_with(server.native_addr(), &options).unwrap();
+    let block = pattern(41, 64 * 1024);
+    client.write(1, 0, &block).unwrap();
+    let mut back = vec![0u8; block.len()];
+    client.read(1, 0, &mut back).unwrap();
+    assert_eq!(back, block);
+    match client.read(2, 0, &mut back) {
+        Err(ClientError::Status { status, .. }) => assert_eq!(status, Status::Permission),
+        other => panic!("tenant A read tenant B's namespace: {other:?}"),
+    }
+    // Without TLS options, the TLS port does not serve the library.
+    assert!(Client::connect_with(server.native_addr(), &ClientOptions::default()).is_err());
+}
