@@ -1494,7 +1494,7 @@ impl Run {
                      driver had not taken yet"
                 );
                 let kind = match listeners[listener_index] {
-                    VirtualListener::Native => Kind::Native,
+                    VirtualListener::Native | VirtualListener::NativeTls(_) => Kind::Native,
                     VirtualListener::Original { .. } => Kind::Original,
                     VirtualListener::Nbd => Kind::Nbd,
                 };
@@ -2081,7 +2081,7 @@ impl Run {
                 };
                 (None, bytes / u64::from(original::SECTOR_SIZE_BYTES))
             }
-            VirtualListener::Native => (None, 0),
+            VirtualListener::Native | VirtualListener::NativeTls(_) => (None, 0),
         };
         let index = self.clients.len() - 1;
         self.clients[index].oracle = Some(Oracle {
