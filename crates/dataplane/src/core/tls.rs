@@ -315,6 +315,8 @@ impl Dataplane {
                 Some(Err(libc::ECANCELED))
             } else if link.plaintext_ready > 0 {
                 let space = self.plain_receive_space(index);
+                // A receive is issued only with room (`issue_recv`): 0 read means close_notify.
+                assert!(!space.is_empty(), "a TLS delivery into no space");
                 match link.session.reader().read(space) {
                     Ok(n) => {
                         link.plaintext_ready -= n;
