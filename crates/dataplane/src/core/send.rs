@@ -178,7 +178,7 @@ impl Dataplane {
     }
 
     /// [`Self::send_segments`] of the plaintext stream.
-    pub(super) fn plain_send_segments(&self, index: u32, mut segment: impl FnMut(&[u8])) {
+    pub(super) fn plain_send_segments<'a>(&'a self, index: u32, mut segment: impl FnMut(&'a [u8])) {
         let connection = &self.connections[index as usize];
         assert!(connection.send_in_flight, "send segments without a send");
         let mut skip = connection.send_offset_bytes;

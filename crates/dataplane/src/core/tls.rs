@@ -468,16 +468,20 @@ impl Dataplane {
             unreachable!("tls_inner_send on a plain connection");
         };
         assert!(link.inner_send.is_none());
-        let mut plaintext_bytes = 0;
+        // All segments in one vectored write: rustls fills whole records across them (one
+        // write per segment would make a record of each 16-byte header).
+        let mut slices: Vec<std::io::IoSlice<'_>> = Vec::with_capacity(super::SEND_SEGMENTS_MAX);
+        let mut room = SEND_PLAINTEXT_MAX;
         self.plain_send_segments(index, |segment| {
-            let room = SEND_PLAINTEXT_MAX - plaintext_bytes;
             let take = segment.len().min(room);
             if take > 0 {
-                let written = std::io::Write::write(&mut link.session.writer(), &segment[..take])
-                    .unwrap_or(0);
-                plaintext_bytes += written;
+                slices.push(std::io::IoSlice::new(&segment[..take]));
+                room -= take;
             }
         });
+        let plaintext_bytes =
+            std::io::Write::write_vectored(&mut link.session.writer(), &slices).unwrap_or(0);
+        drop(slices);
         link.collect_output();
         link.inner_send = Some(InnerSend {
             plaintext_bytes,
