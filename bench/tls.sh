@@ -3,6 +3,9 @@
 # (its memory plugin, `--tls=on`), both serving 4 KiB random reads from memory to fio's nbd
 # engine (libnbd, GnuTLS): `nbd://` for plaintext, `nbds://` for TLS 1.3.
 #   qd1   QD1 latency (p50, p99) from fio
+#   instructions  (INSTRUCTIONS=1, the default) reflexd under callgrind serving 16,384 QD32
+#         reads to fio, TLS off and on: instructions per request, and the share of AES-GCM
+#         and memcpy (exact: instruction counts repeat; valgrind must be installed)
 #   qd32  QD32 IOPS, and the server's CPU time over the run (utime + stime of /proc/PID/stat,
 #         cpu_ticks in bench/lib/common.sh: nbdkit runs a thread per connection, and only the
 #         process's own counters keep the time of threads that have exited) -> IOPS per
@@ -29,7 +32,9 @@ RESULTS_MD=${RESULTS_MD:-docs/results/tls.md}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 REFLEXD=${REFLEXD:-$CARGO_TARGET_DIR/release/reflexd}
 
+INSTRUCTIONS=${INSTRUCTIONS:-1}
 require fio nbdkit openssl taskset python3
+[ "$INSTRUCTIONS" = 0 ] || require valgrind callgrind_annotate callgrind_control
 [ -x "$REFLEXD" ] || cargo build --release -q -p reflex-server --bin reflexd
 mkdir -p "$OUT"
 trap stop_tracked EXIT
@@ -60,16 +65,13 @@ CLIENT_HOME=$(realpath "$OUT")/home
 mkdir -p "$CLIENT_HOME/.pki"
 ln -sfn "$PKI/client" "$CLIENT_HOME/.pki/libnbd"
 
-# start_server NAME PORT: starts it pinned to SERVER_CPU; its PID in SERVER_PID.
-start_server() {
-    local name=$1 port=$2 pid
-    case "$name" in
-        reflexd)
-            cat >"$OUT/reflexd.toml" <<EOF
+# reflexd_config NBD_PORT: reflexd's configuration (TLS optional on NBD, a mem namespace).
+reflexd_config() {
+    cat <<EOF
 port = 0
 threads = 1
 [nbd]
-port = $port
+port = $1
 [[namespace]]
 id = 1
 backend = "mem"
@@ -79,6 +81,14 @@ certificate = "$PKI/server-cert.pem"
 key = "$PKI/server-key.pem"
 nbd = "optional"
 EOF
+}
+
+# start_server NAME PORT: starts it pinned to SERVER_CPU; its PID in SERVER_PID.
+start_server() {
+    local name=$1 port=$2 pid
+    case "$name" in
+        reflexd)
+            reflexd_config "$port" >"$OUT/reflexd.toml"
             taskset -c "$SERVER_CPU" "$REFLEXD" -c "$OUT/reflexd.toml" --no-original \
                 --no-nvme-tcp --no-admin >"$OUT/reflexd.log" 2>&1 &
             ;;
@@ -134,6 +144,32 @@ for server in reflexd nbdkit; do
     stop_pid "$pid"
 done
 
+# Instructions per request: reflexd under callgrind, counters zeroed after start-up, dumped
+# after fio's 16,384 reads (TLS: one handshake included).
+if [ "$INSTRUCTIONS" != 0 ]; then
+    for tls in off on; do
+        note "instructions: reflexd tls=$tls under callgrind"
+        port=$(free_port)
+        reflexd_config "$port" >"$OUT/callgrind.toml"
+        taskset -c "$SERVER_CPU" valgrind --tool=callgrind \
+            --callgrind-out-file="$OUT/callgrind-$tls.%p" "$REFLEXD" -c "$OUT/callgrind.toml" \
+            --no-original --no-nvme-tcp --no-admin >"$OUT/callgrind-$tls.log" 2>&1 &
+        cg_pid=$!
+        track "$cg_pid"
+        wait_port "$port" "$cg_pid" 120 || die "reflexd under callgrind did not start"
+        callgrind_control -z "$cg_pid" >/dev/null
+        HOME=$CLIENT_HOME timeout 600 taskset -c "$CLIENT_CPU" fio --name=randread \
+            --ioengine=nbd --uri="$(uri reflexd "$port" "$tls")" --rw=randread --bs=4k \
+            --iodepth=32 --number_ios=16384 --size=64M --output-format=json \
+            --output="$OUT/callgrind-fio-$tls.json" >/dev/null
+        callgrind_control -d "$cg_pid" >/dev/null
+        stop_pid "$cg_pid"
+        profile=$(ls -t "$OUT"/callgrind-"$tls".*.1 | head -1)
+        callgrind_annotate --auto=no --threshold=100 --inclusive=no "$profile" \
+            >"$OUT/callgrind-$tls.txt" 2>/dev/null
+    done
+fi
+
 python3 - "$OUT" "$REPS" "$RUNTIME_S" "$RESULTS_MD" "$(getconf CLK_TCK)" <<'PY'
 import json, statistics, sys
 out, reps, runtime, results = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -178,6 +214,21 @@ for server in ("reflexd", "nbdkit"):
         f"- {server}: TLS adds {on[0] - off[0]:+.1f} µs at QD1 (p50); IOPS per server core "
         f"with TLS = {on[3] / off[3]:.2f}× without."
     )
+import os, re
+if os.path.exists(f"{out}/callgrind-off.txt"):
+    lines += ["", "Instructions per request (callgrind, reflexd serving 16,384 QD32 reads of 4 KiB to fio; "
+              "TLS includes its one handshake):", "",
+              "| TLS | instructions per request | AES-GCM | memcpy |", "|---|---:|---:|---:|"]
+    for tls in ("off", "on"):
+        text = open(f"{out}/callgrind-{tls}.txt").read()
+        ios = json.load(open(f"{out}/callgrind-fio-{tls}.json"))["jobs"][0]["read"]["total_ios"]
+        total = int(re.search(r"([\d,]+) \(100\.0%\)\s+PROGRAM TOTALS", text).group(1).replace(",", ""))
+        def share(pattern):
+            return sum(int(m.group(1).replace(",", "")) for m in
+                       re.finditer(r"^\s*([\d,]+) \([^)]*\)\s+\S*(?:" + pattern + r")", text, re.M))
+        aes = share(r"aesni|ghash|aes_hw")
+        copy = share(r"memmove|memcpy")
+        lines.append(f"| {tls} | {total / ios:,.0f} | {aes / ios:,.0f} | {copy / ios:,.0f} |")
 open(results, "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
