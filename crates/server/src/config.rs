@@ -12,6 +12,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 use std::time::Duration;
 
+use ipnet::IpNet;
+use reflex_dataplane::access::{ByteRange, Grant};
 use reflex_flash::spec::parse_size;
 use reflex_qos::{QosConfig, TenantSpec};
 use serde::Deserialize;
@@ -271,6 +273,10 @@ pub struct OriginalPortConfig {
     /// ([`NamespaceConfig::tenant`]), else its default best-effort tenant.
     #[serde(default)]
     pub tenant: Option<String>,
+    /// Source addresses (CIDR blocks) this port serves; `None`: every address. The original
+    /// protocol has no credentials: this list and the port's tenant are its access control.
+    #[serde(default)]
+    pub allow: Option<Vec<IpNet>>,
 }
 
 impl OriginalPortConfig {
@@ -280,6 +286,7 @@ impl OriginalPortConfig {
             port,
             namespace,
             tenant: None,
+            allow: None,
         }
     }
 
@@ -307,6 +314,7 @@ impl OriginalPortConfig {
                 .parse()
                 .map_err(|_| fail("bad namespace id"))?,
             tenant,
+            allow: None,
         })
     }
 }
@@ -342,6 +350,25 @@ pub struct TenantConfig {
     /// `None`: the connection's own (the class its client declared, else the default).
     #[serde(default)]
     pub priority: Option<PriorityConfig>,
+    /// What its connections may do (`docs/OPERATIONS.md`, "Access control"): `read-write`
+    /// (the default) or `read-only` (WRITE, TRIM and WRITE ZEROES refused).
+    #[serde(default)]
+    pub access: AccessConfig,
+    /// The bytes of each of its namespaces it may touch: from `range_offset` (default 0)
+    /// for `range_size` bytes (default: to the end). Neither: the whole namespace.
+    #[serde(default, deserialize_with = "optional_size")]
+    pub range_offset: Option<u64>,
+    #[serde(default, deserialize_with = "optional_size")]
+    pub range_size: Option<u64>,
+}
+
+/// `access` of a tenant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AccessConfig {
+    #[default]
+    ReadWrite,
+    ReadOnly,
 }
 
 /// `priority` of a tenant: an NVMe arbitration class (`docs/EMULATION.md`).
@@ -378,6 +405,25 @@ impl TenantConfig {
             iops: None,
             read_percent: None,
             priority: None,
+            access: AccessConfig::ReadWrite,
+            range_offset: None,
+            range_size: None,
+        }
+    }
+
+    /// What the tenant's configuration grants it on a namespace (a range is not checked
+    /// against the namespace's size: bytes past its end are refused anyway).
+    pub fn grant(&self) -> Grant {
+        let range = match (self.range_offset, self.range_size) {
+            (None, None) => None,
+            (offset, size) => Some(ByteRange {
+                offset_bytes: offset.unwrap_or(0),
+                length_bytes: size.unwrap_or(u64::MAX - offset.unwrap_or(0)),
+            }),
+        };
+        Grant {
+            read_only: self.access == AccessConfig::ReadOnly,
+            range,
         }
     }
 
@@ -395,6 +441,9 @@ impl TenantConfig {
             iops: Some(iops),
             read_percent: Some(read_percent),
             priority: None,
+            access: AccessConfig::ReadWrite,
+            range_offset: None,
+            range_size: None,
         }
     }
 
@@ -489,6 +538,8 @@ pub struct NbdConfig {
     /// one job per export) can be several tenants at once.
     #[serde(rename = "export")]
     pub exports: Vec<NbdExportConfig>,
+    /// Source addresses (CIDR blocks) the NBD port serves; `None`: every address.
+    pub allow: Option<Vec<IpNet>>,
 }
 
 /// `[[nbd.export]]`: an NBD export of namespace `namespace` charged to `tenant`.
@@ -512,6 +563,7 @@ impl Default for NbdConfig {
             port: NBD_PORT_DEFAULT,
             default_export: None,
             exports: Vec::new(),
+            allow: None,
         }
     }
 }
@@ -570,6 +622,8 @@ pub struct NvmeTcpConfig {
     /// Subsystems; none: one, [`NVME_TCP_DEFAULT_NQN`], with every namespace, any host.
     #[serde(rename = "subsystem")]
     pub subsystems: Vec<NvmeSubsystemConfig>,
+    /// Source addresses (CIDR blocks) the NVMe/TCP port serves; `None`: every address.
+    pub allow: Option<Vec<IpNet>>,
 }
 
 impl Default for NvmeTcpConfig {
@@ -582,6 +636,7 @@ impl Default for NvmeTcpConfig {
             r2t_timeout: Duration::from_secs(30),
             keep_alive_timeout_min: Duration::from_secs(1),
             subsystems: Vec::new(),
+            allow: None,
         }
     }
 }
@@ -638,6 +693,9 @@ pub struct Config {
     pub listen: IpAddr,
     /// Native protocol port (0 picks a free one).
     pub port: u16,
+    /// Source addresses (CIDR blocks) the native port serves; `None`: every address. The
+    /// other listeners have their own (`[nbd]`, `[nvme_tcp]`, `[[original_port]]`, `[admin]`).
+    pub allow: Option<Vec<IpNet>>,
     /// Original-protocol ports. `None`: port 1234 serving namespace 1 if it exists.
     pub original_ports: Option<Vec<OriginalPortConfig>>,
     /// The NBD listener: on port 10809 unless configured otherwise.
@@ -712,6 +770,7 @@ impl Default for Config {
         Config {
             listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
             port: NATIVE_PORT_DEFAULT,
+            allow: None,
             original_ports: None,
             nbd: NbdConfig::default(),
             nvme_tcp: NvmeTcpConfig::default(),
@@ -812,6 +871,9 @@ impl Config {
             if let Some(profile) = &namespace.profile {
                 namespace.profile = Some(resolve(profile));
             }
+        }
+        if let Some(token_file) = &self.admin.token_file {
+            self.admin.token_file = Some(resolve(token_file));
         }
         if let Some(state_file) = &self.admin.state_file {
             self.admin.state_file = Some(resolve(state_file));
@@ -1107,6 +1169,26 @@ impl Config {
                 return invalid(format!("tenant {:?} declared twice", tenant.name));
             }
             tenant.spec().map_err(ConfigError::Invalid)?;
+            if tenant.range_size == Some(0) {
+                return invalid(format!("tenant {:?}: range_size is 0", tenant.name));
+            }
+            // A namespace without a QoS profile charges everything to its default tenant: a
+            // grant bound there would not be enforced, so it is refused rather than ignored.
+            if !tenant.grant().is_unrestricted() {
+                for namespace in &namespaces {
+                    if namespace.profile.is_none()
+                        && self.tenants_bound_to(namespace.id).contains(&tenant.name)
+                    {
+                        return invalid(format!(
+                            "tenant {:?} has an access grant (access, range_offset, \
+                             range_size) but is bound to namespace {}, which has no QoS \
+                             profile and so no tenants but its default: give the namespace a \
+                             profile",
+                            tenant.name, namespace.id
+                        ));
+                    }
+                }
+            }
         }
         self.qos_config
             .validate()

@@ -55,6 +55,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use reflex_dataplane::DataplaneSetup;
+use reflex_dataplane::access::{AllowList, ListenerAccess};
 use reflex_dataplane::control::{
     Catalog, ControlPlane, ControlSetup, HandleKeys, NamespaceControl, NamespaceQosSetup,
     TenantRef, Wake,
@@ -66,9 +67,9 @@ pub use reflex_dataplane::{CoreStats, TenantStats};
 use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
-    Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NbdExportConfig, NvmeHostConfig,
-    NvmeSubsystemConfig, NvmeTcpConfig, OriginalPortConfig, PriorityConfig, TenantClassConfig,
-    TenantConfig, TimeoutsConfig,
+    AccessConfig, Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NbdExportConfig,
+    NvmeHostConfig, NvmeSubsystemConfig, NvmeTcpConfig, OriginalPortConfig, PriorityConfig,
+    TenantClassConfig, TenantConfig, TimeoutsConfig,
 };
 pub use crate::driver::{Driver, NO_IO_URING_ENV};
 use crate::driver::{DriverSetup, EventfdWaker, spawn_driver};
@@ -173,6 +174,14 @@ impl Server {
         let (control, qos) =
             ControlPlane::start(&control_setup(&config)?, &namespaces, control_wakers)?;
         let control = Arc::new(control);
+        control.set_grants(
+            config
+                .tenants
+                .iter()
+                .map(|tenant| (tenant.name.clone(), tenant.grant()))
+                .filter(|(_, grant)| !grant.is_unrestricted())
+                .collect(),
+        );
         let configured = |namespace_index: u16, name: Option<&String>| -> TenantRef {
             let Some(name) = name else {
                 return TenantRef::NONE;
@@ -248,6 +257,29 @@ impl Server {
         let qos: Vec<NamespaceQosSetup> = (0..namespaces.len())
             .filter_map(|index| control.qos_setup(index as u16))
             .collect();
+        let effective_original_ports = config.effective_original_ports();
+        let original_ports: Vec<u16> = original_addrs.iter().map(|(_, addr)| addr.port()).collect();
+        let access_of = |role: ListenerRole| {
+            let (name, allow) = match role {
+                ListenerRole::Native => (format!("native:{}", native_addr.port()), &config.allow),
+                ListenerRole::Original(position) => (
+                    format!("original:{}", original_ports[position]),
+                    &effective_original_ports[position].allow,
+                ),
+                ListenerRole::Nbd => (
+                    format!("nbd:{}", nbd_addr.map_or(0, |addr| addr.port())),
+                    &config.nbd.allow,
+                ),
+                ListenerRole::NvmeTcp => (
+                    format!("nvme_tcp:{}", nvme_tcp_addr.map_or(0, |addr| addr.port())),
+                    &config.nvme_tcp.allow,
+                ),
+            };
+            ListenerAccess {
+                name,
+                allow: allow.clone().map(AllowList::new),
+            }
+        };
         let protocol_of = |role: ListenerRole| match role {
             ListenerRole::Native => Protocol::Native,
             ListenerRole::Original(position) => original_protocols[position],
@@ -278,6 +310,7 @@ impl Server {
                 listeners.into_iter().unzip();
             let dataplane_setup = DataplaneSetup {
                 thread_index,
+                listener_access: roles.iter().copied().map(access_of).collect(),
                 listeners: roles.into_iter().map(protocol_of).collect(),
                 namespaces: Arc::clone(&namespaces),
                 nbd_exports: nbd_exports.clone(),

@@ -176,6 +176,7 @@ impl VirtualServer {
             let dataplane = Dataplane::new(DataplaneSetup {
                 thread_index,
                 listeners: listeners.clone(),
+                listener_access: Vec::new(),
                 namespaces: Arc::clone(&namespaces),
                 nvme_tcp: None,
                 nbd_exports: nbd_exports.clone(),
