@@ -96,6 +96,9 @@ pub enum ControlMessage {
     /// The tenant was unregistered: I/O on connections bound to it is refused (PERMISSION)
     /// from now on, and they no longer count as its connections.
     Revoke { handle: u64 },
+    /// The tenant's grant changed (a configuration reload): connections charged to it check
+    /// their next requests against `grant`.
+    Grant { handle: u64, grant: Grant },
     /// Send this RENEGOTIATE notice to every native connection charged to the tenant.
     Notice { body: RenegotiateBody },
     /// The namespaces changed (one added, one being removed, one gone): adopt
@@ -859,16 +862,37 @@ impl ControlPlane {
 
     /// Sets the grants of configured tenants, by name: tenants registered already under one
     /// of these names (not over the wire) take it now, tenants registered later (a
-    /// configuration reload) when they are. Called before the dataplane threads start: a
-    /// connection learns its tenant's grant when it is first charged to it.
-    pub fn set_grants(&self, grants: BTreeMap<String, Grant>) {
-        let mut state = self.lock();
-        for entry in state.tenants.values_mut() {
-            if !entry.dynamic {
-                entry.grant = grants.get(&entry.name).copied().unwrap_or_default();
+    /// configuration reload) when they are. A connection learns its tenant's grant when it is
+    /// first charged to it; when a grant changes, every thread is told (a
+    /// [`ControlMessage::Grant`]), so connections charged already follow the new grant from
+    /// their thread's next iteration. Returns how many tenants' grants changed.
+    pub fn set_grants(&self, grants: BTreeMap<String, Grant>) -> usize {
+        self.change_from_outside(|state| {
+            let mut changed = Vec::new();
+            for (handle, entry) in state.tenants.iter_mut() {
+                if entry.dynamic {
+                    continue;
+                }
+                let grant = grants.get(&entry.name).copied().unwrap_or_default();
+                if entry.grant != grant {
+                    entry.grant = grant;
+                    changed.push((*handle, grant));
+                }
             }
-        }
-        state.grants = grants;
+            for (handle, grant) in &changed {
+                for thread in 0..state.threads {
+                    state.outbox.push((
+                        thread,
+                        ControlMessage::Grant {
+                            handle: *handle,
+                            grant: *grant,
+                        },
+                    ));
+                }
+            }
+            state.grants = grants;
+            changed.len()
+        })
     }
 
     /// A connection of each of `handles` on `thread` is gone (tenants that are gone

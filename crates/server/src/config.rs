@@ -1067,6 +1067,15 @@ impl Config {
         names
     }
 
+    /// The grants of the configured tenants that have one, by name.
+    pub fn grants(&self) -> std::collections::BTreeMap<String, Grant> {
+        self.tenants
+            .iter()
+            .map(|tenant| (tenant.name.clone(), tenant.grant()))
+            .filter(|(_, grant)| !grant.is_unrestricted())
+            .collect()
+    }
+
     /// Checks every field against its documented range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |message: String| Err(ConfigError::Invalid(message));

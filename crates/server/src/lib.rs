@@ -174,14 +174,7 @@ impl Server {
         let (control, qos) =
             ControlPlane::start(&control_setup(&config)?, &namespaces, control_wakers)?;
         let control = Arc::new(control);
-        control.set_grants(
-            config
-                .tenants
-                .iter()
-                .map(|tenant| (tenant.name.clone(), tenant.grant()))
-                .filter(|(_, grant)| !grant.is_unrestricted())
-                .collect(),
-        );
+        control.set_grants(config.grants());
         let configured = |namespace_index: u16, name: Option<&String>| -> TenantRef {
             let Some(name) = name else {
                 return TenantRef::NONE;
@@ -1032,6 +1025,9 @@ pub struct ReloadReport {
     pub namespaces_added: u32,
     /// NBD exports whose new sessions are charged to another tenant now.
     pub exports_rebound: u32,
+    /// Configured tenants whose grant (`access`, `range_offset`, `range_size`) changed: in
+    /// force for their connections from each thread's next iteration.
+    pub grants_changed: u32,
     /// What a reload cannot change (a namespace gone from the file, a changed backend):
     /// each is logged.
     pub needs_restart: u32,
@@ -1049,7 +1045,11 @@ impl ServerHandle {
     /// stays (remove it through the admin API); original-protocol ports and NVMe/TCP hosts keep
     /// the tenant they started with until a restart.
     pub fn reload_tenants(&self, config: &Config) -> ReloadReport {
-        let mut report = ReloadReport::default();
+        // Grants first: a tenant bound below takes its grant when it is registered.
+        let mut report = ReloadReport {
+            grants_changed: self.control.set_grants(config.grants()) as u32,
+            ..ReloadReport::default()
+        };
         let effective = config.effective_namespaces();
         for namespace in &effective {
             if self.namespaces().index_of(namespace.id).is_none() {

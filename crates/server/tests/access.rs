@@ -647,6 +647,38 @@ fn a_tenant_cannot_use_another_tenants_namespace() {
     );
 }
 
+/// A reload (what SIGHUP does) that changes a grant is in force for connections already
+/// charged to the tenant: the same native connection is refused, allowed, refused again.
+#[test]
+fn a_reloaded_grant_applies_to_connections_already_open() {
+    let (server, _api, mut expected) = start_seeded();
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    client
+        .bind(handle_of(&server, 1, "reader"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        native_status(client.write(1, 0, &[0xc1; 4096])),
+        native::Status::Permission
+    );
+
+    let mut config = grants_config();
+    config.tenants[0].access = AccessConfig::ReadWrite;
+    let report = server.reload_tenants(&config);
+    assert_eq!(report.grants_changed, 1, "{report:?}");
+    client
+        .write(1, 0, &[0xc2; 4096])
+        .unwrap_or_else(|e| panic!("read-write after the reload: {e}"));
+    expected[..4096].fill(0xc2);
+
+    let report = server.reload_tenants(&grants_config());
+    assert_eq!(report.grants_changed, 1, "{report:?}");
+    assert_eq!(
+        native_status(client.write(1, 0, &[0xc3; 4096])),
+        native::Status::Permission
+    );
+    assert!(read_back(&server) == expected);
+}
+
 #[test]
 fn a_grant_on_a_namespace_without_qos_is_refused_at_start() {
     let mut config = grants_config();

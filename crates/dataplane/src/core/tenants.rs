@@ -272,6 +272,20 @@ impl Dataplane {
                         .retain(|charge| charge.tenant.handle != handle);
                 }
             }
+            ControlMessage::Grant { handle, grant } => {
+                for connection in self.connections.iter_mut() {
+                    if let Some(bound) = connection.bound.as_mut()
+                        && bound.tenant.handle == handle
+                    {
+                        bound.grant = grant;
+                    }
+                    for charge in connection.charged.iter_mut() {
+                        if charge.tenant.handle == handle {
+                            charge.grant = grant;
+                        }
+                    }
+                }
+            }
             ControlMessage::Notice { body } => {
                 let draining = self.phase != super::Phase::Running;
                 for index in 0..self.connections.len() {
