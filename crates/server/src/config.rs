@@ -1411,6 +1411,99 @@ mod tests {
     }
 
     #[test]
+    fn access_control_keys() {
+        let text = r#"
+            allow = ["127.0.0.1/32", "::1/128"]
+            original_ports = [{ port = 1300, namespace = 1, tenant = "viewer", allow = ["10.0.0.0/8"] }]
+
+            [nbd]
+            allow = ["192.168.0.0/16"]
+
+            [nvme_tcp]
+            allow = ["fd00::/8"]
+
+            [admin]
+            allow = ["127.0.0.0/8"]
+            token_file = "/etc/reflex/admin.token"
+            token_exempt = []
+            allow_remote = true
+
+            [[namespace]]
+            id = 1
+            backend = "mem:64M"
+            profile = "p.toml"
+
+            [[tenant]]
+            name = "viewer"
+            class = "be"
+            access = "read-only"
+            range_offset = "1M"
+            range_size = "4M"
+
+            [[tenant]]
+            name = "writer"
+            class = "be"
+        "#;
+        let config = Config::from_toml(text, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        let net = |text: &str| -> IpNet { text.parse().unwrap_or_else(|e| panic!("{e}")) };
+        assert_eq!(
+            config.allow,
+            Some(vec![net("127.0.0.1/32"), net("::1/128")])
+        );
+        assert_eq!(config.nbd.allow, Some(vec![net("192.168.0.0/16")]));
+        assert_eq!(config.nvme_tcp.allow, Some(vec![net("fd00::/8")]));
+        let ports = config.effective_original_ports();
+        assert_eq!(ports[0].allow, Some(vec![net("10.0.0.0/8")]));
+        assert_eq!(config.admin.allow, Some(vec![net("127.0.0.0/8")]));
+        assert!(config.admin.token_exempt.is_empty());
+        assert_eq!(
+            config.tenant("viewer").grant(),
+            Grant {
+                read_only: true,
+                range: Some(ByteRange {
+                    offset_bytes: 1 << 20,
+                    length_bytes: 4 << 20,
+                }),
+            }
+        );
+        assert!(config.tenant("writer").grant().is_unrestricted());
+        assert_eq!(
+            config.grants().len(),
+            1,
+            "only restricted tenants have a grant"
+        );
+        // Defaults: no allow-lists, loopback needs no admin token.
+        let plain = Config::default();
+        assert_eq!(plain.allow, None);
+        assert_eq!(plain.admin.token_exempt, crate::admin::loopback_nets());
+
+        for (bad, expected) in [
+            ("allow = [\"127.0.0.1/33\"]", "invalid"),
+            ("allow = [\"localhost\"]", "invalid"),
+            (
+                "[[tenant]]\nname = \"t\"\nclass = \"be\"\naccess = \"write-only\"",
+                "unknown variant",
+            ),
+            ("[admin]\nallow_remote = true", "token_file"),
+            (
+                "[[tenant]]\nname = \"t\"\nclass = \"be\"\nrange_size = 0",
+                "range_size is 0",
+            ),
+            (
+                "[[namespace]]\nid = 1\nbackend = \"mem:1M\"\ntenant = \"t\"\n[[tenant]]\nname = \"t\"\nclass = \"be\"\naccess = \"read-only\"",
+                "no QoS",
+            ),
+        ] {
+            let error = Config::from_toml(bad, "test")
+                .and_then(|config| config.validate().map(|()| config))
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {bad}"));
+            assert!(error.to_string().contains(expected), "{bad}: {error}");
+        }
+    }
+
+    #[test]
     fn driver_choice_from_the_file_and_the_flag() {
         for (text, expected) in [
             ("auto", DriverChoice::Auto),
