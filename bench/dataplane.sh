@@ -28,6 +28,8 @@
 #   tasks would starve the machine).
 #   LIMIT (1): then run bench/limit.sh (reflexd against the physical limit, issue 10) with the
 #   same REPS, DURATION, CPUs and priority; LIMIT=0 skips it.
+#   TLS (1): then run bench/tls.sh (NBD with TLS on and off, reflexd and nbdkit, issue 13)
+#   with the same REPS, DURATION and CPUs; TLS=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -334,4 +336,11 @@ if [ "${LIMIT:-1}" = "1" ]; then
     stop_server
     REPS=$REPS DURATION=$DURATION SERVER_CPU=$SERVER_CPU CLIENT_CPU=$CLIENT_CPU NICE=$NICE \
         RT_PRIO=$RT_PRIO bench/limit.sh
+fi
+
+if [ "${TLS:-1}" = "1" ]; then
+    log "(e) what TLS costs: bench/tls.sh"
+    stop_server
+    REPS=$REPS RUNTIME_S=${DURATION%s} SERVER_CPU=$SERVER_CPU CLIENT_CPU=$CLIENT_CPU \
+        bench/tls.sh
 fi

@@ -6,7 +6,9 @@
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use reflex_proto::nbd::{Export, ExportTable, Handshake, HandshakeConfig, Outcome, decode_request};
+use reflex_proto::nbd::{
+    Export, ExportTable, Handshake, HandshakeConfig, Outcome, TlsPolicy, decode_request,
+};
 
 fn exports() -> Arc<ExportTable> {
     static TABLE: OnceLock<Arc<ExportTable>> = OnceLock::new();
@@ -29,6 +31,11 @@ fuzz_target!(|data: &[u8]| {
     let config = HandshakeConfig {
         block_size_required: selector & 0x80 != 0,
         options_max: 64,
+        tls: match selector & 0x60 {
+            0x20 => TlsPolicy::Optional,
+            0x40 => TlsPolicy::Required,
+            _ => TlsPolicy::Off,
+        },
     };
     let mut handshake = Handshake::new(exports(), config);
     let mut out = [0u8; 512];
@@ -41,6 +48,8 @@ fuzz_target!(|data: &[u8]| {
         assert!(consumed <= end - position);
         position += consumed;
         while handshake.poll_transmit(&mut out) > 0 {}
+        // After STARTTLS the rest of the input stands for the decrypted stream.
+        let _ = handshake.take_start_tls();
         if let Some(outcome) = handshake.outcome() {
             if let Outcome::Transmission(session) = outcome {
                 let mut rest = &input[position..];

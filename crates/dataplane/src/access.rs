@@ -125,14 +125,19 @@ pub enum Refusal {
     /// The tenant was removed while the connection was charged to it.
     #[error("the tenant was removed")]
     Revoked,
+    /// A connection whose TLS client certificate names one tenant asked for another (an
+    /// export, port or BIND of another tenant).
+    #[error("not the tenant the client's certificate names")]
+    Identity,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 4] = [
+    pub const ALL: [Refusal; 5] = [
         Refusal::ReadOnly,
         Refusal::OutOfRange,
         Refusal::Namespace,
         Refusal::Revoked,
+        Refusal::Identity,
     ];
     pub const COUNT: usize = Refusal::ALL.len();
 
@@ -147,6 +152,7 @@ impl Refusal {
             Refusal::OutOfRange => "out_of_range",
             Refusal::Namespace => "namespace",
             Refusal::Revoked => "revoked",
+            Refusal::Identity => "identity",
         }
     }
 }

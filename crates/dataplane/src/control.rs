@@ -256,6 +256,11 @@ impl ControlAnswer {
         ControlAnswer::status(Status::Invalid)
     }
 
+    /// The connection may not do this (its certificate names another tenant).
+    pub fn permission() -> ControlAnswer {
+        ControlAnswer::status(Status::Permission)
+    }
+
     pub fn is_ok(&self) -> bool {
         self.status == Status::Ok
     }
@@ -842,6 +847,18 @@ impl ControlPlane {
         })
     }
 
+    /// Which tenant and namespace `handle` names, without counting a connection.
+    pub fn peek_binding(&self, handle: u64) -> Option<Binding> {
+        let state = self.lock();
+        let entry = state.tenants.get(&handle)?;
+        Some(Binding {
+            tenant: entry.tenant_ref(handle),
+            namespace_index: entry.namespace_index,
+            read_only: entry.read_only,
+            grant: entry.grant,
+        })
+    }
+
     /// Counts a connection of `handle` on `thread` and tells what the tenant may do; `None`
     /// when the tenant is gone.
     pub fn connect(
@@ -1176,6 +1193,20 @@ impl ControlPlane {
             .iter()
             .position(|namespace| namespace.namespace_id == namespace_id && !namespace.removed)
             .map(|index| index as u16)
+    }
+
+    /// The tenant a TLS identity `name` is on namespace slot `namespace_index`: the
+    /// configured (or admin-created) tenant of that name. Tenants registered over the wire
+    /// never match: anyone could choose their names.
+    pub fn identity_tenant(&self, namespace_index: u16, name: &str) -> Option<TenantRef> {
+        let state = self.lock();
+        state
+            .tenants
+            .iter()
+            .find(|(_, entry)| {
+                entry.namespace_index == namespace_index && !entry.dynamic && entry.name == name
+            })
+            .map(|(handle, entry)| entry.tenant_ref(*handle))
     }
 
     /// The handle of the tenant called `name` on `namespace_id`.

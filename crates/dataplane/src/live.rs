@@ -117,6 +117,9 @@ pub struct ThreadSnapshot {
     pub bytes_sent: u64,
     pub control_messages: u64,
     pub notices_sent: u64,
+    /// TLS sessions started, and those refused or broken (`core/tls.rs`).
+    pub tls_sessions: u64,
+    pub tls_failures: u64,
     pub namespaces: Vec<NamespaceSnapshot>,
     pub tenants: Vec<TenantSnapshot>,
     pub listeners: Vec<ListenerSnapshot>,

@@ -1094,3 +1094,118 @@ fn export_name_clients_and_go_without_block_size_get_the_defaults() {
         assert_eq!(session.enforced_block_sizes(), expected);
     }
 }
+
+const REP_ERR_TLS_REQD: u32 = 0x8000_0005;
+
+fn tls(policy: TlsPolicy) -> HandshakeConfig {
+    HandshakeConfig {
+        tls: policy,
+        ..HandshakeConfig::default()
+    }
+}
+
+/// Feeds `input` until the handshake asks for TLS; returns the server bytes after the
+/// greeting and the bytes consumed (what follows is the TLS stream).
+fn until_starttls(handshake: &mut Handshake, input: &[u8]) -> (Vec<u8>, usize) {
+    let consumed = handshake.handle_bytes(input).unwrap();
+    let mut output = vec![0u8; handshake.pending_output().len()];
+    let count = handshake.poll_transmit(&mut output);
+    output.truncate(count);
+    (output[GREETING.len()..].to_vec(), consumed)
+}
+
+#[test]
+fn starttls_is_acknowledged_and_nothing_after_it_is_consumed() {
+    let mut handshake = Handshake::new(exports(), tls(TlsPolicy::Optional));
+    let before = [client_flags(CLIENT_FIXED_NEWSTYLE), opt(OPT_STARTTLS, &[])].concat();
+    // A ClientHello's first bytes: they are TLS, not an option.
+    let input = [before.clone(), vec![0x16, 0x03, 0x01]].concat();
+    let (output, consumed) = until_starttls(&mut handshake, &input);
+    assert_eq!(output, rep(OPT_STARTTLS, REP_ACK, &[]));
+    assert_eq!(consumed, before.len());
+    assert!(handshake.take_start_tls());
+    assert!(!handshake.take_start_tls(), "TLS starts once");
+    assert!(handshake.tls_active());
+    // In TLS, negotiation goes on; a second STARTTLS is invalid.
+    let after = [
+        opt(OPT_STARTTLS, &[]),
+        opt(OPT_GO, &info_request("disk", &[])),
+    ]
+    .concat();
+    assert_eq!(handshake.handle_bytes(&after).unwrap(), after.len());
+    let mut output = vec![0u8; handshake.pending_output().len()];
+    handshake.poll_transmit(&mut output);
+    assert!(output.starts_with(&rep(
+        OPT_STARTTLS,
+        REP_ERR_INVALID,
+        b"TLS is already active"
+    )));
+    assert!(matches!(
+        handshake.outcome(),
+        Some(Outcome::Transmission(_))
+    ));
+}
+
+#[test]
+fn starttls_with_data_is_invalid() {
+    let mut handshake = Handshake::new(exports(), tls(TlsPolicy::Optional));
+    let input = [
+        client_flags(CLIENT_FIXED_NEWSTYLE),
+        opt(OPT_STARTTLS, &[1, 2]),
+    ]
+    .concat();
+    let (output, consumed) = until_starttls(&mut handshake, &input);
+    assert_eq!(
+        output,
+        rep(OPT_STARTTLS, REP_ERR_INVALID, b"malformed option data")
+    );
+    assert_eq!(consumed, input.len());
+    assert!(!handshake.take_start_tls());
+}
+
+#[test]
+fn required_tls_refuses_every_other_option_until_starttls() {
+    let input = [
+        client_flags(CLIENT_FIXED_NEWSTYLE),
+        opt(OPT_LIST, &[]),
+        opt(OPT_GO, &info_request("disk", &[])),
+        opt(OPT_ABORT, &[]),
+    ]
+    .concat();
+    let result = run(tls(TlsPolicy::Required), &input);
+    let message = b"this server requires TLS: send NBD_OPT_STARTTLS first";
+    assert_eq!(
+        result.output,
+        [
+            GREETING.to_vec(),
+            rep(OPT_LIST, REP_ERR_TLS_REQD, message),
+            rep(OPT_GO, REP_ERR_TLS_REQD, message),
+            rep(OPT_ABORT, REP_ACK, &[]),
+        ]
+        .concat()
+    );
+    assert_eq!(result.outcome, Some(Outcome::Aborted));
+    // EXPORT_NAME cannot be refused with a reply: the session ends.
+    check_error(
+        tls(TlsPolicy::Required),
+        &[
+            client_flags(CLIENT_FIXED_NEWSTYLE),
+            opt(OPT_EXPORT_NAME, b"disk"),
+        ]
+        .concat(),
+        HandshakeError::TlsRequired,
+        &[],
+    );
+}
+
+#[test]
+fn optional_tls_serves_plaintext_clients() {
+    let input = [
+        client_flags(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES),
+        opt(OPT_GO, &info_request("disk", &[])),
+    ]
+    .concat();
+    let result = run(tls(TlsPolicy::Optional), &input);
+    assert_eq!(result.error, None);
+    assert!(matches!(result.outcome, Some(Outcome::Transmission(_))));
+}

@@ -226,6 +226,11 @@ fn nbd_handshake_never_panics() {
         let config = nbd::HandshakeConfig {
             block_size_required: rng.random_bool(0.3),
             options_max: 4,
+            tls: [
+                nbd::TlsPolicy::Off,
+                nbd::TlsPolicy::Optional,
+                nbd::TlsPolicy::Required,
+            ][rng.random_range(0..3)],
         };
         let mut handshake = nbd::Handshake::new(Arc::clone(&table), config);
         let mut position = 0;
@@ -244,6 +249,8 @@ fn nbd_handshake_never_panics() {
                 }
             }
             while handshake.poll_transmit(&mut out) > 0 {}
+            // After STARTTLS the rest of the stream stands for the decrypted one.
+            let _ = handshake.take_start_tls();
             if handshake.outcome().is_some() {
                 break;
             }

@@ -759,6 +759,45 @@ pub struct Config {
     pub tenants: Vec<TenantConfig>,
     /// The admin API, its metrics and the state file (`docs/OPERATIONS.md`, "Admin API").
     pub admin: crate::admin::AdminConfig,
+    /// TLS on the native and NBD listeners (`docs/OPERATIONS.md`, "TLS").
+    pub tls: TlsConfig,
+}
+
+/// `[tls]`: the server's certificate and key, the CA whose client certificates name tenants,
+/// and which protocols use TLS.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// The server's certificate chain (PEM), leaf first.
+    pub certificate: Option<String>,
+    /// The server's private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key: Option<String>,
+    /// CA certificates (PEM) that sign client certificates. When set, a TLS client must
+    /// present a certificate signed by one of them, and its subject's common name is the
+    /// connection's identity (`docs/OPERATIONS.md`, "TLS").
+    pub client_ca: Option<String>,
+    /// The native protocol: `"off"`, or `"require"` (TLS from the first byte).
+    pub native: TlsMode,
+    /// NBD: `"off"` (STARTTLS refused), `"optional"` (the client may upgrade) or `"require"`
+    /// (every option but STARTTLS refused until TLS, as `nbdkit --tls=require`).
+    pub nbd: TlsMode,
+}
+
+/// Whether a listener speaks TLS.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TlsMode {
+    #[default]
+    Off,
+    Optional,
+    Require,
+}
+
+impl TlsConfig {
+    /// Whether any listener uses TLS (the certificate and key must then be given).
+    pub fn enabled(&self) -> bool {
+        self.native != TlsMode::Off || self.nbd != TlsMode::Off
+    }
 }
 
 fn size_bytes<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
@@ -797,6 +836,7 @@ impl Default for Config {
             qos_config: QosConfig::default(),
             tenants: Vec::new(),
             admin: crate::admin::AdminConfig::default(),
+            tls: TlsConfig::default(),
         }
     }
 }
@@ -877,6 +917,16 @@ impl Config {
         }
         if let Some(state_file) = &self.admin.state_file {
             self.admin.state_file = Some(resolve(state_file));
+        }
+        for path in [
+            &mut self.tls.certificate,
+            &mut self.tls.key,
+            &mut self.tls.client_ca,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            *path = resolve(path);
         }
     }
 
@@ -1084,6 +1134,18 @@ impl Config {
         }
         if self.window == 0 || self.window > WINDOW_MAX {
             return invalid(format!("window {} not in 1..={WINDOW_MAX}", self.window));
+        }
+        if self.tls.native == TlsMode::Optional {
+            return invalid(
+                "tls.native = \"optional\": the native protocol has no upgrade; use \"off\" or \"require\""
+                    .to_string(),
+            );
+        }
+        if self.tls.enabled() && (self.tls.certificate.is_none() || self.tls.key.is_none()) {
+            return invalid(
+                "[tls] native or nbd uses TLS: tls.certificate and tls.key must name PEM files"
+                    .to_string(),
+            );
         }
         let arena = self.arena_bytes_per_thread;
         if !((1 << 20)..=ARENA_BYTES_PER_THREAD_MAX).contains(&arena)

@@ -42,6 +42,7 @@ pub mod metrics;
 pub mod namespaces;
 #[allow(unsafe_code)]
 mod sys;
+pub mod tls;
 mod uring;
 
 pub use reflex_dataplane as dataplane;
@@ -54,7 +55,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use reflex_dataplane::DataplaneSetup;
 use reflex_dataplane::access::{AllowList, ListenerAccess};
 use reflex_dataplane::control::{
     Catalog, ControlPlane, ControlSetup, HandleKeys, NamespaceControl, NamespaceQosSetup,
@@ -64,6 +64,7 @@ pub use reflex_dataplane::control::{ControlError, TenantInfo};
 use reflex_dataplane::frontend::{ExportBinding, NbdExports, NvmeTcpTargets, Protocol};
 use reflex_dataplane::namespaces::NamespaceSet;
 pub use reflex_dataplane::{CoreStats, TenantStats};
+use reflex_dataplane::{DataplaneSetup, TlsCurrent, TlsKeys, TlsSetup};
 use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
@@ -109,6 +110,8 @@ pub enum ServerError {
     Qos(#[from] ControlError),
     #[error(transparent)]
     Admin(#[from] admin::AdminStartError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsSetupError),
 }
 
 /// Entry point; see the crate doc.
@@ -294,14 +297,33 @@ impl Server {
             control: Arc::clone(&control),
             manager: Arc::clone(&manager),
             admin: None,
+            tls: None,
         };
+        let tls_keys = tls::server_config(&config.tls)?.map(|server_config| {
+            Arc::new(TlsKeys::new(TlsCurrent {
+                server_config,
+                identities: Arc::new(tls::identities(&config)),
+            }))
+        });
+        handle.tls = tls_keys.clone().map(|keys| (keys, config.tls.clone()));
         let limits = config.limits();
         let cq_entries = config.ring_cq_entries();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<bool, String>)>();
         for (thread_index, listeners) in per_thread.into_iter().enumerate() {
             let (sockets, roles): (Vec<TcpListener>, Vec<ListenerRole>) =
                 listeners.into_iter().unzip();
+            let tls = tls_keys.as_ref().map(|keys| TlsSetup {
+                keys: Arc::clone(keys),
+                listeners_tls: roles
+                    .iter()
+                    .map(|role| {
+                        matches!(role, ListenerRole::Native)
+                            && config.tls.native == config::TlsMode::Require
+                    })
+                    .collect(),
+            });
             let dataplane_setup = DataplaneSetup {
+                tls,
                 thread_index,
                 listener_access: roles.iter().copied().map(access_of).collect(),
                 listeners: roles.into_iter().map(protocol_of).collect(),
@@ -478,7 +500,13 @@ fn nbd_exports(
         ));
     }
     let default_export = config.effective_default_export();
+    let tls = match config.tls.nbd {
+        config::TlsMode::Off => reflex_proto::nbd::TlsPolicy::Off,
+        config::TlsMode::Optional => reflex_proto::nbd::TlsPolicy::Optional,
+        config::TlsMode::Require => reflex_proto::nbd::TlsPolicy::Required,
+    };
     NbdExports::new(exports, default_export.as_deref())
+        .map(|exports| exports.with_tls(tls))
         .map_err(|e| ConfigError::Invalid(format!("NBD exports: {e}")).into())
 }
 
@@ -771,6 +799,8 @@ pub struct ServerHandle {
     manager: Arc<namespaces::NamespaceManager>,
     /// The admin API's thread, when it serves.
     admin: Option<admin::AdminHandle>,
+    /// What TLS sessions start with, and the `[tls]` the server started with.
+    tls: Option<(Arc<TlsKeys>, config::TlsConfig)>,
 }
 
 impl ServerHandle {
@@ -1034,6 +1064,34 @@ pub struct ReloadReport {
 }
 
 impl ServerHandle {
+    /// Reads `config`'s `[tls]` files again (SIGHUP): new TLS sessions use the new
+    /// certificate, key and client CA, and the new tenant bindings as identities; sessions
+    /// already running keep theirs. Which protocols use TLS takes a restart (an error says
+    /// so, and nothing changes).
+    pub fn reload_tls(&self, config: &Config) -> Result<bool, tls::TlsSetupError> {
+        let Some((keys, started)) = &self.tls else {
+            if config.tls.enabled() {
+                return Err(tls::TlsSetupError::Rustls(
+                    "TLS was off at start: turning it on takes a restart".to_string(),
+                ));
+            }
+            return Ok(false);
+        };
+        if (config.tls.native, config.tls.nbd) != (started.native, started.nbd) {
+            return Err(tls::TlsSetupError::Rustls(
+                "tls.native and tls.nbd take a restart to change".to_string(),
+            ));
+        }
+        let Some(server_config) = tls::server_config(&config.tls)? else {
+            return Ok(false);
+        };
+        keys.replace(TlsCurrent {
+            server_config,
+            identities: Arc::new(tls::identities(config)),
+        });
+        Ok(true)
+    }
+
     /// Applies `config`'s namespaces and tenant bindings (SIGHUP) without touching a
     /// connection: a new `[[namespace]]` is added (as `POST /v1/namespaces` would, without
     /// persisting it: the file has it); each tenant bound to a namespace in the file that is

@@ -185,6 +185,13 @@ fn reload(server: &reflex_server::ServerHandle, path: Option<&std::path::Path>) 
             return;
         }
     };
+    match server.reload_tls(&config) {
+        Ok(true) => tracing::info!("SIGHUP: TLS certificates reloaded (new sessions use them)"),
+        Ok(false) => {}
+        Err(error) => {
+            tracing::error!(%error, "SIGHUP: TLS not reloaded; sessions keep the old keys")
+        }
+    }
     let report = server.reload_tenants(&config);
     tracing::info!(
         changed = report.changed,

@@ -427,6 +427,8 @@ impl Collector for SamplerCollector {
         let mut idle = Vec::new();
         let mut iterations = Vec::new();
         let mut answered = Vec::new();
+        let mut tls_sessions = Vec::new();
+        let mut tls_failures = Vec::new();
         let mut thread_connections = Vec::new();
         let mut batches = Vec::new();
         for thread in &latest.threads {
@@ -435,6 +437,8 @@ impl Collector for SamplerCollector {
             idle.push((labels.clone(), thread.idle_ns as f64 / 1e9));
             iterations.push((labels.clone(), thread.iterations as f64));
             answered.push((labels.clone(), thread.requests_answered as f64));
+            tls_sessions.push((labels.clone(), thread.tls_sessions as f64));
+            tls_failures.push((labels.clone(), thread.tls_failures as f64));
             thread_connections.push((labels.clone(), f64::from(thread.connections_open)));
             batches.push((labels, (thread.batch_sizes, thread.completions)));
         }
@@ -461,6 +465,18 @@ impl Collector for SamplerCollector {
             "thread_requests_answered",
             "Requests the dataplane thread answered.",
             &answered,
+        )?;
+        counters(
+            &mut encoder,
+            "tls_sessions",
+            "TLS sessions the dataplane thread started (native TLS port, NBD STARTTLS).",
+            &tls_sessions,
+        )?;
+        counters(
+            &mut encoder,
+            "tls_failures",
+            "TLS sessions refused or broken: bad certificates, cut handshakes, bad records.",
+            &tls_failures,
         )?;
         gauges(
             &mut encoder,

@@ -174,6 +174,7 @@ impl VirtualServer {
         let mut threads = Vec::new();
         for thread_index in 0..usize::from(setup.threads) {
             let dataplane = Dataplane::new(DataplaneSetup {
+                tls: None,
                 thread_index,
                 listeners: listeners.clone(),
                 listener_access: Vec::new(),

@@ -126,6 +126,11 @@ pub(super) struct Connection {
     pub(super) established: bool,
     pub(super) receive_progress_at: Nanos,
     pub(super) send_progress_at: Nanos,
+    /// TLS between the socket and the plaintext stream (`tls`).
+    pub(super) tls: Option<Box<super::tls::TlsLink>>,
+    /// The protocol asked for TLS (NBD's STARTTLS): nothing is parsed or received until the
+    /// answers before it have left; then TLS starts.
+    pub(super) tls_starting: bool,
 }
 
 /// Submission queue of connections that declared no I/O priority.
@@ -170,6 +175,8 @@ impl Connection {
             established: false,
             receive_progress_at: Nanos::ZERO,
             send_progress_at: Nanos::ZERO,
+            tls: None,
+            tls_starting: false,
         }
     }
 
@@ -297,6 +304,14 @@ impl Dataplane {
             ?protocol,
             "connection opened"
         );
+        if self
+            .tls
+            .as_ref()
+            .is_some_and(|tls| tls.listeners_tls.get(listener_index as usize) == Some(&true))
+        {
+            // A TLS port: TLS from the first byte.
+            self.start_tls(index);
+        }
         // Parsing first: a protocol may speak before it listens (the NBD greeting); the
         // others find nothing to parse and receive.
         self.mark_parse(index);
@@ -497,7 +512,9 @@ impl Dataplane {
             // scheduler) and is freed from there.
             self.free_request(request);
         }
-        if send_in_flight {
+        if send_in_flight && self.connections[index as usize].tls.is_some() {
+            self.tls_cancel_send(index);
+        } else if send_in_flight {
             self.ops.push_back(Op::CancelSend { connection: id });
         } else {
             self.drop_send_queue(index);
@@ -549,6 +566,12 @@ impl Dataplane {
         {
             return;
         }
+        if self.tls_outer_busy(index) {
+            return; // Its completion comes back here.
+        }
+        let connection = &mut self.connections[index as usize];
+        connection.tls = None;
+        connection.tls_starting = false;
         assert!(connection.payload.is_none());
         assert!(connection.stalled.is_none());
         assert_eq!(connection.send_head, NONE);
@@ -592,6 +615,10 @@ impl Dataplane {
     pub(super) fn cancel_read_side(&mut self, index: u32) {
         let connection = &self.connections[index as usize];
         assert!(connection.recv_in_flight);
+        if connection.tls.is_some() {
+            self.tls_cancel_recv(index);
+            return;
+        }
         let id = connection.id(index);
         self.ops.push_back(if connection.parked {
             Op::CancelWait { connection: id }

@@ -59,6 +59,7 @@ mod shutdown;
 mod stats;
 mod tenants;
 mod timeouts;
+mod tls;
 
 use connection::{Connection, Listener};
 use errors::DeviceErrorLog;
@@ -75,6 +76,7 @@ pub use stats::CoreStats;
 use tenants::NamespaceQos;
 pub use tenants::{NOTICES_PENDING_MAX, TenantStats};
 pub use timeouts::HOUSEKEEPING_INTERVAL;
+pub use tls::{TlsCurrent, TlsKeys, TlsSetup};
 
 /// One namespace's read latencies on this thread, from arrival off the socket to the answer's
 /// last byte leaving, since start; and what the current calibration window collected.
@@ -137,6 +139,8 @@ pub struct DataplaneSetup {
     /// Per namespace: its scheduler setup.
     pub qos: Vec<NamespaceQosSetup>,
     pub qos_config: QosConfig,
+    /// TLS keys and which listeners speak TLS (`None`: no TLS anywhere).
+    pub tls: Option<TlsSetup>,
     /// The driver's clock when the dataplane starts.
     pub now: Nanos,
 }
@@ -230,6 +234,9 @@ pub struct Dataplane {
     last_now: Nanos,
     /// Counters only the live figures need (`publish`).
     live: publish::LiveCounters,
+    tls: Option<TlsSetup>,
+    /// TLS connections whose inner receive decrypted bytes can satisfy (`tls`).
+    tls_deliveries: VecDeque<u32>,
     /// Log lines about refused requests (rate-limited; every refusal is counted).
     refusal_log: RefusalLog,
 }
@@ -343,6 +350,8 @@ impl Dataplane {
             telemetry_publish_at: setup.now,
             last_now: setup.now,
             live: publish::LiveCounters::new(qos_count, setup.now),
+            tls: setup.tls,
+            tls_deliveries: VecDeque::new(),
             refusal_log: RefusalLog::new(),
             limits,
         };
@@ -392,6 +401,7 @@ impl Dataplane {
         !self.ops.is_empty()
             || !self.parse_ready.is_empty()
             || !self.send_ready.is_empty()
+            || !self.tls_deliveries.is_empty()
             || (self.resources_freed && !self.waiters.is_empty())
             || self.queue_room
             || self.qos_fresh

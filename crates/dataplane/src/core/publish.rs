@@ -147,6 +147,8 @@ impl Dataplane {
             bytes_sent: self.stats.bytes_sent,
             control_messages: self.stats.control_messages,
             notices_sent: self.stats.notices_sent,
+            tls_sessions: self.stats.tls_sessions,
+            tls_failures: self.stats.tls_failures,
             namespaces,
             tenants,
             listeners: self

@@ -26,7 +26,7 @@ use reflex_qos::Nanos;
 use super::Dataplane;
 use super::connection::ReadState;
 use super::ops::{ConnectionId, Op};
-use super::request::{RequestState, Work};
+use super::request::{NONE, RequestState, Work};
 use crate::buffers::{PageRun, RUN_SIZE_MAX, order_for};
 use crate::frontend::{
     Action, Answer, CONTROL_ANSWER_BYTES_MAX, Decoded, Frontend, IoKind, NOTICE_BODY_BYTES,
@@ -38,9 +38,16 @@ impl Dataplane {
             self.resources_freed = false;
             self.wake_waiters(now);
         }
-        while let Some(index) = self.parse_ready.pop_front() {
-            self.connections[index as usize].in_parse_ready = false;
-            self.parse_connection(index, now);
+        loop {
+            while let Some(index) = self.parse_ready.pop_front() {
+                self.connections[index as usize].in_parse_ready = false;
+                self.parse_connection(index, now);
+            }
+            if self.tls_deliveries.is_empty() {
+                break;
+            }
+            // Receives that TLS plaintext already decrypted satisfies.
+            self.tls_deliver(now);
         }
     }
 
@@ -78,8 +85,8 @@ impl Dataplane {
     fn parse_connection(&mut self, index: u32, now: Nanos) {
         loop {
             let connection = &mut self.connections[index as usize];
-            if !connection.is_open() {
-                return;
+            if !connection.is_open() || connection.tls_starting {
+                return; // (TLS starts once the answer before it has left.)
             }
             if let Some(request) = connection.stalled {
                 if !self.try_start(request, now) {
@@ -154,6 +161,15 @@ impl Dataplane {
             }
             match decoded {
                 Decoded::NeedMore => break,
+                Decoded::StartTls { consumed_bytes } => {
+                    let connection = &mut self.connections[index as usize];
+                    connection.recv_start += consumed_bytes;
+                    connection.tls_starting = true;
+                    if connection.send_head == NONE && !connection.send_in_flight {
+                        self.start_tls(index);
+                    }
+                    return;
+                }
                 Decoded::Consumed(count) => {
                     self.connections[index as usize].recv_start += count;
                 }
@@ -382,7 +398,11 @@ impl Dataplane {
         connection.recv_in_flight = true;
         let id = connection.id(index);
         self.stats.receives += 1;
-        self.ops.push_back(Op::Recv { connection: id });
+        if connection.tls.is_some() {
+            self.tls_want_recv(index);
+        } else {
+            self.ops.push_back(Op::Recv { connection: id });
+        }
     }
 
     /// Whether a connection has nothing to do: nothing outstanding or half-received, and its
@@ -392,6 +412,7 @@ impl Dataplane {
         connection.is_open()
             && connection.read == ReadState::Open
             && connection.recv_in_flight
+            && connection.tls.is_none()
             && !connection.parked
             && !connection.parking
             && connection.outstanding == 0
@@ -477,6 +498,14 @@ impl Dataplane {
     /// receive buffer, or the rest of a WRITE payload's run.
     pub fn receive_space(&mut self, id: ConnectionId) -> &mut [u8] {
         let index = self.connection_index(id);
+        if self.connections[index as usize].tls.is_some() {
+            return self.tls_receive_space(index);
+        }
+        self.plain_receive_space(index)
+    }
+
+    /// [`Self::receive_space`] of the plaintext stream.
+    pub(super) fn plain_receive_space(&mut self, index: u32) -> &mut [u8] {
         let connection = &self.connections[index as usize];
         assert!(connection.recv_in_flight, "receive space without a receive");
         if let Some(request_index) = connection.payload {
@@ -490,6 +519,15 @@ impl Dataplane {
     /// closed its side), `Err(errno)`: it failed or was cancelled.
     pub fn handle_recv(&mut self, id: ConnectionId, result: Result<usize, i32>, now: Nanos) {
         let index = self.connection_index(id);
+        if self.connections[index as usize].tls.is_some() {
+            self.tls_handle_recv(index, result, now);
+        } else {
+            self.plain_handle_recv(index, result, now);
+        }
+    }
+
+    /// [`Self::handle_recv`] of the plaintext stream.
+    pub(super) fn plain_handle_recv(&mut self, index: u32, result: Result<usize, i32>, now: Nanos) {
         let connection = &mut self.connections[index as usize];
         assert!(connection.recv_in_flight);
         assert!(

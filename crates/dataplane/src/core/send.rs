@@ -157,15 +157,28 @@ impl Dataplane {
         connection.sending_count = sending_count;
         connection.send_in_flight = true;
         let id = connection.id(index);
-        self.stats.sends += 1;
-        self.ops.push_back(Op::Send { connection: id });
+        if connection.tls.is_some() {
+            self.tls_inner_send(index);
+        } else {
+            self.stats.sends += 1;
+            self.ops.push_back(Op::Send { connection: id });
+        }
     }
 
     /// The bytes of the send the dataplane asked for on `id`, in order (at most
     /// [`SEND_SEGMENTS_MAX`] non-empty slices). They stay valid and unchanged until
     /// [`Self::handle_sent`].
-    pub fn send_segments(&self, id: ConnectionId, mut segment: impl FnMut(&[u8])) {
+    pub fn send_segments(&self, id: ConnectionId, segment: impl FnMut(&[u8])) {
         let index = self.connection_index(id);
+        if self.connections[index as usize].tls.is_some() {
+            self.tls_send_segments(index, segment);
+        } else {
+            self.plain_send_segments(index, segment);
+        }
+    }
+
+    /// [`Self::send_segments`] of the plaintext stream.
+    pub(super) fn plain_send_segments(&self, index: u32, mut segment: impl FnMut(&[u8])) {
         let connection = &self.connections[index as usize];
         assert!(connection.send_in_flight, "send segments without a send");
         let mut skip = connection.send_offset_bytes;
@@ -227,6 +240,15 @@ impl Dataplane {
     /// failed or was cancelled.
     pub fn handle_sent(&mut self, id: ConnectionId, result: Result<usize, i32>, now: Nanos) {
         let index = self.connection_index(id);
+        if self.connections[index as usize].tls.is_some() {
+            self.tls_handle_sent(index, result, now);
+        } else {
+            self.plain_handle_sent(index, result, now);
+        }
+    }
+
+    /// [`Self::handle_sent`] of the plaintext stream.
+    pub(super) fn plain_handle_sent(&mut self, index: u32, result: Result<usize, i32>, now: Nanos) {
         let connection = &mut self.connections[index as usize];
         assert!(connection.send_in_flight);
         connection.send_in_flight = false;
@@ -296,8 +318,12 @@ impl Dataplane {
             }
             Ok(_) => {}
         }
-        if self.connections[index as usize].send_head != NONE {
+        let connection = &self.connections[index as usize];
+        if connection.send_head != NONE {
             self.mark_send(index);
+        } else if connection.tls_starting {
+            // NBD's STARTTLS: its ACK left in plaintext; TLS from here on.
+            self.start_tls(index);
         }
         self.maybe_close_idle(index);
     }

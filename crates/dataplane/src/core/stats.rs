@@ -20,6 +20,9 @@ pub struct CoreStats {
     pub connections_parked: u64,
     /// Connections whose framing broke (closed after their answers).
     pub framing_errors: u64,
+    /// TLS sessions started, and those that failed (handshake refused, bad records).
+    pub tls_sessions: u64,
+    pub tls_failures: u64,
     pub requests_answered: u64,
     pub requests_per_state: [u32; REQUEST_STATE_COUNT],
     pub transitions: u64,

@@ -438,12 +438,36 @@ impl Dataplane {
                 });
             }
         }
+        // A TLS client certificate names the connection's tenant: it is charged to no other.
+        let identity = if connection
+            .tls
+            .as_ref()
+            .is_some_and(|tls| tls.peer_name.is_some())
+        {
+            match self.identity_tenant(connection_index, namespace_index, now) {
+                Some(tenant) => Some(tenant),
+                None => return Err(Refused::Answer(Answer::Permission)),
+            }
+        } else {
+            None
+        };
+        let connection = &self.connections[connection_index as usize];
         let namespace = &self.qos[usize::from(namespace_index)];
         let tenant = match connection.bound {
             Some(bound) => bound.tenant,
             None if !io.tenant.is_none() => io.tenant,
-            None => namespace.default_tenant,
+            None => identity.unwrap_or(namespace.default_tenant),
         };
+        if let Some(identity) = identity
+            && identity.handle != tenant.handle
+        {
+            // Counted for the certificate's tenant: the connection asked for another's.
+            return Err(Refused::Access {
+                refusal: Refusal::Identity,
+                tenant: identity,
+                namespace_index,
+            });
+        }
         let counted = connection
             .charged
             .iter()
@@ -527,6 +551,41 @@ impl Dataplane {
         };
     }
 
+    /// The tenant the connection's TLS identity is on a namespace (cached per connection);
+    /// `None`: it has none there.
+    fn identity_tenant(
+        &mut self,
+        connection_index: u32,
+        namespace_index: u16,
+        now: Nanos,
+    ) -> Option<TenantRef> {
+        let link = self.connections[connection_index as usize].tls.as_ref()?;
+        if let Some(&(_, tenant)) = link
+            .identity_tenants
+            .iter()
+            .find(|(index, _)| *index == namespace_index)
+        {
+            return tenant;
+        }
+        let name = link.peer_name.clone()?;
+        let registered = self.with_control(now, |control, _, _| {
+            control.identity_tenant(namespace_index, &name)
+        });
+        // A namespace without QoS keeps no tenants: the configuration says whom it serves.
+        let namespace = &self.qos[usize::from(namespace_index)];
+        let tenant = registered.or_else(|| {
+            let identities = self.tls.as_ref()?.keys.current().identities;
+            identities
+                .get(&name)?
+                .contains(&namespace.namespace_id)
+                .then_some(namespace.default_tenant)
+        });
+        if let Some(link) = self.connections[connection_index as usize].tls.as_mut() {
+            link.identity_tenants.push((namespace_index, tenant));
+        }
+        tenant
+    }
+
     /// A control request of a native connection (REGISTER, UNREGISTER, BIND).
     pub(super) fn control_request(
         &mut self,
@@ -534,6 +593,21 @@ impl Dataplane {
         request: ControlRequest,
         now: Nanos,
     ) -> ControlAnswer {
+        let identified = self.connections[connection_index as usize]
+            .tls
+            .as_ref()
+            .is_some_and(|tls| tls.peer_name.is_some());
+        if identified {
+            // Its certificate chose its tenant: it registers none and binds to no other.
+            return match request {
+                ControlRequest::Bind { handle } => {
+                    self.bind_identified(connection_index, handle, now)
+                }
+                ControlRequest::Register(_) | ControlRequest::Unregister { .. } => {
+                    ControlAnswer::permission()
+                }
+            };
+        }
         match request {
             ControlRequest::Register(body) => {
                 let namespace_index = self.namespaces.index_of(body.namespace_id);
@@ -593,6 +667,22 @@ impl Dataplane {
 
     /// BIND: the connection's I/O is charged to `handle` from now on (0: back to the
     /// defaults). It stops counting for every other tenant it was charged to.
+    /// BIND on a connection with a TLS identity: only to its own tenant (or back to it, 0).
+    fn bind_identified(&mut self, connection_index: u32, handle: u64, now: Nanos) -> ControlAnswer {
+        if handle != TenantRef::NONE.handle {
+            let Some(binding) =
+                self.with_control(now, |control, _, _| control.peek_binding(handle))
+            else {
+                return ControlAnswer::invalid();
+            };
+            let own = self.identity_tenant(connection_index, binding.namespace_index, now);
+            if own.is_none_or(|own| own.handle != handle) {
+                return ControlAnswer::permission();
+            }
+        }
+        self.bind(connection_index, handle, now)
+    }
+
     fn bind(&mut self, connection_index: u32, handle: u64, now: Nanos) -> ControlAnswer {
         let connection = &mut self.connections[connection_index as usize];
         if handle == TenantRef::NONE.handle {

@@ -331,6 +331,9 @@ pub enum Decoded {
     },
     /// The protocol consumed this many bytes without making a request (NBD handshake).
     Consumed(usize),
+    /// The client asked for TLS and its acknowledgement is queued (NBD's STARTTLS): once
+    /// the answers before it have left, the stream continues in TLS.
+    StartTls { consumed_bytes: usize },
     /// The peer ended the session cleanly (NBD `ABORT`, `DISC`, end of stream during the
     /// handshake): consume these bytes, read nothing more, answer what is outstanding, close.
     Finish { consumed_bytes: usize },

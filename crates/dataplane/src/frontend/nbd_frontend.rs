@@ -49,6 +49,12 @@ impl NbdExports {
         })
     }
 
+    /// The same exports with STARTTLS offered or required (`[tls] nbd`).
+    pub fn with_tls(mut self, tls: nbd::TlsPolicy) -> NbdExports {
+        self.handshake.tls = tls;
+        self
+    }
+
     pub fn table(&self) -> &ExportTable {
         &self.table
     }
@@ -200,6 +206,9 @@ impl NbdFrontend {
                     tag: Tag::None,
                     action: Action::Output,
                 };
+            }
+            if handshake.take_start_tls() {
+                return Decoded::StartTls { consumed_bytes: 0 };
             }
             match handshake.outcome() {
                 Some(nbd::Outcome::Transmission(session)) => {

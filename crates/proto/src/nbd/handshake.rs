@@ -36,6 +36,8 @@ const _: () = assert!(OPTION_DATA_MAX_BYTES >= 4 + STRING_SIZE_MAX + 2);
 
 const MESSAGE_UNSUPPORTED: &str = "option not supported by reflexd";
 const MESSAGE_TLS: &str = "TLS is not available on this server";
+const MESSAGE_TLS_REQUIRED: &str = "this server requires TLS: send NBD_OPT_STARTTLS first";
+const MESSAGE_TLS_AGAIN: &str = "TLS is already active";
 const MESSAGE_INVALID: &str = "malformed option data";
 const MESSAGE_TOO_BIG: &str = "option data too long";
 const MESSAGE_UNKNOWN_EXPORT: &str = "no such export";
@@ -56,6 +58,21 @@ pub struct HandshakeConfig {
     /// Options one connection may send; the next one ends the session (the spec allows a hard
     /// disconnect for denial of service).
     pub options_max: u32,
+    /// Whether `NBD_OPT_STARTTLS` is offered, and whether every other option waits for it.
+    pub tls: TlsPolicy,
+}
+
+/// The spec's three TLS modes of a server.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TlsPolicy {
+    /// NOTLS: `NBD_OPT_STARTTLS` is refused with `NBD_REP_ERR_POLICY`.
+    #[default]
+    Off,
+    /// SELECTIVETLS with no TLS-only export: the client may upgrade.
+    Optional,
+    /// FORCEDTLS: every option but `STARTTLS` and `ABORT` gets `NBD_REP_ERR_TLS_REQD` until
+    /// TLS is active; `NBD_OPT_EXPORT_NAME` before it ends the session.
+    Required,
 }
 
 impl Default for HandshakeConfig {
@@ -63,6 +80,7 @@ impl Default for HandshakeConfig {
         HandshakeConfig {
             block_size_required: false,
             options_max: OPTIONS_MAX_DEFAULT,
+            tls: TlsPolicy::Off,
         }
     }
 }
@@ -93,6 +111,8 @@ pub enum HandshakeError {
     TooManyOptions { options_max: u32 },
     #[error("NBD_OPT_EXPORT_NAME while the server shuts down")]
     ShuttingDown,
+    #[error("NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS on a server that requires TLS")]
+    TlsRequired,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +136,7 @@ enum State {
 /// The options whose data the handshake buffers and interprets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Buffered {
+    StartTls,
     ExportName,
     List,
     StructuredReply,
@@ -128,6 +149,7 @@ enum Buffered {
 impl Buffered {
     const fn code(self) -> u32 {
         match self {
+            Buffered::StartTls => option::STARTTLS,
             Buffered::ExportName => option::EXPORT_NAME,
             Buffered::List => option::LIST,
             Buffered::StructuredReply => option::STRUCTURED_REPLY,
@@ -174,6 +196,10 @@ pub struct Handshake {
     options_count: u32,
     outcome: Option<Outcome>,
     failure: Option<HandshakeError>,
+    /// `NBD_OPT_STARTTLS` was acknowledged: the stream continues in TLS.
+    tls_active: bool,
+    /// ... and the driver has not yet been told ([`Handshake::take_start_tls`]).
+    tls_start_pending: bool,
 }
 
 impl Handshake {
@@ -194,6 +220,8 @@ impl Handshake {
             options_count: 0,
             outcome: None,
             failure: None,
+            tls_active: false,
+            tls_start_pending: false,
         };
         handshake.output.extend_from_slice(&NBD_MAGIC.to_be_bytes());
         handshake.output.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -201,6 +229,18 @@ impl Handshake {
             &(handshake_flags::FIXED_NEWSTYLE | handshake_flags::NO_ZEROES).to_be_bytes(),
         );
         handshake
+    }
+
+    /// Whether the driver must start TLS now (once): `NBD_OPT_STARTTLS` was acknowledged, and
+    /// every byte after it is TLS. The ACK is in the pending output and must leave in
+    /// plaintext first.
+    pub fn take_start_tls(&mut self) -> bool {
+        std::mem::take(&mut self.tls_start_pending)
+    }
+
+    /// Whether TLS was started on this connection.
+    pub fn tls_active(&self) -> bool {
+        self.tls_active
     }
 
     /// How the handshake ended, once it has.
@@ -256,6 +296,9 @@ impl Handshake {
         }
         let mut consumed = 0;
         loop {
+            if self.tls_start_pending {
+                break; // What follows STARTTLS is TLS: the driver decrypts it first.
+            }
             let rest = input.get(consumed..).unwrap_or_default();
             match self.state {
                 State::Finished => break,
@@ -406,6 +449,22 @@ impl Handshake {
             self.skip_then_error(option, length_bytes, reply::ERR_SHUTDOWN, MESSAGE_SHUTDOWN);
             return Ok(());
         }
+        if self.config.tls == TlsPolicy::Required
+            && !self.tls_active
+            && option != option::STARTTLS
+            && option != option::ABORT
+        {
+            if option == option::EXPORT_NAME {
+                return Err(self.fail(HandshakeError::TlsRequired));
+            }
+            self.skip_then_error(
+                option,
+                length_bytes,
+                reply::ERR_TLS_REQD,
+                MESSAGE_TLS_REQUIRED,
+            );
+            return Ok(());
+        }
         let buffer = |handshake: &mut Handshake, option: Buffered| {
             handshake.data.clear();
             handshake.state = State::OptionData {
@@ -460,7 +519,20 @@ impl Handshake {
                 }
             }
             option::STARTTLS => {
-                self.skip_then_error(option, length_bytes, reply::ERR_POLICY, MESSAGE_TLS)
+                if self.config.tls == TlsPolicy::Off {
+                    self.skip_then_error(option, length_bytes, reply::ERR_POLICY, MESSAGE_TLS);
+                } else if self.tls_active {
+                    self.skip_then_error(
+                        option,
+                        length_bytes,
+                        reply::ERR_INVALID,
+                        MESSAGE_TLS_AGAIN,
+                    );
+                } else if length_bytes != 0 {
+                    self.skip_then_error(option, length_bytes, reply::ERR_INVALID, MESSAGE_INVALID);
+                } else {
+                    buffer(self, Buffered::StartTls);
+                }
             }
             _ => self.skip_then_error(option, length_bytes, reply::ERR_UNSUP, MESSAGE_UNSUPPORTED),
         }
@@ -472,6 +544,11 @@ impl Handshake {
         self.state = State::OptionHeader;
         let option = buffered.code();
         match buffered {
+            Buffered::StartTls => {
+                self.write_reply(option, reply::ACK, &[]);
+                self.tls_active = true;
+                self.tls_start_pending = true;
+            }
             Buffered::ExportName => {
                 let exports = Arc::clone(&self.exports);
                 let Some((index, export)) = exports.lookup(&self.data) else {

@@ -24,7 +24,7 @@ pub use client::{
 };
 pub use handshake::{
     Handshake, HandshakeConfig, HandshakeError, OPTION_DATA_MAX_BYTES, OPTIONS_MAX_DEFAULT,
-    OUTPUT_PENDING_MAX_BYTES, Outcome,
+    OUTPUT_PENDING_MAX_BYTES, Outcome, TlsPolicy,
 };
 pub use transmission::{
     BLOCK_DESCRIPTOR_SIZE, ChunkHeader, Command, CommandType, Reply, ReplyBytes, ReplyError,

@@ -1,0 +1,123 @@
+//! The server's TLS setup from `[tls]`: certificate, key and client CA read from PEM files
+//! into one rustls configuration that every dataplane thread shares.
+//!
+//! Why these choices: TLS 1.3 and 1.2 with rustls' safe defaults (the NBD spec asks for 1.2
+//! at least); no session tickets or resumption state (each connection is long-lived, and a
+//! ticket key would be one more secret to rotate); with a client CA, a client certificate is
+//! mandatory and its subject's common name is the connection's identity.
+
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use std::collections::HashMap;
+
+use crate::config::{Config, TlsConfig};
+
+/// Why `[tls]` could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsSetupError {
+    #[error("tls.{field} {path}: {reason}")]
+    File {
+        field: &'static str,
+        path: String,
+        reason: String,
+    },
+    #[error("tls: {0}")]
+    Rustls(String),
+}
+
+/// The rustls server configuration `[tls]` describes; `None` when no listener uses TLS.
+pub fn server_config(
+    config: &TlsConfig,
+) -> Result<Option<Arc<rustls::ServerConfig>>, TlsSetupError> {
+    if !config.enabled() {
+        return Ok(None);
+    }
+    let (Some(certificate), Some(key)) = (&config.certificate, &config.key) else {
+        return Err(TlsSetupError::Rustls(
+            "tls.certificate and tls.key are required".to_string(),
+        ));
+    };
+    let chain = certificates("certificate", certificate)?;
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| TlsSetupError::File {
+        field: "key",
+        path: key.clone(),
+        reason: e.to_string(),
+    })?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsSetupError::Rustls(e.to_string()))?;
+    let builder = match &config.client_ca {
+        None => builder.with_no_client_auth(),
+        Some(path) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for certificate in certificates("client_ca", path)? {
+                roots.add(certificate).map_err(|e| TlsSetupError::File {
+                    field: "client_ca",
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            )
+            .build()
+            .map_err(|e| TlsSetupError::Rustls(e.to_string()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut server = builder
+        .with_single_cert(chain, key)
+        .map_err(|e| TlsSetupError::Rustls(format!("certificate and key: {e}")))?;
+    server.send_tls13_tickets = 0;
+    server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    Ok(Some(Arc::new(server)))
+}
+
+/// Every certificate of a PEM file (at least one).
+fn certificates(
+    field: &'static str,
+    path: &str,
+) -> Result<Vec<CertificateDer<'static>>, TlsSetupError> {
+    let error = |reason: String| TlsSetupError::File {
+        field,
+        path: path.to_string(),
+        reason,
+    };
+    let chain = CertificateDer::pem_file_iter(path)
+        .map_err(|e| error(e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| error(e.to_string()))?;
+    if chain.is_empty() {
+        return Err(error("no certificate in the file".to_string()));
+    }
+    Ok(chain)
+}
+
+/// Per tenant name, the namespaces the configuration binds it to (through the namespace, an
+/// original port, an NVMe/TCP host or an NBD export): where a certificate naming that tenant
+/// may go on namespaces without QoS.
+pub fn identities(config: &Config) -> HashMap<String, Vec<u32>> {
+    let mut identities: HashMap<String, Vec<u32>> = HashMap::new();
+    let mut add = |name: &str, id: u32| {
+        let ids = identities.entry(name.to_string()).or_default();
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    };
+    for namespace in config.effective_namespaces() {
+        for name in config.tenants_bound_to(namespace.id) {
+            add(&name, namespace.id);
+        }
+    }
+    for export in &config.nbd.exports {
+        if let Some(name) = &export.tenant {
+            add(name, export.namespace);
+        }
+    }
+    identities
+}

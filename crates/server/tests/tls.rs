@@ -1,0 +1,598 @@
+//! TLS and certificate identity against a real server, with real clients: `nbdinfo` and
+//! `nbdcopy` (libnbd over GnuTLS) with `nbds://` URIs, and a rustls client speaking the
+//! native protocol. Certificates are made in the test with `openssl`: a CA, the server's
+//! certificate for localhost, client certificates whose common names are the tenants `A`
+//! and `B`, one of another CA, and one whose purpose is server authentication only.
+//!
+//! Tenant A owns namespace 1 (export `ns1`), tenant B namespace 2 (export `ns2`). A client
+//! with A's certificate reads and writes A's namespace, and is refused B's on both protocols
+//! (and nothing it sent was written there).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{config, namespace, pattern, start};
+use reflex_proto::native::{self, Opcode, RequestHeader, ResponseHeader, Status};
+use reflex_server::config::{TlsConfig, TlsMode};
+use reflex_server::{NbdConfig, NbdExportConfig, ServerHandle, TenantConfig};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+
+const NAMESPACE_BYTES: u64 = 8 << 20;
+
+/// Runs `openssl` with `args` in `dir`; panics with its output when it fails.
+fn openssl(dir: &Path, args: &[&str]) {
+    let output = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| panic!("openssl (scripts/test.sh installs it): {e}"));
+    assert!(
+        output.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A key and a certificate signed by `ca` (the CA's files are `{ca}-cert.pem` and
+/// `{ca}-key.pem`), with the extensions in `extensions`, valid for `days` (-1: it expired
+/// yesterday).
+fn issue(dir: &Path, name: &str, subject: &str, ca: &str, extensions: &str, days: &str) {
+    let key = format!("{name}-key.pem");
+    let csr = format!("{name}.csr");
+    let ext = format!("{name}.ext");
+    std::fs::write(dir.join(&ext), extensions).unwrap();
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            subject,
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &format!("{ca}-cert.pem"),
+            "-CAkey",
+            &format!("{ca}-key.pem"),
+            "-CAcreateserial",
+            "-days",
+            days,
+            "-out",
+            &format!("{name}-cert.pem"),
+            "-extfile",
+            &ext,
+        ],
+    );
+}
+
+fn self_signed_ca(dir: &Path, name: &str, subject: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            &format!("{name}-key.pem"),
+            "-out",
+            &format!("{name}-cert.pem"),
+            "-days",
+            "2",
+            "-subj",
+            subject,
+        ],
+    );
+}
+
+const CLIENT_EXTENSIONS: &str = "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n";
+
+/// The test's certificates, and a libnbd certificate folder per client identity
+/// (`ca-cert.pem`, `client-cert.pem`, `client-key.pem`, as GnuTLS clients expect).
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path();
+        self_signed_ca(path, "ca", "/CN=ReFlex test CA");
+        self_signed_ca(path, "rogue-ca", "/CN=Someone else");
+        issue(
+            path,
+            "server",
+            "/CN=localhost",
+            "ca",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n",
+            "2",
+        );
+        issue(path, "A", "/CN=A", "ca", CLIENT_EXTENSIONS, "2");
+        issue(path, "B", "/CN=B", "ca", CLIENT_EXTENSIONS, "2");
+        issue(path, "rogue", "/CN=A", "rogue-ca", CLIENT_EXTENSIONS, "2");
+        issue(path, "expired", "/CN=A", "ca", CLIENT_EXTENSIONS, "-1");
+        issue(
+            path,
+            "wrong-purpose",
+            "/CN=A",
+            "ca",
+            "extendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n",
+            "2",
+        );
+        for client in ["A", "B", "rogue", "expired", "wrong-purpose"] {
+            let folder = path.join(format!("nbd-{client}"));
+            std::fs::create_dir(&folder).unwrap();
+            std::fs::copy(path.join("ca-cert.pem"), folder.join("ca-cert.pem")).unwrap();
+            std::fs::copy(
+                path.join(format!("{client}-cert.pem")),
+                folder.join("client-cert.pem"),
+            )
+            .unwrap();
+            std::fs::copy(
+                path.join(format!("{client}-key.pem")),
+                folder.join("client-key.pem"),
+            )
+            .unwrap();
+        }
+        Pki { dir }
+    }
+
+    fn file(&self, name: &str) -> String {
+        self.dir.path().join(name).display().to_string()
+    }
+
+    fn nbd_folder(&self, client: &str) -> PathBuf {
+        self.dir.path().join(format!("nbd-{client}"))
+    }
+}
+
+/// Tenants A and B, each with its namespace and NBD export; TLS required on the native and
+/// NBD listeners, client certificates from the test CA.
+fn tls_server(pki: &Pki) -> ServerHandle {
+    let mut ns1 = namespace(1, "mem", Some(NAMESPACE_BYTES));
+    ns1.tenant = Some("A".to_string());
+    // Namespace 2 has QoS (its tenants live in the control plane); namespace 1 has none
+    // (the configuration's bindings decide): both ways of finding a certificate's tenant.
+    let mut ns2 = namespace(2, "mem", Some(NAMESPACE_BYTES));
+    ns2.tenant = Some("B".to_string());
+    ns2.profile = Some(format!(
+        "{}/../../profiles/device-a-small.toml",
+        env!("CARGO_MANIFEST_DIR")
+    ));
+    let mut config = config(vec![ns1, ns2]);
+    config.original_ports = Some(Vec::new());
+    config.nvme_tcp.enabled = false;
+    config.tenants = vec![
+        TenantConfig::best_effort("A"),
+        TenantConfig::best_effort("B"),
+    ];
+    config.nbd = NbdConfig {
+        port: 0,
+        exports: Vec::<NbdExportConfig>::new(),
+        ..NbdConfig::default()
+    };
+    config.tls = TlsConfig {
+        certificate: Some(pki.file("server-cert.pem")),
+        key: Some(pki.file("server-key.pem")),
+        client_ca: Some(pki.file("ca-cert.pem")),
+        native: TlsMode::Require,
+        nbd: TlsMode::Require,
+    };
+    start(config)
+}
+
+fn nbd_uri(server: &ServerHandle, export: &str, pki: &Pki, client: &str) -> String {
+    let port = server.nbd_addr().expect("NBD listens").port();
+    format!(
+        "nbds://localhost:{port}/{export}?tls-certificates={}",
+        pki.nbd_folder(client).display()
+    )
+}
+
+fn run(program: &str, args: &[&str]) -> Output {
+    Command::new("timeout")
+        .arg("60")
+        .arg(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{program} (scripts/test.sh installs libnbd-bin): {e}"))
+}
+
+fn nbdcopy(from: &str, to: &str) -> Output {
+    run("nbdcopy", &["--connections=2", "--requests=16", from, to])
+}
+
+#[test]
+fn nbd_over_tls_copies_data_exactly_with_a_client_certificate() {
+    let pki = Pki::new();
+    let server = tls_server(&pki);
+    let work = tempfile::tempdir().unwrap();
+    let input = work.path().join("in.bin");
+    let output = work.path().join("out.bin");
+    let data = pattern(7, NAMESPACE_BYTES as usize);
+    std::fs::write(&input, &data).unwrap();
+    let uri = nbd_uri(&server, "ns1", &pki, "A");
+
+    let info = run("nbdinfo", &[&uri]);
+    let info_text = String::from_utf8_lossy(&info.stdout);
+    assert!(info.status.success(), "nbdinfo: {info:?}");
+    assert!(info_text.contains("with TLS"), "{info_text}");
+
+    let copy_in = nbdcopy(input.to_str().unwrap(), &uri);
+    assert!(copy_in.status.success(), "nbdcopy in: {copy_in:?}");
+    let copy_out = nbdcopy(&uri, output.to_str().unwrap());
+    assert!(copy_out.status.success(), "nbdcopy out: {copy_out:?}");
+    assert!(
+        std::fs::read(&output).unwrap() == data,
+        "data read back differs"
+    );
+}
+
+#[test]
+fn nbd_refuses_plaintext_and_bad_certificates_and_keeps_serving() {
+    let pki = Pki::new();
+    let server = tls_server(&pki);
+    let port = server.nbd_addr().unwrap().port();
+    // Plaintext on a TLS-required server: every option but STARTTLS is refused.
+    let plain = run("nbdinfo", &[&format!("nbd://localhost:{port}/ns1")]);
+    assert!(!plain.status.success(), "plaintext NBD was served");
+    // A certificate of another CA, an expired one, and one not meant for clients.
+    for client in ["rogue", "expired", "wrong-purpose"] {
+        let refused = run("nbdinfo", &[&nbd_uri(&server, "ns1", &pki, client)]);
+        assert!(
+            !refused.status.success(),
+            "{client} certificate was accepted: {refused:?}"
+        );
+    }
+    // A handshake cut in the middle, and TLS garbage after STARTTLS.
+    let addr = server.nbd_addr().unwrap();
+    for tail in [&[0x16, 0x03, 0x01, 0x02][..], &[0xff; 64][..]] {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut greeting = [0u8; 18];
+        stream.read_exact(&mut greeting).unwrap();
+        let mut starttls = 1u32.to_be_bytes().to_vec(); // FIXED_NEWSTYLE
+        starttls.extend_from_slice(b"IHAVEOPT");
+        starttls.extend_from_slice(&5u32.to_be_bytes());
+        starttls.extend_from_slice(&0u32.to_be_bytes());
+        stream.write_all(&starttls).unwrap();
+        let mut reply = [0u8; 20];
+        stream.read_exact(&mut reply).unwrap();
+        assert_eq!(
+            &reply[12..16],
+            &1u32.to_be_bytes(),
+            "STARTTLS is acknowledged"
+        );
+        stream.write_all(tail).unwrap();
+        drop(stream);
+    }
+    // Still serving.
+    let info = run("nbdinfo", &[&nbd_uri(&server, "ns1", &pki, "A")]);
+    assert!(
+        info.status.success(),
+        "nbdinfo after the bad clients: {info:?}"
+    );
+}
+
+#[test]
+fn nbd_client_of_tenant_a_cannot_touch_tenant_b() {
+    let pki = Pki::new();
+    let server = tls_server(&pki);
+    let work = tempfile::tempdir().unwrap();
+    let b_data = pattern(11, NAMESPACE_BYTES as usize);
+    let b_file = work.path().join("b.bin");
+    std::fs::write(&b_file, &b_data).unwrap();
+    let copy = nbdcopy(
+        b_file.to_str().unwrap(),
+        &nbd_uri(&server, "ns2", &pki, "B"),
+    );
+    assert!(copy.status.success(), "B writes its own export: {copy:?}");
+
+    let a_file = work.path().join("a.bin");
+    std::fs::write(&a_file, pattern(12, NAMESPACE_BYTES as usize)).unwrap();
+    let write = nbdcopy(
+        a_file.to_str().unwrap(),
+        &nbd_uri(&server, "ns2", &pki, "A"),
+    );
+    assert!(!write.status.success(), "A wrote B's export");
+    let read = nbdcopy(
+        &nbd_uri(&server, "ns2", &pki, "A"),
+        work.path().join("stolen.bin").to_str().unwrap(),
+    );
+    assert!(!read.status.success(), "A read B's export");
+
+    let check = work.path().join("check.bin");
+    let copy = nbdcopy(&nbd_uri(&server, "ns2", &pki, "B"), check.to_str().unwrap());
+    assert!(copy.status.success(), "B reads its own export: {copy:?}");
+    assert!(std::fs::read(&check).unwrap() == b_data, "B's data changed");
+}
+
+/// A native-protocol client over rustls, presenting `client`'s certificate.
+fn native_tls(
+    addr: SocketAddr,
+    pki: &Pki,
+    client: &str,
+) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_file(pki.file("ca-cert.pem")).unwrap())
+        .unwrap();
+    let chain =
+        vec![CertificateDer::from_pem_file(pki.file(&format!("{client}-cert.pem"))).unwrap()];
+    let key = PrivateKeyDer::from_pem_file(pki.file(&format!("{client}-key.pem"))).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .unwrap();
+    let name = ServerName::try_from("localhost").unwrap();
+    let connection = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+    let stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    rustls::StreamOwned::new(connection, stream)
+}
+
+fn call(
+    stream: &mut impl ReadWrite,
+    header: &RequestHeader,
+    payload: &[u8],
+) -> (ResponseHeader, Vec<u8>) {
+    let mut bytes = header.to_bytes().to_vec();
+    bytes.extend_from_slice(payload);
+    stream.write_all(&bytes).unwrap();
+    stream.flush().unwrap();
+    let mut response = [0u8; native::RESPONSE_HEADER_SIZE];
+    stream.read_exact(&mut response).unwrap();
+    let Ok(Some((response, _))) = ResponseHeader::decode(&response) else {
+        panic!("malformed response");
+    };
+    let mut body = vec![0u8; response.length_bytes as usize];
+    stream.read_exact(&mut body).unwrap();
+    assert_eq!(response.request_id, header.request_id);
+    (response, body)
+}
+
+trait ReadWrite: Read + Write {}
+impl<T: Read + Write> ReadWrite for T {}
+
+#[test]
+fn native_tls_identity_chooses_the_tenant_and_refuses_the_others() {
+    let pki = Pki::new();
+    let server = tls_server(&pki);
+    let mut a = native_tls(server.native_addr(), &pki, "A");
+    let block = pattern(21, 4096);
+    // A's namespace: write, then read back.
+    let (answer, _) = call(
+        &mut a,
+        &RequestHeader::write(1, 1, 8192, 4096, false),
+        &block,
+    );
+    assert_eq!(answer.status(), Ok(Status::Ok));
+    let (answer, data) = call(&mut a, &RequestHeader::read(2, 1, 8192, 4096), &[]);
+    assert_eq!(answer.status(), Ok(Status::Ok));
+    assert_eq!(data, block);
+    // B's namespace: refused both ways.
+    let (answer, _) = call(
+        &mut a,
+        &RequestHeader::write(3, 2, 8192, 4096, false),
+        &block,
+    );
+    assert_eq!(answer.status(), Ok(Status::Permission));
+    let (answer, _) = call(&mut a, &RequestHeader::read(4, 2, 8192, 4096), &[]);
+    assert_eq!(answer.status(), Ok(Status::Permission));
+    // BIND to B's tenant (even knowing its handle) and REGISTER: refused.
+    let b_handle = server.tenant_handle(2, "B").expect("tenant B");
+    let bind = RequestHeader {
+        length_bytes: 8,
+        ..RequestHeader::new(Opcode::Bind, 5)
+    };
+    let (answer, _) = call(&mut a, &bind, &b_handle.to_le_bytes());
+    assert_eq!(answer.status(), Ok(Status::Permission));
+    // B sees its namespace unchanged (zeroes) and its own write.
+    let mut b = native_tls(server.native_addr(), &pki, "B");
+    let (answer, data) = call(&mut b, &RequestHeader::read(6, 2, 8192, 4096), &[]);
+    assert_eq!(answer.status(), Ok(Status::Ok));
+    assert!(
+        data.iter().all(|&byte| byte == 0),
+        "A's refused write landed"
+    );
+    let stats = server.tenant(b_handle).expect("tenant B");
+    let _ = stats;
+}
+
+#[test]
+fn native_tls_port_closes_plaintext_and_bad_certificates() {
+    let pki = Pki::new();
+    let server = tls_server(&pki);
+    // Plaintext: the server reads it as a broken TLS record and closes.
+    let mut plain = TcpStream::connect(server.native_addr()).unwrap();
+    plain
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    plain
+        .write_all(&RequestHeader::read(1, 1, 0, 4096).to_bytes())
+        .unwrap();
+    let mut bytes = Vec::new();
+    let _ = plain.read_to_end(&mut bytes);
+    assert!(
+        bytes.len() < native::RESPONSE_HEADER_SIZE || bytes[0] == 0x15,
+        "plaintext got an answer: {bytes:?}"
+    );
+    // Another CA's certificate: the handshake fails, nothing is answered.
+    let mut rogue = native_tls(server.native_addr(), &pki, "rogue");
+    let mut response = [0u8; native::RESPONSE_HEADER_SIZE];
+    let sent = rogue
+        .write_all(&RequestHeader::read(1, 1, 0, 4096).to_bytes())
+        .and_then(|()| rogue.flush())
+        .and_then(|()| rogue.read_exact(&mut response));
+    assert!(sent.is_err(), "a rogue certificate was served");
+    // Still serving.
+    let mut a = native_tls(server.native_addr(), &pki, "A");
+    let (answer, _) = call(&mut a, &RequestHeader::read(2, 1, 0, 4096), &[]);
+    assert_eq!(answer.status(), Ok(Status::Ok));
+}
+
+/// Starts `reflexd --config PATH`; returns it, its NBD address and its log lines as they come.
+fn spawn_reflexd(
+    config: &Path,
+) -> (
+    std::process::Child,
+    SocketAddr,
+    std::sync::mpsc::Receiver<String>,
+) {
+    use std::io::BufRead;
+    let mut child = common::reflexd_command()
+        .arg("--config")
+        .arg(config)
+        .args(common::driver_args())
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
+    let stderr = child.stderr.take().unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let nbd = wait_for(&lines, "reflexd serving")
+        .split("nbd=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no NBD address in the log"))
+        .parse()
+        .unwrap();
+    (child, nbd, lines)
+}
+
+/// The first log line containing `needle` (within a minute).
+fn wait_for(lines: &std::sync::mpsc::Receiver<String>, needle: &str) -> String {
+    loop {
+        let line = lines
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("reflexd never logged {needle:?}"));
+        if line.contains(needle) {
+            return line;
+        }
+    }
+}
+
+#[test]
+fn sighup_reloads_the_certificate_for_new_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path();
+    let server_extensions =
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n";
+    for ca in ["old", "new"] {
+        self_signed_ca(path, &format!("{ca}-ca"), &format!("/CN={ca} CA"));
+        issue(
+            path,
+            ca,
+            "/CN=localhost",
+            &format!("{ca}-ca"),
+            server_extensions,
+            "2",
+        );
+        let folder = path.join(format!("trusts-{ca}"));
+        std::fs::create_dir(&folder).unwrap();
+        std::fs::copy(
+            path.join(format!("{ca}-ca-cert.pem")),
+            folder.join("ca-cert.pem"),
+        )
+        .unwrap();
+    }
+    std::fs::copy(path.join("old-cert.pem"), path.join("server-cert.pem")).unwrap();
+    std::fs::copy(path.join("old-key.pem"), path.join("server-key.pem")).unwrap();
+    let config = path.join("reflexd.toml");
+    std::fs::write(
+        &config,
+        "port = 0\noriginal_ports = []\narena_bytes_per_thread = \"4M\"\n\
+         [nbd]\nport = 0\n[nvme_tcp]\nenabled = false\n\
+         [[namespace]]\nid = 1\nbackend = \"mem:4M\"\n\
+         [tls]\ncertificate = \"server-cert.pem\"\nkey = \"server-key.pem\"\nnbd = \"require\"\n",
+    )
+    .unwrap();
+    let (mut child, nbd, lines) = spawn_reflexd(&config);
+    let uri = |ca: &str| {
+        format!(
+            "nbds://localhost:{}/ns1?tls-certificates={}",
+            nbd.port(),
+            path.join(format!("trusts-{ca}")).display()
+        )
+    };
+    assert!(run("nbdinfo", &[&uri("old")]).status.success());
+    assert!(!run("nbdinfo", &[&uri("new")]).status.success());
+
+    std::fs::copy(path.join("new-cert.pem"), path.join("server-cert.pem")).unwrap();
+    std::fs::copy(path.join("new-key.pem"), path.join("server-key.pem")).unwrap();
+    let status = Command::new("kill")
+        .arg("-HUP")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    wait_for(&lines, "TLS certificates reloaded");
+    assert!(run("nbdinfo", &[&uri("new")]).status.success());
+    assert!(!run("nbdinfo", &[&uri("old")]).status.success());
+
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn a_tls_client_on_a_plaintext_port_is_refused_and_others_are_served() {
+    let pki = Pki::new();
+    let server = common::mem_server();
+    let mut tls = native_tls(server.native_addr(), &pki, "A");
+    let mut response = [0u8; native::RESPONSE_HEADER_SIZE];
+    let sent = tls
+        .write_all(&RequestHeader::read(1, 1, 0, 4096).to_bytes())
+        .and_then(|()| tls.flush())
+        .and_then(|()| tls.read_exact(&mut response));
+    assert!(sent.is_err(), "a TLS handshake got an answer");
+    let mut plain = TcpStream::connect(server.native_addr()).unwrap();
+    plain
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let (answer, _) = call(&mut plain, &RequestHeader::read(2, 1, 0, 4096), &[]);
+    assert_eq!(answer.status(), Ok(Status::Ok));
+}
