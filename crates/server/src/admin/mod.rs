@@ -150,6 +150,14 @@ impl AdminConfig {
                 reason: "the token must be one non-empty word".into(),
             });
         }
+        if let Ok(metadata) = std::fs::metadata(path) {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = metadata.permissions().mode();
+            if mode & 0o077 != 0 {
+                tracing::warn!(path = %path, mode = format!("{:o}", mode & 0o777),
+                    "the admin token file is readable by other users: chmod 600 it");
+            }
+        }
         Ok(Some(token.to_string()))
     }
 }
