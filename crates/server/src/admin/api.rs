@@ -59,6 +59,9 @@ pub struct AdminState {
     pub token: Option<String>,
     pub token_exempt: reflex_dataplane::access::AllowList,
     pub refused: Arc<crate::admin::stats::AdminRefusals>,
+    /// Log lines about refused requests (rate-limited: a peer hammering the API with bad
+    /// tokens cannot flood the log), and the clock they are measured on.
+    pub refusal_log: std::sync::Mutex<(std::time::Instant, reflex_dataplane::access::RefusalLog)>,
     pub version: &'static str,
     pub threads: usize,
 }
@@ -936,8 +939,16 @@ pub async fn only_local(
     use crate::admin::stats::AdminRefusal;
     let refuse = |refusal: AdminRefusal, response: Response| {
         state.refused.add(refusal);
-        tracing::warn!(peer = %peer.ip(), reason = refusal.label(), method = %request.method(),
-            path = %request.uri().path(), "admin API request refused");
+        let mut log = state
+            .refusal_log
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now = reflex_qos::Nanos(log.0.elapsed().as_nanos() as u64);
+        if let Some(suppressed) = log.1.admit(now) {
+            tracing::warn!(peer = %peer.ip(), reason = refusal.label(),
+                method = %request.method(), path = %request.uri().path(),
+                refused_unlogged = suppressed, "admin API request refused");
+        }
         response
     };
     if let Some(allow) = &state.allow
@@ -971,16 +982,18 @@ pub async fn only_local(
         return refuse(AdminRefusal::Unauthorized, response);
     }
     if !state.allow_remote && !peer.ip().is_loopback() {
-        state.refused.add(AdminRefusal::Remote);
-        return ApiError::new(
-            StatusCode::FORBIDDEN,
-            format!(
-                "the admin API serves only this machine; {} is not a loopback address \
-                 ([admin] allow_remote = true opens it)",
-                peer.ip()
-            ),
-        )
-        .into_response();
+        return refuse(
+            AdminRefusal::Remote,
+            ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "the admin API serves only this machine; {} is not a loopback address \
+                     ([admin] allow_remote = true opens it)",
+                    peer.ip()
+                ),
+            )
+            .into_response(),
+        );
     }
     next.run(request).await
 }

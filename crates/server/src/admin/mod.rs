@@ -363,6 +363,10 @@ pub fn start(setup: AdminSetup) -> Result<AdminHandle, AdminStartError> {
         token,
         token_exempt: AllowList::new(setup.config.token_exempt.clone()),
         refused,
+        refusal_log: Mutex::new((
+            std::time::Instant::now(),
+            reflex_dataplane::access::RefusalLog::new(),
+        )),
         control: setup.control,
         manager: setup.manager,
         sampler: Arc::clone(&sampler),
