@@ -68,14 +68,8 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 
 [ "$SERVER_CPU" != "$CLIENT_CPU" ] || die "SERVER_CPU and CLIENT_CPU must differ"
 require taskset python3 awk
-ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-[ "$(ulimit -n)" -ge $((IDLE + SLOWLORIS + 256)) ] ||
-    die "ulimit -n $(ulimit -n) is too low for $((IDLE + SLOWLORIS)) connections"
-
-note "building release binaries"
-cargo build --release -q -p reflex-server -p reflex-cli
-REFLEXD="$CARGO_TARGET_DIR/release/reflexd"
-REFLEX="$CARGO_TARGET_DIR/release/reflex"
+raise_fd_limit $((IDLE + SLOWLORIS + 256)) "$((IDLE + SLOWLORIS)) connections"
+build_release
 
 RAW="$WORK/raw"
 mkdir -p "$RAW"

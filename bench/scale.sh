@@ -73,14 +73,9 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 [ "$SERVER_CPU" != "$CLIENT_CPU" ] || die "SERVER_CPU and CLIENT_CPU must differ"
 require taskset python3 awk
 # 10,000 connections need as many descriptors in the server and in the flood.
-ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-[ "$(ulimit -n)" -ge $((IDLE + ACTIVE_THREADS * ACTIVE_PER_THREAD + 256)) ] ||
-    die "ulimit -n $(ulimit -n) is too low for $IDLE + $((ACTIVE_THREADS * ACTIVE_PER_THREAD)) connections"
-
-note "building release binaries"
-cargo build --release -q -p reflex-server -p reflex-cli
-REFLEXD="$CARGO_TARGET_DIR/release/reflexd"
-REFLEX="$CARGO_TARGET_DIR/release/reflex"
+raise_fd_limit $((IDLE + ACTIVE_THREADS * ACTIVE_PER_THREAD + 256)) \
+    "$IDLE + $((ACTIVE_THREADS * ACTIVE_PER_THREAD)) connections"
+build_release
 
 RAW="$WORK/raw"
 mkdir -p "$RAW"

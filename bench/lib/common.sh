@@ -18,6 +18,10 @@
 #   interrupt time left out), from /proc/stat.
 # - wait_quiet MAX_PERCENT SECONDS: wait (at most SECONDS) until, over one second, processes
 #   used at most MAX_PERCENT of every CPU; returns 1 if the machine never got that quiet.
+# - raise_fd_limit NEEDED WHAT: raise `ulimit -n` (to 65536, or the hard limit) and fail unless
+#   it allows NEEDED descriptors (WHAT says what for).
+# - build_release: build reflexd and reflex (release) and set REFLEXD and REFLEX to them, under
+#   CARGO_TARGET_DIR (default target).
 # - now_ns: monotonic-enough wall clock in nanoseconds.
 # - fs_type DIR: the filesystem type of DIR (to refuse tmpfs where a disk is wanted).
 # - autogroup_nice NICE: give this script's session (its scheduler autogroup) niceness NICE,
@@ -127,6 +131,18 @@ wait_quiet() {
         ((SECONDS < deadline)) || return 1
         sleep 1
     done
+}
+
+raise_fd_limit() {
+    ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+    [ "$(ulimit -n)" -ge "$1" ] || die "ulimit -n $(ulimit -n) is too low for $2"
+}
+
+build_release() {
+    note "building release binaries"
+    cargo build --release -q -p reflex-server -p reflex-cli
+    REFLEXD="${CARGO_TARGET_DIR:-target}/release/reflexd"
+    REFLEX="${CARGO_TARGET_DIR:-target}/release/reflex"
 }
 
 now_ns() { date +%s%N; }

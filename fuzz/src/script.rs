@@ -50,8 +50,8 @@ use reflex_flash::mem::MemDevice;
 use reflex_proto::{native, nbd, original};
 use reflex_qos::{DeviceProfile, Nanos, QosConfig, TenantSpec};
 use reflex_sim::{
-    EmuSimDevice, FixedDevice, ModelFlash, NetworkModel, SocketId, VirtualExport, VirtualListener,
-    VirtualServer, VirtualServerError, VirtualServerSetup,
+    EmuSimDevice, FixedDevice, ModelFlash, NetworkModel, SocketId, TlsServer, VirtualExport,
+    VirtualListener, VirtualServer, VirtualServerError, VirtualServerSetup,
 };
 
 /// Steps decoded from one input at most.
@@ -117,7 +117,56 @@ pub fn listeners() -> Vec<VirtualListener> {
             namespace_index: 0,
             tenant: Some("be".into()),
         },
+        VirtualListener::NativeTls(TlsServer(Arc::clone(&tls_configs().0))),
     ]
+}
+
+/// The TLS listener's server configuration and its clients' (the simulator tests'
+/// certificates, valid until 2126), made once per process.
+fn tls_configs() -> &'static (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    static CONFIGS: OnceLock<(Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>)> =
+        OnceLock::new();
+    CONFIGS.get_or_init(|| {
+        let pem = |bytes: &[u8]| CertificateDer::from_pem_slice(bytes).expect("test certificate");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let server = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![pem(include_bytes!(
+                    "../../crates/sim/tests/data/tls-server-cert.pem"
+                ))],
+                PrivateKeyDer::from_pem_slice(include_bytes!(
+                    "../../crates/sim/tests/data/tls-server-key.pem"
+                ))
+                .expect("test key"),
+            )
+            .expect("test certificate and key");
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(pem(include_bytes!(
+                "../../crates/sim/tests/data/tls-ca.pem"
+            )))
+            .expect("test CA");
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        (Arc::new(server), Arc::new(client))
+    })
+}
+
+/// A client of the TLS listener: its session.
+fn tls_client() -> Box<rustls::ClientConnection> {
+    let name = rustls::pki_types::ServerName::try_from("localhost").expect("server name");
+    let mut session = rustls::ClientConnection::new(Arc::clone(&tls_configs().1), name)
+        .expect("TLS client session");
+    session.set_buffer_limit(None);
+    Box::new(session)
 }
 
 /// NBD export names, by selector (the last two do not exist; the empty name is the default).
@@ -1049,6 +1098,9 @@ struct Client {
     responses: ResponseStream,
     /// [`Mode::WellFormed`]: the requests in flight and the parser that matches answers.
     oracle: Option<Oracle>,
+    /// On the TLS listener: the client's TLS session (what it sends is encrypted, what it
+    /// reads decrypted; the protocol inside is the same).
+    tls: Option<Box<rustls::ClientConnection>>,
 }
 
 /// A client's view of the server's bytes: complete response headers parsed, their payloads
@@ -1350,7 +1402,53 @@ impl Run {
             eprintln!("  send {} bytes on {:?}", bytes.len(), client.socket);
         }
         self.outcome.bytes_sent += bytes.len();
-        self.server.client_send(client.socket, bytes);
+        self.transmit(index, bytes);
+    }
+
+    /// Hands a client's bytes to its socket: as they are, or through its TLS session
+    /// (with whatever the session has to send besides: the ClientHello, its Finished).
+    fn transmit(&mut self, index: usize, bytes: &[u8]) {
+        let client = &mut self.clients[index];
+        let socket = client.socket;
+        let Some(tls) = client.tls.as_mut() else {
+            self.server.client_send(socket, bytes);
+            return;
+        };
+        if client.done_sending {
+            return;
+        }
+        if !bytes.is_empty() {
+            std::io::Write::write_all(&mut tls.writer(), bytes).expect("TLS plaintext");
+        }
+        let mut ciphertext = Vec::new();
+        while tls.wants_write() {
+            if tls.write_tls(&mut ciphertext).is_err() {
+                break;
+            }
+        }
+        if !ciphertext.is_empty() {
+            self.server.client_send(socket, &ciphertext);
+        }
+    }
+
+    /// What a TLS client makes of the bytes it read: the plaintext inside (a session the
+    /// server broke yields nothing more).
+    fn decrypt(&mut self, index: usize, received: &mut Vec<u8>) {
+        let Some(tls) = self.clients[index].tls.as_mut() else {
+            return;
+        };
+        let mut plaintext = Vec::new();
+        let mut offered = &received[..];
+        while !offered.is_empty() {
+            if tls.read_tls(&mut offered).is_err() || tls.process_new_packets().is_err() {
+                break;
+            }
+            // Taken at once: rustls holds little decrypted data.
+            let _ = std::io::Read::read_to_end(&mut tls.reader(), &mut plaintext);
+        }
+        *received = plaintext;
+        // The handshake's last message, once the server's Finished arrived.
+        self.transmit(index, &[]);
     }
 
     fn step(&mut self, step: &Step) {
@@ -1494,7 +1592,7 @@ impl Run {
                      driver had not taken yet"
                 );
                 let kind = match listeners[listener_index] {
-                    VirtualListener::Native => Kind::Native,
+                    VirtualListener::Native | VirtualListener::NativeTls(_) => Kind::Native,
                     VirtualListener::Original { .. } => Kind::Original,
                     VirtualListener::Nbd => Kind::Nbd,
                 };
@@ -1502,6 +1600,8 @@ impl Run {
                     eprintln!("  connected {socket:?} ({kind:?})");
                 }
                 self.outcome.connections += 1;
+                let tls = matches!(listeners[listener_index], VirtualListener::NativeTls(_))
+                    .then(tls_client);
                 self.clients.push(Client {
                     socket,
                     kind,
@@ -1510,7 +1610,16 @@ impl Run {
                     done_sending: false,
                     responses: ResponseStream::default(),
                     oracle: None,
+                    tls,
                 });
+                if self
+                    .clients
+                    .last()
+                    .is_some_and(|client| client.tls.is_some())
+                {
+                    // The ClientHello goes out at once.
+                    self.transmit(self.clients.len() - 1, &[]);
+                }
             }
             Err(VirtualServerError::NotAccepting { .. } | VirtualServerError::Refused(_)) => {
                 if self.trace {
@@ -1600,6 +1709,7 @@ impl Run {
         received.clear();
         self.server.client_read(socket, &mut received);
         self.outcome.bytes_received += received.len();
+        self.decrypt(index, &mut received);
         let client = &mut self.clients[index];
         client.responses.feed(client.kind, &received);
         if client.oracle.is_some() {
@@ -2081,7 +2191,7 @@ impl Run {
                 };
                 (None, bytes / u64::from(original::SECTOR_SIZE_BYTES))
             }
-            VirtualListener::Native => (None, 0),
+            VirtualListener::Native | VirtualListener::NativeTls(_) => (None, 0),
         };
         let index = self.clients.len() - 1;
         self.clients[index].oracle = Some(Oracle {
@@ -2118,7 +2228,7 @@ impl Run {
         if self.trace {
             eprintln!("  request {id} ({} bytes) on {socket:?}", bytes.len());
         }
-        self.server.client_send(socket, &bytes);
+        self.transmit(index, &bytes);
     }
 
     /// Received bytes for a well-formed client: the NBD handshake first, then answers.
@@ -2313,6 +2423,25 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
                     native(0, 4, 7, 0, 8, 3),
                     native(0, 1, 8, 2, 0, 3),
                     native(0, 2, 9, 2, 0, 3),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "native-tls",
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 5, 0),
+                    connect(0, 5, 1),
+                    advance(4),
+                    control(0, 0, 1, HELLO),
+                    native(0, 2, 2, 0, 8, 3),
+                    native(1, 2, 3, 1, 0, 7),
+                    advance(5),
+                    native(0, 1, 4, 0, 8, 3),
+                    native(1, 1, 5, 1, 0, 7),
+                    native(0, 4, 6, 0, 8, 3),
                     advance(9),
                 ],
             ),

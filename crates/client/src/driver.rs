@@ -15,6 +15,8 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::core::{ConnectionCore, CoreOptions};
@@ -44,6 +46,69 @@ pub struct ClientOptions {
     /// Reconnect after the connection breaks, repeating what is safe to repeat; `None` (the
     /// default) fails the call with [`ClientError::Closed`] or [`ClientError::Io`] as before.
     pub reconnect: Option<ReconnectPolicy>,
+    /// TLS, for a server whose native port requires it (`docs/PROTOCOL.md` §1.10); `None`:
+    /// plaintext.
+    pub tls: Option<TlsOptions>,
+}
+
+/// How to speak TLS to the server: whom to trust, what name its certificate carries, and
+/// optionally this client's certificate (on a server with a client CA, it names the tenant).
+#[derive(Debug, Clone)]
+pub struct TlsOptions {
+    pub config: Arc<rustls::ClientConfig>,
+    pub server_name: rustls::pki_types::ServerName<'static>,
+}
+
+impl TlsOptions {
+    /// From PEM files: `ca` signs the server's certificate; `identity` is this client's
+    /// certificate chain and key; `server_name` is the DNS name or IP address the server's
+    /// certificate must carry.
+    pub fn from_pem_files(
+        ca: &Path,
+        identity: Option<(&Path, &Path)>,
+        server_name: &str,
+    ) -> Result<TlsOptions, ClientError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+        let invalid =
+            |what: String| ClientError::Io(std::io::Error::new(ErrorKind::InvalidInput, what));
+        let mut roots = rustls::RootCertStore::empty();
+        for certificate in CertificateDer::pem_file_iter(ca)
+            .map_err(|e| invalid(format!("TLS CA {}: {e}", ca.display())))?
+        {
+            let certificate =
+                certificate.map_err(|e| invalid(format!("TLS CA {}: {e}", ca.display())))?;
+            roots
+                .add(certificate)
+                .map_err(|e| invalid(format!("TLS CA {}: {e}", ca.display())))?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| invalid(format!("TLS: {e}")))?
+            .with_root_certificates(roots);
+        let config = match identity {
+            None => builder.with_no_client_auth(),
+            Some((certificate, key)) => {
+                let chain = CertificateDer::pem_file_iter(certificate)
+                    .and_then(|chain| chain.collect::<Result<Vec<_>, _>>())
+                    .map_err(|e| {
+                        invalid(format!("TLS certificate {}: {e}", certificate.display()))
+                    })?;
+                let key = PrivateKeyDer::from_pem_file(key)
+                    .map_err(|e| invalid(format!("TLS key {}: {e}", key.display())))?;
+                builder
+                    .with_client_auth_cert(chain, key)
+                    .map_err(|e| invalid(format!("TLS certificate and key: {e}")))?
+            }
+        };
+        let server_name = ServerName::try_from(server_name.to_string())
+            .map_err(|e| invalid(format!("TLS server name {server_name:?}: {e}")))?;
+        Ok(TlsOptions {
+            config: Arc::new(config),
+            server_name,
+        })
+    }
 }
 
 impl Default for ClientOptions {
@@ -52,6 +117,7 @@ impl Default for ClientOptions {
             timeout: Some(Duration::from_secs(30)),
             io_priority: None,
             reconnect: None,
+            tls: None,
         }
     }
 }
@@ -67,6 +133,8 @@ impl ClientOptions {
 #[derive(Debug)]
 pub(crate) struct StreamDriver {
     stream: TcpStream,
+    /// TLS over `stream`, when the options ask for it.
+    tls: Option<Box<rustls::ClientConnection>>,
     pub(crate) core: ConnectionCore,
     pub(crate) timeout: Option<Duration>,
     closed: bool,
@@ -83,13 +151,18 @@ impl StreamDriver {
         let io_priority = options
             .io_priority
             .unwrap_or_else(sys::io_priority_of_process);
-        let (driver, capabilities) =
-            StreamDriver::connect_addresses(&addresses, options.timeout, io_priority)?;
+        let (driver, capabilities) = StreamDriver::connect_addresses(
+            &addresses,
+            options.timeout,
+            io_priority,
+            options.tls.as_ref(),
+        )?;
         let reconnector = options.reconnect.map(|policy| Reconnector {
             policy,
             addresses,
             timeout: options.timeout,
             io_priority,
+            tls: options.tls.clone(),
             jitter: Jitter::from_entropy(),
             reconnects: 0,
         });
@@ -100,12 +173,21 @@ impl StreamDriver {
         addresses: &[SocketAddr],
         timeout: Option<Duration>,
         io_priority: u16,
+        tls: Option<&TlsOptions>,
     ) -> Result<(StreamDriver, Capabilities), ClientError> {
         let stream = connect_any(addresses, timeout)?;
         stream.set_nodelay(true)?;
         stream.set_nonblocking(true)?;
+        let tls = match tls {
+            None => None,
+            Some(tls) => Some(Box::new(
+                rustls::ClientConnection::new(Arc::clone(&tls.config), tls.server_name.clone())
+                    .map_err(|e| std::io::Error::other(format!("TLS: {e}")))?,
+            )),
+        };
         let mut driver = StreamDriver {
             stream,
+            tls,
             core: ConnectionCore::new(CoreOptions::default()),
             timeout,
             closed: false,
@@ -133,7 +215,13 @@ impl StreamDriver {
         Ok((driver, capabilities))
     }
 
+    /// # Panics
+    /// On a TLS connection: its socket alone would lose the session.
     pub(crate) fn into_parts(self) -> (TcpStream, ConnectionCore) {
+        assert!(
+            self.tls.is_none(),
+            "a TLS connection cannot be taken apart into its socket"
+        );
         assert!(!self.core.transmit_in_flight());
         assert!(!self.core.receive_in_flight());
         (self.stream, self.core)
@@ -174,7 +262,7 @@ impl StreamDriver {
         let Some(space) = self.core.receive_start() else {
             return false;
         };
-        match self.stream.read(space) {
+        match transport_read(&mut self.stream, self.tls.as_deref_mut(), space) {
             Ok(received) => {
                 self.core.receive_done(received);
                 received > 0
@@ -194,7 +282,7 @@ impl StreamDriver {
         }
         let mut progress = false;
         while let Some(bytes) = self.core.transmit_start() {
-            match self.stream.write(bytes) {
+            match transport_write(&mut self.stream, self.tls.as_deref_mut(), bytes) {
                 Ok(0) => {
                     self.core.transmit_done(0);
                     self.closed = true;
@@ -221,7 +309,7 @@ impl StreamDriver {
             return Ok(progress);
         }
         if let Some(space) = self.core.receive_start() {
-            match self.stream.read(space) {
+            match transport_read(&mut self.stream, self.tls.as_deref_mut(), space) {
                 Ok(0) => {
                     self.core.receive_done(0);
                     self.closed = true;
@@ -292,10 +380,73 @@ impl StreamDriver {
                     Some(deadline - now)
                 }
             };
-            let want_write = self.core.transmit_pending_bytes() > 0;
+            let want_write = self.core.transmit_pending_bytes() > 0
+                || self.tls.as_ref().is_some_and(|tls| tls.wants_write());
             sys::poll_socket(self.stream.as_raw_fd(), want_write, remaining)?;
         }
     }
+}
+
+/// A non-blocking write of plaintext: straight to the socket, or through TLS (never `Ok(0)`
+/// for a full TLS buffer: `WouldBlock`, so the caller waits for the socket).
+fn transport_write(
+    stream: &mut TcpStream,
+    tls: Option<&mut rustls::ClientConnection>,
+    bytes: &[u8],
+) -> std::io::Result<usize> {
+    let Some(tls) = tls else {
+        return stream.write(bytes);
+    };
+    flush_tls(stream, tls)?;
+    if tls.wants_write() {
+        // Ciphertext still waits for the socket: encrypt no more until it left.
+        return Err(ErrorKind::WouldBlock.into());
+    }
+    let written = tls.writer().write(bytes)?;
+    flush_tls(stream, tls)?;
+    if written == 0 {
+        return Err(ErrorKind::WouldBlock.into());
+    }
+    Ok(written)
+}
+
+/// A non-blocking read of plaintext: from the socket, or decrypted (`Ok(0)`: the end of the
+/// stream, `WouldBlock`: nothing yet).
+fn transport_read(
+    stream: &mut TcpStream,
+    tls: Option<&mut rustls::ClientConnection>,
+    space: &mut [u8],
+) -> std::io::Result<usize> {
+    let Some(tls) = tls else {
+        return stream.read(space);
+    };
+    loop {
+        match tls.reader().read(space) {
+            Ok(read) => return Ok(read),
+            Err(error) if error.kind() == ErrorKind::WouldBlock => {}
+            Err(error) => return Err(error),
+        }
+        if tls.read_tls(stream)? == 0 {
+            return Ok(0);
+        }
+        tls.process_new_packets()
+            .map_err(|e| std::io::Error::new(ErrorKind::InvalidData, format!("TLS: {e}")))?;
+        // Handshake messages to answer.
+        flush_tls(stream, tls)?;
+    }
+}
+
+/// Sends what TLS has ready, as far as the socket takes it.
+fn flush_tls(stream: &mut TcpStream, tls: &mut rustls::ClientConnection) -> std::io::Result<()> {
+    while tls.wants_write() {
+        match tls.write_tls(stream) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(_) => {}
+            Err(error) if error.kind() == ErrorKind::WouldBlock => return Ok(()),
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
 }
 
 fn connect_any(
@@ -328,6 +479,7 @@ pub(crate) struct Reconnector {
     /// The addresses the first connection resolved (not resolved again).
     addresses: Vec<SocketAddr>,
     timeout: Option<Duration>,
+    tls: Option<TlsOptions>,
     io_priority: u16,
     jitter: Jitter,
     /// Connections made after the first one.
@@ -414,6 +566,7 @@ impl Reconnector {
                 &self.addresses,
                 Some(attempt_timeout),
                 self.io_priority,
+                self.tls.as_ref(),
             );
             let (mut driver, capabilities) = match connected {
                 Ok(connected) => connected,

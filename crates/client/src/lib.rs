@@ -61,7 +61,7 @@ pub use crate::core::{
     Completion, ConnectionCore, CoreOptions, IO_SIZE_MAX_BYTES_LIMIT, InterruptedRequest,
     RECEIVE_BUFFER_MIN, WINDOW_REQUESTS_LIMIT,
 };
-pub use crate::driver::{ClientOptions, HELLO_REQUEST_ID};
+pub use crate::driver::{ClientOptions, HELLO_REQUEST_ID, TlsOptions};
 pub use crate::error::{ClientError, ProtocolError, SubmitError};
 pub use crate::pipelined::PipelinedClient;
 pub use crate::reconnect::{JitterSample, ReconnectPolicy, ReconnectSchedule};

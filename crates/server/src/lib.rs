@@ -36,6 +36,7 @@
 
 pub mod admin;
 pub mod config;
+mod device_queues;
 mod driver;
 mod epoll;
 pub mod metrics;

@@ -1,6 +1,6 @@
 //! TLS and certificate identity against a real server, with real clients: `nbdinfo` and
-//! `nbdcopy` (libnbd over GnuTLS) with `nbds://` URIs, and a rustls client speaking the
-//! native protocol. Certificates are made in the test with `openssl`: a CA, the server's
+//! `nbdcopy` (libnbd over GnuTLS) with `nbds://` URIs, `qemu-img` with its x509 credentials,
+//! and a rustls client speaking the native protocol. Certificates are made in the test with `openssl`: a CA, the server's
 //! certificate for localhost, client certificates whose common names are the tenants `A`
 //! and `B`, one of another CA, and one whose purpose is server authentication only.
 //!
@@ -251,6 +251,49 @@ fn nbd_over_tls_copies_data_exactly_with_a_client_certificate() {
         std::fs::read(&output).unwrap() == data,
         "data read back differs"
     );
+
+    // qemu-img with its own TLS options (x509 credentials from the same folder).
+    let port = server.nbd_addr().unwrap().port();
+    let object = format!(
+        "tls-creds-x509,id=tls0,dir={},endpoint=client",
+        pki.nbd_folder("A").display()
+    );
+    let target = format!("driver=nbd,host=localhost,port={port},export=ns1,tls-creds=tls0");
+    let other = pattern(8, NAMESPACE_BYTES as usize);
+    std::fs::write(&input, &other).unwrap();
+    let write = run(
+        "qemu-img",
+        &[
+            "convert",
+            "-n",
+            "--object",
+            &object,
+            "-f",
+            "raw",
+            input.to_str().unwrap(),
+            "--target-image-opts",
+            &target,
+        ],
+    );
+    assert!(write.status.success(), "qemu-img write: {write:?}");
+    let read = run(
+        "qemu-img",
+        &[
+            "convert",
+            "--object",
+            &object,
+            "--image-opts",
+            &target,
+            "-O",
+            "raw",
+            output.to_str().unwrap(),
+        ],
+    );
+    assert!(read.status.success(), "qemu-img read: {read:?}");
+    assert!(
+        std::fs::read(&output).unwrap() == other,
+        "qemu-img read back differs"
+    );
 }
 
 #[test]
@@ -411,7 +454,7 @@ fn native_tls_identity_chooses_the_tenant_and_refuses_the_others() {
     assert_eq!(answer.status(), Ok(Status::Permission));
     let (answer, _) = call(&mut a, &RequestHeader::read(4, 2, 8192, 4096), &[]);
     assert_eq!(answer.status(), Ok(Status::Permission));
-    // BIND to B's tenant (even knowing its handle) and REGISTER: refused.
+    // BIND to B's tenant, even knowing its handle: refused.
     let b_handle = server.tenant_handle(2, "B").expect("tenant B");
     let bind = RequestHeader {
         length_bytes: 8,
@@ -419,7 +462,7 @@ fn native_tls_identity_chooses_the_tenant_and_refuses_the_others() {
     };
     let (answer, _) = call(&mut a, &bind, &b_handle.to_le_bytes());
     assert_eq!(answer.status(), Ok(Status::Permission));
-    // B sees its namespace unchanged (zeroes) and its own write.
+    // B sees its namespace unchanged: A's refused write left nothing.
     let mut b = native_tls(server.native_addr(), &pki, "B");
     let (answer, data) = call(&mut b, &RequestHeader::read(6, 2, 8192, 4096), &[]);
     assert_eq!(answer.status(), Ok(Status::Ok));
@@ -595,4 +638,144 @@ fn a_tls_client_on_a_plaintext_port_is_refused_and_others_are_served() {
         .unwrap();
     let (answer, _) = call(&mut plain, &RequestHeader::read(2, 1, 0, 4096), &[]);
     assert_eq!(answer.status(), Ok(Status::Ok));
+}
+
+/// Sends `bytes` (pipelined requests) while reading answers, without blocking either way,
+/// until `count` answers came; returns them (header and body) in arrival order.
+fn pipeline(
+    stream: &mut rustls::StreamOwned<rustls::ClientConnection, TcpStream>,
+    bytes: &[u8],
+    count: usize,
+) -> Vec<(ResponseHeader, Vec<u8>)> {
+    stream.sock.set_nonblocking(true).unwrap();
+    let mut answers = Vec::new();
+    let mut sent = 0;
+    let mut pending = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while answers.len() < count {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "answers stopped coming"
+        );
+        let mut progress = false;
+        if sent < bytes.len() {
+            let end = (sent + 64 * 1024).min(bytes.len());
+            match stream.write(&bytes[sent..end]) {
+                Ok(n) => {
+                    sent += n;
+                    progress = n > 0;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("send: {e}"),
+            }
+        }
+        match stream.flush() {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("flush: {e}"),
+        }
+        match stream.read(&mut buffer) {
+            Ok(0) => panic!("the server closed the connection"),
+            Ok(n) => {
+                pending.extend_from_slice(&buffer[..n]);
+                progress = true;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("receive: {e}"),
+        }
+        while let Ok(Some((header, _))) = ResponseHeader::decode(&pending) {
+            let total = native::RESPONSE_HEADER_SIZE + header.length_bytes as usize;
+            if pending.len() < total {
+                break;
+            }
+            answers.push((
+                header,
+                pending[native::RESPONSE_HEADER_SIZE..total].to_vec(),
+            ));
+            pending.drain(..total);
+        }
+        if !progress {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    stream.sock.set_nonblocking(false).unwrap();
+    answers
+}
+
+#[test]
+fn native_tls_pipelined_large_requests_come_back_exact() {
+    let pki = Pki::new();
+    let server = tls_server(&pki);
+    let mut a = native_tls(server.native_addr(), &pki, "A");
+    const CHUNK: usize = 256 * 1024;
+    let chunks = NAMESPACE_BYTES as usize / CHUNK;
+    let data = pattern(31, NAMESPACE_BYTES as usize);
+    // Every request is sent before its answer is read: the server's sends and receives stall
+    // on full socket buffers and resume in pieces of TLS records.
+    let mut writes = Vec::new();
+    for (i, chunk) in data.chunks(CHUNK).enumerate() {
+        let offset = (i * CHUNK) as u64;
+        writes.extend_from_slice(
+            &RequestHeader::write(i as u64, 1, offset, CHUNK as u32, false).to_bytes(),
+        );
+        writes.extend_from_slice(chunk);
+    }
+    for (header, _) in pipeline(&mut a, &writes, chunks) {
+        assert_eq!(
+            header.status(),
+            Ok(Status::Ok),
+            "write {}",
+            header.request_id
+        );
+    }
+    let mut reads = Vec::new();
+    for i in 0..chunks {
+        let offset = (i * CHUNK) as u64;
+        reads.extend_from_slice(&RequestHeader::read(i as u64, 1, offset, CHUNK as u32).to_bytes());
+    }
+    let mut read_back = vec![0u8; data.len()];
+    for (header, body) in pipeline(&mut a, &reads, chunks) {
+        assert_eq!(
+            header.status(),
+            Ok(Status::Ok),
+            "read {}",
+            header.request_id
+        );
+        let offset = header.request_id as usize * CHUNK;
+        read_back[offset..offset + CHUNK].copy_from_slice(&body);
+    }
+    assert!(read_back == data, "data read back differs");
+}
+
+#[test]
+fn the_client_library_speaks_tls_with_its_certificate() {
+    use reflex_client::{Client, ClientError, ClientOptions, TlsOptions};
+    let pki = Pki::new();
+    let server = tls_server(&pki);
+    let tls = TlsOptions::from_pem_files(
+        Path::new(&pki.file("ca-cert.pem")),
+        Some((
+            Path::new(&pki.file("A-cert.pem")),
+            Path::new(&pki.file("A-key.pem")),
+        )),
+        "localhost",
+    )
+    .unwrap();
+    let options = ClientOptions {
+        tls: Some(tls),
+        ..ClientOptions::default()
+    };
+    let mut client = Client::connect_with(server.native_addr(), &options).unwrap();
+    let block = pattern(41, 64 * 1024);
+    client.write(1, 0, &block).unwrap();
+    let mut back = vec![0u8; block.len()];
+    client.read(1, 0, &mut back).unwrap();
+    assert_eq!(back, block);
+    match client.read(2, 0, &mut back) {
+        Err(ClientError::Status { status, .. }) => assert_eq!(status, Status::Permission),
+        other => panic!("tenant A read tenant B's namespace: {other:?}"),
+    }
+    // Without TLS options, the TLS port does not serve the library.
+    assert!(Client::connect_with(server.native_addr(), &ClientOptions::default()).is_err());
 }

@@ -28,7 +28,8 @@ pub use network::NetworkModel;
 pub use report::{PointReport, ScenarioReport, TenantReport};
 pub use scenario::{LoadedScenario, Scenario, ScenarioError};
 pub use server::{
-    SocketId, VirtualExport, VirtualListener, VirtualServer, VirtualServerError, VirtualServerSetup,
+    SocketId, TlsServer, VirtualExport, VirtualListener, VirtualServer, VirtualServerError,
+    VirtualServerSetup,
 };
 
 use scenario::{ClassToml, TenantSpecToml};

@@ -57,6 +57,8 @@ pub struct VirtualServerSetup {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VirtualListener {
     Native,
+    /// The native protocol in TLS from the first byte, with this server configuration.
+    NativeTls(TlsServer),
     /// The original ReFlex protocol on one namespace, charged to a configured tenant (`None`:
     /// the namespace's default tenant).
     Original {
@@ -65,6 +67,18 @@ pub enum VirtualListener {
     },
     Nbd,
 }
+
+/// A rustls server configuration for a TLS listener (equal when it is the same one).
+#[derive(Debug, Clone)]
+pub struct TlsServer(pub Arc<rustls::ServerConfig>);
+
+impl PartialEq for TlsServer {
+    fn eq(&self, other: &TlsServer) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for TlsServer {}
 
 /// One NBD export: a namespace under a name, optionally read-only and bound to a configured
 /// tenant of that namespace. Its size is the namespace's, rounded down to 512 bytes.
@@ -171,10 +185,11 @@ impl VirtualServer {
             namespaces: Arc::clone(&namespaces),
             nbd_exports: nbd_exports.clone(),
         });
+        let tls = tls_setup(&setup.listeners);
         let mut threads = Vec::new();
         for thread_index in 0..usize::from(setup.threads) {
             let dataplane = Dataplane::new(DataplaneSetup {
-                tls: None,
+                tls: tls.clone(),
                 thread_index,
                 listeners: listeners.clone(),
                 listener_access: Vec::new(),
@@ -759,13 +774,33 @@ impl VirtualServer {
 }
 
 /// The dataplane's protocol for a listener, its tenant resolved by name.
+/// The dataplane's TLS setup when a listener speaks TLS (one server configuration for all).
+fn tls_setup(listeners: &[VirtualListener]) -> Option<reflex_dataplane::TlsSetup> {
+    let server_config = listeners.iter().find_map(|listener| match listener {
+        VirtualListener::NativeTls(tls) => Some(Arc::clone(&tls.0)),
+        _ => None,
+    })?;
+    Some(reflex_dataplane::TlsSetup {
+        keys: Arc::new(reflex_dataplane::TlsKeys::new(
+            reflex_dataplane::TlsCurrent {
+                server_config,
+                identities: Arc::new(std::collections::HashMap::new()),
+            },
+        )),
+        listeners_tls: listeners
+            .iter()
+            .map(|listener| matches!(listener, VirtualListener::NativeTls(_)))
+            .collect(),
+    })
+}
+
 fn listener_protocol(
     listener: &VirtualListener,
     namespaces: &NamespaceSet,
     qos: &[NamespaceQosSetup],
 ) -> Result<Protocol, VirtualServerError> {
     Ok(match listener {
-        VirtualListener::Native => Protocol::Native,
+        VirtualListener::Native | VirtualListener::NativeTls(_) => Protocol::Native,
         VirtualListener::Nbd => Protocol::Nbd,
         VirtualListener::Original {
             namespace_index,

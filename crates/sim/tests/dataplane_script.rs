@@ -716,3 +716,26 @@ fn replay() {
     let outcome = script::run_mode(&script, mode, true);
     eprintln!("{outcome:?}");
 }
+
+/// The native protocol through the TLS listener (`core/tls.rs`): the same requests, encrypted
+/// by a rustls client, are answered as on the plaintext listener, in both modes.
+#[test]
+fn native_requests_over_tls_are_answered() {
+    let (_, tls) = script::seeds()
+        .into_iter()
+        .find(|(name, _)| *name == "native-tls")
+        .unwrap_or_else(|| panic!("the native-tls seed"));
+    let mut plain = tls.clone();
+    for step in &mut plain.steps {
+        if let Step::Connect { listener, .. } = step {
+            *listener = 0;
+        }
+    }
+    for mode in [Mode::Any, Mode::WellFormed] {
+        let over_tls = script::run_mode(&tls, mode, false);
+        let in_plaintext = script::run_mode(&plain, mode, false);
+        assert_eq!(over_tls.responses, 6, "{mode:?}: {over_tls:?}");
+        assert_eq!(over_tls.responses, in_plaintext.responses, "{mode:?}");
+        assert_eq!(over_tls.requests_answered, in_plaintext.requests_answered);
+    }
+}

@@ -26,6 +26,7 @@ pub fn verify_and_settle(address: SocketAddr, model: &mut Model) -> Result<Verif
         timeout: Some(IO_TIMEOUT),
         io_priority: None,
         reconnect: None,
+        tls: None,
     };
     let mut client = PipelinedClient::connect_with(address, &options)
         .with_context(|| format!("verifier connecting to {address}"))?;

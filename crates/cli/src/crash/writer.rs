@@ -347,6 +347,7 @@ impl Link {
                     timeout: Some(IO_TIMEOUT),
                     io_priority: None,
                     reconnect: None,
+                    tls: None,
                 };
                 let client = PipelinedClient::connect_with(plan.address, &options)
                     .with_context(|| format!("native connection to {}", plan.address))?;

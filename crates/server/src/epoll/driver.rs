@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use reflex_dataplane::namespaces::NamespaceSet;
 use reflex_dataplane::{
-    BATCH_MAX, ConnectionId, CoreStats, Dataplane, DeviceCommand, DeviceOpId, GENERATION_MASK, Op,
+    BATCH_MAX, ConnectionId, CoreStats, Dataplane, DeviceCommand, GENERATION_MASK, Op,
 };
 use reflex_flash::{Completion, DeviceQueue, Notify, Submit};
 use reflex_qos::Nanos;
@@ -70,8 +70,6 @@ const WRITABLE_EVENTS: u32 = (libc::EPOLLOUT | libc::EPOLLHUP | libc::EPOLLERR) 
 /// An epoll event's and a device operation's `u64`: kind (4 bits) | generation (28 bits) |
 /// index (32 bits).
 mod token {
-    use reflex_dataplane::GENERATION_MASK;
-
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     #[repr(u8)]
     pub enum Kind {
@@ -82,12 +80,17 @@ mod token {
         Wake = 0xC,
     }
 
+    // Device operations' kinds are the shared ones (`crate::device_queues`).
+    const _: () = assert!(Kind::Device as u8 == crate::device_queues::KIND_DEVICE);
+    const _: () = assert!(Kind::Flush as u8 == crate::device_queues::KIND_FLUSH);
+
     pub fn encode(kind: Kind, generation: u32, index: u32) -> u64 {
-        ((kind as u64) << 60) | (u64::from(generation & GENERATION_MASK) << 32) | u64::from(index)
+        crate::device_queues::pack(kind as u8, generation, index)
     }
 
     pub fn decode(value: u64) -> Option<(Kind, u32, u32)> {
-        let kind = match value >> 60 {
+        let (kind, generation, index) = crate::device_queues::unpack(value);
+        let kind = match kind {
             1 => Kind::Listener,
             2 => Kind::Connection,
             4 => Kind::Device,
@@ -95,10 +98,12 @@ mod token {
             0xC => Kind::Wake,
             _ => return None,
         };
-        Some((kind, ((value >> 32) as u32) & GENERATION_MASK, value as u32))
+        Some((kind, generation, index))
     }
 }
 use token::Kind;
+
+use crate::device_queues::{DeviceQueues, device_op_id, device_token};
 
 struct ListenerSlot {
     /// `None` once the dataplane closed it.
@@ -128,7 +133,7 @@ struct ConnectionSlot {
 pub struct EpollDriver {
     // Field order: the queues (whose pool may still use the arena) go before the dataplane.
     /// Per namespace slot: this thread's queue of its device (`None`: removed, not open).
-    queues: Vec<Option<Box<dyn DeviceQueue>>>,
+    queues: DeviceQueues,
     dataplane: Dataplane,
     /// Wakes this thread when a device's pool completes (new queues need it).
     notify: Arc<dyn Notify>,
@@ -280,11 +285,7 @@ impl EpollDriver {
     }
 
     fn device_deadline(&self) -> Option<Nanos> {
-        self.queues
-            .iter()
-            .flatten()
-            .filter_map(|queue| queue.next_deadline())
-            .min()
+        self.queues.next_deadline()
     }
 
     /// The longest the thread may sleep: until the earliest dataplane or device deadline.
@@ -567,7 +568,7 @@ impl EpollDriver {
 
     fn poll_devices(&mut self, now: Nanos) {
         let mut polled = std::mem::take(&mut self.polled);
-        for queue in self.queues.iter_mut().flatten() {
+        for queue in self.queues.iter_mut() {
             queue.poll_completions(now, &mut polled);
         }
         for completion in polled.drain(..) {
@@ -580,7 +581,7 @@ impl EpollDriver {
                 );
             };
             self.reports += 1;
-            let id = device_op_id(kind, generation, index);
+            let id = device_op_id(kind as u8, generation, index);
             self.dataplane.handle_device(id, completion.result, now);
         }
         self.polled = polled;
@@ -675,41 +676,22 @@ impl EpollDriver {
                 }
                 Op::Device(command) => self.submit_device(&command, now),
                 Op::OpenDevice { namespace_index } => {
-                    let index = usize::from(namespace_index);
-                    if self.queues.len() <= index {
-                        self.queues.resize_with(index + 1, || None);
-                    }
-                    self.queues[index] = self
-                        .dataplane
-                        .namespaces()
-                        .device(namespace_index)
-                        .map(|device| open_queue(device, &self.notify));
+                    let namespaces = Arc::clone(self.dataplane.namespaces());
+                    let notify = &self.notify;
+                    self.queues.open(&namespaces, namespace_index, |device| {
+                        open_queue(device, notify)
+                    });
                 }
-                Op::CloseDevice { namespace_index } => {
-                    if let Some(queue) = self.queues.get_mut(usize::from(namespace_index)) {
-                        *queue = None;
-                    }
-                }
+                Op::CloseDevice { namespace_index } => self.queues.close(namespace_index),
             }
         }
     }
 
     fn submit_device(&mut self, command: &DeviceCommand, now: Nanos) {
-        let user_data = match command.id {
-            DeviceOpId::Request { index, generation } => {
-                token::encode(Kind::Device, generation, index)
-            }
-            DeviceOpId::ShutdownFlush { namespace_index } => {
-                token::encode(Kind::Flush, 0, u32::from(namespace_index))
-            }
-        };
+        let user_data = device_token(command.id);
         let op = self.dataplane.device_op(command, user_data, None);
         let namespace_index = usize::from(command.namespace_index);
-        let Some(queue) = self
-            .queues
-            .get_mut(namespace_index)
-            .and_then(Option::as_mut)
-        else {
+        let Some(queue) = self.queues.get_mut(namespace_index) else {
             // Not reachable: the dataplane opens a slot's queue before its first operation
             // and closes it only when none is left.
             self.reported();
@@ -745,17 +727,8 @@ fn forget(epoll: &Epoll, fd: std::os::fd::RawFd) {
 
 /// Each namespace's ring-less queue for this thread; completions from a device's own threads
 /// wake it through `notify`.
-fn open_queues(
-    namespaces: &NamespaceSet,
-    notify: &Arc<dyn Notify>,
-) -> Vec<Option<Box<dyn DeviceQueue>>> {
-    (0..namespaces.len())
-        .map(|index| {
-            namespaces
-                .device(index as u16)
-                .map(|device| open_queue(device, notify))
-        })
-        .collect()
+fn open_queues(namespaces: &NamespaceSet, notify: &Arc<dyn Notify>) -> DeviceQueues {
+    DeviceQueues::open_all(namespaces, |device| open_queue(device, notify))
 }
 
 /// One namespace's ring-less queue for this thread (opened at start, or on
@@ -772,15 +745,6 @@ fn open_queue(
     // out of `Submit::Done` or `poll_completions`, and leaks the arena instead of freeing it
     // when its loop ends with any device operation outstanding (`EpollDriver::run`).
     unsafe { device.queue_without_ring(Arc::clone(notify)) }
-}
-
-fn device_op_id(kind: Kind, generation: u32, index: u32) -> DeviceOpId {
-    match kind {
-        Kind::Flush => DeviceOpId::ShutdownFlush {
-            namespace_index: index as u16,
-        },
-        _ => DeviceOpId::Request { index, generation },
-    }
 }
 
 const _: () = assert!(GENERATION_MASK == (1 << 28) - 1);

@@ -27,7 +27,7 @@ use reflex_dataplane::{
     BATCH_MAX, ConnectionId, CoreStats, Dataplane, DeviceCommand, DeviceOpId, GENERATION_MASK, Op,
     SEND_SEGMENTS_MAX,
 };
-use reflex_flash::{Completion, DeviceQueue, Submit};
+use reflex_flash::{Completion, Submit};
 use reflex_qos::Nanos;
 
 use super::ring::{Cqe, Ring};
@@ -83,8 +83,6 @@ impl WakeCost {
 /// `user_data`: kind (4 bits) | generation (28 bits) | index (32 bits). Kinds from
 /// [`Kind::Wake`] up are the driver's own operations.
 mod token {
-    use reflex_dataplane::GENERATION_MASK;
-
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     #[repr(u8)]
     pub enum Kind {
@@ -98,12 +96,17 @@ mod token {
         Cancel = 0xD,
     }
 
+    // Device operations' kinds are the shared ones (`crate::device_queues`).
+    const _: () = assert!(Kind::Device as u8 == crate::device_queues::KIND_DEVICE);
+    const _: () = assert!(Kind::Flush as u8 == crate::device_queues::KIND_FLUSH);
+
     pub fn encode(kind: Kind, generation: u32, index: u32) -> u64 {
-        ((kind as u64) << 60) | (u64::from(generation & GENERATION_MASK) << 32) | u64::from(index)
+        crate::device_queues::pack(kind as u8, generation, index)
     }
 
     pub fn decode(user_data: u64) -> Option<(Kind, u32, u32)> {
-        let kind = match user_data >> 60 {
+        let (kind, generation, index) = crate::device_queues::unpack(user_data);
+        let kind = match kind {
             1 => Kind::Accept,
             2 => Kind::Recv,
             3 => Kind::Send,
@@ -114,14 +117,12 @@ mod token {
             0xD => Kind::Cancel,
             _ => return None,
         };
-        Some((
-            kind,
-            ((user_data >> 32) as u32) & GENERATION_MASK,
-            user_data as u32,
-        ))
+        Some((kind, generation, index))
     }
 }
 use token::Kind;
+
+use crate::device_queues::{DeviceQueues, device_op_id, device_token};
 
 /// The kernel's view of one `sendmsg`: boxed, owned by the driver from push to completion.
 struct SendStaging {
@@ -152,7 +153,7 @@ pub struct UringDriver {
     #[allow(clippy::vec_box)]
     spare_staging: Vec<Box<SendStaging>>,
     /// Per namespace slot: this thread's queue of its device (`None`: removed, not open).
-    queues: Vec<Option<Box<dyn DeviceQueue>>>,
+    queues: DeviceQueues,
     registered: bool,
     poll: bool,
     shutdown: Arc<AtomicBool>,
@@ -205,14 +206,7 @@ impl UringDriver {
             sockets: Vec::new(),
             staging: Vec::new(),
             spare_staging: Vec::new(),
-            queues: (0..setup.namespaces.len())
-                .map(|index| {
-                    setup
-                        .namespaces
-                        .device(index as u16)
-                        .map(|device| device.queue())
-                })
-                .collect(),
+            queues: DeviceQueues::open_all(&setup.namespaces, |device| device.queue()),
             registered,
             poll: setup.poll,
             shutdown: setup.shutdown,
@@ -370,11 +364,7 @@ impl UringDriver {
     }
 
     fn device_deadline(&self) -> Option<Nanos> {
-        self.queues
-            .iter()
-            .flatten()
-            .filter_map(|queue| queue.next_deadline())
-            .min()
+        self.queues.next_deadline()
     }
 
     /// The earliest dataplane or device deadline.
@@ -420,15 +410,11 @@ impl UringDriver {
             }
             Kind::Device | Kind::Flush => {
                 self.device_in_flight -= 1;
-                let id = device_op_id(kind, generation, index);
+                let id = device_op_id(kind as u8, generation, index);
                 let namespace_index = self.device_namespace(id);
                 // None: the device deferred the outcome (fault injection); it comes out of
                 // poll_completions later and the operation stays in flight until then.
-                match self
-                    .queues
-                    .get_mut(namespace_index)
-                    .and_then(Option::as_mut)
-                {
+                match self.queues.get_mut(namespace_index) {
                     Some(queue) => {
                         if let Some(result) = queue.complete_ring(cqe.user_data, cqe.result, now) {
                             self.dataplane.handle_device(id, result, now);
@@ -512,7 +498,7 @@ impl UringDriver {
     /// Hands the devices' completions to the dataplane; returns how many there were.
     fn poll_devices(&mut self, now: Nanos) -> usize {
         let mut polled = std::mem::take(&mut self.polled);
-        for queue in self.queues.iter_mut().flatten() {
+        for queue in self.queues.iter_mut() {
             queue.poll_completions(now, &mut polled);
         }
         let count = polled.len();
@@ -525,7 +511,7 @@ impl UringDriver {
                     completion.user_data
                 );
             };
-            let id = device_op_id(kind, generation, index);
+            let id = device_op_id(kind as u8, generation, index);
             self.dataplane.handle_device(id, completion.result, now);
         }
         self.polled = polled;
@@ -588,21 +574,11 @@ impl UringDriver {
                 }
                 Op::Device(command) => self.submit_device(&command, now),
                 Op::OpenDevice { namespace_index } => {
-                    let index = usize::from(namespace_index);
-                    if self.queues.len() <= index {
-                        self.queues.resize_with(index + 1, || None);
-                    }
-                    self.queues[index] = self
-                        .dataplane
-                        .namespaces()
-                        .device(namespace_index)
-                        .map(|device| device.queue());
+                    let namespaces = Arc::clone(self.dataplane.namespaces());
+                    self.queues
+                        .open(&namespaces, namespace_index, |device| device.queue());
                 }
-                Op::CloseDevice { namespace_index } => {
-                    if let Some(queue) = self.queues.get_mut(usize::from(namespace_index)) {
-                        *queue = None;
-                    }
-                }
+                Op::CloseDevice { namespace_index } => self.queues.close(namespace_index),
             }
         }
     }
@@ -719,21 +695,10 @@ impl UringDriver {
     }
 
     fn submit_device(&mut self, command: &DeviceCommand, now: Nanos) {
-        let user_data = match command.id {
-            DeviceOpId::Request { index, generation } => {
-                token::encode(Kind::Device, generation, index)
-            }
-            DeviceOpId::ShutdownFlush { namespace_index } => {
-                token::encode(Kind::Flush, 0, u32::from(namespace_index))
-            }
-        };
+        let user_data = device_token(command.id);
         let buf_index = if self.registered { Some(0) } else { None };
         let op = self.dataplane.device_op(command, user_data, buf_index);
-        let Some(queue) = self
-            .queues
-            .get_mut(usize::from(command.namespace_index))
-            .and_then(Option::as_mut)
-        else {
+        let Some(queue) = self.queues.get_mut(usize::from(command.namespace_index)) else {
             // Not reachable: the dataplane opens a slot's queue before its first operation
             // and closes it only when none is left.
             self.finished_synchronously = true;
@@ -756,15 +721,6 @@ impl UringDriver {
             }
             Submit::Pending => {}
         }
-    }
-}
-
-fn device_op_id(kind: Kind, generation: u32, index: u32) -> DeviceOpId {
-    match kind {
-        Kind::Flush => DeviceOpId::ShutdownFlush {
-            namespace_index: index as u16,
-        },
-        _ => DeviceOpId::Request { index, generation },
     }
 }
 
