@@ -29,6 +29,10 @@ pub struct Args {
     /// Seconds to wait for an answer.
     #[arg(long, default_value_t = 10, global = true)]
     timeout_secs: u64,
+    /// A file holding the admin API's bearer token (reflexd's `[admin] token_file`): sent as
+    /// `Authorization: Bearer <token>` with every request.
+    #[arg(long, env = "REFLEX_ADMIN_TOKEN_FILE", global = true)]
+    token_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -188,10 +192,12 @@ pub enum AdminClientError {
 struct Client {
     base: String,
     agent: ureq::Agent,
+    /// `Authorization` header value (`Bearer <token>`), when a token file was given.
+    authorization: Option<String>,
 }
 
 impl Client {
-    fn new(api: &str, timeout: Duration) -> Client {
+    fn new(api: &str, timeout: Duration, token: Option<String>) -> Client {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(timeout))
@@ -203,7 +209,11 @@ impl Client {
         } else {
             format!("http://{api}")
         };
-        Client { base, agent }
+        Client {
+            base,
+            agent,
+            authorization: token.map(|token| format!("Bearer {token}")),
+        }
     }
 
     fn request(
@@ -213,11 +223,26 @@ impl Client {
         body: Option<&Value>,
     ) -> Result<Value, AdminClientError> {
         let url = format!("{}{path}", self.base);
+        let authorization = self.authorization.as_deref().unwrap_or("");
+        let with_token = |request: ureq::RequestBuilder<ureq::typestate::WithBody>| {
+            if authorization.is_empty() {
+                request
+            } else {
+                request.header("authorization", authorization)
+            }
+        };
+        let without_body = |request: ureq::RequestBuilder<ureq::typestate::WithoutBody>| {
+            if authorization.is_empty() {
+                request
+            } else {
+                request.header("authorization", authorization)
+            }
+        };
         let result = match (method, body) {
-            ("POST", Some(body)) => self.agent.post(&url).send_json(body),
-            ("PATCH", Some(body)) => self.agent.patch(&url).send_json(body),
-            ("DELETE", _) => self.agent.delete(&url).call(),
-            _ => self.agent.get(&url).call(),
+            ("POST", Some(body)) => with_token(self.agent.post(&url)).send_json(body),
+            ("PATCH", Some(body)) => with_token(self.agent.patch(&url)).send_json(body),
+            ("DELETE", _) => without_body(self.agent.delete(&url)).call(),
+            _ => without_body(self.agent.get(&url)).call(),
         };
         let mut response = result.map_err(|error| AdminClientError::Unreachable {
             api: self.base.clone(),
@@ -262,7 +287,19 @@ impl Client {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let client = Client::new(&args.api, Duration::from_secs(args.timeout_secs.max(1)));
+    let token = match &args.token_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("token file {}", path.display()))?;
+            Some(text.trim().to_string())
+        }
+        None => None,
+    };
+    let client = Client::new(
+        &args.api,
+        Duration::from_secs(args.timeout_secs.max(1)),
+        token,
+    );
     let json = args.json;
     match args.command {
         Command::Server => {

@@ -285,3 +285,40 @@ fn an_unreachable_server_is_reported_with_its_address() {
     let stderr = failed(&format!("127.0.0.1:{port}"), &["stats"]);
     assert!(stderr.contains("cannot reach"), "{stderr}");
 }
+
+/// `--token-file`: a server that asks every peer for its token (`token_exempt = []`) refuses
+/// `reflex admin` without it (401, with the server's message) and serves it with it.
+#[test]
+fn the_token_file_authorizes_the_command_line() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let token_file = dir.path().join("admin.token");
+    std::fs::write(&token_file, "cli-t0ken\n").unwrap_or_else(|e| panic!("{e}"));
+    let config = Config {
+        admin: AdminConfig {
+            token_file: Some(token_file.display().to_string()),
+            token_exempt: Vec::new(),
+            ..AdminConfig::loopback()
+        },
+        ..Config::loopback(vec![NamespaceConfig::new(1, "mem:16M")])
+    };
+    let server = Server::start(config).unwrap_or_else(|e| panic!("server start: {e}"));
+    let addr = server
+        .admin_addr()
+        .unwrap_or_else(|| panic!("no admin listener"));
+    let api = format!("http://{addr}");
+    let stderr = failed(&api, &["server"]);
+    assert!(stderr.contains("401"), "{stderr}");
+    assert!(stderr.contains("token"), "{stderr}");
+    let wrong = dir.path().join("wrong.token");
+    std::fs::write(&wrong, "not-the-token").unwrap_or_else(|e| panic!("{e}"));
+    let stderr = failed(
+        &api,
+        &["--token-file", &wrong.display().to_string(), "server"],
+    );
+    assert!(stderr.contains("401"), "{stderr}");
+    let server_json = ok_json(
+        &api,
+        &["--token-file", &token_file.display().to_string(), "server"],
+    );
+    assert!(server_json.get("version").is_some(), "{server_json}");
+}

@@ -55,6 +55,7 @@ use reflex_qos::{
     RateUpdate, SchedulerEvent, TenantId, TenantRegistry, TenantSpec, TokenLimit,
 };
 
+use crate::access::Grant;
 use crate::core::TelemetryWindow;
 use crate::frontend::{ExportBinding, NbdExports};
 use crate::namespaces::{NamespaceSet, SlotState};
@@ -95,6 +96,9 @@ pub enum ControlMessage {
     /// The tenant was unregistered: I/O on connections bound to it is refused (PERMISSION)
     /// from now on, and they no longer count as its connections.
     Revoke { handle: u64 },
+    /// The tenant's grant changed (a configuration reload): connections charged to it check
+    /// their next requests against `grant`.
+    Grant { handle: u64, grant: Grant },
     /// Send this RENEGOTIATE notice to every native connection charged to the tenant.
     Notice { body: RenegotiateBody },
     /// The namespaces changed (one added, one being removed, one gone): adopt
@@ -202,6 +206,9 @@ pub struct TenantEntry {
     pub spec: TenantSpec,
     /// Writes and trims are refused.
     pub read_only: bool,
+    /// What the configuration grants it (`[[tenant]] access`, `range_offset`, `range_size`):
+    /// configured tenants take it by name; tenants registered over the wire have none.
+    pub grant: Grant,
     /// Registered over the wire (UNREGISTER may remove it); configured and default tenants
     /// live as long as the server.
     pub dynamic: bool,
@@ -283,6 +290,15 @@ pub struct Binding {
     pub tenant: TenantRef,
     pub namespace_index: u16,
     pub read_only: bool,
+    pub grant: Grant,
+}
+
+/// What a connection charged to a tenant for the first time learns of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connected {
+    /// The namespace the tenant belongs to.
+    pub namespace_index: u16,
+    pub grant: Grant,
 }
 
 /// The QoS setup of one namespace, for the dataplane threads.
@@ -379,6 +395,8 @@ struct State {
     announce: bool,
     qos_config: QosConfig,
     qos_enabled: bool,
+    /// Grants of configured tenants, by name ([`ControlPlane::set_grants`]).
+    grants: BTreeMap<String, Grant>,
 }
 
 /// What the threads serve: the namespace slots and the NBD export table.
@@ -500,6 +518,7 @@ impl ControlPlane {
             announce: false,
             qos_config: setup.qos_config.clone(),
             qos_enabled: setup.qos_enabled,
+            grants: BTreeMap::new(),
         };
         let mut setups = Vec::new();
         for (index, namespace) in setup.namespaces.iter().enumerate() {
@@ -822,6 +841,7 @@ impl ControlPlane {
                 tenant: entry.tenant_ref(handle),
                 namespace_index: entry.namespace_index,
                 read_only: entry.read_only,
+                grant: entry.grant,
             };
             state.connect(handle, thread as u16).then_some(binding)
         })
@@ -835,12 +855,61 @@ impl ControlPlane {
             tenant: entry.tenant_ref(handle),
             namespace_index: entry.namespace_index,
             read_only: entry.read_only,
+            grant: entry.grant,
         })
     }
 
-    /// Counts a connection of `handle` on `thread`; false when the tenant is gone.
-    pub fn connect(&self, thread: usize, handle: u64, own: &mut Vec<ControlMessage>) -> bool {
-        self.change(thread, own, |state| state.connect(handle, thread as u16))
+    /// Counts a connection of `handle` on `thread` and tells what the tenant may do; `None`
+    /// when the tenant is gone.
+    pub fn connect(
+        &self,
+        thread: usize,
+        handle: u64,
+        own: &mut Vec<ControlMessage>,
+    ) -> Option<Connected> {
+        self.change(thread, own, |state| {
+            let entry = state.tenants.get(&handle)?;
+            let connected = Connected {
+                namespace_index: entry.namespace_index,
+                grant: entry.grant,
+            };
+            state.connect(handle, thread as u16).then_some(connected)
+        })
+    }
+
+    /// Sets the grants of configured tenants, by name: tenants registered already under one
+    /// of these names (not over the wire) take it now, tenants registered later (a
+    /// configuration reload) when they are. A connection learns its tenant's grant when it is
+    /// first charged to it; when a grant changes, every thread is told (a
+    /// [`ControlMessage::Grant`]), so connections charged already follow the new grant from
+    /// their thread's next iteration. Returns how many tenants' grants changed.
+    pub fn set_grants(&self, grants: BTreeMap<String, Grant>) -> usize {
+        self.change_from_outside(|state| {
+            let mut changed = Vec::new();
+            for (handle, entry) in state.tenants.iter_mut() {
+                if entry.dynamic {
+                    continue;
+                }
+                let grant = grants.get(&entry.name).copied().unwrap_or_default();
+                if entry.grant != grant {
+                    entry.grant = grant;
+                    changed.push((*handle, grant));
+                }
+            }
+            for (handle, grant) in &changed {
+                for thread in 0..state.threads {
+                    state.outbox.push((
+                        thread,
+                        ControlMessage::Grant {
+                            handle: *handle,
+                            grant: *grant,
+                        },
+                    ));
+                }
+            }
+            state.grants = grants;
+            changed.len()
+        })
     }
 
     /// A connection of each of `handles` on `thread` is gone (tenants that are gone
@@ -1781,6 +1850,11 @@ impl State {
         self.tenants.insert(
             handle,
             TenantEntry {
+                grant: if dynamic {
+                    Grant::ALL
+                } else {
+                    self.grants.get(&name).copied().unwrap_or_default()
+                },
                 namespace_index,
                 id,
                 name,

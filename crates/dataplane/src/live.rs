@@ -70,6 +70,16 @@ pub struct TenantSnapshot {
     pub deficit_ns: u64,
     /// Requests waiting in the scheduler now.
     pub queued: u32,
+    /// Requests refused by access control, by [`crate::access::Refusal::index`].
+    pub refusals: [u64; crate::access::Refusal::COUNT],
+}
+
+/// One listener on one thread: the connections it refused, by
+/// [`crate::core::AcceptRefused::index`] (listener `i` is the same port on every thread).
+#[derive(Debug, Clone, Default)]
+pub struct ListenerSnapshot {
+    pub name: String,
+    pub refused: [u64; crate::core::AcceptRefused::COUNT],
 }
 
 /// One namespace on one thread.
@@ -112,6 +122,7 @@ pub struct ThreadSnapshot {
     pub tls_failures: u64,
     pub namespaces: Vec<NamespaceSnapshot>,
     pub tenants: Vec<TenantSnapshot>,
+    pub listeners: Vec<ListenerSnapshot>,
 }
 
 /// The slots threads publish into; shared by the control plane and every thread.

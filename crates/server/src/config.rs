@@ -12,6 +12,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 use std::time::Duration;
 
+use ipnet::IpNet;
+use reflex_dataplane::access::{ByteRange, Grant};
 use reflex_flash::spec::parse_size;
 use reflex_qos::{QosConfig, TenantSpec};
 use serde::Deserialize;
@@ -271,6 +273,10 @@ pub struct OriginalPortConfig {
     /// ([`NamespaceConfig::tenant`]), else its default best-effort tenant.
     #[serde(default)]
     pub tenant: Option<String>,
+    /// Source addresses (CIDR blocks) this port serves; `None`: every address. The original
+    /// protocol has no credentials: this list and the port's tenant are its access control.
+    #[serde(default)]
+    pub allow: Option<Vec<IpNet>>,
 }
 
 impl OriginalPortConfig {
@@ -280,6 +286,7 @@ impl OriginalPortConfig {
             port,
             namespace,
             tenant: None,
+            allow: None,
         }
     }
 
@@ -307,6 +314,7 @@ impl OriginalPortConfig {
                 .parse()
                 .map_err(|_| fail("bad namespace id"))?,
             tenant,
+            allow: None,
         })
     }
 }
@@ -342,6 +350,25 @@ pub struct TenantConfig {
     /// `None`: the connection's own (the class its client declared, else the default).
     #[serde(default)]
     pub priority: Option<PriorityConfig>,
+    /// What its connections may do (`docs/OPERATIONS.md`, "Access control"): `read-write`
+    /// (the default) or `read-only` (WRITE, TRIM and WRITE ZEROES refused).
+    #[serde(default)]
+    pub access: AccessConfig,
+    /// The bytes of each of its namespaces it may touch: from `range_offset` (default 0)
+    /// for `range_size` bytes (default: to the end). Neither: the whole namespace.
+    #[serde(default, deserialize_with = "optional_size")]
+    pub range_offset: Option<u64>,
+    #[serde(default, deserialize_with = "optional_size")]
+    pub range_size: Option<u64>,
+}
+
+/// `access` of a tenant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AccessConfig {
+    #[default]
+    ReadWrite,
+    ReadOnly,
 }
 
 /// `priority` of a tenant: an NVMe arbitration class (`docs/EMULATION.md`).
@@ -378,6 +405,25 @@ impl TenantConfig {
             iops: None,
             read_percent: None,
             priority: None,
+            access: AccessConfig::ReadWrite,
+            range_offset: None,
+            range_size: None,
+        }
+    }
+
+    /// What the tenant's configuration grants it on a namespace (a range is not checked
+    /// against the namespace's size: bytes past its end are refused anyway).
+    pub fn grant(&self) -> Grant {
+        let range = match (self.range_offset, self.range_size) {
+            (None, None) => None,
+            (offset, size) => Some(ByteRange {
+                offset_bytes: offset.unwrap_or(0),
+                length_bytes: size.unwrap_or(u64::MAX - offset.unwrap_or(0)),
+            }),
+        };
+        Grant {
+            read_only: self.access == AccessConfig::ReadOnly,
+            range,
         }
     }
 
@@ -395,6 +441,9 @@ impl TenantConfig {
             iops: Some(iops),
             read_percent: Some(read_percent),
             priority: None,
+            access: AccessConfig::ReadWrite,
+            range_offset: None,
+            range_size: None,
         }
     }
 
@@ -489,6 +538,8 @@ pub struct NbdConfig {
     /// one job per export) can be several tenants at once.
     #[serde(rename = "export")]
     pub exports: Vec<NbdExportConfig>,
+    /// Source addresses (CIDR blocks) the NBD port serves; `None`: every address.
+    pub allow: Option<Vec<IpNet>>,
 }
 
 /// `[[nbd.export]]`: an NBD export of namespace `namespace` charged to `tenant`.
@@ -512,6 +563,7 @@ impl Default for NbdConfig {
             port: NBD_PORT_DEFAULT,
             default_export: None,
             exports: Vec::new(),
+            allow: None,
         }
     }
 }
@@ -570,6 +622,8 @@ pub struct NvmeTcpConfig {
     /// Subsystems; none: one, [`NVME_TCP_DEFAULT_NQN`], with every namespace, any host.
     #[serde(rename = "subsystem")]
     pub subsystems: Vec<NvmeSubsystemConfig>,
+    /// Source addresses (CIDR blocks) the NVMe/TCP port serves; `None`: every address.
+    pub allow: Option<Vec<IpNet>>,
 }
 
 impl Default for NvmeTcpConfig {
@@ -582,6 +636,7 @@ impl Default for NvmeTcpConfig {
             r2t_timeout: Duration::from_secs(30),
             keep_alive_timeout_min: Duration::from_secs(1),
             subsystems: Vec::new(),
+            allow: None,
         }
     }
 }
@@ -638,6 +693,9 @@ pub struct Config {
     pub listen: IpAddr,
     /// Native protocol port (0 picks a free one).
     pub port: u16,
+    /// Source addresses (CIDR blocks) the native port serves; `None`: every address. The
+    /// other listeners have their own (`[nbd]`, `[nvme_tcp]`, `[[original_port]]`, `[admin]`).
+    pub allow: Option<Vec<IpNet>>,
     /// Original-protocol ports. `None`: port 1234 serving namespace 1 if it exists.
     pub original_ports: Option<Vec<OriginalPortConfig>>,
     /// The NBD listener: on port 10809 unless configured otherwise.
@@ -751,6 +809,7 @@ impl Default for Config {
         Config {
             listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
             port: NATIVE_PORT_DEFAULT,
+            allow: None,
             original_ports: None,
             nbd: NbdConfig::default(),
             nvme_tcp: NvmeTcpConfig::default(),
@@ -852,6 +911,9 @@ impl Config {
             if let Some(profile) = &namespace.profile {
                 namespace.profile = Some(resolve(profile));
             }
+        }
+        if let Some(token_file) = &self.admin.token_file {
+            self.admin.token_file = Some(resolve(token_file));
         }
         if let Some(state_file) = &self.admin.state_file {
             self.admin.state_file = Some(resolve(state_file));
@@ -1055,6 +1117,15 @@ impl Config {
         names
     }
 
+    /// The grants of the configured tenants that have one, by name.
+    pub fn grants(&self) -> std::collections::BTreeMap<String, Grant> {
+        self.tenants
+            .iter()
+            .map(|tenant| (tenant.name.clone(), tenant.grant()))
+            .filter(|(_, grant)| !grant.is_unrestricted())
+            .collect()
+    }
+
     /// Checks every field against its documented range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
@@ -1169,6 +1240,26 @@ impl Config {
                 return invalid(format!("tenant {:?} declared twice", tenant.name));
             }
             tenant.spec().map_err(ConfigError::Invalid)?;
+            if tenant.range_size == Some(0) {
+                return invalid(format!("tenant {:?}: range_size is 0", tenant.name));
+            }
+            // A namespace without a QoS profile charges everything to its default tenant: a
+            // grant bound there would not be enforced, so it is refused rather than ignored.
+            if !tenant.grant().is_unrestricted() {
+                for namespace in &namespaces {
+                    if namespace.profile.is_none()
+                        && self.tenants_bound_to(namespace.id).contains(&tenant.name)
+                    {
+                        return invalid(format!(
+                            "tenant {:?} has an access grant (access, range_offset, \
+                             range_size) but is bound to namespace {}, which has no QoS \
+                             profile and so no tenants but its default: give the namespace a \
+                             profile",
+                            tenant.name, namespace.id
+                        ));
+                    }
+                }
+            }
         }
         self.qos_config
             .validate()
@@ -1379,6 +1470,99 @@ mod tests {
         assert_eq!(config.effective_original_ports()[0].port, 1300);
         assert_eq!(config.driver, DriverChoice::Auto);
         assert!(Config::from_toml("bogus = 1", "test").is_err());
+    }
+
+    #[test]
+    fn access_control_keys() {
+        let text = r#"
+            allow = ["127.0.0.1/32", "::1/128"]
+            original_ports = [{ port = 1300, namespace = 1, tenant = "viewer", allow = ["10.0.0.0/8"] }]
+
+            [nbd]
+            allow = ["192.168.0.0/16"]
+
+            [nvme_tcp]
+            allow = ["fd00::/8"]
+
+            [admin]
+            allow = ["127.0.0.0/8"]
+            token_file = "/etc/reflex/admin.token"
+            token_exempt = []
+            allow_remote = true
+
+            [[namespace]]
+            id = 1
+            backend = "mem:64M"
+            profile = "p.toml"
+
+            [[tenant]]
+            name = "viewer"
+            class = "be"
+            access = "read-only"
+            range_offset = "1M"
+            range_size = "4M"
+
+            [[tenant]]
+            name = "writer"
+            class = "be"
+        "#;
+        let config = Config::from_toml(text, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        let net = |text: &str| -> IpNet { text.parse().unwrap_or_else(|e| panic!("{e}")) };
+        assert_eq!(
+            config.allow,
+            Some(vec![net("127.0.0.1/32"), net("::1/128")])
+        );
+        assert_eq!(config.nbd.allow, Some(vec![net("192.168.0.0/16")]));
+        assert_eq!(config.nvme_tcp.allow, Some(vec![net("fd00::/8")]));
+        let ports = config.effective_original_ports();
+        assert_eq!(ports[0].allow, Some(vec![net("10.0.0.0/8")]));
+        assert_eq!(config.admin.allow, Some(vec![net("127.0.0.0/8")]));
+        assert!(config.admin.token_exempt.is_empty());
+        assert_eq!(
+            config.tenant("viewer").grant(),
+            Grant {
+                read_only: true,
+                range: Some(ByteRange {
+                    offset_bytes: 1 << 20,
+                    length_bytes: 4 << 20,
+                }),
+            }
+        );
+        assert!(config.tenant("writer").grant().is_unrestricted());
+        assert_eq!(
+            config.grants().len(),
+            1,
+            "only restricted tenants have a grant"
+        );
+        // Defaults: no allow-lists, loopback needs no admin token.
+        let plain = Config::default();
+        assert_eq!(plain.allow, None);
+        assert_eq!(plain.admin.token_exempt, crate::admin::loopback_nets());
+
+        for (bad, expected) in [
+            ("allow = [\"127.0.0.1/33\"]", "invalid"),
+            ("allow = [\"localhost\"]", "invalid"),
+            (
+                "[[tenant]]\nname = \"t\"\nclass = \"be\"\naccess = \"write-only\"",
+                "unknown variant",
+            ),
+            ("[admin]\nallow_remote = true", "token_file"),
+            (
+                "[[tenant]]\nname = \"t\"\nclass = \"be\"\nrange_size = 0",
+                "range_size is 0",
+            ),
+            (
+                "[[namespace]]\nid = 1\nbackend = \"mem:1M\"\ntenant = \"t\"\n[[tenant]]\nname = \"t\"\nclass = \"be\"\naccess = \"read-only\"",
+                "no QoS",
+            ),
+        ] {
+            let error = Config::from_toml(bad, "test")
+                .and_then(|config| config.validate().map(|()| config))
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {bad}"));
+            assert!(error.to_string().contains(expected), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -56,6 +56,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use reflex_dataplane::access::{AllowList, ListenerAccess};
 use reflex_dataplane::control::{
     Catalog, ControlPlane, ControlSetup, HandleKeys, NamespaceControl, NamespaceQosSetup,
     TenantRef, Wake,
@@ -68,9 +69,9 @@ use reflex_dataplane::{DataplaneSetup, TlsCurrent, TlsKeys, TlsSetup};
 use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
-    Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NbdExportConfig, NvmeHostConfig,
-    NvmeSubsystemConfig, NvmeTcpConfig, OriginalPortConfig, PriorityConfig, TenantClassConfig,
-    TenantConfig, TimeoutsConfig,
+    AccessConfig, Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NbdExportConfig,
+    NvmeHostConfig, NvmeSubsystemConfig, NvmeTcpConfig, OriginalPortConfig, PriorityConfig,
+    TenantClassConfig, TenantConfig, TimeoutsConfig,
 };
 pub use crate::driver::{Driver, NO_IO_URING_ENV};
 use crate::driver::{DriverSetup, EventfdWaker, spawn_driver};
@@ -177,6 +178,7 @@ impl Server {
         let (control, qos) =
             ControlPlane::start(&control_setup(&config)?, &namespaces, control_wakers)?;
         let control = Arc::new(control);
+        control.set_grants(config.grants());
         let configured = |namespace_index: u16, name: Option<&String>| -> TenantRef {
             let Some(name) = name else {
                 return TenantRef::NONE;
@@ -252,6 +254,29 @@ impl Server {
         let qos: Vec<NamespaceQosSetup> = (0..namespaces.len())
             .filter_map(|index| control.qos_setup(index as u16))
             .collect();
+        let effective_original_ports = config.effective_original_ports();
+        let original_ports: Vec<u16> = original_addrs.iter().map(|(_, addr)| addr.port()).collect();
+        let access_of = |role: ListenerRole| {
+            let (name, allow) = match role {
+                ListenerRole::Native => (format!("native:{}", native_addr.port()), &config.allow),
+                ListenerRole::Original(position) => (
+                    format!("original:{}", original_ports[position]),
+                    &effective_original_ports[position].allow,
+                ),
+                ListenerRole::Nbd => (
+                    format!("nbd:{}", nbd_addr.map_or(0, |addr| addr.port())),
+                    &config.nbd.allow,
+                ),
+                ListenerRole::NvmeTcp => (
+                    format!("nvme_tcp:{}", nvme_tcp_addr.map_or(0, |addr| addr.port())),
+                    &config.nvme_tcp.allow,
+                ),
+            };
+            ListenerAccess {
+                name,
+                allow: allow.clone().map(AllowList::new),
+            }
+        };
         let protocol_of = |role: ListenerRole| match role {
             ListenerRole::Native => Protocol::Native,
             ListenerRole::Original(position) => original_protocols[position],
@@ -301,6 +326,7 @@ impl Server {
             let dataplane_setup = DataplaneSetup {
                 tls,
                 thread_index,
+                listener_access: roles.iter().copied().map(access_of).collect(),
                 listeners: roles.into_iter().map(protocol_of).collect(),
                 namespaces: Arc::clone(&namespaces),
                 nbd_exports: nbd_exports.clone(),
@@ -1030,6 +1056,9 @@ pub struct ReloadReport {
     pub namespaces_added: u32,
     /// NBD exports whose new sessions are charged to another tenant now.
     pub exports_rebound: u32,
+    /// Configured tenants whose grant (`access`, `range_offset`, `range_size`) changed: in
+    /// force for their connections from each thread's next iteration.
+    pub grants_changed: u32,
     /// What a reload cannot change (a namespace gone from the file, a changed backend):
     /// each is logged.
     pub needs_restart: u32,
@@ -1075,7 +1104,11 @@ impl ServerHandle {
     /// stays (remove it through the admin API); original-protocol ports and NVMe/TCP hosts keep
     /// the tenant they started with until a restart.
     pub fn reload_tenants(&self, config: &Config) -> ReloadReport {
-        let mut report = ReloadReport::default();
+        // Grants first: a tenant bound below takes its grant when it is registered.
+        let mut report = ReloadReport {
+            grants_changed: self.control.set_grants(config.grants()) as u32,
+            ..ReloadReport::default()
+        };
         let effective = config.effective_namespaces();
         for namespace in &effective {
             if self.namespaces().index_of(namespace.id).is_none() {

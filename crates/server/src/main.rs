@@ -201,6 +201,7 @@ fn reload(server: &reflex_server::ServerHandle, path: Option<&std::path::Path>) 
         unbound = report.unbound,
         namespaces_added = report.namespaces_added,
         exports_rebound = report.exports_rebound,
+        grants_changed = report.grants_changed,
         needs_restart = report.needs_restart,
         "SIGHUP: configured namespaces and tenants reloaded"
     );

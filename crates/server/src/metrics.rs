@@ -221,6 +221,7 @@ impl Collector for SamplerCollector {
         let mut slo_windows = Vec::new();
         let mut attainment = Vec::new();
         let mut latencies = Vec::new();
+        let mut refusals = Vec::new();
         for info in &infos {
             let labels = tenant_labels(&info.name, info.namespace_id);
             let with = |key: &'static str, value: &str| {
@@ -275,6 +276,12 @@ impl Collector for SamplerCollector {
                 tokens.push((with("flow", flow), millitokens.max(0) as f64 / 1000.0));
             }
             deficit_seconds.push((labels.clone(), totals.deficit_ns as f64 / 1e9));
+            for refusal in reflex_dataplane::access::Refusal::ALL {
+                let count = totals.refusals[refusal.index()];
+                if count > 0 {
+                    refusals.push((with("reason", refusal.label()), count as f64));
+                }
+            }
             queued.push((labels.clone(), totals.queued as f64));
             latencies.push((labels, &totals.read_latency));
         }
@@ -283,6 +290,12 @@ impl Collector for SamplerCollector {
             "tenant_arrivals",
             "Requests received for the tenant.",
             &arrivals,
+        )?;
+        counters(
+            &mut encoder,
+            "refusals",
+            "Requests of the tenant refused by access control (its grant, its namespace), by reason; nothing of them reached the device.",
+            &refusals,
         )?;
         counters(
             &mut encoder,
@@ -369,6 +382,44 @@ impl Collector for SamplerCollector {
             MetricType::Histogram,
             &latencies,
             |metric, histogram| encode_latency(metric, histogram),
+        )?;
+
+        // Per listener: connections refused at accept, summed over threads, and the admin
+        // API's refused requests.
+        let mut refused: std::collections::BTreeMap<(String, &'static str), u64> =
+            std::collections::BTreeMap::new();
+        for thread in &latest.threads {
+            for listener in &thread.listeners {
+                for reason in reflex_dataplane::AcceptRefused::ALL {
+                    let count = listener.refused[reason.index()];
+                    if count > 0 {
+                        *refused
+                            .entry((clean(&listener.name), reason.label()))
+                            .or_insert(0) += count;
+                    }
+                }
+            }
+        }
+        for reason in crate::admin::stats::AdminRefusal::ALL {
+            let count = sampler.admin_refused.get(reason);
+            if count > 0 {
+                refused.insert(("admin".to_string(), reason.label()), count);
+            }
+        }
+        let refused: Vec<(Labels, f64)> = refused
+            .into_iter()
+            .map(|((listener, reason), count)| {
+                (
+                    vec![("listener", listener), ("reason", reason.to_string())],
+                    count as f64,
+                )
+            })
+            .collect();
+        counters(
+            &mut encoder,
+            "connections_refused",
+            "Connections a listener refused at accept (allow-list, limits, shutdown), and requests the admin API refused, by reason.",
+            &refused,
         )?;
 
         // Per thread.

@@ -192,6 +192,7 @@ impl VirtualServer {
                 tls: tls.clone(),
                 thread_index,
                 listeners: listeners.clone(),
+                listener_access: Vec::new(),
                 namespaces: Arc::clone(&namespaces),
                 nvme_tcp: None,
                 nbd_exports: nbd_exports.clone(),

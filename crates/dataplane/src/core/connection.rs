@@ -15,6 +15,7 @@ use reflex_qos::Nanos;
 use super::ops::{AcceptRefused, ConnectionId, Op};
 use super::request::{NONE, RequestState, next_generation};
 use super::{Dataplane, Phase};
+use crate::access::{Grant, ListenerAccess, RefusalLog};
 use crate::control::{NoticeBody, TenantRef};
 use crate::frontend::{Frontend, Protocol};
 
@@ -46,6 +47,8 @@ pub(super) struct Bound {
     pub(super) tenant: TenantRef,
     pub(super) namespace_index: u16,
     pub(super) read_only: bool,
+    /// What the tenant's configuration grants it.
+    pub(super) grant: Grant,
     /// The tenant was unregistered: its I/O is refused (PERMISSION) until the next BIND.
     pub(super) revoked: bool,
 }
@@ -55,6 +58,9 @@ pub(super) struct Bound {
 pub(super) struct Charge {
     pub(super) namespace_index: u16,
     pub(super) tenant: TenantRef,
+    /// What the tenant's configuration grants it (learnt when the connection was first
+    /// charged to it).
+    pub(super) grant: Grant,
 }
 
 pub(super) struct Connection {
@@ -194,6 +200,12 @@ pub(super) struct Listener {
     pub(super) closed: bool,
     /// Its open connections (for its share of the table).
     pub(super) connections: u32,
+    /// Its name and allow-list.
+    pub(super) access: ListenerAccess,
+    /// Connections it refused, by [`AcceptRefused::index`].
+    pub(super) refused: [u64; AcceptRefused::COUNT],
+    /// Log lines about peers its allow-list refused (rate-limited).
+    pub(super) refusal_log: RefusalLog,
 }
 
 impl Dataplane {
@@ -245,10 +257,11 @@ impl Dataplane {
         if self.control.has_messages(self.thread_index) {
             self.apply_control_messages(now);
         }
+        if let Err(refusal) = self.check_allowed(listener_index, source, now) {
+            return Err(self.refuse_connection(listener_index, source, refusal));
+        }
         if let Err(refusal) = self.admit_connection(listener_index, source) {
-            self.stats.connections_refused += 1;
-            tracing::debug!(thread = self.thread_index, ?source, %refusal, "connection refused");
-            return Err(refusal);
+            return Err(self.refuse_connection(listener_index, source, refusal));
         }
         let Some(index) = self.free_connections.pop() else {
             panic!("admit_connection guarantees a free slot");
@@ -303,6 +316,46 @@ impl Dataplane {
         // others find nothing to parse and receive.
         self.mark_parse(index);
         Ok(self.connections[index as usize].id(index))
+    }
+
+    /// Checks the listener's allow-list: a peer it does not name (or whose address the driver
+    /// does not know) is refused, logged with its address and the listener (rate-limited).
+    fn check_allowed(
+        &mut self,
+        listener_index: u32,
+        source: Option<IpAddr>,
+        now: Nanos,
+    ) -> Result<(), AcceptRefused> {
+        let listener = &mut self.listeners[listener_index as usize];
+        let Some(allow) = &listener.access.allow else {
+            return Ok(());
+        };
+        if source.is_some_and(|source| allow.allows(source)) {
+            return Ok(());
+        }
+        if let Some(suppressed) = listener.refusal_log.admit(now) {
+            tracing::warn!(
+                thread = self.thread_index,
+                listener = %listener.access.name,
+                peer = ?source,
+                refused_unlogged = suppressed,
+                "connection refused: the peer's address is not on the listener's allow-list"
+            );
+        }
+        Err(AcceptRefused::NotAllowed)
+    }
+
+    /// Counts a refused connection (per listener and reason) and returns the reason.
+    fn refuse_connection(
+        &mut self,
+        listener_index: u32,
+        source: Option<IpAddr>,
+        refusal: AcceptRefused,
+    ) -> AcceptRefused {
+        self.stats.connections_refused += 1;
+        self.listeners[listener_index as usize].refused[refusal.index()] += 1;
+        tracing::debug!(thread = self.thread_index, ?source, %refusal, "connection refused");
+        refusal
     }
 
     /// Checks the table's limits for a new connection on `listener_index` from `source`;

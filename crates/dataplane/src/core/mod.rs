@@ -35,6 +35,7 @@ use std::sync::Arc;
 
 use reflex_qos::{Admitted, Nanos, Policy, QosConfig};
 
+use crate::access::{ListenerAccess, RefusalLog};
 use crate::buffers::{PAGE_SIZE, PageAllocator};
 use crate::control::{ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX, NamespaceQosSetup};
 use crate::frontend::{NbdExports, NvmeTcpTargets, Protocol};
@@ -125,6 +126,9 @@ pub struct DataplaneSetup {
     pub thread_index: usize,
     /// The protocol of each of the driver's listeners, by listener index.
     pub listeners: Vec<Protocol>,
+    /// Each listener's name and allow-list, by listener index; a listener without an entry
+    /// serves every peer.
+    pub listener_access: Vec<ListenerAccess>,
     pub namespaces: Arc<NamespaceSet>,
     /// The NBD export table, when a listener speaks NBD.
     pub nbd_exports: Option<Arc<NbdExports>>,
@@ -233,6 +237,8 @@ pub struct Dataplane {
     tls: Option<TlsSetup>,
     /// TLS connections whose inner receive decrypted bytes can satisfy (`tls`).
     tls_deliveries: VecDeque<u32>,
+    /// Log lines about refused requests (rate-limited; every refusal is counted).
+    refusal_log: RefusalLog,
 }
 
 impl Dataplane {
@@ -247,14 +253,21 @@ impl Dataplane {
             .collect();
         let table_size = limits.connections_max + CONNECTION_SLACK;
         let connections: Box<[Connection]> = (0..table_size).map(|_| Connection::empty()).collect();
+        let mut access = setup.listener_access.into_iter();
         let listeners = setup
             .listeners
             .into_iter()
-            .map(|protocol| Listener {
+            .enumerate()
+            .map(|(index, protocol)| Listener {
                 protocol,
                 accept_in_flight: false,
                 closed: false,
                 connections: 0,
+                access: access
+                    .next()
+                    .unwrap_or_else(|| ListenerAccess::open(format!("listener {index}"))),
+                refused: [0; AcceptRefused::COUNT],
+                refusal_log: RefusalLog::new(),
             })
             .collect();
         let mut stats = CoreStats::default();
@@ -339,6 +352,7 @@ impl Dataplane {
             live: publish::LiveCounters::new(qos_count, setup.now),
             tls: setup.tls,
             tls_deliveries: VecDeque::new(),
+            refusal_log: RefusalLog::new(),
             limits,
         };
         // The device rates the registries computed at startup.

@@ -102,4 +102,34 @@ pub enum AcceptRefused {
     ListenerFull,
     #[error("too many connections from this address")]
     SourceFull,
+    /// The listener's allow-list does not name the peer's address (or the driver does not
+    /// know the address).
+    #[error("the peer's address is not on the listener's allow-list")]
+    NotAllowed,
+}
+
+impl AcceptRefused {
+    pub const ALL: [AcceptRefused; 5] = [
+        AcceptRefused::ShuttingDown,
+        AcceptRefused::TableFull,
+        AcceptRefused::ListenerFull,
+        AcceptRefused::SourceFull,
+        AcceptRefused::NotAllowed,
+    ];
+    pub const COUNT: usize = AcceptRefused::ALL.len();
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            AcceptRefused::ShuttingDown => "shutting_down",
+            AcceptRefused::TableFull => "table_full",
+            AcceptRefused::ListenerFull => "listener_full",
+            AcceptRefused::SourceFull => "source_full",
+            AcceptRefused::NotAllowed => "not_allowed",
+        }
+    }
 }

@@ -6,8 +6,8 @@ use reflex_qos::{Nanos, TenantId};
 
 use super::Dataplane;
 use crate::live::{
-    BATCH_BUCKETS, NamespaceSnapshot, PUBLISH_INTERVAL, TenantSnapshot, ThreadSnapshot,
-    batch_bucket,
+    BATCH_BUCKETS, ListenerSnapshot, NamespaceSnapshot, PUBLISH_INTERVAL, TenantSnapshot,
+    ThreadSnapshot, batch_bucket,
 };
 
 /// Counters only the live figures need.
@@ -64,6 +64,7 @@ impl Dataplane {
             .requests_answered
             .wrapping_add(self.stats.connections_accepted)
             .wrapping_add(self.stats.control_messages)
+            .wrapping_add(self.stats.connections_refused)
     }
 
     /// Publishes a snapshot when one is due (housekeeping calls it every 100 ms while the
@@ -127,6 +128,7 @@ impl Dataplane {
                     deficit_episodes: account.stats.deficit_episodes,
                     deficit_ns: account.deficit_ns + open_deficit_ns,
                     queued: scheduler.queued_requests,
+                    refusals: account.refusals,
                 });
             }
         }
@@ -149,6 +151,14 @@ impl Dataplane {
             tls_failures: self.stats.tls_failures,
             namespaces,
             tenants,
+            listeners: self
+                .listeners
+                .iter()
+                .map(|listener| ListenerSnapshot {
+                    name: listener.access.name.clone(),
+                    refused: listener.refused,
+                })
+                .collect(),
         }
     }
 }

@@ -16,6 +16,7 @@ use reflex_qos::{Admitted, Nanos, SchedulerEvent};
 
 use super::Dataplane;
 use super::connection::{Bound, Charge};
+use crate::access::Refusal;
 use crate::control::{
     ConnectionKey, ControlAnswer, ControlMessage, ControlPlane, MESSAGES_PER_ITERATION_MAX,
     Requester, TenantRef,
@@ -75,6 +76,19 @@ pub(super) struct TenantAccount {
     pub(super) read_latency: crate::telemetry::LatencyHistogram,
     pub(super) deficit_since: Option<Nanos>,
     pub(super) deficit_ns: u64,
+    /// Requests refused by access control, by [`Refusal::index`].
+    pub(super) refusals: [u64; Refusal::COUNT],
+}
+
+/// Why [`Dataplane::charge`] refused a request: an answer decided before any tenant was
+/// resolved, or an access-control refusal of `tenant` (counted and logged).
+enum Refused {
+    Answer(Answer),
+    Access {
+        refusal: Refusal,
+        tenant: TenantRef,
+        namespace_index: u16,
+    },
 }
 
 impl TenantAccount {
@@ -258,6 +272,20 @@ impl Dataplane {
                         .retain(|charge| charge.tenant.handle != handle);
                 }
             }
+            ControlMessage::Grant { handle, grant } => {
+                for connection in self.connections.iter_mut() {
+                    if let Some(bound) = connection.bound.as_mut()
+                        && bound.tenant.handle == handle
+                    {
+                        bound.grant = grant;
+                    }
+                    for charge in connection.charged.iter_mut() {
+                        if charge.tenant.handle == handle {
+                            charge.grant = grant;
+                        }
+                    }
+                }
+            }
             ControlMessage::Notice { body } => {
                 let draining = self.phase != super::Phase::Running;
                 for index in 0..self.connections.len() {
@@ -296,34 +324,119 @@ impl Dataplane {
 
     /// Resolves the tenant of an I/O request and checks the connection may do it: a BIND
     /// limits the connection to its tenant's namespace (and to reads, for a read-only
-    /// tenant). The tenant is the bound one, else the protocol's (NBD export, original port),
-    /// else the namespace's default; the connection is counted for it the first time.
+    /// tenant), and every tenant's grant (`crate::access::Grant`) limits what its requests
+    /// may do. The tenant is the bound one, else the protocol's (NBD export, original port,
+    /// NVMe/TCP host), else the namespace's default; the connection is counted for it the
+    /// first time. A refusal is counted for the tenant and logged (rate-limited).
     pub(super) fn charge(
+        &mut self,
+        connection_index: u32,
+        io: IoRequest,
+        now: Nanos,
+    ) -> Result<IoRequest, Answer> {
+        self.charge_checked(connection_index, io, now)
+            .map_err(|refused| match refused {
+                Refused::Answer(answer) => answer,
+                Refused::Access {
+                    refusal,
+                    tenant,
+                    namespace_index,
+                } => {
+                    self.record_refusal(
+                        connection_index,
+                        io,
+                        tenant,
+                        namespace_index,
+                        refusal,
+                        now,
+                    );
+                    Answer::Permission
+                }
+            })
+    }
+
+    /// Counts a refusal for its tenant and logs it with the peer's address and the tenant
+    /// (at most [`crate::access::REFUSAL_LOG_BURST`] lines at once per thread, then one a
+    /// second, each saying how many were not logged).
+    fn record_refusal(
+        &mut self,
+        connection_index: u32,
+        io: IoRequest,
+        tenant: TenantRef,
+        namespace_index: u16,
+        refusal: Refusal,
+        now: Nanos,
+    ) {
+        if let Some(account) = self
+            .qos
+            .get_mut(usize::from(namespace_index))
+            .and_then(|namespace| namespace.accounts.get_mut(tenant.id as usize))
+            && account.stats.handle == tenant.handle
+        {
+            account.refusals[refusal.index()] += 1;
+        }
+        let Some(suppressed) = self.refusal_log.admit(now) else {
+            return;
+        };
+        let name = self.control.name(tenant.handle);
+        let connection = &self.connections[connection_index as usize];
+        let listener = &self.listeners[connection.listener as usize].access.name;
+        tracing::warn!(
+            thread = self.thread_index,
+            peer = ?connection.source,
+            listener = %listener,
+            tenant = %name,
+            namespace = self.namespaces.id(io.namespace_index),
+            kind = ?io.kind,
+            offset_bytes = io.offset_bytes,
+            length_bytes = io.length_bytes,
+            %refusal,
+            refused_unlogged = suppressed,
+            "request refused"
+        );
+    }
+
+    fn charge_checked(
         &mut self,
         connection_index: u32,
         mut io: IoRequest,
         now: Nanos,
-    ) -> Result<IoRequest, Answer> {
+    ) -> Result<IoRequest, Refused> {
         let namespace_index = io.namespace_index;
         if !self.namespaces.is_live(namespace_index)
             || self.qos.len() <= usize::from(namespace_index)
         {
             // Removed at run time (an NBD export or original port still names its slot).
-            return Err(Answer::Native(
+            return Err(Refused::Answer(Answer::Native(
                 reflex_proto::native::Status::NoSuchNamespace,
-            ));
+            )));
         }
         let connection = &self.connections[connection_index as usize];
         let writes = matches!(
             io.kind,
             IoKind::Write { .. } | IoKind::Trim { .. } | IoKind::WriteZeroes { .. }
         );
-        if let Some(bound) = connection.bound
-            && (bound.revoked
-                || bound.namespace_index != namespace_index
-                || (bound.read_only && writes))
-        {
-            return Err(Answer::Permission);
+        let range = match io.kind {
+            IoKind::Flush => None,
+            _ => Some((io.offset_bytes, u64::from(io.length_bytes))),
+        };
+        if let Some(bound) = connection.bound {
+            let refusal = if bound.revoked {
+                Some(Refusal::Revoked)
+            } else if bound.namespace_index != namespace_index {
+                Some(Refusal::Namespace)
+            } else if bound.read_only && writes {
+                Some(Refusal::ReadOnly)
+            } else {
+                bound.grant.check(writes, range).err()
+            };
+            if let Some(refusal) = refusal {
+                return Err(Refused::Access {
+                    refusal,
+                    tenant: bound.tenant,
+                    namespace_index: bound.namespace_index,
+                });
+            }
         }
         // A TLS client certificate names the connection's tenant: it is charged to no other.
         let identity = if connection
@@ -333,7 +446,7 @@ impl Dataplane {
         {
             match self.identity_tenant(connection_index, namespace_index, now) {
                 Some(tenant) => Some(tenant),
-                None => return Err(Answer::Permission),
+                None => return Err(Refused::Answer(Answer::Permission)),
             }
         } else {
             None
@@ -345,27 +458,53 @@ impl Dataplane {
             None if !io.tenant.is_none() => io.tenant,
             None => identity.unwrap_or(namespace.default_tenant),
         };
-        if identity.is_some_and(|identity| identity.handle != tenant.handle) {
-            return Err(Answer::Permission);
+        if let Some(identity) = identity
+            && identity.handle != tenant.handle
+        {
+            // Counted for the certificate's tenant: the connection asked for another's.
+            return Err(Refused::Access {
+                refusal: Refusal::Identity,
+                tenant: identity,
+                namespace_index,
+            });
         }
         let counted = connection
             .charged
             .iter()
-            .any(|charge| charge.tenant.handle == tenant.handle);
-        if !counted {
-            let connected = self.with_control(now, |control, thread, own| {
-                control.connect(thread, tenant.handle, own)
-            });
-            if !connected {
-                return Err(Answer::Permission);
+            .find(|charge| charge.tenant.handle == tenant.handle)
+            .map(|charge| (charge.namespace_index, charge.grant));
+        let (tenant_namespace_index, grant) = match counted {
+            Some(counted) => counted,
+            None => {
+                let Some(connected) = self.with_control(now, |control, thread, own| {
+                    control.connect(thread, tenant.handle, own)
+                }) else {
+                    return Err(Refused::Answer(Answer::Permission));
+                };
+                self.connections[connection_index as usize]
+                    .charged
+                    .push(Charge {
+                        namespace_index: connected.namespace_index,
+                        tenant,
+                        grant: connected.grant,
+                    });
+                self.ensure_account(connected.namespace_index, tenant, now);
+                (connected.namespace_index, connected.grant)
             }
-            self.connections[connection_index as usize]
-                .charged
-                .push(Charge {
-                    namespace_index,
-                    tenant,
-                });
-            self.ensure_account(namespace_index, tenant, now);
+        };
+        // A protocol's tenant belongs to the namespace its export, port or host names; a
+        // request for another namespace is not the tenant's to make.
+        let refusal = if tenant_namespace_index != namespace_index {
+            Some(Refusal::Namespace)
+        } else {
+            grant.check(writes, range).err()
+        };
+        if let Some(refusal) = refusal {
+            return Err(Refused::Access {
+                refusal,
+                tenant,
+                namespace_index: tenant_namespace_index,
+            });
         }
         if let Some(account) = self.qos[usize::from(namespace_index)]
             .accounts
@@ -575,6 +714,7 @@ impl Dataplane {
         charged.push(Charge {
             namespace_index: binding.namespace_index,
             tenant: binding.tenant,
+            grant: binding.grant,
         });
         let connection = &mut self.connections[connection_index as usize];
         connection.charged = charged;
@@ -582,6 +722,7 @@ impl Dataplane {
             tenant: binding.tenant,
             namespace_index: binding.namespace_index,
             read_only: binding.read_only,
+            grant: binding.grant,
             revoked: false,
         });
         self.ensure_account(binding.namespace_index, binding.tenant, now);

@@ -53,6 +53,15 @@ pub struct AdminState {
     /// The state file and what it holds, when state persists.
     pub persistence: Mutex<Option<(StateFile, PersistedState)>>,
     pub allow_remote: bool,
+    /// `[admin] allow` (`None`: every peer).
+    pub allow: Option<reflex_dataplane::access::AllowList>,
+    /// The bearer token every peer outside `token_exempt` presents (`None`: none asked).
+    pub token: Option<String>,
+    pub token_exempt: reflex_dataplane::access::AllowList,
+    pub refused: Arc<crate::admin::stats::AdminRefusals>,
+    /// Log lines about refused requests (rate-limited: a peer hammering the API with bad
+    /// tokens cannot flood the log), and the clock they are measured on.
+    pub refusal_log: std::sync::Mutex<(std::time::Instant, reflex_dataplane::access::RefusalLog)>,
     pub version: &'static str,
     pub threads: usize,
 }
@@ -892,27 +901,99 @@ pub async fn get_metrics(
     Ok(([(header::CONTENT_TYPE, content_type)], text).into_response())
 }
 
+/// Whether the request's `Authorization` header is `Bearer <token>`, compared in constant
+/// time (the time taken does not depend on how much of the token matched).
+fn bearer_matches(headers: &header::HeaderMap, token: &str) -> bool {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return false;
+    };
+    let Some(presented) = value.as_bytes().strip_prefix(b"Bearer ") else {
+        return false;
+    };
+    constant_time_eq(presented, token.as_bytes())
+}
+
+/// Compares two byte strings in time that depends only on their lengths.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let difference = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(difference) == 0
+}
+
 pub async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such resource")
 }
 
-/// Refuses peers that are not on this machine unless `allow_remote` is set.
+/// The admin API's access control, in order: the allow-list (403), peers not on this
+/// machine unless `allow_remote` is set (403), and the bearer token from every peer outside
+/// `token_exempt` when a token is configured (401). A remote peer so needs `allow_remote`,
+/// the allow-list (when set) and the token. Each refusal is counted and logged.
 pub async fn only_local(
     State(state): State<Shared>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if !state.allow_remote && !peer.ip().is_loopback() {
-        return ApiError::new(
-            StatusCode::FORBIDDEN,
-            format!(
-                "the admin API serves only this machine; {} is not a loopback address \
-                 ([admin] allow_remote = true opens it)",
-                peer.ip()
-            ),
+    use crate::admin::stats::AdminRefusal;
+    let refuse = |refusal: AdminRefusal, response: Response| {
+        state.refused.add(refusal);
+        let mut log = state
+            .refusal_log
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now = reflex_qos::Nanos(log.0.elapsed().as_nanos() as u64);
+        if let Some(suppressed) = log.1.admit(now) {
+            tracing::warn!(peer = %peer.ip(), reason = refusal.label(),
+                method = %request.method(), path = %request.uri().path(),
+                refused_unlogged = suppressed, "admin API request refused");
+        }
+        response
+    };
+    if let Some(allow) = &state.allow
+        && !allow.allows(peer.ip())
+    {
+        return refuse(
+            AdminRefusal::NotAllowed,
+            ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "{} is not on the admin API's allow-list ([admin] allow)",
+                    peer.ip()
+                ),
+            )
+            .into_response(),
+        );
+    }
+    if let Some(token) = &state.token
+        && !state.token_exempt.allows(peer.ip())
+        && !bearer_matches(request.headers(), token)
+    {
+        let mut response = ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "this request needs the admin token: Authorization: Bearer <token> ([admin] token_file)",
         )
         .into_response();
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer realm=\"reflexd\""),
+        );
+        return refuse(AdminRefusal::Unauthorized, response);
+    }
+    if !state.allow_remote && !peer.ip().is_loopback() {
+        return refuse(
+            AdminRefusal::Remote,
+            ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "the admin API serves only this machine; {} is not a loopback address \
+                     ([admin] allow_remote = true opens it)",
+                    peer.ip()
+                ),
+            )
+            .into_response(),
+        );
     }
     next.run(request).await
 }

@@ -26,6 +26,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::get;
+use ipnet::IpNet;
+use reflex_dataplane::access::AllowList;
 use reflex_dataplane::control::{AdminError, ControlPlane};
 use serde::Deserialize;
 
@@ -46,8 +48,20 @@ pub struct AdminConfig {
     pub enabled: bool,
     /// Address and port (port 0 picks a free one).
     pub listen: SocketAddr,
-    /// Serve peers that are not on this machine too (there is no authentication yet).
+    /// Serve peers that are not on this machine too; needs `token_file` (a remote peer must
+    /// present the token).
     pub allow_remote: bool,
+    /// Source addresses (CIDR blocks) the admin API serves; `None`: every address (within
+    /// `allow_remote`). Checked before everything else.
+    pub allow: Option<Vec<IpNet>>,
+    /// A file holding the bearer token (one line; surrounding whitespace is ignored): when
+    /// set, every request from a peer outside `token_exempt` must carry
+    /// `Authorization: Bearer <token>`, or is answered 401. In a configuration file,
+    /// relative to the file's folder.
+    pub token_file: Option<String>,
+    /// Peers that need no token (CIDR blocks): loopback by default (`127.0.0.0/8`, `::1`).
+    /// `[]` asks every peer for the token.
+    pub token_exempt: Vec<IpNet>,
     /// Where tenants created through the API and SLO changes persist; `None`: nowhere
     /// (they are lost at exit). In a configuration file, relative to the file's folder.
     pub state_file: Option<String>,
@@ -62,6 +76,9 @@ impl Default for AdminConfig {
             enabled: true,
             listen: SocketAddr::from(([127, 0, 0, 1], 7071)),
             allow_remote: false,
+            allow: None,
+            token_file: None,
+            token_exempt: loopback_nets(),
             state_file: Some("./reflex-data/state.json".to_string()),
             stats_window: Duration::from_secs(1),
         }
@@ -102,8 +119,61 @@ impl AdminConfig {
         {
             return Err("admin.state_file is empty".into());
         }
+        if self.enabled && self.allow_remote && self.token_file.is_none() {
+            return Err(
+                "admin.allow_remote needs admin.token_file: a remote peer must present a \
+                 credential"
+                    .into(),
+            );
+        }
+        if let Some(path) = &self.token_file
+            && path.is_empty()
+        {
+            return Err("admin.token_file is empty".into());
+        }
         Ok(())
     }
+
+    /// The bearer token from `token_file` (`None`: none configured).
+    pub fn load_token(&self) -> Result<Option<String>, AdminStartError> {
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| AdminStartError::Token {
+            path: path.clone(),
+            reason: source.to_string(),
+        })?;
+        let token = text.trim();
+        if token.is_empty() || token.contains(char::is_whitespace) {
+            return Err(AdminStartError::Token {
+                path: path.clone(),
+                reason: "the token must be one non-empty word".into(),
+            });
+        }
+        if let Ok(metadata) = std::fs::metadata(path) {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = metadata.permissions().mode();
+            if mode & 0o077 != 0 {
+                tracing::warn!(path = %path, mode = format!("{:o}", mode & 0o777),
+                    "the admin token file is readable by other users: chmod 600 it");
+            }
+        }
+        Ok(Some(token.to_string()))
+    }
+}
+
+/// The loopback blocks: `127.0.0.0/8` and `::1/128`.
+pub fn loopback_nets() -> Vec<IpNet> {
+    vec![
+        IpNet::V4(ipnet::Ipv4Net::new_assert(
+            std::net::Ipv4Addr::new(127, 0, 0, 0),
+            8,
+        )),
+        IpNet::V6(ipnet::Ipv6Net::new_assert(
+            std::net::Ipv6Addr::LOCALHOST,
+            128,
+        )),
+    ]
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -115,6 +185,8 @@ pub enum AdminStartError {
     },
     #[error("admin API: {0}")]
     Thread(String),
+    #[error("admin API: token file {path}: {reason}")]
+    Token { path: String, reason: String },
     #[error(transparent)]
     State(#[from] StateError),
     #[error("state file: namespace {namespace_id}: tenant {name:?}: {error}")]
@@ -266,6 +338,7 @@ pub fn router(state: Shared) -> Router {
 /// Binds the listener (so a port in use stops start-up with the reason) and starts the
 /// control-plane thread that serves it.
 pub fn start(setup: AdminSetup) -> Result<AdminHandle, AdminStartError> {
+    let token = setup.config.load_token()?;
     let addr = setup.config.listen;
     let listener =
         TcpListener::bind(addr).map_err(|source| AdminStartError::Bind { addr, source })?;
@@ -279,7 +352,21 @@ pub fn start(setup: AdminSetup) -> Result<AdminHandle, AdminStartError> {
         Arc::clone(&setup.control),
         Arc::clone(&setup.manager),
     )));
+    let refused = Arc::clone(
+        &sampler
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .admin_refused,
+    );
     let state = Arc::new(AdminState {
+        allow: setup.config.allow.clone().map(AllowList::new),
+        token,
+        token_exempt: AllowList::new(setup.config.token_exempt.clone()),
+        refused,
+        refusal_log: Mutex::new((
+            std::time::Instant::now(),
+            reflex_dataplane::access::RefusalLog::new(),
+        )),
         control: setup.control,
         manager: setup.manager,
         sampler: Arc::clone(&sampler),

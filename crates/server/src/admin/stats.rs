@@ -35,6 +35,8 @@ pub struct TenantTotals {
     pub deficit_episodes: u64,
     pub deficit_ns: u64,
     pub queued: u64,
+    /// Requests refused by access control, by `reflex_dataplane::access::Refusal::index`.
+    pub refusals: [u64; reflex_dataplane::access::Refusal::COUNT],
 }
 
 impl TenantTotals {
@@ -53,6 +55,9 @@ impl TenantTotals {
         self.deficit_episodes += tenant.deficit_episodes;
         self.deficit_ns += tenant.deficit_ns;
         self.queued += u64::from(tenant.queued);
+        for (total, count) in self.refusals.iter_mut().zip(tenant.refusals) {
+            *total += count;
+        }
     }
 }
 
@@ -255,6 +260,56 @@ pub struct Sampler {
     /// tokens spent/s.
     namespace_windows: BTreeMap<u32, (f64, f64, Quantiles, f64)>,
     window_seconds: f64,
+    /// Requests the admin API refused, by [`AdminRefusal::index`] (counted by its
+    /// middleware, read by `/metrics`).
+    pub admin_refused: Arc<AdminRefusals>,
+}
+
+/// Why the admin API refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdminRefusal {
+    /// The peer is not on `[admin] allow`.
+    NotAllowed,
+    /// The peer is not on this machine and `allow_remote` is off.
+    Remote,
+    /// No token, or a wrong one.
+    Unauthorized,
+}
+
+impl AdminRefusal {
+    pub const ALL: [AdminRefusal; 3] = [
+        AdminRefusal::NotAllowed,
+        AdminRefusal::Remote,
+        AdminRefusal::Unauthorized,
+    ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            AdminRefusal::NotAllowed => "not_allowed",
+            AdminRefusal::Remote => "remote",
+            AdminRefusal::Unauthorized => "unauthorized",
+        }
+    }
+}
+
+/// Counters of the admin API's refusals.
+#[derive(Debug, Default)]
+pub struct AdminRefusals {
+    counts: [std::sync::atomic::AtomicU64; AdminRefusal::ALL.len()],
+}
+
+impl AdminRefusals {
+    pub fn add(&self, refusal: AdminRefusal) {
+        self.counts[refusal.index()].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn get(&self, refusal: AdminRefusal) -> u64 {
+        self.counts[refusal.index()].load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 fn per_sec(delta: f64, seconds: f64) -> f64 {
@@ -286,6 +341,7 @@ impl Sampler {
             thread_views: Vec::new(),
             namespace_windows: BTreeMap::new(),
             window_seconds: 0.0,
+            admin_refused: Arc::new(AdminRefusals::default()),
         }
     }
 
