@@ -1187,6 +1187,28 @@ impl ControlPlane {
     }
 
     /// The index of namespace `namespace_id` among the registries.
+    /// Where a tenant named `name` may be created on `namespace_id` from outside (the admin
+    /// API, a configuration reload): the namespace's slot, if it exists, has QoS, and has no
+    /// tenant of that name yet.
+    fn check_new_tenant(state: &State, namespace_id: u32, name: &str) -> Result<u16, AdminError> {
+        let index = Self::namespace_index_of(state, namespace_id)
+            .ok_or(AdminError::NoSuchNamespace(namespace_id))?;
+        if !state.namespaces[usize::from(index)].has_profile {
+            return Err(AdminError::NoQos(namespace_id));
+        }
+        if state
+            .tenants
+            .values()
+            .any(|entry| entry.namespace_index == index && entry.name == name)
+        {
+            return Err(AdminError::Duplicate {
+                namespace_id,
+                name: name.to_string(),
+            });
+        }
+        Ok(index)
+    }
+
     fn namespace_index_of(state: &State, namespace_id: u32) -> Option<u16> {
         state
             .namespaces
@@ -1236,21 +1258,7 @@ impl ControlPlane {
         read_only: bool,
     ) -> Result<AdminOutcome, AdminError> {
         let handle = self.change_from_outside(|state| {
-            let index = Self::namespace_index_of(state, namespace_id)
-                .ok_or(AdminError::NoSuchNamespace(namespace_id))?;
-            if !state.namespaces[usize::from(index)].has_profile {
-                return Err(AdminError::NoQos(namespace_id));
-            }
-            if state
-                .tenants
-                .values()
-                .any(|entry| entry.namespace_index == index && entry.name == name)
-            {
-                return Err(AdminError::Duplicate {
-                    namespace_id,
-                    name: name.to_string(),
-                });
-            }
+            let index = Self::check_new_tenant(state, namespace_id, name)?;
             let handle = state
                 .register(index, spec, name, read_only, false)
                 .map_err(AdminError::Refused)?;
@@ -1641,21 +1649,7 @@ impl ControlPlane {
         spec: TenantSpec,
     ) -> Result<u64, AdminError> {
         self.change_from_outside(|state| {
-            let index = Self::namespace_index_of(state, namespace_id)
-                .ok_or(AdminError::NoSuchNamespace(namespace_id))?;
-            if !state.namespaces[usize::from(index)].has_profile {
-                return Err(AdminError::NoQos(namespace_id));
-            }
-            if state
-                .tenants
-                .values()
-                .any(|entry| entry.namespace_index == index && entry.name == name)
-            {
-                return Err(AdminError::Duplicate {
-                    namespace_id,
-                    name: name.to_string(),
-                });
-            }
+            let index = Self::check_new_tenant(state, namespace_id, name)?;
             let handle = state
                 .register(index, spec, name, false, false)
                 .map_err(AdminError::Refused)?;

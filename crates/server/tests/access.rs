@@ -12,7 +12,7 @@
 mod admin_common;
 mod common;
 
-use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -975,38 +975,13 @@ range_size = "1M"
     );
     let path = dir.path().join("reflexd.toml");
     std::fs::write(&path, config).unwrap_or_else(|e| panic!("{e}"));
-    let mut child = common::reflexd_command()
-        .args(common::driver_args())
-        .arg("--config")
-        .arg(&path)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
-    let Some(stderr) = child.stderr.take() else {
-        panic!("no stderr");
+    let (mut child, lines) = common::spawn_reflexd(&path, false);
+    let serving = common::wait_for_line(&lines, "reflexd serving");
+    let address = |key: &str| -> SocketAddr {
+        common::log_field(&serving, key).unwrap_or_else(|| panic!("no {key} in {serving:?}"))
     };
-    let mut lines = BufReader::new(stderr).lines();
-    let field = |line: &str, key: &str| -> Option<SocketAddr> {
-        let rest = line.split(&format!("{key}=")).nth(1)?;
-        rest.split_whitespace().next()?.parse().ok()
-    };
-    let mut early = Vec::new();
-    let (native_addr, nbd_addr) = loop {
-        let Some(Ok(line)) = lines.next() else {
-            let _ = child.kill();
-            panic!("reflexd exited before serving:\n{}", early.join("\n"));
-        };
-        early.push(line.clone());
-        if line.contains("reflexd serving") {
-            match (field(&line, "native"), field(&line, "nbd")) {
-                (Some(native), Some(nbd)) => break (native, nbd),
-                _ => panic!("no addresses in {line:?}"),
-            }
-        }
-    };
-    let log = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<String>>());
+    let (native_addr, nbd_addr) = (address("native"), address("nbd"));
+    let log = std::thread::spawn(move || lines.into_iter().collect::<Vec<String>>());
 
     let hello = native::RequestHeader::read(1, 1, 0, 4096).to_bytes();
     let refused = closed_without_a_byte(connect_from(OTHER, native_addr), &hello);

@@ -8,11 +8,10 @@
 mod admin_common;
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Child;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use admin_common::Api;
@@ -73,36 +72,12 @@ fn summary(state: &PersistedState) -> (Option<u64>, Vec<String>) {
 
 /// Starts reflexd with the admin API on a free port and returns it with the API's address.
 fn spawn(config: &Path) -> (Child, Api) {
-    let (program, args) = common::workspace_binary(Path::new(env!("CARGO_BIN_EXE_reflexd")));
-    let mut child = std::process::Command::new(program)
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .args(common::driver_args())
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
-    let stderr = child.stderr.take().unwrap_or_else(|| panic!("stderr"));
-    let (found, addr) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if !sent
-                && line.contains("admin API listening")
-                && let Some(text) = line.split("addr=").nth(1)
-            {
-                let _ = found.send(text.trim().to_string());
-                sent = true;
-            }
-        }
-    });
-    let addr = addr
-        .recv_timeout(Duration::from_secs(60))
-        .unwrap_or_else(|_| panic!("reflexd did not start its admin API"));
-    let addr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
+    let (child, log) = common::spawn_reflexd(config, true);
+    let line = common::wait_for_line(&log, "admin API listening");
+    let addr =
+        common::log_field(&line, "addr").unwrap_or_else(|| panic!("no admin address in {line:?}"));
+    // Keep reading its log, so reflexd never blocks on a full pipe.
+    std::thread::spawn(move || log.into_iter().for_each(drop));
     (child, Api::new(addr))
 }
 

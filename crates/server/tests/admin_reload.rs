@@ -7,12 +7,9 @@
 mod admin_common;
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::process::Child;
 
 use admin_common::{Api, Nbd, tenant};
 use reflex_client::{Client, ClientError};
@@ -20,47 +17,19 @@ use reflex_proto::native::Status;
 
 /// Starts reflexd; returns it with its admin API, native and NBD addresses.
 fn spawn(config: &Path) -> (Child, Api, SocketAddr, SocketAddr) {
-    let (program, args) = common::workspace_binary(Path::new(env!("CARGO_BIN_EXE_reflexd")));
-    let mut child = std::process::Command::new(program)
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .args(common::driver_args())
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
-    let stderr = child.stderr.take().unwrap_or_else(|| panic!("stderr"));
-    let (found, addresses) = mpsc::channel();
-    std::thread::spawn(move || {
-        let field = |line: &str, name: &str| {
-            line.split(name)
-                .nth(1)
-                .and_then(|rest| rest.split_whitespace().next())
-                .map(str::to_string)
-        };
-        let mut admin = None;
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("admin API listening") {
-                admin = field(&line, "addr=");
-            }
-            if line.contains("reflexd serving")
-                && let (Some(admin), Some(native), Some(nbd)) =
-                    (admin.clone(), field(&line, "native="), field(&line, "nbd="))
-            {
-                let _ = found.send((admin, native, nbd));
-            }
-        }
-    });
-    let (admin, native, nbd) = addresses
-        .recv_timeout(Duration::from_secs(60))
-        .unwrap_or_else(|_| panic!("reflexd did not start"));
-    let admin: SocketAddr = admin.parse().unwrap_or_else(|e| panic!("{admin}: {e}"));
-    let native = native.parse().unwrap_or_else(|e| panic!("{native}: {e}"));
-    let nbd = nbd.parse().unwrap_or_else(|e| panic!("{nbd}: {e}"));
-    (child, Api::new(admin), native, nbd)
+    let (child, log) = common::spawn_reflexd(config, true);
+    let admin_line = common::wait_for_line(&log, "admin API listening");
+    let serving = common::wait_for_line(&log, "reflexd serving");
+    let field = |line: &str, key: &str| -> SocketAddr {
+        common::log_field(line, key).unwrap_or_else(|| panic!("no {key} in {line:?}"))
+    };
+    let addresses = (
+        field(&admin_line, "addr"),
+        field(&serving, "native"),
+        field(&serving, "nbd"),
+    );
+    std::thread::spawn(move || log.into_iter().for_each(drop));
+    (child, Api::new(addresses.0), addresses.1, addresses.2)
 }
 
 fn write_config(path: &Path, namespace_1_tenant: &str, namespace_2: bool) {

@@ -506,59 +506,6 @@ fn native_tls_port_closes_plaintext_and_bad_certificates() {
     assert_eq!(answer.status(), Ok(Status::Ok));
 }
 
-/// Starts `reflexd --config PATH`; returns it, its NBD address and its log lines as they come.
-fn spawn_reflexd(
-    config: &Path,
-) -> (
-    std::process::Child,
-    SocketAddr,
-    std::sync::mpsc::Receiver<String>,
-) {
-    use std::io::BufRead;
-    let mut child = common::reflexd_command()
-        .arg("--config")
-        .arg(config)
-        .args(common::driver_args())
-        .env("RUST_LOG", "info")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
-    let stderr = child.stderr.take().unwrap();
-    let (lines_tx, lines) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if lines_tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let nbd = wait_for(&lines, "reflexd serving")
-        .split("nbd=")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no NBD address in the log"))
-        .parse()
-        .unwrap();
-    (child, nbd, lines)
-}
-
-/// The first log line containing `needle` (within a minute).
-fn wait_for(lines: &std::sync::mpsc::Receiver<String>, needle: &str) -> String {
-    loop {
-        let line = lines
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("reflexd never logged {needle:?}"));
-        if line.contains(needle) {
-            return line;
-        }
-    }
-}
-
 #[test]
 fn sighup_reloads_the_certificate_for_new_sessions() {
     let dir = tempfile::tempdir().unwrap();
@@ -594,7 +541,9 @@ fn sighup_reloads_the_certificate_for_new_sessions() {
          [tls]\ncertificate = \"server-cert.pem\"\nkey = \"server-key.pem\"\nnbd = \"require\"\n",
     )
     .unwrap();
-    let (mut child, nbd, lines) = spawn_reflexd(&config);
+    let (mut child, lines) = common::spawn_reflexd(&config, false);
+    let serving = common::wait_for_line(&lines, "reflexd serving");
+    let nbd: SocketAddr = common::log_field(&serving, "nbd").expect("NBD address");
     let uri = |ca: &str| {
         format!(
             "nbds://localhost:{}/ns1?tls-certificates={}",
@@ -613,7 +562,7 @@ fn sighup_reloads_the_certificate_for_new_sessions() {
         .status()
         .unwrap();
     assert!(status.success());
-    wait_for(&lines, "TLS certificates reloaded");
+    common::wait_for_line(&lines, "TLS certificates reloaded");
     assert!(run("nbdinfo", &[&uri("new")]).status.success());
     assert!(!run("nbdinfo", &[&uri("old")]).status.success());
 

@@ -14,7 +14,9 @@ use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
+use std::str::FromStr;
+use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
 use reflex_proto::native::{self, RequestHeader, ResponseHeader};
@@ -212,4 +214,67 @@ impl Raw {
             }
         }
     }
+}
+
+/// `reflexd --config CONFIG` as a child process on the test's driver, logging at info level
+/// (`admin`: with the admin API the configuration describes; otherwise `--no-admin`). Every
+/// line of its standard error comes through the receiver as it is written; the receiver ends
+/// when reflexd does.
+pub fn spawn_reflexd(config: &Path, admin: bool) -> (Child, Receiver<String>) {
+    use std::io::BufRead;
+    let (program, args) = workspace_binary(Path::new(env!("CARGO_BIN_EXE_reflexd")));
+    let mut command = Command::new(program);
+    command.args(args);
+    if !admin {
+        command.arg("--no-admin");
+    }
+    let mut child = command
+        .arg("--config")
+        .arg(config)
+        .args(driver_args())
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
+    let stderr = child.stderr.take().unwrap_or_else(|| panic!("no stderr"));
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, lines)
+}
+
+/// The first line of `log` that contains `needle`; panics after a minute, or when reflexd
+/// exits first (with what it logged).
+pub fn wait_for_line(log: &Receiver<String>, needle: &str) -> String {
+    let mut seen = Vec::new();
+    loop {
+        match log.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) if line.contains(needle) => return line,
+            Ok(line) => seen.push(line),
+            Err(e) => panic!(
+                "reflexd never logged {needle:?} ({e}):\n{}",
+                seen.join("\n")
+            ),
+        }
+    }
+}
+
+/// The value of `key=` in a log line, parsed.
+pub fn log_field<T: FromStr>(line: &str, key: &str) -> Option<T> {
+    line.split(&format!("{key}="))
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
