@@ -1868,8 +1868,10 @@ impl Run {
                     _ => 0,
                 };
                 assert_eq!(
-                    count, expected,
-                    "thread {thread}: {count} requests {state:?} after shutdown"
+                    count,
+                    expected,
+                    "thread {thread}: {count} requests {state:?} after shutdown; {}",
+                    self.thread_states()
                 );
             }
             let stats = dataplane.stats();

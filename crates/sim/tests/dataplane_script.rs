@@ -739,3 +739,47 @@ fn native_requests_over_tls_are_answered() {
         assert_eq!(over_tls.requests_answered, in_plaintext.requests_answered);
     }
 }
+
+/// Finding 10 (fuzzing through the TLS listener): a TLS connection whose client stopped
+/// reading was aborted at the end of the shutdown's drain while its ciphertext was half sent;
+/// the cancelled send came back with partial progress, and the plaintext send it carried was
+/// never finished: its answer stayed `Sending` after the thread had stopped. Fixed: an outer
+/// send that completes after the abort ends the inner one as cancelled.
+#[test]
+fn a_tls_send_cut_by_an_abort_finishes_its_requests() {
+    // Minimized by `cargo fuzz tmin`: a 1 MiB READ (more than the client's 64 KiB socket
+    // buffer) and a FLUSH through the TLS listener, then the script's end shuts down.
+    let script = Script {
+        config: Config::default(),
+        steps: vec![
+            Step::Connect {
+                thread: 0,
+                listener: 5,
+                source: 0,
+            },
+            Step::Advance { mode: 0 },
+            Step::Native {
+                socket: 0,
+                opcode: 1,
+                flags: 0,
+                id: 4,
+                namespace: 0,
+                offset: 0,
+                length: 10,
+                body: [252, 255, 8, 0],
+            },
+            Step::Native {
+                socket: 0,
+                opcode: 3,
+                flags: 0,
+                id: 0,
+                namespace: 0,
+                offset: 0,
+                length: 0,
+                body: [0; 4],
+            },
+        ],
+    };
+    // `run` checks that every request slot is free after the shutdown.
+    script::run(&script, std::env::var_os("SCRIPT_TRACE").is_some());
+}

@@ -158,7 +158,7 @@ impl Dataplane {
         connection.send_in_flight = true;
         let id = connection.id(index);
         if connection.tls.is_some() {
-            self.tls_inner_send(index);
+            self.tls_inner_send(index, now);
         } else {
             self.stats.sends += 1;
             self.ops.push_back(Op::Send { connection: id });

@@ -462,7 +462,7 @@ impl Dataplane {
 
     /// The inner side starts a send (its `send_in_flight` and `sending_count` are set):
     /// encrypt its bytes and send them.
-    pub(super) fn tls_inner_send(&mut self, index: u32) {
+    pub(super) fn tls_inner_send(&mut self, index: u32, now: Nanos) {
         let connection = &mut self.connections[index as usize];
         let Some(mut link) = connection.tls.take() else {
             unreachable!("tls_inner_send on a plain connection");
@@ -482,6 +482,13 @@ impl Dataplane {
         let plaintext_bytes =
             std::io::Write::write_vectored(&mut link.session.writer(), &slices).unwrap_or(0);
         drop(slices);
+        if plaintext_bytes == 0 {
+            // The session failed (`tls_failed`): nothing can be encrypted any more, and the
+            // inner send fails as a send to a broken socket would.
+            self.connections[index as usize].tls = Some(link);
+            self.plain_handle_sent(index, Err(libc::EPIPE), now);
+            return;
+        }
         link.collect_output();
         link.inner_send = Some(InnerSend {
             plaintext_bytes,
@@ -554,6 +561,22 @@ impl Dataplane {
         };
         connection.send_progress_at = now;
         self.stats.bytes_sent += sent as u64;
+        let open = connection.is_open();
+        let Some(link) = connection.tls.as_mut() else {
+            unreachable!();
+        };
+        if !open {
+            // Aborted while this send was out (its cancellation came too late): nothing more
+            // goes out, and the inner send ends as a cancelled one would.
+            link.cipher_out.clear();
+            link.cipher_out_sent = 0;
+            if link.inner_send.take().is_some() {
+                self.plain_handle_sent(index, Err(libc::ECANCELED), now);
+            } else {
+                self.maybe_finish_close(index);
+            }
+            return;
+        }
         link.cipher_out_sent += sent;
         assert!(link.cipher_out_sent <= link.cipher_out.len());
         let inner_done = link
