@@ -446,7 +446,21 @@ impl Dataplane {
         {
             match self.identity_tenant(connection_index, namespace_index, now) {
                 Some(tenant) => Some(tenant),
-                None => return Err(Refused::Answer(Answer::Permission)),
+                None => {
+                    // The certificate's tenant has nothing on this namespace: counted for
+                    // the tenant the request would have been charged to.
+                    let connection = &self.connections[connection_index as usize];
+                    let tenant = match connection.bound {
+                        Some(bound) => bound.tenant,
+                        None if !io.tenant.is_none() => io.tenant,
+                        None => self.qos[usize::from(namespace_index)].default_tenant,
+                    };
+                    return Err(Refused::Access {
+                        refusal: Refusal::Identity,
+                        tenant,
+                        namespace_index,
+                    });
+                }
             }
         } else {
             None
