@@ -2,17 +2,15 @@
 //! exactly and fast through [`VirtualServer`] instead of with sleeps on a noisy machine.
 //! Clients speak the native protocol with the client library's sans-IO core.
 
+mod common;
+
 use std::sync::Arc;
 
 use reflex_client::{ConnectionCore, CoreOptions};
-use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
 use reflex_dataplane::{Limits, RECV_BUFFERS_SPARE_MAX, RequestState};
 use reflex_flash::Device;
-use reflex_qos::{Nanos, QosConfig};
-use reflex_sim::{
-    FixedDevice, ModelFlash, NetworkModel, SocketId, VirtualListener, VirtualServer,
-    VirtualServerSetup,
-};
+use reflex_qos::Nanos;
+use reflex_sim::{FixedDevice, ModelFlash, NetworkModel, SocketId, VirtualListener, VirtualServer};
 
 const NAMESPACE: u32 = 1;
 
@@ -20,31 +18,9 @@ fn limits() -> Limits {
     Limits::with_arena(32 << 20, 25)
 }
 
-/// A server with one thread and one namespace on `device`.
+/// A server with one thread and one namespace on `device`, the native protocol on listener 0.
 fn server(device: Arc<dyn Device>, limits: Limits, network: NetworkModel) -> VirtualServer {
-    VirtualServer::new(VirtualServerSetup {
-        threads: 1,
-        namespaces: vec![(NAMESPACE, device, false)],
-        control: ControlSetup {
-            threads: 1,
-            handles: HandleKeys::Seeded(1),
-            tenant_limits: TenantLimits::default(),
-            qos_config: QosConfig::default(),
-            qos_enabled: false,
-            namespaces: vec![NamespaceControl {
-                namespace_id: NAMESPACE,
-                profile: None,
-                tenants: Vec::new(),
-            }],
-        },
-        qos_config: QosConfig::default(),
-        limits,
-        network,
-        listeners: vec![VirtualListener::Native],
-        nbd_exports: Vec::new(),
-        nbd_default_export: None,
-    })
-    .unwrap_or_else(|e| panic!("{e}"))
+    common::one_namespace_server(device, limits, network, vec![VirtualListener::Native])
 }
 
 fn mem() -> Arc<dyn Device> {

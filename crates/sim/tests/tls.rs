@@ -7,6 +7,8 @@
 //! The certificates in `tests/data` were made once with openssl (a CA and a certificate for
 //! `localhost`, valid until 2126).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -14,12 +16,9 @@ use std::sync::Arc;
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
 use reflex_client::{ConnectionCore, CoreOptions};
-use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
 use reflex_dataplane::{Limits, RequestState};
-use reflex_qos::{Nanos, QosConfig};
-use reflex_sim::{
-    NetworkModel, SocketId, TlsServer, VirtualListener, VirtualServer, VirtualServerSetup,
-};
+use reflex_qos::Nanos;
+use reflex_sim::{NetworkModel, SocketId, TlsServer, VirtualListener, VirtualServer};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
@@ -60,29 +59,12 @@ fn client_config() -> Arc<rustls::ClientConfig> {
 /// One thread, one 64 MiB `mem` namespace, the native protocol in TLS on listener 0.
 fn server(network: NetworkModel) -> VirtualServer {
     let device = Arc::new(reflex_flash::mem::MemDevice::new(64 << 20).unwrap());
-    VirtualServer::new(VirtualServerSetup {
-        threads: 1,
-        namespaces: vec![(NAMESPACE, device, false)],
-        control: ControlSetup {
-            threads: 1,
-            handles: HandleKeys::Seeded(1),
-            tenant_limits: TenantLimits::default(),
-            qos_config: QosConfig::default(),
-            qos_enabled: false,
-            namespaces: vec![NamespaceControl {
-                namespace_id: NAMESPACE,
-                profile: None,
-                tenants: Vec::new(),
-            }],
-        },
-        qos_config: QosConfig::default(),
-        limits: Limits::with_arena(32 << 20, 25),
+    common::one_namespace_server(
+        device,
+        Limits::with_arena(32 << 20, 25),
         network,
-        listeners: vec![VirtualListener::NativeTls(TlsServer(server_config()))],
-        nbd_exports: Vec::new(),
-        nbd_default_export: None,
-    })
-    .unwrap_or_else(|e| panic!("{e}"))
+        vec![VirtualListener::NativeTls(TlsServer(server_config()))],
+    )
 }
 
 /// A native client over rustls on a virtual socket.

@@ -1,8 +1,54 @@
-//! Loading and running the shipped scenarios from the integration tests.
+//! Loading and running the shipped scenarios from the integration tests, and the virtual
+//! server the dataplane tests start.
+#![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
-use reflex_sim::{LoadedScenario, PointReport, RunOptions, run_scenario, scenario};
+use reflex_dataplane::Limits;
+use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
+use reflex_flash::Device;
+use reflex_qos::QosConfig;
+use reflex_sim::{
+    LoadedScenario, NetworkModel, PointReport, RunOptions, VirtualListener, VirtualServer,
+    VirtualServerSetup, run_scenario, scenario,
+};
+
+/// The namespace id of [`one_namespace_server`].
+pub const NAMESPACE: u32 = 1;
+
+/// A server with one thread and one namespace ([`NAMESPACE`]) on `device`, without QoS,
+/// listening for `listeners`.
+pub fn one_namespace_server(
+    device: Arc<dyn Device>,
+    limits: Limits,
+    network: NetworkModel,
+    listeners: Vec<VirtualListener>,
+) -> VirtualServer {
+    VirtualServer::new(VirtualServerSetup {
+        threads: 1,
+        namespaces: vec![(NAMESPACE, device, false)],
+        control: ControlSetup {
+            threads: 1,
+            handles: HandleKeys::Seeded(1),
+            tenant_limits: TenantLimits::default(),
+            qos_config: QosConfig::default(),
+            qos_enabled: false,
+            namespaces: vec![NamespaceControl {
+                namespace_id: NAMESPACE,
+                profile: None,
+                tenants: Vec::new(),
+            }],
+        },
+        qos_config: QosConfig::default(),
+        limits,
+        network,
+        listeners,
+        nbd_exports: Vec::new(),
+        nbd_default_export: None,
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
 
 pub fn scenario_path(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
