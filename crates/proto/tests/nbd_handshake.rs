@@ -1209,3 +1209,58 @@ fn optional_tls_serves_plaintext_clients() {
     assert_eq!(result.error, None);
     assert!(matches!(result.outcome, Some(Outcome::Transmission(_))));
 }
+
+#[test]
+fn a_tls_only_export_needs_starttls_first() {
+    let table = ExportTable::new(
+        vec![
+            Export::new("disk", DISK_SIZE),
+            Export::new("secret", ARCHIVE_SIZE).tls_only(),
+        ],
+        Some("disk"),
+    )
+    .unwrap();
+    let config = tls(TlsPolicy::Optional);
+    let mut handshake = Handshake::new(Arc::new(table.clone()), config);
+    let input = [
+        client_flags(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES),
+        opt(OPT_LIST, &[]),
+        opt(OPT_INFO, &info_request("secret", &[])),
+        opt(OPT_STARTTLS, &[]),
+    ]
+    .concat();
+    let (output, consumed) = until_starttls(&mut handshake, &input);
+    assert_eq!(consumed, input.len());
+    let message = b"this export requires TLS: send NBD_OPT_STARTTLS first";
+    assert_eq!(
+        output,
+        [
+            // LIST leaves the TLS-only export out.
+            rep(
+                OPT_LIST,
+                REP_SERVER,
+                &[&4u32.to_be_bytes()[..], b"disk"].concat()
+            ),
+            rep(OPT_LIST, REP_ACK, &[]),
+            rep(OPT_INFO, REP_ERR_TLS_REQD, message),
+            rep(OPT_STARTTLS, REP_ACK, &[]),
+        ]
+        .concat()
+    );
+    assert!(handshake.take_start_tls());
+    // In TLS it is served.
+    let go = opt(OPT_GO, &info_request("secret", &[]));
+    assert_eq!(handshake.handle_bytes(&go).unwrap(), go.len());
+    assert!(matches!(
+        handshake.outcome(),
+        Some(Outcome::Transmission(_))
+    ));
+    // EXPORT_NAME for it without TLS ends the session.
+    let mut plain = Handshake::new(Arc::new(table), config);
+    let input = [
+        client_flags(CLIENT_FIXED_NEWSTYLE),
+        opt(OPT_EXPORT_NAME, b"secret"),
+    ]
+    .concat();
+    assert_eq!(plain.handle_bytes(&input), Err(HandshakeError::TlsRequired));
+}

@@ -781,6 +781,9 @@ pub struct TlsConfig {
     /// NBD: `"off"` (STARTTLS refused), `"optional"` (the client may upgrade) or `"require"`
     /// (every option but STARTTLS refused until TLS, as `nbdkit --tls=require`).
     pub nbd: TlsMode,
+    /// With `nbd = "optional"`: the NBD exports served only over TLS (the NBD spec's
+    /// SELECTIVETLS mode); the others are served either way.
+    pub nbd_tls_only_exports: Vec<String>,
 }
 
 /// Whether a listener speaks TLS.
@@ -1138,6 +1141,12 @@ impl Config {
         if self.tls.native == TlsMode::Optional {
             return invalid(
                 "tls.native = \"optional\": the native protocol has no upgrade; use \"off\" or \"require\""
+                    .to_string(),
+            );
+        }
+        if !self.tls.nbd_tls_only_exports.is_empty() && self.tls.nbd == TlsMode::Off {
+            return invalid(
+                "tls.nbd_tls_only_exports needs tls.nbd = \"optional\" (or \"require\")"
                     .to_string(),
             );
         }

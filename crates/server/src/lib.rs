@@ -506,8 +506,27 @@ fn nbd_exports(
         config::TlsMode::Optional => reflex_proto::nbd::TlsPolicy::Optional,
         config::TlsMode::Require => reflex_proto::nbd::TlsPolicy::Required,
     };
+    let known: Vec<&str> = exports
+        .iter()
+        .map(|(export, _)| export.name.as_str())
+        .collect();
+    if let Some(unknown) = config
+        .tls
+        .nbd_tls_only_exports
+        .iter()
+        .find(|name| !known.contains(&name.as_str()))
+    {
+        return Err(ConfigError::Invalid(format!(
+            "tls.nbd_tls_only_exports: no NBD export {unknown:?}"
+        ))
+        .into());
+    }
     NbdExports::new(exports, default_export.as_deref())
-        .map(|exports| exports.with_tls(tls))
+        .and_then(|exports| {
+            exports
+                .with_tls(tls)
+                .with_tls_only(config.tls.nbd_tls_only_exports.clone())
+        })
         .map_err(|e| ConfigError::Invalid(format!("NBD exports: {e}")).into())
 }
 

@@ -174,6 +174,11 @@ impl Pki {
 /// Tenants A and B, each with its namespace and NBD export; TLS required on the native and
 /// NBD listeners, client certificates from the test CA.
 fn tls_server(pki: &Pki) -> ServerHandle {
+    start(tls_config(pki))
+}
+
+/// [`tls_server`]'s configuration.
+fn tls_config(pki: &Pki) -> reflex_server::Config {
     let mut ns1 = namespace(1, "mem", Some(NAMESPACE_BYTES));
     ns1.tenant = Some("A".to_string());
     // Namespace 2 has QoS (its tenants live in the control plane); namespace 1 has none
@@ -202,8 +207,9 @@ fn tls_server(pki: &Pki) -> ServerHandle {
         client_ca: Some(pki.file("ca-cert.pem")),
         native: TlsMode::Require,
         nbd: TlsMode::Require,
+        nbd_tls_only_exports: Vec::new(),
     };
-    start(config)
+    config
 }
 
 fn nbd_uri(server: &ServerHandle, export: &str, pki: &Pki, client: &str) -> String {
@@ -727,4 +733,26 @@ fn the_client_library_speaks_tls_with_its_certificate() {
     }
     // Without TLS options, the TLS port does not serve the library.
     assert!(Client::connect_with(server.native_addr(), &ClientOptions::default()).is_err());
+}
+
+#[test]
+fn a_tls_only_export_is_refused_in_plaintext_beside_one_that_is_not() {
+    let pki = Pki::new();
+    let mut config = tls_config(&pki);
+    config.tls.nbd = TlsMode::Optional;
+    config.tls.nbd_tls_only_exports = vec!["ns2".to_string()];
+    let server = start(config);
+    let port = server.nbd_addr().unwrap().port();
+    let plain = |export: &str| run("nbdinfo", &[&format!("nbd://localhost:{port}/{export}")]);
+    assert!(plain("ns1").status.success(), "ns1 is served in plaintext");
+    let refused = plain("ns2");
+    assert!(!refused.status.success(), "ns2 was served in plaintext");
+    let listed = run("nbdinfo", &["--list", &format!("nbd://localhost:{port}")]);
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        listed.contains("ns1") && !listed.contains("ns2"),
+        "{listed}"
+    );
+    let over_tls = run("nbdinfo", &[&nbd_uri(&server, "ns2", &pki, "B")]);
+    assert!(over_tls.status.success(), "ns2 over TLS: {over_tls:?}");
 }

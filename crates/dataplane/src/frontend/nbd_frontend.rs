@@ -32,6 +32,9 @@ pub struct NbdExports {
     table: Arc<ExportTable>,
     bindings: Vec<ExportBinding>,
     handshake: HandshakeConfig,
+    /// Export names served only over TLS (`[tls] nbd_tls_only_exports`), kept for exports
+    /// added at run time.
+    tls_only: Arc<Vec<String>>,
 }
 
 impl NbdExports {
@@ -46,6 +49,7 @@ impl NbdExports {
             table: Arc::new(table),
             bindings,
             handshake: HandshakeConfig::default(),
+            tls_only: Arc::new(Vec::new()),
         })
     }
 
@@ -53,6 +57,31 @@ impl NbdExports {
     pub fn with_tls(mut self, tls: nbd::TlsPolicy) -> NbdExports {
         self.handshake.tls = tls;
         self
+    }
+
+    /// The same exports, those named in `names` served only over TLS (the spec's
+    /// SELECTIVETLS mode; needs STARTTLS offered, [`Self::with_tls`]). Exports added later
+    /// under one of these names are TLS-only too.
+    pub fn with_tls_only(self, names: Vec<String>) -> Result<NbdExports, nbd::ExportError> {
+        let exports: Vec<nbd::Export> = self
+            .table
+            .exports()
+            .iter()
+            .map(|export| {
+                if names.contains(&export.name) {
+                    export.clone().tls_only()
+                } else {
+                    export.clone()
+                }
+            })
+            .collect();
+        let table = ExportTable::new(exports, self.table.default_name())?;
+        Ok(NbdExports {
+            table: Arc::new(table),
+            bindings: self.bindings,
+            handshake: self.handshake,
+            tls_only: Arc::new(names),
+        })
     }
 
     pub fn table(&self) -> &ExportTable {
@@ -71,6 +100,11 @@ impl NbdExports {
         binding: ExportBinding,
     ) -> Result<NbdExports, nbd::ExportError> {
         let mut exports: Vec<nbd::Export> = self.table.exports().to_vec();
+        let export = if self.tls_only.contains(&export.name) {
+            export.tls_only()
+        } else {
+            export
+        };
         exports.push(export);
         let table = ExportTable::new(exports, self.table.default_name())?;
         let mut bindings = self.bindings.clone();
@@ -79,6 +113,7 @@ impl NbdExports {
             table: Arc::new(table),
             bindings,
             handshake: self.handshake,
+            tls_only: Arc::clone(&self.tls_only),
         })
     }
 
@@ -109,6 +144,7 @@ impl NbdExports {
             table: Arc::clone(&self.table),
             bindings,
             handshake: self.handshake,
+            tls_only: Arc::clone(&self.tls_only),
         })
     }
 
@@ -133,6 +169,7 @@ impl NbdExports {
                 table: Arc::new(table),
                 bindings,
                 handshake: self.handshake,
+                tls_only: Arc::clone(&self.tls_only),
             },
             // A subset of a valid table is valid; keep serving the old one rather than fail.
             Err(error) => {
@@ -141,6 +178,7 @@ impl NbdExports {
                     table: Arc::clone(&self.table),
                     bindings: self.bindings.clone(),
                     handshake: self.handshake,
+                    tls_only: Arc::clone(&self.tls_only),
                 }
             }
         }

@@ -38,6 +38,7 @@ const MESSAGE_UNSUPPORTED: &str = "option not supported by reflexd";
 const MESSAGE_TLS: &str = "TLS is not available on this server";
 const MESSAGE_TLS_REQUIRED: &str = "this server requires TLS: send NBD_OPT_STARTTLS first";
 const MESSAGE_TLS_AGAIN: &str = "TLS is already active";
+const MESSAGE_TLS_ONLY_EXPORT: &str = "this export requires TLS: send NBD_OPT_STARTTLS first";
 const MESSAGE_INVALID: &str = "malformed option data";
 const MESSAGE_TOO_BIG: &str = "option data too long";
 const MESSAGE_UNKNOWN_EXPORT: &str = "no such export";
@@ -111,7 +112,7 @@ pub enum HandshakeError {
     TooManyOptions { options_max: u32 },
     #[error("NBD_OPT_EXPORT_NAME while the server shuts down")]
     ShuttingDown,
-    #[error("NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS on a server that requires TLS")]
+    #[error("NBD_OPT_EXPORT_NAME without TLS on a server or export that requires it")]
     TlsRequired,
 }
 
@@ -555,6 +556,9 @@ impl Handshake {
                     let name = String::from_utf8_lossy(&self.data).into_owned();
                     return Err(self.fail(HandshakeError::UnknownExport { name }));
                 };
+                if export.tls_only && !self.tls_active {
+                    return Err(self.fail(HandshakeError::TlsRequired));
+                }
                 self.output
                     .extend_from_slice(&export.size_bytes.to_be_bytes());
                 self.output
@@ -570,6 +574,9 @@ impl Handshake {
             Buffered::List => {
                 let exports = Arc::clone(&self.exports);
                 for export in exports.exports() {
+                    if export.tls_only && !self.tls_active {
+                        continue; // The spec allows leaving TLS-only exports out.
+                    }
                     let name = export.name.as_bytes();
                     self.write_reply(
                         option,
@@ -655,6 +662,9 @@ impl Handshake {
             None => Err((reply::ERR_INVALID, MESSAGE_INVALID)),
             Some(request) => match exports.lookup(request.name) {
                 None => Err((reply::ERR_UNKNOWN, MESSAGE_UNKNOWN_EXPORT)),
+                Some((_, export)) if export.tls_only && !self.tls_active => {
+                    Err((reply::ERR_TLS_REQD, MESSAGE_TLS_ONLY_EXPORT))
+                }
                 Some((index, export)) => Ok((index, export, request)),
             },
         };

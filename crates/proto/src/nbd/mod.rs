@@ -351,6 +351,10 @@ pub struct Export {
     pub flags: TransmissionFlags,
     /// Whether the export offers the `base:allocation` metadata context (block status).
     pub base_allocation: bool,
+    /// Served only after `NBD_OPT_STARTTLS` (the spec's SELECTIVETLS mode): INFO and GO
+    /// without TLS get `NBD_REP_ERR_TLS_REQD`, `EXPORT_NAME` ends the session, and LIST
+    /// leaves it out.
+    pub tls_only: bool,
 }
 
 impl Export {
@@ -364,7 +368,15 @@ impl Export {
             block_sizes: BlockSizes::default(),
             flags: TransmissionFlags::DEFAULT,
             base_allocation: true,
+            tls_only: false,
         }
+    }
+
+    /// Serves the export only over TLS (see [`Export::tls_only`]).
+    #[must_use]
+    pub fn tls_only(mut self) -> Export {
+        self.tls_only = true;
+        self
     }
 
     /// Marks the export read-only: sets READ_ONLY and drops the write-only features.
