@@ -540,43 +540,37 @@ impl Dataplane {
         };
         assert!(link.outer_send, "a send completion without a send");
         link.outer_send = false;
-        let sent = match result {
-            Ok(n) if n > 0 => n,
-            failed => {
-                let errno = match failed {
-                    Err(errno) => errno,
-                    Ok(_) => libc::EPIPE,
-                };
-                link.cipher_out.clear();
-                link.cipher_out_sent = 0;
-                if link.inner_send.take().is_some() {
-                    self.plain_handle_sent(index, Err(errno), now);
-                } else if self.connections[index as usize].is_open() {
-                    self.abort_connection(index, "send error");
-                } else {
-                    self.maybe_finish_close(index);
-                }
-                return;
-            }
+        if let Ok(sent) = result
+            && sent > 0
+        {
+            connection.send_progress_at = now;
+            self.stats.bytes_sent += sent as u64;
+        }
+        // A failed send, or one that completed after its connection was aborted (its
+        // cancellation came too late): nothing more goes out, and the inner send ends as a
+        // failed or cancelled one would.
+        let cut = match result {
+            Ok(sent) if sent > 0 && connection.is_open() => None,
+            Ok(0) => Some(libc::EPIPE),
+            Ok(_) => Some(libc::ECANCELED),
+            Err(errno) => Some(errno),
         };
-        connection.send_progress_at = now;
-        self.stats.bytes_sent += sent as u64;
-        let open = connection.is_open();
         let Some(link) = connection.tls.as_mut() else {
             unreachable!();
         };
-        if !open {
-            // Aborted while this send was out (its cancellation came too late): nothing more
-            // goes out, and the inner send ends as a cancelled one would.
+        if let Some(errno) = cut {
             link.cipher_out.clear();
             link.cipher_out_sent = 0;
             if link.inner_send.take().is_some() {
-                self.plain_handle_sent(index, Err(libc::ECANCELED), now);
+                self.plain_handle_sent(index, Err(errno), now);
+            } else if self.connections[index as usize].is_open() {
+                self.abort_connection(index, "send error");
             } else {
                 self.maybe_finish_close(index);
             }
             return;
         }
+        let sent = result.unwrap_or(0);
         link.cipher_out_sent += sent;
         assert!(link.cipher_out_sent <= link.cipher_out.len());
         let inner_done = link
