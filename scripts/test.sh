@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(libnbd-bin fuse3 python3-libnbd nbdkit qemu-utils fio e2fsprogs util-linux
-    prometheus systemd gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user tshark openssl)
+    prometheus systemd gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user tshark openssl
+    libssl-dev pkg-config perl make)
 
 # The aarch64 step: cross-built with Debian's gcc, run by qemu-user (which implements no
 # io_uring, so reflexd falls back to epoll by itself). Bounded in time.

@@ -776,6 +776,10 @@ pub struct TlsConfig {
     /// present a certificate signed by one of them, and its subject's common name is the
     /// connection's identity (`docs/OPERATIONS.md`, "TLS").
     pub client_ca: Option<String>,
+    /// Pre-shared keys (the `psktool` format nbdkit and qemu read: one `identity:hexkey` per
+    /// line). A client that offers one of them instead of a certificate is the tenant its
+    /// identity names (`docs/OPERATIONS.md`, "TLS").
+    pub psk_file: Option<String>,
     /// The native protocol: `"off"`, or `"require"` (TLS from the first byte).
     pub native: TlsMode,
     /// NBD: `"off"` (STARTTLS refused), `"optional"` (the client may upgrade) or `"require"`
@@ -925,6 +929,7 @@ impl Config {
             &mut self.tls.certificate,
             &mut self.tls.key,
             &mut self.tls.client_ca,
+            &mut self.tls.psk_file,
         ]
         .into_iter()
         .flatten()
@@ -1150,9 +1155,15 @@ impl Config {
                     .to_string(),
             );
         }
-        if self.tls.enabled() && (self.tls.certificate.is_none() || self.tls.key.is_none()) {
+        if self.tls.certificate.is_some() != self.tls.key.is_some() {
             return invalid(
-                "[tls] native or nbd uses TLS: tls.certificate and tls.key must name PEM files"
+                "tls.certificate and tls.key go together: name both PEM files, or neither"
+                    .to_string(),
+            );
+        }
+        if self.tls.enabled() && self.tls.certificate.is_none() && self.tls.psk_file.is_none() {
+            return invalid(
+                "[tls] native or nbd uses TLS: tls.certificate and tls.key must name PEM files, or tls.psk_file a key file"
                     .to_string(),
             );
         }

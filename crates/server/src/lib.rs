@@ -65,7 +65,7 @@ pub use reflex_dataplane::control::{ControlError, TenantInfo};
 use reflex_dataplane::frontend::{ExportBinding, NbdExports, NvmeTcpTargets, Protocol};
 use reflex_dataplane::namespaces::NamespaceSet;
 pub use reflex_dataplane::{CoreStats, TenantStats};
-use reflex_dataplane::{DataplaneSetup, TlsCurrent, TlsKeys, TlsSetup};
+use reflex_dataplane::{DataplaneSetup, TlsKeys, TlsSetup};
 use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
@@ -300,12 +300,7 @@ impl Server {
             admin: None,
             tls: None,
         };
-        let tls_keys = tls::server_config(&config.tls)?.map(|server_config| {
-            Arc::new(TlsKeys::new(TlsCurrent {
-                server_config,
-                identities: Arc::new(tls::identities(&config)),
-            }))
-        });
+        let tls_keys = tls::load(&config)?.map(|current| Arc::new(TlsKeys::new(current)));
         handle.tls = tls_keys.clone().map(|keys| (keys, config.tls.clone()));
         let limits = config.limits();
         let cq_entries = config.ring_cq_entries();
@@ -1102,13 +1097,10 @@ impl ServerHandle {
                 "tls.native and tls.nbd take a restart to change".to_string(),
             ));
         }
-        let Some(server_config) = tls::server_config(&config.tls)? else {
+        let Some(current) = tls::load(config)? else {
             return Ok(false);
         };
-        keys.replace(TlsCurrent {
-            server_config,
-            identities: Arc::new(tls::identities(config)),
-        });
+        keys.replace(current);
         Ok(true)
     }
 

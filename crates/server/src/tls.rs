@@ -1,5 +1,6 @@
 //! The server's TLS setup from `[tls]`: certificate, key and client CA read from PEM files
-//! into one rustls configuration that every dataplane thread shares.
+//! into one rustls configuration, and pre-shared keys from a `psktool` file into one OpenSSL
+//! context, that every dataplane thread shares.
 //!
 //! Why these choices: TLS 1.3 and 1.2 with rustls' safe defaults (the NBD spec asks for 1.2
 //! at least); no session tickets or resumption state (each connection is long-lived, and a
@@ -12,6 +13,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use std::collections::HashMap;
+
+use reflex_dataplane::{PskKeys, TlsCurrent};
 
 use crate::config::{Config, TlsConfig};
 
@@ -28,17 +31,46 @@ pub enum TlsSetupError {
     Rustls(String),
 }
 
-/// The rustls server configuration `[tls]` describes; `None` when no listener uses TLS.
-pub fn server_config(
-    config: &TlsConfig,
-) -> Result<Option<Arc<rustls::ServerConfig>>, TlsSetupError> {
-    if !config.enabled() {
+/// What new TLS sessions use, as `config`'s `[tls]` describes; `None` when no listener uses
+/// TLS.
+pub fn load(config: &Config) -> Result<Option<TlsCurrent>, TlsSetupError> {
+    if !config.tls.enabled() {
         return Ok(None);
     }
-    let (Some(certificate), Some(key)) = (&config.certificate, &config.key) else {
+    let server_config = server_config(&config.tls)?;
+    let psk = psk_keys(&config.tls)?;
+    if server_config.is_none() && psk.is_none() {
         return Err(TlsSetupError::Rustls(
-            "tls.certificate and tls.key are required".to_string(),
+            "tls.certificate and tls.key, or tls.psk_file, are required".to_string(),
         ));
+    }
+    Ok(Some(TlsCurrent {
+        server_config,
+        psk,
+        identities: Arc::new(identities(config)),
+    }))
+}
+
+/// The pre-shared keys of `tls.psk_file`, if it is set.
+fn psk_keys(config: &TlsConfig) -> Result<Option<Arc<PskKeys>>, TlsSetupError> {
+    let Some(path) = &config.psk_file else {
+        return Ok(None);
+    };
+    let error = |reason: String| TlsSetupError::File {
+        field: "psk_file",
+        path: path.clone(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
+    let keys = PskKeys::parse(&text).map_err(|e| error(e.to_string()))?;
+    let keys = PskKeys::new(keys).map_err(|e| error(e.to_string()))?;
+    Ok(Some(Arc::new(keys)))
+}
+
+/// The rustls server configuration of `[tls]`'s certificate and key; `None` without them.
+fn server_config(config: &TlsConfig) -> Result<Option<Arc<rustls::ServerConfig>>, TlsSetupError> {
+    let (Some(certificate), Some(key)) = (&config.certificate, &config.key) else {
+        return Ok(None);
     };
     let chain = certificates("certificate", certificate)?;
     let key = PrivateKeyDer::from_pem_file(key).map_err(|e| TlsSetupError::File {
@@ -101,7 +133,7 @@ fn certificates(
 /// Per tenant name, the namespaces the configuration binds it to (through the namespace, an
 /// original port, an NVMe/TCP host or an NBD export): where a certificate naming that tenant
 /// may go on namespaces without QoS.
-pub fn identities(config: &Config) -> HashMap<String, Vec<u32>> {
+fn identities(config: &Config) -> HashMap<String, Vec<u32>> {
     let mut identities: HashMap<String, Vec<u32>> = HashMap::new();
     let mut add = |name: &str, id: u32| {
         let ids = identities.entry(name.to_string()).or_default();

@@ -208,6 +208,7 @@ fn tls_config(pki: &Pki) -> reflex_server::Config {
         native: TlsMode::Require,
         nbd: TlsMode::Require,
         nbd_tls_only_exports: Vec::new(),
+        psk_file: None,
     };
     config
 }
@@ -755,4 +756,201 @@ fn a_tls_only_export_is_refused_in_plaintext_beside_one_that_is_not() {
     );
     let over_tls = run("nbdinfo", &[&nbd_uri(&server, "ns2", &pki, "B")]);
     assert!(over_tls.status.success(), "ns2 over TLS: {over_tls:?}");
+}
+
+/// A `psktool`-format key file: one `identity:hexkey` line per entry.
+fn psk_file(dir: &Path, name: &str, entries: &[(&str, &str)]) -> String {
+    let path = dir.join(name);
+    let text: String = entries
+        .iter()
+        .map(|(identity, key)| format!("{identity}:{key}\n"))
+        .collect();
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+const KEY_A: &str = "0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f9";
+const KEY_B: &str = "f9e8d7c6b5a4938271605f4e3d2c1b0af9e8d7c6b5a4938271605f4e3d2c1b0a";
+
+/// [`tls_config`] with pre-shared keys for A and B beside the certificates.
+fn psk_server(pki: &Pki) -> ServerHandle {
+    let mut config = tls_config(pki);
+    config.tls.psk_file = Some(psk_file(
+        pki.dir.path(),
+        "server.psk",
+        &[("A", KEY_A), ("B", KEY_B)],
+    ));
+    start(config)
+}
+
+/// An `nbds://` URI for `identity` with the key file `keys`.
+fn psk_uri(server: &ServerHandle, export: &str, identity: &str, keys: &str) -> String {
+    let port = server.nbd_addr().expect("NBD listens").port();
+    format!("nbds://{identity}@localhost:{port}/{export}?tls-psk-file={keys}")
+}
+
+#[test]
+fn nbd_over_tls_with_a_psk_file_copies_data_exactly_and_names_the_tenant() {
+    let pki = Pki::new();
+    let server = psk_server(&pki);
+    let dir = pki.dir.path();
+    let a_keys = psk_file(dir, "a.psk", &[("A", KEY_A)]);
+    let work = tempfile::tempdir().unwrap();
+    let data = pattern(31, NAMESPACE_BYTES as usize);
+    let input = work.path().join("in.bin");
+    std::fs::write(&input, &data).unwrap();
+    let uri = psk_uri(&server, "ns1", "A", &a_keys);
+    let info = run("nbdinfo", &[&uri]);
+    assert!(info.status.success(), "nbdinfo with A's key: {info:?}");
+    let copy_in = nbdcopy(input.to_str().unwrap(), &uri);
+    assert!(copy_in.status.success(), "nbdcopy in: {copy_in:?}");
+    let output = work.path().join("out.bin");
+    let copy_out = nbdcopy(&uri, output.to_str().unwrap());
+    assert!(copy_out.status.success(), "nbdcopy out: {copy_out:?}");
+    assert!(std::fs::read(&output).unwrap() == data, "data differs");
+
+    // The identity is the tenant: A's key does not open B's export, either way.
+    let stolen = work.path().join("stolen.bin");
+    let read = nbdcopy(
+        &psk_uri(&server, "ns2", "A", &a_keys),
+        stolen.to_str().unwrap(),
+    );
+    assert!(!read.status.success(), "A's key read B's export");
+    let write = nbdcopy(
+        input.to_str().unwrap(),
+        &psk_uri(&server, "ns2", "A", &a_keys),
+    );
+    assert!(!write.status.success(), "A's key wrote B's export");
+    let b_keys = psk_file(dir, "b.psk", &[("B", KEY_B)]);
+    let check = work.path().join("check.bin");
+    let copy = nbdcopy(
+        &psk_uri(&server, "ns2", "B", &b_keys),
+        check.to_str().unwrap(),
+    );
+    assert!(copy.status.success(), "B reads its own export: {copy:?}");
+    assert!(
+        std::fs::read(&check).unwrap().iter().all(|&byte| byte == 0),
+        "A's refused write landed in B's export"
+    );
+    // Certificates still work on the same listener.
+    let info = run("nbdinfo", &[&nbd_uri(&server, "ns1", &pki, "A")]);
+    assert!(info.status.success(), "a certificate beside PSK: {info:?}");
+}
+
+#[test]
+fn a_wrong_key_or_an_unknown_identity_is_refused_and_others_are_served() {
+    let pki = Pki::new();
+    let server = psk_server(&pki);
+    let dir = pki.dir.path();
+    let wrong = psk_file(dir, "wrong.psk", &[("A", KEY_B)]);
+    let refused = run("nbdinfo", &[&psk_uri(&server, "ns1", "A", &wrong)]);
+    assert!(!refused.status.success(), "a wrong key was accepted");
+    let unknown = psk_file(dir, "unknown.psk", &[("C", KEY_A)]);
+    let refused = run("nbdinfo", &[&psk_uri(&server, "ns1", "C", &unknown)]);
+    assert!(
+        !refused.status.success(),
+        "an unknown identity was accepted"
+    );
+    // The native port: an unknown identity and a wrong key fail the handshake.
+    for (identity, key) in [("C", KEY_A), ("A", KEY_B)] {
+        let stream = TcpStream::connect(server.native_addr()).unwrap();
+        assert!(
+            psk_connector(identity, key)
+                .connect("localhost", stream)
+                .is_err(),
+            "{identity} with a wrong key got a session"
+        );
+    }
+    let a_keys = psk_file(dir, "a.psk", &[("A", KEY_A)]);
+    let info = run("nbdinfo", &[&psk_uri(&server, "ns1", "A", &a_keys)]);
+    assert!(info.status.success(), "A after the refusals: {info:?}");
+}
+
+/// An OpenSSL client configuration offering `identity`'s pre-shared `key` (hex), TLS 1.3.
+fn psk_connector(identity: &'static str, key: &'static str) -> openssl::ssl::ConnectConfiguration {
+    use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode, SslVersion};
+    let mut builder = SslConnector::builder(SslMethod::tls_client()).unwrap();
+    builder
+        .set_min_proto_version(Some(SslVersion::TLS1_3))
+        .unwrap();
+    builder.set_verify(SslVerifyMode::NONE);
+    builder.set_psk_client_callback(move |_, _hint, identity_out, key_out| {
+        let key: Vec<u8> = (0..key.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&key[i..i + 2], 16).unwrap())
+            .collect();
+        identity_out[..identity.len()].copy_from_slice(identity.as_bytes());
+        identity_out[identity.len()] = 0;
+        key_out[..key.len()].copy_from_slice(&key);
+        Ok(key.len())
+    });
+    let mut configuration = builder.build().configure().unwrap();
+    configuration.set_verify_hostname(false);
+    configuration
+}
+
+/// A native-protocol client over OpenSSL with a pre-shared key.
+fn native_psk(
+    addr: SocketAddr,
+    identity: &'static str,
+    key: &'static str,
+) -> openssl::ssl::SslStream<TcpStream> {
+    let stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    psk_connector(identity, key)
+        .connect("localhost", stream)
+        .expect("PSK handshake")
+}
+
+#[test]
+fn native_psk_identity_chooses_the_tenant() {
+    let pki = Pki::new();
+    let server = psk_server(&pki);
+    let mut a = native_psk(server.native_addr(), "A", KEY_A);
+    let block = pattern(41, 4096);
+    let (answer, _) = call(
+        &mut a,
+        &RequestHeader::write(1, 1, 4096, 4096, false),
+        &block,
+    );
+    assert_eq!(answer.status(), Ok(Status::Ok));
+    let (answer, data) = call(&mut a, &RequestHeader::read(2, 1, 4096, 4096), &[]);
+    assert_eq!(answer.status(), Ok(Status::Ok));
+    assert_eq!(data, block);
+    let (answer, _) = call(
+        &mut a,
+        &RequestHeader::write(3, 2, 4096, 4096, false),
+        &block,
+    );
+    assert_eq!(answer.status(), Ok(Status::Permission));
+    // A 1 MiB read comes back exact through OpenSSL's records.
+    let big = pattern(42, 1 << 20);
+    let (answer, _) = call(&mut a, &RequestHeader::write(4, 1, 0, 1 << 20, false), &big);
+    assert_eq!(answer.status(), Ok(Status::Ok));
+    let (answer, data) = call(&mut a, &RequestHeader::read(5, 1, 0, 1 << 20), &[]);
+    assert_eq!(answer.status(), Ok(Status::Ok));
+    assert!(data == big, "1 MiB through TLS-PSK differs");
+}
+
+#[test]
+fn a_psk_only_server_serves_psk_and_refuses_certificates() {
+    let pki = Pki::new();
+    let mut config = tls_config(&pki);
+    config.tls.certificate = None;
+    config.tls.key = None;
+    config.tls.client_ca = None;
+    config.tls.psk_file = Some(psk_file(pki.dir.path(), "server.psk", &[("A", KEY_A)]));
+    let server = start(config);
+    let a_keys = psk_file(pki.dir.path(), "a.psk", &[("A", KEY_A)]);
+    let info = run("nbdinfo", &[&psk_uri(&server, "ns1", "A", &a_keys)]);
+    assert!(info.status.success(), "PSK only: {info:?}");
+    let refused = run("nbdinfo", &[&nbd_uri(&server, "ns1", &pki, "A")]);
+    assert!(
+        !refused.status.success(),
+        "a certificate client on a PSK-only server"
+    );
+    let info = run("nbdinfo", &[&psk_uri(&server, "ns1", "A", &a_keys)]);
+    assert!(info.status.success(), "PSK after the refusal: {info:?}");
 }

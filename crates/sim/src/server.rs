@@ -783,7 +783,8 @@ fn tls_setup(listeners: &[VirtualListener]) -> Option<reflex_dataplane::TlsSetup
     Some(reflex_dataplane::TlsSetup {
         keys: Arc::new(reflex_dataplane::TlsKeys::new(
             reflex_dataplane::TlsCurrent {
-                server_config,
+                server_config: Some(server_config),
+                psk: None,
                 identities: Arc::new(std::collections::HashMap::new()),
             },
         )),

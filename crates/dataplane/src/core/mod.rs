@@ -76,6 +76,7 @@ pub use stats::CoreStats;
 use tenants::NamespaceQos;
 pub use tenants::{NOTICES_PENDING_MAX, TenantStats};
 pub use timeouts::HOUSEKEEPING_INTERVAL;
+pub use tls::psk::{PskError, PskKeys};
 pub use tls::{TlsCurrent, TlsKeys, TlsSetup};
 
 /// One namespace's read latencies on this thread, from arrival off the socket to the answer's

@@ -1,4 +1,5 @@
-//! TLS on a connection: rustls between the socket and the rest of the dataplane.
+//! TLS on a connection: rustls (certificates) or OpenSSL (pre-shared keys, `psk.rs`) between
+//! the socket and the rest of the dataplane (`session.rs` picks and hides which).
 //!
 //! Why at the driver boundary: the drivers (io_uring, epoll, the simulator's network) keep
 //! moving bytes and know nothing of TLS, and the rest of the dataplane keeps parsing and
@@ -15,18 +16,22 @@
 //! connections, and its invariants (one receive and one send at a time, every answer once)
 //! hold unchanged. What TLS costs is the copy of every byte through encryption.
 //!
-//! Failures (a bad certificate, garbage instead of a handshake, a record that does not
-//! decrypt) are answered with rustls' alert, logged with the peer, counted, and end the
+//! Failures (a bad certificate, an unknown PSK identity, garbage instead of a handshake, a
+//! record that does not decrypt) are answered with the TLS stack's alert, logged with the peer, counted, and end the
 //! connection's read side like an end of stream: requests received before still get their
 //! answers, and nothing after the failure is parsed.
 
-use std::io::Read;
+mod client_hello;
+pub mod psk;
+mod session;
+
 use std::sync::Arc;
 
 use reflex_qos::Nanos;
 
 use super::Dataplane;
 use super::ops::Op;
+use session::{Session, TlsFailure};
 
 /// Plaintext one inner send encrypts at most (a send of more completes partially and the
 /// rest goes in the next one).
@@ -35,8 +40,8 @@ pub const SEND_PLAINTEXT_MAX: usize = 256 * 1024;
 /// Ciphertext one outer receive takes at most: a little more than one TLS record.
 const CIPHER_IN_BYTES: usize = 18 * 1024;
 
-/// Decrypted bytes rustls may hold before more ciphertext is fed to it (its own limit for
-/// received plaintext, which it enforces with an error).
+/// Decrypted bytes a session may hold before more ciphertext is fed to it (rustls' own limit
+/// for received plaintext, which it enforces with an error).
 const PLAINTEXT_HELD_MAX: usize = 16 * 1024;
 
 /// Ciphertext buffer capacity kept across sends (a larger one is freed once drained).
@@ -69,7 +74,10 @@ pub struct TlsKeys {
 /// One generation of [`TlsKeys`].
 #[derive(Clone)]
 pub struct TlsCurrent {
-    pub server_config: Arc<rustls::ServerConfig>,
+    /// Certificate sessions (`None`: PSK only).
+    pub server_config: Option<Arc<rustls::ServerConfig>>,
+    /// Pre-shared-key sessions (`None`: certificates only).
+    pub psk: Option<Arc<psk::PskKeys>>,
     /// Per certificate name (a tenant's name): the namespace ids the configuration binds
     /// that tenant to, for namespaces without QoS (which keep no tenant registry). Where a
     /// namespace has QoS, the control plane's configured tenant of that name decides.
@@ -108,9 +116,10 @@ struct InnerSend {
 }
 
 pub(super) struct TlsLink {
-    session: rustls::ServerConnection,
-    /// Received ciphertext; `cipher_in_start..cipher_in_end` is not yet fed to rustls (it
-    /// waits while rustls holds [`PLAINTEXT_HELD_MAX`] decrypted bytes).
+    session: Session,
+    /// Received ciphertext; `cipher_in_start..cipher_in_end` is not yet fed to the session
+    /// (it waits while the session holds [`PLAINTEXT_HELD_MAX`] decrypted bytes, or while
+    /// an undecided session waits for the rest of the ClientHello).
     cipher_in: Box<[u8]>,
     cipher_in_start: usize,
     cipher_in_end: usize,
@@ -122,27 +131,25 @@ pub(super) struct TlsLink {
     outer_recv_cancelled: bool,
     outer_send: bool,
     inner_send: Option<InnerSend>,
-    /// Decrypted bytes rustls holds for the inner side.
+    /// Decrypted bytes the session holds for the inner side.
     plaintext_ready: usize,
+    /// The session failed: nothing more is fed to it or delivered from it.
+    failed: bool,
     /// The peer sent close_notify, closed its socket, or broke the protocol: after the
     /// plaintext that is ready, the inner side sees an end of stream.
     ended: bool,
     /// The inner receive was cancelled while no outer receive was in flight.
     cancelled: bool,
-    /// The certificate's subject, once the handshake completed with a client certificate.
+    /// The certificate's subject or the PSK identity, once the handshake completed.
     pub(super) peer_name: Option<String>,
     /// The tenant `peer_name` is on each namespace slot asked so far (`core/tenants.rs`).
     pub(super) identity_tenants: Vec<(u16, Option<crate::control::TenantRef>)>,
 }
 
 impl TlsLink {
-    fn new(config: &Arc<rustls::ServerConfig>) -> Result<TlsLink, rustls::Error> {
-        let mut session = rustls::ServerConnection::new(Arc::clone(config))?;
-        // The dataplane bounds what it asks to encrypt (`SEND_PLAINTEXT_MAX`) and drains the
-        // output before encrypting more.
-        session.set_buffer_limit(None);
+    fn new(current: TlsCurrent) -> Result<TlsLink, TlsFailure> {
         Ok(TlsLink {
-            session,
+            session: Session::new(current)?,
             cipher_in: vec![0; CIPHER_IN_BYTES].into_boxed_slice(),
             cipher_in_start: 0,
             cipher_in_end: 0,
@@ -153,6 +160,7 @@ impl TlsLink {
             outer_send: false,
             inner_send: None,
             plaintext_ready: 0,
+            failed: false,
             ended: false,
             cancelled: false,
             peer_name: None,
@@ -165,22 +173,26 @@ impl TlsLink {
         self.outer_recv || self.outer_send
     }
 
-    /// Feeds the received ciphertext to rustls while it holds little plaintext; `Err` when
-    /// the peer broke the protocol (rustls queued an alert for it).
-    fn absorb(&mut self) -> Result<(), rustls::Error> {
+    /// Feeds the received ciphertext to the session while it holds little plaintext; `Err`
+    /// when the peer broke the protocol (the session queued an alert for it, if it can).
+    fn absorb(&mut self) -> Result<(), TlsFailure> {
+        if self.failed {
+            return Ok(());
+        }
         let was_handshaking = self.session.is_handshaking();
         while self.cipher_in_start < self.cipher_in_end
             && self.plaintext_ready <= PLAINTEXT_HELD_MAX
         {
-            let mut pending = &self.cipher_in[self.cipher_in_start..self.cipher_in_end];
-            let read = match self.session.read_tls(&mut pending) {
-                Ok(read) => read,
-                Err(e) => return Err(rustls::Error::General(format!("TLS input: {e}"))),
-            };
+            let full = self.cipher_in_end == self.cipher_in.len();
+            let pending = &self.cipher_in[self.cipher_in_start..self.cipher_in_end];
+            let fed = self.session.feed(pending, full);
+            if fed.is_err() {
+                self.failed = true;
+            }
+            let read = fed?;
             self.cipher_in_start += read;
-            let state = self.session.process_new_packets()?;
-            self.plaintext_ready = state.plaintext_bytes_to_read();
-            if state.peer_has_closed() {
+            self.plaintext_ready = self.session.plaintext_ready();
+            if self.session.peer_closed() {
                 self.ended = true;
             }
             if read == 0 {
@@ -192,37 +204,15 @@ impl TlsLink {
             self.cipher_in_end = 0;
         }
         if was_handshaking && !self.session.is_handshaking() {
-            self.peer_name = self
-                .session
-                .peer_certificates()
-                .and_then(|chain| chain.first())
-                .and_then(|certificate| subject_common_name(certificate.as_ref()));
+            self.peer_name = self.session.peer_name();
         }
         Ok(())
     }
 
-    /// Moves what rustls has to send into `cipher_out`.
+    /// Moves what the session has to send into `cipher_out`.
     fn collect_output(&mut self) {
-        while self.session.wants_write() {
-            match self.session.write_tls(&mut self.cipher_out) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-        }
+        self.session.take_output(&mut self.cipher_out);
     }
-}
-
-/// The common name of a DER certificate's subject.
-fn subject_common_name(der: &[u8]) -> Option<String> {
-    let (_, certificate) = x509_parser::parse_x509_certificate(der).ok()?;
-    let name = certificate
-        .subject()
-        .iter_common_name()
-        .next()?
-        .as_str()
-        .ok()?
-        .to_owned();
-    Some(name)
 }
 
 impl Dataplane {
@@ -232,7 +222,7 @@ impl Dataplane {
         let Some(setup) = self.tls.as_ref() else {
             panic!("TLS started without a TLS setup");
         };
-        let mut link = match TlsLink::new(&setup.keys.current().server_config) {
+        let mut link = match TlsLink::new(setup.keys.current()) {
             Ok(link) => Box::new(link),
             Err(e) => {
                 tracing::warn!(thread = self.thread_index, error = %e, "TLS session refused");
@@ -254,7 +244,7 @@ impl Dataplane {
             link.cipher_in_end = early.len();
             link.absorb()
         } else {
-            Err(rustls::Error::General(
+            Err(TlsFailure::Input(
                 "more bytes before the handshake than a handshake has".to_string(),
             ))
         };
@@ -292,8 +282,8 @@ impl Dataplane {
         if link.plaintext_ready > 0 || link.ended || link.cancelled {
             self.tls_deliveries.push_back(index);
         } else if !link.outer_recv {
-            debug_assert_eq!(
-                link.cipher_in_end, 0,
+            debug_assert!(
+                link.cipher_in_end == 0 || link.session.is_undecided(),
                 "ciphertext left while receiving more"
             );
             link.outer_recv = true;
@@ -317,16 +307,13 @@ impl Dataplane {
                 let space = self.plain_receive_space(index);
                 // A receive is issued only with room (`issue_recv`): 0 read means close_notify.
                 assert!(!space.is_empty(), "a TLS delivery into no space");
-                match link.session.reader().read(space) {
-                    Ok(n) => {
-                        link.plaintext_ready -= n;
-                        Some(Ok(n))
-                    }
-                    Err(_) => {
-                        link.plaintext_ready = 0;
-                        Some(Ok(0))
-                    }
-                }
+                let n = link.session.read_plaintext(space);
+                link.plaintext_ready = if n == 0 {
+                    0
+                } else {
+                    link.session.plaintext_ready()
+                };
+                Some(Ok(n))
             } else if link.ended {
                 Some(Ok(0))
             } else {
@@ -444,8 +431,8 @@ impl Dataplane {
         }
     }
 
-    /// The peer broke TLS: log, count, send the alert rustls queued, and end the stream.
-    fn tls_failed(&mut self, index: u32, error: &rustls::Error) {
+    /// The peer broke TLS: log, count, send the alert the session queued, and end the stream.
+    fn tls_failed(&mut self, index: u32, error: &TlsFailure) {
         self.stats.tls_failures += 1;
         let connection = &mut self.connections[index as usize];
         tracing::info!(
@@ -456,6 +443,7 @@ impl Dataplane {
         );
         if let Some(link) = connection.tls.as_mut() {
             link.ended = true;
+            link.failed = true;
             link.plaintext_ready = 0;
         }
     }
@@ -468,8 +456,6 @@ impl Dataplane {
             unreachable!("tls_inner_send on a plain connection");
         };
         assert!(link.inner_send.is_none());
-        // All segments in one vectored write: rustls fills whole records across them (one
-        // write per segment would make a record of each 16-byte header).
         let mut slices: Vec<std::io::IoSlice<'_>> = Vec::with_capacity(super::SEND_SEGMENTS_MAX);
         let mut room = SEND_PLAINTEXT_MAX;
         self.plain_send_segments(index, |segment| {
@@ -479,8 +465,11 @@ impl Dataplane {
                 room -= take;
             }
         });
-        let plaintext_bytes =
-            std::io::Write::write_vectored(&mut link.session.writer(), &slices).unwrap_or(0);
+        let plaintext_bytes = if link.failed {
+            0
+        } else {
+            link.session.write_plaintext(&slices)
+        };
         drop(slices);
         if plaintext_bytes == 0 {
             // The session failed (`tls_failed`): nothing can be encrypted any more, and the
@@ -498,7 +487,7 @@ impl Dataplane {
         self.tls_pump(index);
     }
 
-    /// Collects what rustls has to send (handshake messages, alerts) and sends it.
+    /// Collects what the session has to send (handshake messages, alerts) and sends it.
     fn tls_flush(&mut self, index: u32) {
         if let Some(link) = self.connections[index as usize].tls.as_mut() {
             link.collect_output();

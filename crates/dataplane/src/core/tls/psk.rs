@@ -1,0 +1,338 @@
+//! TLS with external pre-shared keys (RFC 8446 §2.2 and RFC 4279), through OpenSSL: rustls
+//! has none (rustls#174), and nbdkit, qemu and libnbd offer PSK as the light alternative to
+//! certificates. A session is OpenSSL over a memory pipe: ciphertext in, ciphertext out, the
+//! dataplane's socket operations unchanged (`mod.rs`).
+//!
+//! The key file is the one `psktool` writes and nbdkit and qemu read: one `identity:hexkey`
+//! per line. The identity names the tenant, as a certificate's common name does.
+//!
+//! TLS 1.3 uses OpenSSL's compatibility path for PSK callbacks (the key is taken as a
+//! SHA-256 one, so TLS_AES_128_GCM_SHA256 or TLS_CHACHA20_POLY1305_SHA256 is negotiated);
+//! TLS 1.2 uses the PSK cipher suites (with ECDHE where the client offers it).
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::sync::OnceLock;
+
+use openssl::error::ErrorStack;
+use openssl::ex_data::Index;
+use openssl::ssl::{ErrorCode, Ssl, SslContext, SslMethod, SslStream, SslVersion};
+
+/// Decrypted bytes held before more ciphertext is decrypted (the rustls path's bound).
+const PLAINTEXT_HELD_MAX: usize = 16 * 1024;
+/// One TLS record's plaintext at most.
+const RECORD_PLAINTEXT_MAX: usize = 16 * 1024;
+
+/// Why the PSK keys could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum PskError {
+    #[error("line {line}: {reason}")]
+    Line { line: usize, reason: &'static str },
+    #[error("no key in the file")]
+    Empty,
+    #[error("OpenSSL: {0}")]
+    OpenSsl(#[from] ErrorStack),
+}
+
+/// The pre-shared keys new PSK sessions are checked against.
+pub struct PskKeys {
+    context: SslContext,
+    identities: usize,
+}
+
+impl std::fmt::Debug for PskKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PskKeys")
+            .field("identities", &self.identities)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a session keeps the identity its key matched.
+fn identity_index() -> Result<Index<Ssl, String>, ErrorStack> {
+    static INDEX: OnceLock<Index<Ssl, String>> = OnceLock::new();
+    if let Some(index) = INDEX.get() {
+        return Ok(*index);
+    }
+    let index = Ssl::new_ex_index::<String>()?;
+    Ok(*INDEX.get_or_init(|| index))
+}
+
+impl PskKeys {
+    /// Parses a `psktool` key file's text: `identity:hexkey` lines, blank lines ignored.
+    pub fn parse(text: &str) -> Result<HashMap<String, Vec<u8>>, PskError> {
+        let mut keys = HashMap::new();
+        for (number, line) in text.lines().enumerate() {
+            let line_error = |reason| PskError::Line {
+                line: number + 1,
+                reason,
+            };
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            let Some((identity, hex)) = line.split_once(':') else {
+                return Err(line_error("expected identity:hexkey"));
+            };
+            if identity.is_empty() || identity.len() > 255 {
+                return Err(line_error("the identity must be 1 to 255 bytes"));
+            }
+            let key = decode_hex(hex).ok_or(line_error("the key is not hexadecimal"))?;
+            if key.is_empty() || key.len() > 256 {
+                return Err(line_error("the key must be 1 to 256 bytes"));
+            }
+            if keys.insert(identity.to_string(), key).is_some() {
+                return Err(line_error("the identity appears twice"));
+            }
+        }
+        if keys.is_empty() {
+            return Err(PskError::Empty);
+        }
+        Ok(keys)
+    }
+
+    pub fn new(keys: HashMap<String, Vec<u8>>) -> Result<PskKeys, PskError> {
+        if keys.is_empty() {
+            return Err(PskError::Empty);
+        }
+        let index = identity_index()?;
+        let identities = keys.len();
+        let mut builder = SslContext::builder(SslMethod::tls_server())?;
+        builder.set_min_proto_version(Some(SslVersion::TLS1_2))?;
+        builder.set_cipher_list(
+            "ECDHE-PSK-CHACHA20-POLY1305:ECDHE-PSK-AES128-CBC-SHA256:\
+             PSK-AES128-GCM-SHA256:PSK-AES256-GCM-SHA384:PSK-CHACHA20-POLY1305",
+        )?;
+        builder.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256")?;
+        // No tickets: a resumption would need a ticket key to rotate (as on the rustls path).
+        builder.set_options(openssl::ssl::SslOptions::NO_TICKET);
+        builder.set_num_tickets(0)?;
+        builder.set_psk_server_callback(move |ssl, identity, key_out| {
+            let Some(name) = identity.and_then(|bytes| std::str::from_utf8(bytes).ok()) else {
+                return Ok(0);
+            };
+            let Some(key) = keys.get(name) else {
+                return Ok(0); // Unknown identity: the handshake fails.
+            };
+            if key.len() > key_out.len() {
+                return Ok(0);
+            }
+            key_out[..key.len()].copy_from_slice(key);
+            ssl.set_ex_data(index, name.to_string());
+            Ok(key.len())
+        });
+        Ok(PskKeys {
+            context: builder.build(),
+            identities,
+        })
+    }
+
+    pub fn identity_count(&self) -> usize {
+        self.identities
+    }
+}
+
+fn decode_hex(hex: &str) -> Option<Vec<u8>> {
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// OpenSSL's transport: ciphertext the dataplane received, and ciphertext to send.
+#[derive(Default)]
+struct Pipe {
+    input: Vec<u8>,
+    input_read: usize,
+    output: Vec<u8>,
+}
+
+impl Read for Pipe {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        let pending = &self.input[self.input_read..];
+        if pending.is_empty() {
+            return Err(std::io::ErrorKind::WouldBlock.into());
+        }
+        let n = pending.len().min(buffer.len());
+        buffer[..n].copy_from_slice(&pending[..n]);
+        self.input_read += n;
+        if self.input_read == self.input.len() {
+            self.input.clear();
+            self.input_read = 0;
+        }
+        Ok(n)
+    }
+}
+
+impl Write for Pipe {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.output.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One PSK session.
+pub struct PskSession {
+    stream: SslStream<Pipe>,
+    handshaking: bool,
+    plaintext: Vec<u8>,
+    plaintext_read: usize,
+    peer_closed: bool,
+    failed: bool,
+}
+
+impl PskSession {
+    pub fn new(keys: &PskKeys) -> Result<PskSession, ErrorStack> {
+        let ssl = Ssl::new(&keys.context)?;
+        let stream = SslStream::new(ssl, Pipe::default())?;
+        Ok(PskSession {
+            stream,
+            handshaking: true,
+            plaintext: Vec::new(),
+            plaintext_read: 0,
+            peer_closed: false,
+            failed: false,
+        })
+    }
+
+    /// Takes all of `input`, advances the handshake and decrypts what it can.
+    pub fn feed(&mut self, input: &[u8]) -> Result<usize, String> {
+        if self.failed {
+            return Err("the session failed before".to_string());
+        }
+        self.stream.get_mut().input.extend_from_slice(input);
+        self.advance()?;
+        Ok(input.len())
+    }
+
+    fn advance(&mut self) -> Result<(), String> {
+        if self.handshaking {
+            match self.stream.accept() {
+                Ok(()) => self.handshaking = false,
+                Err(e) if matches!(e.code(), ErrorCode::WANT_READ | ErrorCode::WANT_WRITE) => {
+                    return Ok(());
+                }
+                Err(e) => {
+                    self.failed = true;
+                    return Err(describe(&e));
+                }
+            }
+        }
+        while !self.peer_closed && self.plaintext_ready() <= PLAINTEXT_HELD_MAX {
+            let start = self.plaintext.len();
+            self.plaintext.resize(start + RECORD_PLAINTEXT_MAX, 0);
+            let result = self.stream.ssl_read(&mut self.plaintext[start..]);
+            match result {
+                Ok(n) => self.plaintext.truncate(start + n),
+                Err(e) => {
+                    self.plaintext.truncate(start);
+                    match e.code() {
+                        ErrorCode::WANT_READ | ErrorCode::WANT_WRITE => break,
+                        ErrorCode::ZERO_RETURN => self.peer_closed = true,
+                        _ => {
+                            self.failed = true;
+                            return Err(describe(&e));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn is_handshaking(&self) -> bool {
+        self.handshaking
+    }
+
+    pub fn plaintext_ready(&self) -> usize {
+        self.plaintext.len() - self.plaintext_read
+    }
+
+    pub fn peer_closed(&self) -> bool {
+        self.peer_closed
+    }
+
+    /// The identity whose key the client proved it holds.
+    pub fn peer_name(&self) -> Option<String> {
+        let index = identity_index().ok()?;
+        self.stream.ssl().ex_data(index).cloned()
+    }
+
+    pub fn read_plaintext(&mut self, space: &mut [u8]) -> usize {
+        let ready = &self.plaintext[self.plaintext_read..];
+        let n = ready.len().min(space.len());
+        space[..n].copy_from_slice(&ready[..n]);
+        self.plaintext_read += n;
+        if self.plaintext_read == self.plaintext.len() {
+            self.plaintext.clear();
+            self.plaintext_read = 0;
+            // Ciphertext may wait in the pipe while the plaintext was at its bound.
+            if !self.failed && !self.handshaking && self.advance().is_err() {
+                self.peer_closed = true;
+            }
+        }
+        n
+    }
+
+    /// Encrypts `slices` (in records of up to 16 KiB); returns the plaintext bytes taken,
+    /// all of them, or 0 once the session failed (nothing more can be sent then).
+    pub fn write_plaintext(&mut self, slices: &[std::io::IoSlice<'_>]) -> usize {
+        if self.failed || self.handshaking {
+            return 0;
+        }
+        let mut record = Vec::with_capacity(RECORD_PLAINTEXT_MAX);
+        let mut taken = 0;
+        for slice in slices {
+            for chunk in slice.chunks(RECORD_PLAINTEXT_MAX) {
+                if record.len() + chunk.len() > RECORD_PLAINTEXT_MAX
+                    && !self.write_record(&mut record)
+                {
+                    return 0;
+                }
+                record.extend_from_slice(chunk);
+                taken += chunk.len();
+            }
+        }
+        if !record.is_empty() && !self.write_record(&mut record) {
+            return 0;
+        }
+        taken
+    }
+
+    fn write_record(&mut self, record: &mut Vec<u8>) -> bool {
+        let ok = self
+            .stream
+            .ssl_write(record)
+            .is_ok_and(|n| n == record.len());
+        record.clear();
+        if !ok {
+            self.failed = true;
+        }
+        ok
+    }
+
+    /// Moves what OpenSSL has to send (handshake messages, records, alerts) to `out`.
+    pub fn take_output(&mut self, out: &mut Vec<u8>) {
+        out.append(&mut self.stream.get_mut().output);
+    }
+}
+
+/// OpenSSL's reason, without the error-stack noise when there is one reason.
+fn describe(error: &openssl::ssl::Error) -> String {
+    match error.ssl_error() {
+        Some(stack) => stack
+            .errors()
+            .iter()
+            .map(|e| e.reason().unwrap_or("unknown").to_string())
+            .collect::<Vec<_>>()
+            .join("; "),
+        None => error.to_string(),
+    }
+}
