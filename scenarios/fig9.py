@@ -17,7 +17,8 @@ slowdowns are against having the device to oneself. S = RT / RT_alone with RT = 
 
 Usage (from the repository root, release binaries built):
     scenarios/fig9.py                  # every table to stdout
-Environment: READ_PERCENTS ("100 0"), DURATION_MS (3000), DEPTH (be_device_depth_max, 6),
+Environment: READ_PERCENTS ("100 0"), DURATION_MS (3000), DEPTH (be_device_depth_max, 6;
+fair-share uses FAIR_SHARE_DEPTH, 8: with 2 flows that is the same device depth of 6),
 MODES (all), DENSE ("2 4 6 8 10 14"), SWEEP_DEPTHS (depth sweep at k = 8; "" for none),
 SIM (target/release/reflex-sim)
 """
@@ -31,6 +32,7 @@ SIM = os.environ.get("SIM", "target/release/reflex-sim")
 DURATION_MS = int(os.environ.get("DURATION_MS", "3000"))
 READ_PERCENTS = [int(x) for x in os.environ.get("READ_PERCENTS", "100 0").split()]
 DEPTH = int(os.environ.get("DEPTH", "6"))
+FAIR_SHARE_DEPTH = int(os.environ.get("FAIR_SHARE_DEPTH", "8"))
 DENSE = [int(x) for x in os.environ.get("DENSE", "2 4 6 8 10 14").split()]
 SWEEP_DEPTHS = [int(x) for x in os.environ.get("SWEEP_DEPTHS", "3 4 5 6 7 8 10 12").split()]
 
@@ -107,11 +109,12 @@ def main():
             if name not in MODES and name != "fifo":
                 continue
             qos, fairness = ALL_MODES[name]
-            stage = "" if fairness is None else f", be_device_depth_max {DEPTH}"
+            depth = FAIR_SHARE_DEPTH if name == "fair-share" else DEPTH
+            stage = "" if fairness is None else f", be_device_depth_max {depth}"
             print(f"\n### {read_percent} % reads, {name}{stage}\n")
             print(HEADER)
             for k in DENSE:
-                shared = run([("sparse", 2), ("dense", k)], qos, fairness, read_percent)
+                shared = run([("sparse", 2), ("dense", k)], qos, fairness, read_percent, depth)
                 s1, s2, f, total = row(k, shared, alone_sparse, alone_dense[k])
                 if name == "fifo":
                     fifo_total[k] = total

@@ -11,7 +11,11 @@ use common::load;
 use reflex_qos::{DeviceProfile, FairMode, FairQueueConfig, QosConfig};
 use reflex_sim::{LoadedScenario, PointReport, RunOptions, Scenario, run_scenario};
 
-fn scenario(flows: &[(&str, u32)], fairness: Option<FairQueueConfig>) -> LoadedScenario {
+fn scenario(
+    flows: &[(&str, u32)],
+    read_percent: u8,
+    fairness: Option<FairQueueConfig>,
+) -> LoadedScenario {
     let mut text = String::from(
         "name = \"fairness\"\nseed = 1\nthreads = 1\nqos = false\nwarmup_ms = 500\n\
          duration_ms = 3000\n[device]\nemulated = \"device-a-small\"\n\
@@ -19,7 +23,7 @@ fn scenario(flows: &[(&str, u32)], fairness: Option<FairQueueConfig>) -> LoadedS
     );
     for (name, depth) in flows {
         text += &format!(
-            "[[tenant]]\nname = \"{name}\"\nclass = \"be\"\nread_percent = 100\n\
+            "[[tenant]]\nname = \"{name}\"\nclass = \"be\"\nread_percent = {read_percent}\n\
              load = {{ closed_depth = {depth} }}\n"
         );
     }
@@ -38,7 +42,19 @@ fn scenario(flows: &[(&str, u32)], fairness: Option<FairQueueConfig>) -> LoadedS
 }
 
 fn iops(flows: &[(&str, u32)], fairness: Option<FairQueueConfig>) -> Vec<f64> {
-    let report = run_scenario(&scenario(flows, fairness), &RunOptions::default()).unwrap();
+    iops_mix(flows, 100, fairness)
+}
+
+fn iops_mix(
+    flows: &[(&str, u32)],
+    read_percent: u8,
+    fairness: Option<FairQueueConfig>,
+) -> Vec<f64> {
+    let report = run_scenario(
+        &scenario(flows, read_percent, fairness),
+        &RunOptions::default(),
+    )
+    .unwrap();
     let point = &report.points[0].1;
     flows
         .iter()
@@ -88,6 +104,23 @@ fn the_stage_equalises_slowdowns_at_k_8_for_reads() {
     check("fair_share 8", &fair, (0.945, 0.947), (0.865, 0.867));
     let fewest = iops(&flows, Some(stage(FairMode::FewestInFlight, 5)));
     check("fewest_in_flight 5", &fewest, (0.95, 1.0), (0.80, 0.81));
+}
+
+/// Writes are bound by the device's write buffer, not by its depth: two places each at the
+/// device (`fair_share` at depth 4) make the flows equal at FIFO's throughput.
+#[test]
+fn fair_share_makes_writes_fair_at_fifo_throughput() {
+    let flows = [("sparse", 2), ("dense", 8)];
+    let alone_sparse = iops_mix(&flows[..1], 0, None)[0];
+    let alone_dense = iops_mix(&flows[1..], 0, None)[0];
+    let fifo = iops_mix(&flows, 0, None);
+    let fair = iops_mix(&flows, 0, Some(fair_share(4)));
+    let (s_sparse, s_dense) = (alone_sparse / fair[0], alone_dense / fair[1]);
+    let f = s_sparse.min(s_dense) / s_sparse.max(s_dense);
+    let ratio = fair.iter().sum::<f64>() / fifo.iter().sum::<f64>();
+    let report = format!("FIFO {fifo:.0?}, fair_share 4 {fair:.0?}: F {f:.3}, {ratio:.4} of FIFO");
+    assert!(f >= 0.99, "{report}");
+    assert!(ratio >= 0.998, "{report}");
 }
 
 /// LC tenants never enter the stage: with the stage on (and tight), Figure 5 scenario 1 at
