@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::calibrator::{CalibratorConfig, CalibratorConfigError};
+use crate::fair_queue::FairQueueConfig;
 use crate::time::Nanos;
 use crate::tokens::Tokens;
 
@@ -54,6 +55,9 @@ pub struct QosConfig {
     pub slo_headroom_us: u64,
     /// Online self-calibration of the device rate (`docs/QOS.md` §11).
     pub calibration: CalibratorConfig,
+    /// The intra-core fairness stage in front of the device (`docs/FAIRNESS.md`); off by
+    /// default.
+    pub fairness: FairQueueConfig,
 }
 
 impl Default for QosConfig {
@@ -71,6 +75,7 @@ impl Default for QosConfig {
             tenants_max: 16_384,
             slo_headroom_us: 0,
             calibration: CalibratorConfig::default(),
+            fairness: FairQueueConfig::default(),
         }
     }
 }
@@ -154,6 +159,12 @@ impl QosConfig {
                 reason,
             },
         )?;
+        self.fairness
+            .validate()
+            .map_err(|error| ConfigError::Invalid {
+                field: error.field,
+                reason: error.reason,
+            })?;
         Ok(())
     }
 }

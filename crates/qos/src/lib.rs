@@ -37,6 +37,11 @@
 //! slowdowns, fairness F, load balance LB, dense and sparse flows, backwardings and the
 //! policy (none, inter-core, intra-core, hybrid).
 //!
+//! **Fairness stage** (dataplane, one [`FairQueue`] per thread per device, off by default):
+//! admitted best-effort requests wait in it while the device holds `be_device_depth_max` of
+//! them, and leave in the order its mode picks (FIFO, OctoFAS backwarding, fewest in flight);
+//! latency-critical requests never enter it.
+//!
 //! **Dataplane** (one [`Scheduler`] per thread per device, all sharing one `Arc<DeviceShared>`):
 //! - [`Scheduler::new`]`(shared, thread_index, &config, Policy::Tokens | Policy::Fifo, now)`;
 //!   everything it needs is allocated here, nothing per round;
@@ -97,6 +102,7 @@
 pub mod calibrator;
 pub mod config;
 pub mod cost;
+pub mod fair_queue;
 pub mod fairness;
 pub mod profile;
 mod queue;
@@ -114,6 +120,7 @@ pub use calibrator::{
 };
 pub use config::{ConfigError, QosConfig, THREADS_MAX};
 pub use cost::{COST_UNIT_BYTES, CostModel, IoKind, LoadMode, REQUEST_BYTES_MAX};
+pub use fair_queue::{FairMode, FairQueue, FairQueueConfig, FairQueueFull, FairQueueStats};
 pub use fairness::{
     CoreSample, Density, FairnessConfig, FairnessMonitor, FairnessPolicy, FairnessReport,
     FairnessWindow, FlowId, FlowReport, FlowSample,

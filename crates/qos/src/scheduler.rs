@@ -77,6 +77,9 @@ pub struct Request {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Admitted {
     pub tenant: TenantId,
+    /// The tenant's class: a fairness stage in front of the device holds only best-effort
+    /// requests.
+    pub class: TenantClass,
     pub token: u64,
     pub size_bytes: u32,
     pub kind: IoKind,
@@ -674,7 +677,7 @@ impl Scheduler {
         let mut mode = self.shared.load_mode(now);
         while let Some(node) = self.pool.pop_front(&mut self.fifo) {
             let cost = self.costs.cost(node.kind, node.size_bytes, mode);
-            let admitted = admitted(&node, cost);
+            let admitted = admitted(&node, cost, self.slots[node.tenant as usize].class);
             if !submit(admitted) {
                 let ok = self.pool.push_front(&mut self.fifo, node);
                 assert!(ok, "a node was freed a moment ago");
@@ -869,7 +872,7 @@ impl Scheduler {
             if from_balance {
                 slot.balance -= cost;
             }
-            if !submit(admitted(&node, Tokens(cost))) {
+            if !submit(admitted(&node, Tokens(cost), TenantClass::LatencyCritical)) {
                 let slot = &mut self.slots[index];
                 let ok = self.pool.push_front(&mut slot.queue, node);
                 assert!(ok, "a node was freed a moment ago");
@@ -1051,7 +1054,7 @@ impl Scheduler {
                 break;
             };
             slot.balance -= cost;
-            if !submit(admitted(&node, Tokens(cost))) {
+            if !submit(admitted(&node, Tokens(cost), TenantClass::BestEffort)) {
                 let slot = &mut self.slots[index];
                 let ok = self.pool.push_front(&mut slot.queue, node);
                 assert!(ok, "a node was freed a moment ago");
@@ -1333,9 +1336,10 @@ fn sub_rates(sum: &mut [u64; 2], rates: [u64; 2]) {
     }
 }
 
-fn admitted(node: &Node, cost: Tokens) -> Admitted {
+fn admitted(node: &Node, cost: Tokens, class: TenantClass) -> Admitted {
     Admitted {
         tenant: TenantId(node.tenant),
+        class,
         token: node.request,
         size_bytes: node.size_bytes,
         kind: node.kind,

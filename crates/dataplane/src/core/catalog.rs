@@ -48,9 +48,17 @@ impl Dataplane {
                     break;
                 }
             };
+            let fair = match reflex_qos::FairQueue::new(&self.qos_config.fairness, now) {
+                Ok(fair) => fair,
+                Err(error) => {
+                    tracing::error!(namespace_index, %error, "fairness stage for a new namespace refused");
+                    break;
+                }
+            };
             let id = namespaces.id(namespace_index);
             self.qos.push(NamespaceQos {
                 scheduler,
+                fair,
                 default_tenant: setup.default_tenant,
                 namespace_id: id,
                 accounts: Vec::new(),

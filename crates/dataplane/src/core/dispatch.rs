@@ -156,18 +156,30 @@ impl Dataplane {
         }
     }
 
-    /// One scheduling round of a namespace: what it admits goes to the device.
+    /// One scheduling round of a namespace: what it admits goes to the device, except the
+    /// best-effort requests the fairness stage holds; then what the stage releases goes too.
     fn dispatch_namespace(&mut self, namespace_index: usize, now: Nanos) {
         let room = self
             .limits
             .device_in_flight_max
             .saturating_sub(self.device_in_flight) as usize;
         let namespace = &mut self.qos[namespace_index];
+        namespace.fair.handle_timeout(now);
         let mut admitted = std::mem::take(&mut self.admitted);
         assert!(admitted.is_empty());
+        let fair = &mut namespace.fair;
+        let mut direct = 0usize;
         let summary = namespace.scheduler.schedule(now, &mut |request: Admitted| {
-            if admitted.len() >= room {
-                return false; // The device takes no more from this thread now.
+            if fair.holds(request.class) {
+                let flow = reflex_qos::FlowId(u64::from(request.tenant.0));
+                if fair.hold(flow, request.token).is_err() {
+                    return false; // The stage is full: the scheduler keeps the rest.
+                }
+            } else {
+                if direct >= room {
+                    return false; // The device takes no more from this thread now.
+                }
+                direct += 1;
             }
             admitted.push(request);
             true
@@ -179,27 +191,58 @@ impl Dataplane {
                 account.admitted(request, now.saturating_since(queued_at).0);
             }
         }
-        assert!(admitted.len() <= self.qos_queued as usize);
-        self.qos_queued -= admitted.len() as u32;
-        for request in &admitted {
-            let index = request.token as u32;
-            let generation = (request.token >> 32) as u32;
-            let slot = &self.requests[index as usize];
-            assert_eq!(
-                slot.generation, generation,
-                "stale request from the scheduler"
-            );
-            assert_eq!(slot.state, RequestState::Queued);
-            let connection_index = slot.connection_index;
-            if !self.connections[connection_index as usize].is_open() {
-                self.free_request(index);
-                self.maybe_finish_close(connection_index);
-                continue;
-            }
-            self.submit_io(index, now);
+        // Held requests stay `Queued` and counted in `qos_queued` until the stage releases them.
+        let holds = namespace.fair.is_on();
+        admitted.retain(|request| !(holds && request.class == reflex_qos::TenantClass::BestEffort));
+        assert_eq!(admitted.len(), direct);
+        let mut released = room - direct;
+        while released > 0 {
+            let Some((flow, token)) = namespace.fair.poll_release(now) else {
+                break;
+            };
+            released -= 1;
+            self.fair_released.push((flow.0 as u32, token));
         }
+        assert!(admitted.len() + self.fair_released.len() <= self.qos_queued as usize);
+        self.qos_queued -= (admitted.len() + self.fair_released.len()) as u32;
+        for request in &admitted {
+            self.submit_admitted(request.token, None, now);
+        }
+        let mut fair_released = std::mem::take(&mut self.fair_released);
+        for &(flow, token) in &fair_released {
+            if !self.submit_admitted(token, Some(flow), now) {
+                self.qos[namespace_index]
+                    .fair
+                    .withdraw(reflex_qos::FlowId(u64::from(flow)), now);
+            }
+        }
+        fair_released.clear();
+        self.fair_released = fair_released;
         admitted.clear();
         self.admitted = admitted;
+    }
+
+    /// Sends an admitted request (the scheduler's `token`) to the device, unless its
+    /// connection closed meanwhile (then it is freed; returns `false`). `fair_flow`: the
+    /// fairness stage released it and counts its place at the device.
+    fn submit_admitted(&mut self, token: u64, fair_flow: Option<u32>, now: Nanos) -> bool {
+        let index = token as u32;
+        let generation = (token >> 32) as u32;
+        let slot = &self.requests[index as usize];
+        assert_eq!(
+            slot.generation, generation,
+            "stale request from the scheduler"
+        );
+        assert_eq!(slot.state, RequestState::Queued);
+        let connection_index = slot.connection_index;
+        if !self.connections[connection_index as usize].is_open() {
+            self.free_request(index);
+            self.maybe_finish_close(connection_index);
+            return false;
+        }
+        self.requests[index as usize].fair_flow = fair_flow;
+        self.submit_io(index, now);
+        true
     }
 
     fn submit_io(&mut self, index: u32, now: Nanos) {
@@ -370,6 +413,17 @@ impl Dataplane {
         self.device_in_flight -= 1;
         let live_index = usize::from(self.requests[index as usize].submitted_namespace);
         self.live.device_in_flight[live_index] -= 1;
+        if let Some(flow) = self.requests[index as usize].fair_flow.take() {
+            // Its place at the device is free, even for an orphan (the device is done with it).
+            let latency_ns = now
+                .saturating_since(self.requests[index as usize].queued_at)
+                .0;
+            self.qos[live_index].fair.completed(
+                reflex_qos::FlowId(u64::from(flow)),
+                latency_ns,
+                now,
+            );
+        }
         let state = self.requests[index as usize].state;
         if state == RequestState::Orphaned {
             // Answered with an error when it timed out; the device has given the buffer back.

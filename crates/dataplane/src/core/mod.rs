@@ -208,6 +208,8 @@ pub struct Dataplane {
     qos_fresh: bool,
     /// Scratch: what one scheduling round admitted.
     admitted: Vec<Admitted>,
+    /// Scratch: what a fairness stage released in one round (tenant id, scheduler token).
+    fair_released: Vec<(u32, u64)>,
     /// Scratch: control messages being applied.
     messages: Vec<ControlMessage>,
     /// Accounts of tenant ids that were reused by another tenant on this thread, by handle.
@@ -283,8 +285,11 @@ impl Dataplane {
                 setup.now,
             )
             .map_err(|e| SetupError::Qos(e.to_string()))?;
+            let fair = reflex_qos::FairQueue::new(&setup.qos_config.fairness, setup.now)
+                .map_err(|e| SetupError::Qos(e.to_string()))?;
             qos.push(NamespaceQos {
                 scheduler,
+                fair,
                 default_tenant: namespace.default_tenant,
                 namespace_id: setup.namespaces.id(index as u16),
                 accounts: Vec::new(),
@@ -332,6 +337,7 @@ impl Dataplane {
             qos_participating: true,
             qos_fresh: false,
             admitted: Vec::with_capacity(limits.device_in_flight_max as usize),
+            fair_released: Vec::with_capacity(limits.device_in_flight_max as usize),
             messages: Vec::with_capacity(MESSAGES_PER_ITERATION_MAX),
             retired_accounts: BTreeMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),

@@ -229,6 +229,9 @@ pub(super) struct Request {
     pub(super) measured_tenant: u32,
     /// The namespace of the device operation in flight (live figures: queue depth).
     pub(super) submitted_namespace: u16,
+    /// The tenant whose place at the device the fairness stage counts for this request's
+    /// device operation (`None`: it did not come through the stage).
+    pub(super) fair_flow: Option<u32>,
     pub(super) queued_at: Nanos,
     pub(super) submitted_at: Nanos,
 }
@@ -253,6 +256,7 @@ impl Request {
             measured_read: None,
             measured_tenant: 0,
             submitted_namespace: 0,
+            fair_flow: None,
             queued_at: Nanos::ZERO,
             submitted_at: Nanos::ZERO,
         }

@@ -169,6 +169,9 @@ impl Dataplane {
             namespace
                 .scheduler
                 .cancel_queued(&mut |_, token| tokens.push(token));
+            namespace
+                .fair
+                .cancel_held(&mut |_, token| tokens.push(token));
         }
         assert_eq!(
             tokens.len(),

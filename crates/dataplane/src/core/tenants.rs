@@ -154,6 +154,8 @@ impl DemandMeter {
 /// One namespace's scheduler and tenant accounts on this thread.
 pub(super) struct NamespaceQos {
     pub(super) scheduler: reflex_qos::Scheduler,
+    /// The fairness stage between the scheduler and the device (off unless configured).
+    pub(super) fair: reflex_qos::FairQueue,
     pub(super) default_tenant: TenantRef,
     pub(super) namespace_id: u32,
     /// By tenant id; grown when this thread first charges a tenant (control path).
