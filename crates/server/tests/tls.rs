@@ -954,3 +954,98 @@ fn a_psk_only_server_serves_psk_and_refuses_certificates() {
     let info = run("nbdinfo", &[&psk_uri(&server, "ns1", "A", &a_keys)]);
     assert!(info.status.success(), "PSK after the refusal: {info:?}");
 }
+
+/// A ClientHello record that offers a pre-shared key whose binder is garbage.
+fn bogus_psk_hello() -> Vec<u8> {
+    let mut body = vec![3, 3];
+    body.extend([7u8; 32]); // random
+    body.push(0); // session id
+    body.extend([0, 2, 0x13, 0x01]); // TLS_AES_128_GCM_SHA256
+    body.extend([1, 0]); // null compression
+    let mut extensions = Vec::new();
+    extensions.extend([0, 43, 0, 3, 2, 3, 4]); // supported_versions: TLS 1.3
+    extensions.extend([0, 45, 0, 2, 1, 1]); // psk_key_exchange_modes: psk_dhe_ke
+    let psk = [
+        0, 5, 0, 1, b'A', 0, 0, 0, 0, 0, 33, 32, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9,
+    ]; // cut identity and binder
+    extensions.extend([0, 41, 0, psk.len() as u8]);
+    extensions.extend(psk);
+    body.extend((extensions.len() as u16).to_be_bytes());
+    body.extend(extensions);
+    let mut handshake = vec![1, 0];
+    handshake.extend((body.len() as u16).to_be_bytes());
+    handshake.extend(body);
+    let mut record = vec![22, 3, 1];
+    record.extend((handshake.len() as u16).to_be_bytes());
+    record.extend(handshake);
+    record
+}
+
+#[test]
+fn cut_and_malformed_psk_handshakes_close_only_their_connection() {
+    let pki = Pki::new();
+    let server = psk_server(&pki);
+    let hello = bogus_psk_hello();
+    // Cut in the middle of the ClientHello, then closed: the server still waits to decide.
+    let mut cut = TcpStream::connect(server.native_addr()).unwrap();
+    cut.write_all(&hello[..hello.len() / 2]).unwrap();
+    drop(cut);
+    // Cut and held open: nothing comes back until it closes.
+    let mut held = TcpStream::connect(server.native_addr()).unwrap();
+    held.write_all(&hello[..20]).unwrap();
+    // A whole hello offering a PSK with a broken binder: OpenSSL refuses it with an alert.
+    let mut bogus = TcpStream::connect(server.native_addr()).unwrap();
+    bogus
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    bogus.write_all(&hello).unwrap();
+    let mut answer = Vec::new();
+    let _ = bogus.read_to_end(&mut answer);
+    assert!(
+        answer.is_empty() || answer[0] == 0x15,
+        "a broken PSK hello got something other than an alert: {answer:?}"
+    );
+    // Others are served meanwhile.
+    let mut a = native_psk(server.native_addr(), "A", KEY_A);
+    let (answer, _) = call(&mut a, &RequestHeader::read(1, 1, 0, 4096), &[]);
+    assert_eq!(answer.status(), Ok(Status::Ok));
+    drop(held);
+}
+
+#[test]
+fn sighup_reloads_the_pre_shared_keys_for_new_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path();
+    psk_file(path, "keys.psk", &[("A", KEY_A)]);
+    let config = path.join("reflexd.toml");
+    std::fs::write(
+        &config,
+        "port = 0\noriginal_ports = []\narena_bytes_per_thread = \"4M\"\n\
+         [nbd]\nport = 0\n[nvme_tcp]\nenabled = false\n\
+         [[namespace]]\nid = 1\nbackend = \"mem:4M\"\n\
+         [tls]\npsk_file = \"keys.psk\"\nnbd = \"require\"\n",
+    )
+    .unwrap();
+    let (mut child, lines) = common::spawn_reflexd(&config, false);
+    let serving = common::wait_for_line(&lines, "reflexd serving");
+    let nbd: SocketAddr = common::log_field(&serving, "nbd").expect("NBD address");
+    let old = psk_file(path, "old.psk", &[("A", KEY_A)]);
+    let new = psk_file(path, "new.psk", &[("A", KEY_B)]);
+    let uri = |keys: &str| format!("nbds://A@localhost:{}/ns1?tls-psk-file={keys}", nbd.port());
+    assert!(run("nbdinfo", &[&uri(&old)]).status.success());
+    assert!(!run("nbdinfo", &[&uri(&new)]).status.success());
+
+    psk_file(path, "keys.psk", &[("A", KEY_B)]);
+    let status = Command::new("kill")
+        .arg("-HUP")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    common::wait_for_line(&lines, "TLS certificates reloaded");
+    assert!(run("nbdinfo", &[&uri(&new)]).status.success());
+    assert!(!run("nbdinfo", &[&uri(&old)]).status.success());
+
+    let _ = child.kill();
+    let _ = child.wait();
+}
