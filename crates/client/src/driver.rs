@@ -15,14 +15,13 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::core::{ConnectionCore, CoreOptions};
 use crate::error::{ClientError, ProtocolError};
 use crate::reconnect::{Jitter, ReconnectPolicy, ReconnectSchedule};
 use crate::sys;
+use crate::tls::{ClientTls, TlsOptions};
 use reflex_proto::native::Opcode;
 
 use crate::types::Capabilities;
@@ -51,66 +50,6 @@ pub struct ClientOptions {
     pub tls: Option<TlsOptions>,
 }
 
-/// How to speak TLS to the server: whom to trust, what name its certificate carries, and
-/// optionally this client's certificate (on a server with a client CA, it names the tenant).
-#[derive(Debug, Clone)]
-pub struct TlsOptions {
-    pub config: Arc<rustls::ClientConfig>,
-    pub server_name: rustls::pki_types::ServerName<'static>,
-}
-
-impl TlsOptions {
-    /// From PEM files: `ca` signs the server's certificate; `identity` is this client's
-    /// certificate chain and key; `server_name` is the DNS name or IP address the server's
-    /// certificate must carry.
-    pub fn from_pem_files(
-        ca: &Path,
-        identity: Option<(&Path, &Path)>,
-        server_name: &str,
-    ) -> Result<TlsOptions, ClientError> {
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-        let invalid =
-            |what: String| ClientError::Io(std::io::Error::new(ErrorKind::InvalidInput, what));
-        let mut roots = rustls::RootCertStore::empty();
-        for certificate in CertificateDer::pem_file_iter(ca)
-            .map_err(|e| invalid(format!("TLS CA {}: {e}", ca.display())))?
-        {
-            let certificate =
-                certificate.map_err(|e| invalid(format!("TLS CA {}: {e}", ca.display())))?;
-            roots
-                .add(certificate)
-                .map_err(|e| invalid(format!("TLS CA {}: {e}", ca.display())))?;
-        }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| invalid(format!("TLS: {e}")))?
-            .with_root_certificates(roots);
-        let config = match identity {
-            None => builder.with_no_client_auth(),
-            Some((certificate, key)) => {
-                let chain = CertificateDer::pem_file_iter(certificate)
-                    .and_then(|chain| chain.collect::<Result<Vec<_>, _>>())
-                    .map_err(|e| {
-                        invalid(format!("TLS certificate {}: {e}", certificate.display()))
-                    })?;
-                let key = PrivateKeyDer::from_pem_file(key)
-                    .map_err(|e| invalid(format!("TLS key {}: {e}", key.display())))?;
-                builder
-                    .with_client_auth_cert(chain, key)
-                    .map_err(|e| invalid(format!("TLS certificate and key: {e}")))?
-            }
-        };
-        let server_name = ServerName::try_from(server_name.to_string())
-            .map_err(|e| invalid(format!("TLS server name {server_name:?}: {e}")))?;
-        Ok(TlsOptions {
-            config: Arc::new(config),
-            server_name,
-        })
-    }
-}
-
 impl Default for ClientOptions {
     fn default() -> Self {
         ClientOptions {
@@ -134,7 +73,7 @@ impl ClientOptions {
 pub(crate) struct StreamDriver {
     stream: TcpStream,
     /// TLS over `stream`, when the options ask for it.
-    tls: Option<Box<rustls::ClientConnection>>,
+    tls: Option<ClientTls>,
     pub(crate) core: ConnectionCore,
     pub(crate) timeout: Option<Duration>,
     closed: bool,
@@ -180,10 +119,7 @@ impl StreamDriver {
         stream.set_nonblocking(true)?;
         let tls = match tls {
             None => None,
-            Some(tls) => Some(Box::new(
-                rustls::ClientConnection::new(Arc::clone(&tls.config), tls.server_name.clone())
-                    .map_err(|e| std::io::Error::other(format!("TLS: {e}")))?,
-            )),
+            Some(tls) => Some(tls.session()?),
         };
         let mut driver = StreamDriver {
             stream,
@@ -262,7 +198,7 @@ impl StreamDriver {
         let Some(space) = self.core.receive_start() else {
             return false;
         };
-        match transport_read(&mut self.stream, self.tls.as_deref_mut(), space) {
+        match transport_read(&mut self.stream, self.tls.as_mut(), space) {
             Ok(received) => {
                 self.core.receive_done(received);
                 received > 0
@@ -282,7 +218,7 @@ impl StreamDriver {
         }
         let mut progress = false;
         while let Some(bytes) = self.core.transmit_start() {
-            match transport_write(&mut self.stream, self.tls.as_deref_mut(), bytes) {
+            match transport_write(&mut self.stream, self.tls.as_mut(), bytes) {
                 Ok(0) => {
                     self.core.transmit_done(0);
                     self.closed = true;
@@ -309,7 +245,7 @@ impl StreamDriver {
             return Ok(progress);
         }
         if let Some(space) = self.core.receive_start() {
-            match transport_read(&mut self.stream, self.tls.as_deref_mut(), space) {
+            match transport_read(&mut self.stream, self.tls.as_mut(), space) {
                 Ok(0) => {
                     self.core.receive_done(0);
                     self.closed = true;
@@ -391,62 +327,26 @@ impl StreamDriver {
 /// for a full TLS buffer: `WouldBlock`, so the caller waits for the socket).
 fn transport_write(
     stream: &mut TcpStream,
-    tls: Option<&mut rustls::ClientConnection>,
+    tls: Option<&mut ClientTls>,
     bytes: &[u8],
 ) -> std::io::Result<usize> {
-    let Some(tls) = tls else {
-        return stream.write(bytes);
-    };
-    flush_tls(stream, tls)?;
-    if tls.wants_write() {
-        // Ciphertext still waits for the socket: encrypt no more until it left.
-        return Err(ErrorKind::WouldBlock.into());
+    match tls {
+        None => stream.write(bytes),
+        Some(tls) => tls.write(stream, bytes),
     }
-    let written = tls.writer().write(bytes)?;
-    flush_tls(stream, tls)?;
-    if written == 0 {
-        return Err(ErrorKind::WouldBlock.into());
-    }
-    Ok(written)
 }
 
 /// A non-blocking read of plaintext: from the socket, or decrypted (`Ok(0)`: the end of the
 /// stream, `WouldBlock`: nothing yet).
 fn transport_read(
     stream: &mut TcpStream,
-    tls: Option<&mut rustls::ClientConnection>,
+    tls: Option<&mut ClientTls>,
     space: &mut [u8],
 ) -> std::io::Result<usize> {
-    let Some(tls) = tls else {
-        return stream.read(space);
-    };
-    loop {
-        match tls.reader().read(space) {
-            Ok(read) => return Ok(read),
-            Err(error) if error.kind() == ErrorKind::WouldBlock => {}
-            Err(error) => return Err(error),
-        }
-        if tls.read_tls(stream)? == 0 {
-            return Ok(0);
-        }
-        tls.process_new_packets()
-            .map_err(|e| std::io::Error::new(ErrorKind::InvalidData, format!("TLS: {e}")))?;
-        // Handshake messages to answer.
-        flush_tls(stream, tls)?;
+    match tls {
+        None => stream.read(space),
+        Some(tls) => tls.read(stream, space),
     }
-}
-
-/// Sends what TLS has ready, as far as the socket takes it.
-fn flush_tls(stream: &mut TcpStream, tls: &mut rustls::ClientConnection) -> std::io::Result<()> {
-    while tls.wants_write() {
-        match tls.write_tls(stream) {
-            Ok(0) => return Err(ErrorKind::WriteZero.into()),
-            Ok(_) => {}
-            Err(error) if error.kind() == ErrorKind::WouldBlock => return Ok(()),
-            Err(error) => return Err(error),
-        }
-    }
-    Ok(())
 }
 
 fn connect_any(

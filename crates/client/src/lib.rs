@@ -54,6 +54,7 @@ mod pipelined;
 mod reconnect;
 mod stream_buffers;
 mod sys;
+mod tls;
 mod types;
 
 pub use crate::blocking::{Client, NOTICES_BUFFERED_MAX};
@@ -61,12 +62,13 @@ pub use crate::core::{
     Completion, ConnectionCore, CoreOptions, IO_SIZE_MAX_BYTES_LIMIT, InterruptedRequest,
     RECEIVE_BUFFER_MIN, WINDOW_REQUESTS_LIMIT,
 };
-pub use crate::driver::{ClientOptions, HELLO_REQUEST_ID, TlsOptions};
+pub use crate::driver::{ClientOptions, HELLO_REQUEST_ID};
 pub use crate::error::{ClientError, ProtocolError, SubmitError};
 pub use crate::pipelined::PipelinedClient;
 pub use crate::reconnect::{JitterSample, ReconnectPolicy, ReconnectSchedule};
 pub use crate::stream_buffers::{BuffersBusy, StreamBuffers};
 pub use crate::sys::io_priority_of_process;
+pub use crate::tls::TlsOptions;
 pub use crate::types::Capabilities;
 pub use reflex_proto::native::{
     NO_TENANT_HANDLE, NOTICE_REQUEST_ID, Namespace, Opcode, RegisterBody, RenegotiateBody, Status,

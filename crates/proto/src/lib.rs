@@ -81,6 +81,7 @@ pub mod native;
 pub mod nbd;
 pub mod nvme_tcp;
 pub mod original;
+pub mod psk_file;
 mod wire;
 
 /// An encoder was given an output buffer too small for the message. Encoding is otherwise

@@ -62,7 +62,7 @@ fn psk_keys(config: &TlsConfig) -> Result<Option<Arc<PskKeys>>, TlsSetupError> {
         reason,
     };
     let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
-    let keys = PskKeys::parse(&text).map_err(|e| error(e.to_string()))?;
+    let keys = reflex_proto::psk_file::parse(&text).map_err(|e| error(e.to_string()))?;
     let keys = PskKeys::new(keys).map_err(|e| error(e.to_string()))?;
     Ok(Some(Arc::new(keys)))
 }

@@ -1049,3 +1049,41 @@ fn sighup_reloads_the_pre_shared_keys_for_new_sessions() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+#[test]
+fn the_client_library_speaks_tls_with_a_pre_shared_key() {
+    use reflex_client::{Client, ClientError, ClientOptions, TlsOptions};
+    let pki = Pki::new();
+    let server = psk_server(&pki);
+    let keys = psk_file(pki.dir.path(), "client.psk", &[("A", KEY_A), ("B", KEY_B)]);
+    let connect = |identity: &str| {
+        let options = ClientOptions {
+            tls: Some(TlsOptions::from_psk_file(Path::new(&keys), identity).unwrap()),
+            ..ClientOptions::default()
+        };
+        Client::connect_with(server.native_addr(), &options)
+    };
+    let mut client = connect("A").unwrap();
+    let block = pattern(43, 256 * 1024);
+    client.write(1, 0, &block).unwrap();
+    let mut back = vec![0u8; block.len()];
+    client.read(1, 0, &mut back).unwrap();
+    assert!(
+        back == block,
+        "256 KiB through the library's TLS-PSK differs"
+    );
+    match client.read(2, 0, &mut back[..4096]) {
+        Err(ClientError::Status { status, .. }) => assert_eq!(status, Status::Permission),
+        other => panic!("tenant A read tenant B's namespace: {other:?}"),
+    }
+    let mut b = connect("B").unwrap();
+    b.read(2, 0, &mut back[..4096]).unwrap();
+    // A wrong key: the handshake fails, the connection with it.
+    let wrong = ClientOptions {
+        tls: Some(TlsOptions::pre_shared_key("A", &[1; 32]).unwrap()),
+        ..ClientOptions::default()
+    };
+    assert!(Client::connect_with(server.native_addr(), &wrong).is_err());
+    // An identity the file lacks is refused before connecting.
+    assert!(TlsOptions::from_psk_file(Path::new(&keys), "C").is_err());
+}

@@ -3,8 +3,8 @@
 //! certificates. A session is OpenSSL over a memory pipe: ciphertext in, ciphertext out, the
 //! dataplane's socket operations unchanged (`mod.rs`).
 //!
-//! The key file is the one `psktool` writes and nbdkit and qemu read: one `identity:hexkey`
-//! per line. The identity names the tenant, as a certificate's common name does.
+//! The keys come from the file `psktool` writes (`reflex_proto::psk_file`). The identity
+//! names the tenant, as a certificate's common name does.
 //!
 //! TLS 1.3 uses OpenSSL's compatibility path for PSK callbacks (the key is taken as a
 //! SHA-256 one, so TLS_AES_128_GCM_SHA256 or TLS_CHACHA20_POLY1305_SHA256 is negotiated);
@@ -26,9 +26,7 @@ const RECORD_PLAINTEXT_MAX: usize = 16 * 1024;
 /// Why the PSK keys could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum PskError {
-    #[error("line {line}: {reason}")]
-    Line { line: usize, reason: &'static str },
-    #[error("no key in the file")]
+    #[error("no key")]
     Empty,
     #[error("OpenSSL: {0}")]
     OpenSsl(#[from] ErrorStack),
@@ -59,38 +57,6 @@ fn identity_index() -> Result<Index<Ssl, String>, ErrorStack> {
 }
 
 impl PskKeys {
-    /// Parses a `psktool` key file's text: `identity:hexkey` lines, blank lines ignored.
-    pub fn parse(text: &str) -> Result<HashMap<String, Vec<u8>>, PskError> {
-        let mut keys = HashMap::new();
-        for (number, line) in text.lines().enumerate() {
-            let line_error = |reason| PskError::Line {
-                line: number + 1,
-                reason,
-            };
-            let line = line.trim();
-            if line.is_empty() {
-                continue;
-            }
-            let Some((identity, hex)) = line.split_once(':') else {
-                return Err(line_error("expected identity:hexkey"));
-            };
-            if identity.is_empty() || identity.len() > 255 {
-                return Err(line_error("the identity must be 1 to 255 bytes"));
-            }
-            let key = decode_hex(hex).ok_or(line_error("the key is not hexadecimal"))?;
-            if key.is_empty() || key.len() > 256 {
-                return Err(line_error("the key must be 1 to 256 bytes"));
-            }
-            if keys.insert(identity.to_string(), key).is_some() {
-                return Err(line_error("the identity appears twice"));
-            }
-        }
-        if keys.is_empty() {
-            return Err(PskError::Empty);
-        }
-        Ok(keys)
-    }
-
     pub fn new(keys: HashMap<String, Vec<u8>>) -> Result<PskKeys, PskError> {
         if keys.is_empty() {
             return Err(PskError::Empty);
@@ -130,16 +96,6 @@ impl PskKeys {
     pub fn identity_count(&self) -> usize {
         self.identities
     }
-}
-
-fn decode_hex(hex: &str) -> Option<Vec<u8>> {
-    if !hex.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 /// OpenSSL's transport: ciphertext the dataplane received, and ciphertext to send.
