@@ -12,6 +12,9 @@ use openssl::ssl::{ErrorCode, Ssl, SslContext, SslMethod, SslStream, SslVerifyMo
 
 use crate::error::ClientError;
 
+/// Plaintext of one TLS record at most.
+const RECORD_BYTES: usize = 16 * 1024;
+
 /// How to speak TLS to the server.
 #[derive(Clone)]
 pub struct TlsOptions {
@@ -272,7 +275,8 @@ impl ClientTls {
         }
         let written = match self {
             ClientTls::Rustls(tls) => tls.writer().write(bytes)?,
-            ClientTls::Psk(tls) => match tls.ssl_write(bytes) {
+            // One record at a time: ciphertext waits in memory only until the socket takes it.
+            ClientTls::Psk(tls) => match tls.ssl_write(&bytes[..bytes.len().min(RECORD_BYTES)]) {
                 Ok(n) => n,
                 Err(e) if is_want(&e) => 0,
                 Err(e) => return Err(tls_error(&e)),

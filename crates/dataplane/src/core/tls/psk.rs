@@ -215,8 +215,12 @@ impl PskSession {
         self.peer_closed
     }
 
-    /// The identity whose key the client proved it holds.
+    /// The identity whose key the client proved it holds (none before the handshake is
+    /// done: the callback names an identity before its key is checked).
     pub fn peer_name(&self) -> Option<String> {
+        if self.handshaking || self.failed {
+            return None;
+        }
         let index = identity_index().ok()?;
         self.stream.ssl().ex_data(index).cloned()
     }
@@ -290,5 +294,153 @@ fn describe(error: &openssl::ssl::Error) -> String {
             .collect::<Vec<_>>()
             .join("; "),
         None => error.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openssl::ssl::{SslConnector, SslVerifyMode};
+
+    const KEY: [u8; 32] = [0x5a; 32];
+
+    fn keys() -> PskKeys {
+        PskKeys::new(HashMap::from([("A".to_string(), KEY.to_vec())])).unwrap()
+    }
+
+    /// An OpenSSL client over a memory pipe offering `identity` with `key`.
+    fn client(identity: &'static str, key: [u8; 32]) -> SslStream<Pipe> {
+        let mut builder = SslConnector::builder(SslMethod::tls_client()).unwrap();
+        builder.set_verify(SslVerifyMode::NONE);
+        builder
+            .set_min_proto_version(Some(SslVersion::TLS1_3))
+            .unwrap();
+        builder.set_psk_client_callback(move |_, _, identity_out, key_out| {
+            identity_out[..identity.len()].copy_from_slice(identity.as_bytes());
+            identity_out[identity.len()] = 0;
+            key_out[..key.len()].copy_from_slice(&key);
+            Ok(key.len())
+        });
+        let mut ssl = Ssl::new(&builder.build().into_context()).unwrap();
+        ssl.set_connect_state();
+        SslStream::new(ssl, Pipe::default()).unwrap()
+    }
+
+    /// Moves the client's output to the server in pieces of 1..=`chunk` bytes (a seeded
+    /// sequence), and the server's back whole.
+    fn exchange(
+        client: &mut SslStream<Pipe>,
+        server: &mut PskSession,
+        chunk: usize,
+        seed: &mut u64,
+    ) {
+        let output = std::mem::take(&mut client.get_mut().output);
+        let mut rest = &output[..];
+        while !rest.is_empty() {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let n = ((*seed >> 33) as usize % chunk + 1).min(rest.len());
+            server.feed(&rest[..n]).expect("server feed");
+            rest = &rest[n..];
+        }
+        server.take_output(&mut client.get_mut().input);
+    }
+
+    #[test]
+    fn a_handshake_and_data_survive_any_fragmentation() {
+        for (chunk, seed) in [(1, 1u64), (7, 2), (300, 3), (20_000, 4)] {
+            let mut seed = seed;
+            let keys = keys();
+            let mut server = PskSession::new(&keys).unwrap();
+            let mut client = client("A", KEY);
+            // The client's first flight; then answer until the handshake is done.
+            for _ in 0..4 {
+                let _ = client.do_handshake();
+                exchange(&mut client, &mut server, chunk, &mut seed);
+            }
+            assert!(
+                !server.is_handshaking(),
+                "chunk {chunk}: handshake not done"
+            );
+            assert_eq!(server.peer_name().as_deref(), Some("A"));
+            // 100 KiB from the client: every byte arrives, in order, within the bound.
+            let data: Vec<u8> = (0..100 * 1024).map(|i| (i % 251) as u8).collect();
+            let mut written = 0;
+            while written < data.len() {
+                // SslConnector's contexts allow partial writes: one record at a time.
+                written += client.ssl_write(&data[written..]).unwrap();
+            }
+            let mut received = Vec::new();
+            let output = std::mem::take(&mut client.get_mut().output);
+            for piece in output.chunks(chunk.max(1)) {
+                server.feed(piece).unwrap();
+                assert!(server.plaintext_ready() <= PLAINTEXT_HELD_MAX + RECORD_PLAINTEXT_MAX);
+                let mut space = [0u8; 5000];
+                while server.plaintext_ready() > 0 {
+                    let n = server.read_plaintext(&mut space);
+                    received.extend_from_slice(&space[..n]);
+                }
+            }
+            assert!(
+                received == data,
+                "chunk {chunk}: data differs: {} of {} bytes, first difference at {:?}",
+                received.len(),
+                data.len(),
+                received.iter().zip(&data).position(|(a, b)| a != b)
+            );
+            // 100 KiB back, written as many small segments.
+            let slices: Vec<std::io::IoSlice<'_>> =
+                data.chunks(1000).map(std::io::IoSlice::new).collect();
+            assert_eq!(server.write_plaintext(&slices), data.len());
+            server.take_output(&mut client.get_mut().input);
+            let mut back = vec![0u8; data.len()];
+            let mut filled = 0;
+            while filled < back.len() {
+                filled += client.ssl_read(&mut back[filled..]).unwrap();
+            }
+            assert!(back == data, "chunk {chunk}: data back differs");
+            // close_notify ends the stream.
+            let _ = client.shutdown();
+            exchange(&mut client, &mut server, chunk, &mut seed);
+            assert!(server.peer_closed());
+        }
+    }
+
+    #[test]
+    fn a_wrong_key_an_unknown_identity_and_garbage_fail_cleanly() {
+        let keys = keys();
+        for (identity, key) in [("A", [0x11; 32]), ("nobody", KEY)] {
+            let mut server = PskSession::new(&keys).unwrap();
+            let mut client = client(identity, key);
+            let mut failed = false;
+            for _ in 0..4 {
+                let _ = client.do_handshake();
+                let output = std::mem::take(&mut client.get_mut().output);
+                if server.feed(&output).is_err() {
+                    failed = true;
+                    break;
+                }
+                server.take_output(&mut client.get_mut().input);
+            }
+            assert!(
+                failed || server.is_handshaking(),
+                "{identity} got a session"
+            );
+            assert!(server.peer_name().is_none());
+            assert_eq!(server.write_plaintext(&[std::io::IoSlice::new(b"x")]), 0);
+        }
+        let mut server = PskSession::new(&keys).unwrap();
+        assert!(server.feed(&[0x16, 3, 1, 0, 5, 1, 2, 3, 4, 5]).is_err());
+        assert!(
+            server.feed(b"more").is_err(),
+            "a failed session took more input"
+        );
+    }
+
+    #[test]
+    fn key_files_build_contexts() {
+        assert!(matches!(PskKeys::new(HashMap::new()), Err(PskError::Empty)));
+        assert_eq!(keys().identity_count(), 1);
     }
 }
