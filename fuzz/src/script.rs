@@ -117,7 +117,10 @@ pub fn listeners() -> Vec<VirtualListener> {
             namespace_index: 0,
             tenant: Some("be".into()),
         },
-        VirtualListener::NativeTls(TlsServer(Arc::clone(&tls_configs().0))),
+        VirtualListener::NativeTls(TlsServer(
+            Arc::clone(&tls_configs().0),
+            Some(Arc::clone(psk_keys())),
+        )),
     ]
 }
 
@@ -160,13 +163,152 @@ fn tls_configs() -> &'static (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfi
     })
 }
 
-/// A client of the TLS listener: its session.
-fn tls_client() -> Box<rustls::ClientConnection> {
+/// The identity and key of the TLS listener's pre-shared-key clients.
+const PSK_IDENTITY: &str = "psk-client";
+const PSK_KEY: [u8; 32] = [0x42; 32];
+
+/// The TLS listener's pre-shared keys, made once per process.
+fn psk_keys() -> &'static Arc<reflex_dataplane::PskKeys> {
+    static KEYS: OnceLock<Arc<reflex_dataplane::PskKeys>> = OnceLock::new();
+    KEYS.get_or_init(|| {
+        let keys = std::collections::HashMap::from([(PSK_IDENTITY.to_string(), PSK_KEY.to_vec())]);
+        Arc::new(reflex_dataplane::PskKeys::new(keys).expect("PSK keys"))
+    })
+}
+
+/// A client of the TLS listener: a certificate session (rustls), or with `psk` one with the
+/// pre-shared key (OpenSSL over a memory pipe), which the server's other TLS stack serves.
+fn tls_client(psk: bool) -> Box<ClientTls> {
+    if psk {
+        use openssl::ssl::{Ssl, SslContext, SslMethod, SslStream, SslVerifyMode, SslVersion};
+        static CONTEXT: OnceLock<SslContext> = OnceLock::new();
+        let context = CONTEXT.get_or_init(|| {
+            let mut builder = SslContext::builder(SslMethod::tls_client()).expect("OpenSSL");
+            builder
+                .set_min_proto_version(Some(SslVersion::TLS1_3))
+                .expect("TLS 1.3");
+            builder.set_verify(SslVerifyMode::NONE);
+            builder.set_psk_client_callback(|_, _, identity_out, key_out| {
+                identity_out[..PSK_IDENTITY.len()].copy_from_slice(PSK_IDENTITY.as_bytes());
+                identity_out[PSK_IDENTITY.len()] = 0;
+                key_out[..PSK_KEY.len()].copy_from_slice(&PSK_KEY);
+                Ok(PSK_KEY.len())
+            });
+            builder.build()
+        });
+        let mut ssl = Ssl::new(context).expect("OpenSSL session");
+        ssl.set_connect_state();
+        let stream = SslStream::new(ssl, PskPipe::default()).expect("OpenSSL stream");
+        return Box::new(ClientTls::Psk(Box::new(stream)));
+    }
     let name = rustls::pki_types::ServerName::try_from("localhost").expect("server name");
     let mut session = rustls::ClientConnection::new(Arc::clone(&tls_configs().1), name)
         .expect("TLS client session");
     session.set_buffer_limit(None);
-    Box::new(session)
+    Box::new(ClientTls::Rustls(Box::new(session)))
+}
+
+/// A TLS client's session.
+enum ClientTls {
+    Rustls(Box<rustls::ClientConnection>),
+    Psk(Box<openssl::ssl::SslStream<PskPipe>>),
+}
+
+/// The PSK client's transport: ciphertext from the server, and for it.
+#[derive(Default)]
+struct PskPipe {
+    input: Vec<u8>,
+    output: Vec<u8>,
+}
+
+impl std::io::Read for PskPipe {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        if self.input.is_empty() {
+            return Err(std::io::ErrorKind::WouldBlock.into());
+        }
+        let n = self.input.len().min(buffer.len());
+        buffer[..n].copy_from_slice(&self.input[..n]);
+        self.input.drain(..n);
+        Ok(n)
+    }
+}
+
+impl std::io::Write for PskPipe {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.output.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl ClientTls {
+    /// Encrypts `bytes` (none: just advance the handshake) and returns what goes to the
+    /// socket.
+    fn encrypt(&mut self, bytes: &[u8]) -> Vec<u8> {
+        let mut ciphertext = Vec::new();
+        match self {
+            ClientTls::Rustls(tls) => {
+                if !bytes.is_empty() {
+                    std::io::Write::write_all(&mut tls.writer(), bytes).expect("TLS plaintext");
+                }
+                while tls.wants_write() {
+                    if tls.write_tls(&mut ciphertext).is_err() {
+                        break;
+                    }
+                }
+            }
+            ClientTls::Psk(tls) => {
+                if bytes.is_empty() {
+                    let _ = tls.do_handshake();
+                }
+                let mut rest = bytes;
+                while !rest.is_empty() {
+                    match tls.ssl_write(rest) {
+                        Ok(n) => rest = &rest[n..],
+                        // Before the handshake is done: held back, as a client that waits
+                        // for it would (the session broke, or the server's flight is due).
+                        Err(_) => {
+                            let _ = tls.do_handshake();
+                            if tls.ssl().is_init_finished() {
+                                continue;
+                            }
+                            break;
+                        }
+                    }
+                }
+                ciphertext = std::mem::take(&mut tls.get_mut().output);
+            }
+        }
+        ciphertext
+    }
+
+    /// The plaintext inside `received` (a session the server broke yields nothing more).
+    fn decrypt(&mut self, received: &[u8]) -> Vec<u8> {
+        let mut plaintext = Vec::new();
+        match self {
+            ClientTls::Rustls(tls) => {
+                let mut offered = received;
+                while !offered.is_empty() {
+                    if tls.read_tls(&mut offered).is_err() || tls.process_new_packets().is_err() {
+                        break;
+                    }
+                    // Taken at once: rustls holds little decrypted data.
+                    let _ = std::io::Read::read_to_end(&mut tls.reader(), &mut plaintext);
+                }
+            }
+            ClientTls::Psk(tls) => {
+                tls.get_mut().input.extend_from_slice(received);
+                let mut space = [0u8; 16 * 1024];
+                while let Ok(n) = tls.ssl_read(&mut space) {
+                    plaintext.extend_from_slice(&space[..n]);
+                }
+            }
+        }
+        plaintext
+    }
 }
 
 /// NBD export names, by selector (the last two do not exist; the empty name is the default).
@@ -1100,7 +1242,7 @@ struct Client {
     oracle: Option<Oracle>,
     /// On the TLS listener: the client's TLS session (what it sends is encrypted, what it
     /// reads decrypted; the protocol inside is the same).
-    tls: Option<Box<rustls::ClientConnection>>,
+    tls: Option<Box<ClientTls>>,
 }
 
 /// A client's view of the server's bytes: complete response headers parsed, their payloads
@@ -1417,15 +1559,7 @@ impl Run {
         if client.done_sending {
             return;
         }
-        if !bytes.is_empty() {
-            std::io::Write::write_all(&mut tls.writer(), bytes).expect("TLS plaintext");
-        }
-        let mut ciphertext = Vec::new();
-        while tls.wants_write() {
-            if tls.write_tls(&mut ciphertext).is_err() {
-                break;
-            }
-        }
+        let ciphertext = tls.encrypt(bytes);
         if !ciphertext.is_empty() {
             self.server.client_send(socket, &ciphertext);
         }
@@ -1437,16 +1571,7 @@ impl Run {
         let Some(tls) = self.clients[index].tls.as_mut() else {
             return;
         };
-        let mut plaintext = Vec::new();
-        let mut offered = &received[..];
-        while !offered.is_empty() {
-            if tls.read_tls(&mut offered).is_err() || tls.process_new_packets().is_err() {
-                break;
-            }
-            // Taken at once: rustls holds little decrypted data.
-            let _ = std::io::Read::read_to_end(&mut tls.reader(), &mut plaintext);
-        }
-        *received = plaintext;
+        *received = tls.decrypt(received);
         // The handshake's last message, once the server's Finished arrived.
         self.transmit(index, &[]);
     }
@@ -1574,6 +1699,7 @@ impl Run {
         let listeners = listeners();
         let thread = u16::from(thread) % self.setup.threads;
         let listener_index = usize::from(listener) % listeners.len();
+        let source_selector = source;
         let source = match source % 4 {
             0 => None,
             1 => Some(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1))),
@@ -1600,8 +1726,9 @@ impl Run {
                     eprintln!("  connected {socket:?} ({kind:?})");
                 }
                 self.outcome.connections += 1;
+                // Certificate or pre-shared key: the source selector's upper bits choose.
                 let tls = matches!(listeners[listener_index], VirtualListener::NativeTls(_))
-                    .then(tls_client);
+                    .then(|| tls_client((source_selector / 4) % 2 == 1));
                 self.clients.push(Client {
                     socket,
                     kind,
@@ -2436,6 +2563,27 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
                 vec![
                     connect(0, 5, 0),
                     connect(0, 5, 1),
+                    advance(4),
+                    control(0, 0, 1, HELLO),
+                    native(0, 2, 2, 0, 8, 3),
+                    native(1, 2, 3, 1, 0, 7),
+                    advance(5),
+                    native(0, 1, 4, 0, 8, 3),
+                    native(1, 1, 5, 1, 0, 7),
+                    native(0, 4, 6, 0, 8, 3),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            // As native-tls, with pre-shared keys (source selectors 4 and 5): OpenSSL on
+            // both ends.
+            "native-tls-psk",
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 5, 4),
+                    connect(0, 5, 5),
                     advance(4),
                     control(0, 0, 1, HELLO),
                     native(0, 2, 2, 0, 8, 3),

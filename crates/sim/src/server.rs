@@ -68,13 +68,22 @@ pub enum VirtualListener {
     Nbd,
 }
 
-/// A rustls server configuration for a TLS listener (equal when it is the same one).
+/// A TLS listener's rustls server configuration (certificates) and optional pre-shared keys
+/// (equal when they are the same ones).
 #[derive(Debug, Clone)]
-pub struct TlsServer(pub Arc<rustls::ServerConfig>);
+pub struct TlsServer(
+    pub Arc<rustls::ServerConfig>,
+    pub Option<Arc<reflex_dataplane::PskKeys>>,
+);
 
 impl PartialEq for TlsServer {
     fn eq(&self, other: &TlsServer) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
+            && match (&self.1, &other.1) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
     }
 }
 
@@ -776,15 +785,15 @@ impl VirtualServer {
 /// The dataplane's protocol for a listener, its tenant resolved by name.
 /// The dataplane's TLS setup when a listener speaks TLS (one server configuration for all).
 fn tls_setup(listeners: &[VirtualListener]) -> Option<reflex_dataplane::TlsSetup> {
-    let server_config = listeners.iter().find_map(|listener| match listener {
-        VirtualListener::NativeTls(tls) => Some(Arc::clone(&tls.0)),
+    let (server_config, psk) = listeners.iter().find_map(|listener| match listener {
+        VirtualListener::NativeTls(tls) => Some((Arc::clone(&tls.0), tls.1.clone())),
         _ => None,
     })?;
     Some(reflex_dataplane::TlsSetup {
         keys: Arc::new(reflex_dataplane::TlsKeys::new(
             reflex_dataplane::TlsCurrent {
                 server_config: Some(server_config),
-                psk: None,
+                psk,
                 identities: Arc::new(std::collections::HashMap::new()),
             },
         )),

@@ -721,22 +721,32 @@ fn replay() {
 /// by a rustls client, are answered as on the plaintext listener, in both modes.
 #[test]
 fn native_requests_over_tls_are_answered() {
-    let (_, tls) = script::seeds()
-        .into_iter()
-        .find(|(name, _)| *name == "native-tls")
-        .unwrap_or_else(|| panic!("the native-tls seed"));
-    let mut plain = tls.clone();
-    for step in &mut plain.steps {
-        if let Step::Connect { listener, .. } = step {
-            *listener = 0;
+    // Certificates (rustls), then pre-shared keys (OpenSSL): the same answers as plaintext.
+    for seed in ["native-tls", "native-tls-psk"] {
+        let (_, tls) = script::seeds()
+            .into_iter()
+            .find(|(name, _)| *name == seed)
+            .unwrap_or_else(|| panic!("the {seed} seed"));
+        let mut plain = tls.clone();
+        for step in &mut plain.steps {
+            if let Step::Connect {
+                listener, source, ..
+            } = step
+            {
+                *listener = 0;
+                *source %= 4;
+            }
         }
-    }
-    for mode in [Mode::Any, Mode::WellFormed] {
-        let over_tls = script::run_mode(&tls, mode, false);
-        let in_plaintext = script::run_mode(&plain, mode, false);
-        assert_eq!(over_tls.responses, 6, "{mode:?}: {over_tls:?}");
-        assert_eq!(over_tls.responses, in_plaintext.responses, "{mode:?}");
-        assert_eq!(over_tls.requests_answered, in_plaintext.requests_answered);
+        for mode in [Mode::Any, Mode::WellFormed] {
+            let over_tls = script::run_mode(&tls, mode, false);
+            let in_plaintext = script::run_mode(&plain, mode, false);
+            assert_eq!(over_tls.responses, 6, "{seed} {mode:?}: {over_tls:?}");
+            assert_eq!(
+                over_tls.responses, in_plaintext.responses,
+                "{seed} {mode:?}"
+            );
+            assert_eq!(over_tls.requests_answered, in_plaintext.requests_answered);
+        }
     }
 }
 

@@ -63,7 +63,7 @@ fn server(network: NetworkModel) -> VirtualServer {
         device,
         Limits::with_arena(32 << 20, 25),
         network,
-        vec![VirtualListener::NativeTls(TlsServer(server_config()))],
+        vec![VirtualListener::NativeTls(TlsServer(server_config(), None))],
     )
 }
 

@@ -35,13 +35,13 @@ pub enum PskError {
 /// The pre-shared keys new PSK sessions are checked against.
 pub struct PskKeys {
     context: SslContext,
-    identities: usize,
+    identities: std::collections::HashSet<Vec<u8>>,
 }
 
 impl std::fmt::Debug for PskKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PskKeys")
-            .field("identities", &self.identities)
+            .field("identities", &self.identities.len())
             .finish_non_exhaustive()
     }
 }
@@ -62,7 +62,7 @@ impl PskKeys {
             return Err(PskError::Empty);
         }
         let index = identity_index()?;
-        let identities = keys.len();
+        let identities = keys.keys().map(|name| name.as_bytes().to_vec()).collect();
         let mut builder = SslContext::builder(SslMethod::tls_server())?;
         builder.set_min_proto_version(Some(SslVersion::TLS1_2))?;
         builder.set_cipher_list(
@@ -94,7 +94,12 @@ impl PskKeys {
     }
 
     pub fn identity_count(&self) -> usize {
-        self.identities
+        self.identities.len()
+    }
+
+    /// Whether `identity` has a key here.
+    pub fn knows(&self, identity: &[u8]) -> bool {
+        self.identities.contains(identity)
     }
 }
 

@@ -64,7 +64,13 @@ impl Session {
     /// some is taken.
     pub(super) fn feed(&mut self, input: &[u8], buffer_full: bool) -> Result<usize, TlsFailure> {
         if let Session::Undecided(current) = self {
-            let chosen = match sniff(input, buffer_full) {
+            let known = |identity: &[u8]| {
+                current
+                    .psk
+                    .as_ref()
+                    .is_some_and(|keys| keys.knows(identity))
+            };
+            let chosen = match sniff(input, buffer_full, known) {
                 Sniff::NeedMore => return Ok(0),
                 Sniff::Psk => {
                     let Some(keys) = current.psk.as_ref() else {
