@@ -198,7 +198,8 @@ fn tls_client(psk: bool) -> Box<ClientTls> {
         });
         let mut ssl = Ssl::new(context).expect("OpenSSL session");
         ssl.set_connect_state();
-        let stream = SslStream::new(ssl, PskPipe::default()).expect("OpenSSL stream");
+        let stream = SslStream::new(ssl, reflex_proto::memory_pipe::MemoryPipe::default())
+            .expect("OpenSSL stream");
         return Box::new(ClientTls::Psk(Box::new(stream)));
     }
     let name = rustls::pki_types::ServerName::try_from("localhost").expect("server name");
@@ -211,37 +212,7 @@ fn tls_client(psk: bool) -> Box<ClientTls> {
 /// A TLS client's session.
 enum ClientTls {
     Rustls(Box<rustls::ClientConnection>),
-    Psk(Box<openssl::ssl::SslStream<PskPipe>>),
-}
-
-/// The PSK client's transport: ciphertext from the server, and for it.
-#[derive(Default)]
-struct PskPipe {
-    input: Vec<u8>,
-    output: Vec<u8>,
-}
-
-impl std::io::Read for PskPipe {
-    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
-        if self.input.is_empty() {
-            return Err(std::io::ErrorKind::WouldBlock.into());
-        }
-        let n = self.input.len().min(buffer.len());
-        buffer[..n].copy_from_slice(&self.input[..n]);
-        self.input.drain(..n);
-        Ok(n)
-    }
-}
-
-impl std::io::Write for PskPipe {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.output.extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+    Psk(Box<openssl::ssl::SslStream<reflex_proto::memory_pipe::MemoryPipe>>),
 }
 
 impl ClientTls {
@@ -279,7 +250,7 @@ impl ClientTls {
                         }
                     }
                 }
-                ciphertext = std::mem::take(&mut tls.get_mut().output);
+                tls.get_mut().take_output(&mut ciphertext);
             }
         }
         ciphertext
@@ -300,7 +271,7 @@ impl ClientTls {
                 }
             }
             ClientTls::Psk(tls) => {
-                tls.get_mut().input.extend_from_slice(received);
+                tls.get_mut().push_input(received);
                 let mut space = [0u8; 16 * 1024];
                 while let Ok(n) = tls.ssl_read(&mut space) {
                     plaintext.extend_from_slice(&space[..n]);

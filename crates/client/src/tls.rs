@@ -9,6 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use openssl::ssl::{ErrorCode, Ssl, SslContext, SslMethod, SslStream, SslVerifyMode, SslVersion};
+use reflex_proto::memory_pipe::MemoryPipe as Pipe;
 
 use crate::error::ClientError;
 
@@ -182,42 +183,6 @@ impl TlsOptions {
     }
 }
 
-/// OpenSSL's transport: ciphertext received from the socket, and ciphertext for it.
-#[derive(Default, Debug)]
-pub(crate) struct Pipe {
-    input: Vec<u8>,
-    input_read: usize,
-    output: Vec<u8>,
-}
-
-impl Read for Pipe {
-    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
-        let pending = &self.input[self.input_read..];
-        if pending.is_empty() {
-            return Err(ErrorKind::WouldBlock.into());
-        }
-        let n = pending.len().min(buffer.len());
-        buffer[..n].copy_from_slice(&pending[..n]);
-        self.input_read += n;
-        if self.input_read == self.input.len() {
-            self.input.clear();
-            self.input_read = 0;
-        }
-        Ok(n)
-    }
-}
-
-impl Write for Pipe {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.output.extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// One TLS session over the driver's socket.
 #[derive(Debug)]
 pub(crate) enum ClientTls {
@@ -230,7 +195,7 @@ impl ClientTls {
     pub(crate) fn wants_write(&self) -> bool {
         match self {
             ClientTls::Rustls(tls) => tls.wants_write(),
-            ClientTls::Psk(tls) => !tls.get_ref().output.is_empty(),
+            ClientTls::Psk(tls) => !tls.get_ref().output().is_empty(),
         }
     }
 
@@ -249,13 +214,11 @@ impl ClientTls {
                 Ok(())
             }
             ClientTls::Psk(tls) => {
-                let output = &mut tls.get_mut().output;
-                while !output.is_empty() {
-                    match stream.write(output) {
+                let pipe = tls.get_mut();
+                while !pipe.output().is_empty() {
+                    match stream.write(pipe.output()) {
                         Ok(0) => return Err(ErrorKind::WriteZero.into()),
-                        Ok(n) => {
-                            output.drain(..n);
-                        }
+                        Ok(n) => pipe.consume_output(n),
                         Err(error) if error.kind() == ErrorKind::WouldBlock => return Ok(()),
                         Err(error) => return Err(error),
                     }
@@ -318,7 +281,7 @@ impl ClientTls {
                         if n == 0 {
                             return Ok(0);
                         }
-                        tls.get_mut().input.extend_from_slice(&ciphertext[..n]);
+                        tls.get_mut().push_input(&ciphertext[..n]);
                     }
                     Err(e) => return Err(tls_error(&e)),
                 },

@@ -77,6 +77,7 @@
 #![forbid(unsafe_code)]
 
 pub mod kv;
+pub mod memory_pipe;
 pub mod native;
 pub mod nbd;
 pub mod nvme_tcp;

@@ -11,12 +11,12 @@
 //! TLS 1.2 uses the PSK cipher suites (with ECDHE where the client offers it).
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
 use std::sync::OnceLock;
 
 use openssl::error::ErrorStack;
 use openssl::ex_data::Index;
 use openssl::ssl::{ErrorCode, Ssl, SslContext, SslMethod, SslStream, SslVersion};
+use reflex_proto::memory_pipe::MemoryPipe as Pipe;
 
 /// Decrypted bytes held before more ciphertext is decrypted (the rustls path's bound).
 const PLAINTEXT_HELD_MAX: usize = 16 * 1024;
@@ -103,42 +103,6 @@ impl PskKeys {
     }
 }
 
-/// OpenSSL's transport: ciphertext the dataplane received, and ciphertext to send.
-#[derive(Default)]
-struct Pipe {
-    input: Vec<u8>,
-    input_read: usize,
-    output: Vec<u8>,
-}
-
-impl Read for Pipe {
-    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
-        let pending = &self.input[self.input_read..];
-        if pending.is_empty() {
-            return Err(std::io::ErrorKind::WouldBlock.into());
-        }
-        let n = pending.len().min(buffer.len());
-        buffer[..n].copy_from_slice(&pending[..n]);
-        self.input_read += n;
-        if self.input_read == self.input.len() {
-            self.input.clear();
-            self.input_read = 0;
-        }
-        Ok(n)
-    }
-}
-
-impl Write for Pipe {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.output.extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// One PSK session.
 pub struct PskSession {
     stream: SslStream<Pipe>,
@@ -168,7 +132,7 @@ impl PskSession {
         if self.failed {
             return Err("the session failed before".to_string());
         }
-        self.stream.get_mut().input.extend_from_slice(input);
+        self.stream.get_mut().push_input(input);
         self.advance()?;
         Ok(input.len())
     }
@@ -285,7 +249,7 @@ impl PskSession {
 
     /// Moves what OpenSSL has to send (handshake messages, records, alerts) to `out`.
     pub fn take_output(&mut self, out: &mut Vec<u8>) {
-        out.append(&mut self.stream.get_mut().output);
+        self.stream.get_mut().take_output(out);
     }
 }
 
@@ -339,7 +303,8 @@ mod tests {
         chunk: usize,
         seed: &mut u64,
     ) {
-        let output = std::mem::take(&mut client.get_mut().output);
+        let mut output = Vec::new();
+        client.get_mut().take_output(&mut output);
         let mut rest = &output[..];
         while !rest.is_empty() {
             *seed = seed
@@ -349,7 +314,9 @@ mod tests {
             server.feed(&rest[..n]).expect("server feed");
             rest = &rest[n..];
         }
-        server.take_output(&mut client.get_mut().input);
+        let mut answer = Vec::new();
+        server.take_output(&mut answer);
+        client.get_mut().push_input(&answer);
     }
 
     #[test]
@@ -377,7 +344,8 @@ mod tests {
                 written += client.ssl_write(&data[written..]).unwrap();
             }
             let mut received = Vec::new();
-            let output = std::mem::take(&mut client.get_mut().output);
+            let mut output = Vec::new();
+            client.get_mut().take_output(&mut output);
             for piece in output.chunks(chunk.max(1)) {
                 server.feed(piece).unwrap();
                 assert!(server.plaintext_ready() <= PLAINTEXT_HELD_MAX + RECORD_PLAINTEXT_MAX);
@@ -398,7 +366,9 @@ mod tests {
             let slices: Vec<std::io::IoSlice<'_>> =
                 data.chunks(1000).map(std::io::IoSlice::new).collect();
             assert_eq!(server.write_plaintext(&slices), data.len());
-            server.take_output(&mut client.get_mut().input);
+            let mut answer = Vec::new();
+            server.take_output(&mut answer);
+            client.get_mut().push_input(&answer);
             let mut back = vec![0u8; data.len()];
             let mut filled = 0;
             while filled < back.len() {
@@ -421,12 +391,15 @@ mod tests {
             let mut failed = false;
             for _ in 0..4 {
                 let _ = client.do_handshake();
-                let output = std::mem::take(&mut client.get_mut().output);
+                let mut output = Vec::new();
+                client.get_mut().take_output(&mut output);
                 if server.feed(&output).is_err() {
                     failed = true;
                     break;
                 }
-                server.take_output(&mut client.get_mut().input);
+                let mut answer = Vec::new();
+                server.take_output(&mut answer);
+                client.get_mut().push_input(&answer);
             }
             assert!(
                 failed || server.is_handshaking(),
