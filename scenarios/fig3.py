@@ -10,46 +10,18 @@ Usage (from the repository root, release binaries built):
     scenarios/fig3.py                 # writes the tables to stdout
 Environment: READ_PERCENTS ("0 100"), DURATION_MS (3000), SIM (target/release/reflex-sim)
 """
-import json
 import os
-import subprocess
 import sys
-import tempfile
 
-SIM = os.environ.get("SIM", "target/release/reflex-sim")
-DURATION_MS = int(os.environ.get("DURATION_MS", "3000"))
+import fig9  # its runner (same directory; it reads SIM and DURATION_MS)
+
 READ_PERCENTS = [int(x) for x in os.environ.get("READ_PERCENTS", "0 100").split()]
 DENSE = [2, 4, 6, 8, 10, 14]
 
 
 def run(flows, qos, read_percent):
-    text = f'''name = "fig3"
-seed = 1
-threads = 1
-qos = {"true" if qos else "false"}
-warmup_ms = 500
-duration_ms = {DURATION_MS}
-[device]
-emulated = "device-a-small"
-profile = "{os.path.abspath("profiles/device-a-small.toml")}"
-'''
-    for name, depth in flows:
-        text += f'''
-[[tenant]]
-name = "{name}"
-class = "be"
-read_percent = {read_percent}
-load = {{ closed_depth = {depth} }}
-'''
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", dir="scenarios", delete=False) as f:
-        f.write(text)
-        path = f.name
-    try:
-        out = subprocess.run([SIM, "--json", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
-    tenants = json.loads(out)["points"][0][1]["tenants"]
-    return {t["name"]: t["iops"] for t in tenants}
+    """Per-flow IOPS of one simulator run (the Figure 9 script's runner, without the stage)."""
+    return fig9.run(flows, qos, None, read_percent)
 
 
 def main():
