@@ -1,5 +1,5 @@
 //! TLS and certificate identity against a real server, with real clients: `nbdinfo` and
-//! `nbdcopy` (libnbd over GnuTLS) with `nbds://` URIs, `qemu-img` with its x509 credentials,
+//! `nbdcopy` (libnbd over GnuTLS) with `nbds://` URIs, `qemu-img` with its x509 and PSK credentials,
 //! and a rustls client speaking the native protocol. Certificates are made in the test with `openssl`: a CA, the server's
 //! certificate for localhost, client certificates whose common names are the tenants `A`
 //! and `B`, one of another CA, and one whose purpose is server authentication only.
@@ -831,6 +831,39 @@ fn nbd_over_tls_with_a_psk_file_copies_data_exactly_and_names_the_tenant() {
     assert!(
         std::fs::read(&check).unwrap().iter().all(|&byte| byte == 0),
         "A's refused write landed in B's export"
+    );
+    // qemu-img with its own PSK credentials (`keys.psk` in a folder, the user name).
+    let qemu_dir = dir.join("qemu-psk");
+    std::fs::create_dir(&qemu_dir).unwrap();
+    psk_file(&qemu_dir, "keys.psk", &[("A", KEY_A)]);
+    let port = server.nbd_addr().unwrap().port();
+    let object = format!(
+        "tls-creds-psk,id=tls0,dir={},username=A,endpoint=client",
+        qemu_dir.display()
+    );
+    let target = format!("driver=nbd,host=localhost,port={port},export=ns1,tls-creds=tls0");
+    let other = pattern(32, NAMESPACE_BYTES as usize);
+    std::fs::write(&input, &other).unwrap();
+    let write = run(
+        "qemu-img",
+        &[
+            "convert",
+            "-n",
+            "--object",
+            &object,
+            "-f",
+            "raw",
+            input.to_str().unwrap(),
+            "--target-image-opts",
+            &target,
+        ],
+    );
+    assert!(write.status.success(), "qemu-img write with PSK: {write:?}");
+    let copy_out = nbdcopy(&uri, output.to_str().unwrap());
+    assert!(copy_out.status.success(), "nbdcopy out: {copy_out:?}");
+    assert!(
+        std::fs::read(&output).unwrap() == other,
+        "qemu-img's write read back differs"
     );
     // Certificates still work on the same listener.
     let info = run("nbdinfo", &[&nbd_uri(&server, "ns1", &pki, "A")]);
