@@ -1,8 +1,10 @@
-//! TLS and certificate identity against a real server, with real clients: `nbdinfo` and
-//! `nbdcopy` (libnbd over GnuTLS) with `nbds://` URIs, `qemu-img` with its x509 and PSK credentials,
-//! and a rustls client speaking the native protocol. Certificates are made in the test with `openssl`: a CA, the server's
-//! certificate for localhost, client certificates whose common names are the tenants `A`
-//! and `B`, one of another CA, and one whose purpose is server authentication only.
+//! TLS and identity (certificates and pre-shared keys) against a real server, with real
+//! clients: `nbdinfo` and `nbdcopy` (libnbd over GnuTLS) with `nbds://` URIs, `qemu-img` with
+//! its x509 and PSK credentials, a rustls and an OpenSSL client speaking the native protocol,
+//! and the client library. Certificates are made in the test with `openssl`: a CA, the
+//! server's certificate for localhost, client certificates whose common names are the
+//! tenants `A` and `B`, one of another CA, and one whose purpose is server authentication
+//! only; pre-shared keys are written in `psktool`'s format.
 //!
 //! Tenant A owns namespace 1 (export `ns1`), tenant B namespace 2 (export `ns2`). A client
 //! with A's certificate reads and writes A's namespace, and is refused B's on both protocols
