@@ -96,6 +96,8 @@ original_ports = []
 arena_bytes_per_thread = "4M"
 [nbd]
 enabled = false
+[nvme_tcp]
+enabled = false
 [admin]
 listen = "127.0.0.1:0"
 state_file = "{}"
@@ -216,6 +218,8 @@ port = 0
 original_ports = []
 arena_bytes_per_thread = "4M"
 [nbd]
+enabled = false
+[nvme_tcp]
 enabled = false
 [admin]
 listen = "127.0.0.1:0"

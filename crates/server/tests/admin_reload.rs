@@ -42,6 +42,8 @@ arena_bytes_per_thread = "4M"
 threads = 2
 [nbd]
 port = 0
+[nvme_tcp]
+enabled = false
 [admin]
 listen = "127.0.0.1:0"
 [[tenant]]
