@@ -200,7 +200,7 @@ fn tls_client(psk: bool) -> Box<ClientTls> {
         ssl.set_connect_state();
         let stream = SslStream::new(ssl, reflex_proto::memory_pipe::MemoryPipe::default())
             .expect("OpenSSL stream");
-        return Box::new(ClientTls::Psk(Box::new(stream)));
+        return Box::new(ClientTls::Psk(Box::new(stream), Vec::new()));
     }
     let name = rustls::pki_types::ServerName::try_from("localhost").expect("server name");
     let mut session = rustls::ClientConnection::new(Arc::clone(&tls_configs().1), name)
@@ -212,7 +212,12 @@ fn tls_client(psk: bool) -> Box<ClientTls> {
 /// A TLS client's session.
 enum ClientTls {
     Rustls(Box<rustls::ClientConnection>),
-    Psk(Box<openssl::ssl::SslStream<reflex_proto::memory_pipe::MemoryPipe>>),
+    /// With the plaintext written before the handshake finished (sent once it has, as rustls
+    /// does on its own).
+    Psk(
+        Box<openssl::ssl::SslStream<reflex_proto::memory_pipe::MemoryPipe>>,
+        Vec<u8>,
+    ),
 }
 
 impl ClientTls {
@@ -231,23 +236,19 @@ impl ClientTls {
                     }
                 }
             }
-            ClientTls::Psk(tls) => {
-                if bytes.is_empty() {
+            ClientTls::Psk(tls, pending) => {
+                pending.extend_from_slice(bytes);
+                if !tls.ssl().is_init_finished() {
                     let _ = tls.do_handshake();
                 }
-                let mut rest = bytes;
-                while !rest.is_empty() {
-                    match tls.ssl_write(rest) {
-                        Ok(n) => rest = &rest[n..],
-                        // Before the handshake is done: held back, as a client that waits
-                        // for it would (the session broke, or the server's flight is due).
-                        Err(_) => {
-                            let _ = tls.do_handshake();
-                            if tls.ssl().is_init_finished() {
-                                continue;
-                            }
-                            break;
+                // Until the handshake is done the plaintext waits (and forever if the
+                // session broke).
+                while tls.ssl().is_init_finished() && !pending.is_empty() {
+                    match tls.ssl_write(pending) {
+                        Ok(n) => {
+                            pending.drain(..n);
                         }
+                        Err(_) => break,
                     }
                 }
                 tls.get_mut().take_output(&mut ciphertext);
@@ -270,7 +271,7 @@ impl ClientTls {
                     let _ = std::io::Read::read_to_end(&mut tls.reader(), &mut plaintext);
                 }
             }
-            ClientTls::Psk(tls) => {
+            ClientTls::Psk(tls, _) => {
                 tls.get_mut().push_input(received);
                 let mut space = [0u8; 16 * 1024];
                 while let Ok(n) = tls.ssl_read(&mut space) {
@@ -324,6 +325,9 @@ pub struct Setup {
     /// [`Mode::Any`]: a device that reports being full; [`Mode::WellFormed`] raises it so
     /// that no error closes an original-protocol connection).
     pub model_queue_depth: usize,
+    /// The fairness stage in front of the device (fair share, 2 best-effort requests at the
+    /// device per thread, at most 8 held), so that requests wait in it.
+    pub fairness: bool,
 }
 
 impl Config {
@@ -338,8 +342,8 @@ impl Config {
     /// 50 ms. Byte 3: the client's
     /// socket buffer (2 bits: 64 KiB, 4 KiB, 16 KiB, 1 MiB), the tenant queue depth (2 bits:
     /// 1024, 1, 2, 4), requests queued in a thread's schedulers (2 bits: 64, 2, 8, 32), tenants
-    /// per namespace (16, 4), bit 7 unused. All zero is a plain single-thread server without
-    /// timeouts. (The QoS tables are small so that a run starts quickly.)
+    /// per namespace (16, 4), the fairness stage on. All zero is a plain single-thread server
+    /// without timeouts. (The QoS tables are small so that a run starts quickly.)
     pub fn decoded(&self) -> Setup {
         let [a, b, c, d] = self.0;
         let bit = |byte: u8, index: u8| byte >> index & 1 == 1;
@@ -388,6 +392,7 @@ impl Config {
             tenants_max: if bit(d, 6) { 4 } else { 16 },
             emulated: !bit(a, 3),
             model_queue_depth: 4,
+            fairness: bit(d, 7),
         }
     }
 }
@@ -1332,6 +1337,16 @@ pub fn server(
         tenant_queue_depth_max: setup.tenant_queue_depth_max,
         thread_queued_requests_max: setup.thread_queued_requests_max,
         tenants_max: setup.tenants_max,
+        fairness: if setup.fairness {
+            reflex_qos::FairQueueConfig {
+                mode: reflex_qos::FairMode::FairShare,
+                be_device_depth_max: 2,
+                held_max: 8,
+                ..reflex_qos::FairQueueConfig::default()
+            }
+        } else {
+            reflex_qos::FairQueueConfig::default()
+        },
         ..QosConfig::default()
     };
     let namespace = |index: usize, profile: Option<DeviceProfile>, tenants| NamespaceControl {
