@@ -15,11 +15,15 @@ Modes (QoS off, the FIFO scheduler in front, as in fig9.py):
   backwarding  the stage, backwarding with B = 2 fixed, be_device_depth_max 6
 Then the LC check: Figure 5 scenario 1 and scenario 2 (with slo_headroom_us = 100, as
 docs/BENCHMARKS.md measured it) at 1/10 scale, QoS on, the LC tenants' SLOs, stage off against
-fair_share at depth 4, RUNS runs each (LC_WARMUP_S + LC_DURATION_S).
+fair_share at depth 4, RUNS runs each (LC_WARMUP_S + LC_DURATION_S); besides the bench's p95,
+the server's own read p95 per 1 s statistics window (GET /v1/stats, polled during the runs),
+which the client threads' scheduling delays do not reach.
 
 Each figure is the median of RUNS runs; every run is WARMUP_S + DURATION_S (≤ 10 s), and the
 whole script stays under 10 minutes with the defaults. One reflexd per configuration, on a
-free loopback port, started from this script and stopped by it.
+free loopback port, started from this script and stopped by it; the configurations compared
+run side by side and their runs alternate (off, on, off, on, ...), so that the machine's load
+drifting over time (it is shared) does not favour one of them.
 
 Usage (from the repository root, after
 `cargo build --release -p reflex-server -p reflex-cli`):
@@ -30,6 +34,7 @@ LC_CHECK (1; 0 skips it), LC_WARMUP_S (2), LC_DURATION_S (5), REFLEXD, REFLEX (t
 JSON_OUT (a file for every run's figures as JSON), PIN ("" or e.g. "0:1": reflexd on CPU 0,
 the bench on CPU 1, with taskset)
 """
+import contextlib
 import json
 import os
 import socket
@@ -37,7 +42,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 
 REFLEXD = os.environ.get("REFLEXD", "target/release/reflexd")
 REFLEX = os.environ.get("REFLEX", "target/release/reflex")
@@ -92,6 +99,7 @@ class Server:
 
     def __init__(self, qos, fairness, headroom_us=None):
         self.port = free_port()
+        self.admin_port = free_port()
         self.dir = tempfile.mkdtemp(prefix="fig9-server-")
         text = f'''listen = "127.0.0.1"
 port = {self.port}
@@ -100,8 +108,12 @@ threads = {THREADS}
 qos = {"true" if qos else "false"}
 [nbd]
 enabled = false
-[admin]
+[nvme_tcp]
 enabled = false
+[admin]
+listen = "127.0.0.1:{self.admin_port}"
+stats_window = "1s"
+state_file = "{os.path.join(self.dir, 'state.json')}"
 [[namespace]]
 id = 1
 backend = "emu:device-a-small"
@@ -131,7 +143,7 @@ profile = "{PROFILE}"
             if self.process.poll() is not None:
                 raise SystemExit(f"reflexd exited: {open(self.log.name).read()}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection(("127.0.0.1", self.admin_port), timeout=0.2).close()
                 return self
             except OSError:
                 time.sleep(0.05)
@@ -145,6 +157,43 @@ profile = "{PROFILE}"
             self.process.kill()
             self.process.wait()
         self.log.close()
+
+
+class StatsPoller:
+    """Reads GET /v1/stats once per second while a run goes on: each tenant's read p95 per
+    statistics window as the server measures it (arrival off the socket to the answer
+    leaving), which the bench threads' own scheduling delays do not reach."""
+
+    def __init__(self, server):
+        self.url = f"http://127.0.0.1:{server.admin_port}/v1/stats"
+        self.windows = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+
+    def poll(self):
+        seen = set()
+        while not self.stop.wait(1.0):
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as answer:
+                    stats = json.load(answer)
+            except OSError:
+                continue
+            if stats["windows"] in seen:
+                continue
+            seen.add(stats["windows"])
+            for tenant in stats["tenants"]:
+                window = tenant["window"]
+                if window["reads"] >= 20:  # as the server judges SLO windows
+                    self.windows.setdefault(tenant["handle"], []).append(
+                        window["read_latency_us"]["p95"])
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
 
 
 def scenario_text(flows, read_percent):
@@ -198,6 +247,20 @@ def progress(message):
     print(message, file=sys.stderr, flush=True)
 
 
+def summary(runs):
+    """Medians over the runs of a mode and k."""
+    return {
+        "fairness": median([r["fairness"] for r in runs]),
+        "fairness_runs": [round(r["fairness"], 3) for r in runs],
+        "slowdown_sparse": median([r["tenants"][0]["slowdown"] for r in runs]),
+        "slowdown_dense": median([r["tenants"][1]["slowdown"] for r in runs]),
+        "iops_sparse": median([r["tenants"][0]["iops"] for r in runs]),
+        "iops_dense": median([r["tenants"][1]["iops"] for r in runs]),
+        "iops_total": median([r["iops_total"] for r in runs]),
+        "errors": sum(t["errors"] for r in runs for t in r["tenants"]),
+    }
+
+
 def fig9():
     results = {}
     for read_percent in READ_PERCENTS:
@@ -216,25 +279,22 @@ def fig9():
                 progress(f"{read_percent} % reads, {name} alone: RT {alone[name]:.1f} µs, "
                          f"{alone_iops[name]:.0f} IOPS (runs {[round(r, 1) for r in rts]})")
         results[read_percent] = {"alone_rt_us": alone, "alone_iops": alone_iops, "modes": {}}
-        # 2. Both flows, per mode and k.
-        for mode in MODES:
-            fairness = fairness_table(mode, read_percent)
-            with Server(qos=False, fairness=fairness) as server:
-                for k in DENSE:
-                    flows = [("sparse", SPARSE_DEPTH, alone["sparse"]),
-                             ("dense", k, alone[f"dense{k}"])]
-                    runs = [bench(server, scenario_text(flows, read_percent))
-                            for _ in range(RUNS)]
-                    row = {
-                        "fairness": median([r["fairness"] for r in runs]),
-                        "fairness_runs": [round(r["fairness"], 3) for r in runs],
-                        "slowdown_sparse": median([r["tenants"][0]["slowdown"] for r in runs]),
-                        "slowdown_dense": median([r["tenants"][1]["slowdown"] for r in runs]),
-                        "iops_sparse": median([r["tenants"][0]["iops"] for r in runs]),
-                        "iops_dense": median([r["tenants"][1]["iops"] for r in runs]),
-                        "iops_total": median([r["iops_total"] for r in runs]),
-                        "errors": sum(t["errors"] for r in runs for t in r["tenants"]),
-                    }
+        # 2. Both flows, per k: one server per mode, all started at once, and the modes'
+        # runs interleaved (mode 1, mode 2, ..., then again), so that the machine's load
+        # drifting over time does not favour one mode.
+        with contextlib.ExitStack() as stack:
+            servers = {mode: stack.enter_context(
+                Server(qos=False, fairness=fairness_table(mode, read_percent)))
+                for mode in MODES}
+            for k in DENSE:
+                flows = [("sparse", SPARSE_DEPTH, alone["sparse"]),
+                         ("dense", k, alone[f"dense{k}"])]
+                runs = {mode: [] for mode in MODES}
+                for _ in range(RUNS):
+                    for mode in MODES:
+                        runs[mode].append(bench(servers[mode], scenario_text(flows, read_percent)))
+                for mode in MODES:
+                    row = summary(runs[mode])
                     results[read_percent]["modes"].setdefault(mode, {})[k] = row
                     progress(f"{read_percent} % reads, {mode}, k = {k}: F {row['fairness']:.2f} "
                              f"(runs {row['fairness_runs']}), total {row['iops_total']:.0f} IOPS")
@@ -246,28 +306,49 @@ def lc_check():
     rows = []
     for scenario, headroom in [("scenarios/fig5-small-scenario1.toml", None),
                                ("scenarios/fig5-small-scenario2.toml", 100)]:
-        for mode, fairness in [("off", None),
-                               ("fair_share 4", {"mode": "fair_share", "be_device_depth_max": 4})]:
-            with open(scenario) as f:
-                text = f.read().replace(
-                    'profile = "../profiles/device-a-small.toml"', f'profile = "{PROFILE}"')
-            with Server(qos=True, fairness=fairness, headroom_us=headroom) as server:
-                reports = [bench(server, text, ["--scenario-duration", f"{LC_DURATION_S}s",
-                                                "--scenario-warmup", f"{LC_WARMUP_S}s"])
-                           for _ in range(RUNS)]
+        with open(scenario) as f:
+            text = f.read().replace(
+                'profile = "../profiles/device-a-small.toml"', f'profile = "{PROFILE}"')
+        modes = [("off", None),
+                 ("fair_share 4", {"mode": "fair_share", "be_device_depth_max": 4})]
+        reports = {mode: [] for mode, _ in modes}
+        server_p95 = {mode: {} for mode, _ in modes}
+        # Both servers at once and their runs interleaved, as in fig9().
+        with contextlib.ExitStack() as stack:
+            servers = {mode: stack.enter_context(
+                Server(qos=True, fairness=fairness, headroom_us=headroom))
+                for mode, fairness in modes}
+            for _ in range(RUNS):
+                for mode, _ in modes:
+                    with StatsPoller(servers[mode]) as poller:
+                        report = bench(servers[mode], text, [
+                            "--scenario-duration", f"{LC_DURATION_S}s",
+                            "--scenario-warmup", f"{LC_WARMUP_S}s"])
+                    reports[mode].append(report)
+                    # Scenario tenants register without a name: match them by handle.
+                    for tenant in report["tenants"]:
+                        server_p95[mode].setdefault(tenant["name"], []).extend(
+                            poller.windows.get(f"{tenant['handle']:016x}", []))
+        for mode, _ in modes:
             row = {"scenario": os.path.basename(scenario), "headroom_us": headroom,
                    "mode": mode, "tenants": {}}
-            for index, tenant in enumerate(reports[0]["tenants"]):
-                runs = [report["tenants"][index] for report in reports]
+            for index, tenant in enumerate(reports[mode][0]["tenants"]):
+                runs = [report["tenants"][index] for report in reports[mode]]
+                windows = server_p95[mode].get(tenant["name"], [])
                 row["tenants"][tenant["name"]] = {
                     "iops": median([t["iops"] for t in runs]),
                     "read_p95_us": median([t["read"]["p95_us"] for t in runs]),
                     "read_p95_us_runs": [round(t["read"]["p95_us"]) for t in runs],
                     "slo_met": sum(1 for t in runs if t["slo_met"]),
+                    # The server's read p95 per 1 s window (warm-up included): median, worst.
+                    "server_window_p95_us": median(windows),
+                    "server_window_p95_us_max": max(windows, default=0),
+                    "server_windows": len(windows),
                 }
             rows.append(row)
             progress(f"LC check {row['scenario']} {mode}: " + ", ".join(
-                f"{n} p95 {t['read_p95_us_runs']} µs {t['iops']:.0f} IOPS met {t['slo_met']}"
+                f"{n} p95 {t['read_p95_us_runs']} µs (server {t['server_window_p95_us']:.0f}) "
+                f"{t['iops']:.0f} IOPS met {t['slo_met']}"
                 for n, t in row["tenants"].items()))
     return rows
 
@@ -298,14 +379,17 @@ def print_tables(results, lc_rows):
         print(f"\n## LC tenants with the stage (QoS on; medians of {RUNS} runs of "
               f"{LC_WARMUP_S} s + {LC_DURATION_S} s)\n")
         print(f"| scenario | stage | A p95 µs (SLO 500) | B p95 µs (SLO 500) | A / B met "
-              f"(of {RUNS}) | A / B IOPS | C / D IOPS |")
-        print("|---|---|---:|---:|---|---:|---:|")
+              f"(of {RUNS}) | server's A / B p95 µs, median (worst) of 1 s windows "
+              f"| A / B IOPS | C / D IOPS |")
+        print("|---|---|---:|---:|---|---|---:|---:|")
         for row in lc_rows:
             t = row["tenants"]
             name = row["scenario"] + (f", headroom {row['headroom_us']} µs"
                                       if row["headroom_us"] else "")
             print(f"| {name} | {row['mode']} | {t['A']['read_p95_us']:.0f} | "
                   f"{t['B']['read_p95_us']:.0f} | {t['A']['slo_met']} / {t['B']['slo_met']} | "
+                  f"{t['A']['server_window_p95_us']:.0f} ({t['A']['server_window_p95_us_max']}) / "
+                  f"{t['B']['server_window_p95_us']:.0f} ({t['B']['server_window_p95_us_max']}) | "
                   f"{t['A']['iops']:.0f} / {t['B']['iops']:.0f} | "
                   f"{t['C']['iops']:.0f} / {t['D']['iops']:.0f} |")
 
