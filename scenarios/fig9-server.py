@@ -196,6 +196,42 @@ class StatsPoller:
         self.thread.join()
 
 
+class FairnessPeek:
+    """Reads GET /v1/fairness once, halfway through a run: on which dataplane thread's stage
+    each tenant's requests are (with several threads, connections are spread by the kernel's
+    SO_REUSEPORT hash, and a stage orders only the flows of its own thread)."""
+
+    def __init__(self, server):
+        self.url = f"http://127.0.0.1:{server.admin_port}/v1/fairness"
+        self.view = None
+        self.thread = threading.Thread(target=self.peek, daemon=True)
+
+    def peek(self):
+        time.sleep(WARMUP_S + DURATION_S / 2)
+        try:
+            with urllib.request.urlopen(self.url, timeout=2) as answer:
+                self.view = json.load(answer)
+        except OSError:
+            pass
+
+    def threads_of(self, handle):
+        """The threads whose stage holds or judged the tenant `handle`."""
+        found = set()
+        for namespace in (self.view or {}).get("namespaces", []):
+            for thread in namespace["threads"]:
+                for flow in thread["flows"]:
+                    if flow["handle"] == f"{handle:016x}":
+                        found.add(thread["thread"])
+        return found
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.thread.join()
+
+
 def scenario_text(flows, read_percent):
     """flows: (name, depth, rt_alone_us or None)."""
     text = f'''name = "fig9-server"
@@ -258,6 +294,8 @@ def summary(runs):
         "iops_dense": median([r["tenants"][1]["iops"] for r in runs]),
         "iops_total": median([r["iops_total"] for r in runs]),
         "errors": sum(t["errors"] for r in runs for t in r["tenants"]),
+        # Per run, with the stage on: both flows on one thread's stage (None: not seen).
+        "same_thread_runs": [r.get("same_thread") for r in runs],
     }
 
 
@@ -292,12 +330,19 @@ def fig9():
                 runs = {mode: [] for mode in MODES}
                 for _ in range(RUNS):
                     for mode in MODES:
-                        runs[mode].append(bench(servers[mode], scenario_text(flows, read_percent)))
+                        with FairnessPeek(servers[mode]) as peek:
+                            report = bench(servers[mode], scenario_text(flows, read_percent))
+                        # With the stage on: whether both flows were on one thread's stage.
+                        placed = [peek.threads_of(t["handle"]) for t in report["tenants"]]
+                        report["same_thread"] = (
+                            None if not all(placed) else len(set().union(*placed)) == 1)
+                        runs[mode].append(report)
                 for mode in MODES:
                     row = summary(runs[mode])
                     results[read_percent]["modes"].setdefault(mode, {})[k] = row
                     progress(f"{read_percent} % reads, {mode}, k = {k}: F {row['fairness']:.2f} "
-                             f"(runs {row['fairness_runs']}), total {row['iops_total']:.0f} IOPS")
+                             f"(runs {row['fairness_runs']}), total {row['iops_total']:.0f} IOPS, "
+                             f"one thread {row['same_thread_runs']}")
     return results
 
 
@@ -353,6 +398,12 @@ def lc_check():
     return rows
 
 
+def placement(row):
+    """yes/no per run: both flows on one thread's stage (- when the stage is off)."""
+    marks = {True: "yes", False: "no", None: "-"}
+    return ", ".join(marks[same] for same in row["same_thread_runs"])
+
+
 def print_tables(results, lc_rows):
     print(f"# Figure 9 on reflexd (emu:device-a-small, {THREADS} dataplane thread(s), QoS off; "
           f"medians of {RUNS} runs of {WARMUP_S} s + {DURATION_S} s; "
@@ -364,8 +415,8 @@ def print_tables(results, lc_rows):
             f"{name} RT {rt:.1f} µs ({result['alone_iops'][name]:.0f} IOPS)"
             for name, rt in alone.items()))
         print("\n| mode | dense k | S sparse | S dense | F (runs) | sparse IOPS | dense IOPS "
-              "| total IOPS | total / off |")
-        print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+              "| total IOPS | total / off | flows on one thread (runs) |")
+        print("|---|---:|---:|---:|---|---:|---:|---:|---:|---|")
         for mode, by_k in result["modes"].items():
             for k, row in by_k.items():
                 off = result["modes"].get("off", {}).get(k)
@@ -374,7 +425,7 @@ def print_tables(results, lc_rows):
                 print(f"| {mode} | {k} | {row['slowdown_sparse']:.2f} | "
                       f"{row['slowdown_dense']:.2f} | **{row['fairness']:.2f}** ({runs}) | "
                       f"{row['iops_sparse']:.0f} | {row['iops_dense']:.0f} | "
-                      f"{row['iops_total']:.0f} | {ratio} |")
+                      f"{row['iops_total']:.0f} | {ratio} | {placement(row)} |")
     if lc_rows:
         print(f"\n## LC tenants with the stage (QoS on; medians of {RUNS} runs of "
               f"{LC_WARMUP_S} s + {LC_DURATION_S} s)\n")
