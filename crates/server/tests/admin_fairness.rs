@@ -3,7 +3,7 @@
 //! appear in `GET /v1/fairness` with the stage's counters, the monitor's F and each flow's
 //! slowdown and density, and in `/metrics` as `reflex_fairness_*`; with the stage off (the
 //! default) the endpoint says `off` and the metrics have no fairness family. `promtool check
-//! metrics` accepts the families.
+//! metrics` accepts the families, and both answers fit `docs/admin-openapi.json`.
 
 mod admin_common;
 
@@ -109,6 +109,7 @@ fn fair_share_shows_its_counters_f_and_each_flows_slowdown() {
         .sum();
     assert!(reads > 0);
 
+    conforms(&view, &schema("Fairness"), "fairness");
     let namespace = &view["namespaces"][0];
     assert_eq!(namespace["namespace_id"], 1);
     assert_eq!(namespace["mode"], "fair_share", "{namespace}");
@@ -159,6 +160,64 @@ fn fair_share_shows_its_counters_f_and_each_flows_slowdown() {
     drop(server);
 }
 
+/// The OpenAPI document's schema `name` (schemathesis checks the API against the document,
+/// but its server has the stage off: this checks an answer with every figure present).
+fn schema(name: &str) -> Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/admin-openapi.json");
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let document: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
+    document["components"]["schemas"][name].clone()
+}
+
+/// Whether `value` has the type, required fields and enum values `schema` gives (the subset
+/// of JSON Schema the fairness schemas use), recursively; panics naming the first mismatch.
+fn conforms(value: &Value, schema: &Value, at: &str) {
+    if let Some(reference) = schema["$ref"].as_str() {
+        let name = reference.rsplit('/').next().unwrap_or("");
+        return conforms(value, &self::schema(name), at);
+    }
+    let types: Vec<&str> = match &schema["type"] {
+        Value::String(one) => vec![one.as_str()],
+        Value::Array(many) => many.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let type_of = match value {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(n) if n.is_u64() || n.is_i64() => "integer",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    };
+    let fits = types
+        .iter()
+        .any(|t| *t == type_of || (*t == "number" && type_of == "integer"));
+    assert!(types.is_empty() || fits, "{at}: {value} is not {types:?}");
+    if let Some(allowed) = schema["enum"].as_array() {
+        assert!(allowed.contains(value), "{at}: {value} not in {allowed:?}");
+    }
+    if let Some(required) = schema["required"].as_array() {
+        for field in required.iter().filter_map(Value::as_str) {
+            assert!(value.get(field).is_some(), "{at}: no {field} in {value}");
+        }
+    }
+    if let (Some(properties), Some(object)) = (schema["properties"].as_object(), value.as_object())
+    {
+        for (field, inner) in object {
+            let Some(property) = properties.get(field) else {
+                panic!("{at}: {field} is not in the document");
+            };
+            conforms(inner, property, &format!("{at}.{field}"));
+        }
+    }
+    if let (Some(items), Some(list)) = (schema.get("items"), value.as_array()) {
+        for (index, item) in list.iter().enumerate() {
+            conforms(item, items, &format!("{at}[{index}]"));
+        }
+    }
+}
+
 /// `promtool check metrics` (Debian's prometheus package, which `scripts/test.sh` installs)
 /// finds nothing wrong with the names, types and help of the fairness families.
 fn promtool_accepts(metrics: &str) {
@@ -202,6 +261,7 @@ fn with_the_stage_off_the_endpoint_says_so_and_metrics_have_no_fairness() {
             .as_array()
             .is_some_and(|threads| !threads.is_empty())
     });
+    conforms(&view, &schema("Fairness"), "fairness");
     let namespace = &view["namespaces"][0];
     assert_eq!(namespace["mode"], "off", "{namespace}");
     assert_eq!(namespace["released_total"], 0, "{namespace}");
