@@ -49,6 +49,9 @@ enum Command {
     Namespaces(NamespaceCommand),
     /// Live statistics per tenant, thread and namespace over the server's last window.
     Stats(StatsArgs),
+    /// The fairness stage per namespace and thread: held requests, the monitor's last F,
+    /// and each tenant's slowdown and density (`GET /v1/fairness`).
+    Fairness,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -309,6 +312,10 @@ pub fn run(args: Args) -> Result<()> {
         Command::Tenants(command) => tenants(&client, json, command),
         Command::Namespaces(command) => namespaces(&client, json, command),
         Command::Stats(stats_args) => stats(&client, json, &stats_args),
+        Command::Fairness => {
+            let fairness = client.request("GET", "/v1/fairness", None)?;
+            print_value(json, &fairness, render_fairness)
+        }
     }
 }
 
@@ -679,6 +686,78 @@ fn render_namespaces(value: &Value) -> String {
     )
 }
 
+/// One line per namespace and thread (the stage and its monitor's last window), then one
+/// per tenant the stage has seen (its figures in that window).
+fn render_fairness(value: &Value) -> String {
+    let empty = Vec::new();
+    let mut threads = Vec::new();
+    let mut flows = Vec::new();
+    for namespace in value["namespaces"].as_array().unwrap_or(&empty) {
+        for thread in namespace["threads"].as_array().unwrap_or(&empty) {
+            threads.push(vec![
+                cell(&namespace["namespace_id"]),
+                cell(&namespace["mode"]),
+                cell(&thread["thread"]),
+                cell(&thread["held"]),
+                cell(&thread["device_in_flight"]),
+                cell(&thread["released_total"]),
+                cell(&thread["fairness"]),
+                percent(&thread["utilisation"]),
+                cell(&thread["policy"]),
+            ]);
+            for flow in thread["flows"].as_array().unwrap_or(&empty) {
+                flows.push(vec![
+                    cell(&namespace["namespace_id"]),
+                    cell(&thread["thread"]),
+                    cell(&flow["tenant"]),
+                    cell(&flow["held"]),
+                    cell(&flow["device_in_flight"]),
+                    cell(&flow["intensity_per_sec"]),
+                    cell(&flow["rt_us"]),
+                    cell(&flow["rt_alone_us"]),
+                    cell(&flow["slowdown"]),
+                    cell(&flow["density"]),
+                    cell(&flow["backwardings"]),
+                ]);
+            }
+        }
+    }
+    let mut out = table(
+        &[
+            "ns",
+            "mode",
+            "thread",
+            "held",
+            "at_device",
+            "released",
+            "F",
+            "busy",
+            "policy",
+        ],
+        &threads,
+    );
+    if !flows.is_empty() {
+        out.push('\n');
+        out.push_str(&table(
+            &[
+                "ns",
+                "thread",
+                "tenant",
+                "held",
+                "at_device",
+                "per_sec",
+                "rt_us",
+                "alone_us",
+                "slowdown",
+                "density",
+                "B",
+            ],
+            &flows,
+        ));
+    }
+    out
+}
+
 fn render_stats(value: &Value) -> String {
     let empty = Vec::new();
     let list = |key: &str| value[key].as_array().unwrap_or(&empty).clone();
@@ -795,6 +874,32 @@ mod tests {
         assert!(lines[0].starts_with("ns  tenant  class  p95_us"));
         assert!(lines[1].contains("gold    lc     500"));
         assert!(lines[2].contains("b       be     -"));
+    }
+
+    #[test]
+    fn the_fairness_table_has_a_line_per_thread_and_per_flow() {
+        let text = render_fairness(&json!({"namespaces": [{
+            "namespace_id": 1, "mode": "fair_share",
+            "threads": [{"thread": 0, "held": 3, "device_in_flight": 8, "released_total": 90,
+                         "fairness": 0.5, "utilisation": 0.9, "policy": "intra",
+                         "flows": [{"tenant": "dense", "held": 3, "device_in_flight": 4,
+                                    "intensity_per_sec": 2000.0, "rt_us": 300.0,
+                                    "rt_alone_us": 150.0, "slowdown": 2.0,
+                                    "density": "dense", "backwardings": 0},
+                                   {"tenant": null, "held": 0, "device_in_flight": 0}]}]
+        }]}));
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 6, "{text}");
+        assert!(lines[1].starts_with("1   fair_share  0"), "{text}");
+        assert!(
+            lines[1].contains("0.500") && lines[1].contains("90.0%"),
+            "{text}"
+        );
+        assert!(
+            lines[4].contains("dense") && lines[4].contains("2.0"),
+            "{text}"
+        );
+        assert!(lines[5].contains("-"), "{text}");
     }
 
     #[test]

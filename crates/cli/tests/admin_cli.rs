@@ -1,7 +1,7 @@
 //! `reflex admin` against a real reflexd (in this process, admin API on a free loopback port):
 //! every tenant subcommand changes what the API then serves, refusals print the server's
-//! message and exit non-zero, `stats --watch` refreshes a bounded number of times, and a server
-//! that is not there is reported as unreachable.
+//! message and exit non-zero, `stats --watch` refreshes a bounded number of times, `fairness`
+//! shows the fairness stage, and a server that is not there is reported as unreachable.
 
 use std::net::TcpListener;
 use std::process::{Command, Output};
@@ -267,6 +267,16 @@ fn stats_prints_a_table_and_watch_refreshes_a_bounded_number_of_times() {
         })
         .collect();
     assert_eq!(windows.len(), 2, "{lines}");
+}
+
+#[test]
+fn fairness_prints_the_stage_of_each_namespace() {
+    let (_server, api) = start();
+    let table = ok(&api, &["fairness"]);
+    assert!(table.starts_with("ns  mode"), "{table}");
+    let view = ok_json(&api, &["fairness"]);
+    assert_eq!(view["namespaces"][0]["namespace_id"], 1, "{view}");
+    assert_eq!(view["namespaces"][0]["mode"], "off", "{view}");
 }
 
 #[test]

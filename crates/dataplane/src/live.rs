@@ -14,7 +14,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use reflex_qos::{Ledger, Nanos, TenantClass};
+use reflex_qos::{
+    FairMode, FairQueueStats, FairnessPolicy, FlowReport, Ledger, Nanos, TenantClass,
+};
 
 use crate::telemetry::LatencyHistogram;
 
@@ -82,6 +84,46 @@ pub struct ListenerSnapshot {
     pub refused: [u64; crate::core::AcceptRefused::COUNT],
 }
 
+/// One flow (a tenant) of a fairness stage: its requests waiting in the stage and at the
+/// device now, and the monitor's figures for it in the last window (`None` when it had too
+/// few requests there to be judged).
+#[derive(Debug, Clone)]
+pub struct FairFlowSnapshot {
+    /// The tenant's handle (0: the namespace's default tenant, or one this thread no longer
+    /// knows).
+    pub handle: u64,
+    pub held: u32,
+    pub device_in_flight: u32,
+    pub last_window: Option<FlowReport>,
+}
+
+/// The monitor's last window on one thread's stage.
+#[derive(Debug, Clone, Copy)]
+pub struct FairWindowSnapshot {
+    /// When it closed (the dataplane's clock; compare with [`ThreadSnapshot::at`]).
+    pub end: Nanos,
+    /// F = min S / max S over the flows judged.
+    pub fairness: f64,
+    /// Share of the window the device had at least one of the stage's requests.
+    pub utilisation: f64,
+    pub unfair: bool,
+    pub policy: FairnessPolicy,
+}
+
+/// One namespace's fairness stage on one thread (`reflex_qos::fair_queue`): what it holds
+/// now, its counters since the thread started, and its monitor's last window. Published even
+/// when the stage is off (mode `Off`, everything zero), so readers need no special case.
+#[derive(Debug, Clone, Default)]
+pub struct FairnessSnapshot {
+    pub mode: FairMode,
+    pub held: u32,
+    pub device_in_flight: u32,
+    pub stats: FairQueueStats,
+    pub last_window: Option<FairWindowSnapshot>,
+    /// Bounded by the namespace's tenants on this thread.
+    pub flows: Vec<FairFlowSnapshot>,
+}
+
 /// One namespace on one thread.
 #[derive(Debug, Clone, Default)]
 pub struct NamespaceSnapshot {
@@ -95,6 +137,7 @@ pub struct NamespaceSnapshot {
     pub read_latency: LatencyHistogram,
     /// The thread's token ledger for the namespace's scheduler.
     pub ledger: Ledger,
+    pub fairness: FairnessSnapshot,
 }
 
 /// Everything one thread publishes.

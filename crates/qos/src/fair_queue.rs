@@ -240,6 +240,22 @@ impl FairQueue {
         Some((flow.dense, flow.backwardings))
     }
 
+    /// Every flow the stage has seen, with its requests held here and at the device now:
+    /// what the metrics show per tenant (flows are bounded by [`FAIR_FLOWS_MAX`]).
+    pub fn flows(&self) -> impl Iterator<Item = (FlowId, u32, u32)> + '_ {
+        self.flows
+            .iter()
+            .enumerate()
+            .filter(|(_, flow)| flow.present())
+            .map(|(index, flow)| {
+                (
+                    FlowId(index as u64),
+                    flow.queue.len() as u32,
+                    flow.in_flight,
+                )
+            })
+    }
+
     /// Holds an admitted best-effort request of `flow` until [`FairQueue::poll_release`]
     /// gives it back.
     pub fn hold(&mut self, flow: FlowId, token: u64) -> Result<(), FairQueueFull> {

@@ -590,8 +590,177 @@ impl Collector for SamplerCollector {
             &namespace_latencies,
             |metric, histogram| encode_latency(metric, histogram),
         )?;
-        Ok(())
+        encode_fairness(&mut encoder, &sampler.fairness_view())
     }
+}
+
+/// The fairness stages (`GET /v1/fairness`), for namespaces where the stage is on: per thread
+/// what it holds, its counters and its monitor's last window; per flow (tenant, bounded by the
+/// tenants) the monitor's slowdown and density.
+fn encode_fairness(
+    encoder: &mut DescriptorEncoder,
+    view: &crate::admin::stats::FairnessView,
+) -> Result<(), std::fmt::Error> {
+    let mut held = Vec::new();
+    let mut in_flight = Vec::new();
+    let mut held_total = Vec::new();
+    let mut released = Vec::new();
+    let mut backwarded = Vec::new();
+    let mut windows = Vec::new();
+    let mut fairness = Vec::new();
+    let mut utilisation = Vec::new();
+    let mut load_balance = Vec::new();
+    let mut flow_held = Vec::new();
+    let mut slowdown = Vec::new();
+    let mut response = Vec::new();
+    let mut response_alone = Vec::new();
+    let mut intensity = Vec::new();
+    let mut dense = Vec::new();
+    let mut backwardings = Vec::new();
+    for namespace in &view.namespaces {
+        if namespace.mode == reflex_qos::FairMode::Off {
+            continue;
+        }
+        let namespace_id = namespace.namespace_id.to_string();
+        if let Some(balance) = namespace.load_balance {
+            load_balance.push((vec![("namespace", namespace_id.clone())], balance));
+        }
+        for thread in &namespace.threads {
+            let labels: Labels = vec![
+                ("namespace", namespace_id.clone()),
+                ("thread", thread.thread.to_string()),
+            ];
+            held.push((labels.clone(), f64::from(thread.held)));
+            in_flight.push((labels.clone(), f64::from(thread.device_in_flight)));
+            held_total.push((labels.clone(), thread.held_total as f64));
+            released.push((labels.clone(), thread.released_total as f64));
+            backwarded.push((labels.clone(), thread.backwarded_total as f64));
+            windows.push((labels.clone(), thread.windows as f64));
+            if let Some(f) = thread.fairness {
+                fairness.push((labels.clone(), f));
+            }
+            if let Some(u) = thread.utilisation {
+                utilisation.push((labels.clone(), u));
+            }
+            for flow in &thread.flows {
+                let mut labels = labels.clone();
+                labels.push(("tenant", clean(flow.tenant.as_deref().unwrap_or(""))));
+                flow_held.push((labels.clone(), f64::from(flow.held)));
+                let (Some(s), Some(rt), Some(alone), Some(rate), Some(density), Some(b)) = (
+                    flow.slowdown,
+                    flow.rt_us,
+                    flow.rt_alone_us,
+                    flow.intensity_per_sec,
+                    flow.density,
+                    flow.backwardings,
+                ) else {
+                    continue;
+                };
+                slowdown.push((labels.clone(), s));
+                response.push((labels.clone(), rt / 1e6));
+                response_alone.push((labels.clone(), alone / 1e6));
+                intensity.push((labels.clone(), rate));
+                dense.push((labels.clone(), if density == "dense" { 1.0 } else { 0.0 }));
+                backwardings.push((labels, f64::from(b)));
+            }
+        }
+    }
+    gauges(
+        encoder,
+        "fairness_held_requests",
+        "Best-effort requests the fairness stage holds in front of the device.",
+        &held,
+    )?;
+    gauges(
+        encoder,
+        "fairness_device_in_flight",
+        "Requests the fairness stage released that are at the device now.",
+        &in_flight,
+    )?;
+    counters(
+        encoder,
+        "fairness_held",
+        "Requests that entered the fairness stage.",
+        &held_total,
+    )?;
+    counters(
+        encoder,
+        "fairness_released",
+        "Requests the fairness stage sent to the device.",
+        &released,
+    )?;
+    counters(
+        encoder,
+        "fairness_backwarded",
+        "Times a dense flow's head request was moved back behind a sparse flow's (backwarding).",
+        &backwarded,
+    )?;
+    counters(
+        encoder,
+        "fairness_windows",
+        "Windows the fairness monitor closed.",
+        &windows,
+    )?;
+    gauges(
+        encoder,
+        "fairness_index",
+        "F = min slowdown / max slowdown over the flows of the monitor's last window (1 is fair).",
+        &fairness,
+    )?;
+    gauges(
+        encoder,
+        "fairness_device_utilisation_ratio",
+        "Share of the monitor's last window the device had the stage's requests.",
+        &utilisation,
+    )?;
+    gauges(
+        encoder,
+        "fairness_load_balance_ratio",
+        "LB = min / max device utilisation over the namespace's threads (1 is balanced).",
+        &load_balance,
+    )?;
+    gauges(
+        encoder,
+        "fairness_flow_held_requests",
+        "Requests of the tenant held by the fairness stage.",
+        &flow_held,
+    )?;
+    gauges(
+        encoder,
+        "fairness_flow_slowdown",
+        "The tenant's slowdown RT / RT_alone in the monitor's last window.",
+        &slowdown,
+    )?;
+    gauges(
+        encoder,
+        "fairness_flow_response_time_seconds",
+        "The tenant's mean response time (network round trip plus server latency) in the monitor's last window.",
+        &response,
+    )?;
+    gauges(
+        encoder,
+        "fairness_flow_alone_response_time_seconds",
+        "The tenant's RT_alone in force (learned, calibrated, or the lowest RT seen).",
+        &response_alone,
+    )?;
+    gauges(
+        encoder,
+        "fairness_flow_intensity_requests_per_second",
+        "The tenant's completed requests per second in the monitor's last window.",
+        &intensity,
+    )?;
+    gauges(
+        encoder,
+        "fairness_flow_dense",
+        "1 when the monitor classed the tenant's flow dense in its last window, 0 sparse.",
+        &dense,
+    )?;
+    gauges(
+        encoder,
+        "fairness_flow_backwardings",
+        "B for a dense flow's head requests (0 for sparse flows or without unfairness).",
+        &backwardings,
+    )
 }
 
 #[cfg(test)]

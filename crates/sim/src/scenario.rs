@@ -166,6 +166,11 @@ pub struct TenantSpecToml {
     #[serde(default)]
     pub per_thread: bool,
     pub load: LoadToml,
+    /// The tenant's mean response time alone (µs), from a run with the device to itself: with
+    /// it, `reflex bench --scenario` reports the tenant's slowdown and the run's F = min S /
+    /// max S (OctoFAS eq. 1, 2). The simulator does not use it.
+    #[serde(default)]
+    pub rt_alone_us: Option<f64>,
 }
 
 fn default_read_percent() -> u8 {
@@ -274,6 +279,12 @@ impl Scenario {
                 && (tenant.latency_us_p95.is_none() || tenant.iops.is_none())
             {
                 return Err(self.invalid(format!("LC tenant {name} needs latency_us_p95 and iops")));
+            }
+            if tenant
+                .rt_alone_us
+                .is_some_and(|rt| !(rt.is_finite() && rt > 0.0))
+            {
+                return Err(self.invalid(format!("tenant {name}: rt_alone_us must be above 0")));
             }
             if tenant.load.open_iops.is_some() == tenant.load.closed_depth.is_some() {
                 return Err(self.invalid(format!(

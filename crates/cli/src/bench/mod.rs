@@ -157,7 +157,8 @@ pub struct Args {
     quiet: bool,
     /// Run a multi-tenant scenario file (the `reflex-sim` format, `scenarios/`): each tenant
     /// registers, binds its connections and sends its load at once; prints per tenant IOPS,
-    /// p95/p99 read latency and whether its SLO was met. Uses --server, --namespace, --spin,
+    /// mean response time, p95/p99 read latency, whether its SLO was met, and with RT_alone
+    /// (file or --scenario-alone) its slowdown and the run's fairness F. Uses --server, --namespace, --spin,
     /// --cpus, --json, --quiet; the file gives the load and the durations.
     #[arg(long, value_name = "FILE")]
     scenario: Option<PathBuf>,
@@ -170,6 +171,10 @@ pub struct Args {
     /// With --scenario: seed instead of the file's.
     #[arg(long, requires = "scenario")]
     scenario_seed: Option<u64>,
+    /// With --scenario: first run each tenant alone (same warm-up and duration) and take its
+    /// mean response time as RT_alone (instead of the file's `rt_alone_us`), for slowdowns and F.
+    #[arg(long, requires = "scenario")]
+    scenario_alone: bool,
     /// Tenant handles, one per line (as `reflex flood --register N --handles FILE` writes
     /// them): connection k of the run BINDs to handle k modulo their number before the load.
     #[arg(long, value_name = "FILE")]
@@ -303,6 +308,7 @@ pub fn run(args: Args) -> Result<()> {
             duration: args.scenario_duration,
             warmup: args.scenario_warmup,
             seed: args.scenario_seed,
+            alone: args.scenario_alone,
             spin: args.spin,
             cpus: args.cpus.clone(),
             json: args.json,

@@ -15,7 +15,10 @@
 //! Latency is from the intended send time. At the end the tenants are unregistered. The
 //! table gives per tenant: sent and achieved IOPS, read p95/p99, whether an LC tenant met its
 //! SLO (p95 within the SLO and at least 99 % of what it sent answered), and RENEGOTIATE
-//! notices; `--json` prints the same as JSON.
+//! notices; its throughput and mean response time (reads and writes); and, when its RT_alone
+//! is known (the file's `rt_alone_us`, or `--scenario-alone`, which first runs each tenant
+//! alone), its slowdown S = RT / RT_alone and the run's fairness F = min S / max S (OctoFAS
+//! eq. 1, 2: how evenly the tenants are slowed down); `--json` prints the same as JSON.
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
@@ -100,6 +103,8 @@ pub struct ScenarioOptions {
     pub duration: Option<Duration>,
     pub warmup: Option<Duration>,
     pub seed: Option<u64>,
+    /// Run each tenant alone first: its mean response time becomes its RT_alone.
+    pub alone: bool,
     pub spin: bool,
     pub cpus: Vec<usize>,
     pub json: bool,
@@ -121,6 +126,10 @@ pub struct ScenarioReport {
     pub assumed_device: String,
     pub assumed_qos_config: Option<String>,
     pub tenants: Vec<TenantRow>,
+    /// Every tenant's throughput summed.
+    pub iops_total: f64,
+    /// F = min S / max S over the tenants with a slowdown (at least two), OctoFAS eq. 2.
+    pub fairness: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -137,6 +146,13 @@ pub struct TenantRow {
     /// Open loop: arrivals per second in the measurement (answered or never issued).
     pub sent_iops: Option<f64>,
     pub iops: f64,
+    /// Mean response time of its reads and writes, µs (closed loop: depth / IOPS).
+    pub rt_us: f64,
+    /// Its mean response time alone, µs, and where it came from (`file`, `alone run`).
+    pub rt_alone_us: Option<f64>,
+    pub rt_alone_source: Option<&'static str>,
+    /// S = RT / RT_alone (OctoFAS eq. 1).
+    pub slowdown: Option<f64>,
     pub read: LatencySummary,
     pub write: LatencySummary,
     /// LC tenants: read p95 within the SLO and ≥ 99 % of what was sent answered.
@@ -167,7 +183,10 @@ struct Prepared {
 
 /// Runs the scenario at `path`, prints the table (or JSON), and fails on request errors.
 pub fn run(path: &Path, options: &ScenarioOptions) -> Result<()> {
-    let scenario = load(path)?;
+    let mut scenario = load(path)?;
+    if options.alone {
+        measure_alone(&mut scenario, options)?;
+    }
     let report = execute(&scenario, options)?;
     let mut stdout = std::io::stdout().lock();
     if options.json {
@@ -188,6 +207,46 @@ pub fn run(path: &Path, options: &ScenarioOptions) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs each tenant of `scenario` alone (its own load, the same durations) and sets its
+/// `rt_alone_us` to the mean response time measured: the baseline of its slowdown.
+pub fn measure_alone(scenario: &mut ScenarioFile, options: &ScenarioOptions) -> Result<()> {
+    for index in 0..scenario.tenants.len() {
+        let mut alone = scenario.clone();
+        alone.tenants = vec![scenario.tenants[index].clone()];
+        alone.tenants[0].rt_alone_us = None;
+        let report = execute(&alone, options)
+            .with_context(|| format!("tenant {} alone", scenario.tenants[index].name))?;
+        let row = &report.tenants[0];
+        if row.errors > 0 || row.rt_us <= 0.0 {
+            bail!(
+                "tenant {} alone: {} errors, mean response time {:.1} µs",
+                row.name,
+                row.errors,
+                row.rt_us
+            );
+        }
+        if !options.quiet {
+            eprintln!(
+                "tenant {} alone: {:.0} IOPS, mean response time {:.1} µs",
+                row.name, row.iops, row.rt_us
+            );
+        }
+        scenario.tenants[index].rt_alone_us = Some(row.rt_us);
+    }
+    Ok(())
+}
+
+/// F = min S / max S over the slowdowns given (`None` with fewer than two).
+pub fn fairness(slowdowns: impl Iterator<Item = f64>) -> Option<f64> {
+    let slowdowns: Vec<f64> = slowdowns.collect();
+    if slowdowns.len() < 2 {
+        return None;
+    }
+    let min = slowdowns.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = slowdowns.iter().copied().fold(0.0, f64::max);
+    (max > 0.0).then(|| min / max)
 }
 
 /// Registers the tenants, runs them all at once, unregisters them, and reports.
@@ -283,9 +342,17 @@ pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<Sce
     let mut rows = Vec::new();
     for ((tenant, handle), outcome) in scenario.tenants.iter().zip(&handles).zip(outcomes) {
         let outcome = outcome.with_context(|| format!("tenant {}", tenant.name))?;
-        rows.push(row(tenant, *handle, &outcome, capabilities.window_requests));
+        let mut row = row(tenant, *handle, &outcome, capabilities.window_requests);
+        if let Some(alone) = tenant.rt_alone_us {
+            row.rt_alone_us = Some(alone);
+            row.rt_alone_source = Some(if options.alone { "alone run" } else { "file" });
+            row.slowdown = (row.rt_us > 0.0).then(|| row.rt_us / alone);
+        }
+        rows.push(row);
     }
     Ok(ScenarioReport {
+        iops_total: rows.iter().map(|row| row.iops).sum(),
+        fairness: fairness(rows.iter().filter_map(|row| row.slowdown)),
         scenario: scenario.name.clone(),
         description: scenario.description.clone(),
         server: address.to_string(),
@@ -405,6 +472,13 @@ fn prepare(
 fn row(tenant: &TenantSpecToml, handle: u64, outcome: &Outcome, window: u32) -> TenantRow {
     let measured_sec = (outcome.measured_ns as f64 / 1e9).max(1e-9);
     let read = outcome.read.summary();
+    let write = outcome.write.summary();
+    let answered = read.count + write.count;
+    let rt_us = if answered > 0 {
+        (read.avg_us * read.count as f64 + write.avg_us * write.count as f64) / answered as f64
+    } else {
+        0.0
+    };
     let rate_target_per_sec = tenant.load.open_iops.map(|rate| rate as f64);
     let sent_ops = outcome.measured_ops + outcome.unissued_ops;
     let sent_iops = rate_target_per_sec.map(|_| sent_ops as f64 / measured_sec);
@@ -432,8 +506,12 @@ fn row(tenant: &TenantSpecToml, handle: u64, outcome: &Outcome, window: u32) -> 
         queue_depth,
         sent_iops,
         iops: outcome.measured_ops as f64 / measured_sec,
+        rt_us,
+        rt_alone_us: None,
+        rt_alone_source: None,
+        slowdown: None,
         read,
-        write: outcome.write.summary(),
+        write,
         slo_met,
         notices: outcome.notices,
         unissued_ops: outcome.unissued_ops,
@@ -496,9 +574,12 @@ pub fn print_table(out: &mut impl Write, report: &ScenarioReport) -> std::io::Re
     }
     writeln!(
         out,
-        "| tenant | class | SLO | sent IOPS | IOPS | read p95 µs | read p99 µs | write p95 µs | SLO met | notices |"
+        "| tenant | class | SLO | sent IOPS | IOPS | mean RT µs | RT alone µs | slowdown | read p95 µs | read p99 µs | write p95 µs | SLO met | notices |"
     )?;
-    writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|---|---:|")?;
+    writeln!(
+        out,
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
+    )?;
     for tenant in &report.tenants {
         let slo = match (tenant.latency_us_p95, tenant.iops_reserved) {
             (Some(latency), Some(iops)) => format!("{} @ {latency} µs", human(iops as f64)),
@@ -518,21 +599,45 @@ pub fn print_table(out: &mut impl Write, report: &ScenarioReport) -> std::io::Re
         } else {
             "-".to_string()
         };
+        let alone = tenant
+            .rt_alone_us
+            .map_or_else(|| "-".to_string(), |rt| format!("{rt:.1}"));
+        let slowdown = tenant
+            .slowdown
+            .map_or_else(|| "-".to_string(), |s| format!("{s:.2}"));
         writeln!(
             out,
-            "| {} | {} | {slo} | {sent} | {} | {:.0} | {:.0} | {write_p95} | {met} | {} |",
+            "| {} | {} | {slo} | {sent} | {} | {:.1} | {alone} | {slowdown} | {:.0} | {:.0} | {write_p95} | {met} | {} |",
             tenant.name,
             match tenant.class {
                 Class::Lc => "LC",
                 Class::Be => "BE",
             },
             human(tenant.iops),
+            tenant.rt_us,
             tenant.read.p95_us,
             tenant.read.p99_us,
             tenant.notices
         )?;
     }
     writeln!(out, "(latencies from the intended send time)")?;
+    let judged = report
+        .tenants
+        .iter()
+        .filter(|t| t.slowdown.is_some())
+        .count();
+    match report.fairness {
+        Some(f) => writeln!(
+            out,
+            "total {} IOPS; fairness F = {f:.2} (min S / max S over {judged} tenants)",
+            human(report.iops_total)
+        )?,
+        None => writeln!(
+            out,
+            "total {} IOPS; fairness F needs RT_alone of two tenants (rt_alone_us, --scenario-alone)",
+            human(report.iops_total)
+        )?,
+    }
     write_timeline(out, report)?;
     Ok(())
 }
@@ -633,6 +738,7 @@ mod tests {
             duration: None,
             warmup: None,
             seed: None,
+            alone: false,
             spin: false,
             cpus: Vec::new(),
             json: true,
@@ -717,6 +823,76 @@ mod tests {
             "{table}"
         );
         assert!(table.contains("\n| 300 |"), "{table}");
+        server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    #[test]
+    fn fairness_is_the_lowest_slowdown_over_the_highest() {
+        assert_eq!(fairness([2.0, 4.0, 3.0].into_iter()), Some(0.5));
+        assert_eq!(fairness([1.5].into_iter()), None);
+        assert_eq!(fairness(std::iter::empty()), None);
+    }
+
+    #[test]
+    fn rt_alone_from_the_file_or_alone_runs_gives_slowdowns_and_f() {
+        let server = server(false);
+        let text = TWO_TENANTS
+            .replace(
+                "load = { open_iops = 1000 }",
+                "load = { open_iops = 1000 }
+        rt_alone_us = 10.0",
+            )
+            .replace(
+                "load = { closed_depth = 4 }",
+                "load = { closed_depth = 4 }
+        rt_alone_us = 20.0",
+            );
+        let scenario = check(&text).unwrap_or_else(|e| panic!("{e:#}"));
+        let report = execute(&scenario, &options(&server)).unwrap_or_else(|e| panic!("{e:#}"));
+        for (tenant, alone) in report.tenants.iter().zip([10.0, 20.0]) {
+            assert!(tenant.rt_us > 0.0, "{}", tenant.name);
+            assert_eq!(tenant.rt_alone_us, Some(alone));
+            assert_eq!(tenant.rt_alone_source, Some("file"));
+            assert_eq!(tenant.slowdown, Some(tenant.rt_us / alone));
+        }
+        let (a, c) = (&report.tenants[0], &report.tenants[1]);
+        let (low, high) = if a.slowdown < c.slowdown {
+            (a, c)
+        } else {
+            (c, a)
+        };
+        assert_eq!(
+            report.fairness,
+            Some(low.slowdown.unwrap_or(0.0) / high.slowdown.unwrap_or(1.0))
+        );
+        assert!((report.iops_total - a.iops - c.iops).abs() < 1e-6);
+        let mut table = Vec::new();
+        print_table(&mut table, &report).unwrap_or_else(|e| panic!("{e}"));
+        let table = String::from_utf8(table).unwrap_or_else(|e| panic!("{e}"));
+        assert!(table.contains("fairness F = "), "{table}");
+
+        // Alone runs replace the file's figures with measured ones.
+        let mut scenario = scenario;
+        let mut alone = options(&server);
+        alone.alone = true;
+        measure_alone(&mut scenario, &alone).unwrap_or_else(|e| panic!("{e:#}"));
+        for tenant in &scenario.tenants {
+            let rt = tenant.rt_alone_us.unwrap_or(0.0);
+            assert!(
+                rt > 0.0 && rt != 10.0 && rt != 20.0,
+                "{}: {rt}",
+                tenant.name
+            );
+        }
+        let report = execute(&scenario, &alone).unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(
+            report
+                .tenants
+                .iter()
+                .all(|t| t.rt_alone_source == Some("alone run"))
+        );
+        assert!(report.fairness.is_some_and(|f| f > 0.0 && f <= 1.0));
+        assert_eq!(server.tenants().len(), 1, "alone runs unregister too");
         server.shutdown().unwrap_or_else(|e| panic!("{e}"));
     }
 

@@ -5,9 +5,10 @@
 use reflex_qos::{Nanos, TenantId};
 
 use super::Dataplane;
+use super::tenants::NamespaceQos;
 use crate::live::{
-    BATCH_BUCKETS, ListenerSnapshot, NamespaceSnapshot, PUBLISH_INTERVAL, TenantSnapshot,
-    ThreadSnapshot, batch_bucket,
+    BATCH_BUCKETS, FairFlowSnapshot, FairWindowSnapshot, FairnessSnapshot, ListenerSnapshot,
+    NamespaceSnapshot, PUBLISH_INTERVAL, TenantSnapshot, ThreadSnapshot, batch_bucket,
 };
 
 /// Counters only the live figures need.
@@ -101,6 +102,7 @@ impl Dataplane {
                 device_ns: self.live.device_ns[index],
                 read_latency: self.telemetry[index].reads.clone(),
                 ledger: namespace.scheduler.ledger(),
+                fairness: fairness_snapshot(namespace),
             });
             for (id, account) in namespace.accounts.iter().enumerate() {
                 if account.stats.handle == 0 {
@@ -160,5 +162,55 @@ impl Dataplane {
                 })
                 .collect(),
         }
+    }
+}
+
+/// The fairness stage of `namespace` as the control plane sees it: flows named by tenant
+/// handle, since tenant ids mean nothing outside this thread's scheduler.
+fn fairness_snapshot(namespace: &NamespaceQos) -> FairnessSnapshot {
+    let fair = &namespace.fair;
+    let handle_of = |flow: reflex_qos::FlowId| {
+        usize::try_from(flow.0)
+            .ok()
+            .and_then(|id| namespace.accounts.get(id))
+            .map_or(0, |account| account.stats.handle)
+    };
+    // With the stage off its monitor sees no requests: its windows say nothing.
+    let report = fair.report().filter(|_| fair.is_on());
+    let mut flows: Vec<FairFlowSnapshot> = fair
+        .flows()
+        .map(|(flow, held, device_in_flight)| FairFlowSnapshot {
+            handle: handle_of(flow),
+            held,
+            device_in_flight,
+            last_window: report.and_then(|r| r.flows.iter().find(|f| f.flow == flow).copied()),
+        })
+        .collect();
+    // A flow judged in the last window but idle since still shows its figures.
+    if let Some(report) = report {
+        for judged in &report.flows {
+            if !fair.flows().any(|(flow, _, _)| flow == judged.flow) {
+                flows.push(FairFlowSnapshot {
+                    handle: handle_of(judged.flow),
+                    held: 0,
+                    device_in_flight: 0,
+                    last_window: Some(*judged),
+                });
+            }
+        }
+    }
+    FairnessSnapshot {
+        mode: fair.mode(),
+        held: fair.held(),
+        device_in_flight: fair.in_flight(),
+        stats: fair.stats(),
+        last_window: report.map(|r| FairWindowSnapshot {
+            end: r.end,
+            fairness: r.fairness,
+            utilisation: r.utilisation.first().copied().unwrap_or(0.0),
+            unfair: r.unfair,
+            policy: r.policy,
+        }),
+        flows,
     }
 }

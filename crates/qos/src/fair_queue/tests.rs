@@ -316,3 +316,27 @@ fn fair_share_caps_each_present_flow_at_its_share() {
     stage.completed(DENSE, 1_000, now);
     assert_eq!(release_all(&mut stage, now), vec![(1, 6)]);
 }
+
+#[test]
+fn flows_lists_held_and_in_flight_per_flow_for_the_metrics() {
+    let mut stage = stage(FairMode::FairShare, 2, None);
+    assert_eq!(stage.flows().count(), 0);
+    for token in 0..3 {
+        stage.hold(DENSE, token).unwrap();
+    }
+    stage.hold(SPARSE, 10).unwrap();
+    let released = release_all(&mut stage, Nanos(10));
+    assert_eq!(released.len(), 2, "depth 2: {released:?}");
+    let flows: Vec<(FlowId, u32, u32)> = stage.flows().collect();
+    // One place each (share 1 of 2): two dense requests wait, the sparse one is out.
+    assert_eq!(flows, [(SPARSE, 0, 1), (DENSE, 2, 1)]);
+    let held: u32 = flows.iter().map(|(_, held, _)| held).sum();
+    let in_flight: u32 = flows.iter().map(|(_, _, at)| at).sum();
+    assert_eq!((held, in_flight), (stage.held(), stage.in_flight()));
+    // A flow that completed stays listed (present) until its windows pass.
+    stage.completed(SPARSE, 1_000, Nanos(20));
+    assert!(stage.flows().any(|(flow, _, _)| flow == SPARSE));
+    assert!(stage.handle_timeout(Nanos(1_000_000)));
+    assert!(stage.handle_timeout(Nanos(2_000_000)));
+    assert!(stage.flows().all(|(flow, _, _)| flow != SPARSE));
+}

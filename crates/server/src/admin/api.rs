@@ -36,6 +36,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("patch", "/v1/namespaces/{namespace_id}/tenants/{name}"),
     ("delete", "/v1/namespaces/{namespace_id}/tenants/{name}"),
     ("get", "/v1/stats"),
+    ("get", "/v1/fairness"),
     ("get", "/metrics"),
 ];
 
@@ -867,6 +868,16 @@ pub async fn get_stats(State(state): State<Shared>) -> Response {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .view();
+    json(view)
+}
+
+/// `GET /v1/fairness`: the fairness stages and their monitors, per namespace and thread.
+pub async fn get_fairness(State(state): State<Shared>) -> Response {
+    let view = state
+        .sampler
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .fairness_view();
     json(view)
 }
 

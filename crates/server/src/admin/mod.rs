@@ -325,6 +325,7 @@ pub fn router(state: Shared) -> Router {
                 .delete(api::delete_tenant),
         )
         .route("/v1/stats", get(api::get_stats))
+        .route("/v1/fairness", get(api::get_fairness))
         .route("/metrics", get(api::get_metrics))
         .fallback(api::not_found)
         .layer(axum::middleware::from_fn_with_state(

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use reflex_dataplane::control::{ControlPlane, TenantInfo};
-use reflex_dataplane::live::{BATCH_BUCKETS, ThreadSnapshot};
+use reflex_dataplane::live::{BATCH_BUCKETS, FairnessSnapshot, ThreadSnapshot};
 use reflex_dataplane::namespaces::NamespaceSet;
 use reflex_dataplane::telemetry::LatencyHistogram;
 use reflex_qos::{Ledger, TenantSpec};
@@ -69,6 +69,9 @@ pub struct NamespaceTotals {
     pub device_ns: u64,
     pub read_latency: LatencyHistogram,
     pub ledger: Ledger,
+    /// Each thread's fairness stage on the namespace: (thread index, the thread's clock at
+    /// publication, the stage). Stages are per thread, so they are listed, not summed.
+    pub fairness: Vec<(usize, reflex_qos::Nanos, FairnessSnapshot)>,
 }
 
 /// Everything summed at one instant.
@@ -102,6 +105,9 @@ impl Totals {
                 total.ledger.to_bucket.0 += ledger.to_bucket.0;
                 total.ledger.written_off.0 += ledger.written_off.0;
                 total.ledger.held.0 += ledger.held.0;
+                total
+                    .fairness
+                    .push((thread.thread_index, thread.at, namespace.fairness.clone()));
             }
         }
         Totals {
@@ -233,6 +239,95 @@ pub struct NamespaceStatsView {
     pub lc_reserved_tokens_per_sec: Option<f64>,
     pub rate_scale: Option<f64>,
     pub tokens_spent_per_sec: f64,
+}
+
+/// One flow (tenant) of a thread's fairness stage, as `GET /v1/fairness` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct FairFlowView {
+    /// The tenant's name; `None` for the namespace's default tenant (untenanted requests).
+    pub tenant: Option<String>,
+    pub handle: String,
+    pub held: u32,
+    pub device_in_flight: u32,
+    /// The monitor's last window (all `None` when the flow had too few requests in it).
+    pub intensity_per_sec: Option<f64>,
+    pub rt_us: Option<f64>,
+    pub rt_alone_us: Option<f64>,
+    pub alone_learned: Option<bool>,
+    pub slowdown: Option<f64>,
+    pub density: Option<&'static str>,
+    pub backwardings: Option<u32>,
+}
+
+/// One thread's fairness stage on a namespace.
+#[derive(Debug, Clone, Serialize)]
+pub struct FairThreadView {
+    pub thread: usize,
+    pub held: u32,
+    pub device_in_flight: u32,
+    pub held_total: u64,
+    pub released_total: u64,
+    pub backwarded_total: u64,
+    pub windows: u64,
+    /// The monitor's last window: F, the device's busy share, the verdict, and how long ago
+    /// it closed (the monitor closes windows only while requests flow).
+    pub fairness: Option<f64>,
+    pub utilisation: Option<f64>,
+    pub unfair: Option<bool>,
+    pub policy: Option<&'static str>,
+    pub window_age_seconds: Option<f64>,
+    pub flows: Vec<FairFlowView>,
+}
+
+/// One namespace's fairness stages, as `GET /v1/fairness` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct FairNamespaceView {
+    pub namespace_id: u32,
+    pub mode: reflex_qos::FairMode,
+    pub held: u64,
+    pub device_in_flight: u64,
+    pub held_total: u64,
+    pub released_total: u64,
+    pub backwarded_total: u64,
+    /// The lowest F over threads with a window (each thread's monitor judges its own flows).
+    pub fairness_min: Option<f64>,
+    /// LB = min U / max U over the threads' device utilisations (OctoFAS eq. 3); `None`
+    /// with fewer than two threads with a window.
+    pub load_balance: Option<f64>,
+    pub threads: Vec<FairThreadView>,
+}
+
+/// `GET /v1/fairness`.
+#[derive(Debug, Clone, Serialize)]
+pub struct FairnessView {
+    pub namespaces: Vec<FairNamespaceView>,
+}
+
+/// LB = min / max of `utilisations` (`None` with fewer than two, 1 when all are idle).
+pub fn load_balance(utilisations: &[f64]) -> Option<f64> {
+    if utilisations.len() < 2 {
+        return None;
+    }
+    let max = utilisations.iter().copied().fold(0.0, f64::max);
+    let min = utilisations.iter().copied().fold(f64::INFINITY, f64::min);
+    Some(if max > 0.0 { min / max } else { 1.0 })
+}
+
+fn density_label(density: reflex_qos::Density) -> &'static str {
+    match density {
+        reflex_qos::Density::Dense => "dense",
+        reflex_qos::Density::Sparse => "sparse",
+    }
+}
+
+/// The label of Algorithm 1's verdict.
+pub fn policy_label(policy: reflex_qos::FairnessPolicy) -> &'static str {
+    match policy {
+        reflex_qos::FairnessPolicy::None => "none",
+        reflex_qos::FairnessPolicy::Inter => "inter",
+        reflex_qos::FairnessPolicy::Intra => "intra",
+        reflex_qos::FairnessPolicy::Hybrid => "hybrid",
+    }
 }
 
 /// `GET /v1/stats`.
@@ -512,6 +607,46 @@ impl Sampler {
         self.window_seconds = seconds;
     }
 
+    /// What `GET /v1/fairness` shows: every live namespace's stages, from the latest sums.
+    pub fn fairness_view(&self) -> FairnessView {
+        let names: BTreeMap<u64, String> = self
+            .control
+            .tenants()
+            .into_iter()
+            .map(|info| (info.handle, info.name))
+            .collect();
+        let current = self.namespaces();
+        let mut namespaces = Vec::new();
+        for namespace_index in current.live_indices() {
+            let id = current.id(namespace_index);
+            let stages = self
+                .latest
+                .namespaces
+                .get(&id)
+                .map_or(&[][..], |totals| &totals.fairness[..]);
+            let threads: Vec<FairThreadView> = stages
+                .iter()
+                .map(|(thread, at, stage)| fair_thread_view(*thread, *at, stage, &names))
+                .collect();
+            let utilisations: Vec<f64> = threads.iter().filter_map(|t| t.utilisation).collect();
+            namespaces.push(FairNamespaceView {
+                namespace_id: id,
+                mode: stages
+                    .first()
+                    .map_or(reflex_qos::FairMode::Off, |(_, _, stage)| stage.mode),
+                held: threads.iter().map(|t| u64::from(t.held)).sum(),
+                device_in_flight: threads.iter().map(|t| u64::from(t.device_in_flight)).sum(),
+                held_total: threads.iter().map(|t| t.held_total).sum(),
+                released_total: threads.iter().map(|t| t.released_total).sum(),
+                backwarded_total: threads.iter().map(|t| t.backwarded_total).sum(),
+                fairness_min: threads.iter().filter_map(|t| t.fairness).reduce(f64::min),
+                load_balance: load_balance(&utilisations),
+                threads,
+            });
+        }
+        FairnessView { namespaces }
+    }
+
     /// What `GET /v1/stats` shows: the last window, totals since start, SLO attainment.
     pub fn view(&self) -> StatsView {
         let mut tenants = Vec::new();
@@ -599,5 +734,48 @@ impl Sampler {
             threads: self.thread_views.clone(),
             namespaces,
         }
+    }
+}
+
+fn fair_thread_view(
+    thread: usize,
+    at: reflex_qos::Nanos,
+    stage: &FairnessSnapshot,
+    names: &BTreeMap<u64, String>,
+) -> FairThreadView {
+    let window = stage.last_window;
+    FairThreadView {
+        thread,
+        held: stage.held,
+        device_in_flight: stage.device_in_flight,
+        held_total: stage.stats.held_total,
+        released_total: stage.stats.released_total,
+        backwarded_total: stage.stats.backwarded_total,
+        windows: stage.stats.reports,
+        fairness: window.map(|w| w.fairness),
+        utilisation: window.map(|w| w.utilisation),
+        unfair: window.map(|w| w.unfair),
+        policy: window.map(|w| policy_label(w.policy)),
+        window_age_seconds: window.map(|w| at.saturating_since(w.end).0 as f64 / 1e9),
+        flows: stage
+            .flows
+            .iter()
+            .map(|flow| {
+                let judged = flow.last_window;
+                FairFlowView {
+                    tenant: names.get(&flow.handle).cloned(),
+                    handle: format!("{:016x}", flow.handle),
+                    held: flow.held,
+                    device_in_flight: flow.device_in_flight,
+                    intensity_per_sec: judged.map(|f| f.intensity),
+                    rt_us: judged.map(|f| f.rt_us),
+                    rt_alone_us: judged.map(|f| f.rt_alone_us),
+                    alone_learned: judged.map(|f| f.alone_learned),
+                    slowdown: judged.map(|f| f.slowdown),
+                    density: judged.map(|f| density_label(f.density)),
+                    backwardings: judged.map(|f| f.backwardings),
+                }
+            })
+            .collect(),
     }
 }
