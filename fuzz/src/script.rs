@@ -178,7 +178,7 @@ fn psk_keys() -> &'static Arc<reflex_dataplane::PskKeys> {
 
 /// A client of the TLS listener: a certificate session (rustls), or with `psk` one with the
 /// pre-shared key (OpenSSL over a memory pipe), which the server's other TLS stack serves.
-fn tls_client(psk: bool) -> Box<ClientTls> {
+fn tls_client(psk: bool) -> ClientTls {
     if psk {
         use openssl::ssl::{Ssl, SslContext, SslMethod, SslStream, SslVerifyMode, SslVersion};
         static CONTEXT: OnceLock<SslContext> = OnceLock::new();
@@ -200,13 +200,13 @@ fn tls_client(psk: bool) -> Box<ClientTls> {
         ssl.set_connect_state();
         let stream = SslStream::new(ssl, reflex_proto::memory_pipe::MemoryPipe::default())
             .expect("OpenSSL stream");
-        return Box::new(ClientTls::Psk(Box::new(stream), Vec::new()));
+        return ClientTls::Psk(Box::new(stream), Vec::new());
     }
     let name = rustls::pki_types::ServerName::try_from("localhost").expect("server name");
     let mut session = rustls::ClientConnection::new(Arc::clone(&tls_configs().1), name)
         .expect("TLS client session");
     session.set_buffer_limit(None);
-    Box::new(ClientTls::Rustls(Box::new(session)))
+    ClientTls::Rustls(Box::new(session))
 }
 
 /// A TLS client's session.
@@ -1218,7 +1218,7 @@ struct Client {
     oracle: Option<Oracle>,
     /// On the TLS listener: the client's TLS session (what it sends is encrypted, what it
     /// reads decrypted; the protocol inside is the same).
-    tls: Option<Box<ClientTls>>,
+    tls: Option<ClientTls>,
 }
 
 /// A client's view of the server's bytes: complete response headers parsed, their payloads

@@ -107,8 +107,11 @@ impl PskKeys {
 pub struct PskSession {
     stream: SslStream<Pipe>,
     handshaking: bool,
-    plaintext: Vec<u8>,
-    plaintext_read: usize,
+    /// Decrypted bytes, `plaintext_start..plaintext_end` not read yet: room for
+    /// [`PLAINTEXT_HELD_MAX`] plus one record, allocated once (never zeroed per record).
+    plaintext: Box<[u8]>,
+    plaintext_start: usize,
+    plaintext_end: usize,
     peer_closed: bool,
     failed: bool,
 }
@@ -120,8 +123,9 @@ impl PskSession {
         Ok(PskSession {
             stream,
             handshaking: true,
-            plaintext: Vec::new(),
-            plaintext_read: 0,
+            plaintext: vec![0; PLAINTEXT_HELD_MAX + RECORD_PLAINTEXT_MAX].into_boxed_slice(),
+            plaintext_start: 0,
+            plaintext_end: 0,
             peer_closed: false,
             failed: false,
         })
@@ -151,22 +155,27 @@ impl PskSession {
             }
         }
         while !self.peer_closed && self.plaintext_ready() <= PLAINTEXT_HELD_MAX {
-            let start = self.plaintext.len();
-            self.plaintext.resize(start + RECORD_PLAINTEXT_MAX, 0);
-            let result = self.stream.ssl_read(&mut self.plaintext[start..]);
+            if self.plaintext.len() - self.plaintext_end < RECORD_PLAINTEXT_MAX {
+                // At most PLAINTEXT_HELD_MAX is unread: moved to the front, a record fits.
+                self.plaintext
+                    .copy_within(self.plaintext_start..self.plaintext_end, 0);
+                self.plaintext_end -= self.plaintext_start;
+                self.plaintext_start = 0;
+            }
+            let end = self.plaintext_end;
+            let result = self
+                .stream
+                .ssl_read(&mut self.plaintext[end..end + RECORD_PLAINTEXT_MAX]);
             match result {
-                Ok(n) => self.plaintext.truncate(start + n),
-                Err(e) => {
-                    self.plaintext.truncate(start);
-                    match e.code() {
-                        ErrorCode::WANT_READ | ErrorCode::WANT_WRITE => break,
-                        ErrorCode::ZERO_RETURN => self.peer_closed = true,
-                        _ => {
-                            self.failed = true;
-                            return Err(describe(&e));
-                        }
+                Ok(n) => self.plaintext_end += n,
+                Err(e) => match e.code() {
+                    ErrorCode::WANT_READ | ErrorCode::WANT_WRITE => break,
+                    ErrorCode::ZERO_RETURN => self.peer_closed = true,
+                    _ => {
+                        self.failed = true;
+                        return Err(describe(&e));
                     }
-                }
+                },
             }
         }
         Ok(())
@@ -177,7 +186,7 @@ impl PskSession {
     }
 
     pub fn plaintext_ready(&self) -> usize {
-        self.plaintext.len() - self.plaintext_read
+        self.plaintext_end - self.plaintext_start
     }
 
     pub fn peer_closed(&self) -> bool {
@@ -195,13 +204,13 @@ impl PskSession {
     }
 
     pub fn read_plaintext(&mut self, space: &mut [u8]) -> usize {
-        let ready = &self.plaintext[self.plaintext_read..];
+        let ready = &self.plaintext[self.plaintext_start..self.plaintext_end];
         let n = ready.len().min(space.len());
         space[..n].copy_from_slice(&ready[..n]);
-        self.plaintext_read += n;
-        if self.plaintext_read == self.plaintext.len() {
-            self.plaintext.clear();
-            self.plaintext_read = 0;
+        self.plaintext_start += n;
+        if self.plaintext_start == self.plaintext_end {
+            self.plaintext_start = 0;
+            self.plaintext_end = 0;
             // Ciphertext may wait in the pipe while the plaintext was at its bound.
             if !self.failed && !self.handshaking && self.advance().is_err() {
                 self.peer_closed = true;
