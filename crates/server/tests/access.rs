@@ -487,33 +487,7 @@ fn a_read_only_grant_refuses_write_trim_and_write_zeroes_on_every_protocol() {
         text.contains("# TYPE reflex_refusals_total counter"),
         "{text}"
     );
-    promtool_accepts(&text);
-}
-
-/// `promtool check metrics` accepts the exposition.
-fn promtool_accepts(text: &str) {
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("promtool (Debian's prometheus package): {e}"));
-    promtool
-        .stdin
-        .take()
-        .unwrap_or_else(|| panic!("stdin"))
-        .write_all(text.as_bytes())
-        .unwrap_or_else(|e| panic!("{e}"));
-    let output = promtool
-        .wait_with_output()
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(
-        output.status.success(),
-        "promtool check metrics: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    admin_common::promtool_accepts(&text);
 }
 
 #[test]
@@ -841,7 +815,7 @@ fn allow_lists_refuse_peers_from_other_addresses_on_every_listener() {
         text.contains("# TYPE reflex_connections_refused_total counter"),
         "{text}"
     );
-    promtool_accepts(&text);
+    admin_common::promtool_accepts(&text);
 }
 
 // ---------------------------------------------------------------------------------------------

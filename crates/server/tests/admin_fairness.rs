@@ -156,7 +156,7 @@ fn fair_share_shows_its_counters_f_and_each_flows_slowdown() {
         metrics.contains("tenant=\"dense\"") && metrics.contains("tenant=\"sparse\""),
         "{metrics}"
     );
-    promtool_accepts(&metrics);
+    admin_common::promtool_accepts(&metrics);
     drop(server);
 }
 
@@ -216,34 +216,6 @@ fn conforms(value: &Value, schema: &Value, at: &str) {
             conforms(item, items, &format!("{at}[{index}]"));
         }
     }
-}
-
-/// `promtool check metrics` (Debian's prometheus package, which `scripts/test.sh` installs)
-/// finds nothing wrong with the names, types and help of the fairness families.
-fn promtool_accepts(metrics: &str) {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("promtool: {e}"));
-    if let Some(mut stdin) = promtool.stdin.take() {
-        stdin
-            .write_all(metrics.as_bytes())
-            .unwrap_or_else(|e| panic!("{e}"));
-    }
-    let output = promtool
-        .wait_with_output()
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(
-        output.status.success(),
-        "promtool check metrics: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
 }
 
 #[test]

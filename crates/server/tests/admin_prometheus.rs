@@ -92,31 +92,7 @@ fn promtool_accepts_the_exposition_and_openmetrics_is_served_on_request() {
         "promtool check config {example}: {}",
         String::from_utf8_lossy(&checked.stdout)
     );
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!("promtool (Debian's prometheus package; scripts/test.sh installs it): {e}")
-        });
-    {
-        use std::io::Write;
-        let mut stdin = promtool.stdin.take().unwrap_or_else(|| panic!("stdin"));
-        stdin
-            .write_all(text.as_bytes())
-            .unwrap_or_else(|e| panic!("{e}"));
-    }
-    let output = promtool
-        .wait_with_output()
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(
-        output.status.success(),
-        "promtool check metrics: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    admin_common::promtool_accepts(&text);
 
     let open_metrics =
         api.get_with_accept("/metrics", "application/openmetrics-text; version=1.0.0");

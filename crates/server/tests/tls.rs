@@ -236,6 +236,25 @@ fn nbdcopy(from: &str, to: &str) -> Output {
     run("nbdcopy", &["--connections=2", "--requests=16", from, to])
 }
 
+/// `qemu-img convert` of the raw file `input` onto the NBD `target` (image options), with
+/// the TLS credentials `object` (`--object`).
+fn qemu_img_write(object: &str, target: &str, input: &Path) -> Output {
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-n",
+            "--object",
+            object,
+            "-f",
+            "raw",
+            input.to_str().unwrap(),
+            "--target-image-opts",
+            target,
+        ],
+    )
+}
+
 #[test]
 fn nbd_over_tls_copies_data_exactly_with_a_client_certificate() {
     let pki = Pki::new();
@@ -270,20 +289,7 @@ fn nbd_over_tls_copies_data_exactly_with_a_client_certificate() {
     let target = format!("driver=nbd,host=localhost,port={port},export=ns1,tls-creds=tls0");
     let other = pattern(8, NAMESPACE_BYTES as usize);
     std::fs::write(&input, &other).unwrap();
-    let write = run(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "--object",
-            &object,
-            "-f",
-            "raw",
-            input.to_str().unwrap(),
-            "--target-image-opts",
-            &target,
-        ],
-    );
+    let write = qemu_img_write(&object, &target, &input);
     assert!(write.status.success(), "qemu-img write: {write:?}");
     let read = run(
         "qemu-img",
@@ -846,20 +852,7 @@ fn nbd_over_tls_with_a_psk_file_copies_data_exactly_and_names_the_tenant() {
     let target = format!("driver=nbd,host=localhost,port={port},export=ns1,tls-creds=tls0");
     let other = pattern(32, NAMESPACE_BYTES as usize);
     std::fs::write(&input, &other).unwrap();
-    let write = run(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "--object",
-            &object,
-            "-f",
-            "raw",
-            input.to_str().unwrap(),
-            "--target-image-opts",
-            &target,
-        ],
-    );
+    let write = qemu_img_write(&object, &target, &input);
     assert!(write.status.success(), "qemu-img write with PSK: {write:?}");
     let copy_out = nbdcopy(&uri, output.to_str().unwrap());
     assert!(copy_out.status.success(), "nbdcopy out: {copy_out:?}");

@@ -276,3 +276,33 @@ impl Nbd {
         self.reply(data)
     }
 }
+
+/// `promtool check metrics` (Debian's prometheus package, which `scripts/test.sh` installs)
+/// finds nothing wrong with the exposition's names, types and help.
+pub fn promtool_accepts(text: &str) {
+    use std::process::{Command, Stdio};
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("promtool (Debian's prometheus package; scripts/test.sh installs it): {e}")
+        });
+    promtool
+        .stdin
+        .take()
+        .unwrap_or_else(|| panic!("stdin"))
+        .write_all(text.as_bytes())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let output = promtool
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        output.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
