@@ -52,6 +52,20 @@ impl Dataplane {
         }
     }
 
+    /// The request slot a scheduler `token` names (`qos_enqueue` packs the slot's generation
+    /// above its index); asserts that it is that request and that it is still queued.
+    pub(super) fn queued_request(&self, token: u64) -> u32 {
+        let index = token as u32;
+        let generation = (token >> 32) as u32;
+        let request = &self.requests[index as usize];
+        assert_eq!(
+            request.generation, generation,
+            "stale request from a scheduler"
+        );
+        assert_eq!(request.state, RequestState::Queued);
+        index
+    }
+
     fn qos_enqueue(&mut self, index: u32, now: Nanos) -> Result<(), EnqueueError> {
         let request = &self.requests[index as usize];
         let io = request.io();
@@ -226,15 +240,8 @@ impl Dataplane {
     /// connection closed meanwhile (then it is freed; returns `false`). `fair_flow`: the
     /// fairness stage released it and counts its place at the device.
     fn submit_admitted(&mut self, token: u64, fair_flow: Option<u32>, now: Nanos) -> bool {
-        let index = token as u32;
-        let generation = (token >> 32) as u32;
-        let slot = &self.requests[index as usize];
-        assert_eq!(
-            slot.generation, generation,
-            "stale request from the scheduler"
-        );
-        assert_eq!(slot.state, RequestState::Queued);
-        let connection_index = slot.connection_index;
+        let index = self.queued_request(token);
+        let connection_index = self.requests[index as usize].connection_index;
         if !self.connections[connection_index as usize].is_open() {
             self.free_request(index);
             self.maybe_finish_close(connection_index);

@@ -181,14 +181,7 @@ impl Dataplane {
         self.qos_queued = 0;
         let mut refused = 0;
         for token in tokens {
-            let index = token as u32;
-            let generation = (token >> 32) as u32;
-            let request = &self.requests[index as usize];
-            assert_eq!(
-                request.generation, generation,
-                "stale request from a scheduler"
-            );
-            assert_eq!(request.state, RequestState::Queued);
+            let index = self.queued_request(token);
             refused += self.refuse_waiting(index);
         }
         while let Some(index) = self.blocked.pop_front() {
