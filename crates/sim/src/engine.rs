@@ -39,7 +39,7 @@ pub const CLIENT_BACKLOG_MAX: usize = 1 << 16;
 /// A client that follows a notice sends this share of what it was granted: a Poisson source
 /// at exactly its token rate would queue behind its own bursts.
 pub const FOLLOW_MARGIN: f64 = 0.9;
-/// The namespace every simulated tenant uses.
+/// The namespace of the first device (every tenant's unless it names another).
 pub const NAMESPACE_ID: u32 = 1;
 /// How long the setup (REGISTER and BIND over the network) may take in virtual time.
 const SETUP_TIME_MAX: Nanos = Nanos(1_000_000_000);
@@ -78,6 +78,8 @@ pub struct SimTenant {
     /// One connection per entry, on that thread.
     pub connections: Vec<u16>,
     pub load: Load,
+    /// The namespace it registers on and sends to: device `namespace - 1` of the run.
+    pub namespace: u32,
 }
 
 /// Everything one run needs.
@@ -86,7 +88,10 @@ pub struct SimConfig {
     pub seed: u64,
     pub threads: u16,
     pub policy: Policy,
+    /// The profile of namespace 1's device.
     pub profile: DeviceProfile,
+    /// The profiles of namespaces 2, 3, ...: one per further device.
+    pub extra_profiles: Vec<DeviceProfile>,
     pub qos: QosConfig,
     pub warmup: Nanos,
     pub duration: Nanos,
@@ -158,7 +163,14 @@ struct TenantState {
 
 /// Runs one simulation against `device` (the namespace's storage) and reports per tenant.
 pub fn run(config: &SimConfig, device: Arc<dyn Device>) -> Result<PointReport, SimError> {
-    let mut sim = Sim::new(config, device)?;
+    run_on(config, vec![device])
+}
+
+/// Runs one simulation with one namespace per device (`devices[i]` is namespace `i + 1`,
+/// with `config.profile` for the first and `config.extra_profiles` for the rest): each its own
+/// token bucket, schedulers and admission, as reflexd gives each profiled namespace.
+pub fn run_on(config: &SimConfig, devices: Vec<Arc<dyn Device>>) -> Result<PointReport, SimError> {
+    let mut sim = Sim::new(config, devices)?;
     sim.setup()?;
     sim.start();
     sim.run_until_end()?;
@@ -181,7 +193,8 @@ struct Sim<'c> {
     heap: BinaryHeap<Reverse<(Nanos, u64, Event)>>,
     sequence: u64,
     offsets: Xoshiro256PlusPlus,
-    capacity_bytes: u64,
+    /// Per namespace (index = id - 1).
+    capacity_bytes: Vec<u64>,
     readable: Vec<SocketId>,
     received: Vec<u8>,
     timeline: Vec<TimelinePoint>,
@@ -227,26 +240,43 @@ fn limits_for(config: &SimConfig) -> Limits {
 }
 
 impl<'c> Sim<'c> {
-    fn new(config: &'c SimConfig, device: Arc<dyn Device>) -> Result<Sim<'c>, SimError> {
+    fn new(config: &'c SimConfig, devices: Vec<Arc<dyn Device>>) -> Result<Sim<'c>, SimError> {
         if config.threads == 0 {
             return Err(SimError::Config("no thread".into()));
         }
-        let capacity_bytes = device.info().size_bytes;
+        if devices.len() != 1 + config.extra_profiles.len() {
+            return Err(SimError::Config(format!(
+                "{} devices for {} profiles",
+                devices.len(),
+                1 + config.extra_profiles.len()
+            )));
+        }
+        let capacity_bytes = devices.iter().map(|d| d.info().size_bytes).collect();
+        let profiles = std::iter::once(&config.profile).chain(&config.extra_profiles);
+        let namespace_controls = profiles
+            .enumerate()
+            .map(|(index, profile)| NamespaceControl {
+                namespace_id: NAMESPACE_ID + index as u32,
+                profile: Some(profile.clone()),
+                tenants: Vec::new(),
+            })
+            .collect();
+        let namespaces = devices
+            .into_iter()
+            .enumerate()
+            .map(|(index, device)| (NAMESPACE_ID + index as u32, device, false))
+            .collect();
         let limits = limits_for(config);
         let server = VirtualServer::new(VirtualServerSetup {
             threads: config.threads,
-            namespaces: vec![(NAMESPACE_ID, device, false)],
+            namespaces,
             control: ControlSetup {
                 threads: config.threads,
                 handles: HandleKeys::Seeded(config.seed),
                 tenant_limits: TenantLimits::default(),
                 qos_config: config.qos.clone(),
                 qos_enabled: config.policy == Policy::Tokens,
-                namespaces: vec![NamespaceControl {
-                    namespace_id: NAMESPACE_ID,
-                    profile: Some(config.profile.clone()),
-                    tenants: Vec::new(),
-                }],
+                namespaces: namespace_controls,
             },
             qos_config: config.qos.clone(),
             limits: limits.clone(),
@@ -261,6 +291,14 @@ impl<'c> Sim<'c> {
                 return Err(SimError::Config(format!(
                     "tenant {} has no connection",
                     sim.name
+                )));
+            }
+            if sim.namespace == 0 || sim.namespace as usize > 1 + config.extra_profiles.len() {
+                return Err(SimError::Config(format!(
+                    "tenant {}: namespace {} of {}",
+                    sim.name,
+                    sim.namespace,
+                    1 + config.extra_profiles.len()
                 )));
             }
             if let Some(&thread) = sim.connections.iter().find(|&&t| t >= config.threads) {
@@ -356,7 +394,7 @@ impl<'c> Sim<'c> {
                 TenantSpec::BestEffort => TenantClassRequest::BestEffort,
             };
             let body = RegisterBody {
-                namespace_id: NAMESPACE_ID,
+                namespace_id: self.tenants[tenant].sim.namespace,
                 class,
                 read_only: false,
                 handle: 0,
@@ -561,7 +599,9 @@ impl<'c> Sim<'c> {
         tenant.next_connection = tenant.next_connection.wrapping_add(1);
         let read = tenant.rng.next_u64() % 100 < u64::from(tenant.sim.read_percent);
         let size = tenant.sim.size_bytes;
-        let blocks = (self.capacity_bytes / u64::from(size)).max(1);
+        let namespace = tenant.sim.namespace;
+        let capacity_bytes = self.capacity_bytes[namespace as usize - 1];
+        let blocks = (capacity_bytes / u64::from(size)).max(1);
         let offset = (self.offsets.next_u64() % blocks) * u64::from(size);
         let pending = Pending {
             tenant: index as u32,
@@ -580,9 +620,9 @@ impl<'c> Sim<'c> {
         };
         let core = &mut self.connections[connection].core;
         let submitted = if read {
-            core.submit_read(id, NAMESPACE_ID, offset, size)
+            core.submit_read(id, namespace, offset, size)
         } else {
-            core.submit_write_with(id, NAMESPACE_ID, offset, size, false, |_| {})
+            core.submit_write_with(id, namespace, offset, size, false, |_| {})
         };
         if let Err(error) = submitted {
             panic!("a simulated client's submit failed: {error}");
@@ -827,6 +867,7 @@ impl<'c> Sim<'c> {
             });
             tenants.push(TenantReport {
                 name: tenant.sim.name.clone(),
+                namespace: tenant.sim.namespace,
                 class,
                 admitted: tenant.handle.is_some(),
                 latency_us_p95,
@@ -858,6 +899,14 @@ impl<'c> Sim<'c> {
             device_tokens_per_sec: plan
                 .as_ref()
                 .map_or(0.0, |p| p.device_tokens_per_sec[0].as_tokens_per_sec_f64()),
+            namespace_tokens_per_sec: (0..self.capacity_bytes.len() as u16)
+                .map(|index| {
+                    self.server
+                        .control()
+                        .plan(index)
+                        .map_or(0.0, |p| p.device_tokens_per_sec[0].as_tokens_per_sec_f64())
+                })
+                .collect(),
             tokens_used_per_sec: tokens_total / seconds,
             tenants,
             refusals: self.refusals.clone(),

@@ -119,6 +119,7 @@ pub fn sim_config(
         threads,
         policy: if qos { Policy::Tokens } else { Policy::Fifo },
         profile: loaded.profile.clone(),
+        extra_profiles: loaded.extra_profiles.clone(),
         qos: scenario.qos_config.clone().unwrap_or_default(),
         warmup: Nanos::from_millis(options.warmup_ms.unwrap_or(scenario.warmup_ms)),
         duration: Nanos::from_millis(options.duration_ms.unwrap_or(scenario.duration_ms)),
@@ -154,20 +155,27 @@ fn sim_tenant(tenant: &TenantSpecToml, name: String, connections: Vec<u16>) -> S
         read_percent: tenant.load.read_percent.unwrap_or(tenant.read_percent),
         connections,
         load,
+        namespace: tenant.namespace,
     }
 }
 
-/// Runs one configuration on the scenario's device.
+/// Runs one configuration on the scenario's devices.
 pub fn run_point(loaded: &LoadedScenario, config: &SimConfig) -> Result<PointReport, RunError> {
-    let device = make_device(loaded, config.seed)?;
-    Ok(engine::run(config, device)?)
+    let scenario = &loaded.scenario;
+    let devices = std::iter::once(&scenario.device)
+        .chain(&scenario.extra_devices)
+        .enumerate()
+        // Each device its own random stream: two devices of one model must not move in step.
+        .map(|(index, spec)| make_device(loaded, spec, config.seed.wrapping_add(index as u64)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(engine::run_on(config, devices)?)
 }
 
 fn make_device(
     loaded: &LoadedScenario,
+    spec: &scenario::DeviceSpec,
     seed: u64,
 ) -> Result<std::sync::Arc<dyn reflex_flash::Device>, RunError> {
-    let spec = &loaded.scenario.device;
     let capacity_bytes = spec.capacity_gib << 30;
     if let Some(fixed) = spec.fixed {
         let mut device = FixedDevice::new(

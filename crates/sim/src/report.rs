@@ -8,6 +8,8 @@ use serde::Serialize;
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TenantReport {
     pub name: String,
+    /// The namespace (device) it used.
+    pub namespace: u32,
     #[serde(serialize_with = "class_name")]
     pub class: TenantClass,
     /// Refused by admission control (then it sent nothing).
@@ -59,8 +61,11 @@ pub struct PointReport {
     pub duration_ms: u64,
     /// The strictest LC SLO, which set the device rate.
     pub latency_us_p95: Option<u64>,
-    /// The device's token rate (mixed load) at that SLO.
+    /// Namespace 1's device token rate (mixed load) at that SLO.
     pub device_tokens_per_sec: f64,
+    /// Every namespace's device token rate (mixed load) at its strictest SLO, by namespace id
+    /// - 1 (0 for a namespace without a plan).
+    pub namespace_tokens_per_sec: Vec<f64>,
     /// Tokens all tenants' requests cost, per second.
     pub tokens_used_per_sec: f64,
     pub tenants: Vec<TenantReport>,
@@ -117,13 +122,28 @@ impl PointReport {
             },
             self.tokens_used_per_sec / 1e3,
         );
+        if self.namespace_tokens_per_sec.len() > 1 {
+            let rates: Vec<String> = self
+                .namespace_tokens_per_sec
+                .iter()
+                .enumerate()
+                .map(|(index, rate)| format!("ns {}: {:.0}K", index + 1, rate / 1e3))
+                .collect();
+            let _ = writeln!(out, "device rates (tokens/s) {}", rates.join(", "));
+        }
         let _ = writeln!(out);
         let _ = writeln!(
             out,
             "| tenant | class | SLO | sent IOPS | IOPS | read p95 µs | read p99 µs | sched wait µs | tokens/s | SLO met | notices |"
         );
         let _ = writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|");
+        let several_namespaces = self.tenants.iter().any(|t| t.namespace != 1);
         for t in &self.tenants {
+            let name = if several_namespaces {
+                format!("{} (ns {})", t.name, t.namespace)
+            } else {
+                t.name.clone()
+            };
             let class = match t.class {
                 TenantClass::LatencyCritical => "LC",
                 TenantClass::BestEffort => "BE",
@@ -144,8 +164,7 @@ impl PointReport {
             };
             let _ = writeln!(
                 out,
-                "| {} | {class} | {slo} | {offered} | {:.1}K | {:.0} | {:.0} | {:.0} | {:.1}K | {met} | {} |",
-                t.name,
+                "| {name} | {class} | {slo} | {offered} | {:.1}K | {:.0} | {:.0} | {:.0} | {:.1}K | {met} | {} |",
                 t.iops / 1e3,
                 t.read_p95_us,
                 t.read_p99_us,

@@ -14,6 +14,10 @@
 //! profile = "../profiles/device-a.toml"   # the calibrated QoS profile the scheduler uses
 //! capacity_gib = 64
 //!
+//! [[extra_device]]                 # optional, repeatable: namespace 2, 3, ... on its own device
+//! emulated = "device-a-small"      # with its own profile, token bucket, schedulers, admission
+//! profile = "../profiles/device-a-small.toml"
+//!
 //! [network]                        # optional: every connection, both directions
 //! latency_us = 10                  # one-way delay (default 0)
 //! gbit_per_sec = 10                # bandwidth per direction (default 0: unlimited)
@@ -28,6 +32,7 @@
 //! iops = 120000                    # LC only: the reservation, 4 KiB I/Os
 //! read_percent = 100               # LC: the reservation's mix; also the load's mix by default
 //! size_bytes = 4096
+//! namespace = 1                    # 1: [device]; 2: the first [[extra_device]], ...
 //! threads = [0]                    # one connection per entry, on that thread (mod threads)
 //! per_thread = false               # true: one copy of this tenant per thread ("A-0", "A-1", ..)
 //! load = { open_iops = 120000, read_percent = 100 }   # Poisson; or { closed_depth = 32 }
@@ -81,7 +86,12 @@ pub struct Scenario {
     pub duration_ms: u64,
     #[serde(default)]
     pub warmup_ms: u64,
+    /// The device of namespace 1.
     pub device: DeviceSpec,
+    /// Further devices, each its own namespace (2, 3, ...) with its own profile, token bucket
+    /// and schedulers (`[[extra_device]]`): tenants pick one with `namespace`.
+    #[serde(default, rename = "extra_device")]
+    pub extra_devices: Vec<DeviceSpec>,
     #[serde(default)]
     pub qos_config: Option<QosConfig>,
     #[serde(default)]
@@ -171,6 +181,14 @@ pub struct TenantSpecToml {
     /// max S (OctoFAS eq. 1, 2). The simulator does not use it.
     #[serde(default)]
     pub rt_alone_us: Option<f64>,
+    /// The namespace (device) the tenant registers on and sends to: 1 is `[device]`, 2 the
+    /// first `[[extra_device]]`, and so on.
+    #[serde(default = "default_namespace")]
+    pub namespace: u32,
+}
+
+fn default_namespace() -> u32 {
+    1
 }
 
 fn default_read_percent() -> u8 {
@@ -235,7 +253,10 @@ pub enum ScenarioError {
 #[derive(Clone, Debug)]
 pub struct LoadedScenario {
     pub scenario: Scenario,
+    /// The profile of `[device]` (namespace 1).
     pub profile: DeviceProfile,
+    /// The profiles of the `[[extra_device]]`s, in order (namespaces 2, 3, ...).
+    pub extra_profiles: Vec<DeviceProfile>,
     /// Directory the scenario's relative paths are resolved against.
     pub base_dir: PathBuf,
 }
@@ -270,9 +291,12 @@ impl Scenario {
         if self.tenants.is_empty() {
             return Err(self.invalid("no tenants"));
         }
-        if self.device.emulated.is_some() == self.device.fixed.is_some() {
-            return Err(self.invalid("device needs exactly one of `emulated` and `fixed`"));
+        for device in std::iter::once(&self.device).chain(&self.extra_devices) {
+            if device.emulated.is_some() == device.fixed.is_some() {
+                return Err(self.invalid("device needs exactly one of `emulated` and `fixed`"));
+            }
         }
+        let namespaces = 1 + self.extra_devices.len() as u32;
         for tenant in &self.tenants {
             let name = &tenant.name;
             if tenant.class == ClassToml::Lc
@@ -285,6 +309,12 @@ impl Scenario {
                 .is_some_and(|rt| !(rt.is_finite() && rt > 0.0))
             {
                 return Err(self.invalid(format!("tenant {name}: rt_alone_us must be above 0")));
+            }
+            if tenant.namespace == 0 || tenant.namespace > namespaces {
+                return Err(self.invalid(format!(
+                    "tenant {name}: namespace {} of 1..={namespaces} (one per device)",
+                    tenant.namespace
+                )));
             }
             if tenant.load.open_iops.is_some() == tenant.load.closed_depth.is_some() {
                 return Err(self.invalid(format!(
@@ -337,19 +367,28 @@ pub fn load(path: &Path) -> Result<LoadedScenario, ScenarioError> {
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."));
-    let profile_path = base_dir.join(&scenario.device.profile);
-    let profile_text = std::fs::read_to_string(&profile_path).map_err(|e| ScenarioError::Read {
-        path: profile_path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let profile = DeviceProfile::from_toml(&profile_text).map_err(|e| ScenarioError::Parse {
-        path: profile_path.display().to_string(),
-        reason: e.to_string(),
-    })?;
+    let profile = read_profile(&base_dir.join(&scenario.device.profile))?;
+    let extra_profiles = scenario
+        .extra_devices
+        .iter()
+        .map(|device| read_profile(&base_dir.join(&device.profile)))
+        .collect::<Result<_, _>>()?;
     Ok(LoadedScenario {
         scenario,
         profile,
+        extra_profiles,
         base_dir,
+    })
+}
+
+fn read_profile(path: &Path) -> Result<DeviceProfile, ScenarioError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ScenarioError::Read {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    DeviceProfile::from_toml(&text).map_err(|e| ScenarioError::Parse {
+        path: path.display().to_string(),
+        reason: e.to_string(),
     })
 }
 
@@ -414,5 +453,32 @@ mod tests {
         );
         check_invalid(&GOOD.replace("class = \"lc\"", "class = \"xx\""), "t.toml");
         check_invalid(&format!("{GOOD}\nunknown = 1"), "t.toml");
+        check_invalid(
+            &GOOD.replace("load = {", "namespace = 2\nload = {"),
+            "namespace 2 of 1..=1",
+        );
+        check_invalid(
+            &GOOD.replace(
+                "[[tenant]]",
+                "[[extra_device]]\nprofile = \"q.toml\"\n[[tenant]]",
+            ),
+            "exactly one",
+        );
+    }
+
+    #[test]
+    fn a_tenant_names_the_namespace_of_an_extra_device() {
+        let text = GOOD.replace(
+            "[[tenant]]",
+            "[[extra_device]]\nemulated = \"device-a\"\nprofile = \"q.toml\"\n[[tenant]]",
+        );
+        let text = text.replace("load = {", "namespace = 2\nload = {");
+        let scenario = Scenario::from_toml(&text, "t.toml").unwrap();
+        assert_eq!(scenario.extra_devices.len(), 1);
+        assert_eq!(scenario.tenants[0].namespace, 2);
+        assert_eq!(
+            Scenario::from_toml(GOOD, "t.toml").unwrap().tenants[0].namespace,
+            1
+        );
     }
 }

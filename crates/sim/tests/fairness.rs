@@ -37,6 +37,7 @@ fn scenario(
     LoadedScenario {
         scenario,
         profile: DeviceProfile::from_toml(&profile_text).unwrap(),
+        extra_profiles: Vec::new(),
         base_dir: profiles,
     }
 }

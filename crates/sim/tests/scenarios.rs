@@ -152,6 +152,7 @@ fn lc(name: &str, iops: u64, read_percent: u8, latency_us_p95: u64, send: Load) 
         read_percent,
         connections: vec![0],
         load: send,
+        namespace: 1,
     }
 }
 

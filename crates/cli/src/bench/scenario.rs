@@ -135,6 +135,8 @@ pub struct ScenarioReport {
 #[derive(Debug, Serialize)]
 pub struct TenantRow {
     pub name: String,
+    /// The server namespace it used.
+    pub namespace: u32,
     pub class: Class,
     pub latency_us_p95: Option<u64>,
     pub iops_reserved: Option<u64>,
@@ -262,10 +264,16 @@ pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<Sce
             None => bail!("the server at {address} announces no namespace"),
         },
     };
-    let Some(info) = capabilities.namespace(namespace) else {
-        bail!("the server has no namespace {namespace}");
-    };
-    let size_bytes = info.size_bytes;
+    // Each tenant's namespace on the server and its size: the scenario's namespace 1 is
+    // `namespace`, its namespace k > 1 (a further device) is the server's namespace k.
+    let mut targets = Vec::with_capacity(scenario.tenants.len());
+    for tenant in &scenario.tenants {
+        let id = server_namespace(namespace, tenant.namespace);
+        let Some(info) = capabilities.namespace(id) else {
+            bail!("tenant {}: the server has no namespace {id}", tenant.name);
+        };
+        targets.push((id, info.size_bytes));
+    }
     let seed = options.seed.unwrap_or(scenario.seed);
     let warmup = options
         .warmup
@@ -276,7 +284,7 @@ pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<Sce
 
     // Admission first, for every tenant; a refusal undoes the registrations made so far.
     let mut handles = Vec::new();
-    for tenant in &scenario.tenants {
+    for (tenant, &(namespace, _)) in scenario.tenants.iter().zip(&targets) {
         let class = match tenant.class {
             Class::Lc => TenantClassRequest::LatencyCritical {
                 latency_us_p95: tenant.latency_us_p95.unwrap_or(0) as u32,
@@ -300,7 +308,7 @@ pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<Sce
         }
     }
     let prepared = prepare(
-        scenario, options, namespace, size_bytes, seed, warmup, duration, &handles,
+        scenario, options, &targets, seed, warmup, duration, &handles,
     );
     let prepared = match prepared {
         Ok(prepared) => prepared,
@@ -340,9 +348,16 @@ pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<Sce
     });
     unregister_all(&mut control, &handles);
     let mut rows = Vec::new();
-    for ((tenant, handle), outcome) in scenario.tenants.iter().zip(&handles).zip(outcomes) {
+    for (((tenant, handle), outcome), &(namespace, _)) in scenario
+        .tenants
+        .iter()
+        .zip(&handles)
+        .zip(outcomes)
+        .zip(&targets)
+    {
         let outcome = outcome.with_context(|| format!("tenant {}", tenant.name))?;
         let mut row = row(tenant, *handle, &outcome, capabilities.window_requests);
+        row.namespace = namespace;
         if let Some(alone) = tenant.rt_alone_us {
             row.rt_alone_us = Some(alone);
             row.rt_alone_source = Some(if options.alone { "alone run" } else { "file" });
@@ -371,6 +386,16 @@ pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<Sce
     })
 }
 
+/// The server namespace of a tenant on the scenario's namespace `scenario_namespace`, when the
+/// scenario's namespace 1 is the server's `first`.
+fn server_namespace(first: u32, scenario_namespace: u32) -> u32 {
+    if scenario_namespace == 1 {
+        first
+    } else {
+        scenario_namespace
+    }
+}
+
 fn device_text(device: &reflex_sim::scenario::DeviceSpec) -> String {
     let model = match (&device.emulated, &device.fixed) {
         (Some(name), _) => format!("emu:{name}"),
@@ -393,15 +418,20 @@ fn unregister_all(control: &mut Client, handles: &[u64]) {
 fn prepare(
     scenario: &ScenarioFile,
     options: &ScenarioOptions,
-    namespace: u32,
-    size_bytes: u64,
+    targets: &[(u32, u64)],
     seed: u64,
     warmup: Duration,
     duration: Duration,
     handles: &[u64],
 ) -> Result<Vec<Prepared>> {
     let mut prepared = Vec::new();
-    for (index, (tenant, &handle)) in scenario.tenants.iter().zip(handles).enumerate() {
+    for (index, ((tenant, &handle), &(namespace, size_bytes))) in scenario
+        .tenants
+        .iter()
+        .zip(handles)
+        .zip(targets)
+        .enumerate()
+    {
         let mut connections = Vec::new();
         let mut window = u32::MAX;
         for _ in &tenant.threads {
@@ -497,6 +527,7 @@ fn row(tenant: &TenantSpecToml, handle: u64, outcome: &Outcome, window: u32) -> 
     };
     TenantRow {
         name: tenant.name.clone(),
+        namespace: 1,
         class: tenant.class,
         latency_us_p95: tenant.latency_us_p95,
         iops_reserved: tenant.iops,
@@ -580,7 +611,16 @@ pub fn print_table(out: &mut impl Write, report: &ScenarioReport) -> std::io::Re
         out,
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
     )?;
+    let several_namespaces = report
+        .tenants
+        .iter()
+        .any(|t| t.namespace != report.namespace);
     for tenant in &report.tenants {
+        let name = if several_namespaces {
+            format!("{} (ns {})", tenant.name, tenant.namespace)
+        } else {
+            tenant.name.clone()
+        };
         let slo = match (tenant.latency_us_p95, tenant.iops_reserved) {
             (Some(latency), Some(iops)) => format!("{} @ {latency} µs", human(iops as f64)),
             _ => "-".to_string(),
@@ -607,8 +647,7 @@ pub fn print_table(out: &mut impl Write, report: &ScenarioReport) -> std::io::Re
             .map_or_else(|| "-".to_string(), |s| format!("{s:.2}"));
         writeln!(
             out,
-            "| {} | {} | {slo} | {sent} | {} | {:.1} | {alone} | {slowdown} | {:.0} | {:.0} | {write_p95} | {met} | {} |",
-            tenant.name,
+            "| {name} | {} | {slo} | {sent} | {} | {:.1} | {alone} | {slowdown} | {:.0} | {:.0} | {write_p95} | {met} | {} |",
             match tenant.class {
                 Class::Lc => "LC",
                 Class::Be => "BE",
@@ -702,6 +741,7 @@ mod tests {
             "fig5-small-scenario2.toml",
             "fig5-small-scenario1-qos-off.toml",
             "fig5-small-scenario2-qos-off.toml",
+            "two-devices.toml",
         ] {
             let path = Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("../../scenarios")
@@ -767,6 +807,50 @@ mod tests {
         read_percent = 50
         load = { closed_depth = 4 }
     "#;
+
+    #[test]
+    fn a_tenant_on_a_further_device_runs_on_that_namespace() {
+        let profiles = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles");
+        let namespace = |id: u32, profile: &str| reflex_server::NamespaceConfig {
+            profile: Some(profiles.join(profile).display().to_string()),
+            ..reflex_server::NamespaceConfig::new(id, "mem:64M").sized(64 << 20)
+        };
+        let config = reflex_server::Config {
+            window: 32,
+            ..reflex_server::Config::loopback(vec![
+                namespace(1, "device-a-small.toml"),
+                namespace(2, "device-a.toml"),
+            ])
+        };
+        let server = reflex_server::Server::start(config).unwrap_or_else(|e| panic!("{e}"));
+        let two_devices = TWO_TENANTS
+            .replace("[[tenant]]\n        name = \"C\"", "[[tenant]]\n        name = \"C\"\n        namespace = 2")
+            .replace("[[tenant]]", "[[extra_device]]\n        emulated = \"device-a\"\n        profile = \"p.toml\"\n        [[tenant]]");
+        let scenario = check(&two_devices).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(scenario.tenants[1].namespace, 2);
+        let report = execute(&scenario, &options(&server)).unwrap_or_else(|e| panic!("{e:#}"));
+        let namespaces: Vec<u32> = report.tenants.iter().map(|t| t.namespace).collect();
+        assert_eq!(namespaces, [1, 2]);
+        for tenant in &report.tenants {
+            assert_eq!(tenant.errors, 0, "{:?}", tenant.first_error);
+            assert!(tenant.iops > 0.0);
+        }
+        // A namespace the server does not have: a clear error before any tenant registers.
+        let mut missing = scenario.clone();
+        missing.extra_devices.push(missing.extra_devices[0].clone());
+        missing.tenants[1].namespace = 3;
+        let error = execute(&missing, &options(&server)).unwrap_err();
+        assert!(
+            format!("{error:#}").contains("the server has no namespace 3"),
+            "{error:#}"
+        );
+        assert_eq!(
+            server.tenants().len(),
+            2,
+            "each namespace's default tenant only"
+        );
+        server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    }
 
     #[test]
     fn tenants_register_bind_run_and_leave() {
