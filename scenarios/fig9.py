@@ -8,6 +8,8 @@ best-effort, one dataplane thread, the small emulated device) under
   stage-fifo  QoS off, the stage capping best-effort device depth, arrival order
   b=N         QoS off, the stage with OctoFAS backwarding, B fixed at N (Algorithm 3)
   b=monitor   QoS off, backwarding with B from the dataplane's monitor (eq. 5)
+  b=monitor-cal  the same after a calibration phase: the sparse flow alone for the first second
+              of a 2 s warm-up (the monitor learns its RT_alone), then the dense flow joins
   fewest      QoS off, the stage, fewest requests at the device first
   fair-share  QoS off, the stage, fewest first and each flow capped at its share of the depth
 
@@ -47,6 +49,7 @@ ALL_MODES = {
     "b=10": (False, {"mode": "backwarding", "backwardings": 10}),
     "b=20": (False, {"mode": "backwarding", "backwardings": 20}),
     "b=monitor": (False, {"mode": "backwarding"}),
+    "b=monitor-cal": (False, {"mode": "backwarding", "_calibration_phase": True}),
     "fewest": (False, {"mode": "fewest_in_flight"}),
     "fair-share": (False, {"mode": "fair_share"}),
 }
@@ -54,11 +57,13 @@ MODES = os.environ.get("MODES", " ".join(ALL_MODES)).split()
 
 
 def run(flows, qos, fairness, read_percent, depth=DEPTH):
+    fairness = dict(fairness) if fairness is not None else None
+    calibration_phase = fairness is not None and fairness.pop("_calibration_phase", False)
     text = f'''name = "fig9"
 seed = 1
 threads = 1
 qos = {"true" if qos else "false"}
-warmup_ms = 500
+warmup_ms = {2000 if calibration_phase else 500}
 duration_ms = {DURATION_MS}
 [device]
 emulated = "device-a-small"
@@ -77,6 +82,8 @@ class = "be"
 read_percent = {read_percent}
 load = {{ closed_depth = {flow_depth} }}
 '''
+        if calibration_phase and name != "sparse":
+            text += "start_ms = 1000\n"
     with tempfile.NamedTemporaryFile("w", suffix=".toml", dir="scenarios", delete=False) as f:
         f.write(text)
         path = f.name

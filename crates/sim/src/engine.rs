@@ -80,6 +80,8 @@ pub struct SimTenant {
     pub load: Load,
     /// The namespace it registers on and sends to: device `namespace - 1` of the run.
     pub namespace: u32,
+    /// When it starts sending, from the start of the run (the warm-up's start).
+    pub start: Nanos,
 }
 
 /// Everything one run needs.
@@ -114,6 +116,10 @@ pub enum SimError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     Arrival {
+        tenant: u32,
+    },
+    /// A closed-loop tenant that starts later than the run fills its window.
+    Start {
         tenant: u32,
     },
     WarmupEnd,
@@ -509,21 +515,28 @@ impl<'c> Sim<'c> {
             if self.tenants[index].handle.is_none() {
                 continue;
             }
+            let tenant_start = start + self.tenants[index].sim.start;
             match self.tenants[index].sim.load {
                 Load::Open { iops, .. } => {
                     let gap = exponential(&mut self.tenants[index].rng, iops as f64);
                     self.push(
-                        start + Nanos(gap),
+                        tenant_start + Nanos(gap),
                         Event::Arrival {
                             tenant: index as u32,
                         },
                     );
                 }
-                Load::Closed { depth } => {
+                Load::Closed { depth } if tenant_start == start => {
                     for _ in 0..depth {
                         self.send(index, start);
                     }
                 }
+                Load::Closed { .. } => self.push(
+                    tenant_start,
+                    Event::Start {
+                        tenant: index as u32,
+                    },
+                ),
             }
         }
         self.server.run_instant(start);
@@ -567,6 +580,12 @@ impl<'c> Sim<'c> {
                     self.tenants[index].arrivals_in_window += 1;
                 }
                 self.send(index, now);
+            }
+            Event::Start { tenant } => {
+                let index = tenant as usize;
+                for _ in 0..self.tenants[index].sim.load.window() {
+                    self.send(index, now);
+                }
             }
             Event::WarmupEnd => {
                 let stats = self.tenant_stats();
@@ -803,6 +822,23 @@ impl<'c> Sim<'c> {
         }
     }
 
+    /// The fairness monitor's last window on the tenant `handle` of `namespace`, from the
+    /// first thread that judged it.
+    fn fairness_window(&self, namespace: u32, handle: u64) -> Option<reflex_qos::FlowReport> {
+        let now = self.server.now();
+        (0..self.config.threads).find_map(|thread| {
+            let snapshot = self.server.dataplane(thread).live_snapshot(now);
+            snapshot
+                .namespaces
+                .get(namespace as usize - 1)?
+                .fairness
+                .flows
+                .iter()
+                .find(|flow| flow.handle == handle)
+                .and_then(|flow| flow.last_window)
+        })
+    }
+
     /// Every tenant's figures summed over the server's threads.
     fn tenant_stats(&self) -> Vec<TenantStats> {
         let mut totals: Vec<TenantStats> = Vec::new();
@@ -888,6 +924,9 @@ impl<'c> Sim<'c> {
                 errors: tenant.errors,
                 shed: tenant.shed,
                 backlog: tenant.backlog.len() as u64,
+                fairness_window: tenant
+                    .handle
+                    .and_then(|handle| self.fairness_window(tenant.sim.namespace, handle)),
             });
         }
         PointReport {

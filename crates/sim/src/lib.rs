@@ -156,6 +156,7 @@ fn sim_tenant(tenant: &TenantSpecToml, name: String, connections: Vec<u16>) -> S
         connections,
         load,
         namespace: tenant.namespace,
+        start: Nanos::from_millis(tenant.start_ms),
     }
 }
 

@@ -44,6 +44,9 @@ pub struct TenantReport {
     pub shed: u64,
     /// Arrivals still held by the client at the end.
     pub backlog: u64,
+    /// The server's fairness monitor on this tenant in its last window, when the fairness
+    /// stage is on (RT, RT_alone and whether it was learned, slowdown, backwardings).
+    pub fairness_window: Option<reflex_qos::FlowReport>,
 }
 
 fn class_name<S: serde::Serializer>(class: &TenantClass, s: S) -> Result<S::Ok, S::Error> {
@@ -175,6 +178,25 @@ impl PointReport {
         }
         for refusal in &self.refusals {
             let _ = writeln!(out, "\nrefused: {refusal}");
+        }
+        for t in &self.tenants {
+            if let Some(w) = &t.fairness_window {
+                let _ = writeln!(
+                    out,
+                    "\nfairness monitor, last window: {} RT {:.0} µs, RT_alone {:.0} µs ({}), S {:.2}, {:?}, B {}",
+                    t.name,
+                    w.rt_us,
+                    w.rt_alone_us,
+                    if w.alone_learned {
+                        "learned"
+                    } else {
+                        "lowest seen"
+                    },
+                    w.slowdown,
+                    w.density,
+                    w.backwardings
+                );
+            }
         }
         if !self.timeline.is_empty() {
             out.push_str(&self.timeline_table());

@@ -33,6 +33,7 @@
 //! read_percent = 100               # LC: the reservation's mix; also the load's mix by default
 //! size_bytes = 4096
 //! namespace = 1                    # 1: [device]; 2: the first [[extra_device]], ...
+//! start_ms = 0                     # starts sending this long after the run's start (warm-up)
 //! threads = [0]                    # one connection per entry, on that thread (mod threads)
 //! per_thread = false               # true: one copy of this tenant per thread ("A-0", "A-1", ..)
 //! load = { open_iops = 120000, read_percent = 100 }   # Poisson; or { closed_depth = 32 }
@@ -185,6 +186,11 @@ pub struct TenantSpecToml {
     /// first `[[extra_device]]`, and so on.
     #[serde(default = "default_namespace")]
     pub namespace: u32,
+    /// When the tenant starts sending, in ms from the start of the run (the warm-up's start):
+    /// a calibration phase in the warm-up, e.g. one flow alone before the others join, so
+    /// that the server's fairness monitor learns its RT_alone. Simulator only.
+    #[serde(default)]
+    pub start_ms: u64,
 }
 
 fn default_namespace() -> u32 {

@@ -158,3 +158,76 @@ fn lc_tenants_keep_their_slos_with_the_stage_on() {
         |point: &PointReport| point.tenant("C").unwrap().iops + point.tenant("D").unwrap().iops;
     assert!(be(&on) != be(&off), "{}\n{}", off.table(), on.table());
 }
+
+/// OctoFAS Algorithm 3 with B from the monitor (eq. 5), which needs RT_alone. Without a
+/// calibration phase the device is never free of the dense flow, the monitor's stand-in for
+/// RT_alone (the lowest RT seen) is itself contended, F never looks low and B stays 0: FIFO's
+/// F. With one (the sparse flow alone for the first second of the warm-up, then the dense
+/// flow joins), the monitor learns the sparse flow's RT_alone, sees the unfairness, and gives
+/// the dense flow B > 0: F 0.55 -> 0.82 at the same throughput (the stage's, depth 6: 0.866
+/// of the unstaged FIFO's).
+#[test]
+fn backwarding_takes_b_from_the_monitor_after_a_calibration_phase() {
+    let flows = [("sparse", 2), ("dense", 8)];
+    let alone_sparse = iops(&flows[..1], None)[0];
+    let alone_dense = iops(&flows[1..], None)[0];
+    let run = |dense_start_ms: u64| -> PointReport {
+        let mut loaded = scenario(&flows, 100, Some(stage(FairMode::Backwarding, 6)));
+        loaded.scenario.warmup_ms = 2000;
+        loaded.scenario.tenants[1].start_ms = dense_start_ms;
+        run_scenario(&loaded, &RunOptions::default())
+            .unwrap()
+            .points[0]
+            .1
+            .clone()
+    };
+    let fairness = |point: &PointReport| {
+        let s_sparse = alone_sparse / point.tenant("sparse").unwrap().iops;
+        let s_dense = alone_dense / point.tenant("dense").unwrap().iops;
+        s_sparse.min(s_dense) / s_sparse.max(s_dense)
+    };
+    let total = |point: &PointReport| point.tenants.iter().map(|t| t.iops).sum::<f64>();
+    let window = |point: &PointReport, name: &str| point.tenant(name).unwrap().fairness_window;
+
+    let together = run(0);
+    let calibrated = run(1000);
+    let report = format!(
+        "together: F {:.3}, {:.0} IOPS, {:?}\ncalibrated: F {:.3}, {:.0} IOPS, {:?}",
+        fairness(&together),
+        total(&together),
+        together
+            .tenants
+            .iter()
+            .map(|t| t.fairness_window)
+            .collect::<Vec<_>>(),
+        fairness(&calibrated),
+        total(&calibrated),
+        calibrated
+            .tenants
+            .iter()
+            .map(|t| t.fairness_window)
+            .collect::<Vec<_>>(),
+    );
+    println!("{report}");
+    // Together from the start: nothing learned, no backwarding, FIFO's unfairness.
+    let (sparse, dense) = (
+        window(&together, "sparse").expect("judged"),
+        window(&together, "dense").expect("judged"),
+    );
+    assert!(!sparse.alone_learned, "{report}");
+    assert_eq!(dense.backwardings, 0, "{report}");
+    assert!(fairness(&together) < 0.6, "{report}");
+    // After the calibration phase: RT_alone learned, B > 0 for the dense flow, fairer at the
+    // same total throughput.
+    let (sparse, dense) = (
+        window(&calibrated, "sparse").expect("judged"),
+        window(&calibrated, "dense").expect("judged"),
+    );
+    assert!(sparse.alone_learned, "{report}");
+    assert!(dense.backwardings > 0, "{report}");
+    assert!(
+        fairness(&calibrated) > fairness(&together) + 0.2,
+        "{report}"
+    );
+    assert!(total(&calibrated) >= 0.99 * total(&together), "{report}");
+}

@@ -153,6 +153,7 @@ fn lc(name: &str, iops: u64, read_percent: u8, latency_us_p95: u64, send: Load) 
         connections: vec![0],
         load: send,
         namespace: 1,
+        start: reflex_qos::Nanos::ZERO,
     }
 }
 

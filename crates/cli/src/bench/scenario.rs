@@ -80,6 +80,9 @@ fn validate_for_real_run(scenario: &ScenarioFile) -> Result<()> {
         if tenant.per_thread {
             bail!("tenant {name}: per_thread tenants exist only in the simulator");
         }
+        if tenant.start_ms != 0 {
+            bail!("tenant {name}: start_ms exists only in the simulator");
+        }
         if tenant.threads.is_empty() || tenant.threads.len() > CONNECTIONS_PER_TENANT_MAX {
             bail!("tenant {name}: 1 to {CONNECTIONS_PER_TENANT_MAX} connections (threads)");
         }
