@@ -62,11 +62,18 @@ impl DeviceCalibration {
         let lc_share = 1.0 - config.best_effort_floor;
         let lc_fit_scale = (plan.lc_tenants > 0 && device > 0.0 && plan.rate_scale > 0.0)
             .then(|| reserved / (lc_share * device / plan.rate_scale));
+        // The network's share of what LC tenants see: the sampled round trips' p95 (none
+        // without samples: a window's reads then had no answer to sample yet).
+        let learned_network_us = if config.learn_network_rtt {
+            self.window.network_rtt.quantile_us(0.95)
+        } else {
+            0
+        };
         let observation = WindowObservation {
             lc_reads: self.window.lc_reads_service.count(),
             lc_read_latency_us_p95: self.window.lc_reads_service.quantile_us(0.95),
             slo_latency_us_p95: plan.latency_us_p95,
-            client_share_us: config.client_share_us,
+            client_share_us: config.client_share_us + learned_network_us,
             tokens_per_sec_in_use: device,
             tokens_spent: self.window.tokens_spent.as_tokens_f64().max(0.0),
             lc_fit_scale,

@@ -61,6 +61,9 @@ pub struct CalibratorConfig {
     /// The part of an LC SLO that the server never measures (network, the client's own
     /// wake-ups), µs, on top of what it learns itself; the target is the SLO minus both.
     pub client_share_us: u64,
+    /// Learn the network's share: add the window's p95 of the smoothed TCP round-trip times
+    /// of connections carrying LC reads (sampled by the dataplane) to `client_share_us`.
+    pub learn_network_rtt: bool,
     /// One observation window: the integrator closes one every this long.
     pub window_us: u64,
     /// Fewest LC reads a window needs to count as evidence (at 100 the p95 is the 5th-slowest
@@ -100,6 +103,7 @@ impl Default for CalibratorConfig {
             enabled: false,
             best_effort_floor: 0.05,
             client_share_us: 0,
+            learn_network_rtt: true,
             window_us: 100_000,
             samples_min: 100,
             scale_floor: 0.2,

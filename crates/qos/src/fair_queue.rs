@@ -173,6 +173,8 @@ pub struct FairQueue {
     /// When the stage last went from nothing at the device to something (device busy time).
     busy_since: Option<Nanos>,
     busy_ns: u64,
+    /// The latest sampled network round trip ([`FairQueue::set_network_rtt`]).
+    network_rtt: Nanos,
     report: Option<FairnessReport>,
     stats: FairQueueStats,
 }
@@ -193,6 +195,7 @@ impl FairQueue {
             monitor: FairnessMonitor::new(config.monitor.clone(), now)?,
             busy_since: None,
             busy_ns: 0,
+            network_rtt: Nanos::ZERO,
             report: None,
             stats: FairQueueStats::default(),
         })
@@ -372,6 +375,12 @@ impl FairQueue {
         entry.completed -= 1;
     }
 
+    /// The latest network round trip of this stage's flows (the dataplane samples it): the
+    /// monitor adds it to every flow's response time (RT = T_net + server time).
+    pub fn set_network_rtt(&mut self, rtt: Nanos) {
+        self.network_rtt = rtt;
+    }
+
     /// When the monitor's window ends.
     pub fn next_deadline(&self) -> Nanos {
         self.monitor.next_deadline()
@@ -383,7 +392,10 @@ impl FairQueue {
         if now < self.monitor.next_deadline() {
             return false;
         }
-        let mut window = FairnessWindow::default();
+        let mut window = FairnessWindow {
+            network_rtt_ns: self.network_rtt.0,
+            ..FairnessWindow::default()
+        };
         for (index, flow) in self.flows.iter_mut().enumerate() {
             if flow.completed > 0 {
                 window.flows.push(FlowSample {

@@ -516,6 +516,8 @@ impl Collector for SamplerCollector {
         let mut rates = Vec::new();
         let mut reserved_rates = Vec::new();
         let mut scales = Vec::new();
+        let mut client_shares = Vec::new();
+        let calibrations = control.calibration();
         let mut spent = Vec::new();
         let mut namespace_latencies = Vec::new();
         for namespace_index in namespaces.live_indices() {
@@ -537,7 +539,14 @@ impl Collector for SamplerCollector {
                     labels.clone(),
                     plan.lc_reserved_tokens_per_sec[0].as_tokens_per_sec_f64(),
                 ));
-                scales.push((labels, plan.rate_scale));
+                scales.push((labels.clone(), plan.rate_scale));
+            }
+            let observed = calibrations
+                .iter()
+                .find(|(namespace_id, _)| *namespace_id == id)
+                .and_then(|(_, info)| info.last);
+            if let Some(observation) = observed {
+                client_shares.push((labels, observation.client_share_us as f64 / 1e6));
             }
         }
         gauges(
@@ -581,6 +590,12 @@ impl Collector for SamplerCollector {
             "device_rate_scale",
             "The device rate's share of its profile's rate (online calibration).",
             &scales,
+        )?;
+        gauges(
+            &mut encoder,
+            "device_client_share_seconds",
+            "Online calibration's last window: the part of the strictest LC SLO left to the network and clients (configured client_share_us plus the learned p95 TCP round trip of LC connections).",
+            &client_shares,
         )?;
         family(
             &mut encoder,

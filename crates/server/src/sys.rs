@@ -6,6 +6,31 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+/// The socket's smoothed round-trip time in µs (`TCP_INFO`'s `tcpi_rtt`): the network share
+/// of what a client sees, for self-calibration (`Op::SampleRtt`).
+pub fn tcp_rtt_us(socket: &impl AsRawFd) -> Result<u32, i32> {
+    // SAFETY: tcp_info is a plain C struct for which all-zero bytes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: the option value points to a live tcp_info of the size given; the kernel writes
+    // at most `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO));
+    }
+    Ok(info.tcpi_rtt)
+}
+
 /// An all-zero `msghdr` (its layout has private padding on some targets).
 pub fn empty_msghdr() -> libc::msghdr {
     // SAFETY: msghdr is a plain C struct for which all-zero bytes is a valid value (null
@@ -155,4 +180,30 @@ pub fn peer_ip(storage: &libc::sockaddr_storage) -> Option<IpAddr> {
 pub fn empty_sockaddr() -> libc::sockaddr_storage {
     // SAFETY: sockaddr_storage is plain old data; all-zero is valid.
     unsafe { std::mem::zeroed() }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+
+    use super::*;
+
+    #[test]
+    fn a_loopback_connection_has_a_round_trip_and_a_file_has_none() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        let mut byte = [0u8; 1];
+        for _ in 0..10 {
+            server.write_all(b"x").unwrap();
+            client.read_exact(&mut byte).unwrap();
+            client.write_all(b"y").unwrap();
+            server.read_exact(&mut byte).unwrap();
+        }
+        let rtt_us = tcp_rtt_us(&server).unwrap();
+        // Loopback: above zero, far below a second.
+        assert!(rtt_us > 0 && rtt_us < 1_000_000, "{rtt_us} µs");
+        let file = File::open("/dev/null").unwrap();
+        assert_eq!(tcp_rtt_us(&file), Err(libc::ENOTSOCK));
+    }
 }

@@ -778,6 +778,14 @@ impl VirtualServer {
                     *queue = None;
                 }
             }
+            Op::SampleRtt { connection } => {
+                // The model's round trip: one latency each way (serialising a small segment
+                // adds nothing measurable).
+                let rtt_us = (2 * self.network.latency.0 / 1_000).min(u64::from(u32::MAX)) as u32;
+                self.threads[thread]
+                    .dataplane
+                    .handle_rtt(connection, Ok(rtt_us));
+            }
         }
     }
 }

@@ -54,6 +54,7 @@ mod ops;
 mod publish;
 mod receive;
 mod request;
+mod rtt;
 mod send;
 mod shutdown;
 mod stats;
@@ -99,6 +100,9 @@ pub struct TelemetryWindow {
     pub lc_reads_service: LatencyHistogram,
     /// Tokens the namespace's scheduler charged (all tenants): how hard the device was driven.
     pub tokens_spent: reflex_qos::Tokens,
+    /// Smoothed TCP round-trip times of connections carrying LC reads ([`rtt`]): the network's
+    /// share of what LC tenants see.
+    pub network_rtt: LatencyHistogram,
 }
 
 impl TelemetryWindow {
@@ -110,12 +114,14 @@ impl TelemetryWindow {
         self.lc_reads.merge(&other.lc_reads);
         self.lc_reads_service.merge(&other.lc_reads_service);
         self.tokens_spent += other.tokens_spent;
+        self.network_rtt.merge(&other.network_rtt);
     }
 
     pub fn clear(&mut self) {
         self.lc_reads.clear();
         self.lc_reads_service.clear();
         self.tokens_spent = reflex_qos::Tokens::ZERO;
+        self.network_rtt.clear();
     }
 }
 
@@ -217,6 +223,7 @@ pub struct Dataplane {
     device_errors: DeviceErrorLog,
     /// Per namespace: read latencies measured as answers leave.
     telemetry: Vec<NamespaceTelemetry>,
+    rtt: rtt::RttSampler,
     /// Per namespace slot: whether the driver holds this thread's queue of its device.
     queues_open: Vec<bool>,
     /// Slots being removed that this thread has not drained yet (`catalog`), then those whose
@@ -342,6 +349,7 @@ impl Dataplane {
             retired_accounts: BTreeMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
             telemetry: vec![NamespaceTelemetry::default(); qos_count],
+            rtt: rtt::RttSampler::default(),
             queues_open: vec![true; qos_count],
             draining: Vec::new(),
             flushing: Vec::new(),

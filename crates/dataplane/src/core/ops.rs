@@ -61,6 +61,10 @@ pub enum Op {
     /// A namespace slot is being removed and nothing of this thread uses it any more: drop
     /// this thread's queue of its device (no operation of it is in flight).
     CloseDevice { namespace_index: u16 },
+    /// Read the connection's smoothed network round-trip time now and report it with
+    /// [`super::Dataplane::handle_rtt`] (latency-critical traffic's network share, for
+    /// self-calibration).
+    SampleRtt { connection: ConnectionId },
 }
 
 /// A device operation on a namespace's device.

@@ -234,6 +234,8 @@ impl Dataplane {
             let service_us = now.saturating_since(request.submitted_at).0 / 1_000;
             telemetry.window.lc_reads_service.record_us(service_us);
         }
+        let connection_index = request.connection_index;
+        self.note_read_answered(connection_index, namespace_index, latency_critical, now);
     }
 
     /// A send finished: `Ok(n)` bytes of [`Self::send_segments`] went out, `Err(errno)`: it

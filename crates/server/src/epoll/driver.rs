@@ -683,6 +683,15 @@ impl EpollDriver {
                     });
                 }
                 Op::CloseDevice { namespace_index } => self.queues.close(namespace_index),
+                Op::SampleRtt { connection } => {
+                    let rtt = match &self.connections[connection.index as usize] {
+                        Some(slot) if slot.generation == connection.generation => {
+                            crate::sys::tcp_rtt_us(&slot.stream)
+                        }
+                        _ => Err(libc::EBADF),
+                    };
+                    self.dataplane.handle_rtt(connection, rtt);
+                }
             }
         }
     }

@@ -579,6 +579,15 @@ impl UringDriver {
                         .open(&namespaces, namespace_index, |device| device.queue());
                 }
                 Op::CloseDevice { namespace_index } => self.queues.close(namespace_index),
+                Op::SampleRtt { connection } => {
+                    let rtt = match &self.sockets[connection.index as usize] {
+                        Some((generation, stream)) if *generation == connection.generation => {
+                            crate::sys::tcp_rtt_us(stream)
+                        }
+                        _ => Err(libc::EBADF),
+                    };
+                    self.dataplane.handle_rtt(connection, rtt);
+                }
             }
         }
     }
