@@ -47,7 +47,8 @@ const PLAINTEXT_HELD_MAX: usize = 16 * 1024;
 /// Ciphertext buffer capacity kept across sends (a larger one is freed once drained).
 const CIPHER_OUT_KEEP_BYTES: usize = 2 * SEND_PLAINTEXT_MAX;
 
-/// How a dataplane thread speaks TLS.
+/// How a dataplane thread speaks TLS. (NVMe/TCP starts TLS when a host's first byte is a
+/// TLS record, `nvme_tcp_frontend.rs`.)
 #[derive(Clone)]
 pub struct TlsSetup {
     /// What new sessions start with (shared by every thread; SIGHUP replaces it).
@@ -78,10 +79,26 @@ pub struct TlsCurrent {
     pub server_config: Option<Arc<rustls::ServerConfig>>,
     /// Pre-shared-key sessions (`None`: certificates only).
     pub psk: Option<Arc<psk::PskKeys>>,
+    /// NVMe/TCP hosts' keys (TP 8011), by PSK identity (`None`: no NVMe/TCP TLS). Kept apart
+    /// from `psk`: an NVMe/TCP identity names a host and a subsystem, not a tenant, and an
+    /// NVMe/TCP port offers no other credentials.
+    pub nvme_psk: Option<Arc<psk::PskKeys>>,
     /// Per certificate name (a tenant's name): the namespace ids the configuration binds
     /// that tenant to, for namespaces without QoS (which keep no tenant registry). Where a
     /// namespace has QoS, the control plane's configured tenant of that name decides.
     pub identities: Arc<std::collections::HashMap<String, Vec<u32>>>,
+}
+
+impl TlsCurrent {
+    /// What an NVMe/TCP session uses: its hosts' keys only.
+    fn for_nvme_tcp(&self) -> TlsCurrent {
+        TlsCurrent {
+            server_config: None,
+            psk: self.nvme_psk.clone(),
+            nvme_psk: None,
+            identities: Arc::default(),
+        }
+    }
 }
 
 impl TlsKeys {
@@ -222,7 +239,14 @@ impl Dataplane {
         let Some(setup) = self.tls.as_ref() else {
             panic!("TLS started without a TLS setup");
         };
-        let mut link = match TlsLink::new(setup.keys.current()) {
+        let mut current = setup.keys.current();
+        if matches!(
+            self.connections[index as usize].frontend,
+            crate::frontend::Frontend::NvmeTcp(_)
+        ) {
+            current = current.for_nvme_tcp();
+        }
+        let mut link = match TlsLink::new(current) {
             Ok(link) => Box::new(link),
             Err(e) => {
                 tracing::warn!(thread = self.thread_index, error = %e, "TLS session refused");
