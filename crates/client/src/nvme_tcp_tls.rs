@@ -31,7 +31,7 @@ pub struct NvmeTls {
 #[derive(Debug)]
 pub(crate) enum Link {
     Plain(TcpStream),
-    Tls(Box<SslStream<TcpStream>>),
+    Tls(Box<SslStream<Retrying>>),
 }
 
 impl Link {
@@ -78,7 +78,7 @@ impl Link {
         let ssl = Ssl::new(&builder.build()).map_err(openssl)?;
         stream.set_read_timeout(Some(timeout))?;
         let stream = ssl
-            .connect(stream)
+            .connect(Retrying(stream))
             .map_err(|e| tls_error(format!("handshake: {e}")))?;
         Ok(Link::Tls(Box::new(stream)))
     }
@@ -86,8 +86,40 @@ impl Link {
     pub(crate) fn tcp(&self) -> &TcpStream {
         match self {
             Link::Plain(stream) => stream,
-            Link::Tls(stream) => stream.get_ref(),
+            Link::Tls(stream) => &stream.get_ref().0,
         }
+    }
+}
+
+/// The socket under OpenSSL, reading and writing again when a signal interrupts a call:
+/// OpenSSL takes an interrupted call as a broken connection (only "would block" is retried),
+/// and the threads of a server in the same process (tests) deliver signals.
+#[derive(Debug)]
+pub(crate) struct Retrying(TcpStream);
+
+impl Read for Retrying {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            match self.0.read(buffer) {
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                result => return result,
+            }
+        }
+    }
+}
+
+impl Write for Retrying {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        loop {
+            match self.0.write(bytes) {
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                result => return result,
+            }
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
     }
 }
 
