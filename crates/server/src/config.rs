@@ -1672,6 +1672,54 @@ mod tests {
     }
 
     #[test]
+    fn nvme_tcp_tls_keys_are_checked() {
+        const KEY: &str = "NVMeTLSkey-1:01:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:";
+        let subsystem = |tls: &str, secure: bool, host_keys: &str| {
+            format!(
+                "[[namespace]]\nid = 1\nbackend = \"mem:1M\"\n[nvme_tcp]\ntls = \"{tls}\"\n\
+                 [[nvme_tcp.subsystem]]\nnqn = \"nqn.2026-01.io.reflex:s\"\nsecure_channel = {secure}\n\
+                 [[nvme_tcp.subsystem.host]]\nnqn = \"nqn.2026-01.io.reflex:h\"\n{host_keys}"
+            )
+        };
+        let good = subsystem("require", true, &format!("psk = \"{KEY}\""));
+        let config = Config::from_toml(&good, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert!(config.tls_in_use());
+        for (bad, expected) in [
+            (
+                subsystem("off", false, &format!("psk = \"{KEY}\"")),
+                "has a TLS key",
+            ),
+            (subsystem("optional", false, ""), "no [[nvme_tcp.subsystem.host]]"),
+            (subsystem("off", true, ""), "secure_channel needs"),
+            (
+                subsystem("optional", false, &format!("psk = \"{KEY}\"\npsk_file = \"k\"")),
+                "both set",
+            ),
+            (
+                subsystem("optional", false, &format!("psk = \"{}S:\"", &KEY[..KEY.len() - 2])),
+                "CRC-32",
+            ),
+            (
+                subsystem(
+                    "optional",
+                    false,
+                    "psk = \"NVMeTLSkey-1:02:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8gISIjJCUmJygpKissLS4vcSEgBQ==:\"",
+                ),
+                "not supported yet",
+            ),
+        ] {
+            let error = Config::from_toml(&bad, "test")
+                .and_then(|config| config.validate().map(|()| config))
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {bad}"));
+            let message = error.to_string();
+            assert!(message.contains(expected), "{bad}: {message}");
+            assert!(!message.contains("AAECAwQF"), "an error shows the key: {message}");
+        }
+    }
+
+    #[test]
     fn driver_choice_from_the_file_and_the_flag() {
         for (text, expected) in [
             ("auto", DriverChoice::Auto),

@@ -394,7 +394,13 @@ impl NvmeTcpTargets {
                 transport_type: discovery::TRTYPE_TCP,
                 address_family,
                 subsystem_type: discovery::SUBTYPE_NVM,
-                transport_requirements: discovery::TREQ_NOT_REQUIRED,
+                transport_requirements: if subsystem.secure_channel
+                    || self.options.tls_mode == super::nvme_tcp_tls::NvmeTlsMode::Require
+                {
+                    discovery::TREQ_REQUIRED
+                } else {
+                    discovery::TREQ_NOT_REQUIRED
+                },
                 port_id: 1,
                 cntlid: CNTLID_DYNAMIC,
                 admin_queue_size_max: self.options.queue_entries_max,
