@@ -1690,14 +1690,25 @@ mod tests {
                 subsystem("off", false, &format!("psk = \"{KEY}\"")),
                 "has a TLS key",
             ),
-            (subsystem("optional", false, ""), "no [[nvme_tcp.subsystem.host]]"),
+            (
+                subsystem("optional", false, ""),
+                "no [[nvme_tcp.subsystem.host]]",
+            ),
             (subsystem("off", true, ""), "secure_channel needs"),
             (
-                subsystem("optional", false, &format!("psk = \"{KEY}\"\npsk_file = \"k\"")),
+                subsystem(
+                    "optional",
+                    false,
+                    &format!("psk = \"{KEY}\"\npsk_file = \"k\""),
+                ),
                 "both set",
             ),
             (
-                subsystem("optional", false, &format!("psk = \"{}S:\"", &KEY[..KEY.len() - 2])),
+                subsystem(
+                    "optional",
+                    false,
+                    &format!("psk = \"{}S:\"", &KEY[..KEY.len() - 2]),
+                ),
                 "CRC-32",
             ),
             (
@@ -1715,7 +1726,10 @@ mod tests {
                 .unwrap_or_else(|| panic!("accepted: {bad}"));
             let message = error.to_string();
             assert!(message.contains(expected), "{bad}: {message}");
-            assert!(!message.contains("AAECAwQF"), "an error shows the key: {message}");
+            assert!(
+                !message.contains("AAECAwQF"),
+                "an error shows the key: {message}"
+            );
         }
     }
 

@@ -187,7 +187,9 @@ fn reload(server: &reflex_server::ServerHandle, path: Option<&std::path::Path>) 
     };
     match server.reload_tls(&config) {
         Ok(true) => {
-            tracing::info!("SIGHUP: TLS certificates and keys reloaded (new sessions use them)")
+            tracing::info!(
+                "SIGHUP: TLS certificates reloaded, and pre-shared keys (new sessions use them)"
+            )
         }
         Ok(false) => {}
         Err(error) => {
