@@ -298,6 +298,11 @@ impl NvmeTcpQueue {
         Ok(queue)
     }
 
+    /// The TLS version and cipher suite this queue runs over (`None`: plaintext).
+    pub fn tls_session(&self) -> Option<(&'static str, String)> {
+        self.stream.tls_session()
+    }
+
     /// The digests the target agreed to.
     pub fn digests(&self) -> Digests {
         self.framing.digests

@@ -83,6 +83,20 @@ impl Link {
         Ok(Link::Tls(Box::new(stream)))
     }
 
+    /// The TLS version and cipher suite of the session (`None`: plaintext).
+    pub(crate) fn tls_session(&self) -> Option<(&'static str, String)> {
+        match self {
+            Link::Plain(_) => None,
+            Link::Tls(stream) => {
+                let ssl = stream.ssl();
+                let cipher = ssl
+                    .current_cipher()
+                    .map_or_else(String::new, |cipher| cipher.name().to_string());
+                Some((ssl.version_str(), cipher))
+            }
+        }
+    }
+
     pub(crate) fn tcp(&self) -> &TcpStream {
         match self {
             Link::Plain(stream) => stream,

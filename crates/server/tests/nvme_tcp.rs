@@ -905,6 +905,11 @@ fn tls_attach_and_verified_io_with_digests_off_and_on() {
             .connect_io_queue()
             .unwrap_or_else(|e| panic!("{host_nqn}: {e}"));
         assert_eq!(queue.digests(), digests);
+        assert_eq!(
+            queue.tls_session(),
+            Some(("TLSv1.3", "TLS_AES_128_GCM_SHA256".to_string())),
+            "TP 8011: TLS 1.3, the suite of a 32-byte key"
+        );
         verified_io(&mut queue, digests.data as u8 + 1);
         controller
             .shutdown()
@@ -913,6 +918,7 @@ fn tls_attach_and_verified_io_with_digests_off_and_on() {
     // Plaintext still works on the optional listener for a host without a key.
     let mut plain = attach(&server, NvmeTcpOptions::new(HOST_C, NQN), 1);
     let mut queue = plain.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(queue.tls_session(), None);
     verified_io(&mut queue, 9);
     let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
     // Three controllers over TLS, each an admin and an I/O queue.
