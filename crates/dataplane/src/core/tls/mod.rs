@@ -237,7 +237,14 @@ impl Dataplane {
     /// bytes already received and not parsed are the start of the handshake.
     pub(super) fn start_tls(&mut self, index: u32) {
         let Some(setup) = self.tls.as_ref() else {
-            panic!("TLS started without a TLS setup");
+            // A setup error (a protocol told to take TLS on a server without TLS keys): the
+            // peer's bytes must not panic the thread, so only this connection ends.
+            tracing::error!(
+                thread = self.thread_index,
+                "TLS asked for without a TLS setup"
+            );
+            self.abort_connection(index, "TLS without a TLS setup");
+            return;
         };
         let mut current = setup.keys.current();
         if matches!(
