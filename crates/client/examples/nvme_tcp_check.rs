@@ -4,17 +4,32 @@
 //! and exits non-zero on the first failure. `docs/NVME-TCP.md` records runs.
 //!
 //! Usage: `cargo run --release -p reflex-client --example nvme_tcp_check -- ADDRESS:PORT NQN [NSID]`
+//!
+//! TLS (TP 8011): `NVME_TLS_PSK_FILE=FILE` (a key in the interchange format,
+//! `NVMeTLSkey-1:01:...:`) runs every queue over TLS 1.3 with that key; `NVME_HOST_NQN=NQN`
+//! sets the host NQN (the one the target lists the key under).
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use reflex_client::nvme_tcp::{NvmeTcpController, NvmeTcpError, NvmeTcpOptions};
 use reflex_proto::nvme_tcp::Digests;
+use reflex_proto::nvme_tcp::tls_key::ConfiguredPsk;
 
 const HOST_NQN: &str = "nqn.2014-08.org.nvmexpress:uuid:reflex-nvme-tcp-check";
 
-fn run(address: SocketAddr, nqn: &str, nsid: u32, digests: Digests) -> Result<(), NvmeTcpError> {
-    let options = NvmeTcpOptions::new(HOST_NQN, nqn).with_digests(digests);
+fn run(
+    address: SocketAddr,
+    nqn: &str,
+    nsid: u32,
+    digests: Digests,
+    tls: Option<&ConfiguredPsk>,
+) -> Result<(), NvmeTcpError> {
+    let host_nqn = std::env::var("NVME_HOST_NQN").unwrap_or_else(|_| HOST_NQN.to_string());
+    let mut options = NvmeTcpOptions::new(&host_nqn, nqn).with_digests(digests);
+    if let Some(psk) = tls {
+        options = options.with_tls_psk(psk.clone());
+    }
     let mut controller = NvmeTcpController::attach(address, options, 2)?;
     let identify = controller.identify().clone();
     println!(
@@ -80,8 +95,24 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     };
     let nsid = args.get(3).and_then(|n| n.parse().ok()).unwrap_or(1);
+    let tls = match std::env::var("NVME_TLS_PSK_FILE") {
+        Err(_) => None,
+        Ok(path) => match std::fs::read_to_string(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|text| ConfiguredPsk::parse_interchange(&text).map_err(|e| e.to_string()))
+        {
+            Ok(psk) => Some(psk),
+            Err(error) => {
+                eprintln!("{path}: {error}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    if tls.is_some() {
+        println!("TLS 1.3 with a pre-shared key on every queue");
+    }
     for digests in [Digests::NONE, Digests::BOTH] {
-        if let Err(error) = run(address, nqn, nsid, digests) {
+        if let Err(error) = run(address, nqn, nsid, digests, tls.as_ref()) {
             eprintln!("FAILED with digests {digests:?}: {error}");
             return ExitCode::FAILURE;
         }

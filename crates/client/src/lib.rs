@@ -50,6 +50,7 @@ mod core_tests;
 mod driver;
 mod error;
 pub mod nvme_tcp;
+mod nvme_tcp_tls;
 mod pipelined;
 mod reconnect;
 mod stream_buffers;

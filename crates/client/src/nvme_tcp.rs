@@ -14,6 +14,9 @@
 //!   enable handshake (CC.EN, CSTS.RDY), Identify, Set Features (number of queues), Keep
 //!   Alive and I/O queues connected to it.
 //!
+//! With [`NvmeTcpOptions::with_tls_psk`] every queue starts TLS 1.3 with the host's
+//! pre-shared key before its ICReq (TP 8011, `nvme_tcp_tls.rs`).
+//!
 //! Tests can also drive a queue by hand: [`NvmeTcpQueue::send_raw`] writes bytes as they
 //! are, [`NvmeTcpQueue::receive_pdu`] returns the next PDU, whatever it is.
 
@@ -32,8 +35,12 @@ use reflex_proto::nvme_tcp::command::{
 use reflex_proto::nvme_tcp::pdu::{
     self, DataHeader, Digests, Framing, IcReq, Pdu, PduError, PduType, flags,
 };
+use reflex_proto::nvme_tcp::tls_key::ConfiguredPsk;
 use reflex_proto::nvme_tcp::{Command, Completion, Status};
 use thiserror::Error;
+
+use crate::nvme_tcp_tls::Link;
+pub use crate::nvme_tcp_tls::NvmeTls;
 
 /// Bytes one received PDU may have (header, padding, data and digests): the largest data
 /// PDU a target sends the initiator (MDTS-sized reads are capped by [`TRANSFER_BYTES_MAX`]).
@@ -82,6 +89,10 @@ pub enum NvmeTcpError {
     /// The controller did not become ready (or finish shutting down) in time.
     #[error("the controller did not reach {0} in time")]
     NotReady(&'static str),
+    /// TLS could not start: an unusable key, or the target refused the handshake (a wrong
+    /// key, an identity it does not know, no TLS on its port).
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// How an initiator attaches.
@@ -97,6 +108,8 @@ pub struct NvmeTcpOptions {
     pub keep_alive_ms: u32,
     /// Longest wait for any one answer.
     pub timeout: Duration,
+    /// TLS with a pre-shared key (TP 8011) on every queue; `None`: plaintext.
+    pub tls: Option<NvmeTls>,
 }
 
 impl NvmeTcpOptions {
@@ -113,7 +126,18 @@ impl NvmeTcpOptions {
             queue_entries: 32,
             keep_alive_ms: 0,
             timeout: Duration::from_secs(20),
+            tls: None,
         }
+    }
+
+    /// Every queue over TLS with `psk`, under the identity of this host and subsystem.
+    pub fn with_tls_psk(mut self, psk: ConfiguredPsk) -> NvmeTcpOptions {
+        self.tls = Some(NvmeTls {
+            psk,
+            host_nqn: self.host_nqn.clone(),
+            subsystem_nqn: self.subsystem_nqn.clone(),
+        });
+        self
     }
 
     pub fn with_digests(mut self, digests: Digests) -> NvmeTcpOptions {
@@ -209,7 +233,7 @@ pub enum Transfer<'a> {
 /// One queue: one TCP connection.
 #[derive(Debug)]
 pub struct NvmeTcpQueue {
-    stream: TcpStream,
+    stream: Link,
     receiver: PduReceiver,
     /// How this side lays out PDUs (the negotiated digests, CPDA).
     framing: Framing,
@@ -228,8 +252,19 @@ impl NvmeTcpQueue {
         digests: Digests,
         timeout: Duration,
     ) -> Result<NvmeTcpQueue, NvmeTcpError> {
+        NvmeTcpQueue::open_with(address, digests, timeout, None)
+    }
+
+    /// Connects TCP, starts TLS when `tls` is given, and exchanges ICReq/ICResp.
+    pub fn open_with(
+        address: SocketAddr,
+        digests: Digests,
+        timeout: Duration,
+        tls: Option<&NvmeTls>,
+    ) -> Result<NvmeTcpQueue, NvmeTcpError> {
         let stream = TcpStream::connect_timeout(&address, timeout)?;
         stream.set_nodelay(true)?;
+        let stream = Link::start(stream, tls, timeout)?;
         let mut queue = NvmeTcpQueue {
             stream,
             receiver: PduReceiver::default(),
@@ -261,6 +296,11 @@ impl NvmeTcpQueue {
         queue.maxh2cdata = response.maxh2cdata;
         queue.receiver.set_digests(response.digests);
         Ok(queue)
+    }
+
+    /// The TLS version and cipher suite this queue runs over (`None`: plaintext).
+    pub fn tls_session(&self) -> Option<(&'static str, String)> {
+        self.stream.tls_session()
     }
 
     /// The digests the target agreed to.
@@ -487,7 +527,7 @@ impl NvmeTcpQueue {
             if left.is_zero() {
                 return Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into());
             }
-            self.stream.set_read_timeout(Some(left))?;
+            self.stream.tcp().set_read_timeout(Some(left))?;
             let count = match self.stream.read(&mut buffer) {
                 Ok(count) => count,
                 // A signal (the server's threads in the same test process use them) is no
@@ -509,7 +549,7 @@ impl NvmeTcpQueue {
         let mut buffer = [0u8; 4096];
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || self.stream.set_read_timeout(Some(left)).is_err() {
+            if left.is_zero() || self.stream.tcp().set_read_timeout(Some(left)).is_err() {
                 return false;
             }
             match self.stream.read(&mut buffer) {
@@ -559,7 +599,12 @@ impl NvmeTcpController {
         options: NvmeTcpOptions,
         io_queues: u16,
     ) -> Result<NvmeTcpController, NvmeTcpError> {
-        let mut admin = NvmeTcpQueue::open(address, options.digests, options.timeout)?;
+        let mut admin = NvmeTcpQueue::open_with(
+            address,
+            options.digests,
+            options.timeout,
+            options.tls.as_ref(),
+        )?;
         let cntlid = admin.connect(&options, 0, CNTLID_DYNAMIC)?;
         let cap = admin.property_get(property::CAP, true)?;
         let cc: u32 =
@@ -667,8 +712,12 @@ impl NvmeTcpController {
     /// Connects the next I/O queue (a new TCP connection).
     pub fn connect_io_queue(&mut self) -> Result<NvmeTcpQueue, NvmeTcpError> {
         let qid = self.next_qid;
-        let mut queue =
-            NvmeTcpQueue::open(self.address, self.options.digests, self.options.timeout)?;
+        let mut queue = NvmeTcpQueue::open_with(
+            self.address,
+            self.options.digests,
+            self.options.timeout,
+            self.options.tls.as_ref(),
+        )?;
         queue.connect(&self.options, qid, self.cntlid)?;
         let ioccsz_bytes = (self.identify.ioccsz as usize * 16).saturating_sub(64);
         queue.set_in_capsule_bytes(ioccsz_bytes);

@@ -11,6 +11,8 @@
 //!   16-byte completion (`Completion`), `Status` codes, Connect's data, Dataset Management
 //!   ranges, opcodes, feature, log page and property constants.
 //! - [`admin`]: Identify structures, log pages (SMART, discovery) and the CAP property.
+//! - [`tls_key`]: TLS keys (TP 8011): the PSK interchange format, the retained and TLS PSKs,
+//!   the PSK identity.
 //!
 //! Invariants: nothing here reads a clock, opens a socket or panics on input bytes; data is
 //! never copied by the decoder (it only says where data lies); every decoder is fuzzed
@@ -21,6 +23,7 @@ pub mod command;
 pub mod pdu;
 #[cfg(test)]
 mod tests;
+pub mod tls_key;
 
 pub use command::{Command, Completion, Status};
 pub use pdu::{Decoded, Digests, Framing, Pdu, PduError, PduType};

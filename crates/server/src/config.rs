@@ -578,6 +578,22 @@ pub struct NvmeHostConfig {
     /// namespace of the subsystem; `None`: each namespace's own tenant.
     #[serde(default)]
     pub tenant: Option<String>,
+    /// Its TLS key for this subsystem (TP 8011) in the PSK interchange format,
+    /// `NVMeTLSkey-1:01:<base64>:` (`nvme gen-tls-key`); with a key the host connects over
+    /// TLS only (`docs/NVME-TCP.md`, "TLS").
+    #[serde(default)]
+    pub psk: Option<String>,
+    /// The same key read from a file (as SPDK's `nvmf_subsystem_add_host --psk FILE`), read
+    /// again on SIGHUP.
+    #[serde(default)]
+    pub psk_file: Option<String>,
+}
+
+impl NvmeHostConfig {
+    /// Whether the host has a TLS key.
+    pub fn has_tls_key(&self) -> bool {
+        self.psk.is_some() || self.psk_file.is_some()
+    }
 }
 
 /// An NVMe/TCP subsystem (`docs/NVME-TCP.md`): namespaces under their ids as NSIDs, and who
@@ -594,6 +610,9 @@ pub struct NvmeSubsystemConfig {
     pub allow_any_host: bool,
     #[serde(default, rename = "host")]
     pub hosts: Vec<NvmeHostConfig>,
+    /// Hosts connect over TLS only (SPDK's `--secure-channel`; needs `nvme_tcp.tls`).
+    #[serde(default)]
+    pub secure_channel: bool,
 }
 
 fn default_true() -> bool {
@@ -624,6 +643,9 @@ pub struct NvmeTcpConfig {
     pub subsystems: Vec<NvmeSubsystemConfig>,
     /// Source addresses (CIDR blocks) the NVMe/TCP port serves; `None`: every address.
     pub allow: Option<Vec<IpNet>>,
+    /// TLS (TP 8011, pre-shared keys of the hosts): `"off"`, `"optional"` (each host
+    /// chooses) or `"require"` (a plaintext host is closed before its ICResp).
+    pub tls: TlsMode,
 }
 
 impl Default for NvmeTcpConfig {
@@ -637,6 +659,7 @@ impl Default for NvmeTcpConfig {
             keep_alive_timeout_min: Duration::from_secs(1),
             subsystems: Vec::new(),
             allow: None,
+            tls: TlsMode::Off,
         }
     }
 }
@@ -800,6 +823,13 @@ pub enum TlsMode {
     Require,
 }
 
+impl Config {
+    /// Whether any listener uses TLS: `[tls]`'s, or NVMe/TCP's with its hosts' keys.
+    pub fn tls_in_use(&self) -> bool {
+        self.tls.enabled() || (self.nvme_tcp.enabled && self.nvme_tcp.tls != TlsMode::Off)
+    }
+}
+
 impl TlsConfig {
     /// Whether any listener uses TLS (the certificate and key must then be given).
     pub fn enabled(&self) -> bool {
@@ -936,6 +966,13 @@ impl Config {
         {
             *path = resolve(path);
         }
+        for subsystem in &mut self.nvme_tcp.subsystems {
+            for host in &mut subsystem.hosts {
+                if let Some(path) = &host.psk_file {
+                    host.psk_file = Some(resolve(path));
+                }
+            }
+        }
     }
 
     /// The namespaces to serve: the configured ones, or the default 1 GiB file.
@@ -1048,6 +1085,7 @@ impl Config {
                 namespaces: Vec::new(),
                 allow_any_host: true,
                 hosts: Vec::new(),
+                secure_channel: false,
             }]
         } else {
             self.nvme_tcp.subsystems.clone()
@@ -1437,7 +1475,55 @@ impl Config {
                         host.nqn
                     ));
                 }
+                self.validate_nvme_host_key(subsystem, host)?;
             }
+            if subsystem.secure_channel && nvme.tls == TlsMode::Off {
+                return invalid(format!(
+                    "nvme_tcp subsystem {:?}: secure_channel needs nvme_tcp.tls = \"optional\" or \"require\"",
+                    subsystem.nqn
+                ));
+            }
+        }
+        if nvme.tls != TlsMode::Off
+            && !subsystems
+                .iter()
+                .any(|subsystem| subsystem.hosts.iter().any(NvmeHostConfig::has_tls_key))
+        {
+            return invalid(
+                "nvme_tcp.tls: no [[nvme_tcp.subsystem.host]] has a psk or psk_file, so no host could connect over TLS"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// A host's TLS key: one of `psk` and `psk_file`, TLS on, and an inline key that parses
+    /// (a key file is read and checked when the server starts and on SIGHUP).
+    fn validate_nvme_host_key(
+        &self,
+        subsystem: &NvmeSubsystemConfig,
+        host: &NvmeHostConfig,
+    ) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        if host.psk.is_some() && host.psk_file.is_some() {
+            return invalid(format!(
+                "nvme_tcp subsystem {:?}, host {:?}: psk and psk_file both set: give one",
+                subsystem.nqn, host.nqn
+            ));
+        }
+        if host.has_tls_key() && self.nvme_tcp.tls == TlsMode::Off {
+            return invalid(format!(
+                "nvme_tcp subsystem {:?}, host {:?} has a TLS key: set nvme_tcp.tls = \"optional\" or \"require\"",
+                subsystem.nqn, host.nqn
+            ));
+        }
+        if let Some(text) = &host.psk
+            && let Err(reason) = crate::tls::nvme_session_key(text, &host.nqn, &subsystem.nqn)
+        {
+            return invalid(format!(
+                "nvme_tcp subsystem {:?}, host {:?}: psk: {reason}",
+                subsystem.nqn, host.nqn
+            ));
         }
         Ok(())
     }
@@ -1582,6 +1668,68 @@ mod tests {
                 .err()
                 .unwrap_or_else(|| panic!("accepted: {bad}"));
             assert!(error.to_string().contains(expected), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn nvme_tcp_tls_keys_are_checked() {
+        const KEY: &str = "NVMeTLSkey-1:01:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:";
+        let subsystem = |tls: &str, secure: bool, host_keys: &str| {
+            format!(
+                "[[namespace]]\nid = 1\nbackend = \"mem:1M\"\n[nvme_tcp]\ntls = \"{tls}\"\n\
+                 [[nvme_tcp.subsystem]]\nnqn = \"nqn.2026-01.io.reflex:s\"\nsecure_channel = {secure}\n\
+                 [[nvme_tcp.subsystem.host]]\nnqn = \"nqn.2026-01.io.reflex:h\"\n{host_keys}"
+            )
+        };
+        let good = subsystem("require", true, &format!("psk = \"{KEY}\""));
+        let config = Config::from_toml(&good, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert!(config.tls_in_use());
+        for (bad, expected) in [
+            (
+                subsystem("off", false, &format!("psk = \"{KEY}\"")),
+                "has a TLS key",
+            ),
+            (
+                subsystem("optional", false, ""),
+                "no [[nvme_tcp.subsystem.host]]",
+            ),
+            (subsystem("off", true, ""), "secure_channel needs"),
+            (
+                subsystem(
+                    "optional",
+                    false,
+                    &format!("psk = \"{KEY}\"\npsk_file = \"k\""),
+                ),
+                "both set",
+            ),
+            (
+                subsystem(
+                    "optional",
+                    false,
+                    &format!("psk = \"{}S:\"", &KEY[..KEY.len() - 2]),
+                ),
+                "CRC-32",
+            ),
+            (
+                subsystem(
+                    "optional",
+                    false,
+                    "psk = \"NVMeTLSkey-1:02:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8gISIjJCUmJygpKissLS4vcSEgBQ==:\"",
+                ),
+                "not supported yet",
+            ),
+        ] {
+            let error = Config::from_toml(&bad, "test")
+                .and_then(|config| config.validate().map(|()| config))
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {bad}"));
+            let message = error.to_string();
+            assert!(message.contains(expected), "{bad}: {message}");
+            assert!(
+                !message.contains("AAECAwQF"),
+                "an error shows the key: {message}"
+            );
         }
     }
 

@@ -301,7 +301,9 @@ impl Server {
             tls: None,
         };
         let tls_keys = tls::load(&config)?.map(|current| Arc::new(TlsKeys::new(current)));
-        handle.tls = tls_keys.clone().map(|keys| (keys, config.tls.clone()));
+        handle.tls = tls_keys
+            .clone()
+            .map(|keys| (keys, config.tls.clone(), config.nvme_tcp.tls));
         let limits = config.limits();
         let cq_entries = config.ring_cq_entries();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<bool, String>)>();
@@ -533,6 +535,7 @@ fn nvme_tcp_targets(
     configured: &dyn Fn(u16, Option<&String>) -> TenantRef,
     listen: SocketAddr,
 ) -> Result<NvmeTcpTargets, ServerError> {
+    use reflex_dataplane::frontend::NvmeTlsMode;
     use reflex_dataplane::frontend::nvme_tcp_targets::{
         HostAccess, NvmeTcpOptions, Subsystem, SubsystemNamespace,
     };
@@ -582,6 +585,7 @@ fn nvme_tcp_targets(
             .iter()
             .map(|host| HostAccess {
                 nqn: host.nqn.clone(),
+                tls_key: host.has_tls_key(),
                 tenants: members
                     .iter()
                     .map(|(index, _)| match &host.tenant {
@@ -597,6 +601,7 @@ fn nvme_tcp_targets(
             allow_any_host: subsystem.allow_any_host,
             hosts,
             default_tenants,
+            secure_channel: subsystem.secure_channel,
         });
     }
     let options = NvmeTcpOptions {
@@ -604,6 +609,11 @@ fn nvme_tcp_targets(
         io_queues_max: config.nvme_tcp.io_queues_max,
         r2t_timeout: Nanos(config.nvme_tcp.r2t_timeout.as_nanos() as u64),
         keep_alive_timeout_min: Nanos(config.nvme_tcp.keep_alive_timeout_min.as_nanos() as u64),
+        tls_mode: match config.nvme_tcp.tls {
+            config::TlsMode::Off => NvmeTlsMode::Off,
+            config::TlsMode::Optional => NvmeTlsMode::Optional,
+            config::TlsMode::Require => NvmeTlsMode::Require,
+        },
         ..NvmeTcpOptions::default()
     };
     Ok(NvmeTcpTargets::new(options, subsystems, listen))
@@ -815,7 +825,8 @@ pub struct ServerHandle {
     /// The admin API's thread, when it serves.
     admin: Option<admin::AdminHandle>,
     /// What TLS sessions start with, and the `[tls]` the server started with.
-    tls: Option<(Arc<TlsKeys>, config::TlsConfig)>,
+    /// The keys and what used TLS at start: `[tls]` and `nvme_tcp.tls`.
+    tls: Option<(Arc<TlsKeys>, config::TlsConfig, config::TlsMode)>,
 }
 
 impl ServerHandle {
@@ -1084,17 +1095,19 @@ impl ServerHandle {
     /// already running keep theirs. Which protocols use TLS takes a restart (an error says
     /// so, and nothing changes).
     pub fn reload_tls(&self, config: &Config) -> Result<bool, tls::TlsSetupError> {
-        let Some((keys, started)) = &self.tls else {
-            if config.tls.enabled() {
+        let Some((keys, started, nvme_started)) = &self.tls else {
+            if config.tls_in_use() {
                 return Err(tls::TlsSetupError::Rustls(
                     "TLS was off at start: turning it on takes a restart".to_string(),
                 ));
             }
             return Ok(false);
         };
-        if (config.tls.native, config.tls.nbd) != (started.native, started.nbd) {
+        if (config.tls.native, config.tls.nbd, config.nvme_tcp.tls)
+            != (started.native, started.nbd, *nvme_started)
+        {
             return Err(tls::TlsSetupError::Rustls(
-                "tls.native and tls.nbd take a restart to change".to_string(),
+                "tls.native, tls.nbd and nvme_tcp.tls take a restart to change".to_string(),
             ));
         }
         let Some(current) = tls::load(config)? else {

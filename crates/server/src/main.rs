@@ -186,7 +186,11 @@ fn reload(server: &reflex_server::ServerHandle, path: Option<&std::path::Path>) 
         }
     };
     match server.reload_tls(&config) {
-        Ok(true) => tracing::info!("SIGHUP: TLS certificates reloaded (new sessions use them)"),
+        Ok(true) => {
+            tracing::info!(
+                "SIGHUP: TLS certificates reloaded, and pre-shared keys (new sessions use them)"
+            )
+        }
         Ok(false) => {}
         Err(error) => {
             tracing::error!(%error, "SIGHUP: TLS not reloaded; sessions keep the old keys")

@@ -6,6 +6,10 @@
 //! at least); no session tickets or resumption state (each connection is long-lived, and a
 //! ticket key would be one more secret to rotate); with a client CA, a client certificate is
 //! mandatory and its subject's common name is the connection's identity.
+//!
+//! NVMe/TCP's keys (TP 8011) are the hosts' configured PSKs, each turned into the TLS PSK of
+//! its identity `NVMe0R01 <host NQN> <subsystem NQN>` (`reflex_proto::nvme_tcp::tls_key`),
+//! in an OpenSSL context of their own.
 
 use std::sync::Arc;
 
@@ -16,7 +20,9 @@ use std::collections::HashMap;
 
 use reflex_dataplane::{PskKeys, TlsCurrent};
 
-use crate::config::{Config, TlsConfig};
+use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, TlsCipher};
+
+use crate::config::{Config, TlsConfig, TlsMode};
 
 /// Why `[tls]` could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -31,24 +37,94 @@ pub enum TlsSetupError {
     Rustls(String),
 }
 
-/// What new TLS sessions use, as `config`'s `[tls]` describes; `None` when no listener uses
-/// TLS.
+/// What new TLS sessions use, as `config`'s `[tls]` and NVMe/TCP hosts' keys describe;
+/// `None` when no listener uses TLS.
 pub fn load(config: &Config) -> Result<Option<TlsCurrent>, TlsSetupError> {
-    if !config.tls.enabled() {
+    if !config.tls_in_use() {
         return Ok(None);
     }
-    let server_config = server_config(&config.tls)?;
-    let psk = psk_keys(&config.tls)?;
-    if server_config.is_none() && psk.is_none() {
-        return Err(TlsSetupError::Rustls(
-            "tls.certificate and tls.key, or tls.psk_file, are required".to_string(),
-        ));
-    }
+    let (server_config, psk) = if config.tls.enabled() {
+        let server_config = server_config(&config.tls)?;
+        let psk = psk_keys(&config.tls)?;
+        if server_config.is_none() && psk.is_none() {
+            return Err(TlsSetupError::Rustls(
+                "tls.certificate and tls.key, or tls.psk_file, are required".to_string(),
+            ));
+        }
+        (server_config, psk)
+    } else {
+        (None, None)
+    };
     Ok(Some(TlsCurrent {
         server_config,
         psk,
+        nvme_psk: nvme_psk_keys(config)?,
         identities: Arc::new(identities(config)),
     }))
+}
+
+/// The PSK identity and TLS PSK of a host's configured key (interchange format) for one
+/// subsystem; `Err` says why the key is unusable (never showing the key).
+pub fn nvme_session_key(
+    interchange: &str,
+    host_nqn: &str,
+    subsystem_nqn: &str,
+) -> Result<(String, Vec<u8>), String> {
+    let configured = ConfiguredPsk::parse_interchange(interchange).map_err(|e| e.to_string())?;
+    if configured.cipher() != TlsCipher::Aes128GcmSha256 {
+        // OpenSSL's PSK callbacks, which the rust bindings offer, take every key as a
+        // SHA-256 one: TLS_AES_256_GCM_SHA384 would need its session callbacks.
+        return Err(
+            "a 48-byte key (TLS_AES_256_GCM_SHA384) is not supported yet: use a 32-byte one (NVMeTLSkey-1:01:...)"
+                .to_string(),
+        );
+    }
+    configured
+        .session_key(host_nqn, subsystem_nqn)
+        .map_err(|e| e.to_string())
+}
+
+/// The NVMe/TCP hosts' keys (`psk` or `psk_file` of `[[nvme_tcp.subsystem.host]]`) by PSK
+/// identity; `None` when NVMe/TCP has no TLS.
+fn nvme_psk_keys(config: &Config) -> Result<Option<Arc<PskKeys>>, TlsSetupError> {
+    if !config.nvme_tcp.enabled || config.nvme_tcp.tls == TlsMode::Off {
+        return Ok(None);
+    }
+    let mut keys = HashMap::new();
+    for subsystem in config.effective_nvme_subsystems() {
+        for host in &subsystem.hosts {
+            let (field, path, text) = match (&host.psk, &host.psk_file) {
+                (Some(text), _) => (
+                    "nvme_tcp.subsystem.host.psk",
+                    host.nqn.clone(),
+                    text.clone(),
+                ),
+                (None, Some(path)) => {
+                    let text = std::fs::read_to_string(path).map_err(|e| TlsSetupError::File {
+                        field: "nvme_tcp.subsystem.host.psk_file",
+                        path: path.clone(),
+                        reason: e.to_string(),
+                    })?;
+                    ("nvme_tcp.subsystem.host.psk_file", path.clone(), text)
+                }
+                (None, None) => continue,
+            };
+            let (identity, key) =
+                nvme_session_key(&text, &host.nqn, &subsystem.nqn).map_err(|reason| {
+                    TlsSetupError::File {
+                        field,
+                        path,
+                        reason: format!(
+                            "host {:?}, subsystem {:?}: {reason}",
+                            host.nqn, subsystem.nqn
+                        ),
+                    }
+                })?;
+            keys.insert(identity, key);
+        }
+    }
+    let keys = PskKeys::for_nvme_tcp(keys).map_err(|e| TlsSetupError::Rustls(e.to_string()))?;
+    Ok(Some(Arc::new(keys)))
 }
 
 /// The pre-shared keys of `tls.psk_file`, if it is set.

@@ -308,8 +308,11 @@ fn grants_config() -> Config {
             .map(|(nqn, tenant)| NvmeHostConfig {
                 nqn: (*nqn).to_string(),
                 tenant: Some((*tenant).to_string()),
+                psk: None,
+                psk_file: None,
             })
             .collect(),
+        secure_channel: false,
     }];
     config.admin = AdminConfig {
         stats_window: Duration::from_millis(200),

@@ -3,7 +3,8 @@
 //! Identify, verified I/O with and without digests (in-capsule writes, R2T/H2CData writes,
 //! C2HData reads), flush, write zeroes, deallocate, the shutdown handshake, tenant selection
 //! by host NQN, the keep-alive timeout, and bad input: each either gets the spec's status or
-//! closes only its own connection, while other queues go on. Assertions only; no timing
+//! closes only its own connection, while other queues go on; TLS with pre-shared keys (TP
+//! 8011): verified I/O over TLS, and the refusals that keep a key to its host and subsystem. Assertions only; no timing
 //! (timeouts are upper bounds for a wait, never a pass condition).
 
 mod common;
@@ -19,7 +20,9 @@ use reflex_client::nvme_tcp::{
 use reflex_proto::nvme_tcp::admin::ControllerType;
 use reflex_proto::nvme_tcp::command::{CNTLID_DYNAMIC, ConnectData, io_opcode};
 use reflex_proto::nvme_tcp::pdu::{self, DataHeader, Digests, Framing, IcReq, Pdu, PduType};
+use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, PskHash};
 use reflex_proto::nvme_tcp::{Command, Status};
+use reflex_server::config::TlsMode;
 use reflex_server::{
     Config, NamespaceConfig, NvmeHostConfig, NvmeSubsystemConfig, ServerHandle, TenantConfig,
     TenantStats, tenant_totals,
@@ -37,6 +40,7 @@ fn nvme_config(namespaces: Vec<NamespaceConfig>) -> Config {
         namespaces: Vec::new(),
         allow_any_host: true,
         hosts: Vec::new(),
+        secure_channel: false,
     }];
     server_config.nvme_tcp.r2t_timeout = Duration::from_millis(500);
     server_config.nvme_tcp.keep_alive_timeout_min = Duration::from_millis(200);
@@ -292,12 +296,17 @@ fn the_host_nqn_selects_the_tenant() {
             NvmeHostConfig {
                 nqn: "nqn.2026-01.io.reflex:host-gold".into(),
                 tenant: Some("gold".into()),
+                psk: None,
+                psk_file: None,
             },
             NvmeHostConfig {
                 nqn: "nqn.2026-01.io.reflex:host-bulk".into(),
                 tenant: Some("bulk".into()),
+                psk: None,
+                psk_file: None,
             },
         ],
+        secure_channel: false,
     }];
     let server = start(server_config);
     let gold = server
@@ -786,4 +795,318 @@ fn a_namespace_removed_at_run_time_leaves_the_active_list_and_its_io_is_refused(
             .unwrap_or_else(|e| panic!("{e}")),
         data
     );
+}
+
+// ---- TLS (TP 8011) ----
+
+const HOST_B: &str = "nqn.2014-08.org.nvmexpress:uuid:host-b";
+const HOST_C: &str = "nqn.2014-08.org.nvmexpress:uuid:host-c";
+const NQN_OPEN: &str = "nqn.2026-01.io.reflex:open";
+const NQN_SECURE: &str = "nqn.2026-01.io.reflex:secure";
+
+/// A configured PSK (SHA-256 retained-key hash) of 32 bytes of `seed`.
+fn tls_key(seed: u8) -> ConfiguredPsk {
+    let bytes: Vec<u8> = (0..32u8).map(|index| index.wrapping_mul(seed)).collect();
+    ConfiguredPsk::new(PskHash::Sha256, &bytes).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn host(nqn: &str, psk: Option<&ConfiguredPsk>, psk_file: Option<String>) -> NvmeHostConfig {
+    NvmeHostConfig {
+        nqn: nqn.to_string(),
+        tenant: None,
+        psk: psk.map(ConfiguredPsk::to_interchange),
+        psk_file,
+    }
+}
+
+/// Subsystems for the TLS tests: `NQN` with host A (key inline) and host B (key in
+/// `key_file`), open to any other host over plaintext; `NQN_OPEN` open to anyone, no keys;
+/// `NQN_SECURE` TLS only, host A with its own key.
+fn tls_config(mode: TlsMode, key_file: &std::path::Path) -> Config {
+    let mut server_config = nvme_config(vec![namespace(1, "mem:16M", None)]);
+    server_config.nvme_tcp.tls = mode;
+    let subsystem =
+        |nqn: &str, hosts: Vec<NvmeHostConfig>, secure_channel: bool| NvmeSubsystemConfig {
+            nqn: nqn.to_string(),
+            namespaces: vec![1],
+            allow_any_host: true,
+            hosts,
+            secure_channel,
+        };
+    server_config.nvme_tcp.subsystems = vec![
+        subsystem(
+            NQN,
+            vec![
+                host(HOST, Some(&tls_key(3)), None),
+                host(HOST_B, None, Some(key_file.display().to_string())),
+            ],
+            false,
+        ),
+        subsystem(NQN_OPEN, Vec::new(), false),
+        subsystem(NQN_SECURE, vec![host(HOST, Some(&tls_key(5)), None)], true),
+    ];
+    server_config
+}
+
+fn key_file(psk: &ConfiguredPsk) -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().unwrap_or_else(|e| panic!("{e}"));
+    std::io::Write::write_all(&mut file, format!("{}\n", psk.to_interchange()).as_bytes())
+        .unwrap_or_else(|e| panic!("{e}"));
+    file
+}
+
+/// Writes and reads back 4 KiB (in capsule), 64 KiB and 1 MiB (R2T) at distinct places.
+fn verified_io(queue: &mut NvmeTcpQueue, seed: u8) {
+    let block_bytes = 512u32;
+    for (slba, length) in [(8u64, 4096usize), (64, 64 << 10), (1024, 1 << 20)] {
+        let data = pattern(seed, slba, length);
+        queue
+            .write(1, slba, &data, block_bytes, false)
+            .unwrap_or_else(|e| panic!("write {length} at {slba}: {e}"));
+        let back = queue
+            .read(1, slba, (length / block_bytes as usize) as u32, block_bytes)
+            .unwrap_or_else(|e| panic!("read {length} at {slba}: {e}"));
+        assert!(back == data, "{length} bytes at {slba} read back differ");
+    }
+}
+
+/// The attach failed in the TLS handshake or by the target closing the connection.
+fn assert_tls_refused<T>(result: Result<T, NvmeTcpError>, what: &str) {
+    match result {
+        Err(NvmeTcpError::Tls(_) | NvmeTcpError::Closed | NvmeTcpError::Io(_)) => {}
+        Err(other) => panic!("{what}: expected a refused handshake, got {other}"),
+        Ok(_) => panic!("{what}: attached"),
+    }
+}
+
+#[test]
+fn tls_attach_and_verified_io_with_digests_off_and_on() {
+    let file = key_file(&tls_key(7));
+    let server = start(tls_config(TlsMode::Optional, file.path()));
+    for (digests, options) in [
+        (
+            Digests::NONE,
+            NvmeTcpOptions::new(HOST, NQN).with_tls_psk(tls_key(3)),
+        ),
+        (
+            Digests::BOTH,
+            NvmeTcpOptions::new(HOST, NQN).with_tls_psk(tls_key(3)),
+        ),
+        // Host B's key comes from its key file.
+        (
+            Digests::BOTH,
+            NvmeTcpOptions::new(HOST_B, NQN).with_tls_psk(tls_key(7)),
+        ),
+    ] {
+        let host_nqn = options.host_nqn.clone();
+        let mut controller = attach(&server, options.with_digests(digests), 2);
+        assert_eq!(controller.identify().subsystem_nqn, NQN);
+        let mut queue = controller
+            .connect_io_queue()
+            .unwrap_or_else(|e| panic!("{host_nqn}: {e}"));
+        assert_eq!(queue.digests(), digests);
+        assert_eq!(
+            queue.tls_session(),
+            Some(("TLSv1.3", "TLS_AES_128_GCM_SHA256".to_string())),
+            "TP 8011: TLS 1.3, the suite of a 32-byte key"
+        );
+        verified_io(&mut queue, digests.data as u8 + 1);
+        controller
+            .shutdown()
+            .unwrap_or_else(|e| panic!("shutdown: {e}"));
+    }
+    // Plaintext still works on the optional listener for a host without a key.
+    let mut plain = attach(&server, NvmeTcpOptions::new(HOST_C, NQN), 1);
+    let mut queue = plain.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(queue.tls_session(), None);
+    verified_io(&mut queue, 9);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    // Three controllers over TLS, each an admin and an I/O queue.
+    let sessions: u64 = stats.iter().map(|core| core.tls_sessions).sum();
+    assert_eq!(sessions, 6);
+}
+
+#[test]
+fn tls_keys_stay_with_their_host_and_subsystem() {
+    let file = key_file(&tls_key(7));
+    let server = start(tls_config(TlsMode::Optional, file.path()));
+    // A queue that works throughout: the refusals below close only their own connections.
+    let mut controller = attach(
+        &server,
+        NvmeTcpOptions::new(HOST, NQN).with_tls_psk(tls_key(3)),
+        1,
+    );
+    let mut queue = controller
+        .connect_io_queue()
+        .unwrap_or_else(|e| panic!("{e}"));
+    verified_io(&mut queue, 1);
+
+    // A wrong key for a known identity: the handshake fails.
+    assert_tls_refused(
+        NvmeTcpController::attach(
+            address(&server),
+            NvmeTcpOptions::new(HOST, NQN).with_tls_psk(tls_key(4)),
+            1,
+        ),
+        "wrong key",
+    );
+    // An identity the target has no key for (host C has none).
+    assert_tls_refused(
+        NvmeTcpController::attach(
+            address(&server),
+            NvmeTcpOptions::new(HOST_C, NQN).with_tls_psk(tls_key(3)),
+            1,
+        ),
+        "unknown identity",
+    );
+    // Host A's identity and key, Connect as host B: refused, though the handshake is good.
+    let mut as_b = NvmeTcpOptions::new(HOST_B, NQN).with_tls_psk(tls_key(3));
+    if let Some(tls) = as_b.tls.as_mut() {
+        tls.host_nqn = HOST.to_string();
+    }
+    assert_eq!(
+        status_of(NvmeTcpController::attach(address(&server), as_b, 1)),
+        Status::CONNECT_INVALID_HOST
+    );
+    // Host A's identity for subsystem NQN, Connect to NQN_OPEN (which any host may reach in
+    // plaintext) and to NQN_SECURE (where host A has another key): refused.
+    for other in [NQN_OPEN, NQN_SECURE] {
+        let mut elsewhere = NvmeTcpOptions::new(HOST, other).with_tls_psk(tls_key(3));
+        if let Some(tls) = elsewhere.tls.as_mut() {
+            tls.subsystem_nqn = NQN.to_string();
+        }
+        assert_eq!(
+            status_of(NvmeTcpController::attach(address(&server), elsewhere, 1)),
+            Status::CONNECT_INVALID_HOST,
+            "{other}"
+        );
+    }
+    // An I/O queue of host A's controller connected with a mismatched identity: refused.
+    let mut io_options = NvmeTcpOptions::new(HOST, NQN).with_tls_psk(tls_key(5));
+    io_options.queue_entries = 8; // Within the server's window (what attach learns from CAP).
+    if let Some(tls) = io_options.tls.as_mut() {
+        tls.subsystem_nqn = NQN_SECURE.to_string();
+    }
+    let mut stray = NvmeTcpQueue::open_with(
+        address(&server),
+        Digests::NONE,
+        Duration::from_secs(20),
+        io_options.tls.as_ref(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        status_of(stray.connect(&io_options, 1, controller.cntlid())),
+        Status::CONNECT_INVALID_HOST
+    );
+    // Host A has a key: over plaintext it is refused, on every subsystem that lists it; the
+    // secure-channel subsystem refuses every plaintext host.
+    for (host_nqn, subsystem) in [(HOST, NQN), (HOST_B, NQN), (HOST_C, NQN_SECURE)] {
+        assert_eq!(
+            status_of(NvmeTcpController::attach(
+                address(&server),
+                NvmeTcpOptions::new(host_nqn, subsystem),
+                1
+            )),
+            Status::CONNECT_INVALID_HOST,
+            "{host_nqn} in plaintext to {subsystem}"
+        );
+    }
+    // Host A over TLS with its own key for the secure subsystem: served.
+    let mut secure = attach(
+        &server,
+        NvmeTcpOptions::new(HOST, NQN_SECURE).with_tls_psk(tls_key(5)),
+        1,
+    );
+    let mut secure_queue = secure.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    verified_io(&mut secure_queue, 2);
+
+    // The first queue was not disturbed.
+    verified_io(&mut queue, 3);
+    controller
+        .keep_alive()
+        .unwrap_or_else(|e| panic!("keep alive: {e}"));
+    drop((queue, controller, secure_queue, secure, stray));
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    // The wrong key and the unknown identity; the Connect refusals had good handshakes.
+    let failures: u64 = stats.iter().map(|core| core.tls_failures).sum();
+    assert_eq!(failures, 2);
+}
+
+#[test]
+fn a_listener_that_requires_tls_closes_a_plaintext_host() {
+    let file = key_file(&tls_key(7));
+    let server = start(tls_config(TlsMode::Require, file.path()));
+    let mut plain = NvmeTcpQueue::open_with(
+        address(&server),
+        Digests::NONE,
+        Duration::from_secs(20),
+        None,
+    );
+    // The ICReq gets no ICResp: the connection closes.
+    match &mut plain {
+        Err(NvmeTcpError::Closed | NvmeTcpError::Io(_)) => {}
+        Err(other) => panic!("plaintext ICReq: {other}"),
+        Ok(queue) => assert!(queue.closed_within(CLOSE_WAIT), "plaintext host served"),
+    }
+    let mut controller = attach(
+        &server,
+        NvmeTcpOptions::new(HOST, NQN).with_tls_psk(tls_key(3)),
+        1,
+    );
+    let mut queue = controller
+        .connect_io_queue()
+        .unwrap_or_else(|e| panic!("{e}"));
+    verified_io(&mut queue, 4);
+    drop((queue, controller));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn tls_keys_reload_from_their_files() {
+    let file = key_file(&tls_key(7));
+    let server_config = tls_config(TlsMode::Optional, file.path());
+    let server = start(server_config.clone());
+    let mut before = attach(
+        &server,
+        NvmeTcpOptions::new(HOST_B, NQN).with_tls_psk(tls_key(7)),
+        1,
+    );
+    let mut before_queue = before.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(file.path(), tls_key(11).to_interchange()).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        server
+            .reload_tls(&server_config)
+            .unwrap_or_else(|e| panic!("reload: {e}"))
+    );
+    assert_tls_refused(
+        NvmeTcpController::attach(
+            address(&server),
+            NvmeTcpOptions::new(HOST_B, NQN).with_tls_psk(tls_key(7)),
+            1,
+        ),
+        "the replaced key",
+    );
+    let mut after = attach(
+        &server,
+        NvmeTcpOptions::new(HOST_B, NQN).with_tls_psk(tls_key(11)),
+        1,
+    );
+    let mut after_queue = after.connect_io_queue().unwrap_or_else(|e| panic!("{e}"));
+    verified_io(&mut after_queue, 5);
+    // The session that started with the old key goes on.
+    verified_io(&mut before_queue, 6);
+    // A key file that does not parse changes nothing.
+    std::fs::write(file.path(), "NVMeTLSkey-1:01:garbage:").unwrap_or_else(|e| panic!("{e}"));
+    assert!(server.reload_tls(&server_config).is_err());
+    let mut again = attach(
+        &server,
+        NvmeTcpOptions::new(HOST_B, NQN).with_tls_psk(tls_key(11)),
+        1,
+    );
+    verified_io(
+        &mut again.connect_io_queue().unwrap_or_else(|e| panic!("{e}")),
+        7,
+    );
+    drop((before_queue, before, after_queue, after, again));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }

@@ -208,6 +208,7 @@ fn tshark_finds_no_malformed_pdu_and_every_digest_good() {
         namespaces: Vec::new(),
         allow_any_host: true,
         hosts: Vec::new(),
+        secure_channel: false,
     }];
     let server = start(server_config);
     let address = server

@@ -802,6 +802,7 @@ fn tls_setup(listeners: &[VirtualListener]) -> Option<reflex_dataplane::TlsSetup
             reflex_dataplane::TlsCurrent {
                 server_config: Some(server_config),
                 psk,
+                nvme_psk: None,
                 identities: Arc::new(std::collections::HashMap::new()),
             },
         )),

@@ -152,6 +152,15 @@ impl Dataplane {
                 return;
             }
             let connection = &mut self.connections[index as usize];
+            if let (Frontend::NvmeTcp(nvme), Some(link)) =
+                (&mut connection.frontend, connection.tls.as_mut())
+                && nvme.awaits_tls_identity()
+                && link.peer_name.is_some()
+            {
+                // An NVMe/TCP identity names a host and a subsystem, which Connect checks;
+                // it is no tenant's name, so the link keeps none.
+                nvme.tls_established(link.peer_name.take());
+            }
             let unparsed = &connection.recv_buffer[connection.recv_start..connection.recv_end];
             let unparsed_bytes = unparsed.len();
             let decoded = connection.frontend.decode(unparsed, &self.namespaces);

@@ -74,6 +74,7 @@ mod nbd_frontend;
 mod nvme_tcp_admin;
 mod nvme_tcp_frontend;
 pub mod nvme_tcp_targets;
+mod nvme_tcp_tls;
 mod original_frontend;
 #[cfg(test)]
 mod tests;
@@ -82,6 +83,7 @@ use nbd_frontend::NbdPhase;
 pub use nbd_frontend::{ExportBinding, NbdExports, NbdFrontend};
 pub use nvme_tcp_frontend::{NvmeTag, NvmeTcpFrontend, status_for as nvme_status_for};
 pub use nvme_tcp_targets::NvmeTcpTargets;
+pub use nvme_tcp_tls::NvmeTlsMode;
 
 /// Room for the largest response header of any protocol.
 pub const RESPONSE_HEADER_SIZE_MAX: usize = 32;

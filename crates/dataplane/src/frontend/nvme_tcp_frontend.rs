@@ -46,6 +46,7 @@ use super::nvme_tcp_targets::{
     AttachRefused, COMMAND_DATA_BYTES_MAX, Controller, ControllerState, IN_CAPSULE_DATA_BYTES,
     MAXH2CDATA_BYTES, MAXH2CDATA_DIGEST_BYTES, NvmeTcpTargets, QueueRefused, TRANSFER_BYTES_MAX,
 };
+use super::nvme_tcp_tls::{Channel, FirstByte, connect_refusal, first_byte};
 use super::{
     Action, Answer, Decoded, IoKind, IoRequest, RESPONSE_HEADER_SIZE_MAX,
     RESPONSE_TRAILER_SIZE_MAX, ReadPiece, Tag, UNIT_BYTES_MAX,
@@ -221,6 +222,8 @@ pub struct NvmeTcpFrontend {
     /// the dataplane), as of namespace set generation `namespaces_seen`.
     pub(super) removed: Vec<u16>,
     namespaces_seen: u64,
+    /// Plaintext or TLS, and the TLS identity (`nvme_tcp_tls.rs`).
+    channel: Channel,
 }
 
 /// What handling a command leads to (before it becomes a [`Decoded`]).
@@ -274,7 +277,19 @@ impl NvmeTcpFrontend {
             shutting_down: false,
             removed: Vec::new(),
             namespaces_seen: 0,
+            channel: Channel::Undecided,
         }
+    }
+
+    /// The TLS handshake is done: `identity` is the PSK identity whose key the host proved.
+    pub fn tls_established(&mut self, identity: Option<String>) {
+        debug_assert!(matches!(self.channel, Channel::Tls { identity: None }));
+        self.channel = Channel::Tls { identity };
+    }
+
+    /// Whether the connection started TLS and waits for its identity.
+    pub fn awaits_tls_identity(&self) -> bool {
+        matches!(self.channel, Channel::Tls { identity: None })
     }
 
     /// Notes which namespace slots are gone from `namespaces` (once per change of the set).
@@ -320,6 +335,20 @@ impl NvmeTcpFrontend {
         }
         if let Some(request) = self.next_internal() {
             return request;
+        }
+        if self.channel == Channel::Undecided {
+            match first_byte(input, self.targets.options.tls_mode) {
+                FirstByte::NeedMore => return Decoded::NeedMore,
+                FirstByte::Plain => self.channel = Channel::Plain,
+                FirstByte::StartTls => {
+                    self.channel = Channel::Tls { identity: None };
+                    return Decoded::StartTls { consumed_bytes: 0 };
+                }
+                FirstByte::Refuse(reason) => {
+                    tracing::info!(reason, "NVMe/TCP: connection refused");
+                    return Decoded::Close(reason.to_string());
+                }
+            }
         }
         let decoded = match pdu::decode_header(input, self.digests()) {
             Ok(None) => return Decoded::NeedMore,
@@ -650,6 +679,17 @@ impl NvmeTcpFrontend {
             Ok(subsystem) => subsystem,
             Err(_) => return invalid(true, connect_offset::SUBNQN),
         };
+        if let Some(reason) = connect_refusal(
+            &self.channel,
+            &self.targets,
+            &connect_data.host_nqn,
+            &connect_data.subsystem_nqn,
+            subsystem,
+        ) {
+            tracing::info!(host = %connect_data.host_nqn, subsystem = %connect_data.subsystem_nqn,
+                reason, "NVMe/TCP: Connect refused on this channel");
+            return Outcome::status(cid, Status::CONNECT_INVALID_HOST);
+        }
         let (controller, admin) = if connect.qid == 0 {
             if connect_data.cntlid != CNTLID_DYNAMIC {
                 return invalid(true, connect_offset::CNTLID);

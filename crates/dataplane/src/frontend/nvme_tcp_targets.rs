@@ -59,6 +59,8 @@ pub struct NvmeTcpOptions {
     /// Serial number and model every controller reports.
     pub serial: String,
     pub model: String,
+    /// Whether hosts may (or must) start TLS (`nvme_tcp_tls.rs`).
+    pub tls_mode: super::nvme_tcp_tls::NvmeTlsMode,
 }
 
 impl Default for NvmeTcpOptions {
@@ -70,6 +72,7 @@ impl Default for NvmeTcpOptions {
             keep_alive_timeout_min: Nanos(1_000_000_000),
             serial: "REFLEX0001".into(),
             model: "ReFlex reflexd".into(),
+            tls_mode: super::nvme_tcp_tls::NvmeTlsMode::Off,
         }
     }
 }
@@ -94,6 +97,8 @@ pub struct SubsystemNamespace {
 pub struct HostAccess {
     pub nqn: String,
     pub tenants: Vec<TenantRef>,
+    /// The host has a TLS key (TP 8011) for this subsystem: it connects over TLS only.
+    pub tls_key: bool,
 }
 
 /// An NVM subsystem.
@@ -107,6 +112,8 @@ pub struct Subsystem {
     /// Per namespace: the tenant of hosts without their own (the namespace's configured
     /// tenant, or `NONE`: its default best-effort tenant).
     pub default_tenants: Vec<TenantRef>,
+    /// Hosts connect over TLS only (a secure channel, `nvme_tcp_tls.rs`).
+    pub secure_channel: bool,
 }
 
 impl Subsystem {
@@ -387,7 +394,13 @@ impl NvmeTcpTargets {
                 transport_type: discovery::TRTYPE_TCP,
                 address_family,
                 subsystem_type: discovery::SUBTYPE_NVM,
-                transport_requirements: discovery::TREQ_NOT_REQUIRED,
+                transport_requirements: if subsystem.secure_channel
+                    || self.options.tls_mode == super::nvme_tcp_tls::NvmeTlsMode::Require
+                {
+                    discovery::TREQ_REQUIRED
+                } else {
+                    discovery::TREQ_NOT_REQUIRED
+                },
                 port_id: 1,
                 cntlid: CNTLID_DYNAMIC,
                 admin_queue_size_max: self.options.queue_entries_max,

@@ -312,6 +312,8 @@ pub mod discovery {
     pub const SUBTYPE_NVM: u8 = 2;
     /// TREQ: secure channel not required.
     pub const TREQ_NOT_REQUIRED: u8 = 0b10;
+    /// TREQ: secure channel (TLS) required.
+    pub const TREQ_REQUIRED: u8 = 0b01;
 }
 
 /// One entry of the discovery log page.

@@ -47,7 +47,8 @@ const PLAINTEXT_HELD_MAX: usize = 16 * 1024;
 /// Ciphertext buffer capacity kept across sends (a larger one is freed once drained).
 const CIPHER_OUT_KEEP_BYTES: usize = 2 * SEND_PLAINTEXT_MAX;
 
-/// How a dataplane thread speaks TLS.
+/// How a dataplane thread speaks TLS. (NVMe/TCP starts TLS when a host's first byte is a
+/// TLS record, `nvme_tcp_frontend.rs`.)
 #[derive(Clone)]
 pub struct TlsSetup {
     /// What new sessions start with (shared by every thread; SIGHUP replaces it).
@@ -78,10 +79,26 @@ pub struct TlsCurrent {
     pub server_config: Option<Arc<rustls::ServerConfig>>,
     /// Pre-shared-key sessions (`None`: certificates only).
     pub psk: Option<Arc<psk::PskKeys>>,
+    /// NVMe/TCP hosts' keys (TP 8011), by PSK identity (`None`: no NVMe/TCP TLS). Kept apart
+    /// from `psk`: an NVMe/TCP identity names a host and a subsystem, not a tenant, and an
+    /// NVMe/TCP port offers no other credentials.
+    pub nvme_psk: Option<Arc<psk::PskKeys>>,
     /// Per certificate name (a tenant's name): the namespace ids the configuration binds
     /// that tenant to, for namespaces without QoS (which keep no tenant registry). Where a
     /// namespace has QoS, the control plane's configured tenant of that name decides.
     pub identities: Arc<std::collections::HashMap<String, Vec<u32>>>,
+}
+
+impl TlsCurrent {
+    /// What an NVMe/TCP session uses: its hosts' keys only.
+    fn for_nvme_tcp(&self) -> TlsCurrent {
+        TlsCurrent {
+            server_config: None,
+            psk: self.nvme_psk.clone(),
+            nvme_psk: None,
+            identities: Arc::default(),
+        }
+    }
 }
 
 impl TlsKeys {
@@ -220,9 +237,23 @@ impl Dataplane {
     /// bytes already received and not parsed are the start of the handshake.
     pub(super) fn start_tls(&mut self, index: u32) {
         let Some(setup) = self.tls.as_ref() else {
-            panic!("TLS started without a TLS setup");
+            // A setup error (a protocol told to take TLS on a server without TLS keys): the
+            // peer's bytes must not panic the thread, so only this connection ends.
+            tracing::error!(
+                thread = self.thread_index,
+                "TLS asked for without a TLS setup"
+            );
+            self.abort_connection(index, "TLS without a TLS setup");
+            return;
         };
-        let mut link = match TlsLink::new(setup.keys.current()) {
+        let mut current = setup.keys.current();
+        if matches!(
+            self.connections[index as usize].frontend,
+            crate::frontend::Frontend::NvmeTcp(_)
+        ) {
+            current = current.for_nvme_tcp();
+        }
+        let mut link = match TlsLink::new(current) {
             Ok(link) => Box::new(link),
             Err(e) => {
                 tracing::warn!(thread = self.thread_index, error = %e, "TLS session refused");

@@ -56,20 +56,51 @@ fn identity_index() -> Result<Index<Ssl, String>, ErrorStack> {
     Ok(*INDEX.get_or_init(|| index))
 }
 
+/// Which TLS a set of keys speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PskProfile {
+    /// The native protocol and NBD: TLS 1.3 and 1.2, as GnuTLS clients (libnbd, qemu) offer.
+    General,
+    /// NVMe/TCP (TP 8011): TLS 1.3 only, TLS_AES_128_GCM_SHA256 (the suite of 32-byte keys;
+    /// OpenSSL's PSK callback takes every key as a SHA-256 one).
+    NvmeTcp,
+}
+
 impl PskKeys {
     pub fn new(keys: HashMap<String, Vec<u8>>) -> Result<PskKeys, PskError> {
+        PskKeys::with_profile(keys, PskProfile::General)
+    }
+
+    /// The keys of NVMe/TCP hosts: identity `NVMe0R01 <host NQN> <subsystem NQN>`, key the
+    /// TLS PSK derived for it (`reflex_proto::nvme_tcp::tls_key`).
+    pub fn for_nvme_tcp(keys: HashMap<String, Vec<u8>>) -> Result<PskKeys, PskError> {
+        PskKeys::with_profile(keys, PskProfile::NvmeTcp)
+    }
+
+    fn with_profile(
+        keys: HashMap<String, Vec<u8>>,
+        profile: PskProfile,
+    ) -> Result<PskKeys, PskError> {
         if keys.is_empty() {
             return Err(PskError::Empty);
         }
         let index = identity_index()?;
         let identities = keys.keys().map(|name| name.as_bytes().to_vec()).collect();
         let mut builder = SslContext::builder(SslMethod::tls_server())?;
-        builder.set_min_proto_version(Some(SslVersion::TLS1_2))?;
-        builder.set_cipher_list(
-            "ECDHE-PSK-CHACHA20-POLY1305:ECDHE-PSK-AES128-CBC-SHA256:\
-             PSK-AES128-GCM-SHA256:PSK-AES256-GCM-SHA384:PSK-CHACHA20-POLY1305",
-        )?;
-        builder.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256")?;
+        match profile {
+            PskProfile::General => {
+                builder.set_min_proto_version(Some(SslVersion::TLS1_2))?;
+                builder.set_cipher_list(
+                    "ECDHE-PSK-CHACHA20-POLY1305:ECDHE-PSK-AES128-CBC-SHA256:\
+                     PSK-AES128-GCM-SHA256:PSK-AES256-GCM-SHA384:PSK-CHACHA20-POLY1305",
+                )?;
+                builder.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256")?;
+            }
+            PskProfile::NvmeTcp => {
+                builder.set_min_proto_version(Some(SslVersion::TLS1_3))?;
+                builder.set_ciphersuites("TLS_AES_128_GCM_SHA256")?;
+            }
+        }
         // No tickets: a resumption would need a ticket key to rotate (as on the rustls path).
         builder.set_options(openssl::ssl::SslOptions::NO_TICKET);
         builder.set_num_tickets(0)?;
