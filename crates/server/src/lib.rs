@@ -319,6 +319,7 @@ impl Server {
                     .collect(),
             });
             let dataplane_setup = DataplaneSetup {
+                kv: None,
                 tls,
                 thread_index,
                 listener_access: roles.iter().copied().map(access_of).collect(),
