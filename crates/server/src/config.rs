@@ -568,6 +568,45 @@ impl Default for NbdConfig {
     }
 }
 
+/// The key-value port (`docs/KV.md`): the table on one namespace, served by dataplane
+/// thread 0 (every KV connection lands there; the table is not shared between threads).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvConfig {
+    /// Whether to serve the table at all (off by default: it owns its namespace's blocks).
+    pub enabled: bool,
+    /// 0 picks a free port.
+    pub port: u16,
+    /// The namespace id that holds the table. Nothing else should write that namespace.
+    pub namespace: u32,
+    /// The tenant KV connections are charged to; `None`: the namespace's default tenant.
+    pub tenant: Option<String>,
+    /// Format a table when the namespace holds none (a first start); otherwise start-up
+    /// fails on a namespace without a table.
+    pub create: bool,
+    /// Format a fresh, empty table at every start-up (what was stored is lost).
+    pub format: bool,
+    /// Source addresses (CIDR blocks) the KV port serves; `None`: every address.
+    pub allow: Option<Vec<IpNet>>,
+}
+
+/// The KV port's default (`reflex bench --kv` and the client use it too).
+pub const KV_PORT_DEFAULT: u16 = 7077;
+
+impl Default for KvConfig {
+    fn default() -> KvConfig {
+        KvConfig {
+            enabled: false,
+            port: KV_PORT_DEFAULT,
+            namespace: 1,
+            tenant: None,
+            create: true,
+            format: false,
+            allow: None,
+        }
+    }
+}
+
 /// A host allowed into an NVMe/TCP subsystem, and the tenant its I/O is charged to.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -702,6 +741,8 @@ pub struct Config {
     pub nbd: NbdConfig,
     /// The NVMe/TCP listener: on port 4420 unless configured otherwise.
     pub nvme_tcp: NvmeTcpConfig,
+    /// The key-value port: off unless configured.
+    pub kv: KvConfig,
     /// Dataplane threads, each with its own ring, buffers and share of connections.
     pub threads: usize,
     /// Spin on the rings instead of sleeping when idle (lowest latency, one busy core each).
@@ -820,6 +861,7 @@ impl Default for Config {
             original_ports: None,
             nbd: NbdConfig::default(),
             nvme_tcp: NvmeTcpConfig::default(),
+            kv: KvConfig::default(),
             threads: 1,
             poll: false,
             spin_before_deadline_max: Duration::from_micros(500),
