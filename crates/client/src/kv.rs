@@ -1,6 +1,7 @@
 //! A client of reflexd's key-value port (`docs/KV.md`): blocking calls (`put`, `get`,
-//! `delete`, `flush`) and pipelining (`send` several requests, then `receive` their answers,
-//! which come back in request order). Frames are encoded and decoded by `reflex_proto::kv`;
+//! `delete`, `flush`) and pipelining (`send` several requests, then `receive` their answers).
+//! reflexd answers pipelined requests as they finish, not necessarily in request order (each
+//! answer echoes its request's id); operations on one key take effect in request order. Frames are encoded and decoded by `reflex_proto::kv`;
 //! server bytes that break the framing are a [`KvClientError::Framing`], never a panic.
 
 use std::io::{Read, Write};
@@ -21,8 +22,8 @@ pub enum KvClientError {
     Closed,
     #[error("request too large to encode")]
     TooLarge,
-    #[error("answer {request_id} does not match request {expected}")]
-    OutOfOrder { expected: u64, request_id: u64 },
+    #[error("an answer to request {request_id}, which is not outstanding")]
+    UnexpectedAnswer { request_id: u64 },
     /// The server answered with an error status (or one this client does not know).
     #[error("the server answered status {status_raw}")]
     Status { status_raw: u16 },
@@ -58,8 +59,8 @@ impl KvResponse {
 pub struct KvClient {
     stream: TcpStream,
     next_request_id: u64,
-    /// Ids sent and not yet answered, oldest first (answers come in request order).
-    outstanding: std::collections::VecDeque<u64>,
+    /// Ids sent and not yet answered.
+    outstanding: std::collections::HashSet<u64>,
     send_buffer: Vec<u8>,
     receive_buffer: Vec<u8>,
     received_bytes: usize,
@@ -72,7 +73,7 @@ impl KvClient {
         Ok(KvClient {
             stream,
             next_request_id: 1,
-            outstanding: std::collections::VecDeque::new(),
+            outstanding: std::collections::HashSet::new(),
             send_buffer: vec![0u8; REQUEST_FRAME_SIZE_MAX],
             receive_buffer: vec![0u8; 2 * RESPONSE_FRAME_SIZE_MAX],
             received_bytes: 0,
@@ -87,7 +88,7 @@ impl KvClient {
             .encode_into(request_id, &mut self.send_buffer)
             .map_err(|_| KvClientError::TooLarge)?;
         self.stream.write_all(&self.send_buffer[..length])?;
-        self.outstanding.push_back(request_id);
+        self.outstanding.insert(request_id);
         Ok(request_id)
     }
 
@@ -109,7 +110,8 @@ impl KvClient {
                     value: frame.value.to_vec(),
                 };
                 let length = frame.length_bytes;
-                self.receive_buffer.copy_within(length..self.received_bytes, 0);
+                self.receive_buffer
+                    .copy_within(length..self.received_bytes, 0);
                 self.received_bytes -= length;
                 return Ok(response);
             }
@@ -123,17 +125,15 @@ impl KvClient {
         }
     }
 
-    /// The answer to the oldest request sent with [`Self::send`].
+    /// The next answer to a request sent with [`Self::send`] (any of them).
     pub fn receive(&mut self) -> Result<KvResponse, KvClientError> {
         let response = self.receive_any()?;
-        match self.outstanding.pop_front() {
-            Some(expected) if expected == response.request_id => Ok(response),
-            Some(expected) => Err(KvClientError::OutOfOrder {
-                expected,
+        if !self.outstanding.remove(&response.request_id) {
+            return Err(KvClientError::UnexpectedAnswer {
                 request_id: response.request_id,
-            }),
-            None => Ok(response),
+            });
         }
+        Ok(response)
     }
 
     /// Requests sent and not yet answered.
@@ -142,7 +142,11 @@ impl KvClient {
     }
 
     fn call(&mut self, request: &Request<'_>) -> Result<KvResponse, KvClientError> {
-        assert_eq!(self.outstanding.len(), 0, "a blocking call with answers pending");
+        assert_eq!(
+            self.outstanding.len(),
+            0,
+            "a blocking call with answers pending"
+        );
         self.send(request)?;
         self.receive()
     }

@@ -51,8 +51,8 @@ mod core;
 #[cfg(test)]
 mod core_tests;
 mod driver;
-pub mod kv;
 mod error;
+pub mod kv;
 pub mod nvme_tcp;
 mod pipelined;
 mod reconnect;

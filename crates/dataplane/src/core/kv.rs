@@ -171,7 +171,10 @@ impl Dataplane {
         let IoKind::Kv { key_bytes, .. } = io.kind else {
             panic!("a KV payload for {:?}", io.kind);
         };
-        (KV_VALUE_START as u32 - u32::from(key_bytes), io.length_bytes)
+        (
+            KV_VALUE_START as u32 - u32::from(key_bytes),
+            io.length_bytes,
+        )
     }
 
     /// The payload is in the run: the machine is made and polled for its first step.
@@ -224,7 +227,10 @@ impl Dataplane {
             let Some((op, pending)) = kv.ops[index as usize].as_mut() else {
                 panic!("advancing KV slot {index} without an operation");
             };
-            assert!(pending.is_none(), "polled with a device operation in flight");
+            assert!(
+                pending.is_none(),
+                "polled with a device operation in flight"
+            );
             op.poll(&mut kv.table, buffers(&mut self.arena, run))
         };
         match poll {

@@ -59,7 +59,12 @@ pub(super) fn status(answer: Answer) -> kv::Status {
 }
 
 /// The response header for `opcode_raw`/`request_id` with `answer` and `value_bytes` after it.
-pub(super) fn response(opcode_raw: u8, request_id: u64, answer: Answer, value_bytes: u32) -> [u8; kv::RESPONSE_HEADER_SIZE] {
+pub(super) fn response(
+    opcode_raw: u8,
+    request_id: u64,
+    answer: Answer,
+    value_bytes: u32,
+) -> [u8; kv::RESPONSE_HEADER_SIZE] {
     kv::ResponseHeader {
         opcode_raw,
         status_raw: status(answer).as_u16(),

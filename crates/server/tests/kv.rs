@@ -1,0 +1,356 @@
+//! The key-value port of a real reflexd over loopback TCP (`docs/KV.md`): seeded random
+//! PUT/GET/DELETE sequences against a `HashMap` model, pipelined, across a restart after
+//! FLUSH; malformed frames answered with their statuses and their payloads skipped; a wrong
+//! magic closing only its connection; oversize values and unknown keys; two connections
+//! racing on the same keys. Failure messages name the seed.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+use common::{config, namespace, start};
+use rand::{RngExt, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use reflex_client::kv::{KvClient, KvClientError};
+use reflex_proto::kv::{Opcode, Request, RequestHeader, Status, VALUE_SIZE_MAX_BYTES};
+use reflex_server::config::{Config, KvConfig, NvmeTcpConfig};
+
+const SEED: u64 = 0x6b76_0000_5eed_0d00;
+
+fn kv_config(backend: &str, size_bytes: Option<u64>) -> Config {
+    Config {
+        kv: KvConfig {
+            enabled: true,
+            port: 0,
+            ..KvConfig::default()
+        },
+        nvme_tcp: NvmeTcpConfig {
+            enabled: false,
+            port: 0,
+            ..NvmeTcpConfig::default()
+        },
+        ..config(vec![namespace(1, backend, size_bytes)])
+    }
+}
+
+fn kv_addr(server: &reflex_server::ServerHandle) -> SocketAddr {
+    server.kv_addr().unwrap_or_else(|| panic!("no KV listener"))
+}
+
+fn connect(addr: SocketAddr) -> KvClient {
+    KvClient::connect(addr).unwrap_or_else(|e| panic!("connect: {e}"))
+}
+
+fn ok<T>(result: Result<T, KvClientError>, context: &str) -> T {
+    result.unwrap_or_else(|e| panic!("{context}: {e}"))
+}
+
+/// A value that names its key and version, of a length the seed picks.
+fn value_for(rng: &mut Xoshiro256PlusPlus, key: &[u8], version: u64) -> Vec<u8> {
+    let length = match rng.random_range(0..8) {
+        0 => 0,
+        1 => VALUE_SIZE_MAX_BYTES,
+        _ => rng.random_range(1..20_000),
+    };
+    let seed = key
+        .iter()
+        .fold(version, |acc, &b| acc.wrapping_mul(31) ^ u64::from(b));
+    (0..length)
+        .map(|index| (seed.wrapping_add(index as u64 * 0x9e37) >> 5) as u8)
+        .collect()
+}
+
+/// `rounds` of up to 16 pipelined requests on `keys` keys, each answer checked against the
+/// model (applied in request order, as the server answers).
+fn random_rounds(
+    seed: u64,
+    client: &mut KvClient,
+    model: &mut HashMap<Vec<u8>, Vec<u8>>,
+    rounds: usize,
+    keys: u64,
+) {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    for round in 0..rounds {
+        let mut expected: HashMap<u64, (Status, Option<Vec<u8>>, String)> = HashMap::new();
+        for _ in 0..rng.random_range(1..=16) {
+            let key = format!("key-{}", rng.random_range(0..keys)).into_bytes();
+            let label = format!(
+                "seed {seed:#x} round {round}: {}",
+                String::from_utf8_lossy(&key)
+            );
+            let (request_id, answer) = match rng.random_range(0..10) {
+                0..=3 => {
+                    let value = value_for(&mut rng, &key, round as u64);
+                    let request = Request::Put {
+                        key: &key,
+                        value: &value,
+                    };
+                    let request_id = ok(client.send(&request), &label);
+                    model.insert(key, value);
+                    (request_id, (Status::Ok, None, format!("{label} PUT")))
+                }
+                4..=7 => {
+                    let request_id = ok(client.send(&Request::Get { key: &key }), &label);
+                    let (status, value) = match model.get(&key) {
+                        Some(value) => (Status::Ok, Some(value.clone())),
+                        None => (Status::NotFound, None),
+                    };
+                    (request_id, (status, value, format!("{label} GET")))
+                }
+                _ => {
+                    let request_id = ok(client.send(&Request::Delete { key: &key }), &label);
+                    let status = match model.remove(&key) {
+                        Some(_) => Status::Ok,
+                        None => Status::NotFound,
+                    };
+                    (request_id, (status, None, format!("{label} DELETE")))
+                }
+            };
+            expected.insert(request_id, answer);
+        }
+        // Answers come as requests finish; operations on one key took effect in request
+        // order, the order the model was applied in.
+        while !expected.is_empty() {
+            let response = ok(client.receive(), &format!("seed {seed:#x} round {round}"));
+            let Some((status, value, label)) = expected.remove(&response.request_id) else {
+                panic!("seed {seed:#x}: an answer to {} twice", response.request_id);
+            };
+            assert_eq!(response.status(), Some(status), "{label}");
+            if let Some(value) = value {
+                assert!(
+                    response.value == value,
+                    "{label}: wrong value ({} bytes)",
+                    response.value.len()
+                );
+            }
+        }
+    }
+}
+
+fn check_model(seed: u64, client: &mut KvClient, model: &HashMap<Vec<u8>, Vec<u8>>, keys: u64) {
+    for index in 0..keys {
+        let key = format!("key-{index}").into_bytes();
+        let found = ok(client.get(&key), "get");
+        assert_eq!(
+            found.as_ref(),
+            model.get(&key),
+            "seed {seed:#x}: key-{index}"
+        );
+    }
+}
+
+#[test]
+fn random_operations_match_a_model_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let backend = format!("file:{}", dir.path().join("kv").display());
+    let mut model = HashMap::new();
+    {
+        let server = start(kv_config(&backend, Some(64 << 20)));
+        let mut client = connect(kv_addr(&server));
+        random_rounds(SEED, &mut client, &mut model, 60, 48);
+        check_model(SEED, &mut client, &model, 48);
+        ok(client.flush(), "flush");
+        server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    }
+    // The second server opens the table it finds (no format).
+    let server = start(kv_config(&backend, None));
+    let mut client = connect(kv_addr(&server));
+    check_model(SEED, &mut client, &model, 48);
+    random_rounds(SEED + 1, &mut client, &mut model, 30, 48);
+    check_model(SEED + 1, &mut client, &model, 48);
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Sends `header` and `payload_bytes` bytes of payload; returns the answer's status.
+fn raw_status(client: &mut KvClient, header: RequestHeader, payload_bytes: usize) -> Status {
+    ok(client.send_raw(&header.to_bytes()), "send header");
+    ok(client.send_raw(&vec![0x5a; payload_bytes]), "send payload");
+    let response = ok(client.receive_any(), "answer");
+    assert_eq!(response.request_id, header.request_id);
+    assert_eq!(response.opcode_raw, header.opcode_raw);
+    assert!(response.value.is_empty());
+    response
+        .status()
+        .unwrap_or_else(|| panic!("unknown status {}", response.status_raw))
+}
+
+#[test]
+fn malformed_frames_get_statuses_and_only_a_bad_magic_closes() {
+    let server = start(kv_config("mem:32M", None));
+    let addr = kv_addr(&server);
+    let mut client = connect(addr);
+    let header = |opcode: Opcode, key: u16, value: u32| RequestHeader::new(opcode, 77, key, value);
+    let cases = [
+        (
+            RequestHeader {
+                version: 2,
+                ..header(Opcode::Get, 3, 0)
+            },
+            Status::Invalid,
+        ),
+        (
+            RequestHeader {
+                opcode_raw: 9,
+                ..header(Opcode::Get, 3, 0)
+            },
+            Status::Invalid,
+        ),
+        (
+            RequestHeader {
+                flags: 1,
+                ..header(Opcode::Get, 3, 0)
+            },
+            Status::Invalid,
+        ),
+        (
+            RequestHeader {
+                reserved: 1,
+                ..header(Opcode::Put, 3, 5)
+            },
+            Status::Invalid,
+        ),
+        (header(Opcode::Get, 300, 0), Status::TooLarge),
+        (
+            header(Opcode::Put, 4, VALUE_SIZE_MAX_BYTES as u32 + 1),
+            Status::TooLarge,
+        ),
+        (header(Opcode::Get, 0, 0), Status::Invalid),
+        (header(Opcode::Get, 3, 10), Status::Invalid),
+        (header(Opcode::Flush, 3, 0), Status::Invalid),
+    ];
+    for (header, status) in cases {
+        let payload = header.payload_length_bytes() as usize;
+        assert_eq!(
+            raw_status(&mut client, header, payload),
+            status,
+            "{header:?}"
+        );
+    }
+    // The stream stayed in step: real requests work on the same connection.
+    ok(client.put(b"alive", b"yes"), "put after malformed frames");
+    assert_eq!(ok(client.get(b"alive"), "get"), Some(b"yes".to_vec()));
+    // Unknown keys.
+    assert_eq!(ok(client.get(b"never-stored"), "get unknown"), None);
+    assert!(!ok(client.delete(b"never-stored"), "delete unknown"));
+    // An oversize value, sent whole: refused with TOO_LARGE, its payload skipped, nothing
+    // stored.
+    let oversize = vec![1u8; VALUE_SIZE_MAX_BYTES + 1];
+    let request = Request::Put {
+        key: b"big",
+        value: &oversize,
+    };
+    ok(client.send(&request), "send oversize");
+    let refused = ok(client.receive(), "oversize answer");
+    assert_eq!(refused.status(), Some(Status::TooLarge));
+    assert_eq!(ok(client.get(b"big"), "get refused key"), None);
+    // The largest value round-trips.
+    let largest = vec![7u8; VALUE_SIZE_MAX_BYTES];
+    ok(client.put(b"big", &largest), "put 64 KiB");
+    assert!(ok(client.get(b"big"), "get 64 KiB") == Some(largest));
+
+    // A wrong magic closes that connection, and only that one.
+    let mut broken = connect(addr);
+    ok(broken.send_raw(&[0u8; 24]), "send garbage");
+    assert!(matches!(
+        broken.receive_any(),
+        Err(KvClientError::Closed) | Err(KvClientError::Io(_))
+    ));
+    assert_eq!(
+        ok(client.get(b"alive"), "get after another connection broke"),
+        Some(b"yes".to_vec())
+    );
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn two_connections_racing_on_the_same_keys_see_whole_values() {
+    let server = start(kv_config("mem:32M", None));
+    let addr = kv_addr(&server);
+    const KEYS: usize = 4;
+    const ROUNDS: u64 = 150;
+    // Each value is 8-byte words, all equal to (writer << 32 | version): a torn or mixed
+    // value shows as unequal words.
+    fn value(writer: u64, version: u64, length_words: usize) -> Vec<u8> {
+        let word = (writer << 32 | version).to_le_bytes();
+        word.iter()
+            .copied()
+            .cycle()
+            .take(length_words * 8)
+            .collect()
+    }
+    let writers: Vec<_> = (0..2u64)
+        .map(|writer| {
+            std::thread::spawn(move || {
+                let mut client = connect(addr);
+                let mut rng = Xoshiro256PlusPlus::seed_from_u64(SEED ^ writer);
+                let mut last = [None; KEYS];
+                for version in 1..=ROUNDS {
+                    let key_index = rng.random_range(0..KEYS);
+                    let key = format!("race-{key_index}").into_bytes();
+                    let words = rng.random_range(1..2048);
+                    let written = value(writer, version, words);
+                    // Pipelined: PUT then GET of the same key; the GET takes effect after the
+                    // PUT (same key, same connection) whichever answer comes first.
+                    let put_id = ok(
+                        client.send(&Request::Put {
+                            key: &key,
+                            value: &written,
+                        }),
+                        "put",
+                    );
+                    let get_id = ok(client.send(&Request::Get { key: &key }), "get");
+                    let first = ok(client.receive(), "first answer");
+                    let second = ok(client.receive(), "second answer");
+                    let (put, got) = if first.request_id == put_id {
+                        (first, second)
+                    } else {
+                        (second, first)
+                    };
+                    assert_eq!((put.request_id, got.request_id), (put_id, get_id));
+                    assert_eq!(put.status(), Some(Status::Ok));
+                    assert_eq!(got.status(), Some(Status::Ok));
+                    let words_seen: Vec<&[u8]> = got.value.chunks(8).collect();
+                    assert!(
+                        !words_seen.is_empty() && words_seen.iter().all(|w| *w == words_seen[0]),
+                        "a torn value"
+                    );
+                    let word = u64::from_le_bytes(words_seen[0].try_into().unwrap_or([0; 8]));
+                    if word >> 32 == writer {
+                        // Our own: the one just written (nothing of ours came after it).
+                        assert_eq!(
+                            got.value, written,
+                            "writer {writer} read an older value of its own"
+                        );
+                    }
+                    last[key_index] = Some(version);
+                }
+                last
+            })
+        })
+        .collect();
+    let lasts: Vec<[Option<u64>; KEYS]> = writers
+        .into_iter()
+        .map(|thread| {
+            thread
+                .join()
+                .unwrap_or_else(|_| panic!("a writer panicked"))
+        })
+        .collect();
+    let mut client = connect(addr);
+    for key_index in 0..KEYS {
+        let key = format!("race-{key_index}").into_bytes();
+        let Some(found) = ok(client.get(&key), "final get") else {
+            assert!(lasts.iter().all(|last| last[key_index].is_none()));
+            continue;
+        };
+        let word = u64::from_le_bytes(found[..8].try_into().unwrap_or([0; 8]));
+        let (writer, version) = (word >> 32, word & 0xffff_ffff);
+        assert_eq!(
+            lasts[writer as usize][key_index],
+            Some(version),
+            "race-{key_index} holds a value that was not its writer's last"
+        );
+    }
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
