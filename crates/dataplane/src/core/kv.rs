@@ -394,6 +394,17 @@ impl Dataplane {
         }
     }
 
+    /// Takes the oldest request waiting at the bucket gate out of the queue (a shutdown
+    /// refuses it).
+    pub(super) fn take_kv_waiter(&mut self) -> Option<u32> {
+        let index = self.kv.as_mut()?.waiting.pop_front()?;
+        assert_eq!(
+            self.requests[index as usize].state,
+            RequestState::Overlapping
+        );
+        Some(index)
+    }
+
     /// Keys in this thread's table (`None`: it has none).
     pub fn kv_len(&self) -> Option<u64> {
         self.kv.as_ref().map(KvEngine::len)
