@@ -874,11 +874,16 @@ fn log_startup(
         Some(addr) => addr.to_string(),
         None => "off".to_string(),
     };
+    let kv = match handle.kv_addr {
+        Some(addr) => addr.to_string(),
+        None => "off".to_string(),
+    };
     tracing::info!(
         native = %handle.native_addr,
         original = ?originals,
         nbd = %nbd,
         nvme_tcp = %nvme_tcp,
+        kv = %kv,
         nbd_default_export = config.effective_default_export().unwrap_or_default(),
         threads = config.threads,
         driver = driver.name(),
