@@ -80,6 +80,17 @@ impl KvClient {
         })
     }
 
+    /// How long a receive waits for the server before failing with an I/O error (`None`:
+    /// forever, the default).
+    pub fn set_timeout(
+        &mut self,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<(), KvClientError> {
+        self.stream.set_read_timeout(timeout)?;
+        self.stream.set_write_timeout(timeout)?;
+        Ok(())
+    }
+
     /// Sends `request` without waiting; returns its id.
     pub fn send(&mut self, request: &Request<'_>) -> Result<u64, KvClientError> {
         let request_id = self.next_request_id;
