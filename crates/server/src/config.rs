@@ -1000,7 +1000,9 @@ impl Config {
     pub fn ring_cq_entries(&self) -> u32 {
         let slots = u64::from(self.connections_per_thread_max)
             + u64::from(reflex_dataplane::CONNECTION_SLACK);
-        let listeners = 3 + self.effective_original_ports().len() as u64;
+        // Native, NBD, NVMe/TCP, the original ports, and the KV port (thread 0's).
+        let listeners =
+            3 + self.effective_original_ports().len() as u64 + u64::from(self.kv.enabled);
         let needed = 4 * slots
             + 2 * listeners
             + u64::from(reflex_dataplane::DEVICE_IN_FLIGHT_PER_THREAD_MAX)
@@ -1269,6 +1271,30 @@ impl Config {
                 return invalid(format!("namespace {} configured twice", namespace.id));
             }
         }
+        if self.kv.enabled {
+            match namespaces.iter().find(|ns| ns.id == self.kv.namespace) {
+                None => {
+                    return invalid(format!(
+                        "[kv] namespace {} is not configured",
+                        self.kv.namespace
+                    ));
+                }
+                Some(namespace) if namespace.read_only => {
+                    return invalid(format!(
+                        "[kv] namespace {} is read-only: the table writes it",
+                        self.kv.namespace
+                    ));
+                }
+                Some(_) => {}
+            }
+            if let Some(tenant) = &self.kv.tenant
+                && (tenant.is_empty() || tenant.len() > TENANT_NAME_BYTES_MAX)
+            {
+                return invalid(format!(
+                    "[kv] tenant name {tenant:?} must be 1..={TENANT_NAME_BYTES_MAX} bytes"
+                ));
+            }
+        }
         for original in self.effective_original_ports() {
             if !namespaces.iter().any(|ns| ns.id == original.namespace) {
                 return invalid(format!(
@@ -1501,6 +1527,53 @@ mod tests {
             ORIGINAL_PORT_DEFAULT
         );
         assert!(config.listen.is_loopback());
+    }
+
+    #[test]
+    fn kv_section_parses_and_its_namespace_is_checked() {
+        let text = r#"
+            [kv]
+            enabled = true
+            port = 0
+            namespace = 2
+            tenant = "kv"
+            format = true
+
+            [[namespace]]
+            id = 2
+            backend = "mem:64M"
+        "#;
+        let config: Config = toml::from_str(text).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            config.kv,
+            KvConfig {
+                enabled: true,
+                port: 0,
+                namespace: 2,
+                tenant: Some("kv".into()),
+                create: true,
+                format: true,
+                allow: None,
+            }
+        );
+        let original_ports = Some(Vec::new());
+        let valid = Config {
+            original_ports,
+            ..config
+        };
+        valid.validate().unwrap_or_else(|e| panic!("{e}"));
+        let unknown = Config {
+            kv: KvConfig {
+                namespace: 3,
+                ..valid.kv.clone()
+            },
+            ..valid.clone()
+        };
+        assert!(unknown.validate().is_err());
+        let mut read_only = valid.clone();
+        read_only.namespaces[0].read_only = true;
+        assert!(read_only.validate().is_err());
+        assert!(toml::from_str::<Config>("[kv]\nport_number = 1\n").is_err());
     }
 
     #[test]
