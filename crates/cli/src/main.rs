@@ -10,6 +10,7 @@ mod bench;
 mod calibrate;
 mod crash;
 mod flood;
+mod kv;
 mod model;
 
 #[derive(Parser)]
@@ -42,6 +43,8 @@ enum Command {
     /// non-reading connections, thousands of tenants, and fresh clients timing their first
     /// answer.
     Flood(flood::Args),
+    /// One key-value request to reflexd's KV port: put, get, delete, flush.
+    Kv(kv::Args),
 }
 
 fn main() -> Result<()> {
@@ -67,5 +70,6 @@ fn main() -> Result<()> {
         Command::Model(args) => model::run(args),
         Command::CrashTest(args) => crash::run(args),
         Command::Flood(args) => flood::run(args),
+        Command::Kv(args) => kv::run(args),
     }
 }

@@ -293,3 +293,50 @@ fn pingpong_reports_every_size() {
         assert_eq!(row["round_trip"]["count"], 50);
     }
 }
+
+/// `reflex bench --kv`: fillrandom then readrandom against a real KV port; every operation
+/// is counted, every value readrandom finds is checked by the bench (a mismatch fails it),
+/// and it finds keys that fillrandom stored.
+#[test]
+fn kv_fillrandom_then_readrandom_counts_every_operation() {
+    let server = common::start_server(Config {
+        kv: reflex_server::config::KvConfig {
+            enabled: true,
+            port: 0,
+            ..reflex_server::config::KvConfig::default()
+        },
+        ..Config::loopback(vec![NamespaceConfig::new(1, "mem:64M")])
+    });
+    let address = server
+        .kv_addr()
+        .unwrap_or_else(|| panic!("no KV listener"))
+        .to_string();
+    let report = bench_ok(&[
+        "--kv",
+        &address,
+        "--threads",
+        "2",
+        "--qd",
+        "4",
+        "--kv-ops",
+        "400",
+        "--key-size",
+        "4",
+        "--value-size",
+        "6k",
+    ]);
+    let rows = report
+        .as_array()
+        .unwrap_or_else(|| panic!("rows: {report}"));
+    assert_eq!(rows.len(), 2, "{report}");
+    assert_eq!(rows[0]["workload"], "fillrandom");
+    assert_eq!(rows[1]["workload"], "readrandom");
+    for row in rows {
+        assert_eq!(row["ops"], 800, "{row}");
+        assert_eq!(row["latency"]["count"], 800, "{row}");
+    }
+    assert_eq!(rows[0]["found"], 0);
+    let found = rows[1]["found"].as_u64().unwrap_or(0);
+    assert!(found > 0 && found <= 800, "{report}");
+    server.shutdown().expect("shutdown");
+}

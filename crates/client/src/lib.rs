@@ -18,6 +18,9 @@
 //!   `unregister(handle)`; RENEGOTIATE notices through `poll_notice`/`wait_notice` (blocking)
 //!   or `reap` (pipelined and event loops).
 //!
+//! [`kv::KvClient`] speaks the key-value protocol (`docs/KV.md`) to reflexd's KV port:
+//! blocking `put`/`get`/`delete`/`flush`, or `send` several and `receive` their answers.
+//!
 //! HELLO declares the calling process's Linux I/O priority, read with
 //! `ioprio_get(IOPRIO_WHO_PROCESS, 0)` ([`io_priority_of_process`]): run a client under
 //! `ionice -c 1` or `ionice -c 3` and the server sees class 1 or 3 without any code change
@@ -49,6 +52,7 @@ mod core;
 mod core_tests;
 mod driver;
 mod error;
+pub mod kv;
 pub mod nvme_tcp;
 mod nvme_tcp_tls;
 mod pipelined;

@@ -309,6 +309,7 @@ impl Layout {
                 middle.max(edges) as usize
             }
             IoKind::Flush | IoKind::Trim { .. } | IoKind::BlockStatus { .. } => 0,
+            IoKind::Kv { .. } => panic!("KV requests size their runs in core/kv.rs"),
         }
     }
 
@@ -382,6 +383,7 @@ pub fn first_step(kind: IoKind, layout: &Layout, discards: bool) -> Start {
             Start::Answer(Answer::Nbd(Errno::NotSup))
         }
         IoKind::BlockStatus { .. } => panic!("block status is answered without device steps"),
+        IoKind::Kv { .. } => panic!("KV requests take their steps from the table (core/kv.rs)"),
         IoKind::WriteZeroes { .. } => {
             for edge in [Edge::Head, Edge::Tail] {
                 if layout.has_edge(edge) {

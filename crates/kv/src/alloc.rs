@@ -6,6 +6,11 @@
 //! what the on-device index names after a crash, so its blocks are not reused until a FLUSH has
 //! made the change durable ([`ExtentAllocator::release_deferred`]). Memory is bounded by the
 //! area: one bit per block, and at most one deferred entry per allocated extent.
+//!
+//! Deferred frees are numbered: with operations in flight a FLUSH covers only the frees that
+//! existed when it was submitted (their bucket writes had completed), so it releases the
+//! entries below the mark taken then ([`ExtentAllocator::deferred_mark`]), never a free whose
+//! bucket write may still be in the device's volatile cache.
 
 /// Bit map of the extent area, first fit from a rotating cursor.
 #[derive(Clone, Debug)]
@@ -18,8 +23,11 @@ pub struct ExtentAllocator {
     used_block_count: u64,
     /// Where the next search starts (relative), so allocations spread over the area.
     cursor: u64,
-    /// Extents freed since the last FLUSH: (absolute start, blocks).
-    deferred: Vec<(u64, u64)>,
+    /// Extents freed since the last FLUSH: (sequence number, absolute start, blocks), in
+    /// sequence order.
+    deferred: std::collections::VecDeque<(u64, u64, u64)>,
+    /// The sequence number of the next deferred free.
+    deferred_next: u64,
 }
 
 /// An extent named by the index overlaps another or leaves the area.
@@ -39,7 +47,8 @@ impl ExtentAllocator {
             used: vec![0; words],
             used_block_count: 0,
             cursor: 0,
-            deferred: Vec::new(),
+            deferred: std::collections::VecDeque::new(),
+            deferred_next: 0,
         }
     }
 
@@ -53,7 +62,7 @@ impl ExtentAllocator {
 
     /// Blocks freed since the last FLUSH, not yet reusable.
     pub fn deferred_block_count(&self) -> u64 {
-        self.deferred.iter().map(|&(_, blocks)| blocks).sum()
+        self.deferred.iter().map(|&(_, _, blocks)| blocks).sum()
     }
 
     fn is_used(&self, relative: u64) -> bool {
@@ -139,18 +148,31 @@ impl ExtentAllocator {
     pub fn free_deferred(&mut self, start_block: u64, blocks: u64) {
         assert!(start_block >= self.start_block);
         assert!(blocks > 0);
-        self.deferred.push((start_block, blocks));
+        self.deferred
+            .push_back((self.deferred_next, start_block, blocks));
+        self.deferred_next += 1;
     }
 
-    /// A FLUSH completed: every deferred extent becomes free.
-    pub fn release_deferred(&mut self) {
-        let deferred = std::mem::take(&mut self.deferred);
-        for &(start_block, blocks) in &deferred {
+    /// The mark a FLUSH takes when it is submitted: the frees deferred so far.
+    pub const fn deferred_mark(&self) -> u64 {
+        self.deferred_next
+    }
+
+    /// A FLUSH submitted at `mark` completed: the extents deferred before it become free.
+    pub fn release_deferred_until(&mut self, mark: u64) {
+        assert!(mark <= self.deferred_next, "a mark from the future");
+        while let Some(&(sequence, start_block, blocks)) = self.deferred.front() {
+            if sequence >= mark {
+                break;
+            }
+            self.deferred.pop_front();
             self.free_now(start_block, blocks);
         }
-        // Keep the allocation for the next round.
-        self.deferred = deferred;
-        self.deferred.clear();
+    }
+
+    /// A FLUSH completed with nothing else in flight: every deferred extent becomes free.
+    pub fn release_deferred(&mut self) {
+        self.release_deferred_until(self.deferred_next);
     }
 }
 
@@ -176,6 +198,23 @@ mod tests {
         // A run does not wrap around the end of the area.
         assert_eq!(allocator.allocate(5), None);
         assert_eq!(allocator.allocate(4), Some(100));
+    }
+
+    #[test]
+    fn a_flush_releases_only_what_was_deferred_before_its_mark() {
+        let mut allocator = ExtentAllocator::new(0, 8);
+        assert_eq!(allocator.allocate(4), Some(0));
+        assert_eq!(allocator.allocate(4), Some(4));
+        allocator.free_deferred(0, 4);
+        let mark = allocator.deferred_mark();
+        allocator.free_deferred(4, 4);
+        allocator.release_deferred_until(mark);
+        assert_eq!(allocator.used_block_count(), 4);
+        assert_eq!(allocator.deferred_block_count(), 4);
+        allocator.release_deferred_until(mark);
+        assert_eq!(allocator.used_block_count(), 4);
+        allocator.release_deferred();
+        assert_eq!(allocator.used_block_count(), 0);
     }
 
     #[test]

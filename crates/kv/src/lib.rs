@@ -8,9 +8,15 @@
 //!   bucket blocks of 15 fixed-size slots, the key hash, the probe sequence);
 //! - [`alloc`]: the in-memory extent allocator for values, rebuilt from the index on open, with
 //!   frees deferred to the next FLUSH;
-//! - [`store`]: [`KvStore`], which sequences each operation's block reads and writes over any
-//!   [`BlockStore`] (open addressing with linear probing over whole bucket blocks, a bounded
-//!   probe window, tombstones, `TABLE_FULL` when the window or the value area is full);
+//! - [`table`]: [`KvTable`], the state every operation of an open table shares (geometry,
+//!   allocator, key count) and the bucket gate that orders operations over overlapping probe
+//!   windows;
+//! - [`op`]: [`KvOp`], one PUT, GET, DELETE or FLUSH as a sans-IO step machine (which block
+//!   I/O next, given its result, until the answer): open addressing with linear probing over
+//!   whole bucket blocks, a bounded probe window, tombstones, `TABLE_FULL` when the window or
+//!   the value area is full;
+//! - [`store`]: [`KvStore`], which formats and opens tables and runs each operation's machine
+//!   to completion over any [`BlockStore`], synchronously;
 //! - [`serve`]: [`serve::answer`], one decoded `reflex_proto::kv::Request` to its response;
 //! - [`device`]: [`DeviceBlocks`], a synchronous [`BlockStore`] over a `reflex_flash` device
 //!   (the only module with `unsafe`: one call, documented there).
@@ -25,9 +31,13 @@ pub mod alloc;
 #[allow(unsafe_code)]
 pub mod device;
 pub mod layout;
+pub mod op;
 pub mod serve;
 pub mod store;
+pub mod table;
 
 pub use device::DeviceBlocks;
 pub use layout::Geometry;
+pub use op::{BlockIo, Buffer, Buffers, KvOp, OpKind, Poll, Reply};
 pub use store::{BlockStore, KvError, KvStore, MemBlocks};
+pub use table::KvTable;

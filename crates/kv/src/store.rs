@@ -1,6 +1,8 @@
 //! The hash table: PUT, GET, DELETE and FLUSH over a [`BlockStore`], synchronous, one operation
-//! at a time. The layout decisions live in [`crate::layout`] (pure); this module sequences the
-//! block reads and writes of each operation.
+//! at a time. The layout decisions live in [`crate::layout`] (pure) and each operation's
+//! sequence of block reads and writes in [`crate::op`] (a sans-IO step machine, the same one
+//! the dataplane drives); this module runs those machines to completion on a [`BlockStore`],
+//! and formats and opens tables (start-up work, synchronous everywhere).
 //!
 //! Lookup: hash the key, read the buckets of its probe sequence in order, stop at the bucket
 //! that holds the key or at the first one with an Empty slot (nothing was ever placed past it);
@@ -25,11 +27,13 @@
 use reflex_flash::FlashError;
 use reflex_proto::kv::{KEY_SIZE_MAX_BYTES, Status, VALUE_SIZE_MAX_BYTES};
 
-use crate::alloc::{ExtentAllocator, ExtentConflict};
+use crate::alloc::ExtentConflict;
 use crate::layout::{
     BLOCK_SIZE_BYTES, Block, BucketImage, Geometry, GeometryError, LayoutError, Slot,
-    VALUE_BLOCKS_MAX, ValueLocation, key_hash, value_blocks,
+    VALUE_BLOCKS_MAX, ValueLocation, key_hash,
 };
+use crate::op::{BlockIo, Buffer, Buffers, KvOp, OpKind, Poll, Reply};
+use crate::table::KvTable;
 
 /// Blocks written at once while formatting (zeroing the index).
 const FORMAT_BATCH_BLOCKS: usize = 16;
@@ -99,27 +103,10 @@ struct UsedEntry {
     location: ValueLocation,
 }
 
-/// Where a key was found.
-struct Found {
-    image: BucketImage,
-    slot_index: usize,
-    location: ValueLocation,
-}
-
-/// What a probe saw.
-struct Probe {
-    found: Option<Found>,
-    /// The first free (Empty or Tombstone) slot in probe order, if any.
-    free: Option<(BucketImage, usize)>,
-}
-
 /// A key-value table on a block store.
 pub struct KvStore<B: BlockStore> {
     blocks: B,
-    geometry: Geometry,
-    allocator: ExtentAllocator,
-    entry_count: u64,
-    repaired_slot_count: u64,
+    table: KvTable,
     /// One block image for bucket reads.
     block: Box<Block>,
     /// Staging for one value's blocks.
@@ -129,35 +116,17 @@ pub struct KvStore<B: BlockStore> {
 impl<B: BlockStore> std::fmt::Debug for KvStore<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvStore")
-            .field("geometry", &self.geometry)
-            .field("entry_count", &self.entry_count)
+            .field("geometry", &self.table.geometry)
+            .field("entry_count", &self.table.entry_count)
             .finish_non_exhaustive()
     }
-}
-
-fn check_key(key: &[u8]) -> Result<(), KvError> {
-    if key.is_empty() {
-        return Err(KvError::EmptyKey);
-    }
-    if key.len() > KEY_SIZE_MAX_BYTES {
-        return Err(KvError::KeyTooLong {
-            length_bytes: key.len(),
-        });
-    }
-    Ok(())
 }
 
 impl<B: BlockStore> KvStore<B> {
     fn with_geometry(blocks: B, geometry: Geometry) -> KvStore<B> {
         KvStore {
             blocks,
-            allocator: ExtentAllocator::new(
-                geometry.extent_start_block(),
-                geometry.extent_block_count(),
-            ),
-            geometry,
-            entry_count: 0,
-            repaired_slot_count: 0,
+            table: KvTable::new(geometry),
             block: Box::new([0u8; BLOCK_SIZE_BYTES]),
             value_buf: vec![0u8; VALUE_BLOCKS_MAX * BLOCK_SIZE_BYTES],
         }
@@ -280,15 +249,16 @@ impl<B: BlockStore> KvStore<B> {
         }
         // Pass 3: rebuild the allocator and the count; rewrite the buckets with stale slots.
         for entry in &kept {
-            store.entry_count += 1;
+            store.table.entry_count += 1;
             if entry.location.blocks() > 0 {
                 store
+                    .table
                     .allocator
                     .mark_used(entry.location.extent_block, entry.location.blocks())?;
             }
         }
         stale.sort_unstable();
-        store.repaired_slot_count = stale.len() as u64;
+        store.table.repaired_slot_count = stale.len() as u64;
         for bucket_stale in stale.chunk_by(|a, b| a.0 == b.0) {
             let mut image = store.read_bucket(bucket_stale[0].0)?;
             for &(_, slot_index) in bucket_stale {
@@ -318,25 +288,31 @@ impl<B: BlockStore> KvStore<B> {
     /// Stale slots [`open`](Self::open) turned into tombstones (0 after a clean shutdown or a
     /// FLUSH).
     pub const fn repaired_slot_count(&self) -> u64 {
-        self.repaired_slot_count
+        self.table.repaired_slot_count
     }
 
     pub const fn geometry(&self) -> &Geometry {
-        &self.geometry
+        &self.table.geometry
     }
 
     /// Keys stored.
     pub const fn len(&self) -> u64 {
-        self.entry_count
+        self.table.entry_count
     }
 
     pub const fn is_empty(&self) -> bool {
-        self.entry_count == 0
+        self.table.entry_count == 0
     }
 
     /// Blocks of the value area in use, including those freed since the last FLUSH.
     pub const fn used_value_blocks(&self) -> u64 {
-        self.allocator.used_block_count()
+        self.table.allocator.used_block_count()
+    }
+
+    /// The open table's shared state and the block store, for a server that drives the
+    /// operations itself (the dataplane) after opening the table here.
+    pub fn into_parts(self) -> (B, KvTable) {
+        (self.blocks, self.table)
     }
 
     pub const fn blocks(&self) -> &B {
@@ -350,158 +326,100 @@ impl<B: BlockStore> KvStore<B> {
 
     fn read_bucket(&mut self, bucket_index: u64) -> Result<BucketImage, KvError> {
         self.blocks.read_blocks(
-            self.geometry.bucket_block(bucket_index),
+            self.table.geometry.bucket_block(bucket_index),
             &mut self.block[..],
         )?;
         Ok(BucketImage::decode(
             bucket_index,
             &self.block,
-            &self.geometry,
+            &self.table.geometry,
         )?)
     }
 
     fn write_bucket(&mut self, image: &mut BucketImage) -> Result<(), KvError> {
-        let block_index = self.geometry.bucket_block(image.bucket_index());
+        let block_index = self.table.geometry.bucket_block(image.bucket_index());
         self.blocks
             .write_blocks(block_index, image.encode(), false)?;
         Ok(())
     }
 
-    fn probe(&mut self, key: &[u8]) -> Result<Probe, KvError> {
-        let mut free: Option<(BucketImage, usize)> = None;
-        for bucket_index in self.geometry.probe_sequence(key_hash(key)) {
-            let image = self.read_bucket(bucket_index)?;
-            let mut found = None;
-            let mut free_here = None;
-            for (slot_index, slot) in image.slots() {
-                match slot {
-                    Slot::Used(used) if used.key == key => {
-                        found = Some((slot_index, used.location));
-                        break;
-                    }
-                    Slot::Used(_) => {}
-                    Slot::Empty | Slot::Tombstone => {
-                        free_here = free_here.or(Some(slot_index));
-                    }
+    /// Runs `op` to its answer over the block store (the value, for PUT, already in the
+    /// front of the staging buffer; for GET, left there).
+    fn run(&mut self, mut op: KvOp) -> Result<Reply, KvError> {
+        loop {
+            let buffers = Buffers {
+                bucket: &mut self.block,
+                value: &mut self.value_buf,
+            };
+            let io = match op.poll(&mut self.table, buffers) {
+                Poll::Io(io) => io,
+                Poll::Done(result) => return result,
+                // One operation at a time: nothing else holds the gate.
+                Poll::Wait => panic!("a synchronous operation waiting at the gate"),
+            };
+            let result = match io {
+                BlockIo::Read {
+                    block_index, into, ..
+                } => {
+                    let buffer = match into {
+                        Buffer::Bucket => &mut self.block[..],
+                        Buffer::Value => &mut self.value_buf[..io.length_bytes()],
+                    };
+                    self.blocks.read_blocks(block_index, buffer)
                 }
-            }
-            if let Some((slot_index, location)) = found {
-                return Ok(Probe {
-                    found: Some(Found {
-                        image,
-                        slot_index,
-                        location,
-                    }),
-                    free,
-                });
-            }
-            let last = image.has_empty_slot();
-            if free.is_none()
-                && let Some(slot_index) = free_here
-            {
-                free = Some((image, slot_index));
-            }
-            if last {
-                break;
-            }
+                BlockIo::Write {
+                    block_index,
+                    from,
+                    fua,
+                    ..
+                } => {
+                    let buffer = match from {
+                        Buffer::Bucket => &self.block[..],
+                        Buffer::Value => &self.value_buf[..io.length_bytes()],
+                    };
+                    self.blocks.write_blocks(block_index, buffer, fua)
+                }
+                BlockIo::Flush => self.blocks.flush(),
+            };
+            let buffers = Buffers {
+                bucket: &mut self.block,
+                value: &mut self.value_buf,
+            };
+            op.complete(&mut self.table, buffers, result);
         }
-        Ok(Probe { found: None, free })
-    }
-
-    /// Writes `value` to a new extent; returns its location. Nothing names it yet.
-    fn write_value(&mut self, value: &[u8]) -> Result<ValueLocation, KvError> {
-        let blocks = value_blocks(value.len());
-        if blocks == 0 {
-            return Ok(ValueLocation {
-                extent_block: 0,
-                value_length_bytes: 0,
-                value_crc: crc32fast::hash(&[]),
-            });
-        }
-        let blocks_u64 = blocks as u64;
-        let extent_block = match self.allocator.allocate(blocks_u64) {
-            Some(extent_block) => extent_block,
-            None if self.allocator.deferred_block_count() > 0 => {
-                // Space freed since the last FLUSH becomes usable once a FLUSH makes the
-                // index that no longer names it durable.
-                self.flush()?;
-                self.allocator
-                    .allocate(blocks_u64)
-                    .ok_or(KvError::NoSpace { blocks: blocks_u64 })?
-            }
-            None => return Err(KvError::NoSpace { blocks: blocks_u64 }),
-        };
-        let staged = &mut self.value_buf[..blocks * BLOCK_SIZE_BYTES];
-        staged[..value.len()].copy_from_slice(value);
-        staged[value.len()..].fill(0);
-        // Durable before the bucket block that names it is written: after a crash the index
-        // never names a value that did not reach the device.
-        if let Err(error) = self.blocks.write_blocks(extent_block, staged, true) {
-            self.allocator.free_now(extent_block, blocks_u64);
-            return Err(error.into());
-        }
-        Ok(ValueLocation {
-            extent_block,
-            // ≤ 64 KiB, checked by the caller.
-            value_length_bytes: value.len() as u32,
-            value_crc: crc32fast::hash(value),
-        })
     }
 
     /// Stores `value` under `key`, replacing an earlier value. `TableFull`/`NoSpace` change
     /// nothing.
     pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
-        check_key(key)?;
-        if value.len() > VALUE_SIZE_MAX_BYTES {
-            return Err(KvError::ValueTooLarge {
-                length_bytes: value.len(),
-            });
+        let op = KvOp::new(
+            OpKind::Put {
+                // Checked against 64 KiB by `KvOp::new`.
+                value_length_bytes: u32::try_from(value.len()).unwrap_or(u32::MAX),
+            },
+            key,
+        )?;
+        self.value_buf[..value.len()].copy_from_slice(value);
+        match self.run(op)? {
+            Reply::Stored => Ok(()),
+            other => panic!("a PUT answered {other:?}"),
         }
-        let probe = self.probe(key)?;
-        let (mut image, slot_index, old) = match (probe.found, probe.free) {
-            (Some(found), _) => (found.image, found.slot_index, Some(found.location)),
-            (None, Some((image, slot_index))) => (image, slot_index, None),
-            (None, None) => {
-                return Err(KvError::TableFull {
-                    probe_buckets: self.geometry.probe_buckets_max(),
-                });
-            }
-        };
-        let location = self.write_value(value)?;
-        image.set_slot(slot_index, key, location);
-        self.write_bucket(&mut image)?;
-        match old {
-            Some(old) if old.blocks() > 0 => {
-                self.allocator.free_deferred(old.extent_block, old.blocks())
-            }
-            Some(_) => {}
-            None => self.entry_count += 1,
-        }
-        Ok(())
     }
 
     /// The value of `key` written into the front of `out` (at least 64 KiB, or at least the
     /// value's length); `None` when the key is absent.
     pub fn get_into(&mut self, key: &[u8], out: &mut [u8]) -> Result<Option<usize>, KvError> {
-        check_key(key)?;
-        let Some(found) = self.probe(key)?.found else {
-            return Ok(None);
-        };
-        let length = found.location.value_length_bytes as usize;
-        let blocks = found.location.blocks() as usize;
-        assert!(out.len() >= length, "value buffer smaller than the value");
-        if blocks > 0 {
-            let staged = &mut self.value_buf[..blocks * BLOCK_SIZE_BYTES];
-            self.blocks
-                .read_blocks(found.location.extent_block, staged)?;
-            out[..length].copy_from_slice(&staged[..length]);
+        let op = KvOp::new(OpKind::Get, key)?;
+        match self.run(op)? {
+            Reply::Value { length_bytes } => {
+                let length = length_bytes as usize;
+                assert!(out.len() >= length, "value buffer smaller than the value");
+                out[..length].copy_from_slice(&self.value_buf[..length]);
+                Ok(Some(length))
+            }
+            Reply::NotFound => Ok(None),
+            other => panic!("a GET answered {other:?}"),
         }
-        if crc32fast::hash(&out[..length]) != found.location.value_crc {
-            return Err(KvError::ValueChecksum {
-                extent_block: found.location.extent_block,
-            });
-        }
-        Ok(Some(length))
     }
 
     /// The value of `key`, or `None`.
@@ -516,26 +434,22 @@ impl<B: BlockStore> KvStore<B> {
 
     /// Removes `key`; `false` when it was absent.
     pub fn delete(&mut self, key: &[u8]) -> Result<bool, KvError> {
-        check_key(key)?;
-        let Some(mut found) = self.probe(key)?.found else {
-            return Ok(false);
-        };
-        found.image.delete_slot(found.slot_index);
-        self.write_bucket(&mut found.image)?;
-        self.entry_count -= 1;
-        if found.location.blocks() > 0 {
-            self.allocator
-                .free_deferred(found.location.extent_block, found.location.blocks());
+        let op = KvOp::new(OpKind::Delete, key)?;
+        match self.run(op)? {
+            Reply::Deleted => Ok(true),
+            Reply::NotFound => Ok(false),
+            other => panic!("a DELETE answered {other:?}"),
         }
-        Ok(true)
     }
 
     /// Makes every earlier PUT and DELETE durable, then lets the value blocks they released be
     /// reused.
     pub fn flush(&mut self) -> Result<(), KvError> {
-        self.blocks.flush()?;
-        self.allocator.release_deferred();
-        Ok(())
+        let op = KvOp::new(OpKind::Flush, &[])?;
+        match self.run(op)? {
+            Reply::Flushed => Ok(()),
+            other => panic!("a FLUSH answered {other:?}"),
+        }
     }
 }
 

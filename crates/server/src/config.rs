@@ -568,6 +568,45 @@ impl Default for NbdConfig {
     }
 }
 
+/// The key-value port (`docs/KV.md`): the table on one namespace, served by dataplane
+/// thread 0 (every KV connection lands there; the table is not shared between threads).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvConfig {
+    /// Whether to serve the table at all (off by default: it owns its namespace's blocks).
+    pub enabled: bool,
+    /// 0 picks a free port.
+    pub port: u16,
+    /// The namespace id that holds the table. Nothing else should write that namespace.
+    pub namespace: u32,
+    /// The tenant KV connections are charged to; `None`: the namespace's default tenant.
+    pub tenant: Option<String>,
+    /// Format a table when the namespace holds none (a first start); otherwise start-up
+    /// fails on a namespace without a table.
+    pub create: bool,
+    /// Format a fresh, empty table at every start-up (what was stored is lost).
+    pub format: bool,
+    /// Source addresses (CIDR blocks) the KV port serves; `None`: every address.
+    pub allow: Option<Vec<IpNet>>,
+}
+
+/// The KV port's default (`reflex bench --kv` and the client use it too).
+pub const KV_PORT_DEFAULT: u16 = 7077;
+
+impl Default for KvConfig {
+    fn default() -> KvConfig {
+        KvConfig {
+            enabled: false,
+            port: KV_PORT_DEFAULT,
+            namespace: 1,
+            tenant: None,
+            create: true,
+            format: false,
+            allow: None,
+        }
+    }
+}
+
 /// A host allowed into an NVMe/TCP subsystem, and the tenant its I/O is charged to.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -725,6 +764,8 @@ pub struct Config {
     pub nbd: NbdConfig,
     /// The NVMe/TCP listener: on port 4420 unless configured otherwise.
     pub nvme_tcp: NvmeTcpConfig,
+    /// The key-value port: off unless configured.
+    pub kv: KvConfig,
     /// Dataplane threads, each with its own ring, buffers and share of connections.
     pub threads: usize,
     /// Spin on the rings instead of sleeping when idle (lowest latency, one busy core each).
@@ -850,6 +891,7 @@ impl Default for Config {
             original_ports: None,
             nbd: NbdConfig::default(),
             nvme_tcp: NvmeTcpConfig::default(),
+            kv: KvConfig::default(),
             threads: 1,
             poll: false,
             spin_before_deadline_max: Duration::from_micros(500),
@@ -995,7 +1037,9 @@ impl Config {
     pub fn ring_cq_entries(&self) -> u32 {
         let slots = u64::from(self.connections_per_thread_max)
             + u64::from(reflex_dataplane::CONNECTION_SLACK);
-        let listeners = 3 + self.effective_original_ports().len() as u64;
+        // Native, NBD, NVMe/TCP, the original ports, and the KV port (thread 0's).
+        let listeners =
+            3 + self.effective_original_ports().len() as u64 + u64::from(self.kv.enabled);
         let needed = 4 * slots
             + 2 * listeners
             + u64::from(reflex_dataplane::DEVICE_IN_FLIGHT_PER_THREAD_MAX)
@@ -1263,6 +1307,30 @@ impl Config {
                 .any(|other| other.id == namespace.id)
             {
                 return invalid(format!("namespace {} configured twice", namespace.id));
+            }
+        }
+        if self.kv.enabled {
+            match namespaces.iter().find(|ns| ns.id == self.kv.namespace) {
+                None => {
+                    return invalid(format!(
+                        "[kv] namespace {} is not configured",
+                        self.kv.namespace
+                    ));
+                }
+                Some(namespace) if namespace.read_only => {
+                    return invalid(format!(
+                        "[kv] namespace {} is read-only: the table writes it",
+                        self.kv.namespace
+                    ));
+                }
+                Some(_) => {}
+            }
+            if let Some(tenant) = &self.kv.tenant
+                && (tenant.is_empty() || tenant.len() > TENANT_NAME_BYTES_MAX)
+            {
+                return invalid(format!(
+                    "[kv] tenant name {tenant:?} must be 1..={TENANT_NAME_BYTES_MAX} bytes"
+                ));
             }
         }
         for original in self.effective_original_ports() {
@@ -1545,6 +1613,53 @@ mod tests {
             ORIGINAL_PORT_DEFAULT
         );
         assert!(config.listen.is_loopback());
+    }
+
+    #[test]
+    fn kv_section_parses_and_its_namespace_is_checked() {
+        let text = r#"
+            [kv]
+            enabled = true
+            port = 0
+            namespace = 2
+            tenant = "kv"
+            format = true
+
+            [[namespace]]
+            id = 2
+            backend = "mem:64M"
+        "#;
+        let config: Config = toml::from_str(text).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            config.kv,
+            KvConfig {
+                enabled: true,
+                port: 0,
+                namespace: 2,
+                tenant: Some("kv".into()),
+                create: true,
+                format: true,
+                allow: None,
+            }
+        );
+        let original_ports = Some(Vec::new());
+        let valid = Config {
+            original_ports,
+            ..config
+        };
+        valid.validate().unwrap_or_else(|e| panic!("{e}"));
+        let unknown = Config {
+            kv: KvConfig {
+                namespace: 3,
+                ..valid.kv.clone()
+            },
+            ..valid.clone()
+        };
+        assert!(unknown.validate().is_err());
+        let mut read_only = valid.clone();
+        read_only.namespaces[0].read_only = true;
+        assert!(read_only.validate().is_err());
+        assert!(toml::from_str::<Config>("[kv]\nport_number = 1\n").is_err());
     }
 
     #[test]

@@ -159,7 +159,23 @@ impl Server {
             None
         };
 
+        // The key-value port is bound on thread 0 only: its table is not shared between
+        // threads (`reflex_dataplane` `core/kv.rs`).
+        let kv_addr = if config.kv.enabled {
+            Some(bind_all(
+                SocketAddr::new(config.listen, config.kv.port),
+                ListenerRole::Kv,
+                &mut per_thread[..1],
+            )?)
+        } else {
+            None
+        };
+
         let namespaces = open_namespaces(&config)?;
+        let mut kv_table = match kv_addr {
+            Some(_) => Some(open_kv_table(&config, &namespaces)?),
+            None => None,
+        };
         let clock_origin = Instant::now();
 
         let mut wakers = Vec::new();
@@ -271,17 +287,29 @@ impl Server {
                     format!("nvme_tcp:{}", nvme_tcp_addr.map_or(0, |addr| addr.port())),
                     &config.nvme_tcp.allow,
                 ),
+                ListenerRole::Kv => (
+                    format!("kv:{}", kv_addr.map_or(0, |addr| addr.port())),
+                    &config.kv.allow,
+                ),
             };
             ListenerAccess {
                 name,
                 allow: allow.clone().map(AllowList::new),
             }
         };
+        let kv_protocol = kv_table.as_ref().map(|(namespace_index, _)| Protocol::Kv {
+            namespace_index: *namespace_index,
+            tenant: configured(*namespace_index, config.kv.tenant.as_ref()),
+        });
         let protocol_of = |role: ListenerRole| match role {
             ListenerRole::Native => Protocol::Native,
             ListenerRole::Original(position) => original_protocols[position],
             ListenerRole::Nbd => Protocol::Nbd,
             ListenerRole::NvmeTcp => Protocol::NvmeTcp,
+            ListenerRole::Kv => match kv_protocol {
+                Some(protocol) => protocol,
+                None => panic!("a KV listener without its table"),
+            },
         };
 
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -291,6 +319,7 @@ impl Server {
             original_addrs,
             nbd_addr,
             nvme_tcp_addr,
+            kv_addr,
             nvme_tcp: nvme_tcp.clone(),
             shutdown: Arc::clone(&shutdown),
             wakers: wakers.clone(),
@@ -321,6 +350,17 @@ impl Server {
                     .collect(),
             });
             let dataplane_setup = DataplaneSetup {
+                // Thread 0 owns the table (the only thread with the KV listener).
+                kv: if thread_index == 0 {
+                    kv_table
+                        .take()
+                        .map(|(namespace_index, table)| reflex_dataplane::KvSetup {
+                            namespace_index,
+                            table,
+                        })
+                } else {
+                    None
+                },
                 tls,
                 thread_index,
                 listener_access: roles.iter().copied().map(access_of).collect(),
@@ -628,6 +668,57 @@ fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
     Ok(Arc::new(NamespaceSet::new(entries)))
 }
 
+/// Opens (or formats, as `[kv]` says) the key-value table on its namespace, synchronously,
+/// before the dataplane starts: `(namespace index, table state)`. Opening reads every bucket
+/// block once and repairs what a crash between FLUSHes left (`reflex_kv::KvStore::open`).
+fn open_kv_table(
+    config: &Config,
+    namespaces: &NamespaceSet,
+) -> Result<(u16, reflex_kv::KvTable), ServerError> {
+    let id = config.kv.namespace;
+    let invalid = |reason: String| ServerError::from(ConfigError::Invalid(reason));
+    let Some(namespace_index) = namespaces.index_of(id) else {
+        return Err(invalid(format!("[kv] names unknown namespace {id}")));
+    };
+    if namespaces.is_read_only(namespace_index) {
+        return Err(invalid(format!("[kv] namespace {id} is read-only")));
+    }
+    let Some(device) = namespaces.device(namespace_index) else {
+        return Err(invalid(format!("[kv] namespace {id} has no device")));
+    };
+    let kv_error = |error: reflex_kv::KvError| invalid(format!("[kv] namespace {id}: {error}"));
+    let blocks = || {
+        reflex_kv::DeviceBlocks::new(Arc::clone(device))
+            .map_err(|error| kv_error(reflex_kv::KvError::Io(error)))
+    };
+    let format = |blocks: reflex_kv::DeviceBlocks| {
+        use reflex_kv::BlockStore;
+        let geometry = reflex_kv::Geometry::for_device(blocks.block_count())
+            .map_err(|error| kv_error(error.into()))?;
+        tracing::info!(namespace = id, ?geometry, "formatting the key-value table");
+        reflex_kv::KvStore::format(blocks, geometry).map_err(kv_error)
+    };
+    let store = if config.kv.format {
+        format(blocks()?)?
+    } else {
+        match reflex_kv::KvStore::open(blocks()?) {
+            Ok(store) => store,
+            Err(reflex_kv::KvError::Corrupt(reflex_kv::layout::LayoutError::NotFormatted {
+                ..
+            })) if config.kv.create => format(blocks()?)?,
+            Err(error) => return Err(kv_error(error)),
+        }
+    };
+    tracing::info!(
+        namespace = id,
+        keys = store.len(),
+        repaired_slots = store.repaired_slot_count(),
+        "key-value table open"
+    );
+    let (_, table) = store.into_parts();
+    Ok((namespace_index, table))
+}
+
 /// Opens a namespace's backend as start-up does (a run-time add too): the spec, then the
 /// block-size check.
 pub(crate) fn open_device(
@@ -666,6 +757,7 @@ enum ListenerRole {
     Original(usize),
     Nbd,
     NvmeTcp,
+    Kv,
 }
 
 /// Binds one listener per thread on `addr`; with port 0 the first bind picks the port and the
@@ -792,11 +884,16 @@ fn log_startup(
         Some(addr) => addr.to_string(),
         None => "off".to_string(),
     };
+    let kv = match handle.kv_addr {
+        Some(addr) => addr.to_string(),
+        None => "off".to_string(),
+    };
     tracing::info!(
         native = %handle.native_addr,
         original = ?originals,
         nbd = %nbd,
         nvme_tcp = %nvme_tcp,
+        kv = %kv,
         nbd_default_export = config.effective_default_export().unwrap_or_default(),
         threads = config.threads,
         driver = driver.name(),
@@ -815,6 +912,7 @@ pub struct ServerHandle {
     original_addrs: Vec<(u32, SocketAddr)>,
     nbd_addr: Option<SocketAddr>,
     nvme_tcp_addr: Option<SocketAddr>,
+    kv_addr: Option<SocketAddr>,
     nvme_tcp: Option<Arc<NvmeTcpTargets>>,
     shutdown: Arc<AtomicBool>,
     wakers: Vec<Arc<File>>,
@@ -862,6 +960,11 @@ impl ServerHandle {
     /// Address of the NBD listener, unless NBD is disabled.
     pub fn nbd_addr(&self) -> Option<SocketAddr> {
         self.nbd_addr
+    }
+
+    /// Address of the key-value listener, when `[kv]` is enabled.
+    pub fn kv_addr(&self) -> Option<SocketAddr> {
+        self.kv_addr
     }
 
     /// Address of the NVMe/TCP listener, unless NVMe/TCP is disabled.

@@ -61,6 +61,16 @@ struct Args {
     /// Do not listen for NVMe/TCP.
     #[arg(long, conflicts_with = "nvme_tcp_port")]
     no_nvme_tcp: bool,
+    /// Serve the key-value table on this port (0 picks a free one); `[kv]` in the config
+    /// file has the other settings.
+    #[arg(long)]
+    kv_port: Option<u16>,
+    /// The namespace id holding the key-value table (with --kv-port; default 1).
+    #[arg(long, requires = "kv_port")]
+    kv_namespace: Option<u32>,
+    /// Format a fresh, empty key-value table at start-up (what it held is lost).
+    #[arg(long, requires = "kv_port")]
+    kv_format: bool,
     /// Dataplane threads (default 1).
     #[arg(long, short = 't')]
     threads: Option<usize>,
@@ -260,6 +270,16 @@ fn build_config(args: Args) -> anyhow::Result<Config> {
     } else if let Some(port) = args.nbd_port {
         config.nbd.enabled = true;
         config.nbd.port = port;
+    }
+    if let Some(port) = args.kv_port {
+        config.kv.enabled = true;
+        config.kv.port = port;
+    }
+    if let Some(namespace) = args.kv_namespace {
+        config.kv.namespace = namespace;
+    }
+    if args.kv_format {
+        config.kv.format = true;
     }
     if let Some(threads) = args.threads {
         config.threads = threads;

@@ -198,6 +198,7 @@ impl VirtualServer {
         let mut threads = Vec::new();
         for thread_index in 0..usize::from(setup.threads) {
             let dataplane = Dataplane::new(DataplaneSetup {
+                kv: None,
                 tls: tls.clone(),
                 thread_index,
                 listeners: listeners.clone(),

@@ -24,6 +24,7 @@
 //! (`/proc/PID/task/*/schedstat`), per operation and in cores.
 
 mod engine;
+pub mod kv;
 pub(crate) mod nbd;
 pub(crate) mod nbd_core;
 mod pattern;
@@ -191,6 +192,32 @@ pub struct Args {
     /// A shell command to run (and wait for) when each row's measurement ends.
     #[arg(long, value_name = "COMMAND")]
     at_measure_end: Option<String>,
+    /// Benchmark reflexd's key-value port at this address (default 127.0.0.1:7077) with
+    /// db_bench's fillrandom/readrandom shapes (`kv.rs`); uses --threads (one connection
+    /// each), the first --qd (requests in flight per connection), --seed and --json.
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:7077")]
+    kv: Option<String>,
+    /// With --kv: the workloads, in order.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "fillrandom,readrandom",
+        requires = "kv"
+    )]
+    kv_workload: Vec<kv::Workload>,
+    /// With --kv: operations per thread and workload.
+    #[arg(long, default_value_t = 10_000, requires = "kv")]
+    kv_ops: u64,
+    /// With --kv: keys are drawn from 0 .. this (default: threads × kv_ops).
+    #[arg(long, requires = "kv")]
+    kv_keys: Option<u64>,
+    /// With --kv: bytes per key (db_bench's default 16; OctoFAS uses 4).
+    #[arg(long, default_value_t = 16, requires = "kv")]
+    key_size: usize,
+    /// With --kv: bytes per value (db_bench's default 100; OctoFAS uses 16k).
+    #[arg(long, default_value = "100", value_parser = parse_size, requires = "kv")]
+    value_size: u64,
 }
 
 /// What the run targets, resolved before any row.
@@ -294,6 +321,21 @@ pub(crate) fn resolve_server(server: &str) -> Result<SocketAddr> {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if let Some(address) = &args.kv {
+        let options = kv::KvOptions {
+            address: resolve_server(address)?,
+            workloads: args.kv_workload.clone(),
+            threads: args.threads,
+            queue_depth: args.qd.first().copied().unwrap_or(1),
+            ops_per_thread: args.kv_ops,
+            keys: args.kv_keys.unwrap_or(args.threads as u64 * args.kv_ops),
+            key_size_bytes: args.key_size,
+            value_size_bytes: usize::try_from(args.value_size).unwrap_or(usize::MAX),
+            seed: args.seed,
+            json: args.json,
+        };
+        return kv::run(&options);
+    }
     if let Some(path) = &args.scenario {
         if args.local.is_some() {
             bail!("--scenario runs against a server, not --local");

@@ -148,6 +148,9 @@ impl Dataplane {
         let Work::Io { io, run, step, .. } = self.requests[index as usize].work else {
             panic!("a device operation for a request without I/O");
         };
+        if let IoKind::Kv { .. } = io.kind {
+            return self.kv_operation(index);
+        }
         let layout = self.requests[index as usize].layout;
         let run_bytes = run.map_or(0, |run| zero_run_bytes(&layout, io, run.size_bytes()));
         steps::operation(io.kind, &layout, step, run_bytes)
@@ -161,6 +164,7 @@ impl Dataplane {
     /// Scheduling rounds on every namespace, after the blocked requests had their retry.
     pub(super) fn dispatch_step(&mut self, now: Nanos) {
         self.retry_gate(now);
+        self.kv_retry(now);
         if self.queue_room {
             self.retry_blocked(now);
         }
@@ -450,6 +454,10 @@ impl Dataplane {
             account.stats.device_ns += device_ns;
         }
         let connection_index = request.connection_index;
+        if let IoKind::Kv { .. } = io.kind {
+            self.kv_complete(index, result, now);
+            return;
+        }
         let discards = &mut self.discards[usize::from(io.namespace_index)];
         if steps::reveals_no_discard(io.kind, step, &result) {
             *discards = false;
@@ -523,6 +531,7 @@ impl Dataplane {
             panic!("answering a request without I/O");
         };
         self.leave_gate(index);
+        self.kv_forget(index);
         let connection_index = self.requests[index as usize].connection_index;
         let connection = &self.connections[connection_index as usize];
         if connection.payload == Some(index) {

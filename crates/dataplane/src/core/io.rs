@@ -83,6 +83,9 @@ impl Dataplane {
         if let IoKind::BlockStatus { req_one } = io.kind {
             return self.answer_block_status(index, io, req_one);
         }
+        if let IoKind::Kv { .. } = io.kind {
+            return self.start_kv(index, io, now);
+        }
         let connection_index = self.requests[index as usize].connection_index;
         let layout = self.layout(io);
         let discards = self.discards[usize::from(io.namespace_index)];
@@ -124,6 +127,11 @@ impl Dataplane {
     /// gate first (once), then enters the scheduler.
     pub(super) fn begin_step(&mut self, index: u32, now: Nanos) {
         let request = &self.requests[index as usize];
+        if let IoKind::Kv { .. } = request.io().kind {
+            // Its payload is in: the table's machine decides its steps.
+            self.kv_begin(index, now);
+            return;
+        }
         if request.gate == GatePlace::Outside
             && let Some(range) = self.write_range(request.io(), &request.layout)
         {
@@ -164,7 +172,12 @@ impl Dataplane {
                 let start = layout.inner_start();
                 (start, start + u64::from(layout.inner_bytes()))
             }
-            IoKind::Read | IoKind::Flush | IoKind::Trim { .. } | IoKind::BlockStatus { .. } => {
+            // KV requests are ordered by the table's bucket gate instead (`core/kv.rs`).
+            IoKind::Read
+            | IoKind::Flush
+            | IoKind::Trim { .. }
+            | IoKind::BlockStatus { .. }
+            | IoKind::Kv { .. } => {
                 return None;
             }
         };
@@ -282,20 +295,19 @@ impl Dataplane {
             panic!("payload for a request without a run");
         };
         let connection_index = request.connection_index;
-        let layout = self.requests[index as usize].layout;
-        let part = layout.part(layout.receiving_part(step));
+        let (data_start, data_bytes, _) = self.receiving_span(index, step);
         let connection = &mut self.connections[connection_index as usize];
         let available = connection.recv_end - connection.recv_start;
-        let wanted = (part.data_bytes - received_bytes) as usize;
+        let wanted = (data_bytes - received_bytes) as usize;
         let copied = available.min(wanted);
-        let start = (part.data_start + received_bytes) as usize;
+        let start = (data_start + received_bytes) as usize;
         let target = &mut self.arena.run_mut(run, start + copied)[start..];
         target.copy_from_slice(
             &connection.recv_buffer[connection.recv_start..connection.recv_start + copied],
         );
         connection.recv_start += copied;
         if copied == wanted {
-            self.set_received_bytes(index, part.data_bytes);
+            self.set_received_bytes(index, data_bytes);
             self.part_payload_complete(index, now);
             return;
         }
@@ -321,6 +333,26 @@ impl Dataplane {
         self.take_payload(index, now);
     }
 
+    /// Where the payload being received lies in the request's run: `(first byte, bytes,
+    /// whether it is the request's last part)`. A KV request's payload (key, then value) is
+    /// one part placed so that its value starts on a block (`core/kv.rs`).
+    fn receiving_span(&self, index: u32, step: IoStep) -> (u32, u32, bool) {
+        let request = &self.requests[index as usize];
+        let io = request.io();
+        if let IoKind::Kv { .. } = io.kind {
+            let (start, bytes) = Self::kv_payload_span(io);
+            return (start, bytes, true);
+        }
+        let layout = request.layout;
+        let part_index = layout.receiving_part(step);
+        let part = layout.part(part_index);
+        (
+            part.data_start,
+            part.data_bytes,
+            part_index + 1 == layout.part_count(),
+        )
+    }
+
     fn set_received_bytes(&mut self, index: u32, bytes: u32) {
         match &mut self.requests[index as usize].work {
             Work::Io { received_bytes, .. } => *received_bytes = bytes,
@@ -341,11 +373,10 @@ impl Dataplane {
         else {
             panic!("receiving a payload without a run");
         };
-        let layout = self.requests[index as usize].layout;
-        let part = layout.part(layout.receiving_part(step));
-        assert!(received_bytes < part.data_bytes);
-        let end = (part.data_start + part.data_bytes) as usize;
-        let start = (part.data_start + received_bytes) as usize;
+        let (data_start, data_bytes, _) = self.receiving_span(index, step);
+        assert!(received_bytes < data_bytes);
+        let end = (data_start + data_bytes) as usize;
+        let start = (data_start + received_bytes) as usize;
         &mut self.arena.run_mut(run, end)[start..]
     }
 
@@ -361,12 +392,11 @@ impl Dataplane {
         else {
             panic!("receiving a payload without I/O");
         };
-        let layout = self.requests[index as usize].layout;
-        let part = layout.part(layout.receiving_part(step));
+        let (_, data_bytes, _) = self.receiving_span(index, step);
         let received_bytes = received_bytes + bytes as u32;
-        assert!(received_bytes <= part.data_bytes);
+        assert!(received_bytes <= data_bytes);
         self.set_received_bytes(index, received_bytes);
-        if received_bytes == part.data_bytes {
+        if received_bytes == data_bytes {
             self.part_payload_complete(index, now);
         }
     }
@@ -378,8 +408,8 @@ impl Dataplane {
         let Work::Io { io: _, step, .. } = request.work else {
             panic!("a payload for a request without I/O");
         };
-        let layout = self.requests[index as usize].layout;
-        let last = layout.receiving_part(step) + 1 == layout.part_count();
+        let (_, _, last) = self.receiving_span(index, step);
+        let request = &self.requests[index as usize];
         let connection = &mut self.connections[request.connection_index as usize];
         connection.payload = if last { None } else { Some(index) };
         self.begin_step(index, now);
@@ -397,9 +427,13 @@ impl Dataplane {
         else {
             panic!("skipping the payload of a request without I/O");
         };
-        let layout = self.requests[index as usize].layout;
-        let part = layout.part(layout.receiving_part(step));
-        let consumed = part.data_offset_bytes - io.offset_bytes + u64::from(received_bytes);
+        let consumed = if let IoKind::Kv { .. } = io.kind {
+            u64::from(received_bytes)
+        } else {
+            let layout = self.requests[index as usize].layout;
+            let part = layout.part(layout.receiving_part(step));
+            part.data_offset_bytes - io.offset_bytes + u64::from(received_bytes)
+        };
         let remaining = u64::from(io.length_bytes) - consumed;
         let connection_index = request.connection_index;
         let connection = &mut self.connections[connection_index as usize];

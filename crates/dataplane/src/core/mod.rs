@@ -21,7 +21,8 @@
 //! device operations, step two), `io` (requests of several device operations: WRITE payloads
 //! part by part, read-modify-write edges, READ parts, the write gate), `send` (answers), `tenants` (charging, BIND, control
 //! messages), `shutdown` (phases), `timeouts` (housekeeping), `errors` (device failure log),
-//! `limits`, `stats`.
+//! `limits`, `stats`, `kv` (key-value requests: the table's step machines driven through
+//! the schedulers).
 //!
 //! Invariants: every request gets exactly one answer; bad input gets an error status, and only
 //! broken framing closes a connection (after answering what came before it); everything is
@@ -49,6 +50,7 @@ mod connection;
 mod dispatch;
 mod errors;
 mod io;
+mod kv;
 mod limits;
 mod ops;
 mod publish;
@@ -65,6 +67,7 @@ mod tls;
 use connection::{Connection, Listener};
 use errors::DeviceErrorLog;
 use io::GateWaits;
+pub use kv::KvSetup;
 pub use limits::{
     CONNECTION_SLACK, DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits,
     RECV_BUFFERS_SPARE_MAX,
@@ -150,6 +153,8 @@ pub struct DataplaneSetup {
     pub tls: Option<TlsSetup>,
     /// The driver's clock when the dataplane starts.
     pub now: Nanos,
+    /// The key-value table this thread serves (`core/kv.rs`), if any.
+    pub kv: Option<KvSetup>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -249,6 +254,8 @@ pub struct Dataplane {
     tls_deliveries: VecDeque<u32>,
     /// Log lines about refused requests (rate-limited; every refusal is counted).
     refusal_log: RefusalLog,
+    /// The key-value table and its operations in progress (`kv`).
+    kv: Option<kv::KvEngine>,
 }
 
 impl Dataplane {
@@ -368,6 +375,9 @@ impl Dataplane {
             tls: setup.tls,
             tls_deliveries: VecDeque::new(),
             refusal_log: RefusalLog::new(),
+            kv: setup
+                .kv
+                .map(|kv| kv::KvEngine::new(kv, limits.requests_max)),
             limits,
         };
         // The device rates the registries computed at startup.
@@ -424,6 +434,7 @@ impl Dataplane {
             || !self.flushed.is_empty()
             || self.phase_ready()
             || self.gate_retry_ready()
+            || self.kv_retry_ready()
     }
 
     /// The driver is about to sleep: a thread with nothing queued leaves the global buckets'

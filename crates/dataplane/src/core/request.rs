@@ -334,6 +334,7 @@ impl Dataplane {
         let orphaned = self.requests[index as usize].state == RequestState::Orphaned;
         // No operation uses the request any more: whatever it wrote is done.
         self.leave_gate(index);
+        self.kv_forget(index);
         self.transition(index, RequestState::Free);
         let request = &mut self.requests[index as usize];
         request.generation = next_generation(request.generation);

@@ -39,16 +39,29 @@ impl Dataplane {
         run: Option<PageRun>,
         body_bytes: u32,
     ) {
+        self.respond_from(index, answer, run, 0, body_bytes);
+    }
+
+    /// [`Self::respond`] with a body that starts `body_start` bytes into the run (a KV GET's
+    /// value, after the bucket block and the key).
+    pub(super) fn respond_from(
+        &mut self,
+        index: u32,
+        answer: Answer,
+        run: Option<PageRun>,
+        body_start: u32,
+        body_bytes: u32,
+    ) {
         let connection_index = self.requests[index as usize].connection_index;
         let frontend = &mut self.connections[connection_index as usize].frontend;
         let request = &mut self.requests[index as usize];
         match run {
-            Some(run) => assert!(body_bytes as usize <= run.size_bytes()),
-            None => assert_eq!(body_bytes, 0),
+            Some(run) => assert!((body_start + body_bytes) as usize <= run.size_bytes()),
+            None => assert_eq!(body_start + body_bytes, 0),
         }
         request.work = Work::Response {
             run,
-            body_start: 0,
+            body_start,
             body_bytes,
         };
         let tag = request.tag;

@@ -5,7 +5,7 @@
 //! Bounded, one `drain_timeout` per stage, so a shutdown takes at most three:
 //! 1. at the drain deadline, requests still waiting in a QoS scheduler (a tenant in token
 //!    debt, a device that takes no more), for room in a full tenant queue or at the write
-//!    gate (behind an overlapping write) are answered
+//!    gate (behind an overlapping write) or the key-value table's bucket gate are answered
 //!    [`Answer::ShuttingDown`] (native BUSY, NBD ESHUTDOWN; the original protocol, which has
 //!    no status, closes), the answers are handed to the driver, and every connection that is
 //!    still open is aborted;
@@ -189,6 +189,9 @@ impl Dataplane {
             refused += self.refuse_waiting(index);
         }
         while let Some(index) = self.take_gate_waiter() {
+            refused += self.refuse_waiting(index);
+        }
+        while let Some(index) = self.take_kv_waiter() {
             refused += self.refuse_waiting(index);
         }
         // The schedulers' room events have nothing left to retry.

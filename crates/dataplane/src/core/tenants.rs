@@ -414,12 +414,14 @@ impl Dataplane {
             )));
         }
         let connection = &self.connections[connection_index as usize];
-        let writes = matches!(
-            io.kind,
-            IoKind::Write { .. } | IoKind::Trim { .. } | IoKind::WriteZeroes { .. }
-        );
+        let writes = match io.kind {
+            IoKind::Write { .. } | IoKind::Trim { .. } | IoKind::WriteZeroes { .. } => true,
+            IoKind::Kv { opcode, .. } => crate::frontend::kv_writes(opcode),
+            _ => false,
+        };
         let range = match io.kind {
-            IoKind::Flush => None,
+            // A KV request names a key, not a byte range: a grant's range does not apply.
+            IoKind::Flush | IoKind::Kv { .. } => None,
             _ => Some((io.offset_bytes, u64::from(io.length_bytes))),
         };
         if let Some(bound) = connection.bound {

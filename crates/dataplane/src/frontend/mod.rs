@@ -28,6 +28,10 @@
 //! requests (data in several PDUs, Dataset Management ranges), and responses with bytes after
 //! their data (a read's data digest and response capsule: [`Frontend::encode_read_answer`]).
 //!
+//! The key-value port (`kv_frontend`, `docs/KV.md`) decodes the KV protocol into
+//! [`IoKind::Kv`] requests on the table's namespace; what they do on the device is decided by
+//! the table's step machines in `core/kv.rs`, not here.
+//!
 //! Tenants: an [`IoRequest`] carries the tenant the protocol chose for it (an NBD export's or
 //! an original-protocol port's configured tenant), or [`TenantRef::NONE`]; the dataplane
 //! resolves the rest (a native connection's BIND, the namespace's default tenant). Native
@@ -69,6 +73,8 @@ const _: () = assert!(BLOCK_STATUS_BODY_BYTES_MAX <= crate::buffers::PAGE_SIZE);
 const _: () = assert!(REASON_BYTES_MAX <= CONTROL_ANSWER_BYTES_MAX);
 const _: () = assert!(NOTICE_BODY_BYTES <= CONTROL_ANSWER_BYTES_MAX);
 
+mod kv_frontend;
+pub use kv_frontend::writes as kv_writes;
 mod native_frontend;
 mod nbd_frontend;
 mod nvme_tcp_admin;
@@ -96,6 +102,9 @@ const _: () = assert!(original::HEADER_SIZE <= RESPONSE_HEADER_SIZE_MAX);
 // The largest NBD reply header: an OFFSET_DATA chunk header and its 8-byte offset.
 const _: () = assert!(nbd::CHUNK_HEADER_SIZE + 8 <= RESPONSE_HEADER_SIZE_MAX);
 const _: () = assert!(nbd::SIMPLE_REPLY_SIZE <= RESPONSE_HEADER_SIZE_MAX);
+const _: () = assert!(reflex_proto::kv::RESPONSE_HEADER_SIZE <= RESPONSE_HEADER_SIZE_MAX);
+// A KV request's header is waited for whole, like any unit.
+const _: () = assert!(reflex_proto::kv::REQUEST_HEADER_SIZE <= UNIT_BYTES_MAX);
 
 /// The protocol a listening port speaks. Each connection accepted there gets a [`Frontend`]
 /// made by [`Frontend::new`].
@@ -112,6 +121,12 @@ pub enum Protocol {
     },
     Nbd,
     NvmeTcp,
+    /// The key-value protocol on the table of namespace `namespace_index`, charged to
+    /// `tenant` (`NONE`: the namespace's).
+    Kv {
+        namespace_index: u16,
+        tenant: TenantRef,
+    },
 }
 
 /// The protocol of a connection, with its per-connection protocol state.
@@ -126,6 +141,10 @@ pub enum Frontend {
     Nbd(NbdFrontend),
     /// Boxed: a connection slot stays small.
     NvmeTcp(Box<NvmeTcpFrontend>),
+    Kv {
+        namespace_index: u16,
+        tenant: TenantRef,
+    },
 }
 
 /// What a response must echo, kept in the request slot from decode to send.
@@ -147,6 +166,10 @@ pub enum Tag {
         cookie: u64,
     },
     NvmeTcp(NvmeTag),
+    Kv {
+        opcode_raw: u8,
+        request_id: u64,
+    },
 }
 
 /// A device operation, validated against its namespace.
@@ -188,6 +211,12 @@ pub enum IoKind {
     /// extent at most.
     BlockStatus {
         req_one: bool,
+    },
+    /// A key-value operation on the namespace's table (`core/kv.rs`); `length_bytes` is its
+    /// payload, the key (`key_bytes`) then the value.
+    Kv {
+        opcode: reflex_proto::kv::Opcode,
+        key_bytes: u8,
     },
 }
 
@@ -264,6 +293,8 @@ pub enum Answer {
     /// The server is shutting down and gave up waiting for the request to be admitted
     /// (native BUSY, NBD ESHUTDOWN; the original protocol has no status and closes).
     ShuttingDown,
+    /// A key-value answer other than `OK` (refused by validation, absent key, full table).
+    Kv(reflex_proto::kv::Status),
 }
 
 impl Answer {
@@ -288,7 +319,7 @@ impl Answer {
             Answer::Native(status) => status,
             Answer::ShuttingDown => Status::Busy,
             // Not produced for native requests; the nearest meaning.
-            Answer::Nbd(_) | Answer::Unsupported => Status::Invalid,
+            Answer::Nbd(_) | Answer::Unsupported | Answer::Kv(_) => Status::Invalid,
             Answer::DeviceError {
                 errno: libc::ENOSPC | libc::EDQUOT,
             } => Status::NoSpace,
@@ -307,7 +338,7 @@ impl Answer {
             Answer::ShuttingDown => Errno::Shutdown,
             // The tenant may not do this (unbound from an unregistered tenant, read-only).
             Answer::Permission | Answer::Native(Status::Permission) => Errno::Perm,
-            Answer::Ok | Answer::Native(_) => Errno::Inval,
+            Answer::Ok | Answer::Native(_) | Answer::Kv(_) => Errno::Inval,
             Answer::Unsupported => Errno::Io,
             Answer::DeviceError { errno } => match Errno::from_linux_errno(errno) {
                 Errno::NoMem | Errno::Overflow | Errno::NotSup | Errno::Shutdown => Errno::Io,
@@ -374,6 +405,13 @@ impl Frontend {
                 };
                 Frontend::NvmeTcp(Box::new(NvmeTcpFrontend::new(Arc::clone(targets))))
             }
+            Protocol::Kv {
+                namespace_index,
+                tenant,
+            } => Frontend::Kv {
+                namespace_index,
+                tenant,
+            },
         }
     }
 
@@ -384,8 +422,9 @@ impl Frontend {
             Frontend::Native => None,
             Frontend::Original { device_queue, .. } => *device_queue,
             Frontend::Nbd(nbd) => nbd.device_queue(),
-            // NVMe/TCP hosts have no configured priority class yet: the default queue.
-            Frontend::NvmeTcp(_) => None,
+            // NVMe/TCP hosts and KV clients have no configured priority class yet: the default
+            // queue.
+            Frontend::NvmeTcp(_) | Frontend::Kv { .. } => None,
         }
     }
 
@@ -404,6 +443,10 @@ impl Frontend {
                 nvme.follow_namespaces(namespaces);
                 nvme.decode(input)
             }
+            Frontend::Kv {
+                namespace_index,
+                tenant,
+            } => kv_frontend::decode(input, *namespace_index, *tenant),
         }
     }
 
@@ -511,6 +554,12 @@ impl Frontend {
             }
             // Encoded by `encode_answer`, which keeps the NVMe/TCP frontend's state.
             Tag::NvmeTcp(_) => None,
+            Tag::Kv {
+                opcode_raw,
+                request_id,
+            } => put(&kv_frontend::response(
+                opcode_raw, request_id, answer, data_bytes,
+            )),
         }
     }
 
@@ -607,7 +656,7 @@ impl Frontend {
         match self {
             Frontend::Nbd(NbdFrontend { phase, .. }) => matches!(phase, NbdPhase::Transmission(_)),
             Frontend::NvmeTcp(nvme) => nvme.in_session(),
-            Frontend::Native | Frontend::Original { .. } => false,
+            Frontend::Native | Frontend::Original { .. } | Frontend::Kv { .. } => false,
         }
     }
 
@@ -644,7 +693,7 @@ impl Frontend {
         match self {
             Frontend::Nbd(nbd) => nbd.begin_shutdown(),
             Frontend::NvmeTcp(nvme) => nvme.begin_shutdown(),
-            Frontend::Native | Frontend::Original { .. } => false,
+            Frontend::Native | Frontend::Original { .. } | Frontend::Kv { .. } => false,
         }
     }
 

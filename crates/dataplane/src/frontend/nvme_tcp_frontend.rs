@@ -1553,7 +1553,7 @@ pub fn status_for(answer: Answer, opcode: u8) -> Status {
         | Answer::DeviceError {
             errno: libc::ENOSPC | libc::EDQUOT,
         } => Status::CAPACITY_EXCEEDED,
-        Answer::Native(_) | Answer::Nbd(_) => Status::INVALID_FIELD,
+        Answer::Native(_) | Answer::Nbd(_) | Answer::Kv(_) => Status::INVALID_FIELD,
         Answer::Unsupported => Status::INVALID_OPCODE,
         Answer::DeviceError { .. } => match opcode {
             io_opcode::READ => Status::UNRECOVERED_READ_ERROR,

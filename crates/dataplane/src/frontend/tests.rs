@@ -564,3 +564,83 @@ fn nbd_simple_read_pieces_share_one_reply() {
         None
     );
 }
+
+#[test]
+fn kv_requests_statuses_and_broken_framing() {
+    use reflex_proto::kv::{self, Opcode};
+    let frontend = || Frontend::Kv {
+        namespace_index: 0,
+        tenant: TenantRef::NONE,
+    };
+    let put = kv::RequestHeader::new(Opcode::Put, 9, 3, 100);
+    let bytes = put.to_bytes();
+    check(frontend(), &bytes[..23], Decoded::NeedMore);
+    check(
+        frontend(),
+        &bytes,
+        Decoded::Request {
+            header_bytes: kv::REQUEST_HEADER_SIZE,
+            payload_bytes: 103,
+            tag: Tag::Kv {
+                opcode_raw: Opcode::Put.as_u8(),
+                request_id: 9,
+            },
+            action: io(
+                IoKind::Kv {
+                    opcode: Opcode::Put,
+                    key_bytes: 3,
+                },
+                0,
+                103,
+            ),
+        },
+    );
+    // An invalid header is answered with its status; its payload is still counted.
+    let oversize = kv::RequestHeader::new(Opcode::Get, 10, 300, 0);
+    check(
+        frontend(),
+        &oversize.to_bytes(),
+        Decoded::Request {
+            header_bytes: kv::REQUEST_HEADER_SIZE,
+            payload_bytes: 300,
+            tag: Tag::Kv {
+                opcode_raw: Opcode::Get.as_u8(),
+                request_id: 10,
+            },
+            action: Action::Reply(Answer::Kv(kv::Status::TooLarge)),
+        },
+    );
+    let unknown = kv::RequestHeader {
+        opcode_raw: 0x7f,
+        ..kv::RequestHeader::new(Opcode::Get, 11, 1, 0)
+    };
+    let Decoded::Request { action, tag, .. } =
+        frontend().decode(&unknown.to_bytes(), &namespaces())
+    else {
+        panic!("an unknown opcode is a request to refuse");
+    };
+    assert_eq!(action, Action::Reply(Answer::Kv(kv::Status::Invalid)));
+    // The answer echoes the raw opcode, with the status the answer maps to.
+    let mut out = [0u8; RESPONSE_HEADER_SIZE_MAX];
+    let length = frontend().encode_response(&tag, Answer::Kv(kv::Status::Invalid), 0, &mut out);
+    assert_eq!(length, Some(kv::RESPONSE_HEADER_SIZE));
+    let Ok(Some((header, _))) = kv::decode_response(&out) else {
+        panic!("the answer does not decode");
+    };
+    assert_eq!(header.opcode_raw, 0x7f);
+    assert_eq!(header.request_id, 11);
+    assert_eq!(header.status(), Ok(kv::Status::Invalid));
+    // Device failures and refusals map onto the protocol's statuses.
+    assert_eq!(
+        kv_frontend::status(Answer::DeviceError { errno: libc::EIO }),
+        kv::Status::IoError
+    );
+    assert_eq!(kv_frontend::status(Answer::Permission), kv::Status::Invalid);
+    // A wrong magic is broken framing: the connection closes.
+    let mut garbage = bytes;
+    garbage[0] ^= 0xff;
+    assert!(matches!(
+        frontend().decode(&garbage, &namespaces()),
+        Decoded::Close(_)
+    ));
+}
