@@ -245,6 +245,17 @@ impl KvOp {
         self.kind
     }
 
+    /// The bucket write that stores `location` for this key in `target`'s slot.
+    fn bucket_write_with(&self, mut target: Target, location: ValueLocation) -> State {
+        target
+            .image
+            .set_slot(target.slot_index, self.key(), location);
+        State::WriteBucket {
+            target,
+            new: Some(location),
+        }
+    }
+
     fn key(&self) -> &[u8] {
         &self.key[..usize::from(self.key_length)]
     }
@@ -330,10 +341,7 @@ impl KvOp {
                         into: Buffer::Value,
                     });
                 }
-                State::Allocate {
-                    mut target,
-                    flushed,
-                } => {
+                State::Allocate { target, flushed } => {
                     let OpKind::Put { value_length_bytes } = self.kind else {
                         panic!("allocating for {:?}", self.kind);
                     };
@@ -345,14 +353,7 @@ impl KvOp {
                             value_length_bytes: 0,
                             value_crc: crc32fast::hash(&[]),
                         };
-                        let key_length = usize::from(self.key_length);
-                        target
-                            .image
-                            .set_slot(target.slot_index, &self.key[..key_length], location);
-                        self.state = State::WriteBucket {
-                            target,
-                            new: Some(location),
-                        };
+                        self.state = self.bucket_write_with(target, location);
                         continue;
                     }
                     let blocks_u64 = blocks as u64;
@@ -466,18 +467,8 @@ impl KvOp {
                     flushed: true,
                 };
             }
-            State::WritingValue {
-                mut target,
-                location,
-            } => {
-                let key_length = usize::from(self.key_length);
-                target
-                    .image
-                    .set_slot(target.slot_index, &self.key[..key_length], location);
-                self.state = State::WriteBucket {
-                    target,
-                    new: Some(location),
-                };
+            State::WritingValue { target, location } => {
+                self.state = self.bucket_write_with(target, location);
             }
             State::WritingBucket { target, new } => {
                 match (target.old, new) {

@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 
-use common::{config, namespace, start};
+use common::{Daemon, config, namespace, start};
 use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use reflex_client::kv::{KvClient, KvClientError};
@@ -361,73 +361,25 @@ fn two_connections_racing_on_the_same_keys_see_whole_values() {
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }
 
-/// A `reflexd` child process serving a KV table, and the KV address it logged.
-struct Daemon {
-    child: std::process::Child,
-    kv_addr: SocketAddr,
-}
-
-impl Daemon {
-    fn spawn(namespace_flag: &str) -> Daemon {
-        use std::io::BufRead;
-        let mut child = common::reflexd_command()
-            .args(common::driver_args())
-            .args([
-                "--port",
-                "0",
-                "--no-original",
-                "--no-nvme-tcp",
-                "--no-nbd",
-                "--kv-port",
-                "0",
-                "--threads",
-                "2",
-                "--arena-size",
-                "4M",
-            ])
-            .args(["--namespace", namespace_flag])
-            .env("RUST_LOG", "info")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
-        let Some(stderr) = child.stderr.take() else {
-            panic!("no stderr");
-        };
-        let mut lines = std::io::BufReader::new(stderr).lines();
-        let kv_addr = loop {
-            let Some(Ok(line)) = lines.next() else {
-                panic!("reflexd exited before serving");
-            };
-            if line.contains("reflexd serving")
-                && let Some(rest) = line.split(" kv=").nth(1)
-            {
-                let text = rest.split_whitespace().next().unwrap_or_default();
-                break text
-                    .parse()
-                    .unwrap_or_else(|e| panic!("address {text:?}: {e}"));
-            }
-        };
-        // Keep draining the log so the child never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Daemon { child, kv_addr }
-    }
-
-    /// SIGKILL: no drain, no flush.
-    fn kill(mut self) {
-        self.child.kill().unwrap_or_else(|e| panic!("kill -9: {e}"));
-        self.child.wait().unwrap_or_else(|e| panic!("wait: {e}"));
-    }
-
-    fn terminate(mut self) {
-        let status = std::process::Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap_or_else(|e| panic!("kill: {e}"));
-        assert!(status.success());
-        let exit = self.child.wait().unwrap_or_else(|e| panic!("wait: {e}"));
-        assert!(exit.success(), "reflexd exited with {exit}");
-    }
+/// `reflexd` with two threads, a 4 MiB arena and its KV port on namespace `namespace_flag`.
+fn spawn_kv(namespace_flag: &str) -> (Daemon, SocketAddr) {
+    let daemon = Daemon::spawn(&[
+        "--port",
+        "0",
+        "--no-original",
+        "--no-nvme-tcp",
+        "--no-nbd",
+        "--kv-port",
+        "0",
+        "--threads",
+        "2",
+        "--arena-size",
+        "4M",
+        "--namespace",
+        namespace_flag,
+    ]);
+    let kv_addr = daemon.field("kv");
+    (daemon, kv_addr)
 }
 
 /// The real binary (`--kv-port`): keys FLUSHed survive a SIGKILL; keys answered after the
@@ -443,8 +395,8 @@ fn the_binary_keeps_flushed_keys_across_sigkill_and_every_key_across_sigterm() {
         (0..length).map(|_| rng.random()).collect()
     };
     let key = |index: u64| format!("crash-{index}").into_bytes();
-    let daemon = Daemon::spawn(&flag);
-    let mut client = connect(daemon.kv_addr);
+    let (daemon, kv_addr) = spawn_kv(&flag);
+    let mut client = connect(kv_addr);
     for index in 0..60 {
         ok(client.put(&key(index), &value(index, 0)), "put");
     }
@@ -456,8 +408,8 @@ fn the_binary_keeps_flushed_keys_across_sigkill_and_every_key_across_sigterm() {
     daemon.kill();
     drop(client);
 
-    let daemon = Daemon::spawn(&flag);
-    let mut client = connect(daemon.kv_addr);
+    let (daemon, kv_addr) = spawn_kv(&flag);
+    let mut client = connect(kv_addr);
     for index in 0..90 {
         let found = ok(client.get(&key(index)), "get after SIGKILL");
         let allowed: Vec<Option<Vec<u8>>> = match index {
@@ -478,8 +430,8 @@ fn the_binary_keeps_flushed_keys_across_sigkill_and_every_key_across_sigterm() {
     daemon.terminate();
     drop(client);
 
-    let daemon = Daemon::spawn(&flag);
-    let mut client = connect(daemon.kv_addr);
+    let (daemon, kv_addr) = spawn_kv(&flag);
+    let mut client = connect(kv_addr);
     for index in 0..90 {
         let expected = (index != 7).then(|| value(index, 2));
         assert_eq!(

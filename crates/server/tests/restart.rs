@@ -3,11 +3,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 
-use common::{config, namespace, pattern, start};
+use common::{Daemon, config, namespace, pattern, start};
 use reflex_client::Client;
 
 #[test]
@@ -59,73 +57,30 @@ fn file_on_tmpfs_works_with_or_without_o_direct() {
 }
 
 /// A `reflexd` child process and the native address it logged.
-struct Daemon {
-    child: Child,
-    addr: SocketAddr,
+/// `reflexd` with two threads and a 4 MiB arena on namespace `namespace_flag`, on the given
+/// native and NBD ports (0: any free port).
+fn spawn_on(namespace_flag: &str, port: u16, nbd_port: u16) -> (Daemon, SocketAddr) {
+    let (port, nbd_port) = (port.to_string(), nbd_port.to_string());
+    let daemon = Daemon::spawn(&[
+        "--port",
+        &port,
+        "--no-original",
+        "--no-nvme-tcp",
+        "--nbd-port",
+        &nbd_port,
+        "--threads",
+        "2",
+        "--arena-size",
+        "4M",
+        "--namespace",
+        namespace_flag,
+    ]);
+    let addr = daemon.field("native");
+    (daemon, addr)
 }
 
-impl Daemon {
-    fn spawn(namespace_flag: &str) -> Daemon {
-        Daemon::spawn_on(namespace_flag, 0, 0)
-    }
-
-    /// `reflexd` on the given native and NBD ports (0: any free port).
-    fn spawn_on(namespace_flag: &str, port: u16, nbd_port: u16) -> Daemon {
-        let mut child = common::reflexd_command()
-            .args(common::driver_args())
-            .args([
-                "--port",
-                &port.to_string(),
-                "--no-original",
-                "--no-nvme-tcp",
-                "--nbd-port",
-                &nbd_port.to_string(),
-                "--threads",
-                "2",
-                "--arena-size",
-                "4M",
-            ])
-            .args(["--namespace", namespace_flag])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
-        let Some(stderr) = child.stderr.take() else {
-            panic!("no stderr");
-        };
-        let mut lines = BufReader::new(stderr).lines();
-        let addr = loop {
-            let Some(Ok(line)) = lines.next() else {
-                panic!("reflexd exited before serving");
-            };
-            if let Some(rest) = line.split("native=").nth(1) {
-                let text = rest.split_whitespace().next().unwrap_or_default();
-                break text
-                    .parse()
-                    .unwrap_or_else(|e| panic!("address {text:?}: {e}"));
-            }
-        };
-        // Keep draining the log so the child never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Daemon { child, addr }
-    }
-
-    /// SIGKILL: no drain, no flush, no orderly close of anything.
-    fn kill(mut self) {
-        self.child.kill().unwrap_or_else(|e| panic!("kill -9: {e}"));
-        self.child.wait().unwrap_or_else(|e| panic!("wait: {e}"));
-    }
-
-    fn terminate(mut self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap_or_else(|e| panic!("kill: {e}"));
-        assert!(status.success());
-        let exit = self.child.wait().unwrap_or_else(|e| panic!("wait: {e}"));
-        assert!(exit.success(), "reflexd exited with {exit}");
-    }
+fn spawn(namespace_flag: &str) -> (Daemon, SocketAddr) {
+    spawn_on(namespace_flag, 0, 0)
 }
 
 #[test]
@@ -133,9 +88,9 @@ fn the_binary_flushes_on_sigterm_and_serves_the_data_again() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let flag = format!("1=file:{},size=8M", dir.path().join("ns1").display());
     let data = pattern(77, 256 << 10);
-    let daemon = Daemon::spawn(&flag);
+    let (daemon, addr) = spawn(&flag);
     {
-        let mut client = Client::connect(daemon.addr).unwrap_or_else(|e| panic!("{e}"));
+        let mut client = Client::connect(addr).unwrap_or_else(|e| panic!("{e}"));
         client
             .write(1, 1 << 20, &data)
             .unwrap_or_else(|e| panic!("{e}"));
@@ -148,8 +103,8 @@ fn the_binary_flushes_on_sigterm_and_serves_the_data_again() {
         // The client stays connected while the server shuts down.
         daemon.terminate();
     }
-    let daemon = Daemon::spawn(&flag);
-    let mut client = Client::connect(daemon.addr).unwrap_or_else(|e| panic!("{e}"));
+    let (daemon, addr) = spawn(&flag);
+    let mut client = Client::connect(addr).unwrap_or_else(|e| panic!("{e}"));
     for offset in [1 << 20, 4 << 20] {
         let mut back = vec![0u8; 256 << 10];
         client
@@ -180,9 +135,9 @@ fn a_restart_right_after_sigkill_binds_the_same_ports() {
     let (port, nbd_port) = (free_port(), free_port());
     let data = pattern(6, 4096);
     for cycle in 0..5 {
-        let daemon = Daemon::spawn_on(&flag, port, nbd_port);
-        assert_eq!(daemon.addr.port(), port, "cycle {cycle}");
-        let mut client = Client::connect(daemon.addr).unwrap_or_else(|e| panic!("{e}"));
+        let (daemon, addr) = spawn_on(&flag, port, nbd_port);
+        assert_eq!(addr.port(), port, "cycle {cycle}");
+        let mut client = Client::connect(addr).unwrap_or_else(|e| panic!("{e}"));
         client
             .write(1, 4096 * cycle, &data)
             .unwrap_or_else(|e| panic!("{e}"));
@@ -190,8 +145,8 @@ fn a_restart_right_after_sigkill_binds_the_same_ports() {
         daemon.kill();
         drop(client);
     }
-    let daemon = Daemon::spawn_on(&flag, port, nbd_port);
-    let mut client = Client::connect(daemon.addr).unwrap_or_else(|e| panic!("{e}"));
+    let (daemon, addr) = spawn_on(&flag, port, nbd_port);
+    let mut client = Client::connect(addr).unwrap_or_else(|e| panic!("{e}"));
     let mut back = vec![0u8; 4096];
     client
         .read(1, 0, &mut back)

@@ -77,15 +77,11 @@ fn key_bytes(number: u64, size: usize) -> Vec<u8> {
 
 /// The value stored under key number `number` (what readrandom checks).
 fn value_bytes(number: u64, size: usize) -> Vec<u8> {
-    let mut state = number.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..size)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    // The `--verify` pattern of key `number`, cut to the value's length.
+    let mut value = vec![0; size.next_multiple_of(8)];
+    super::pattern::fill(number, 0, &mut value);
+    value.truncate(size);
+    value
 }
 
 /// What one thread measured.

@@ -278,3 +278,61 @@ pub fn log_field<T: FromStr>(line: &str, key: &str) -> Option<T> {
         .parse()
         .ok()
 }
+
+/// A `reflexd` child process started with flags (on the test's driver, logging at info
+/// level), known to serve once it logged `reflexd serving`; its log keeps draining so the
+/// child never blocks on a full pipe.
+pub struct Daemon {
+    child: Child,
+    /// The `reflexd serving` line: where each listener is (`field`).
+    serving: String,
+}
+
+impl Daemon {
+    pub fn spawn(flags: &[&str]) -> Daemon {
+        use std::io::BufRead;
+        let mut child = reflexd_command()
+            .args(driver_args())
+            .args(flags)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
+        let stderr = child.stderr.take().unwrap_or_else(|| panic!("no stderr"));
+        let mut lines = std::io::BufReader::new(stderr).lines();
+        let serving = loop {
+            let Some(Ok(line)) = lines.next() else {
+                panic!("reflexd exited before serving");
+            };
+            if line.contains("reflexd serving") {
+                break line;
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        Daemon { child, serving }
+    }
+
+    /// The value of `key=` in the serving line (`native`, `nbd`, `kv`, ...).
+    pub fn field<T: FromStr>(&self, key: &str) -> T {
+        log_field(&self.serving, key).unwrap_or_else(|| panic!("no {key}= in {:?}", self.serving))
+    }
+
+    /// SIGKILL: no drain, no flush, no orderly close of anything.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap_or_else(|e| panic!("kill -9: {e}"));
+        self.child.wait().unwrap_or_else(|e| panic!("wait: {e}"));
+    }
+
+    /// SIGTERM, and a clean exit.
+    pub fn terminate(mut self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap_or_else(|e| panic!("kill: {e}"));
+        assert!(status.success());
+        let exit = self.child.wait().unwrap_or_else(|e| panic!("wait: {e}"));
+        assert!(exit.success(), "reflexd exited with {exit}");
+    }
+}
