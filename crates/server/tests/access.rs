@@ -80,7 +80,15 @@ fn closed_without_a_byte(mut stream: TcpStream, first: &[u8]) -> bool {
         );
     }
     let mut bytes = [0u8; 64];
-    match stream.read(&mut bytes) {
+    // A signal may interrupt the wait (the in-process server's threads share the process):
+    // that says nothing about the connection, so wait again.
+    let read = loop {
+        match stream.read(&mut bytes) {
+            Err(error) if error.kind() == ErrorKind::Interrupted => continue,
+            other => break other,
+        }
+    };
+    match read {
         Ok(0) => true,
         Ok(count) => {
             eprintln!("served: received {count} bytes");
