@@ -465,6 +465,22 @@ impl TlsKeyTable {
         self.keys.is_empty()
     }
 
+    /// Whether `identity` (either form) names a host and subsystem with a key.
+    pub fn knows(&self, identity: &str) -> bool {
+        PskIdentity::parse(identity).is_some_and(|offered| {
+            self.keys
+                .contains_key(&(offered.host_nqn, offered.subsystem_nqn))
+        })
+    }
+
+    /// The cipher suite of the key of the host and subsystem `identity` names.
+    pub fn cipher_for(&self, identity: &str) -> Option<TlsCipher> {
+        let offered = PskIdentity::parse(identity)?;
+        self.keys
+            .get(&(offered.host_nqn, offered.subsystem_nqn))
+            .map(ConfiguredPsk::cipher)
+    }
+
     /// The cipher suite and TLS PSK for an offered identity (either form; a digest is
     /// checked against the configured key).
     pub fn tls_psk(&self, identity: &str) -> Result<(TlsCipher, Vec<u8>), IdentityRefusal> {
