@@ -87,6 +87,11 @@ pub(crate) fn offer_session_psk(
 }
 
 /// The callback: 1 with the identity and session set, 0 to abort the handshake.
+///
+/// # Safety
+///
+/// Only OpenSSL calls it, during a handshake on the live `ssl`, with `digest` null or one of
+/// its digests and the three out parameters writable.
 unsafe extern "C" fn use_session(
     ssl: *mut SSL,
     digest: *const EVP_MD,

@@ -89,6 +89,11 @@ pub fn set_session_finder(
 }
 
 /// The callback: 1 with a session (or none, for an unknown identity), 0 to abort.
+///
+/// # Safety
+///
+/// Only OpenSSL calls it, during a handshake on the live `ssl`, with `identity` pointing at
+/// `identity_bytes` readable bytes (or null) and `session_out` writable.
 unsafe extern "C" fn find_session(
     ssl: *mut SSL,
     identity: *const c_uchar,
