@@ -192,11 +192,8 @@ pub struct PskSession {
 }
 
 impl PskSession {
-    pub fn new(keys: &PskKeys) -> Result<PskSession, ErrorStack> {
-        PskSession::with_cipher(keys, None)
-    }
-
-    /// A session limited to `cipher` (the suite of the key the client's identity selects).
+    /// A session; limited to `cipher` when given (the suite of the key the client's
+    /// identity selects; `None`: the context's suites).
     pub fn with_cipher(
         keys: &PskKeys,
         cipher: Option<TlsCipher>,
@@ -420,7 +417,7 @@ mod tests {
         for (chunk, seed) in [(1, 1u64), (7, 2), (300, 3), (20_000, 4)] {
             let mut seed = seed;
             let keys = keys();
-            let mut server = PskSession::new(&keys).unwrap();
+            let mut server = PskSession::with_cipher(&keys, None).unwrap();
             let mut client = client("A", KEY);
             // The client's first flight; then answer until the handshake is done.
             for _ in 0..4 {
@@ -482,7 +479,7 @@ mod tests {
     fn a_wrong_key_an_unknown_identity_and_garbage_fail_cleanly() {
         let keys = keys();
         for (identity, key) in [("A", [0x11; 32]), ("nobody", KEY)] {
-            let mut server = PskSession::new(&keys).unwrap();
+            let mut server = PskSession::with_cipher(&keys, None).unwrap();
             let mut client = client(identity, key);
             let mut failed = false;
             for _ in 0..4 {
@@ -504,7 +501,7 @@ mod tests {
             assert!(server.peer_name().is_none());
             assert_eq!(server.write_plaintext(&[std::io::IoSlice::new(b"x")]), 0);
         }
-        let mut server = PskSession::new(&keys).unwrap();
+        let mut server = PskSession::with_cipher(&keys, None).unwrap();
         assert!(server.feed(&[0x16, 3, 1, 0, 5, 1, 2, 3, 4, 5]).is_err());
         assert!(
             server.feed(b"more").is_err(),
