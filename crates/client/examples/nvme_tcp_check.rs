@@ -7,14 +7,15 @@
 //!
 //! TLS (TP 8011): `NVME_TLS_PSK_FILE=FILE` (a key in the interchange format,
 //! `NVMeTLSkey-1:01:...:`) runs every queue over TLS 1.3 with that key; `NVME_HOST_NQN=NQN`
-//! sets the host NQN (the one the target lists the key under).
+//! sets the host NQN (the one the target lists the key under); `NVME_TLS_IDENTITY=1` offers
+//! TP 8018's identity form (`NVMe1R0x ... <PSK digest>`) instead of TP 8011's.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use reflex_client::nvme_tcp::{NvmeTcpController, NvmeTcpError, NvmeTcpOptions};
 use reflex_proto::nvme_tcp::Digests;
-use reflex_proto::nvme_tcp::tls_key::ConfiguredPsk;
+use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, IdentityForm};
 
 const HOST_NQN: &str = "nqn.2014-08.org.nvmexpress:uuid:reflex-nvme-tcp-check";
 
@@ -29,6 +30,9 @@ fn run(
     let mut options = NvmeTcpOptions::new(&host_nqn, nqn).with_digests(digests);
     if let Some(psk) = tls {
         options = options.with_tls_psk(psk.clone());
+        if std::env::var("NVME_TLS_IDENTITY").is_ok_and(|form| form == "1") {
+            options = options.with_tls_identity_form(IdentityForm::Version1);
+        }
     }
     let mut controller = NvmeTcpController::attach(address, options, 2)?;
     let identify = controller.identify().clone();
@@ -50,9 +54,10 @@ fn run(
     );
     let mut queue = controller.connect_io_queue()?;
     println!(
-        "  I/O queue {} connected, MAXH2CDATA {}",
+        "  I/O queue {} connected, MAXH2CDATA {}, TLS {:?}",
         queue.qid(),
-        queue.maxh2cdata()
+        queue.maxh2cdata(),
+        queue.tls_session()
     );
     let block_bytes = info.block_bytes;
     let mut slba = 0u64;

@@ -54,6 +54,7 @@ mod driver;
 mod error;
 pub mod kv;
 pub mod nvme_tcp;
+mod nvme_tcp_psk_session;
 mod nvme_tcp_tls;
 mod pipelined;
 mod reconnect;

@@ -35,7 +35,7 @@ use reflex_proto::nvme_tcp::command::{
 use reflex_proto::nvme_tcp::pdu::{
     self, DataHeader, Digests, Framing, IcReq, Pdu, PduError, PduType, flags,
 };
-use reflex_proto::nvme_tcp::tls_key::ConfiguredPsk;
+use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, IdentityForm};
 use reflex_proto::nvme_tcp::{Command, Completion, Status};
 use thiserror::Error;
 
@@ -136,7 +136,17 @@ impl NvmeTcpOptions {
             psk,
             host_nqn: self.host_nqn.clone(),
             subsystem_nqn: self.subsystem_nqn.clone(),
+            identity_form: IdentityForm::Version0,
         });
+        self
+    }
+
+    /// Offers TP 8018's identity form (`NVMe1R0x ... <PSK digest>`) instead of TP 8011's
+    /// (after [`NvmeTcpOptions::with_tls_psk`]; without TLS it changes nothing).
+    pub fn with_tls_identity_form(mut self, form: IdentityForm) -> NvmeTcpOptions {
+        if let Some(tls) = self.tls.as_mut() {
+            tls.identity_form = form;
+        }
         self
     }
 

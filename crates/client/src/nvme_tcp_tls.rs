@@ -3,7 +3,10 @@
 //! runs the session (rustls has no external PSK: rustls#174), on the blocking socket itself.
 //!
 //! The key offered is the TLS PSK derived from the configured key for the identity
-//! `NVMe0R01 <host NQN> <subsystem NQN>` (`reflex_proto::nvme_tcp::tls_key`). Which host and
+//! `NVMe0R0x <host NQN> <subsystem NQN>` (what SPDK v24.01 sends), or on request TP 8018's
+//! `NVMe1R0x <host NQN> <subsystem NQN> <PSK digest>` (`reflex_proto::nvme_tcp::tls_key`),
+//! under the cipher suite of the key's length: TLS_AES_128_GCM_SHA256 for 32 bytes,
+//! TLS_AES_256_GCM_SHA384 for 48 (offered as a session, `nvme_tcp_psk_session.rs`). Which host and
 //! subsystem the identity names is part of [`NvmeTls`], apart from the Connect data, so that
 //! tests can check that a target refuses a Connect that does not match its identity.
 
@@ -12,9 +15,10 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use openssl::ssl::{Ssl, SslContext, SslMethod, SslStream, SslVerifyMode, SslVersion};
-use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, TlsCipher};
+use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, IdentityForm};
 
 use super::nvme_tcp::NvmeTcpError;
+use super::nvme_tcp_psk_session::offer_session_psk;
 
 /// The host's TLS key and the identity it is offered under.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +29,8 @@ pub struct NvmeTls {
     pub host_nqn: String,
     /// The subsystem NQN the identity names (normally the one Connect sends).
     pub subsystem_nqn: String,
+    /// Which identity form to offer (TP 8011's, as SPDK v24.01, unless asked).
+    pub identity_form: IdentityForm,
 }
 
 /// One queue's byte stream.
@@ -46,35 +52,20 @@ impl Link {
             return Ok(Link::Plain(stream));
         };
         let tls_error = |reason: String| NvmeTcpError::Tls(reason);
-        if tls.psk.cipher() != TlsCipher::Aes128GcmSha256 {
-            return Err(tls_error(
-                "48-byte keys (TLS_AES_256_GCM_SHA384) are not supported yet".to_string(),
-            ));
-        }
+        let cipher = tls.psk.cipher();
         let (identity, key) = tls
             .psk
-            .session_key(&tls.host_nqn, &tls.subsystem_nqn)
+            .session_key_in(tls.identity_form, &tls.host_nqn, &tls.subsystem_nqn)
             .map_err(|e| tls_error(e.to_string()))?;
         let openssl = |e: openssl::error::ErrorStack| tls_error(e.to_string());
         let mut builder = SslContext::builder(SslMethod::tls_client()).map_err(openssl)?;
         builder
             .set_min_proto_version(Some(SslVersion::TLS1_3))
             .map_err(openssl)?;
-        builder
-            .set_ciphersuites(TlsCipher::Aes128GcmSha256.name())
-            .map_err(openssl)?;
+        builder.set_ciphersuites(cipher.name()).map_err(openssl)?;
         // The target proves itself by knowing the key: no certificate.
         builder.set_verify(SslVerifyMode::NONE);
-        let identity = identity.into_bytes();
-        builder.set_psk_client_callback(move |_, _hint, identity_out, key_out| {
-            if identity.len() >= identity_out.len() || key.len() > key_out.len() {
-                return Ok(0);
-            }
-            identity_out[..identity.len()].copy_from_slice(&identity);
-            identity_out[identity.len()] = 0;
-            key_out[..key.len()].copy_from_slice(&key);
-            Ok(key.len())
-        });
+        offer_session_psk(&mut builder, identity.into_bytes(), key, cipher).map_err(openssl)?;
         let ssl = Ssl::new(&builder.build()).map_err(openssl)?;
         stream.set_read_timeout(Some(timeout))?;
         let stream = ssl

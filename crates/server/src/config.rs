@@ -1586,7 +1586,7 @@ impl Config {
             ));
         }
         if let Some(text) = &host.psk
-            && let Err(reason) = crate::tls::nvme_session_key(text, &host.nqn, &subsystem.nqn)
+            && let Err(reason) = crate::tls::nvme_host_key(text, &host.nqn, &subsystem.nqn)
         {
             return invalid(format!(
                 "nvme_tcp subsystem {:?}, host {:?}: psk: {reason}",
@@ -1800,6 +1800,14 @@ mod tests {
         let config = Config::from_toml(&good, "test").unwrap_or_else(|e| panic!("{e}"));
         config.validate().unwrap_or_else(|e| panic!("{e}"));
         assert!(config.tls_in_use());
+        // A 48-byte key (TLS_AES_256_GCM_SHA384).
+        let good_48 = subsystem(
+            "require",
+            true,
+            "psk = \"NVMeTLSkey-1:02:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8gISIjJCUmJygpKissLS4vcSEgBQ==:\"",
+        );
+        let config = Config::from_toml(&good_48, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
         for (bad, expected) in [
             (
                 subsystem("off", false, &format!("psk = \"{KEY}\"")),
@@ -1827,12 +1835,13 @@ mod tests {
                 "CRC-32",
             ),
             (
+                // A 48-byte key under hash 01.
                 subsystem(
                     "optional",
                     false,
-                    "psk = \"NVMeTLSkey-1:02:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8gISIjJCUmJygpKissLS4vcSEgBQ==:\"",
+                    "psk = \"NVMeTLSkey-1:01:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8gISIjJCUmJygpKissLS4vcSEgBQ==:\"",
                 ),
-                "not supported yet",
+                "must be 32 or 48",
             ),
         ] {
             let error = Config::from_toml(&bad, "test")

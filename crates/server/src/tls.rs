@@ -7,9 +7,9 @@
 //! ticket key would be one more secret to rotate); with a client CA, a client certificate is
 //! mandatory and its subject's common name is the connection's identity.
 //!
-//! NVMe/TCP's keys (TP 8011) are the hosts' configured PSKs, each turned into the TLS PSK of
-//! its identity `NVMe0R01 <host NQN> <subsystem NQN>` (`reflex_proto::nvme_tcp::tls_key`),
-//! in an OpenSSL context of their own.
+//! NVMe/TCP's keys (TP 8011) are the hosts' configured PSKs by host and subsystem
+//! (`reflex_proto::nvme_tcp::tls_key::TlsKeyTable`), turned into the TLS PSK of the identity
+//! a host offers (`NVMe0R0x` or `NVMe1R0x`), in an OpenSSL context of their own.
 
 use std::sync::Arc;
 
@@ -20,7 +20,7 @@ use std::collections::HashMap;
 
 use reflex_dataplane::{PskKeys, TlsCurrent};
 
-use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, TlsCipher};
+use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, TlsKeyTable};
 
 use crate::config::{Config, TlsConfig, TlsMode};
 
@@ -63,25 +63,18 @@ pub fn load(config: &Config) -> Result<Option<TlsCurrent>, TlsSetupError> {
     }))
 }
 
-/// The PSK identity and TLS PSK of a host's configured key (interchange format) for one
-/// subsystem; `Err` says why the key is unusable (never showing the key).
-pub fn nvme_session_key(
+/// A host's configured key (interchange format) for one subsystem, checked: it decodes and
+/// its identity fits; `Err` says why not (never showing the key).
+pub fn nvme_host_key(
     interchange: &str,
     host_nqn: &str,
     subsystem_nqn: &str,
-) -> Result<(String, Vec<u8>), String> {
+) -> Result<ConfiguredPsk, String> {
     let configured = ConfiguredPsk::parse_interchange(interchange).map_err(|e| e.to_string())?;
-    if configured.cipher() != TlsCipher::Aes128GcmSha256 {
-        // OpenSSL's PSK callbacks, which the rust bindings offer, take every key as a
-        // SHA-256 one: TLS_AES_256_GCM_SHA384 would need its session callbacks.
-        return Err(
-            "a 48-byte key (TLS_AES_256_GCM_SHA384) is not supported yet: use a 32-byte one (NVMeTLSkey-1:01:...)"
-                .to_string(),
-        );
-    }
     configured
         .session_key(host_nqn, subsystem_nqn)
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(configured)
 }
 
 /// The NVMe/TCP hosts' keys (`psk` or `psk_file` of `[[nvme_tcp.subsystem.host]]`) by PSK
@@ -90,7 +83,7 @@ fn nvme_psk_keys(config: &Config) -> Result<Option<Arc<PskKeys>>, TlsSetupError>
     if !config.nvme_tcp.enabled || config.nvme_tcp.tls == TlsMode::Off {
         return Ok(None);
     }
-    let mut keys = HashMap::new();
+    let mut keys = TlsKeyTable::default();
     for subsystem in config.effective_nvme_subsystems() {
         for host in &subsystem.hosts {
             let (field, path, text) = match (&host.psk, &host.psk_file) {
@@ -109,18 +102,20 @@ fn nvme_psk_keys(config: &Config) -> Result<Option<Arc<PskKeys>>, TlsSetupError>
                 }
                 (None, None) => continue,
             };
-            let (identity, key) =
-                nvme_session_key(&text, &host.nqn, &subsystem.nqn).map_err(|reason| {
-                    TlsSetupError::File {
-                        field,
-                        path,
-                        reason: format!(
-                            "host {:?}, subsystem {:?}: {reason}",
-                            host.nqn, subsystem.nqn
-                        ),
-                    }
-                })?;
-            keys.insert(identity, key);
+            let key = nvme_host_key(&text, &host.nqn, &subsystem.nqn)
+                .and_then(|key| {
+                    keys.insert(&host.nqn, &subsystem.nqn, key)
+                        .map_err(|e| e.to_string())
+                })
+                .map_err(|reason| TlsSetupError::File {
+                    field,
+                    path,
+                    reason: format!(
+                        "host {:?}, subsystem {:?}: {reason}",
+                        host.nqn, subsystem.nqn
+                    ),
+                });
+            key?;
         }
     }
     let keys = PskKeys::for_nvme_tcp(keys).map_err(|e| TlsSetupError::Rustls(e.to_string()))?;

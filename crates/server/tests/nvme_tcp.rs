@@ -20,7 +20,7 @@ use reflex_client::nvme_tcp::{
 use reflex_proto::nvme_tcp::admin::ControllerType;
 use reflex_proto::nvme_tcp::command::{CNTLID_DYNAMIC, ConnectData, io_opcode};
 use reflex_proto::nvme_tcp::pdu::{self, DataHeader, Digests, Framing, IcReq, Pdu, PduType};
-use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, PskHash};
+use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, IdentityForm, PskHash};
 use reflex_proto::nvme_tcp::{Command, Status};
 use reflex_server::config::TlsMode;
 use reflex_server::{
@@ -712,6 +712,41 @@ fn the_discovery_controller_lists_the_subsystems() {
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0].subsystem_nqn, NQN);
     assert_eq!(entries[0].service_id, address(&server).port().to_string());
+    // A listener without TLS: no secure channel, no security type.
+    assert_eq!(
+        entries[0].transport_requirements,
+        reflex_proto::nvme_tcp::admin::discovery::TREQ_NOT_REQUIRED
+    );
+    assert_eq!(
+        entries[0].tcp_security_type,
+        reflex_proto::nvme_tcp::admin::discovery::SECTYPE_NONE
+    );
+}
+
+/// The discovery log of `host_nqn` (asked in plaintext, `entries_max` entries at most).
+fn discovery_log(
+    server: &ServerHandle,
+    host_nqn: &str,
+    entries_max: usize,
+) -> Vec<reflex_proto::nvme_tcp::admin::DiscoveryEntry> {
+    use reflex_proto::nvme_tcp::admin::{decode_discovery_log, discovery_log_size};
+    use reflex_proto::nvme_tcp::command::{DISCOVERY_NQN, admin_opcode, log_page};
+    let mut controller = attach(server, NvmeTcpOptions::new(host_nqn, DISCOVERY_NQN), 0);
+    let length = discovery_log_size(entries_max);
+    let mut command = Command::zeroed();
+    let dwords = (length / 4 - 1) as u32;
+    command
+        .set_opcode(admin_opcode::GET_LOG_PAGE)
+        .set_cdw(
+            10,
+            u32::from(log_page::DISCOVERY) | ((dwords & 0xFFFF) << 16),
+        )
+        .set_cdw(11, dwords >> 16);
+    let (_, data) = controller
+        .admin()
+        .execute(command, Transfer::FromTarget(length))
+        .unwrap_or_else(|e| panic!("discovery log: {e}"));
+    decode_discovery_log(&data)
 }
 
 #[test]
@@ -1108,5 +1143,160 @@ fn tls_keys_reload_from_their_files() {
         7,
     );
     drop((before_queue, before, after_queue, after, again));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A configured PSK (SHA-384 retained-key hash) of 48 bytes of `seed`.
+fn tls_key_48(seed: u8) -> ConfiguredPsk {
+    let bytes: Vec<u8> = (0..48u8).map(|index| index.wrapping_mul(seed)).collect();
+    ConfiguredPsk::new(PskHash::Sha384, &bytes).unwrap_or_else(|e| panic!("{e}"))
+}
+
+const NQN_384: &str = "nqn.2026-01.io.reflex:sha384";
+
+#[test]
+fn tls_48_byte_keys_get_aes_256_and_both_identity_forms_are_served() {
+    let file = key_file(&tls_key(7));
+    let mut server_config = tls_config(TlsMode::Optional, file.path());
+    // Host A with a 48-byte key for its own subsystem (TLS_AES_256_GCM_SHA384).
+    server_config.nvme_tcp.subsystems.push(NvmeSubsystemConfig {
+        nqn: NQN_384.to_string(),
+        namespaces: vec![1],
+        allow_any_host: false,
+        hosts: vec![host(HOST, Some(&tls_key_48(3)), None)],
+        secure_channel: true,
+    });
+    let server = start(server_config);
+    let cases = [
+        // (subsystem, key, identity form, digests, cipher suite)
+        (
+            NQN_384,
+            tls_key_48(3),
+            IdentityForm::Version0,
+            Digests::BOTH,
+            "TLS_AES_256_GCM_SHA384",
+        ),
+        (
+            NQN_384,
+            tls_key_48(3),
+            IdentityForm::Version1,
+            Digests::NONE,
+            "TLS_AES_256_GCM_SHA384",
+        ),
+        // A 32-byte key through the same callback still gets AES-128, in either form.
+        (
+            NQN,
+            tls_key(3),
+            IdentityForm::Version0,
+            Digests::NONE,
+            "TLS_AES_128_GCM_SHA256",
+        ),
+        (
+            NQN,
+            tls_key(3),
+            IdentityForm::Version1,
+            Digests::BOTH,
+            "TLS_AES_128_GCM_SHA256",
+        ),
+    ];
+    for (seed, (subsystem, key, form, digests, cipher)) in cases.into_iter().enumerate() {
+        let what = format!("{subsystem} {form:?} {digests:?}");
+        let options = NvmeTcpOptions::new(HOST, subsystem)
+            .with_tls_psk(key)
+            .with_tls_identity_form(form)
+            .with_digests(digests);
+        let mut controller = attach(&server, options, 1);
+        assert_eq!(controller.identify().subsystem_nqn, subsystem, "{what}");
+        let mut queue = controller
+            .connect_io_queue()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(
+            queue.tls_session(),
+            Some(("TLSv1.3", cipher.to_string())),
+            "{what}"
+        );
+        verified_io(&mut queue, seed as u8 + 20);
+        controller
+            .shutdown()
+            .unwrap_or_else(|e| panic!("{what}: shutdown: {e}"));
+    }
+    // Refused in the handshake: a wrong 48-byte key (either form), and a 32-byte key offered
+    // for the host and subsystem whose key is 48 bytes (identity NVMe0R01: the wrong hash).
+    for (key, form, what) in [
+        (tls_key_48(4), IdentityForm::Version0, "wrong 48-byte key"),
+        (
+            tls_key_48(4),
+            IdentityForm::Version1,
+            "wrong 48-byte key, TP 8018 identity (digest differs)",
+        ),
+        (
+            tls_key(3),
+            IdentityForm::Version0,
+            "a 32-byte key for a 48-byte host",
+        ),
+    ] {
+        assert_tls_refused(
+            NvmeTcpController::attach(
+                address(&server),
+                NvmeTcpOptions::new(HOST, NQN_384)
+                    .with_tls_psk(key)
+                    .with_tls_identity_form(form),
+                1,
+            ),
+            what,
+        );
+    }
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let sessions: u64 = stats.iter().map(|core| core.tls_sessions).sum();
+    let failures: u64 = stats.iter().map(|core| core.tls_failures).sum();
+    // Sessions started: four controllers of an admin and an I/O queue each, and the three
+    // refused handshakes, which are the failures.
+    assert_eq!((sessions, failures), (8 + 3, 3));
+}
+
+#[test]
+fn tls_discovery_entries_say_where_tls_is_required() {
+    use reflex_proto::nvme_tcp::admin::discovery::{
+        SECTYPE_NONE, SECTYPE_TLS13, TREQ_NOT_REQUIRED, TREQ_REQUIRED,
+    };
+    let file = key_file(&tls_key(7));
+    let server = start(tls_config(TlsMode::Optional, file.path()));
+    let required = (TREQ_REQUIRED, SECTYPE_TLS13);
+    let optional = (TREQ_NOT_REQUIRED, SECTYPE_NONE);
+    // Host A has keys for NQN and NQN_SECURE; host C has none, and NQN_SECURE is TLS only.
+    for (host_nqn, expected) in [
+        (
+            HOST,
+            [
+                (NQN, required),
+                (NQN_OPEN, optional),
+                (NQN_SECURE, required),
+            ],
+        ),
+        (
+            HOST_C,
+            [
+                (NQN, optional),
+                (NQN_OPEN, optional),
+                (NQN_SECURE, required),
+            ],
+        ),
+    ] {
+        let entries = discovery_log(&server, host_nqn, 4);
+        let got: Vec<(String, (u8, u8))> = entries
+            .iter()
+            .map(|entry| {
+                (
+                    entry.subsystem_nqn.clone(),
+                    (entry.transport_requirements, entry.tcp_security_type),
+                )
+            })
+            .collect();
+        let expected: Vec<(String, (u8, u8))> = expected
+            .iter()
+            .map(|(nqn, pair)| (nqn.to_string(), *pair))
+            .collect();
+        assert_eq!(got, expected, "{host_nqn}");
+    }
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }

@@ -18,6 +18,7 @@ use reflex_proto::nvme_tcp::admin::{DiscoveryEntry, discovery};
 use reflex_proto::nvme_tcp::command::{CNTLID_DYNAMIC, DISCOVERY_NQN};
 use reflex_qos::Nanos;
 
+use super::nvme_tcp_tls::NvmeTlsMode;
 use crate::control::TenantRef;
 
 /// Most controllers alive at once on one server.
@@ -390,16 +391,34 @@ impl NvmeTcpTargets {
         self.subsystems
             .iter()
             .filter(|subsystem| subsystem.tenants_for(host_nqn).is_some())
-            .map(|subsystem| DiscoveryEntry {
+            .map(|subsystem| {
+                // TLS is what this host must use here: on a listener that requires it, on a
+                // secure-channel subsystem, or where the host has a key (`nvme_tcp_tls.rs`
+                // refuses its plaintext Connect). Elsewhere it names no security, so that a
+                // host without a key is not sent to TLS (nvme-cli's connect-all follows
+                // SECTYPE).
+                let tls_required = self.options.tls_mode != NvmeTlsMode::Off
+                    && (self.options.tls_mode == NvmeTlsMode::Require
+                        || subsystem.secure_channel
+                        || subsystem
+                            .hosts
+                            .iter()
+                            .any(|host| host.nqn == host_nqn && host.tls_key));
+                (subsystem, tls_required)
+            })
+            .map(|(subsystem, tls_required)| DiscoveryEntry {
                 transport_type: discovery::TRTYPE_TCP,
                 address_family,
                 subsystem_type: discovery::SUBTYPE_NVM,
-                transport_requirements: if subsystem.secure_channel
-                    || self.options.tls_mode == super::nvme_tcp_tls::NvmeTlsMode::Require
-                {
+                transport_requirements: if tls_required {
                     discovery::TREQ_REQUIRED
                 } else {
                     discovery::TREQ_NOT_REQUIRED
+                },
+                tcp_security_type: if tls_required {
+                    discovery::SECTYPE_TLS13
+                } else {
+                    discovery::SECTYPE_NONE
                 },
                 port_id: 1,
                 cntlid: CNTLID_DYNAMIC,

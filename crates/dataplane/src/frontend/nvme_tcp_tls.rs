@@ -4,8 +4,9 @@
 //! A host that wants TLS sends a TLS ClientHello right after the TCP connect, before its
 //! ICReq; the first byte tells them apart (a TLS handshake record is 0x16, an ICReq's PDU
 //! type 0x00). The session runs in the dataplane's TLS layer (`core/tls`) with the hosts' keys
-//! by PSK identity `NVMe0R01 <host NQN> <subsystem NQN>`, and the identity whose key the host
-//! proved is handed to the frontend once the handshake is done.
+//! by the host and subsystem the PSK identity names (`NVMe0R0x <host NQN> <subsystem NQN>`,
+//! or TP 8018's `NVMe1R0x <host NQN> <subsystem NQN> <PSK digest>`), and the identity whose
+//! key the host proved is handed to the frontend once the handshake is done.
 //!
 //! Why Connect checks the identity: the key proves which host and subsystem it was made for,
 //! but the host NQN and subsystem NQN that select the controller, the tenant and the

@@ -314,6 +314,11 @@ pub mod discovery {
     pub const TREQ_NOT_REQUIRED: u8 = 0b10;
     /// TREQ: secure channel (TLS) required.
     pub const TREQ_REQUIRED: u8 = 0b01;
+    /// TSAS for TCP, SECTYPE (NVMe/TCP transport 1.0, "TCP Transport Specific Address
+    /// Subtype"): no security.
+    pub const SECTYPE_NONE: u8 = 0;
+    /// SECTYPE: TLS 1.3 (1 would be TLS 1.2, which TP 8011 does not use).
+    pub const SECTYPE_TLS13: u8 = 2;
 }
 
 /// One entry of the discovery log page.
@@ -329,6 +334,9 @@ pub struct DiscoveryEntry {
     pub service_id: String,
     pub subsystem_nqn: String,
     pub address: String,
+    /// TSAS byte 0 for TCP: the security type ([`discovery::SECTYPE_NONE`] or
+    /// [`discovery::SECTYPE_TLS13`]).
+    pub tcp_security_type: u8,
 }
 
 /// Bytes of a discovery log with `entries` entries.
@@ -355,7 +363,8 @@ pub fn encode_discovery_log(generation: u64, entries: &[DiscoveryEntry], out: &m
         put_ascii(&mut record[32..64], &entry.service_id);
         put_string(&mut record[256..512], &entry.subsystem_nqn);
         put_ascii(&mut record[512..768], &entry.address);
-        // TSAS for TCP: SECTYPE 0 (no security).
+        // TSAS (bytes 768..1023) for TCP: SECTYPE, then reserved.
+        record[768] = entry.tcp_security_type;
     }
 }
 
@@ -385,6 +394,7 @@ pub fn decode_discovery_log(bytes: &[u8]) -> Vec<DiscoveryEntry> {
             service_id: read_string(&record[32..64]),
             subsystem_nqn: read_string(&record[256..512]),
             address: read_string(&record[512..768]),
+            tcp_security_type: record[768],
         });
     }
     entries

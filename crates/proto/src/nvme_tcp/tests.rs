@@ -360,6 +360,7 @@ fn identify_structures_round_trip() {
         service_id: "4420".into(),
         subsystem_nqn: "nqn.2026-01.org.reflex:ns1".into(),
         address: "127.0.0.1".into(),
+        tcp_security_type: discovery::SECTYPE_TLS13,
     };
     let mut log = vec![0u8; discovery_log_size(1)];
     encode_discovery_log(4, std::slice::from_ref(&entry), &mut log);

@@ -16,6 +16,18 @@
 //!    hash's output. HkdfLabel is RFC 8446 §7.1's layout (u16 length, u8-prefixed label,
 //!    u8-prefixed context); SPDK puts the *input* key's length in its length field and runs
 //!    full HKDF (extract and expand), and interoperating means doing the same.
+//!
+//! The newer identity form (TP 8018, NVMe/TCP transport 1.0c §3.6.1.3, which newer SPDK,
+//! the Linux kernel and libnvme use) is `NVMe1R0C <host NQN> <subsystem NQN> <PSK digest>`:
+//! - PSK digest = base64(HMAC(the cipher suite's hash, retained PSK, host NQN || " " ||
+//!   subsystem NQN || " " || "NVMe-over-Fabrics")), 44 characters for SHA-256, 64 for
+//!   SHA-384 (the Linux kernel's `nvme_auth_generate_digest`, libnvme's `derive_psk_digest`);
+//! - TLS PSK = HKDF(the same hash, retained PSK, salt empty, info = HkdfLabel(length = hash
+//!   length, "tls13 nvme-tls-psk", "0C <PSK digest>")) (`nvme_auth_derive_tls_psk`: the
+//!   context is the identity's hash digits, a space and the digest, not the whole identity).
+//!
+//! The retained and TLS PSK lengths equal the hash length here (a key's cipher follows from
+//! its length), so SPDK's length field and RFC 8446's agree.
 
 use base64::Engine;
 use ring::hkdf;
@@ -26,6 +38,10 @@ const INTERCHANGE_PREFIX: &str = "NVMeTLSkey-1:";
 const CRC_BYTES: usize = 4;
 /// The identity's format specifier, TLS version 0 and the "retained" PSK type.
 const IDENTITY_PREFIX: &str = "NVMe0R";
+/// The same for TP 8018's form, TLS version 1 (with a PSK digest).
+const IDENTITY_PREFIX_V1: &str = "NVMe1R";
+/// The digest's HMAC input after the NQNs (the same seed DH-HMAC-CHAP uses).
+const DIGEST_SEED: &[u8] = b"NVMe-over-Fabrics";
 /// Longest identity: its length is one byte of the HkdfLabel context (and OpenSSL's
 /// pre-TLS-1.3 callbacks take at most 256 bytes).
 pub const IDENTITY_BYTES_MAX: usize = 255;
@@ -228,22 +244,65 @@ impl ConfiguredPsk {
     }
 
     /// The identity and TLS PSK a session between `host_nqn` and `subsystem_nqn` uses
-    /// (steps 2 to 4): what the initiator offers and what the target expects.
+    /// (steps 2 to 4) in TP 8011's identity form: what the initiator offers and what the
+    /// target expects.
     pub fn session_key(
         &self,
         host_nqn: &str,
         subsystem_nqn: &str,
     ) -> Result<(String, Vec<u8>), TlsKeyError> {
+        self.session_key_in(IdentityForm::Version0, host_nqn, subsystem_nqn)
+    }
+
+    /// The identity and TLS PSK in the identity form `form`.
+    pub fn session_key_in(
+        &self,
+        form: IdentityForm,
+        host_nqn: &str,
+        subsystem_nqn: &str,
+    ) -> Result<(String, Vec<u8>), TlsKeyError> {
         let cipher = self.cipher();
-        let identity = PskIdentity {
+        let retained = self.retained(host_nqn)?;
+        let mut identity = PskIdentity {
             cipher,
             host_nqn: host_nqn.to_string(),
             subsystem_nqn: subsystem_nqn.to_string(),
+            digest: None,
+        };
+        match form {
+            IdentityForm::Version0 => {
+                let identity = identity.encode()?;
+                let key = derive_tls_psk(cipher, &retained, &identity);
+                Ok((identity, key))
+            }
+            IdentityForm::Version1 => {
+                let digest = psk_digest(cipher, &retained, host_nqn, subsystem_nqn);
+                let context = format!("{} {digest}", cipher.identity_digits());
+                identity.digest = Some(digest);
+                let identity = identity.encode()?;
+                let key =
+                    hkdf_with_label(cipher, &retained, b"tls13 nvme-tls-psk", context.as_bytes());
+                Ok((identity, key))
+            }
         }
-        .encode()?;
-        let key = derive_tls_psk(cipher, &self.retained(host_nqn)?, &identity);
-        Ok((identity, key))
     }
+}
+
+/// TP 8018's PSK digest: base64(HMAC(hash, retained PSK, host NQN " " subsystem NQN " "
+/// "NVMe-over-Fabrics")).
+fn psk_digest(cipher: TlsCipher, retained: &[u8], host_nqn: &str, subsystem_nqn: &str) -> String {
+    let algorithm = match cipher {
+        TlsCipher::Aes128GcmSha256 => ring::hmac::HMAC_SHA256,
+        TlsCipher::Aes256GcmSha384 => ring::hmac::HMAC_SHA384,
+    };
+    let key = ring::hmac::Key::new(algorithm, retained);
+    let mut context = ring::hmac::Context::with_key(&key);
+    context.update(host_nqn.as_bytes());
+    context.update(b" ");
+    context.update(subsystem_nqn.as_bytes());
+    context.update(b" ");
+    context.update(DIGEST_SEED);
+    base64::engine::general_purpose::STANDARD.encode(context.sign().as_ref())
 }
 
 /// The TLS PSK from a retained PSK and the identity (step 4; an identity of
@@ -287,48 +346,164 @@ impl hkdf::KeyType for OutputBytes {
     }
 }
 
-/// The PSK identity of TP 8011's first form: `NVMe0R0C <host NQN> <subsystem NQN>`.
+/// A PSK identity: TP 8011's first form `NVMe0R0C <host NQN> <subsystem NQN>`, or TP 8018's
+/// `NVMe1R0C <host NQN> <subsystem NQN> <PSK digest>` when `digest` is set.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PskIdentity {
     pub cipher: TlsCipher,
     pub host_nqn: String,
     pub subsystem_nqn: String,
+    /// The base64 PSK digest of the `NVMe1R` form; `None` for `NVMe0R`.
+    pub digest: Option<String>,
+}
+
+/// Which identity form an initiator offers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum IdentityForm {
+    /// `NVMe0R0C <host NQN> <subsystem NQN>`: TP 8011, what SPDK v24.01 sends.
+    #[default]
+    Version0,
+    /// `NVMe1R0C <host NQN> <subsystem NQN> <PSK digest>`: TP 8018 (NVMe/TCP 1.0c).
+    Version1,
 }
 
 impl PskIdentity {
     /// The identity string; `Err` when it would be longer than [`IDENTITY_BYTES_MAX`].
     pub fn encode(&self) -> Result<String, TlsKeyError> {
-        let identity = format!(
-            "{IDENTITY_PREFIX}{} {} {}",
-            self.cipher.identity_digits(),
-            self.host_nqn,
-            self.subsystem_nqn
-        );
+        let identity = match &self.digest {
+            None => format!(
+                "{IDENTITY_PREFIX}{} {} {}",
+                self.cipher.identity_digits(),
+                self.host_nqn,
+                self.subsystem_nqn
+            ),
+            Some(digest) => format!(
+                "{IDENTITY_PREFIX_V1}{} {} {} {digest}",
+                self.cipher.identity_digits(),
+                self.host_nqn,
+                self.subsystem_nqn
+            ),
+        };
         if identity.len() > IDENTITY_BYTES_MAX {
             return Err(TlsKeyError::IdentityTooLong(identity.len()));
         }
         Ok(identity)
     }
 
-    /// Reads an identity a client offered; `None` when it is not of this form. NQNs hold no
-    /// spaces, so the host NQN ends at the first one.
+    /// Reads an identity a client offered; `None` when it is of neither form. NQNs and
+    /// digests hold no spaces, so the fields end at spaces.
     pub fn parse(identity: &str) -> Option<PskIdentity> {
-        let rest = identity.strip_prefix(IDENTITY_PREFIX)?;
+        let (version1, rest) = match identity.strip_prefix(IDENTITY_PREFIX) {
+            Some(rest) => (false, rest),
+            None => (true, identity.strip_prefix(IDENTITY_PREFIX_V1)?),
+        };
         let (digits, rest) = rest.split_once(' ')?;
         let cipher = match digits {
             "01" => TlsCipher::Aes128GcmSha256,
             "02" => TlsCipher::Aes256GcmSha384,
             _ => return None,
         };
-        let (host_nqn, subsystem_nqn) = rest.split_once(' ')?;
-        if host_nqn.is_empty() || subsystem_nqn.is_empty() || subsystem_nqn.contains(' ') {
+        let mut fields = rest.split(' ');
+        let host_nqn = fields.next().filter(|field| !field.is_empty())?;
+        let subsystem_nqn = fields.next().filter(|field| !field.is_empty())?;
+        let digest = if version1 {
+            Some(fields.next().filter(|field| !field.is_empty())?.to_string())
+        } else {
+            None
+        };
+        if fields.next().is_some() {
             return None;
         }
         Some(PskIdentity {
             cipher,
             host_nqn: host_nqn.to_string(),
             subsystem_nqn: subsystem_nqn.to_string(),
+            digest,
         })
+    }
+}
+
+/// Why an offered identity gets no key (the handshake then fails).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityRefusal {
+    #[error("not an NVMe/TCP PSK identity (NVMe0R0x or NVMe1R0x)")]
+    Form,
+    #[error("no key for this host and subsystem")]
+    Unknown,
+    #[error("the identity's hash does not match the key's (32-byte keys: 01, 48-byte: 02)")]
+    Cipher,
+    #[error("the identity's PSK digest does not match the key")]
+    Digest,
+}
+
+/// The configured keys of a target, by host and subsystem, answering the identities hosts
+/// offer in either form.
+#[derive(Debug, Clone, Default)]
+pub struct TlsKeyTable {
+    keys: std::collections::HashMap<(String, String), ConfiguredPsk>,
+}
+
+impl TlsKeyTable {
+    /// Adds `psk` for `host_nqn` and `subsystem_nqn`; `Err` when their identity does not fit.
+    pub fn insert(
+        &mut self,
+        host_nqn: &str,
+        subsystem_nqn: &str,
+        psk: ConfiguredPsk,
+    ) -> Result<(), TlsKeyError> {
+        psk.session_key(host_nqn, subsystem_nqn)?;
+        self.keys
+            .insert((host_nqn.to_string(), subsystem_nqn.to_string()), psk);
+        Ok(())
+    }
+
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Whether `identity` (either form) names a host and subsystem with a key.
+    pub fn knows(&self, identity: &str) -> bool {
+        PskIdentity::parse(identity).is_some_and(|offered| {
+            self.keys
+                .contains_key(&(offered.host_nqn, offered.subsystem_nqn))
+        })
+    }
+
+    /// The cipher suite of the key of the host and subsystem `identity` names.
+    pub fn cipher_for(&self, identity: &str) -> Option<TlsCipher> {
+        let offered = PskIdentity::parse(identity)?;
+        self.keys
+            .get(&(offered.host_nqn, offered.subsystem_nqn))
+            .map(ConfiguredPsk::cipher)
+    }
+
+    /// The cipher suite and TLS PSK for an offered identity (either form; a digest is
+    /// checked against the configured key).
+    pub fn tls_psk(&self, identity: &str) -> Result<(TlsCipher, Vec<u8>), IdentityRefusal> {
+        let offered = PskIdentity::parse(identity).ok_or(IdentityRefusal::Form)?;
+        let psk = self
+            .keys
+            .get(&(offered.host_nqn.clone(), offered.subsystem_nqn.clone()))
+            .ok_or(IdentityRefusal::Unknown)?;
+        if psk.cipher() != offered.cipher {
+            return Err(IdentityRefusal::Cipher);
+        }
+        let form = match offered.digest {
+            None => IdentityForm::Version0,
+            Some(_) => IdentityForm::Version1,
+        };
+        // The NQNs were checked when the key was added; the identity is the one offered.
+        let (expected, key) = psk
+            .session_key_in(form, &offered.host_nqn, &offered.subsystem_nqn)
+            .map_err(|_| IdentityRefusal::Unknown)?;
+        if expected != identity {
+            return Err(IdentityRefusal::Digest);
+        }
+        Ok((offered.cipher, key))
     }
 }
 
@@ -444,6 +619,7 @@ mod tests {
             cipher: TlsCipher::Aes128GcmSha256,
             host_nqn: HOST.to_string(),
             subsystem_nqn: SUBSYSTEM.to_string(),
+            digest: None,
         };
         let text = identity.encode().unwrap();
         assert_eq!(PskIdentity::parse(&text), Some(identity));
@@ -452,6 +628,8 @@ mod tests {
             "NVMe0R01",
             "NVMe0R03 a b",
             "NVMe1R01 a b",
+            "NVMe1R01 a b d e",
+            "NVMe1R03 a b d",
             "NVMe0R01 a",
             "NVMe0R01  b",
             "NVMe0R01 a b c",
@@ -462,6 +640,7 @@ mod tests {
             cipher: TlsCipher::Aes128GcmSha256,
             host_nqn: "h".repeat(200),
             subsystem_nqn: "s".repeat(50),
+            digest: None,
         };
         assert_eq!(long.encode(), Err(TlsKeyError::IdentityTooLong(260)));
         let psk = ConfiguredPsk::parse_interchange(KEY_32_SHA256).unwrap();
@@ -478,5 +657,83 @@ mod tests {
             !format!("{psk:?}").contains("00010203"),
             "Debug shows no key"
         );
+    }
+
+    /// TP 8018's identity form. The vectors come from an independent Python derivation
+    /// (hmac, hashlib) of the definitions in the module comment, which reproduces SPDK's
+    /// retained keys above.
+    #[test]
+    fn version1_identities_carry_the_digest_and_their_own_tls_psk() {
+        let cases = [
+            (
+                KEY_32_SHA256,
+                "NVMe1R01",
+                "3b0DrtgnErqrCJBibilhjErsCHPyzZBhOGOE9g109QI=",
+                "f7b99f8c640fdd9fa2001a45a730907261776ab93e879ed3610b2414c36c4269",
+            ),
+            (
+                KEY_48_SHA384,
+                "NVMe1R02",
+                "u0NhJjF+rxrzO5WbtpSdWWSMAXO9ZWyVh+iAw110iANOEMKLyxmWHTyFR8JI6t4D",
+                "d4205439313bc546ac8f205204a440dd7ed4fcd6b006780c4f71e4f8f1de4d56\
+                 d85af34fe8e6e29f087e0549a1835aae",
+            ),
+        ];
+        for (interchange, prefix, digest, tls) in cases {
+            let psk = ConfiguredPsk::parse_interchange(interchange).unwrap();
+            let (identity, key) = psk
+                .session_key_in(IdentityForm::Version1, HOST, SUBSYSTEM)
+                .unwrap();
+            assert_eq!(identity, format!("{prefix} {HOST} {SUBSYSTEM} {digest}"));
+            assert_eq!(hex(&key), tls, "{interchange}");
+            let parsed = PskIdentity::parse(&identity).unwrap();
+            assert_eq!(parsed.digest.as_deref(), Some(digest));
+            assert_eq!(parsed.encode().unwrap(), identity);
+        }
+    }
+
+    /// A target's table answers both forms with the key the initiator derived, and refuses
+    /// a wrong digest, hash, host or subsystem, and what is no identity at all.
+    #[test]
+    fn the_key_table_accepts_both_forms_and_checks_the_digest() {
+        let mut table = TlsKeyTable::default();
+        for interchange in [KEY_32_SHA256, KEY_48_SHA384] {
+            let psk = ConfiguredPsk::parse_interchange(interchange).unwrap();
+            let subsystem = format!("{SUBSYSTEM}-{}", psk.cipher().name());
+            table.insert(HOST, &subsystem, psk.clone()).unwrap();
+            for form in [IdentityForm::Version0, IdentityForm::Version1] {
+                let (identity, key) = psk.session_key_in(form, HOST, &subsystem).unwrap();
+                assert_eq!(
+                    table.tls_psk(&identity),
+                    Ok((psk.cipher(), key)),
+                    "{identity}"
+                );
+            }
+            let (identity, _) = psk
+                .session_key_in(IdentityForm::Version1, HOST, &subsystem)
+                .unwrap();
+            // One digest character changed.
+            let mut wrong = identity.clone().into_bytes();
+            let last = wrong.len() - 2;
+            wrong[last] = if wrong[last] == b'A' { b'B' } else { b'A' };
+            let wrong = String::from_utf8(wrong).unwrap();
+            assert_eq!(table.tls_psk(&wrong), Err(IdentityRefusal::Digest));
+            // The other hash's digits.
+            let other = if psk.cipher() == TlsCipher::Aes128GcmSha256 {
+                identity.replacen("NVMe1R01", "NVMe1R02", 1)
+            } else {
+                identity.replacen("NVMe1R02", "NVMe1R01", 1)
+            };
+            assert_eq!(table.tls_psk(&other), Err(IdentityRefusal::Cipher));
+        }
+        assert_eq!(table.len(), 2);
+        let psk = ConfiguredPsk::parse_interchange(KEY_32_SHA256).unwrap();
+        for (host, subsystem) in [("nqn.other", SUBSYSTEM), (HOST, SUBSYSTEM)] {
+            let (identity, _) = psk
+                .session_key_in(IdentityForm::Version1, host, subsystem)
+                .unwrap();
+            assert_eq!(table.tls_psk(&identity), Err(IdentityRefusal::Unknown));
+        }
+        assert_eq!(table.tls_psk("A"), Err(IdentityRefusal::Form));
     }
 }

@@ -23,6 +23,7 @@
 
 mod client_hello;
 pub mod psk;
+mod psk_session;
 mod session;
 
 use std::sync::Arc;

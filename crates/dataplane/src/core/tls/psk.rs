@@ -9,14 +9,21 @@
 //! TLS 1.3 uses OpenSSL's compatibility path for PSK callbacks (the key is taken as a
 //! SHA-256 one, so TLS_AES_128_GCM_SHA256 or TLS_CHACHA20_POLY1305_SHA256 is negotiated);
 //! TLS 1.2 uses the PSK cipher suites (with ECDHE where the client offers it).
+//!
+//! NVMe/TCP (TP 8011) is TLS 1.3 only and its 48-byte keys need TLS_AES_256_GCM_SHA384:
+//! its keys are served through OpenSSL's session callback (`psk_session.rs`), which gives
+//! each key the cipher suite of its hash.
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use openssl::error::ErrorStack;
 use openssl::ex_data::Index;
 use openssl::ssl::{ErrorCode, Ssl, SslContext, SslMethod, SslStream, SslVersion};
 use reflex_proto::memory_pipe::MemoryPipe as Pipe;
+use reflex_proto::nvme_tcp::tls_key::{TlsCipher, TlsKeyTable};
+
+use super::psk_session::{SessionKey, set_session_finder};
 
 /// Decrypted bytes held before more ciphertext is decrypted (the rustls path's bound).
 const PLAINTEXT_HELD_MAX: usize = 16 * 1024;
@@ -35,13 +42,21 @@ pub enum PskError {
 /// The pre-shared keys new PSK sessions are checked against.
 pub struct PskKeys {
     context: SslContext,
-    identities: std::collections::HashSet<Vec<u8>>,
+    known: Known,
+}
+
+/// Which identities have a key.
+enum Known {
+    /// The native protocol and NBD: by exact identity.
+    Identities(std::collections::HashSet<Vec<u8>>),
+    /// NVMe/TCP: by the host and subsystem an identity of either form names.
+    Nvme(Arc<TlsKeyTable>),
 }
 
 impl std::fmt::Debug for PskKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PskKeys")
-            .field("identities", &self.identities.len())
+            .field("identities", &self.identity_count())
             .finish_non_exhaustive()
     }
 }
@@ -56,54 +71,23 @@ fn identity_index() -> Result<Index<Ssl, String>, ErrorStack> {
     Ok(*INDEX.get_or_init(|| index))
 }
 
-/// Which TLS a set of keys speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PskProfile {
-    /// The native protocol and NBD: TLS 1.3 and 1.2, as GnuTLS clients (libnbd, qemu) offer.
-    General,
-    /// NVMe/TCP (TP 8011): TLS 1.3 only, TLS_AES_128_GCM_SHA256 (the suite of 32-byte keys;
-    /// OpenSSL's PSK callback takes every key as a SHA-256 one).
-    NvmeTcp,
-}
-
 impl PskKeys {
+    /// The keys of the native protocol and NBD, by identity: TLS 1.3 and 1.2, as GnuTLS
+    /// clients (libnbd, qemu) offer.
     pub fn new(keys: HashMap<String, Vec<u8>>) -> Result<PskKeys, PskError> {
-        PskKeys::with_profile(keys, PskProfile::General)
-    }
-
-    /// The keys of NVMe/TCP hosts: identity `NVMe0R01 <host NQN> <subsystem NQN>`, key the
-    /// TLS PSK derived for it (`reflex_proto::nvme_tcp::tls_key`).
-    pub fn for_nvme_tcp(keys: HashMap<String, Vec<u8>>) -> Result<PskKeys, PskError> {
-        PskKeys::with_profile(keys, PskProfile::NvmeTcp)
-    }
-
-    fn with_profile(
-        keys: HashMap<String, Vec<u8>>,
-        profile: PskProfile,
-    ) -> Result<PskKeys, PskError> {
         if keys.is_empty() {
             return Err(PskError::Empty);
         }
         let index = identity_index()?;
         let identities = keys.keys().map(|name| name.as_bytes().to_vec()).collect();
         let mut builder = SslContext::builder(SslMethod::tls_server())?;
-        match profile {
-            PskProfile::General => {
-                builder.set_min_proto_version(Some(SslVersion::TLS1_2))?;
-                builder.set_cipher_list(
-                    "ECDHE-PSK-CHACHA20-POLY1305:ECDHE-PSK-AES128-CBC-SHA256:\
-                     PSK-AES128-GCM-SHA256:PSK-AES256-GCM-SHA384:PSK-CHACHA20-POLY1305",
-                )?;
-                builder.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256")?;
-            }
-            PskProfile::NvmeTcp => {
-                builder.set_min_proto_version(Some(SslVersion::TLS1_3))?;
-                builder.set_ciphersuites("TLS_AES_128_GCM_SHA256")?;
-            }
-        }
-        // No tickets: a resumption would need a ticket key to rotate (as on the rustls path).
-        builder.set_options(openssl::ssl::SslOptions::NO_TICKET);
-        builder.set_num_tickets(0)?;
+        builder.set_min_proto_version(Some(SslVersion::TLS1_2))?;
+        builder.set_cipher_list(
+            "ECDHE-PSK-CHACHA20-POLY1305:ECDHE-PSK-AES128-CBC-SHA256:\
+             PSK-AES128-GCM-SHA256:PSK-AES256-GCM-SHA384:PSK-CHACHA20-POLY1305",
+        )?;
+        builder.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256")?;
+        no_tickets(&mut builder)?;
         builder.set_psk_server_callback(move |ssl, identity, key_out| {
             let Some(name) = identity.and_then(|bytes| std::str::from_utf8(bytes).ok()) else {
                 return Ok(0);
@@ -120,18 +104,78 @@ impl PskKeys {
         });
         Ok(PskKeys {
             context: builder.build(),
-            identities,
+            known: Known::Identities(identities),
+        })
+    }
+
+    /// The keys of NVMe/TCP hosts (TP 8011): TLS 1.3 only, each key with the cipher suite
+    /// of its length (TLS_AES_128_GCM_SHA256 for 32 bytes, TLS_AES_256_GCM_SHA384 for 48),
+    /// identities of TP 8011's form and TP 8018's (with a PSK digest, checked).
+    pub fn for_nvme_tcp(table: TlsKeyTable) -> Result<PskKeys, PskError> {
+        if table.is_empty() {
+            return Err(PskError::Empty);
+        }
+        let table = Arc::new(table);
+        let mut builder = SslContext::builder(SslMethod::tls_server())?;
+        builder.set_min_proto_version(Some(SslVersion::TLS1_3))?;
+        builder.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384")?;
+        no_tickets(&mut builder)?;
+        let lookup = Arc::clone(&table);
+        set_session_finder(
+            &mut builder,
+            Box::new(move |identity| {
+                let name = std::str::from_utf8(identity).ok()?;
+                let (cipher, key) = lookup.tls_psk(name).ok()?;
+                Some(SessionKey {
+                    cipher,
+                    key,
+                    name: name.to_string(),
+                })
+            }),
+            identity_index()?,
+        )?;
+        Ok(PskKeys {
+            context: builder.build(),
+            known: Known::Nvme(table),
         })
     }
 
     pub fn identity_count(&self) -> usize {
-        self.identities.len()
+        match &self.known {
+            Known::Identities(identities) => identities.len(),
+            Known::Nvme(table) => table.len(),
+        }
     }
 
-    /// Whether `identity` has a key here.
+    /// Whether `identity` has a key here (for NVMe/TCP: whether its host and subsystem have
+    /// one; the digest of TP 8018's form is checked in the handshake).
     pub fn knows(&self, identity: &[u8]) -> bool {
-        self.identities.contains(identity)
+        match &self.known {
+            Known::Identities(identities) => identities.contains(identity),
+            Known::Nvme(table) => {
+                std::str::from_utf8(identity).is_ok_and(|identity| table.knows(identity))
+            }
+        }
     }
+}
+
+impl PskKeys {
+    /// The cipher suite of `identity`'s key (NVMe/TCP keys; `None` for others, whose
+    /// context decides).
+    pub fn cipher_for(&self, identity: &[u8]) -> Option<TlsCipher> {
+        match &self.known {
+            Known::Identities(_) => None,
+            Known::Nvme(table) => std::str::from_utf8(identity)
+                .ok()
+                .and_then(|identity| table.cipher_for(identity)),
+        }
+    }
+}
+
+/// No tickets: a resumption would need a ticket key to rotate (as on the rustls path).
+fn no_tickets(builder: &mut openssl::ssl::SslContextBuilder) -> Result<(), ErrorStack> {
+    builder.set_options(openssl::ssl::SslOptions::NO_TICKET);
+    builder.set_num_tickets(0)
 }
 
 /// One PSK session.
@@ -148,8 +192,16 @@ pub struct PskSession {
 }
 
 impl PskSession {
-    pub fn new(keys: &PskKeys) -> Result<PskSession, ErrorStack> {
-        let ssl = Ssl::new(&keys.context)?;
+    /// A session; limited to `cipher` when given (the suite of the key the client's
+    /// identity selects; `None`: the context's suites).
+    pub fn with_cipher(
+        keys: &PskKeys,
+        cipher: Option<TlsCipher>,
+    ) -> Result<PskSession, ErrorStack> {
+        let mut ssl = Ssl::new(&keys.context)?;
+        if let Some(cipher) = cipher {
+            ssl.set_ciphersuites(cipher.name())?;
+        }
         let stream = SslStream::new(ssl, Pipe::default())?;
         Ok(PskSession {
             stream,
@@ -318,7 +370,8 @@ mod tests {
     }
 
     /// An OpenSSL client over a memory pipe offering `identity` with `key`.
-    fn client(identity: &'static str, key: [u8; 32]) -> SslStream<Pipe> {
+    fn client(identity: &str, key: [u8; 32]) -> SslStream<Pipe> {
+        let identity = identity.to_string();
         let mut builder = SslConnector::builder(SslMethod::tls_client()).unwrap();
         builder.set_verify(SslVerifyMode::NONE);
         builder
@@ -364,7 +417,7 @@ mod tests {
         for (chunk, seed) in [(1, 1u64), (7, 2), (300, 3), (20_000, 4)] {
             let mut seed = seed;
             let keys = keys();
-            let mut server = PskSession::new(&keys).unwrap();
+            let mut server = PskSession::with_cipher(&keys, None).unwrap();
             let mut client = client("A", KEY);
             // The client's first flight; then answer until the handshake is done.
             for _ in 0..4 {
@@ -426,7 +479,7 @@ mod tests {
     fn a_wrong_key_an_unknown_identity_and_garbage_fail_cleanly() {
         let keys = keys();
         for (identity, key) in [("A", [0x11; 32]), ("nobody", KEY)] {
-            let mut server = PskSession::new(&keys).unwrap();
+            let mut server = PskSession::with_cipher(&keys, None).unwrap();
             let mut client = client(identity, key);
             let mut failed = false;
             for _ in 0..4 {
@@ -448,7 +501,7 @@ mod tests {
             assert!(server.peer_name().is_none());
             assert_eq!(server.write_plaintext(&[std::io::IoSlice::new(b"x")]), 0);
         }
-        let mut server = PskSession::new(&keys).unwrap();
+        let mut server = PskSession::with_cipher(&keys, None).unwrap();
         assert!(server.feed(&[0x16, 3, 1, 0, 5, 1, 2, 3, 4, 5]).is_err());
         assert!(
             server.feed(b"more").is_err(),
@@ -460,5 +513,76 @@ mod tests {
     fn key_files_build_contexts() {
         assert!(matches!(PskKeys::new(HashMap::new()), Err(PskError::Empty)));
         assert_eq!(keys().identity_count(), 1);
+    }
+
+    /// NVMe/TCP keys through the session callback: an OpenSSL client with the pre-TLS-1.3
+    /// PSK callback (a SHA-256 key, as a 32-byte NVMe key is) gets a session and
+    /// TLS_AES_128_GCM_SHA256 under either identity form; a changed digest, a 32-byte key
+    /// offered for a 48-byte host, and an unknown host get none.
+    #[test]
+    fn nvme_keys_serve_both_identity_forms_through_the_session_callback() {
+        use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, IdentityForm, PskHash};
+        let key_32 = ConfiguredPsk::new(PskHash::Sha256, &[7; 32]).unwrap();
+        let key_48 = ConfiguredPsk::new(PskHash::Sha384, &[9; 48]).unwrap();
+        let mut table = TlsKeyTable::default();
+        table.insert("nqn.h", "nqn.s", key_32.clone()).unwrap();
+        table.insert("nqn.h", "nqn.s384", key_48.clone()).unwrap();
+        let keys = PskKeys::for_nvme_tcp(table).unwrap();
+        assert_eq!(keys.identity_count(), 2);
+        let offer = |form, psk: &ConfiguredPsk, subsystem: &str| {
+            let (identity, key) = psk.session_key_in(form, "nqn.h", subsystem).unwrap();
+            let key: [u8; 32] = key.try_into().unwrap_or([0; 32]);
+            (identity, key)
+        };
+        let handshake = |identity: String, key: [u8; 32]| -> Option<String> {
+            // As `session.rs` starts it: limited to the suite of the identity's key (this
+            // client offers all three TLS 1.3 suites, AES-256 first).
+            let cipher = keys.cipher_for(identity.as_bytes());
+            let mut server = PskSession::with_cipher(&keys, cipher).unwrap();
+            let mut client = client(&identity, key);
+            for _ in 0..4 {
+                let _ = client.do_handshake();
+                let mut output = Vec::new();
+                client.get_mut().take_output(&mut output);
+                if server.feed(&output).is_err() {
+                    return None;
+                }
+                let mut answer = Vec::new();
+                server.take_output(&mut answer);
+                client.get_mut().push_input(&answer);
+            }
+            let cipher = client.ssl().current_cipher().map(|c| c.name().to_string());
+            server.peer_name().and(cipher)
+        };
+        for form in [IdentityForm::Version0, IdentityForm::Version1] {
+            let (identity, key) = offer(form, &key_32, "nqn.s");
+            assert!(keys.knows(identity.as_bytes()));
+            assert_eq!(
+                handshake(identity, key).as_deref(),
+                Some("TLS_AES_128_GCM_SHA256"),
+                "{form:?}"
+            );
+        }
+        let (identity, key) = offer(IdentityForm::Version1, &key_32, "nqn.s");
+        let changed = format!("{}A=", &identity[..identity.len() - 2]);
+        let changed = if changed == identity {
+            format!("{}B=", &identity[..identity.len() - 2])
+        } else {
+            changed
+        };
+        assert_eq!(handshake(changed, key), None, "changed digest");
+        // The 48-byte host's subsystem, offered a 32-byte key under the SHA-256 identity.
+        let (_, key) = offer(IdentityForm::Version0, &key_32, "nqn.s");
+        assert_eq!(
+            handshake("NVMe0R01 nqn.h nqn.s384".to_string(), key),
+            None,
+            "hash mismatch"
+        );
+        assert!(!keys.knows(b"NVMe0R01 nqn.other nqn.s"));
+        assert_eq!(
+            handshake("NVMe0R01 nqn.other nqn.s".to_string(), key),
+            None,
+            "unknown host"
+        );
     }
 }

@@ -64,11 +64,18 @@ impl Session {
     /// some is taken.
     pub(super) fn feed(&mut self, input: &[u8], buffer_full: bool) -> Result<usize, TlsFailure> {
         if let Session::Undecided(current) = self {
+            // The cipher suite of the first known identity's key (NVMe/TCP): OpenSSL picks
+            // the suite before it looks at the PSK, so a client offering several suites
+            // would otherwise get one whose hash does not fit its key.
+            let cipher = std::cell::Cell::new(None);
             let known = |identity: &[u8]| {
-                current
-                    .psk
-                    .as_ref()
-                    .is_some_and(|keys| keys.knows(identity))
+                current.psk.as_ref().is_some_and(|keys| {
+                    let known = keys.knows(identity);
+                    if known && cipher.get().is_none() {
+                        cipher.set(keys.cipher_for(identity));
+                    }
+                    known
+                })
             };
             let chosen = match sniff(input, buffer_full, known) {
                 Sniff::NeedMore => return Ok(0),
@@ -76,8 +83,8 @@ impl Session {
                     let Some(keys) = current.psk.as_ref() else {
                         unreachable!("undecided without PSK keys");
                     };
-                    let session =
-                        PskSession::new(keys).map_err(|e| TlsFailure::Psk(e.to_string()))?;
+                    let session = PskSession::with_cipher(keys, cipher.get())
+                        .map_err(|e| TlsFailure::Psk(e.to_string()))?;
                     Session::Psk(Box::new(session))
                 }
                 Sniff::Other => match &current.server_config {
