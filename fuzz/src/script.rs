@@ -47,7 +47,7 @@ use std::num::NonZeroU64;
 use reflex_flash::Device;
 use reflex_flash::fault::{Delay, DelayPick, FaultControls, FaultDevice, FaultPlan, LbaRange};
 use reflex_flash::mem::MemDevice;
-use reflex_proto::{native, nbd, original};
+use reflex_proto::{kv, native, nbd, original};
 use reflex_qos::{DeviceProfile, Nanos, QosConfig, TenantSpec};
 use reflex_sim::{
     EmuSimDevice, FixedDevice, ModelFlash, NetworkModel, SocketId, TlsServer, VirtualExport,
@@ -94,11 +94,23 @@ pub const CONFIG_BYTES: usize = 4;
 
 /// The namespaces every run serves, by index: a memory device with a QoS profile and two
 /// configured tenants, a model device (emulated Flash or fixed latency) without a profile,
-/// and a small read-only memory device.
-pub const NAMESPACE_IDS: [u32; 3] = [1, 2, 3];
+/// a small read-only memory device, and the key-value table's memory device, whose fault
+/// wrapper delays every operation ([`KV_DELAY`]) so that it completes asynchronously (the
+/// model device would too, but it keeps no data, and the table must read back what it wrote).
+/// Id 5: the native requests' namespace selector names ids 1–3, 0, 4 and `u32::MAX`, so only
+/// the KV port reaches the table.
+pub const NAMESPACE_IDS: [u32; 4] = [1, 2, 3, 5];
 const MEM_BYTES: u64 = 1 << 20;
 const MODEL_BYTES: u64 = 8 << 20;
 const READ_ONLY_BYTES: u64 = 256 << 10;
+/// The key-value table's device: 256 blocks, 4 buckets of 15 slots and room for about 14
+/// largest values, so that `TABLE_FULL` is reachable.
+const KV_BYTES: u64 = 1 << 20;
+/// The namespace index of the key-value table.
+pub const KV_NAMESPACE_INDEX: u16 = 3;
+/// The completion delay the KV device's fault wrapper starts with (a `Fault` step that clears
+/// the plan makes it synchronous).
+pub const KV_DELAY: Nanos = Nanos(20_000);
 
 /// The listeners of every thread, by index.
 pub fn listeners() -> Vec<VirtualListener> {
@@ -121,6 +133,11 @@ pub fn listeners() -> Vec<VirtualListener> {
             Arc::clone(&tls_configs().0),
             Some(Arc::clone(psk_keys())),
         )),
+        // Thread 0 only, as in reflexd.
+        VirtualListener::Kv {
+            namespace_index: KV_NAMESPACE_INDEX,
+            tenant: None,
+        },
     ]
 }
 
@@ -485,6 +502,17 @@ pub enum Step {
         a: u8,
         b: u8,
     },
+    /// A key-value request ([`kv_request`]): `opcode` (PUT, GET, DELETE, FLUSH and a broken
+    /// field), `key` and `value` (lengths up to the limits and beyond), `fill` (the value's
+    /// bytes).
+    Kv {
+        socket: u8,
+        opcode: u8,
+        id: u8,
+        key: u8,
+        value: u8,
+        fill: u8,
+    },
 }
 
 /// A whole input: configuration and steps.
@@ -552,7 +580,7 @@ impl Step {
                 listener: r.u8(),
                 source: r.u8(),
             },
-            1 | 15 => {
+            1 => {
                 let socket = r.u8();
                 let count = usize::from(r.u8());
                 Step::Raw {
@@ -619,6 +647,14 @@ impl Step {
                 kind: r.u8(),
                 a: r.u8(),
                 b: r.u8(),
+            },
+            15 => Step::Kv {
+                socket: r.u8(),
+                opcode: r.u8(),
+                id: r.u8(),
+                key: r.u8(),
+                value: r.u8(),
+                fill: r.u8(),
             },
             _ => Step::Shutdown,
         }
@@ -704,6 +740,14 @@ impl Step {
                 a,
                 b,
             } => out.extend([14, *namespace, *kind, *a, *b]),
+            Step::Kv {
+                socket,
+                opcode,
+                id,
+                key,
+                value,
+                fill,
+            } => out.extend([15, *socket, *opcode, *id, *key, *value, *fill]),
         }
     }
 }
@@ -1094,6 +1138,93 @@ pub fn nbd_request(command: u8, flags: u8, cookie: u8, offset: u16, length: u8) 
     bytes
 }
 
+/// A key-value request's value length: `selector % 8` of 0, 1, 17, 4095, 4096, 4097,
+/// 16 KiB and the largest (64 KiB).
+pub fn kv_value_bytes(selector: u8) -> usize {
+    const TABLE: [usize; 8] = [
+        0,
+        1,
+        17,
+        4095,
+        4096,
+        4097,
+        16 << 10,
+        kv::VALUE_SIZE_MAX_BYTES,
+    ];
+    TABLE[usize::from(selector % 8)]
+}
+
+/// A key: `selector >> 6` picks its length (1, 3, 16, the largest: 255 bytes), its first byte
+/// is `first` and the rest `b'k'`: few distinct keys, so that requests meet on one.
+pub fn kv_key(selector: u8, first: u8) -> Vec<u8> {
+    const LENGTHS: [usize; 4] = [1, 3, 16, kv::KEY_SIZE_MAX_BYTES];
+    let mut key = vec![b'k'; LENGTHS[usize::from(selector >> 6)]];
+    key[0] = first;
+    key
+}
+
+/// A value of `length` bytes from `fill`.
+pub fn kv_value(length: usize, fill: u8) -> Vec<u8> {
+    (0..length)
+        .map(|index| fill.wrapping_add((index % 251) as u8))
+        .collect()
+}
+
+/// A key-value request frame: `opcode % 4` PUT, GET, DELETE, FLUSH; with bit 2 set, one field
+/// broken by `opcode >> 3 & 7`: version 2, an unknown opcode, a flag, the reserved field, a
+/// key of 256 bytes, a value of 64 KiB + 1 (the server skips its payload), the key or value
+/// presence the opcode forbids, a bad magic (the server closes the connection). The key is
+/// [`kv_key`] (`key & 0x1f` its first byte), the value [`kv_value`] of [`kv_value_bytes`] (on
+/// PUT only, unless broken).
+pub fn kv_request(opcode: u8, id: u8, key: u8, value: u8, fill: u8) -> Vec<u8> {
+    const OPCODES: [kv::Opcode; 4] = [
+        kv::Opcode::Put,
+        kv::Opcode::Get,
+        kv::Opcode::Delete,
+        kv::Opcode::Flush,
+    ];
+    let op = OPCODES[usize::from(opcode % 4)];
+    let mut key_bytes = if op == kv::Opcode::Flush {
+        Vec::new()
+    } else {
+        kv_key(key, key & 0x1f)
+    };
+    let mut value_bytes = if op == kv::Opcode::Put {
+        kv_value(kv_value_bytes(value), fill)
+    } else {
+        Vec::new()
+    };
+    let mut header = kv::RequestHeader::new(op, u64::from(id), 0, 0);
+    let mut bad_magic = false;
+    if opcode & 4 != 0 {
+        match opcode >> 3 & 7 {
+            0 => header.version = 2,
+            1 => header.opcode_raw = [0, 5, 0x80, 0xff][usize::from(fill % 4)],
+            2 => header.flags = 1 << (fill % 16),
+            3 => header.reserved = u16::from(fill) | 1,
+            4 => key_bytes = vec![b'K'; kv::KEY_SIZE_MAX_BYTES + 1],
+            5 => value_bytes = kv_value(kv::VALUE_SIZE_MAX_BYTES + 1, fill),
+            6 => match op {
+                kv::Opcode::Flush => key_bytes = vec![key],
+                kv::Opcode::Put => key_bytes.clear(),
+                _ => value_bytes = kv_value(kv_value_bytes(value).max(1), fill),
+            },
+            _ => bad_magic = true,
+        }
+    }
+    header.key_length_bytes = key_bytes.len() as u16;
+    header.value_length_bytes = value_bytes.len() as u32;
+    let mut bytes = header.to_bytes().to_vec();
+    if bad_magic {
+        bytes[..4].copy_from_slice(b"RFXX");
+    }
+    bytes.extend_from_slice(&key_bytes);
+    // A valid request's payload is sent whole (up to 255 + 64 KiB); only the oversize value
+    // is cut short, and the server waits for the rest of what it skips.
+    bytes.extend_from_slice(&value_bytes[..value_bytes.len().min(kv::VALUE_SIZE_MAX_BYTES)]);
+    bytes
+}
+
 /// Changes a fault plan (`kind % 8`): 0 clears it; 1 stalls the device, 2 lifts the stall;
 /// 3 fails a share of one kind of operation (`a % 4`: read, write, flush, trim; share
 /// `b % 4`: all, half, a tenth, none; errno `b / 4 % 6`: EIO, ENOSPC, EDQUOT, ETIMEDOUT,
@@ -1186,6 +1317,9 @@ pub struct Outcome {
     pub stalled_devices: usize,
     /// Device operations the threads abandoned at shutdown (only on stalled devices).
     pub abandoned_device_operations: u32,
+    /// [`Mode::WellFormed`]: GET answers of private keys checked against the client's model
+    /// (value or NOT_FOUND).
+    pub kv_gets_checked: u64,
 }
 
 /// What the clients of a run may do.
@@ -1203,6 +1337,7 @@ enum Kind {
     Native,
     Original,
     Nbd,
+    Kv,
 }
 
 struct Client {
@@ -1248,6 +1383,7 @@ impl ResponseStream {
             }
             let header_size = match kind {
                 Kind::Native => native::RESPONSE_HEADER_SIZE,
+                Kind::Kv => kv::RESPONSE_HEADER_SIZE,
                 _ => original::HEADER_SIZE,
             };
             let wanted = header_size - self.pending.len();
@@ -1272,6 +1408,16 @@ impl ResponseStream {
                         self.pending
                     ),
                 },
+                Kind::Kv => match kv::decode_response(&self.pending) {
+                    Ok(Some((header, _))) => {
+                        kv_check_answer(&header);
+                        u64::from(header.value_length_bytes)
+                    }
+                    other => panic!(
+                        "a KV client received broken framing: {other:?} from {:02x?}",
+                        self.pending
+                    ),
+                },
                 _ => match original::Header::decode(&self.pending) {
                     Ok(Some((header, _))) => header.response_payload_length_bytes(),
                     other => panic!(
@@ -1284,6 +1430,19 @@ impl ResponseStream {
             self.headers += 1;
         }
     }
+}
+
+/// What every KV answer must be: a known status, and a value only on a GET's `OK`.
+fn kv_check_answer(header: &kv::ResponseHeader) {
+    let status = match kv::Status::from_u16(header.status_raw) {
+        Ok(status) => status,
+        Err(e) => panic!("the server sent an unknown KV status: {e}: {header:?}"),
+    };
+    let carries_value = status == kv::Status::Ok && header.opcode_raw == kv::Opcode::Get.as_u8();
+    assert!(
+        carries_value || header.value_length_bytes == 0,
+        "a KV answer other than a GET's OK carries a value: {header:?}"
+    );
 }
 
 fn mem_profile() -> DeviceProfile {
@@ -1354,17 +1513,29 @@ pub fn server(
         profile,
         tenants,
     };
-    let devices: [Arc<dyn Device>; 3] = [
+    let devices: [Arc<dyn Device>; 4] = [
         Arc::new(mem(MEM_BYTES)),
         model,
         Arc::new(mem(READ_ONLY_BYTES)),
+        Arc::new(mem(KV_BYTES)),
     ];
     let mut controls = Vec::with_capacity(devices.len());
     let mut namespaces = Vec::with_capacity(devices.len());
     for (index, inner) in devices.into_iter().enumerate() {
         // The harness lifts stalls itself between instants: a stalled queue need not ask to
         // be polled every millisecond of virtual time to notice.
-        let device = match FaultDevice::new(inner, FaultPlan::default()) {
+        let plan = if index == usize::from(KV_NAMESPACE_INDEX) {
+            FaultPlan {
+                delay: Some(Delay {
+                    added: KV_DELAY,
+                    pick: DelayPick::Every(NonZeroU64::MIN),
+                }),
+                ..FaultPlan::default()
+            }
+        } else {
+            FaultPlan::default()
+        };
+        let device = match FaultDevice::new(inner, plan) {
             Ok(device) => device.without_stall_recheck(),
             Err(e) => panic!("fault device: {e}"),
         };
@@ -1403,6 +1574,7 @@ pub fn server(
                 ),
                 namespace(1, None, Vec::new()),
                 namespace(2, None, Vec::new()),
+                namespace(3, None, Vec::new()),
             ],
         },
         qos_config,
@@ -1659,6 +1831,14 @@ impl Run {
                 self.server.fail_accept(thread, listener, errno);
             }
             Step::Shutdown => self.server.begin_shutdown(),
+            Step::Kv {
+                socket,
+                opcode,
+                id,
+                key,
+                value,
+                fill,
+            } => self.send(socket, &kv_request(opcode, id, key, value, fill)),
             Step::Fault {
                 namespace,
                 kind,
@@ -1707,6 +1887,7 @@ impl Run {
                     VirtualListener::Native | VirtualListener::NativeTls(_) => Kind::Native,
                     VirtualListener::Original { .. } => Kind::Original,
                     VirtualListener::Nbd => Kind::Nbd,
+                    VirtualListener::Kv { .. } => Kind::Kv,
                 };
                 if self.trace {
                     eprintln!("  connected {socket:?} ({kind:?})");
@@ -2016,6 +2197,12 @@ impl Run {
         }
         self.outcome.responses = self.clients.iter().map(|c| c.responses.headers).sum();
         self.outcome.busy_answers = self.clients.iter().map(|c| c.responses.busy).sum();
+        self.outcome.kv_gets_checked = self
+            .clients
+            .iter()
+            .filter_map(|c| c.oracle.as_ref())
+            .map(|oracle| oracle.kv.gets_checked)
+            .sum();
     }
 }
 
@@ -2040,11 +2227,90 @@ struct Oracle {
     nbd: Option<(Option<nbd::ClientHandshake>, Vec<u8>)>,
     /// Original protocol: sectors of the listener's namespace.
     sectors: u64,
+    /// Key-value: what the client knows of its private keys.
+    kv: KvModel,
+}
+
+/// A well-formed KV client's knowledge of its private keys (first byte `0x80 | client
+/// index`: no other connection writes them), to check GET answers. Operations on one key take
+/// effect in request order (`docs/KV.md` §3), so a GET sent when no write of its key is in
+/// flight must see the outcome of the key's answered writes: the value of the last `OK` PUT,
+/// or nothing after an `OK` or `NOT_FOUND` DELETE (a `TABLE_FULL` PUT changes nothing; any
+/// other answer to a write makes the key unknown, unchecked from then on).
+#[derive(Default)]
+struct KvModel {
+    /// Private keys with a value; a key in neither map is absent (the table starts empty).
+    values: std::collections::HashMap<Vec<u8>, Vec<u8>>,
+    unknown: std::collections::HashSet<Vec<u8>>,
+    /// Writes of private keys in flight: id → key, and the value of a PUT (`None`: DELETE).
+    writes: BTreeMap<u64, (Vec<u8>, Option<Vec<u8>>)>,
+    /// GETs of private keys whose answer is known: id → the value (`None`: NOT_FOUND).
+    gets: BTreeMap<u64, Option<Vec<u8>>>,
+    /// A checked GET's value arriving: its id, the value expected, the bytes so far.
+    capture: Option<(u64, Vec<u8>, Vec<u8>)>,
+    /// GET answers checked so far.
+    gets_checked: u64,
+}
+
+impl KvModel {
+    /// Whether a GET of `key` sent now has a known answer, and which.
+    fn expected(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        let written = self.writes.values().any(|(written, _)| written == key);
+        (!written && !self.unknown.contains(key)).then(|| self.values.get(key).cloned())
+    }
+
+    /// The answer to request `id`; returns whether its value (the GET's) is to be captured.
+    fn answered(&mut self, id: u64, status: kv::Status, value_bytes: u32) -> bool {
+        if let Some((key, put)) = self.writes.remove(&id) {
+            match (status, put) {
+                (kv::Status::Ok, Some(value)) => {
+                    self.unknown.remove(&key);
+                    self.values.insert(key, value);
+                }
+                (kv::Status::Ok | kv::Status::NotFound, None) => {
+                    self.unknown.remove(&key);
+                    self.values.remove(&key);
+                }
+                (kv::Status::TableFull, Some(_)) => {}
+                _ => {
+                    self.values.remove(&key);
+                    self.unknown.insert(key);
+                }
+            }
+        }
+        let Some(expected) = self.gets.remove(&id) else {
+            return false;
+        };
+        self.gets_checked += 1;
+        match (status, expected) {
+            (kv::Status::Ok, Some(value)) => {
+                assert_eq!(
+                    value_bytes as usize,
+                    value.len(),
+                    "GET {id} of a private key: the value's length"
+                );
+                self.capture = Some((id, value, Vec::new()));
+                true
+            }
+            (kv::Status::NotFound, None) => false,
+            (status, expected) => panic!(
+                "GET {id} of a private key answered {status:?}; expected {}",
+                match expected {
+                    Some(value) => format!("OK with {} bytes", value.len()),
+                    None => "NOT_FOUND".into(),
+                }
+            ),
+        }
+    }
 }
 
 impl Oracle {
     /// Parses answers; panics on one that matches no request in flight.
     fn feed(&mut self, kind: Kind, mut input: &[u8]) {
+        if kind == Kind::Kv {
+            self.feed_kv(input);
+            return;
+        }
         loop {
             let skipped = (input.len() as u64).min(self.skip_bytes);
             self.skip_bytes -= skipped;
@@ -2056,6 +2322,7 @@ impl Oracle {
                 Kind::Native => native::RESPONSE_HEADER_SIZE,
                 Kind::Original => original::HEADER_SIZE,
                 Kind::Nbd => nbd::SIMPLE_REPLY_SIZE,
+                Kind::Kv => unreachable!("KV answers go to feed_kv"),
             };
             let taken = (header_size - self.pending.len()).min(input.len());
             self.pending.extend_from_slice(&input[..taken]);
@@ -2089,8 +2356,63 @@ impl Oracle {
                     }
                     other => panic!("an NBD client received a broken reply: {other:?}"),
                 },
+                Kind::Kv => unreachable!("KV answers go to feed_kv"),
             };
             self.pending.clear();
+        }
+    }
+
+    /// Parses KV answers: each must answer a request in flight, echo its opcode (kept as the
+    /// request's data) and agree with [`KvModel`]; a checked GET's value is compared.
+    fn feed_kv(&mut self, mut input: &[u8]) {
+        loop {
+            if let Some((id, expected, mut got)) = self.kv.capture.take() {
+                let taken = (expected.len() - got.len()).min(input.len());
+                got.extend_from_slice(&input[..taken]);
+                input = &input[taken..];
+                if got.len() < expected.len() {
+                    self.kv.capture = Some((id, expected, got));
+                    return;
+                }
+                assert!(
+                    got == expected,
+                    "GET {id} of a private key returned another value than its last PUT's"
+                );
+            }
+            let skipped = (input.len() as u64).min(self.skip_bytes);
+            self.skip_bytes -= skipped;
+            input = &input[skipped as usize..];
+            if self.skip_bytes > 0 || input.is_empty() {
+                return;
+            }
+            let taken = (kv::RESPONSE_HEADER_SIZE - self.pending.len()).min(input.len());
+            self.pending.extend_from_slice(&input[..taken]);
+            input = &input[taken..];
+            if self.pending.len() < kv::RESPONSE_HEADER_SIZE {
+                return;
+            }
+            let header = match kv::decode_response(&self.pending) {
+                Ok(Some((header, _))) => header,
+                other => panic!("a KV client received broken framing: {other:?}"),
+            };
+            self.pending.clear();
+            kv_check_answer(&header);
+            let opcode = self.answered(header.request_id);
+            assert_eq!(
+                u64::from(header.opcode_raw),
+                opcode,
+                "KV answer {header:?}: the opcode echoed"
+            );
+            let status = match kv::Status::from_u16(header.status_raw) {
+                Ok(status) => status,
+                Err(e) => panic!("{e}"),
+            };
+            if !self
+                .kv
+                .answered(header.request_id, status, header.value_length_bytes)
+            {
+                self.skip_bytes = u64::from(header.value_length_bytes);
+            }
         }
     }
 
@@ -2244,10 +2566,73 @@ impl Run {
                 let data = if command == 0 { u64::from(length) } else { 0 };
                 self.send_request(index, bytes, id, data);
             }
+            Step::Kv {
+                socket,
+                opcode,
+                key,
+                value,
+                fill,
+                ..
+            } => self.kv_well_formed(socket, opcode, key, value, fill),
             Step::Advance { .. } | Step::Read { .. } => self.step(step),
             // Timing faults only: clear, stall, lift, delay, seed.
             Step::Fault { kind, .. } if matches!(kind % 8, 0 | 1 | 2 | 5 | 7) => self.step(step),
             _ => {}
+        }
+    }
+
+    /// A valid KV request: `opcode % 4` PUT, GET, DELETE, FLUSH; a private key (`key` bit 5:
+    /// first byte `0x80 | client index`, see [`KvModel`]) or a shared one (`key & 0x1f`).
+    fn kv_well_formed(&mut self, socket: u8, opcode: u8, key: u8, value: u8, fill: u8) {
+        let Some(index) = self.client_of_kind(socket, Kind::Kv) else {
+            return;
+        };
+        let private = key & 0x20 != 0;
+        let first = if private {
+            0x80 | index as u8
+        } else {
+            key & 0x1f
+        };
+        let key = kv_key(key, first);
+        let value = kv_value(kv_value_bytes(value), fill);
+        let request = match opcode % 4 {
+            0 => kv::Request::Put {
+                key: &key,
+                value: &value,
+            },
+            1 => kv::Request::Get { key: &key },
+            2 => kv::Request::Delete { key: &key },
+            _ => kv::Request::Flush,
+        };
+        let id = self.next_id(index);
+        let mut bytes = vec![0; request.encoded_length_bytes()];
+        if let Err(e) = request.encode_into(id, &mut bytes) {
+            panic!("KV request: {e}");
+        }
+        let expected = match (private, request) {
+            (true, kv::Request::Get { .. }) => self.clients[index]
+                .oracle
+                .as_ref()
+                .and_then(|oracle| oracle.kv.expected(&key)),
+            _ => None,
+        };
+        let opcode = u64::from(request.opcode().as_u8());
+        let write = match request {
+            kv::Request::Put { value, .. } => Some(Some(value.to_vec())),
+            kv::Request::Delete { .. } => Some(None),
+            _ => None,
+        };
+        if !self.send_request(index, bytes, id, opcode) {
+            return;
+        }
+        let Some(oracle) = self.clients[index].oracle.as_mut() else {
+            return;
+        };
+        if let Some(expected) = expected {
+            oracle.kv.gets.insert(id, expected);
+        }
+        if private && let Some(put) = write {
+            oracle.kv.writes.insert(id, (key, put));
         }
     }
 
@@ -2306,7 +2691,9 @@ impl Run {
                 };
                 (None, bytes / u64::from(original::SECTOR_SIZE_BYTES))
             }
-            VirtualListener::Native | VirtualListener::NativeTls(_) => (None, 0),
+            VirtualListener::Native
+            | VirtualListener::NativeTls(_)
+            | VirtualListener::Kv { .. } => (None, 0),
         };
         let index = self.clients.len() - 1;
         self.clients[index].oracle = Some(Oracle {
@@ -2316,6 +2703,7 @@ impl Run {
             skip_bytes: 0,
             nbd,
             sectors,
+            kv: KvModel::default(),
         });
         // The NBD greeting may have arrived already.
         let socket = self.clients[index].socket;
@@ -2323,10 +2711,10 @@ impl Run {
     }
 
     /// Sends a request (an NBD client still in its handshake queues it) and records it;
-    /// a request beyond the script's send budget is not sent at all.
-    fn send_request(&mut self, index: usize, bytes: Vec<u8>, id: u64, data: u64) {
+    /// a request beyond the script's send budget is not sent at all (returns false).
+    fn send_request(&mut self, index: usize, bytes: Vec<u8>, id: u64, data: u64) -> bool {
         if self.outcome.bytes_sent + bytes.len() > SEND_BYTES_MAX {
-            return;
+            return false;
         }
         self.outcome.bytes_sent += bytes.len();
         self.outcome.requests_sent += 1;
@@ -2338,12 +2726,13 @@ impl Run {
         assert!(previous.is_none(), "request id {id} reused");
         if let Some((Some(_), queued)) = &mut oracle.nbd {
             queued.extend(bytes);
-            return;
+            return true;
         }
         if self.trace {
             eprintln!("  request {id} ({} bytes) on {socket:?}", bytes.len());
         }
         self.transmit(index, &bytes);
+        true
     }
 
     /// Received bytes for a well-formed client: the NBD handshake first, then answers.
@@ -2507,6 +2896,14 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
         payload: 0,
     };
     let advance = |mode: u8| Step::Advance { mode };
+    let kv = |socket: u8, opcode: u8, id: u8, key: u8, value: u8, fill: u8| Step::Kv {
+        socket,
+        opcode,
+        id,
+        key,
+        value,
+        fill,
+    };
     let fault = |namespace: u8, kind: u8, a: u8, b: u8| Step::Fault {
         namespace,
         kind,
@@ -2592,11 +2989,11 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
                     control(0, 5, 1, REGISTER_LC),
                     control(0, 5, 2, REGISTER_BE),
                     advance(7),
-                    control(1, 7, 3, bind(6)),
-                    control(1, 7, 4, bind(7)),
+                    control(1, 7, 3, bind(7)),
+                    control(1, 7, 4, bind(8)),
                     native(1, 2, 5, 0, 16, 3),
                     native(1, 1, 6, 0, 16, 3),
-                    control(0, 6, 7, bind(6)),
+                    control(0, 6, 7, bind(7)),
                     native(1, 1, 8, 0, 16, 3),
                     control(1, 7, 9, bind(0)),
                     native(0, 8, 10, 0, 0, 0),
@@ -2870,6 +3267,85 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
                     native(0, 1, 6, 1, 0, 3),
                     advance(9),
                     fault(1, 2, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "kv",
+            // The KV port (listener 6, thread 0): PUTs of every value size, GETs, a DELETE,
+            // a FLUSH, on private keys (bit 5) and shared ones, pipelined, then timing.
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 6, 0),
+                    kv(0, 0, 1, 0x20, 2, 7),
+                    kv(0, 1, 2, 0x20, 0, 0),
+                    kv(0, 0, 3, 0x61, 7, 9),
+                    kv(0, 0, 4, 0xe2, 3, 1),
+                    advance(8),
+                    kv(0, 1, 5, 0x61, 0, 0),
+                    kv(0, 1, 6, 0xe2, 0, 0),
+                    kv(0, 2, 7, 0x20, 0, 0),
+                    kv(0, 1, 8, 0x20, 0, 0),
+                    kv(0, 3, 9, 0, 0, 0),
+                    kv(0, 0, 10, 0x01, 5, 3),
+                    advance(8),
+                    kv(0, 1, 11, 0x01, 0, 0),
+                    kv(0, 1, 12, 0x20, 0, 0),
+                    kv(0, 1, 13, 0xe2, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "kv-race",
+            // Two KV connections on one key, PUTs and a DELETE racing GETs, a device delay.
+            script(
+                [0, 0, 0, 0],
+                vec![
+                    connect(0, 6, 0),
+                    connect(0, 6, 1),
+                    fault(3, 5, 1, 0),
+                    kv(0, 0, 1, 0x45, 6, 1),
+                    kv(1, 0, 2, 0x45, 4, 2),
+                    kv(0, 1, 3, 0x45, 0, 0),
+                    kv(1, 1, 4, 0x45, 0, 0),
+                    advance(7),
+                    kv(0, 2, 5, 0x45, 0, 0),
+                    kv(1, 1, 6, 0x45, 0, 0),
+                    kv(1, 3, 7, 0, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "kv-broken",
+            // Every broken field (opcode bit 2, field by bits 3-5), an oversize key and value,
+            // raw bytes, then a bad magic that closes the connection; a second connection
+            // goes on.
+            script(
+                [0; 4],
+                vec![
+                    connect(0, 6, 0),
+                    connect(0, 6, 0),
+                    kv(0, 4, 1, 0x01, 1, 0),
+                    kv(0, 4 | 1 << 3, 2, 0x01, 1, 1),
+                    kv(0, 4 | 2 << 3, 3, 0x01, 1, 2),
+                    kv(0, 4 | 3 << 3, 4, 0x01, 1, 3),
+                    kv(0, 5 | 4 << 3, 5, 0x01, 1, 4),
+                    kv(0, 7 | 6 << 3, 7, 0x01, 1, 6),
+                    kv(0, 6 | 6 << 3, 8, 0x01, 1, 6),
+                    kv(0, 1, 9, 0x01, 0, 0),
+                    advance(8),
+                    Step::Raw {
+                        socket: 1,
+                        bytes: b"RFXK\x01\x02\x00\x00".to_vec(),
+                    },
+                    kv(0, 4 | 7 << 3, 10, 0x01, 1, 7),
+                    kv(1, 1, 11, 0x01, 0, 0),
+                    // A value of 64 KiB + 1, cut short: the server skips what arrives.
+                    kv(1, 4 | 5 << 3, 12, 0x01, 1, 5),
                     advance(9),
                 ],
             ),

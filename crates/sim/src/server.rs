@@ -66,6 +66,15 @@ pub enum VirtualListener {
         tenant: Option<String>,
     },
     Nbd,
+    /// The key-value protocol (`docs/KV.md`) on a table formatted on one namespace when the
+    /// server starts, charged to a configured tenant (`None`: the namespace's default tenant).
+    /// As in reflexd, only thread 0 serves it (the table is not shared between threads): the
+    /// other threads have the listener in their tables, so that indices line up, but never
+    /// accept on it ([`VirtualServer::is_accepting`] is false there).
+    Kv {
+        namespace_index: u16,
+        tenant: Option<String>,
+    },
 }
 
 /// A TLS listener's rustls server configuration (certificates) and optional pre-shared keys
@@ -118,6 +127,9 @@ struct Thread {
     /// Per namespace slot: this thread's queue of its device (`None`: removed).
     queues: Vec<Option<Box<dyn DeviceQueue>>>,
     accept_armed: Vec<bool>,
+    /// Per listener: whether this thread accepts on it (reflexd binds the KV port on thread 0
+    /// only; an accept the dataplane arms elsewhere waits until its listener closes).
+    serves: Vec<bool>,
     /// Sockets of this thread by connection (slot index and generation): the dataplane may
     /// hand a slot to a new connection before the driver has taken the old one's `Close`.
     sockets_by_connection: HashMap<(u32, u32), SocketId>,
@@ -195,10 +207,12 @@ impl VirtualServer {
             nbd_exports: nbd_exports.clone(),
         });
         let tls = tls_setup(&setup.listeners);
+        let mut kv = kv_setup(&setup.listeners, &namespaces)?;
         let mut threads = Vec::new();
         for thread_index in 0..usize::from(setup.threads) {
             let dataplane = Dataplane::new(DataplaneSetup {
-                kv: None,
+                // Thread 0 owns the table, as in reflexd.
+                kv: if thread_index == 0 { kv.take() } else { None },
                 tls: tls.clone(),
                 thread_index,
                 listeners: listeners.clone(),
@@ -218,6 +232,13 @@ impl VirtualServer {
                     .map(|index| namespaces.device(index as u16).map(|device| device.queue()))
                     .collect(),
                 accept_armed: vec![false; setup.listeners.len()],
+                serves: setup
+                    .listeners
+                    .iter()
+                    .map(|listener| {
+                        thread_index == 0 || !matches!(listener, VirtualListener::Kv { .. })
+                    })
+                    .collect(),
                 sockets_by_connection: HashMap::new(),
             });
         }
@@ -263,15 +284,10 @@ impl VirtualServer {
         source: Option<IpAddr>,
     ) -> Result<SocketId, VirtualServerError> {
         let now = self.now;
-        let state = &mut self.threads[usize::from(thread)];
-        if !state
-            .accept_armed
-            .get(listener as usize)
-            .copied()
-            .unwrap_or(false)
-        {
+        if !self.is_accepting(thread, listener) {
             return Err(VirtualServerError::NotAccepting { thread, listener });
         }
+        let state = &mut self.threads[usize::from(thread)];
         state.accept_armed[listener as usize] = false;
         let accepted = state.dataplane.handle_accept(listener, Ok(source), now);
         let id = match accepted {
@@ -342,11 +358,10 @@ impl VirtualServer {
     /// Whether `thread` has an accept armed on `listener`: [`Self::connect`] would reach the
     /// dataplane now.
     pub fn is_accepting(&self, thread: u16, listener: u32) -> bool {
-        self.threads[usize::from(thread)]
-            .accept_armed
-            .get(listener as usize)
-            .copied()
-            .unwrap_or(false)
+        let state = &self.threads[usize::from(thread)];
+        let index = listener as usize;
+        state.accept_armed.get(index).copied().unwrap_or(false)
+            && state.serves.get(index).copied().unwrap_or(false)
     }
 
     /// The accept armed on `listener` of `thread` fails with `errno` (EMFILE, ECONNABORTED);
@@ -814,6 +829,51 @@ fn tls_setup(listeners: &[VirtualListener]) -> Option<reflex_dataplane::TlsSetup
     })
 }
 
+/// The key-value table of the KV listener (at most one), formatted on its namespace's device
+/// as reflexd's `[kv] format = true` does, synchronously before the threads start.
+fn kv_setup(
+    listeners: &[VirtualListener],
+    namespaces: &NamespaceSet,
+) -> Result<Option<reflex_dataplane::KvSetup>, VirtualServerError> {
+    let mut kv_listeners = listeners.iter().filter_map(|listener| match listener {
+        VirtualListener::Kv {
+            namespace_index, ..
+        } => Some(*namespace_index),
+        _ => None,
+    });
+    let Some(namespace_index) = kv_listeners.next() else {
+        return Ok(None);
+    };
+    if kv_listeners.any(|other| other != namespace_index) {
+        return Err(VirtualServerError::Config(
+            "KV listeners on two namespaces (one table per server)".into(),
+        ));
+    }
+    let invalid = |reason: String| {
+        VirtualServerError::Config(format!(
+            "KV table on namespace index {namespace_index}: {reason}"
+        ))
+    };
+    let Some(device) = namespaces.device(namespace_index) else {
+        return Err(invalid("no such namespace".into()));
+    };
+    if namespaces.is_read_only(namespace_index) {
+        return Err(invalid("read-only".into()));
+    }
+    let blocks =
+        reflex_kv::DeviceBlocks::new(Arc::clone(device)).map_err(|e| invalid(e.to_string()))?;
+    let geometry = {
+        use reflex_kv::BlockStore;
+        reflex_kv::Geometry::for_device(blocks.block_count()).map_err(|e| invalid(e.to_string()))?
+    };
+    let store = reflex_kv::KvStore::format(blocks, geometry).map_err(|e| invalid(e.to_string()))?;
+    let (_, table) = store.into_parts();
+    Ok(Some(reflex_dataplane::KvSetup {
+        namespace_index,
+        table,
+    }))
+}
+
 fn listener_protocol(
     listener: &VirtualListener,
     namespaces: &NamespaceSet,
@@ -822,6 +882,13 @@ fn listener_protocol(
     Ok(match listener {
         VirtualListener::Native | VirtualListener::NativeTls(_) => Protocol::Native,
         VirtualListener::Nbd => Protocol::Nbd,
+        VirtualListener::Kv {
+            namespace_index,
+            tenant,
+        } => Protocol::Kv {
+            namespace_index: *namespace_index,
+            tenant: configured_tenant(qos, *namespace_index, tenant.as_deref())?,
+        },
         VirtualListener::Original {
             namespace_index,
             tenant,

@@ -571,16 +571,16 @@ fn an_lc_tenant_in_deficit_renegotiated_to_best_effort_does_not_stop_the_thread(
                 source: 0,
             },
             // REGISTER an LC tenant on namespace 1 (p95 1 ms, 1,000 IOPS, all writes): the
-            // sixth tenant. BIND it.
+            // seventh tenant (after two configured ones and four namespaces' defaults). BIND it.
             native(5, 1, 0, [0, 0, 15, 0]),
-            native(7, 2, 0, [6, 0, 0, 0]),
+            native(7, 2, 0, [7, 0, 0, 0]),
             // 64 KiB WRITEs: the tenant bursts into its deficit.
             native(2, 3, 8, [0; 4]),
             native(2, 4, 8, [0; 4]),
             native(2, 5, 8, [0; 4]),
             native(2, 6, 8, [0; 4]),
-            // REGISTER naming the sixth tenant's handle: best effort now.
-            native(5, 7, 0, [1, 0, 0, 6 << 1]),
+            // REGISTER naming the seventh tenant's handle: best effort now.
+            native(5, 7, 0, [1, 0, 0, 7 << 1]),
             native(2, 8, 8, [0; 4]),
             Step::Advance { mode: 9 },
         ],
@@ -629,7 +629,7 @@ fn a_slow_reader_of_large_answers_does_not_starve_another_connection() {
         0x04, 0x00, 0x01, 0x00, 0x08, 0x07, 0x01, 0x00, 0x00, 0x05, 0x02, 0x01, 0x02, 0x00, 0x04,
         0x00, 0x05, 0x08, 0x00, 0x23, 0x07, 0x00, 0xf9, 0xff, 0x36, 0x04, 0x00, 0x01, 0x00, 0x08,
         0x07, 0x01, 0x00, 0x00, 0x05, 0x02, 0x01, 0x02, 0x00, 0x01, 0x01, 0x00, 0x00, 0x00, 0x06,
-        0x10, 0x39, 0x00, 0x01, 0xff, 0xff, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x5f, 0x2a, 0x00, 0x02,
+        0x10, 0x39, 0x00, 0x01, 0x01, 0xff, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x5f, 0x2a, 0x00, 0x02,
         0x00, 0x05, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x08, 0x01, 0x07, 0x00, 0x03, 0x00,
         0x00, 0x02, 0x00, 0x35, 0x00, 0x07, 0x00, 0x04, 0x00, 0x23, 0x07, 0x00, 0xf9, 0xff, 0x36,
         0x04, 0x00, 0x01, 0x00, 0x08, 0x07, 0x01, 0x00, 0x00, 0x05, 0x02, 0x01, 0x02, 0x00, 0x04,
@@ -792,4 +792,31 @@ fn a_tls_send_cut_by_an_abort_finishes_its_requests() {
     };
     // `run` checks that every request slot is free after the shutdown.
     script::run(&script, std::env::var_os("SCRIPT_TRACE").is_some());
+}
+
+/// The KV listener in the script: the `kv` seed's well-formed clients get every answer, and
+/// their GETs of private keys are checked against what they wrote (values and NOT_FOUND).
+#[test]
+fn kv_clients_get_every_answer_and_read_back_their_writes() {
+    let seeds = script::seeds();
+    let seed = |name: &str| {
+        seeds
+            .iter()
+            .find(|(seed, _)| *seed == name)
+            .map(|(_, script)| script.clone())
+            .unwrap_or_else(|| panic!("no seed {name}"))
+    };
+    let outcome = script::run_mode(&seed("kv"), Mode::WellFormed, false);
+    assert_eq!(outcome.requests_sent, 13, "{outcome:?}");
+    assert_eq!(outcome.responses, 13, "{outcome:?}");
+    assert!(outcome.kv_gets_checked >= 3, "{outcome:?}");
+    // As written: every request valid and whole, so no framing error.
+    let outcome = script::run(&seed("kv"), false);
+    assert_eq!(outcome.responses, 13, "{outcome:?}");
+    assert_eq!(outcome.framing_errors, 0, "{outcome:?}");
+    // Broken headers are answered (their payloads skipped) until the bad magic closes the
+    // connection (the other one's raw bytes break its framing too).
+    let outcome = script::run(&seed("kv-broken"), false);
+    assert!(outcome.framing_errors >= 1, "{outcome:?}");
+    assert!(outcome.responses >= 8, "{outcome:?}");
 }
