@@ -3,21 +3,17 @@
 //! completion is delayed by the fault-injecting wrapper (so each step completes
 //! asynchronously), answers checked against a `HashMap` model.
 
+mod common;
+
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use reflex_dataplane::Limits;
-use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
-use reflex_flash::Device;
 use reflex_flash::fault::{Delay, DelayPick, FaultDevice, FaultPlan};
 use reflex_proto::kv::{self, Request, Status};
-use reflex_qos::{Nanos, QosConfig};
-use reflex_sim::{
-    NetworkModel, SocketId, VirtualListener, VirtualServer, VirtualServerError, VirtualServerSetup,
-};
-
-const NAMESPACE: u32 = 1;
+use reflex_qos::Nanos;
+use reflex_sim::{NetworkModel, SocketId, VirtualListener, VirtualServer, VirtualServerError};
 
 /// Two threads, one namespace (4 MiB of memory, every operation delayed 30 µs), the KV
 /// listener (index 0).
@@ -31,35 +27,19 @@ fn server() -> VirtualServer {
         ..FaultPlan::default()
     };
     let device = FaultDevice::new(Arc::new(mem), plan).unwrap_or_else(|e| panic!("{e}"));
-    VirtualServer::new(VirtualServerSetup {
-        threads: 2,
-        namespaces: vec![(NAMESPACE, Arc::new(device) as Arc<dyn Device>, false)],
-        control: ControlSetup {
-            threads: 2,
-            handles: HandleKeys::Seeded(1),
-            tenant_limits: TenantLimits::default(),
-            qos_config: QosConfig::default(),
-            qos_enabled: false,
-            namespaces: vec![NamespaceControl {
-                namespace_id: NAMESPACE,
-                profile: None,
-                tenants: Vec::new(),
-            }],
-        },
-        qos_config: QosConfig::default(),
-        limits: Limits::with_arena(8 << 20, 25),
-        network: NetworkModel {
+    common::one_namespace_server_on(
+        2,
+        Arc::new(device),
+        Limits::with_arena(8 << 20, 25),
+        NetworkModel {
             latency: Nanos(10_000),
             ..NetworkModel::default()
         },
-        listeners: vec![VirtualListener::Kv {
+        vec![VirtualListener::Kv {
             namespace_index: 0,
             tenant: None,
         }],
-        nbd_exports: Vec::new(),
-        nbd_default_export: None,
-    })
-    .unwrap_or_else(|e| panic!("{e}"))
+    )
 }
 
 /// One KV client: its socket, the answers it parsed (by request id), the bytes not parsed yet.

@@ -17,19 +17,30 @@ use reflex_sim::{
 /// The namespace id of [`one_namespace_server`].
 pub const NAMESPACE: u32 = 1;
 
-/// A server with one thread and one namespace ([`NAMESPACE`]) on `device`, without QoS,
-/// listening for `listeners`.
+/// [`one_namespace_server_on`] with one thread.
 pub fn one_namespace_server(
     device: Arc<dyn Device>,
     limits: Limits,
     network: NetworkModel,
     listeners: Vec<VirtualListener>,
 ) -> VirtualServer {
+    one_namespace_server_on(1, device, limits, network, listeners)
+}
+
+/// A server with `threads` threads and one namespace ([`NAMESPACE`]) on `device`, without
+/// QoS, listening for `listeners`.
+pub fn one_namespace_server_on(
+    threads: u16,
+    device: Arc<dyn Device>,
+    limits: Limits,
+    network: NetworkModel,
+    listeners: Vec<VirtualListener>,
+) -> VirtualServer {
     VirtualServer::new(VirtualServerSetup {
-        threads: 1,
+        threads,
         namespaces: vec![(NAMESPACE, device, false)],
         control: ControlSetup {
-            threads: 1,
+            threads,
             handles: HandleKeys::Seeded(1),
             tenant_limits: TenantLimits::default(),
             qos_config: QosConfig::default(),
