@@ -221,16 +221,21 @@ impl Raw {
 /// line of its standard error comes through the receiver as it is written; the receiver ends
 /// when reflexd does.
 pub fn spawn_reflexd(config: &Path, admin: bool) -> (Child, Receiver<String>) {
-    use std::io::BufRead;
     let (program, args) = workspace_binary(Path::new(env!("CARGO_BIN_EXE_reflexd")));
     let mut command = Command::new(program);
     command.args(args);
     if !admin {
         command.arg("--no-admin");
     }
+    command.arg("--config").arg(config);
+    spawn_logged(command)
+}
+
+/// Starts `command` (a reflexd) on the test's driver, logging at info level, every line of
+/// its standard error through the receiver as it is written.
+fn spawn_logged(mut command: Command) -> (Child, Receiver<String>) {
+    use std::io::BufRead;
     let mut child = command
-        .arg("--config")
-        .arg(config)
         .args(driver_args())
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
@@ -286,32 +291,21 @@ pub struct Daemon {
     child: Child,
     /// The `reflexd serving` line: where each listener is (`field`).
     serving: String,
+    /// Kept so the log keeps draining (the child never blocks on a full pipe).
+    _log: Receiver<String>,
 }
 
 impl Daemon {
     pub fn spawn(flags: &[&str]) -> Daemon {
-        use std::io::BufRead;
-        let mut child = reflexd_command()
-            .args(driver_args())
-            .args(flags)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn reflexd: {e}"));
-        let stderr = child.stderr.take().unwrap_or_else(|| panic!("no stderr"));
-        let mut lines = std::io::BufReader::new(stderr).lines();
-        let serving = loop {
-            let Some(Ok(line)) = lines.next() else {
-                panic!("reflexd exited before serving");
-            };
-            if line.contains("reflexd serving") {
-                break line;
-            }
-        };
-        std::thread::spawn(move || for _ in lines {});
-        Daemon { child, serving }
+        let mut command = reflexd_command();
+        command.args(flags);
+        let (child, log) = spawn_logged(command);
+        let serving = wait_for_line(&log, "reflexd serving");
+        Daemon {
+            child,
+            serving,
+            _log: log,
+        }
     }
 
     /// The value of `key=` in the serving line (`native`, `nbd`, `kv`, ...).
