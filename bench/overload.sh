@@ -32,7 +32,8 @@
 #   SLOWLORIS (2000) NON_READERS (1) CONNECTIONS (12000) CONNECT_RATE (1000) SOURCE (127.0.0.2)
 #   FRESH_INTERVAL (20ms) SERVER_CPU (0) CLIENT_CPU (1) PORT (17280) NICE (-20 as root) RT_PRIO
 #   QUIET_MAX_PERCENT (20) QUIET_WAIT_S (30) WORK (target/bench-overload)
-#   CALIBRATION (off; on: online self-calibration with its best-effort floor, docs/QOS.md §11)
+#   CALIBRATION (off, reflexd's default: the profile alone; on: online self-calibration with
+#   its best-effort floor, docs/QOS.md §11)
 #   OUT (docs/results/overload.md)
 set -euo pipefail
 shopt -s inherit_errexit

@@ -54,10 +54,10 @@ pub const SCALE_CEILING_MAX: f64 = 2.0;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CalibratorConfig {
-    /// Whether reflexd calibrates online at all (on namespaces with a profile, QoS on). On by
-    /// default: a profile does not hold the server's, the network's and the client's share of
-    /// what tenants see, nor a device that drifts; it throttles best-effort tenants first
-    /// (down to `best_effort_floor`) and changes what admission promises (docs/QOS.md §11).
+    /// Whether reflexd calibrates online at all (on namespaces with a profile, QoS on). Off by
+    /// default: it throttles best-effort tenants first (down to `best_effort_floor`) and
+    /// changes what admission promises, and on the real server it still cuts too deep at
+    /// the profile's operating point (docs/QOS.md §11).
     pub enabled: bool,
     /// Once a cut has taken the rate below the profile's, the share of it that best-effort
     /// tenants keep however far the cut goes: LC admission and further cuts leave it to them
@@ -111,7 +111,7 @@ pub struct CalibratorConfig {
 impl Default for CalibratorConfig {
     fn default() -> CalibratorConfig {
         CalibratorConfig {
-            enabled: true,
+            enabled: false,
             best_effort_floor: 0.05,
             client_share_us: 0,
             learn_network_rtt: true,

@@ -1509,6 +1509,7 @@ mod tests {
     #[test]
     fn with_calibration_on_best_effort_keeps_its_floor_through_a_cut() {
         let mut config = QosConfig::default();
+        config.calibration.enabled = true;
         config.calibration.best_effort_floor = 0.1;
         let mut r = TenantRegistry::new(device_a(), config, 1).unwrap();
         let mut view = View::default();
