@@ -22,6 +22,7 @@
 
 pub mod access;
 pub mod buffers;
+pub mod composite;
 pub mod control;
 mod core;
 pub mod frontend;
