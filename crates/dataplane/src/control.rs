@@ -734,11 +734,7 @@ impl ControlPlane {
             if entry.read_only != body.read_only {
                 return ControlAnswer::status(Status::Invalid);
             }
-            let id = entry.id;
-            let Some(namespace) = state.namespace(namespace_index) else {
-                return ControlAnswer::status(Status::Invalid);
-            };
-            match namespace.registry.reregister(id, spec) {
+            match state.reregister(body.handle, spec) {
                 Ok(()) => {
                     if let Some(entry) = state.tenants.get_mut(&body.handle) {
                         entry.spec = spec;
@@ -748,7 +744,7 @@ impl ControlPlane {
                         body: ControlBody::Handle(body.handle),
                     }
                 }
-                Err(error) => ControlAnswer::refused(&error.to_string()),
+                Err(reason) => ControlAnswer::refused(&reason),
             }
         })
     }
@@ -1333,10 +1329,9 @@ impl ControlPlane {
                     name: name.to_string(),
                 });
             }
-            namespace
-                .registry
-                .reregister(id, spec)
-                .map_err(|error| AdminError::Refused(error.to_string()))?;
+            state
+                .reregister(handle, spec)
+                .map_err(AdminError::Refused)?;
             if let Some(entry) = state.tenants.get_mut(&handle) {
                 entry.spec = spec;
             }
@@ -1921,6 +1916,52 @@ impl State {
             },
         );
         Ok(handle)
+    }
+
+    /// A new SLO for a registered tenant: admission runs again on its namespace, or for a
+    /// composite namespace's tenant on every member (a refusal by one puts the members
+    /// already changed back). The entry's spec is the caller's to update.
+    fn reregister(&mut self, handle: u64, spec: TenantSpec) -> Result<(), String> {
+        let Some(entry) = self.tenants.get(&handle) else {
+            return Err("no such tenant".into());
+        };
+        let (namespace_index, id, old_spec, members) = (
+            entry.namespace_index,
+            entry.id,
+            entry.spec,
+            entry.members.clone(),
+        );
+        let Some(namespace) = self.namespace(namespace_index) else {
+            return Err("no such namespace".into());
+        };
+        let Some((_, layout)) = namespace.composite.clone() else {
+            return namespace
+                .registry
+                .reregister(id, spec)
+                .map_err(|error| error.to_string());
+        };
+        let count = members.len();
+        let (new, old) = (
+            member_spec(spec, layout, count),
+            member_spec(old_spec, layout, count),
+        );
+        for (position, &member) in members.iter().enumerate() {
+            if let Err(reason) = self.reregister(member, new) {
+                for &done in &members[..position] {
+                    let _ = self.reregister(done, old);
+                }
+                let member_id = self
+                    .tenants
+                    .get(&member)
+                    .and_then(|entry| self.namespaces.get(usize::from(entry.namespace_index)))
+                    .map_or(0, |namespace| namespace.namespace_id);
+                return Err(format!("member namespace {member_id}: {reason}"));
+            }
+            if let Some(entry) = self.tenants.get_mut(&member) {
+                entry.spec = new;
+            }
+        }
+        Ok(())
     }
 
     /// A composite namespace's tenant is first admitted on every member, each judged against

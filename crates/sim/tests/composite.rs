@@ -51,6 +51,19 @@ fn emulated(seed: u64) -> Arc<dyn Device> {
 /// Namespaces 1 and 2 on their own emulated devices (each with its profile), namespace 3
 /// striped over them with LC tenant S configured on it.
 fn server() -> VirtualServer {
+    let striped = TenantSpec::LatencyCritical {
+        latency_us_p95: 500,
+        iops: STRIPED_IOPS,
+        read_percent: 100,
+    };
+    server_on("stripe:64K:1,2", vec![("S".into(), striped)]).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Namespace 3 laid over namespaces 1 and 2 as `spec` says, with `tenants` configured on it.
+fn server_on(
+    spec: &str,
+    tenants: Vec<(String, TenantSpec)>,
+) -> Result<VirtualServer, reflex_sim::VirtualServerError> {
     let qos_config = QosConfig::default();
     let member = |id| NamespaceControl {
         namespace_id: id,
@@ -62,7 +75,7 @@ fn server() -> VirtualServer {
         namespaces: vec![(1, emulated(1), false), (2, emulated(2), false)],
         composites: vec![(
             COMPOSITE,
-            CompositeSpec::parse("stripe:64K:1,2").unwrap_or_else(|e| panic!("{e}")),
+            CompositeSpec::parse(spec).unwrap_or_else(|e| panic!("{e}")),
         )],
         control: ControlSetup {
             threads: 1,
@@ -76,14 +89,7 @@ fn server() -> VirtualServer {
                 NamespaceControl {
                     namespace_id: COMPOSITE,
                     profile: None,
-                    tenants: vec![(
-                        "S".into(),
-                        TenantSpec::LatencyCritical {
-                            latency_us_p95: 500,
-                            iops: STRIPED_IOPS,
-                            read_percent: 100,
-                        },
-                    )],
+                    tenants,
                 },
             ],
         },
@@ -94,7 +100,6 @@ fn server() -> VirtualServer {
         nbd_exports: Vec::new(),
         nbd_default_export: None,
     })
-    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 struct Client {
@@ -396,4 +401,107 @@ fn the_striped_reservation_is_spread_evenly_over_the_members() {
         })
         .collect();
     assert_eq!(namespaces, vec![1, 2]);
+}
+
+/// An LC reservation of `iops` 4 KiB reads at 500 µs.
+fn reads(iops: u64) -> TenantSpec {
+    TenantSpec::LatencyCritical {
+        latency_us_p95: 500,
+        iops,
+        read_percent: 100,
+    }
+}
+
+/// The spec and namespace of each member tenant of the composite's tenant `name`.
+fn member_specs(server: &VirtualServer, name: &str) -> Vec<(u32, TenantSpec)> {
+    let control = server.control();
+    let tenant = control
+        .tenants()
+        .into_iter()
+        .find(|tenant| tenant.namespace_id == COMPOSITE && tenant.name == name)
+        .unwrap_or_else(|| panic!("no tenant {name} on the composite"));
+    control
+        .member_tenants(tenant.handle)
+        .iter()
+        .map(|member| {
+            let info = control
+                .tenant(member.handle)
+                .unwrap_or_else(|| panic!("member {member:?}"));
+            (info.namespace_id, info.spec)
+        })
+        .collect()
+}
+
+#[test]
+fn a_concatenation_asks_every_member_for_the_whole_reservation() {
+    // Half the small device's read-only rate fits each member whole.
+    let server = server_on("concat:1,2", vec![("C".into(), reads(20_000))])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        member_specs(&server, "C"),
+        vec![(1, reads(20_000)), (2, reads(20_000))]
+    );
+    // A reservation one member cannot hold is refused, naming the member; a striped one of
+    // the same size fits, half on each.
+    let refused = match server_on("concat:1,2", vec![("C".into(), reads(60_000))]) {
+        Ok(_) => panic!("a concatenation admitted 60K IOPS on each small device"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        refused.contains("tenant \"C\" refused at startup: member namespace 1: needs"),
+        "{refused}"
+    );
+    let server = server_on("stripe:64K:1,2", vec![("C".into(), reads(60_000))])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        member_specs(&server, "C"),
+        vec![(1, reads(30_000)), (2, reads(30_000))]
+    );
+}
+
+#[test]
+fn composite_tenants_added_changed_and_removed_at_run_time_follow_on_every_member() {
+    let server = server_on("stripe:64K:1,2", Vec::new()).unwrap_or_else(|e| panic!("{e}"));
+    let control = server.control();
+    control
+        .admin_register(COMPOSITE, "R", reads(10_000), false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        member_specs(&server, "R"),
+        vec![(1, reads(5_000)), (2, reads(5_000))]
+    );
+    // More than the members hold: refused whole, the members keep the old SLO.
+    let refused = control
+        .admin_update(COMPOSITE, "R", reads(200_000))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("member namespace 1: needs"), "{refused}");
+    assert_eq!(
+        member_specs(&server, "R"),
+        vec![(1, reads(5_000)), (2, reads(5_000))]
+    );
+    control
+        .admin_update(COMPOSITE, "R", reads(16_000))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        member_specs(&server, "R"),
+        vec![(1, reads(8_000)), (2, reads(8_000))]
+    );
+    let members_before = control.tenants().len();
+    control
+        .admin_remove(COMPOSITE, "R")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        control.tenants().len(),
+        members_before - 3,
+        "R and its two member tenants"
+    );
+    assert!(
+        control
+            .tenants()
+            .iter()
+            .all(|tenant| tenant.name != "R/ns3"),
+        "no member tenant left behind"
+    );
 }
