@@ -413,3 +413,39 @@ fn reflexd_takes_composite_namespaces_on_the_command_line_and_refuses_bad_ones()
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn the_shipped_striped_configuration_admits_its_tenant_on_both_members() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/reflexd-striped.toml");
+    let mut config = Config::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
+    config.port = 0;
+    config.nvme_tcp.enabled = false;
+    config.admin = reflex_server::admin::AdminConfig::disabled();
+    config.driver = common::driver();
+    let server = start(config);
+    let client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    let size = |id: u32| {
+        client
+            .namespaces()
+            .iter()
+            .find(|namespace| namespace.id == id)
+            .map(|namespace| namespace.size_bytes)
+    };
+    assert_eq!(size(3), Some(2 << 30));
+    assert_eq!(size(6), Some(512 << 20));
+    let mut members: Vec<(u32, reflex_qos::TenantSpec)> = server
+        .tenants()
+        .into_iter()
+        .filter(|tenant| tenant.name == "gold/ns3")
+        .map(|tenant| (tenant.namespace_id, tenant.spec))
+        .collect();
+    members.sort_by_key(|(namespace_id, _)| *namespace_id);
+    let half = reflex_qos::TenantSpec::LatencyCritical {
+        latency_us_p95: 500,
+        iops: 4000,
+        read_percent: 100,
+    };
+    assert_eq!(members, vec![(1, half), (2, half)]);
+    drop(client);
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
