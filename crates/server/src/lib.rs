@@ -865,7 +865,9 @@ fn log_startup(
                 .map_or(0, |(_, tenant)| tenant.handle),
             None => setup.default_tenant.handle,
         };
+        let composite = namespaces.composite(namespace_index).is_some();
         let qos_text = match effective.get(index).and_then(|ns| ns.profile.clone()) {
+            _ if composite => "per member device (composite)".to_string(),
             Some(profile) if config.qos => format!("tokens ({profile})"),
             Some(profile) => format!("off: first in, first out ({profile})"),
             None => "none: no profile, first in, first out".to_string(),
@@ -881,7 +883,7 @@ fn log_startup(
             device = %namespaces.info(namespace_index).description,
             "namespace"
         );
-        if let Some(plan) = handle.control.plan(namespace_index) {
+        if let Some(plan) = handle.control.plan(namespace_index).filter(|_| !composite) {
             tracing::info!(
                 namespace = namespaces.id(namespace_index),
                 latency_us_p95 = ?plan.latency_us_p95,
