@@ -449,3 +449,51 @@ fn the_shipped_striped_configuration_admits_its_tenant_on_both_members() {
     drop(client);
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }
+
+#[test]
+fn a_failing_piece_fails_its_request_once_and_the_connection_goes_on() {
+    // Member 2 fails every read and write of its first 4 KiB: stripe 1's first bytes.
+    let server = start(config(vec![
+        namespace(1, "mem:1M", None),
+        namespace(
+            2,
+            "fault(read_error_lba=0-7;write_error_lba=0-7;seed=1):mem:1M",
+            None,
+        ),
+        NamespaceConfig::new(3, "stripe:64K:1,2"),
+    ]));
+    let mut client = Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("{e}"));
+    let status = |error: reflex_client::ClientError| error.status();
+    // A write across the boundary: its piece on member 1 goes first, member 2's fails; the
+    // request gets one answer, an I/O error.
+    let data = pattern(7, 8192);
+    let written = client.write(3, STRIPE - 4096, &data);
+    assert_eq!(
+        written.map_err(status),
+        Err(Some(reflex_proto::native::Status::IoError))
+    );
+    let mut back = vec![0u8; 8192];
+    let read = client.read(3, STRIPE - 4096, &mut back);
+    assert_eq!(
+        read.map_err(status),
+        Err(Some(reflex_proto::native::Status::IoError))
+    );
+    // The same connection serves what does not touch the failing sectors, across the next
+    // boundary too.
+    let data = pattern(8, 8192);
+    client
+        .write(3, 2 * STRIPE - 4096, &data)
+        .unwrap_or_else(|e| panic!("write: {e}"));
+    let mut back = vec![0u8; 8192];
+    client
+        .read(3, 2 * STRIPE - 4096, &mut back)
+        .unwrap_or_else(|e| panic!("read: {e}"));
+    assert_eq!(back, data);
+    drop(client);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let io_errors: u64 = stats.iter().map(|core| core.io_errors).sum();
+    assert_eq!(
+        io_errors, 2,
+        "one I/O error per failed request, not per piece"
+    );
+}
