@@ -222,6 +222,9 @@ pub struct TenantEntry {
     /// A composite namespace's tenant: the handles of its member tenants, in member order
     /// (each admitted on its member's own registry; see [`member_spec`]).
     pub members: Vec<u64>,
+    /// A member tenant: the composite namespace's tenant it serves (its notices go to that
+    /// tenant's connections, the only ones that know a handle).
+    pub member_of: Option<u64>,
 }
 
 impl TenantEntry {
@@ -1841,6 +1844,14 @@ impl State {
 
     /// Queues `body` for every thread with connections of the tenant.
     fn send_notice(&mut self, connections_per_thread: &[u32], body: RenegotiateBody) {
+        // A member device's notice about a composite namespace's tenant names that tenant:
+        // its connections are charged to it (the figures stay the member device's).
+        let handle = self
+            .tenants
+            .get(&body.handle)
+            .and_then(|entry| entry.member_of)
+            .unwrap_or(body.handle);
+        let body = RenegotiateBody { handle, ..body };
         for (thread, &count) in connections_per_thread.iter().enumerate() {
             if count > 0 {
                 self.outbox
@@ -1858,11 +1869,16 @@ impl State {
         read_only: bool,
         dynamic: bool,
     ) -> Result<u64, String> {
+        let members = self.register_members(namespace_index, spec, name, read_only)?;
         let mut handle = self.handles.next();
         while self.tenants.contains_key(&handle) {
             handle = self.handles.next();
         }
-        let members = self.register_members(namespace_index, spec, name, read_only)?;
+        for member in &members {
+            if let Some(entry) = self.tenants.get_mut(member) {
+                entry.member_of = Some(handle);
+            }
+        }
         let Some(namespace) = self.namespace(namespace_index) else {
             return Err("no QoS on this namespace".into());
         };
@@ -1913,6 +1929,7 @@ impl State {
                 source: None,
                 orphaned_at: None,
                 members,
+                member_of: None,
             },
         );
         Ok(handle)

@@ -106,6 +106,8 @@ struct Client {
     socket: SocketId,
     core: ConnectionCore,
     received: Vec<u8>,
+    /// The handles the RENEGOTIATE notices it received name.
+    notices: Vec<u64>,
 }
 
 impl Client {
@@ -119,6 +121,7 @@ impl Client {
                 window_assumed: 128,
             }),
             received: Vec::new(),
+            notices: Vec::new(),
         }
     }
 
@@ -144,6 +147,10 @@ impl Client {
                 .poll_completion()
                 .unwrap_or_else(|e| panic!("{e}"))
             {
+                if let Some(notice) = completion.notice() {
+                    self.notices.push(notice.handle);
+                    continue;
+                }
                 assert!(
                     completion.is_ok(),
                     "request {} failed: {:?}",
@@ -174,6 +181,9 @@ struct Run {
     default_requests: [u64; 2],
     composite_arrivals: u64,
     answered: usize,
+    /// RENEGOTIATE notices the striped tenant's connection received, with S's handle.
+    notices: usize,
+    notices_for_others: usize,
 }
 
 /// The striped tenant S sends [`READS`] 4 KiB reads at 4,000 a second, stripe `k` for read
@@ -181,7 +191,10 @@ struct Run {
 /// stripe `k + 1`); with `flood`, an unbound connection keeps
 /// 64 reads in flight on namespace 1, member 1's own namespace.
 fn run(flood: bool) -> Run {
-    let mut server = server();
+    run_on(server(), flood)
+}
+
+fn run_on(mut server: VirtualServer, flood: bool) -> Run {
     let striped = server.qos()[2]
         .tenants
         .iter()
@@ -220,7 +233,9 @@ fn run(flood: bool) -> Run {
 
     let interval = Nanos(250_000);
     let first = Nanos(10 * MS);
-    let end = first + Nanos(interval.0 * (READS - 1));
+    // Sending ends with the last read (later than planned when a full window held it back);
+    // then the answers have 2 s to arrive.
+    let mut drain_until = Nanos::ZERO;
     let mut sent_at = Vec::new();
     let mut member_of = Vec::new();
     let mut latency_sum_us = [0f64; 2];
@@ -231,13 +246,15 @@ fn run(flood: bool) -> Run {
     loop {
         let next_event = server.next_event();
         let now = match next_event {
-            Some(event) if event < next_send => event,
-            _ if next_send <= end => next_send,
-            Some(event) if event <= end + Nanos(100 * MS) => event,
+            Some(event) if id < READS && event < next_send => event,
+            _ if id < READS => next_send,
+            Some(event) if event <= drain_until => event,
             _ => break,
         };
         server.run_instant(now);
-        if now == next_send && next_send <= end {
+        if now == next_send && id < READS && client.core.outstanding_count() >= 128 {
+            next_send += interval; // The window is full (a throttled tenant): later.
+        } else if now == next_send && id < READS {
             let stripe = id; // stripe k lands on member k % 2
             let (offset, length, member) = if id % 10 == 9 {
                 // Across the boundary from stripe k into stripe k + 1.
@@ -262,6 +279,7 @@ fn run(flood: bool) -> Run {
             member_of.push(member);
             id += 1;
             next_send += interval;
+            drain_until = now + Nanos(2_000 * MS);
         }
         for done in client.answers(&mut server) {
             if done == BIND_ID {
@@ -276,12 +294,18 @@ fn run(flood: bool) -> Run {
         }
         if flood {
             let _ = flooder.answers(&mut server);
-            if now <= end {
+            if id < READS {
                 flood_fill(&mut flooder, &mut server, &mut flood_next);
             }
         }
     }
     assert_eq!(result.answered, id as usize, "every striped read answered");
+    result.notices = client
+        .notices
+        .iter()
+        .filter(|&&handle| handle == striped.handle)
+        .count();
+    result.notices_for_others = client.notices.len() - result.notices;
     for member in 0..2 {
         result.mean_us[member] = latency_sum_us[member] / latency_count[member] as f64;
     }
@@ -504,4 +528,17 @@ fn composite_tenants_added_changed_and_removed_at_run_time_follow_on_every_membe
             .all(|tenant| tenant.name != "R/ns3"),
         "no member tenant left behind"
     );
+}
+
+#[test]
+fn a_member_devices_deficit_notice_reaches_the_composite_tenants_connection() {
+    // S reserves 400 IOPS (200 on each member) and sends ten times that while the flood
+    // takes member 1's spare tokens: member 1's scheduler runs S's member tenant into its
+    // deficit limit, and the notice names S, the handle S's client knows.
+    let server = server_on("stripe:64K:1,2", vec![("S".into(), reads(400))])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let run = run_on(server, true);
+    println!("{run:?}");
+    assert!(run.notices >= 1, "no notice reached S: {run:?}");
+    assert_eq!(run.notices_for_others, 0, "a notice named a member tenant");
 }
