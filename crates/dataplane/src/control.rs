@@ -2142,9 +2142,14 @@ impl State {
             None
         };
         if !has_profile && !namespace.tenants.is_empty() {
+            let reason = if composite.is_some() {
+                "tenants are bound to it but not every member has a QoS profile"
+            } else {
+                "tenants are bound to it but it has no QoS profile"
+            };
             return Err(ControlError::Qos {
                 namespace_id: namespace.namespace_id,
-                reason: "tenants are bound to it but it has no QoS profile".into(),
+                reason: reason.into(),
             });
         }
         self.namespaces.push(NamespaceState {

@@ -338,6 +338,25 @@ fn bad_composite_configurations_are_refused_with_a_reason() {
             "a composite namespace takes no profile",
         ),
     ];
+    let gold = Config {
+        tenants: vec![reflex_server::config::TenantConfig::best_effort("gold")],
+        ..config(vec![
+            mem(1),
+            mem(2),
+            NamespaceConfig {
+                tenant: Some("gold".into()),
+                ..NamespaceConfig::new(3, "concat:1,2")
+            },
+        ])
+    };
+    let reason = match Server::start(gold) {
+        Ok(_) => panic!("started"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        reason.contains("tenants are bound to it but not every member has a QoS profile"),
+        "{reason}"
+    );
     for (namespaces, expected) in cases {
         let reason = refusal(namespaces);
         assert!(
