@@ -542,3 +542,88 @@ fn a_member_devices_deficit_notice_reaches_the_composite_tenants_connection() {
     assert!(run.notices >= 1, "no notice reached S: {run:?}");
     assert_eq!(run.notices_for_others, 0, "a notice named a member tenant");
 }
+
+#[test]
+fn a_tenant_registered_over_the_wire_on_the_composite_lives_on_every_member() {
+    use reflex_proto::native::{RegisterBody, TenantClassRequest, decode_handle};
+    let mut server = server_on("stripe:64K:1,2", Vec::new()).unwrap_or_else(|e| panic!("{e}"));
+    let mut client = Client::connect(&mut server);
+    let call = |client: &mut Client, server: &mut VirtualServer, id: u64| -> Vec<u8> {
+        client.transmit(server);
+        let until = server.now() + Nanos(10 * MS);
+        while let Some(next) = server.next_event().filter(|&next| next <= until) {
+            server.run_instant(next);
+        }
+        server.run_instant(until);
+        client.received.clear();
+        server.client_read(client.socket, &mut client.received);
+        let taken = client.core.handle_received_bytes(&client.received);
+        assert_eq!(taken, client.received.len());
+        let completion = client
+            .core
+            .poll_completion()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("no answer"));
+        assert_eq!(completion.request_id, id);
+        assert!(completion.is_ok(), "{completion:?}");
+        completion.data.to_vec()
+    };
+    let register = |iops| RegisterBody {
+        namespace_id: COMPOSITE,
+        class: TenantClassRequest::LatencyCritical {
+            latency_us_p95: 500,
+            iops,
+            read_percent: 100,
+        },
+        read_only: false,
+        handle: 0,
+    };
+    client
+        .core
+        .submit_register(1, &register(9_000))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let handle =
+        decode_handle(&call(&mut client, &mut server, 1)).unwrap_or_else(|e| panic!("{e}"));
+    let members = server.control().member_tenants(handle);
+    let specs: Vec<(u32, TenantSpec)> = members
+        .iter()
+        .map(|member| {
+            let info = server
+                .control()
+                .tenant(member.handle)
+                .unwrap_or_else(|| panic!("{member:?}"));
+            (info.namespace_id, info.spec)
+        })
+        .collect();
+    assert_eq!(specs, vec![(1, reads(4_500)), (2, reads(4_500))]);
+    // A new SLO over the wire follows on the members.
+    client
+        .core
+        .submit_register(
+            2,
+            &RegisterBody {
+                handle,
+                ..register(3_000)
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    call(&mut client, &mut server, 2);
+    for member in &members {
+        let info = server.control().tenant(member.handle);
+        assert_eq!(info.map(|info| info.spec), Some(reads(1_500)));
+    }
+    client
+        .core
+        .submit_unregister(3, handle)
+        .unwrap_or_else(|e| panic!("{e}"));
+    call(&mut client, &mut server, 3);
+    for member in members
+        .iter()
+        .chain(std::iter::once(&TenantRef { handle, id: 0 }))
+    {
+        assert!(
+            server.control().tenant(member.handle).is_none(),
+            "{member:?} left"
+        );
+    }
+}
