@@ -77,6 +77,7 @@ impl DeviceCalibration {
             tokens_per_sec_in_use: device,
             tokens_spent: self.window.tokens_spent.as_tokens_f64().max(0.0),
             lc_fit_scale,
+            server_busy: self.window.server_busy,
         };
         self.window.clear();
         self.last = Some(observation);

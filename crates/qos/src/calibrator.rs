@@ -31,6 +31,11 @@
 //!   not above `scale_ceiling`. A comfortable window at light load proves nothing about a higher
 //!   rate and restarts the count.
 //!
+//! A cut into LC reservations (below the scale where they fit) also needs the server to have
+//! had CPU to spare in the window: when its busiest dataplane thread was working or waiting
+//! for a CPU at least `server_busy_max` of the time, the latency came from the server, which
+//! a lower device rate does not cure, and the calibrator holds there (`Hold::ServerBusy`).
+//!
 //! For a fixed state, the new scale never increases with `p` (tested).
 
 use std::collections::VecDeque;
@@ -49,9 +54,10 @@ pub const SCALE_CEILING_MAX: f64 = 2.0;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CalibratorConfig {
-    /// Whether reflexd calibrates online at all (on namespaces with a profile, QoS on). Off by
-    /// default: it throttles best-effort tenants first (down to `best_effort_floor`), and
-    /// changes what admission promises (docs/QOS.md §11).
+    /// Whether reflexd calibrates online at all (on namespaces with a profile, QoS on). On by
+    /// default: a profile does not hold the server's, the network's and the client's share of
+    /// what tenants see, nor a device that drifts; it throttles best-effort tenants first
+    /// (down to `best_effort_floor`) and changes what admission promises (docs/QOS.md §11).
     pub enabled: bool,
     /// Once a cut has taken the rate below the profile's, the share of it that best-effort
     /// tenants keep however far the cut goes: LC admission and further cuts leave it to them
@@ -95,12 +101,17 @@ pub struct CalibratorConfig {
     /// A comfortable window counts only if the tokens spent in it were at least this share of
     /// what the rate in use allowed (a light load says nothing about a higher rate).
     pub increase_load_min: f64,
+    /// A window in which the busiest dataplane thread was working or waiting for a CPU at
+    /// least this share of the time says the server, not the device, was slow: no cut into
+    /// LC reservations (a flood of connections raised the latency in `bench/overload.sh`
+    /// while the device was as fast as ever). 1.0: never hold for this.
+    pub server_busy_max: f64,
 }
 
 impl Default for CalibratorConfig {
     fn default() -> CalibratorConfig {
         CalibratorConfig {
-            enabled: false,
+            enabled: true,
             best_effort_floor: 0.05,
             client_share_us: 0,
             learn_network_rtt: true,
@@ -116,6 +127,7 @@ impl Default for CalibratorConfig {
             increase_windows: 3,
             comfort_ratio: 0.8,
             increase_load_min: 0.5,
+            server_busy_max: 0.9,
         }
     }
 }
@@ -178,6 +190,15 @@ impl CalibratorConfig {
         if !(self.increase_load_min.is_finite() && (0.0..=1.0).contains(&self.increase_load_min)) {
             return invalid("increase_load_min", "must be between 0 and 1");
         }
+        if !(self.server_busy_max.is_finite()
+            && self.server_busy_max > 0.0
+            && self.server_busy_max <= 1.0)
+        {
+            return invalid(
+                "server_busy_max",
+                "must be above 0 and at most 1 (1: never hold)",
+            );
+        }
         Ok(())
     }
 }
@@ -205,6 +226,9 @@ pub struct WindowObservation {
     /// best-effort tenants; below it, from LC reservations, which needs more evidence
     /// (`lc_squeeze_windows`).
     pub lc_fit_scale: Option<f64>,
+    /// The largest share of the window any dataplane thread serving the device spent working
+    /// or waiting for a CPU (0 where nobody measures it, as in the simulator).
+    pub server_busy: f64,
 }
 
 impl WindowObservation {
@@ -242,6 +266,9 @@ pub enum Hold {
     Comfortable { count: u32 },
     /// Below the band at a light load: no evidence for more.
     LightLoad,
+    /// Over the target where LC reservations just fit, but the server's threads were busy
+    /// (`server_busy_max`): the latency is the server's, not the device's.
+    ServerBusy,
     /// A decrease was due but the scale is at the floor.
     AtFloor,
     /// An increase was due but the scale is at the ceiling.
@@ -381,6 +408,7 @@ impl Calibrator {
         for (field, value) in [
             ("tokens_per_sec_in_use", observation.tokens_per_sec_in_use),
             ("tokens_spent", observation.tokens_spent),
+            ("server_busy", observation.server_busy),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(ObservationError::InvalidNumber { field, value });
@@ -464,6 +492,11 @@ impl Calibrator {
                 if !at_or_below_fit {
                     // Best-effort tenants first: stop where LC reservations still fit.
                     scale = scale.max(fit.min(config.scale_ceiling));
+                } else if config.server_busy_max < 1.0
+                    && observation.server_busy >= config.server_busy_max
+                {
+                    self.squeeze_windows = 0;
+                    return Action::Held(Hold::ServerBusy);
                 } else {
                     self.squeeze_windows += 1;
                     if self.squeeze_windows < config.lc_squeeze_windows {

@@ -1509,7 +1509,6 @@ mod tests {
     #[test]
     fn with_calibration_on_best_effort_keeps_its_floor_through_a_cut() {
         let mut config = QosConfig::default();
-        config.calibration.enabled = true;
         config.calibration.best_effort_floor = 0.1;
         let mut r = TenantRegistry::new(device_a(), config, 1).unwrap();
         let mut view = View::default();
@@ -1570,7 +1569,11 @@ mod tests {
     /// admitted first, once each.
     #[test]
     fn a_scale_down_lowers_the_device_rate_and_names_the_lc_tenants_that_no_longer_fit() {
-        let mut r = registry(2);
+        // Calibration off: no best-effort floor (set_rate_scale from elsewhere, as the paper's
+        // control plane would).
+        let mut config = QosConfig::default();
+        config.calibration.enabled = false;
+        let mut r = TenantRegistry::new(device_a(), config, 2).unwrap();
         let mut view = View::default();
         let a = r.register(lc(500, 120_000, 100)).unwrap();
         let b = r.register(lc(500, 70_000, 80)).unwrap();

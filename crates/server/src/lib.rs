@@ -41,6 +41,7 @@ mod driver;
 mod epoll;
 pub mod metrics;
 pub mod namespaces;
+mod run_delay;
 #[allow(unsafe_code)]
 mod sys;
 pub mod tls;

@@ -517,6 +517,7 @@ impl Collector for SamplerCollector {
         let mut reserved_rates = Vec::new();
         let mut scales = Vec::new();
         let mut client_shares = Vec::new();
+        let mut server_busy = Vec::new();
         let calibrations = control.calibration();
         let mut spent = Vec::new();
         let mut namespace_latencies = Vec::new();
@@ -546,7 +547,8 @@ impl Collector for SamplerCollector {
                 .find(|(namespace_id, _)| *namespace_id == id)
                 .and_then(|(_, info)| info.last);
             if let Some(observation) = observed {
-                client_shares.push((labels, observation.client_share_us as f64 / 1e6));
+                client_shares.push((labels.clone(), observation.client_share_us as f64 / 1e6));
+                server_busy.push((labels, observation.server_busy));
             }
         }
         gauges(
@@ -596,6 +598,12 @@ impl Collector for SamplerCollector {
             "device_client_share_seconds",
             "Online calibration's last window: the part of the strictest LC SLO left to the network and clients (configured client_share_us plus the learned p95 TCP round trip of LC connections).",
             &client_shares,
+        )?;
+        gauges(
+            &mut encoder,
+            "device_server_busy_ratio",
+            "Online calibration's last window: the largest share of it a dataplane thread spent working or waiting for a CPU (at server_busy_max or above, no cut goes into LC reservations).",
+            &server_busy,
         )?;
         family(
             &mut encoder,

@@ -107,6 +107,9 @@ pub struct TelemetryWindow {
     /// Smoothed TCP round-trip times of connections carrying LC reads ([`rtt`]): the network's
     /// share of what LC tenants see.
     pub network_rtt: LatencyHistogram,
+    /// The share of the interval the publishing thread spent working or waiting for a CPU
+    /// (merged: the busiest thread's). Near 1, the server's CPU, not the device, is slow.
+    pub server_busy: f64,
 }
 
 impl TelemetryWindow {
@@ -119,6 +122,7 @@ impl TelemetryWindow {
         self.lc_reads_service.merge(&other.lc_reads_service);
         self.tokens_spent += other.tokens_spent;
         self.network_rtt.merge(&other.network_rtt);
+        self.server_busy = self.server_busy.max(other.server_busy);
     }
 
     pub fn clear(&mut self) {
@@ -126,6 +130,7 @@ impl TelemetryWindow {
         self.lc_reads_service.clear();
         self.tokens_spent = reflex_qos::Tokens::ZERO;
         self.network_rtt.clear();
+        self.server_busy = 0.0;
     }
 }
 
@@ -250,6 +255,8 @@ pub struct Dataplane {
     /// Publication of the telemetry windows (`None`: self-calibration off).
     telemetry_interval: Option<Nanos>,
     telemetry_publish_at: Nanos,
+    /// The thread's idle and run-delay counters at the last publication (`calibration`).
+    telemetry_cpu_mark: calibration::CpuMark,
     /// The `now` of the last `process` (for work done outside it, such as a close).
     last_now: Nanos,
     /// Counters only the live figures need (`publish`).
@@ -380,6 +387,7 @@ impl Dataplane {
                 setup.qos_config.calibration.window(),
             ),
             telemetry_publish_at: setup.now,
+            telemetry_cpu_mark: calibration::CpuMark::new(setup.now),
             last_now: setup.now,
             live: publish::LiveCounters::new(qos_count, setup.now),
             tls: setup.tls,

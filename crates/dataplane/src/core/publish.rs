@@ -20,7 +20,13 @@ pub(super) struct LiveCounters {
     /// published snapshot is still true.
     published_mark: u64,
     batch_sizes: [u64; BATCH_BUCKETS],
-    idle_ns: u64,
+    pub(super) idle_ns: u64,
+    /// Time the thread was ready to run but waited for a CPU (the driver reads the kernel's
+    /// schedstat; 0 where nobody measures it, as in the simulator).
+    pub(super) run_delay_ns: u64,
+    /// Whether a driver reports idle time and CPU waits at all (the simulator, which has no
+    /// CPU, does not: its threads are never busy for calibration).
+    pub(super) cpu_measured: bool,
     /// Per namespace index: device operations outstanding, completed, and their device time.
     pub(super) device_in_flight: Vec<u32>,
     pub(super) device_operations: Vec<u64>,
@@ -42,6 +48,8 @@ impl LiveCounters {
             published_mark: u64::MAX,
             batch_sizes: [0; BATCH_BUCKETS],
             idle_ns: 0,
+            run_delay_ns: 0,
+            cpu_measured: false,
             device_in_flight: vec![0; namespaces],
             device_operations: vec![0; namespaces],
             device_ns: vec![0; namespaces],
@@ -58,6 +66,14 @@ impl Dataplane {
     /// the complement of the thread's busy share.
     pub fn count_idle(&mut self, idle_ns: u64) {
         self.live.idle_ns += idle_ns;
+        self.live.cpu_measured = true;
+    }
+
+    /// The thread waited `run_delay_ns` for a CPU (the kernel's schedstat, read by the
+    /// driver): with the busy share, how much of the time the server itself was the limit.
+    pub fn count_run_delay(&mut self, run_delay_ns: u64) {
+        self.live.run_delay_ns += run_delay_ns;
+        self.live.cpu_measured = true;
     }
 
     fn activity_mark(&self) -> u64 {

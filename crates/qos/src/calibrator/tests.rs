@@ -106,6 +106,7 @@ impl Loop {
                 tokens_per_sec_in_use: rate,
                 tokens_spent: served,
                 lc_fit_scale: None,
+                server_busy: 0.0,
             };
             let decision = self
                 .calibrator
@@ -278,6 +279,7 @@ fn observation(lc_reads: u64, p95_us: u64, load: f64) -> WindowObservation {
         // A 100 ms window at 100K tokens/s allows 10K tokens.
         tokens_spent: 10_000.0 * load,
         lc_fit_scale: None,
+        server_busy: 0.0,
     }
 }
 
@@ -565,6 +567,13 @@ fn configurations_are_validated() {
             },
             "increase_load_min",
         ),
+        (
+            CalibratorConfig {
+                server_busy_max: 1.5,
+                ..base()
+            },
+            "server_busy_max",
+        ),
     ] {
         let error = refused(config);
         assert!(error.contains(field), "{field}: {error}");
@@ -611,6 +620,53 @@ fn a_cut_stops_where_lc_reservations_fit_until_the_evidence_persists() {
     assert_eq!(
         decisions[1].action,
         Action::Held(Hold::ProtectingLc { count: 1 })
+    );
+    assert!(matches!(decisions[2].action, Action::Decreased { .. }));
+}
+
+/// A cut into LC reservations needs a server with CPU to spare: when its threads were busy,
+/// the latency is the server's and the calibrator holds at the line where LC fits.
+#[test]
+fn a_busy_server_does_not_cut_into_lc_reservations() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let over = |p95_us, server_busy| WindowObservation {
+        lc_fit_scale: Some(0.9),
+        server_busy,
+        ..observation(1_000, p95_us, 1.0)
+    };
+    // Best-effort tenants still pay first, busy or not.
+    let decisions = feed(&mut calibrator, &[over(10 * SLO_US, 0.95)]);
+    assert!(matches!(decisions[0].action, Action::Decreased { .. }));
+    assert_eq!(calibrator.scale(), 0.9);
+    // At the line, busy windows hold however long they last.
+    let busy: Vec<_> = (0..10).map(|i| over((11 + i) * SLO_US, 0.95)).collect();
+    for decision in feed(&mut calibrator, &busy) {
+        assert_eq!(decision.action, Action::Held(Hold::ServerBusy));
+    }
+    assert_eq!(calibrator.scale(), 0.9);
+    // With CPU to spare, the device is to blame: the usual two windows, then a cut.
+    let decisions = feed(
+        &mut calibrator,
+        &[over(30 * SLO_US, 0.5), over(31 * SLO_US, 0.5)],
+    );
+    assert_eq!(
+        decisions[0].action,
+        Action::Held(Hold::ProtectingLc { count: 1 })
+    );
+    assert!(matches!(decisions[1].action, Action::Decreased { .. }));
+    // 1.0 turns the hold off (a thread is never busier than the whole window).
+    let never = CalibratorConfig {
+        server_busy_max: 1.0,
+        ..CalibratorConfig::default()
+    };
+    let mut calibrator = Calibrator::new(never, Nanos::ZERO).unwrap();
+    let decisions = feed(
+        &mut calibrator,
+        &[
+            over(10 * SLO_US, 1.0),
+            over(11 * SLO_US, 1.0),
+            over(12 * SLO_US, 1.0),
+        ],
     );
     assert!(matches!(decisions[2].action, Action::Decreased { .. }));
 }

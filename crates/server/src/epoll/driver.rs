@@ -233,10 +233,15 @@ impl EpollDriver {
         // When the loop last found nothing to do: the time from then to the next iteration
         // is idle (the complement of the thread's busy share in the live figures).
         let mut idle_since: Option<Nanos> = None;
+        // Opened here, on the thread it measures.
+        let mut run_delay = crate::run_delay::RunDelay::for_this_thread(self.now());
         loop {
             let now = self.now();
             if let Some(since) = idle_since.take() {
                 self.dataplane.count_idle(now.saturating_since(since).0);
+            }
+            if let Some(waited) = run_delay.sample(now) {
+                self.dataplane.count_run_delay(waited);
             }
             self.accepts_left = ACCEPTS_PER_ITERATION_MAX;
             for slot in 0..std::mem::take(&mut self.event_count) {

@@ -261,12 +261,17 @@ impl UringDriver {
         // When the loop last found nothing to do: the time from then to the next iteration
         // is idle (the complement of the thread's busy share in the live figures).
         let mut idle_since: Option<Nanos> = None;
+        // Opened here, on the thread it measures.
+        let mut run_delay = crate::run_delay::RunDelay::for_this_thread(self.now());
         // A timed sleep that has just returned: when it began and how long it asked for.
         let mut timed_sleep: Option<(Nanos, Duration)> = None;
         loop {
             let now = self.now();
             if let Some(since) = idle_since.take() {
                 self.dataplane.count_idle(now.saturating_since(since).0);
+            }
+            if let Some(waited) = run_delay.sample(now) {
+                self.dataplane.count_run_delay(waited);
             }
             if let Some((slept_at, timeout)) = timed_sleep.take() {
                 let slept = Duration::from_nanos(now.saturating_since(slept_at).0);
