@@ -184,6 +184,9 @@ struct Run {
     /// RENEGOTIATE notices the striped tenant's connection received, with S's handle.
     notices: usize,
     notices_for_others: usize,
+    /// Each member device's self-calibration windows with enough LC reads to judge (S's
+    /// reads are measured on the member they land on).
+    evidence_windows: [u64; 2],
 }
 
 /// The striped tenant S sends [`READS`] 4 KiB reads at 4,000 a second, stripe `k` for read
@@ -309,6 +312,11 @@ fn run_on(mut server: VirtualServer, flood: bool) -> Run {
     for member in 0..2 {
         result.mean_us[member] = latency_sum_us[member] / latency_count[member] as f64;
     }
+    for (namespace_id, info) in server.control().calibration() {
+        if (1..=2).contains(&namespace_id) {
+            result.evidence_windows[namespace_id as usize - 1] = info.stats.windows_with_evidence;
+        }
+    }
     let stats = server.stats();
     for tenant in &stats[0].tenants {
         for member in 0..2 {
@@ -380,6 +388,13 @@ fn each_piece_is_charged_to_the_member_device_it_lands_on() {
                 "member {member}, flood {flood}"
             );
         }
+        // S's reads feed each member device's self-calibration (2,000 LC reads a second on
+        // each: 200 a window, above the 100 a window needs).
+        assert!(
+            run.evidence_windows.iter().all(|&windows| windows >= 2),
+            "{:?}",
+            run.evidence_windows
+        );
         // The flood is charged to namespace 1's default tenant only.
         assert_eq!(run.default_requests[1], 0);
         if flood {
