@@ -10,6 +10,9 @@
 //! ([`NamespaceSet::with_added`], [`NamespaceSet::with_state`]); the control plane hands it to
 //! every thread.
 //!
+//! A composite slot (`crate::composite`, [`NamespaceSet::with_composite`]) has no device: its
+//! requests' pieces go to its members' slots, declared before it.
+//!
 //! Invariant: a namespace's index (its position here) is what requests, schedulers and device
 //! queues carry; the wire id is looked up once, at validation, among live slots only.
 
