@@ -1550,6 +1550,7 @@ pub fn server(
     let server = VirtualServer::new(VirtualServerSetup {
         threads: setup.threads,
         namespaces,
+        composites: Vec::new(),
         control: ControlSetup {
             threads: setup.threads,
             handles: HandleKeys::Seeded(HANDLE_SEED),

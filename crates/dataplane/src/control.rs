@@ -56,6 +56,7 @@ use reflex_qos::{
 };
 
 use crate::access::Grant;
+use crate::composite::{Composite, CompositeLayout};
 use crate::core::TelemetryWindow;
 use crate::frontend::{ExportBinding, NbdExports};
 use crate::namespaces::{NamespaceSet, SlotState};
@@ -218,6 +219,12 @@ pub struct TenantEntry {
     pub source: Option<std::net::IpAddr>,
     /// When its owner closed (it is unregistered [`TenantLimits::orphan_grace`] later).
     pub orphaned_at: Option<Nanos>,
+    /// A composite namespace's tenant: the handles of its member tenants, in member order
+    /// (each admitted on its member's own registry; see [`member_spec`]).
+    pub members: Vec<u64>,
+    /// A member tenant: the composite namespace's tenant it serves (its notices go to that
+    /// tenant's connections, the only ones that know a handle).
+    pub member_of: Option<u64>,
 }
 
 impl TenantEntry {
@@ -362,6 +369,9 @@ struct NamespaceState {
     /// The grant (tokens/s) last told to each LC tenant over the device's scaled rate: a new
     /// notice goes out only when the grant moves by more than `NOTICE_GRANT_CHANGE_MIN`.
     notified_grants: BTreeMap<TenantId, u64>,
+    /// A composite namespace: its members' slots and layout. Its own registry has an
+    /// unlimited rate and admits everything; admission happens on the members'.
+    composite: Option<(Vec<u16>, CompositeLayout)>,
 }
 
 /// A tenant still over the device's rate hears again only when its grant moved by more than
@@ -419,6 +429,13 @@ pub enum NamespaceChangeError {
     Qos { namespace_id: u32, reason: String },
     #[error("no namespace {0}")]
     NoSuchNamespace(u32),
+    #[error("namespace {0} is composite: it is declared in the configuration and stays")]
+    Composite(u32),
+    #[error("namespace {namespace_id} is a member of composite namespace {composite_id}")]
+    Member {
+        namespace_id: u32,
+        composite_id: u32,
+    },
     #[error(
         "namespace {namespace_id} is in use ({tenants} tenant(s) bound: {names}; {connections} connection(s)): remove with force to unbind them"
     )]
@@ -524,7 +541,8 @@ impl ControlPlane {
         for (index, namespace) in setup.namespaces.iter().enumerate() {
             let namespace_index = index as u16;
             assert_eq!(namespaces.id(namespace_index), namespace.namespace_id);
-            setups.push(state.add_namespace_state(namespace)?);
+            setups
+                .push(state.add_namespace_state(namespace, namespaces.composite(namespace_index))?);
         }
         state.qos_setups = setups.clone();
         let mailboxes = (0..threads)
@@ -719,11 +737,7 @@ impl ControlPlane {
             if entry.read_only != body.read_only {
                 return ControlAnswer::status(Status::Invalid);
             }
-            let id = entry.id;
-            let Some(namespace) = state.namespace(namespace_index) else {
-                return ControlAnswer::status(Status::Invalid);
-            };
-            match namespace.registry.reregister(id, spec) {
+            match state.reregister(body.handle, spec) {
                 Ok(()) => {
                     if let Some(entry) = state.tenants.get_mut(&body.handle) {
                         entry.spec = spec;
@@ -733,7 +747,7 @@ impl ControlPlane {
                         body: ControlBody::Handle(body.handle),
                     }
                 }
-                Err(error) => ControlAnswer::refused(&error.to_string()),
+                Err(reason) => ControlAnswer::refused(&reason),
             }
         })
     }
@@ -826,6 +840,20 @@ impl ControlPlane {
     /// callers use it at housekeeping rate only).
     pub fn has_orphans(&self) -> bool {
         !self.lock().orphans.is_empty()
+    }
+
+    /// The member tenants of a composite namespace's tenant, in member order (empty for a
+    /// plain namespace's tenant or a tenant that is gone).
+    pub fn member_tenants(&self, handle: u64) -> Vec<TenantRef> {
+        let state = self.lock();
+        let Some(entry) = state.tenants.get(&handle) else {
+            return Vec::new();
+        };
+        entry
+            .members
+            .iter()
+            .map(|&member| state.tenant_ref(member))
+            .collect()
     }
 
     /// Looks up a handle for BIND and counts one more connection of it on `thread`.
@@ -925,11 +953,17 @@ impl ControlPlane {
                 let Some(entry) = state.tenants.get(&handle) else {
                     continue;
                 };
-                let (namespace_index, id) = (entry.namespace_index, entry.id);
-                if let Some(namespace) = state.namespace(namespace_index)
-                    && let Err(error) = namespace.registry.disconnect(id, thread as u16)
-                {
-                    tracing::error!(handle, %error, "disconnecting a tenant that has no connection here");
+                let members = entry.members.clone();
+                for handle in std::iter::once(handle).chain(members) {
+                    let Some(entry) = state.tenants.get(&handle) else {
+                        continue;
+                    };
+                    let (namespace_index, id) = (entry.namespace_index, entry.id);
+                    if let Some(namespace) = state.namespace(namespace_index)
+                        && let Err(error) = namespace.registry.disconnect(id, thread as u16)
+                    {
+                        tracing::error!(handle, %error, "disconnecting a tenant that has no connection here");
+                    }
                 }
             }
         });
@@ -1298,10 +1332,9 @@ impl ControlPlane {
                     name: name.to_string(),
                 });
             }
-            namespace
-                .registry
-                .reregister(id, spec)
-                .map_err(|error| AdminError::Refused(error.to_string()))?;
+            state
+                .reregister(handle, spec)
+                .map_err(AdminError::Refused)?;
             if let Some(entry) = state.tenants.get_mut(&handle) {
                 entry.spec = spec;
             }
@@ -1461,11 +1494,14 @@ impl ControlPlane {
                 });
             }
             let setup = state
-                .add_namespace_state(&NamespaceControl {
-                    namespace_id: namespace.id,
-                    profile: namespace.profile,
-                    tenants: Vec::new(),
-                })
+                .add_namespace_state(
+                    &NamespaceControl {
+                        namespace_id: namespace.id,
+                        profile: namespace.profile,
+                        tenants: Vec::new(),
+                    },
+                    None,
+                )
                 .map_err(|error| {
                     // Nothing of the namespace stays behind.
                     if state.namespaces.len() > usize::from(namespace_index) {
@@ -1507,6 +1543,15 @@ impl ControlPlane {
                 .namespaces
                 .index_of(namespace_id)
                 .ok_or(NamespaceChangeError::NoSuchNamespace(namespace_id))?;
+            if catalog.namespaces.composite(namespace_index).is_some() {
+                return Err(NamespaceChangeError::Composite(namespace_id));
+            }
+            if let Some(composite_id) = catalog.namespaces.composites_over(namespace_index).next() {
+                return Err(NamespaceChangeError::Member {
+                    namespace_id,
+                    composite_id,
+                });
+            }
             let handles: Vec<u64> = state
                 .tenants
                 .iter()
@@ -1799,6 +1844,14 @@ impl State {
 
     /// Queues `body` for every thread with connections of the tenant.
     fn send_notice(&mut self, connections_per_thread: &[u32], body: RenegotiateBody) {
+        // A member device's notice about a composite namespace's tenant names that tenant:
+        // its connections are charged to it (the figures stay the member device's).
+        let handle = self
+            .tenants
+            .get(&body.handle)
+            .and_then(|entry| entry.member_of)
+            .unwrap_or(body.handle);
+        let body = RenegotiateBody { handle, ..body };
         for (thread, &count) in connections_per_thread.iter().enumerate() {
             if count > 0 {
                 self.outbox
@@ -1816,17 +1869,34 @@ impl State {
         read_only: bool,
         dynamic: bool,
     ) -> Result<u64, String> {
+        let members = self.register_members(namespace_index, spec, name, read_only)?;
         let mut handle = self.handles.next();
         while self.tenants.contains_key(&handle) {
             handle = self.handles.next();
         }
+        for member in &members {
+            if let Some(entry) = self.tenants.get_mut(member) {
+                entry.member_of = Some(handle);
+            }
+        }
         let Some(namespace) = self.namespace(namespace_index) else {
             return Err("no QoS on this namespace".into());
         };
-        let id = namespace
-            .registry
-            .register(spec)
-            .map_err(|e| e.to_string())?;
+        // A composite's own registry only counts connections: its members judged the SLO.
+        let own_spec = if namespace.composite.is_some() {
+            TenantSpec::BestEffort
+        } else {
+            spec
+        };
+        let id = match namespace.registry.register(own_spec) {
+            Ok(id) => id,
+            Err(error) => {
+                for member in members {
+                    self.remove_tenant(member);
+                }
+                return Err(error.to_string());
+            }
+        };
         namespace.handles.insert(id, handle);
         let namespace_id = namespace.namespace_id;
         let name = if name.is_empty() {
@@ -1858,9 +1928,98 @@ impl State {
                 owner: None,
                 source: None,
                 orphaned_at: None,
+                members,
+                member_of: None,
             },
         );
         Ok(handle)
+    }
+
+    /// A new SLO for a registered tenant: admission runs again on its namespace, or for a
+    /// composite namespace's tenant on every member (a refusal by one puts the members
+    /// already changed back). The entry's spec is the caller's to update.
+    fn reregister(&mut self, handle: u64, spec: TenantSpec) -> Result<(), String> {
+        let Some(entry) = self.tenants.get(&handle) else {
+            return Err("no such tenant".into());
+        };
+        let (namespace_index, id, old_spec, members) = (
+            entry.namespace_index,
+            entry.id,
+            entry.spec,
+            entry.members.clone(),
+        );
+        let Some(namespace) = self.namespace(namespace_index) else {
+            return Err("no such namespace".into());
+        };
+        let Some((_, layout)) = namespace.composite.clone() else {
+            return namespace
+                .registry
+                .reregister(id, spec)
+                .map_err(|error| error.to_string());
+        };
+        let count = members.len();
+        let (new, old) = (
+            member_spec(spec, layout, count),
+            member_spec(old_spec, layout, count),
+        );
+        for (position, &member) in members.iter().enumerate() {
+            if let Err(reason) = self.reregister(member, new) {
+                for &done in &members[..position] {
+                    let _ = self.reregister(done, old);
+                }
+                let member_id = self
+                    .tenants
+                    .get(&member)
+                    .and_then(|entry| self.namespaces.get(usize::from(entry.namespace_index)))
+                    .map_or(0, |namespace| namespace.namespace_id);
+                return Err(format!("member namespace {member_id}: {reason}"));
+            }
+            if let Some(entry) = self.tenants.get_mut(&member) {
+                entry.spec = new;
+            }
+        }
+        Ok(())
+    }
+
+    /// A composite namespace's tenant is first admitted on every member, each judged against
+    /// that member's device ([`member_spec`]); a refusal by one member undoes the others and
+    /// names the member. Returns the member tenants' handles (none for a plain namespace).
+    fn register_members(
+        &mut self,
+        namespace_index: u16,
+        spec: TenantSpec,
+        name: &str,
+        read_only: bool,
+    ) -> Result<Vec<u64>, String> {
+        let Some(NamespaceState {
+            composite: Some((members, layout)),
+            namespace_id,
+            ..
+        }) = self.namespaces.get(usize::from(namespace_index))
+        else {
+            return Ok(Vec::new());
+        };
+        let (members, layout, composite_id) = (members.clone(), *layout, *namespace_id);
+        let member_spec = member_spec(spec, layout, members.len());
+        let base = if name.is_empty() { "tenant" } else { name };
+        let mut handles = Vec::new();
+        for member in members {
+            let member_name = format!("{base}/ns{composite_id}");
+            match self.register(member, member_spec, &member_name, read_only, false) {
+                Ok(handle) => handles.push(handle),
+                Err(reason) => {
+                    for handle in handles {
+                        self.remove_tenant(handle);
+                    }
+                    let member_id = self
+                        .namespaces
+                        .get(usize::from(member))
+                        .map_or(0, |state| state.namespace_id);
+                    return Err(format!("member namespace {member_id}: {reason}"));
+                }
+            }
+        }
+        Ok(handles)
     }
 
     /// REGISTER of a new tenant by a connection, within the per-connection and per-source
@@ -1933,16 +2092,43 @@ impl State {
     fn add_namespace_state(
         &mut self,
         namespace: &NamespaceControl,
+        composite: Option<&Composite>,
     ) -> Result<NamespaceQosSetup, ControlError> {
         let namespace_index = self.namespaces.len() as u16;
-        let has_profile = namespace.profile.is_some();
+        let composite = composite.map(|composite| {
+            let members: Vec<u16> = composite
+                .members()
+                .iter()
+                .map(|member| member.namespace_index)
+                .collect();
+            (members, composite.layout())
+        });
+        if composite.is_some() && namespace.profile.is_some() {
+            return Err(ControlError::Qos {
+                namespace_id: namespace.namespace_id,
+                reason: "a composite namespace has no profile of its own: its members' apply"
+                    .into(),
+            });
+        }
+        // A composite namespace takes tenants when every member does (has a profile).
+        let has_profile = match &composite {
+            Some((members, _)) => members.iter().all(|&member| {
+                self.namespaces
+                    .get(usize::from(member))
+                    .is_some_and(|state| state.has_profile)
+            }),
+            None => namespace.profile.is_some(),
+        };
         let profile = namespace.profile.clone().unwrap_or_else(unlimited_profile);
         let registry = TenantRegistry::new(profile, self.qos_config.clone(), self.threads)
             .map_err(|e| ControlError::Qos {
                 namespace_id: namespace.namespace_id,
                 reason: e.to_string(),
             })?;
-        let calibrating = has_profile && self.qos_enabled && self.qos_config.calibration.enabled;
+        let calibrating = has_profile
+            && composite.is_none()
+            && self.qos_enabled
+            && self.qos_config.calibration.enabled;
         let calibration = if calibrating {
             let calibration =
                 DeviceCalibration::new(self.qos_config.calibration.clone(), Nanos::ZERO).map_err(
@@ -1956,9 +2142,14 @@ impl State {
             None
         };
         if !has_profile && !namespace.tenants.is_empty() {
+            let reason = if composite.is_some() {
+                "tenants are bound to it but not every member has a QoS profile"
+            } else {
+                "tenants are bound to it but it has no QoS profile"
+            };
             return Err(ControlError::Qos {
                 namespace_id: namespace.namespace_id,
-                reason: "tenants are bound to it but it has no QoS profile".into(),
+                reason: reason.into(),
             });
         }
         self.namespaces.push(NamespaceState {
@@ -1969,6 +2160,7 @@ impl State {
             calibration,
             handles: BTreeMap::new(),
             notified_grants: BTreeMap::new(),
+            composite,
         });
         let mut tenants = Vec::new();
         for (name, spec) in &namespace.tenants {
@@ -2019,7 +2211,14 @@ impl State {
         }
         namespace.handles.remove(&id);
         namespace.notified_grants.remove(&id);
-        self.tenants.remove(&handle);
+        let members = self
+            .tenants
+            .remove(&handle)
+            .map(|entry| entry.members)
+            .unwrap_or_default();
+        for member in members {
+            self.remove_tenant(member);
+        }
         self.orphans.remove(&handle);
         if let Some(owner) = owner {
             decrement(&mut self.owned_by_connection, &owner);
@@ -2060,6 +2259,16 @@ impl State {
         let Some(entry) = self.tenants.get(&handle) else {
             return false;
         };
+        // A composite's tenant has its connections on every member: each member's share of
+        // the tenant follows them to the threads, as for a tenant of that member.
+        for member in entry.members.clone() {
+            if !self.connect(member, thread) {
+                return false;
+            }
+        }
+        let Some(entry) = self.tenants.get(&handle) else {
+            return false;
+        };
         let (namespace_index, id) = (entry.namespace_index, entry.id);
         let Some(namespace) = self.namespace(namespace_index) else {
             return false;
@@ -2071,6 +2280,28 @@ impl State {
                 false
             }
         }
+    }
+}
+
+/// What a composite namespace's tenant asks of each member: a stripe spreads a tenant's I/O
+/// evenly over its members, so each gets an even share of the IOPS (rounded up); a
+/// concatenation gives no such spread (a tenant may send all of it to one member), so each
+/// member is asked for the whole reservation. Best effort stays best effort.
+pub fn member_spec(spec: TenantSpec, layout: CompositeLayout, members: usize) -> TenantSpec {
+    match (spec, layout) {
+        (
+            TenantSpec::LatencyCritical {
+                latency_us_p95,
+                iops,
+                read_percent,
+            },
+            CompositeLayout::Stripe { .. },
+        ) => TenantSpec::LatencyCritical {
+            latency_us_p95,
+            iops: iops.div_ceil(members.max(1) as u64),
+            read_percent,
+        },
+        (spec, _) => spec,
     }
 }
 

@@ -10,8 +10,9 @@
 //! take several device operations: large, unaligned, zeroing), `gate` (the ordering of
 //! read-modify-writes, shared by the threads), `control` (tenants, admission and the messages
 //! to the threads' schedulers), `buffers` (page allocation in the arena), `memory` (the arena
-//! itself: the only module with `unsafe`), `namespaces`, `access` (listeners' allow-lists,
-//! tenants' grants, refusals).
+//! itself: the only module with `unsafe`), `namespaces`, `composite` (a namespace striped or
+//! concatenated over others: the address mapping; QoS stays per member device), `access`
+//! (listeners' allow-lists, tenants' grants, refusals).
 //!
 //! Architecture invariants: no socket, no clock, no thread and no io_uring here (time is a
 //! parameter; the crate does not link the ring code); bad input from the network gets an
@@ -22,6 +23,7 @@
 
 pub mod access;
 pub mod buffers;
+pub mod composite;
 pub mod control;
 mod core;
 pub mod frontend;

@@ -10,6 +10,9 @@
 //! ([`NamespaceSet::with_added`], [`NamespaceSet::with_state`]); the control plane hands it to
 //! every thread.
 //!
+//! A composite slot (`crate::composite`, [`NamespaceSet::with_composite`]) has no device: its
+//! requests' pieces go to its members' slots, declared before it.
+//!
 //! Invariant: a namespace's index (its position here) is what requests, schedulers and device
 //! queues carry; the wire id is looked up once, at validation, among live slots only.
 
@@ -18,6 +21,7 @@ use std::sync::Arc;
 use reflex_flash::{Device, DeviceInfo};
 use reflex_proto::native::{self, ServerLimits};
 
+use crate::composite::{Composite, CompositeError, CompositeSpec, MemberInfo};
 use crate::gate::WriteGate;
 
 /// Slots a server has at most over its life (initial namespaces, plus one per run-time add).
@@ -39,6 +43,9 @@ struct Slot {
     read_only: bool,
     state: SlotState,
     gate: Arc<WriteGate>,
+    /// A namespace striped or concatenated over other slots (`crate::composite`): it has no
+    /// device of its own.
+    composite: Option<Arc<Composite>>,
 }
 
 #[derive(Clone)]
@@ -72,6 +79,8 @@ pub enum NamespaceSetError {
     NoSlot,
     #[error("device block size {0} is above the protocol's {max}", max = native::BLOCK_SIZE_BYTES_DEFAULT)]
     BlockSize(u32),
+    #[error("namespace {id}: {error}")]
+    Composite { id: u32, error: CompositeError },
 }
 
 impl NamespaceSet {
@@ -100,6 +109,73 @@ impl NamespaceSet {
         device: Arc<dyn Device>,
         read_only: bool,
     ) -> Result<NamespaceSet, NamespaceSetError> {
+        let info = device.info().clone();
+        self.with_slot(id, Some(device), info, read_only, None)
+    }
+
+    /// This set with one more live namespace striped or concatenated over live namespaces
+    /// of this set (`spec`'s members, declared before it, none of them composite).
+    pub fn with_composite(
+        &self,
+        id: u32,
+        spec: &CompositeSpec,
+        read_only: bool,
+    ) -> Result<NamespaceSet, NamespaceSetError> {
+        let composite_error = |error| NamespaceSetError::Composite { id, error };
+        let mut members = Vec::new();
+        for &member_id in &spec.members {
+            let index = self
+                .index_of(member_id)
+                .ok_or(composite_error(CompositeError::UnknownMember(member_id)))?;
+            if self.composite(index).is_some() {
+                return Err(composite_error(CompositeError::NestedMember(member_id)));
+            }
+            let info = self.info(index);
+            members.push(MemberInfo {
+                id: member_id,
+                namespace_index: index,
+                size_bytes: info.size_bytes,
+                block_size: info.block_size,
+            });
+        }
+        let composite = Composite::new(spec.layout, &members).map_err(composite_error)?;
+        let member_read_only = members
+            .iter()
+            .any(|member| self.is_read_only(member.namespace_index));
+        let supports_trim = members
+            .iter()
+            .all(|member| self.info(member.namespace_index).supports_trim);
+        let description = format!(
+            "{} over namespaces {}",
+            match spec.layout {
+                crate::composite::CompositeLayout::Stripe { stripe_bytes } =>
+                    format!("stripe of {stripe_bytes} bytes"),
+                crate::composite::CompositeLayout::Concat => "concat".to_string(),
+            },
+            spec.members
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let info = DeviceInfo {
+            size_bytes: composite.size_bytes(),
+            block_size: composite.block_size(),
+            read_only: member_read_only,
+            supports_trim,
+            description,
+        };
+        self.with_slot(id, None, info, read_only, Some(Arc::new(composite)))
+    }
+
+    fn with_slot(
+        &self,
+        id: u32,
+        device: Option<Arc<dyn Device>>,
+        info: DeviceInfo,
+        read_only: bool,
+        composite: Option<Arc<Composite>>,
+    ) -> Result<NamespaceSet, NamespaceSetError> {
         if id == 0 {
             return Err(NamespaceSetError::ZeroId);
         }
@@ -112,7 +188,6 @@ impl NamespaceSet {
         if self.slots.len() >= NAMESPACE_SLOTS_MAX {
             return Err(NamespaceSetError::NoSlot);
         }
-        let info = device.info().clone();
         if info.block_size > self.limits.block_size_bytes() {
             return Err(NamespaceSetError::BlockSize(info.block_size));
         }
@@ -120,14 +195,38 @@ impl NamespaceSet {
         set.generation += 1;
         set.slots.push(Slot {
             id,
-            device: Some(device),
+            device,
             read_only: read_only || info.read_only,
             info,
             state: SlotState::Live,
             gate: Arc::new(WriteGate::new()),
+            composite,
         });
         set.rebuild_table();
         Ok(set)
+    }
+
+    /// The layout of a composite namespace (`None`: a namespace on one device). One branch
+    /// on the hot path of plain namespaces.
+    #[inline]
+    pub fn composite(&self, index: u16) -> Option<&Composite> {
+        self.slots
+            .get(usize::from(index))
+            .and_then(|slot| slot.composite.as_deref())
+    }
+
+    /// The live composite namespaces that have slot `index` as a member.
+    pub fn composites_over(&self, index: u16) -> impl Iterator<Item = u32> + '_ {
+        self.slots
+            .iter()
+            .filter(move |slot| {
+                slot.state != SlotState::Gone
+                    && slot
+                        .composite
+                        .as_ref()
+                        .is_some_and(|composite| composite.position(index).is_some())
+            })
+            .map(|slot| slot.id)
     }
 
     /// This set with slot `index` in `state` (`Gone` drops the set's hold on its device).

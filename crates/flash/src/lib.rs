@@ -29,6 +29,7 @@ pub mod null;
 #[allow(unsafe_code)]
 pub mod pool;
 pub mod queueing;
+pub mod size;
 /// Opening devices from specs needs the file device, hence the `uring` feature.
 #[cfg(feature = "uring")]
 pub mod spec;

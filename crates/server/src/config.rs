@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use reflex_dataplane::access::{ByteRange, Grant};
+use reflex_dataplane::composite::CompositeSpec;
 use reflex_flash::spec::parse_size;
 use reflex_qos::{QosConfig, TenantSpec};
 use serde::Deserialize;
@@ -181,6 +182,49 @@ pub struct NamespaceConfig {
     pub profile: Option<String>,
 }
 
+/// What the configuration alone can tell of a composite namespace (`stripe:SIZE:ID,...`,
+/// `concat:ID,...`): its spec parses, its members are plain namespaces declared before it,
+/// and it sets nothing that belongs to a device. Block sizes, stripe size against them and
+/// the members' sizes are checked when the members are open
+/// (`reflex_dataplane::namespaces::NamespaceSet::with_composite`).
+fn validate_composite(
+    namespace: &NamespaceConfig,
+    before: &[NamespaceConfig],
+) -> Result<(), ConfigError> {
+    let invalid = |message: String| {
+        Err(ConfigError::Invalid(format!(
+            "namespace {}: {message}",
+            namespace.id
+        )))
+    };
+    let spec = match CompositeSpec::parse(namespace.backend.trim()) {
+        Ok(spec) => spec,
+        Err(error) => return invalid(error.to_string()),
+    };
+    for member in &spec.members {
+        match before.iter().find(|other| other.id == *member) {
+            None => {
+                return invalid(format!(
+                    "member {member} is not a namespace declared before it"
+                ));
+            }
+            Some(other) if CompositeSpec::is_composite(other.backend.trim()) => {
+                return invalid(format!("member {member} is itself composite"));
+            }
+            Some(_) => {}
+        }
+    }
+    if namespace.profile.is_some() {
+        return invalid(
+            "a composite namespace takes no profile: each member's device has its own".into(),
+        );
+    }
+    if namespace.size_bytes.is_some() {
+        return invalid("a composite namespace takes no size: its members' sizes make it".into());
+    }
+    Ok(())
+}
+
 fn optional_size<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<u64>, D::Error> {
@@ -219,7 +263,9 @@ impl NamespaceConfig {
     /// Parses a `--namespace` flag:
     /// `ID=BACKEND[,size=SIZE][,ro][,name=NAME][,tenant=TENANT][,profile=PATH]`, e.g.
     /// `1=file:/data/ns1,size=10G`, `2=mem:1G,name=scratch`, `3=null`, `4=/dev/nvme0n1,ro`,
-    /// `5=mem:1G,tenant=analytics`, `6=emu:device-a-small,profile=profiles/device-a-small.toml`.
+    /// `5=mem:1G,tenant=analytics`, `6=emu:device-a-small,profile=profiles/device-a-small.toml`;
+    /// composite namespaces: `7=stripe:64K:1,2`, `8=concat:1,2,tenant=gold` (the numbers
+    /// after the layout are its members; options never are numbers).
     pub fn from_flag(text: &str) -> Result<NamespaceConfig, ConfigError> {
         let fail = |message: &str| ConfigError::NamespaceFlag {
             text: text.to_string(),
@@ -236,6 +282,18 @@ impl NamespaceConfig {
         let backend = parts.next().unwrap_or_default().trim().to_string();
         if backend.is_empty() {
             return Err(fail("missing backend"));
+        }
+        let mut backend = backend;
+        let mut parts = parts.peekable();
+        if CompositeSpec::is_composite(&backend) {
+            // A composite's member list goes on over the commas: options are never numbers.
+            while let Some(member) = parts.next_if(|part| {
+                let part = part.trim();
+                !part.is_empty() && part.bytes().all(|byte| byte.is_ascii_digit())
+            }) {
+                backend.push(',');
+                backend.push_str(member.trim());
+            }
         }
         let mut namespace = NamespaceConfig::new(id, backend);
         for option in parts {
@@ -1308,12 +1366,21 @@ impl Config {
             {
                 return invalid(format!("namespace {} configured twice", namespace.id));
             }
+            if CompositeSpec::is_composite(namespace.backend.trim()) {
+                validate_composite(namespace, &namespaces[..index])?;
+            }
         }
         if self.kv.enabled {
             match namespaces.iter().find(|ns| ns.id == self.kv.namespace) {
                 None => {
                     return invalid(format!(
                         "[kv] namespace {} is not configured",
+                        self.kv.namespace
+                    ));
+                }
+                Some(namespace) if CompositeSpec::is_composite(namespace.backend.trim()) => {
+                    return invalid(format!(
+                        "[kv] namespace {} is composite: the table needs one device",
                         self.kv.namespace
                     ));
                 }

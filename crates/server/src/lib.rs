@@ -430,6 +430,29 @@ impl Server {
 fn control_setup(config: &Config) -> Result<ControlSetup, ServerError> {
     let mut namespaces = Vec::new();
     for namespace in config.effective_namespaces() {
+        let bound_tenants = || {
+            let mut tenants = Vec::new();
+            for name in config.tenants_bound_to(namespace.id) {
+                let spec = config
+                    .tenant(&name)
+                    .spec()
+                    .map_err(|reason| ControlError::Qos {
+                        namespace_id: namespace.id,
+                        reason,
+                    })?;
+                tenants.push((name, spec));
+            }
+            Ok::<_, ControlError>(tenants)
+        };
+        if reflex_dataplane::composite::CompositeSpec::is_composite(namespace.backend.trim()) {
+            // No profile of its own: its tenants are admitted on its members' devices.
+            namespaces.push(NamespaceControl {
+                namespace_id: namespace.id,
+                profile: None,
+                tenants: bound_tenants()?,
+            });
+            continue;
+        }
         let Some(path) = &namespace.profile else {
             namespaces.push(NamespaceControl {
                 namespace_id: namespace.id,
@@ -445,21 +468,10 @@ fn control_setup(config: &Config) -> Result<ControlSetup, ServerError> {
         };
         let text = std::fs::read_to_string(path).map_err(|e| profile_error(e.to_string()))?;
         let profile = DeviceProfile::from_toml(&text).map_err(|e| profile_error(e.to_string()))?;
-        let mut tenants = Vec::new();
-        for name in config.tenants_bound_to(namespace.id) {
-            let spec = config
-                .tenant(&name)
-                .spec()
-                .map_err(|reason| ControlError::Qos {
-                    namespace_id: namespace.id,
-                    reason,
-                })?;
-            tenants.push((name, spec));
-        }
         namespaces.push(NamespaceControl {
             namespace_id: namespace.id,
             profile: Some(profile),
-            tenants,
+            tenants: bound_tenants()?,
         });
     }
     Ok(ControlSetup {
@@ -660,13 +672,23 @@ fn nvme_tcp_targets(
     Ok(NvmeTcpTargets::new(options, subsystems, listen))
 }
 
+/// Opens every namespace's device in configuration order; a composite namespace is laid over
+/// its members (declared before it, so slot order stays configuration order).
 fn open_namespaces(config: &Config) -> Result<Arc<NamespaceSet>, ServerError> {
-    let mut entries = Vec::new();
+    use reflex_dataplane::composite::CompositeSpec;
+    let mut set = NamespaceSet::new(Vec::new());
     for namespace in config.effective_namespaces() {
-        let device = open_device(&namespace)?;
-        entries.push((namespace.id, device, namespace.read_only));
+        let added = if CompositeSpec::is_composite(namespace.backend.trim()) {
+            let spec = CompositeSpec::parse(namespace.backend.trim())
+                .map_err(|e| ConfigError::Invalid(format!("namespace {}: {e}", namespace.id)))?;
+            set.with_composite(namespace.id, &spec, namespace.read_only)
+        } else {
+            let device = open_device(&namespace)?;
+            set.with_added(namespace.id, device, namespace.read_only)
+        };
+        set = added.map_err(|e| ConfigError::Invalid(e.to_string()))?;
     }
-    Ok(Arc::new(NamespaceSet::new(entries)))
+    Ok(Arc::new(set))
 }
 
 /// Opens (or formats, as `[kv]` says) the key-value table on its namespace, synchronously,
@@ -844,7 +866,9 @@ fn log_startup(
                 .map_or(0, |(_, tenant)| tenant.handle),
             None => setup.default_tenant.handle,
         };
+        let composite = namespaces.composite(namespace_index).is_some();
         let qos_text = match effective.get(index).and_then(|ns| ns.profile.clone()) {
+            _ if composite => "per member device (composite)".to_string(),
             Some(profile) if config.qos => format!("tokens ({profile})"),
             Some(profile) => format!("off: first in, first out ({profile})"),
             None => "none: no profile, first in, first out".to_string(),
@@ -860,7 +884,7 @@ fn log_startup(
             device = %namespaces.info(namespace_index).description,
             "namespace"
         );
-        if let Some(plan) = handle.control.plan(namespace_index) {
+        if let Some(plan) = handle.control.plan(namespace_index).filter(|_| !composite) {
             tracing::info!(
                 namespace = namespaces.id(namespace_index),
                 latency_us_p95 = ?plan.latency_us_p95,

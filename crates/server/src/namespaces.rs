@@ -133,6 +133,12 @@ impl NamespaceManager {
         if namespace.backend.is_empty() {
             return Err(AddError::Invalid("backend is empty".into()));
         }
+        if reflex_dataplane::composite::CompositeSpec::is_composite(namespace.backend.trim()) {
+            return Err(AddError::Invalid(
+                "a striped or concatenated namespace comes from the configuration at startup;                  it cannot be added at run time"
+                    .into(),
+            ));
+        }
         if namespace.profile.as_ref().is_some_and(String::is_empty) {
             return Err(AddError::Invalid("profile is empty".into()));
         }

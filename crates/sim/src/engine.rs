@@ -276,6 +276,7 @@ impl<'c> Sim<'c> {
         let server = VirtualServer::new(VirtualServerSetup {
             threads: config.threads,
             namespaces,
+            composites: Vec::new(),
             control: ControlSetup {
                 threads: config.threads,
                 handles: HandleKeys::Seeded(config.seed),

@@ -39,6 +39,9 @@ pub struct VirtualServerSetup {
     pub threads: u16,
     /// `(namespace id, device, read-only)`.
     pub namespaces: Vec<(u32, Arc<dyn Device>, bool)>,
+    /// Composite namespaces over those (`reflex_dataplane::composite`), after them in slot
+    /// order: `(namespace id, spec)`.
+    pub composites: Vec<(u32, reflex_dataplane::composite::CompositeSpec)>,
     pub control: ControlSetup,
     pub qos_config: QosConfig,
     pub limits: Limits,
@@ -184,7 +187,13 @@ pub struct VirtualServer {
 
 impl VirtualServer {
     pub fn new(setup: VirtualServerSetup) -> Result<VirtualServer, VirtualServerError> {
-        let namespaces = Arc::new(NamespaceSet::new(setup.namespaces));
+        let mut namespaces = NamespaceSet::new(setup.namespaces);
+        for (id, spec) in &setup.composites {
+            namespaces = namespaces
+                .with_composite(*id, spec, false)
+                .map_err(|e| VirtualServerError::Config(e.to_string()))?;
+        }
+        let namespaces = Arc::new(namespaces);
         let wakers: Vec<Arc<dyn Wake>> = (0..setup.threads)
             .map(|_| Arc::new(NoWake) as Arc<dyn Wake>)
             .collect();

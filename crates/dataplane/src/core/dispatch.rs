@@ -17,6 +17,7 @@ use reflex_qos::{Admitted, EnqueueError, Nanos};
 use reflex_proto::nbd::Errno;
 
 use super::Dataplane;
+use super::composite::Progress;
 use super::ops::{DeviceCommand, DeviceOpId, DeviceOpKind, Op};
 use super::request::{RequestState, Work};
 use crate::frontend::{Action, Answer, IoKind, IoRequest};
@@ -69,16 +70,26 @@ impl Dataplane {
     fn qos_enqueue(&mut self, index: u32, now: Nanos) -> Result<(), EnqueueError> {
         let request = &self.requests[index as usize];
         let io = request.io();
-        let (kind, size_bytes) = match self.charged(index) {
+        let placed = self.placed(index);
+        let (kind, size_bytes) = match charged(placed.operation) {
             Charged::Read(bytes) => (reflex_qos::IoKind::Read, bytes),
             Charged::Write(bytes) => (reflex_qos::IoKind::Write, bytes),
             // Not transfers: charged as one 4 KiB write (`docs/QOS.md` §1).
             Charged::Other => (reflex_qos::IoKind::Write, reflex_qos::COST_UNIT_BYTES),
         };
+        // A composite namespace's piece is its member's to schedule, charged to the tenant's
+        // member tenant there.
+        let tenant_id =
+            match placed.member {
+                None => io.tenant.id,
+                Some(member) => self.member_tenant(io.tenant.handle, member).ok_or(
+                    EnqueueError::UnknownTenant(reflex_qos::TenantId(io.tenant.id)),
+                )?,
+            };
         let token = (u64::from(request.generation) << 32) | u64::from(index);
-        let namespace = &mut self.qos[usize::from(io.namespace_index)];
+        let namespace = &mut self.qos[usize::from(placed.namespace_index)];
         namespace.scheduler.enqueue(
-            reflex_qos::TenantId(io.tenant.id),
+            reflex_qos::TenantId(tenant_id),
             reflex_qos::Request {
                 token,
                 size_bytes,
@@ -86,7 +97,9 @@ impl Dataplane {
             },
             now,
         )?;
-        self.requests[index as usize].queued_at = now;
+        let request = &mut self.requests[index as usize];
+        request.queued_at = now;
+        request.piece_tenant = tenant_id;
         self.qos_queued += 1;
         self.qos_fresh = true;
         Ok(())
@@ -128,17 +141,8 @@ impl Dataplane {
         }
     }
 
-    /// What the scheduler sees of the request's current step.
-    fn charged(&self, index: u32) -> Charged {
-        match self.operation(index) {
-            Operation::Read { length_bytes, .. } => Charged::Read(length_bytes),
-            Operation::Write { length_bytes, .. } => Charged::Write(length_bytes),
-            Operation::Flush | Operation::Discard { .. } => Charged::Other,
-        }
-    }
-
     /// The device operation of the request's current step (computed when the step was set).
-    fn operation(&self, index: u32) -> Operation {
+    pub(super) fn operation(&self, index: u32) -> Operation {
         let operation = self.requests[index as usize].operation;
         debug_assert_eq!(operation, self.compute_operation(index));
         operation
@@ -156,9 +160,12 @@ impl Dataplane {
         steps::operation(io.kind, &layout, step, run_bytes)
     }
 
-    /// Caches the device operation of the request's new step.
+    /// Caches the device operation of the request's new step (its first piece next).
     pub(super) fn refresh_operation(&mut self, index: u32) {
-        self.requests[index as usize].operation = self.compute_operation(index);
+        let operation = self.compute_operation(index);
+        let request = &mut self.requests[index as usize];
+        request.operation = operation;
+        request.piece_done = 0;
     }
 
     /// Scheduling rounds on every namespace, after the blocked requests had their retry.
@@ -259,10 +266,11 @@ impl Dataplane {
     fn submit_io(&mut self, index: u32, now: Nanos) {
         self.transition(index, RequestState::Submitted);
         self.device_in_flight += 1;
-        let namespace_index = self.requests[index as usize].io().namespace_index;
+        let placed = self.placed(index);
+        let namespace_index = placed.namespace_index;
         self.requests[index as usize].submitted_namespace = namespace_index;
         self.live.device_in_flight[usize::from(namespace_index)] += 1;
-        let kind = match self.operation(index) {
+        let kind = match placed.operation {
             Operation::Read {
                 offset_bytes,
                 length_bytes,
@@ -299,7 +307,7 @@ impl Dataplane {
         };
         self.ops.push_back(Op::Device(DeviceCommand {
             id,
-            namespace_index: request.io().namespace_index,
+            namespace_index,
             queue: {
                 let connection = &self.connections[connection_index as usize];
                 connection
@@ -374,14 +382,18 @@ impl Dataplane {
         }
     }
 
-    /// The namespace of a request's device operation in flight (`None`: no such operation).
+    /// The namespace slot whose device has a request's operation in flight (a composite
+    /// namespace's member; `None`: no such operation).
     pub fn device_namespace(&self, id: DeviceOpId) -> Option<u16> {
         match id {
             DeviceOpId::ShutdownFlush { namespace_index } => Some(namespace_index),
-            DeviceOpId::Request { index, .. } => match self.requests.get(index as usize)?.work {
-                Work::Io { io, .. } => Some(io.namespace_index),
-                _ => None,
-            },
+            DeviceOpId::Request { index, .. } => {
+                let request = self.requests.get(index as usize)?;
+                match request.work {
+                    Work::Io { .. } => Some(request.submitted_namespace),
+                    _ => None,
+                }
+            }
         }
     }
 
@@ -395,7 +407,7 @@ impl Dataplane {
                 request.work
             );
         };
-        let start = match self.operation(index) {
+        let start = match self.placed(index).operation {
             Operation::Read { buffer_start, .. } | Operation::Write { buffer_start, .. } => {
                 buffer_start
             }
@@ -449,8 +461,10 @@ impl Dataplane {
         let device_ns = now.saturating_since(request.submitted_at).0;
         self.live.device_operations[live_index] += 1;
         self.live.device_ns[live_index] += device_ns;
-        let namespace = &mut self.qos[usize::from(io.namespace_index)];
-        if let Some(account) = namespace.accounts.get_mut(io.tenant.id as usize) {
+        // The device's time is the tenant's on that device (a composite's member tenant).
+        let tenant_id = request.piece_tenant;
+        let namespace = &mut self.qos[live_index];
+        if let Some(account) = namespace.accounts.get_mut(tenant_id as usize) {
             account.stats.device_ns += device_ns;
         }
         let connection_index = request.connection_index;
@@ -458,6 +472,19 @@ impl Dataplane {
             self.kv_complete(index, result, now);
             return;
         }
+        let placed = self.placed(index);
+        let result = match self.piece_finished(index, placed, result) {
+            Progress::Done(result) => result,
+            Progress::Next => {
+                if self.connections[connection_index as usize].is_open() {
+                    self.enqueue(index, now);
+                } else {
+                    self.free_request(index);
+                    self.maybe_finish_close(connection_index);
+                }
+                return;
+            }
+        };
         let discards = &mut self.discards[usize::from(io.namespace_index)];
         if steps::reveals_no_discard(io.kind, step, &result) {
             *discards = false;
@@ -470,7 +497,7 @@ impl Dataplane {
             (Next::Done(Answer::DeviceError { .. }), Ok(bytes)) => {
                 self.stats.io_errors += 1;
                 self.device_errors.record(
-                    io.namespace_index,
+                    placed.namespace_index,
                     &format!("short transfer of {bytes} bytes"),
                     now,
                 );
@@ -482,7 +509,7 @@ impl Dataplane {
             {
                 self.stats.io_errors += 1;
                 self.device_errors
-                    .record(io.namespace_index, &e.to_string(), now);
+                    .record(placed.namespace_index, &e.to_string(), now);
             }
             _ => {}
         }
@@ -627,6 +654,15 @@ impl Dataplane {
             let started = self.try_start(answer, now);
             assert!(started, "an error answer needs no buffer");
         }
+    }
+}
+
+/// What the scheduler sees of a device operation.
+fn charged(operation: Operation) -> Charged {
+    match operation {
+        Operation::Read { length_bytes, .. } => Charged::Read(length_bytes),
+        Operation::Write { length_bytes, .. } => Charged::Write(length_bytes),
+        Operation::Flush | Operation::Discard { .. } => Charged::Other,
     }
 }
 

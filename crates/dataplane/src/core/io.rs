@@ -516,14 +516,21 @@ impl Dataplane {
             }
         };
         if last {
-            let tenant = reflex_qos::TenantId(io.tenant.id);
-            let latency_critical = self.qos[usize::from(io.namespace_index)]
+            // A composite namespace's read is measured on the member device its last piece
+            // ran on, as its member tenant's: that device's calibration and figures see it.
+            let (namespace_index, tenant_id) =
+                if self.namespaces.composite(io.namespace_index).is_some() {
+                    let request = &self.requests[index as usize];
+                    (request.submitted_namespace, request.piece_tenant)
+                } else {
+                    (io.namespace_index, io.tenant.id)
+                };
+            let latency_critical = self.qos[usize::from(namespace_index)]
                 .scheduler
-                .tenant_class(tenant)
+                .tenant_class(reflex_qos::TenantId(tenant_id))
                 == Some(reflex_qos::TenantClass::LatencyCritical);
-            self.requests[index as usize].measured_read =
-                Some((io.namespace_index, latency_critical));
-            self.requests[index as usize].measured_tenant = io.tenant.id;
+            self.requests[index as usize].measured_read = Some((namespace_index, latency_critical));
+            self.requests[index as usize].measured_tenant = tenant_id;
         }
         self.transition(index, RequestState::Completed);
         if last {

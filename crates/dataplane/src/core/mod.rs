@@ -46,6 +46,7 @@ use crate::telemetry::LatencyHistogram;
 
 mod calibration;
 mod catalog;
+mod composite;
 mod connection;
 mod dispatch;
 mod errors;
@@ -230,6 +231,10 @@ pub struct Dataplane {
     messages: Vec<ControlMessage>,
     /// Accounts of tenant ids that were reused by another tenant on this thread, by handle.
     retired_accounts: BTreeMap<u64, TenantStats>,
+    /// Per tenant of a composite namespace (by handle): its tenant id on each member, in
+    /// member order (`composite`). Learnt when a connection first charges the tenant,
+    /// forgotten when it is revoked; bounded by the tenants of composite namespaces.
+    member_tenants: HashMap<u64, Box<[u32]>>,
     device_errors: DeviceErrorLog,
     /// Per namespace: read latencies measured as answers leave.
     telemetry: Vec<NamespaceTelemetry>,
@@ -317,6 +322,10 @@ impl Dataplane {
             });
         }
         let qos_count = setup.namespaces.len();
+        // A composite namespace has no device of its own: its members' queues serve it.
+        let queues_open: Vec<bool> = (0..qos_count)
+            .map(|index| setup.namespaces.composite(index as u16).is_none())
+            .collect();
         let namespace_ids = (0..setup.namespaces.len())
             .map(|index| setup.namespaces.id(index as u16))
             .collect();
@@ -361,10 +370,11 @@ impl Dataplane {
             fair_released: Vec::with_capacity(limits.device_in_flight_max as usize),
             messages: Vec::with_capacity(MESSAGES_PER_ITERATION_MAX),
             retired_accounts: BTreeMap::new(),
+            member_tenants: HashMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
             telemetry: vec![NamespaceTelemetry::default(); qos_count],
             rtt: rtt::RttSampler::default(),
-            queues_open: vec![true; qos_count],
+            queues_open,
             draining: Vec::new(),
             flushing: Vec::new(),
             flushed: Vec::new(),

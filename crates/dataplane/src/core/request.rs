@@ -229,6 +229,11 @@ pub(super) struct Request {
     pub(super) measured_tenant: u32,
     /// The namespace of the device operation in flight (live figures: queue depth).
     pub(super) submitted_namespace: u16,
+    /// A composite namespace's request: what of the current step's device operation earlier
+    /// pieces did (bytes; members for a flush), and the member tenant id its current piece
+    /// is charged to (`composite`).
+    pub(super) piece_done: u32,
+    pub(super) piece_tenant: u32,
     /// The tenant whose place at the device the fairness stage counts for this request's
     /// device operation (`None`: it did not come through the stage).
     pub(super) fair_flow: Option<u32>,
@@ -256,6 +261,8 @@ impl Request {
             measured_read: None,
             measured_tenant: 0,
             submitted_namespace: 0,
+            piece_done: 0,
+            piece_tenant: 0,
             fair_flow: None,
             queued_at: Nanos::ZERO,
             submitted_at: Nanos::ZERO,

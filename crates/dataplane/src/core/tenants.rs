@@ -262,6 +262,7 @@ impl Dataplane {
             }
             ControlMessage::Namespaces => self.adopt_catalog(now),
             ControlMessage::Revoke { handle } => {
+                self.member_tenants.remove(&handle);
                 for connection in self.connections.iter_mut() {
                     if let Some(bound) = connection.bound.as_mut()
                         && bound.tenant.handle == handle
@@ -507,6 +508,13 @@ impl Dataplane {
                         grant: connected.grant,
                     });
                 self.ensure_account(connected.namespace_index, tenant, now);
+                if self
+                    .namespaces
+                    .composite(connected.namespace_index)
+                    .is_some()
+                {
+                    self.learn_member_tenants(connected.namespace_index, tenant.handle, now);
+                }
                 (connected.namespace_index, connected.grant)
             }
         };
@@ -537,7 +545,7 @@ impl Dataplane {
 
     /// Makes sure this thread accounts for `tenant` (its id may have served another tenant
     /// before: that one's figures are kept by handle).
-    fn ensure_account(&mut self, namespace_index: u16, tenant: TenantRef, now: Nanos) {
+    pub(super) fn ensure_account(&mut self, namespace_index: u16, tenant: TenantRef, now: Nanos) {
         let namespace = &mut self.qos[usize::from(namespace_index)];
         let id = tenant.id as usize;
         if namespace.accounts.len() <= id {
@@ -744,6 +752,9 @@ impl Dataplane {
             revoked: false,
         });
         self.ensure_account(binding.namespace_index, binding.tenant, now);
+        if self.namespaces.composite(binding.namespace_index).is_some() {
+            self.learn_member_tenants(binding.namespace_index, binding.tenant.handle, now);
+        }
         ControlAnswer::ok()
     }
 

@@ -138,7 +138,9 @@ impl From<NamespaceChangeError> for ApiError {
             | NamespaceChangeError::Fixed
             | NamespaceChangeError::Set(_)
             | NamespaceChangeError::Export(_)
-            | NamespaceChangeError::InUse { .. } => StatusCode::CONFLICT,
+            | NamespaceChangeError::InUse { .. }
+            | NamespaceChangeError::Composite(_)
+            | NamespaceChangeError::Member { .. } => StatusCode::CONFLICT,
         };
         ApiError::new(status, error.to_string())
     }

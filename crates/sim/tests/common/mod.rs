@@ -39,6 +39,7 @@ pub fn one_namespace_server_on(
     VirtualServer::new(VirtualServerSetup {
         threads,
         namespaces: vec![(NAMESPACE, device, false)],
+        composites: Vec::new(),
         control: ControlSetup {
             threads,
             handles: HandleKeys::Seeded(1),
