@@ -64,7 +64,10 @@ fn server_on(
     spec: &str,
     tenants: Vec<(String, TenantSpec)>,
 ) -> Result<VirtualServer, reflex_sim::VirtualServerError> {
-    let qos_config = QosConfig::default();
+    // Self-calibration on (it is off by default): the tests check that a composite's reads
+    // reach each member device's calibrator.
+    let mut qos_config = QosConfig::default();
+    qos_config.calibration.enabled = true;
     let member = |id| NamespaceControl {
         namespace_id: id,
         profile: Some(profile()),
