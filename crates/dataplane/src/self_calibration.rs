@@ -65,7 +65,10 @@ impl DeviceCalibration {
         // The network's share of what LC tenants see: the sampled round trips' p95 (none
         // without samples: a window's reads then had no answer to sample yet).
         let learned_network_us = if config.learn_network_rtt {
-            self.window.network_rtt.quantile_us(0.95)
+            let cap = plan
+                .latency_us_p95
+                .map_or(0, |slo| (slo as f64 * config.network_share_max) as u64);
+            self.window.network_rtt.quantile_us(0.95).min(cap)
         } else {
             0
         };

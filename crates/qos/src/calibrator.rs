@@ -70,6 +70,10 @@ pub struct CalibratorConfig {
     /// Learn the network's share: add the window's p95 of the smoothed TCP round-trip times
     /// of connections carrying LC reads (sampled by the dataplane) to `client_share_us`.
     pub learn_network_rtt: bool,
+    /// The learned network share is at most this share of the SLO: a round trip longer than
+    /// that is the client's or the network's trouble, which no device rate cures (connections
+    /// just opened reported 495 µs on loopback, which left a 500 µs SLO a 5 µs target).
+    pub network_share_max: f64,
     /// One observation window: the integrator closes one every this long.
     pub window_us: u64,
     /// Fewest LC reads a window needs to count as evidence (at 100 the p95 is the 5th-slowest
@@ -115,6 +119,7 @@ impl Default for CalibratorConfig {
             best_effort_floor: 0.05,
             client_share_us: 0,
             learn_network_rtt: true,
+            network_share_max: 0.5,
             window_us: 100_000,
             samples_min: 100,
             scale_floor: 0.2,
@@ -177,6 +182,9 @@ impl CalibratorConfig {
         }
         if !fraction(self.increase_step) {
             return invalid("increase_step", "must be between 0 and 1 (exclusive)");
+        }
+        if !(self.network_share_max.is_finite() && (0.0..1.0).contains(&self.network_share_max)) {
+            return invalid("network_share_max", "must be at least 0 and below 1");
         }
         if self.lc_squeeze_windows == 0 {
             return invalid("lc_squeeze_windows", "must be at least 1");

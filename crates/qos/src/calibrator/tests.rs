@@ -574,6 +574,13 @@ fn configurations_are_validated() {
             },
             "server_busy_max",
         ),
+        (
+            CalibratorConfig {
+                network_share_max: 1.0,
+                ..base()
+            },
+            "network_share_max",
+        ),
     ] {
         let error = refused(config);
         assert!(error.contains(field), "{field}: {error}");
