@@ -42,6 +42,7 @@ use crate::fairness::{
     CoreSample, Density, FairnessConfig, FairnessConfigError, FairnessMonitor, FairnessReport,
     FairnessWindow, FlowId, FlowSample,
 };
+use crate::migration::MigrationConfig;
 use crate::rates::TenantClass;
 use crate::time::Nanos;
 
@@ -80,6 +81,9 @@ pub struct FairQueueConfig {
     pub backwardings: Option<u32>,
     /// The monitor that classifies flows dense or sparse (and gives B when not fixed).
     pub monitor: FairnessConfig,
+    /// Inter-core migration between this device's threads (`crate::migration`); with
+    /// `mode = "backwarding"` it is OctoFAS's hybrid (Algorithm 4).
+    pub migration: MigrationConfig,
 }
 
 impl Default for FairQueueConfig {
@@ -90,6 +94,7 @@ impl Default for FairQueueConfig {
             held_max: 4096,
             backwardings: None,
             monitor: FairnessConfig::default(),
+            migration: MigrationConfig::default(),
         }
     }
 }
@@ -106,6 +111,13 @@ impl FairQueueConfig {
         if self.backwardings.is_some_and(|b| b > 1_000) {
             return invalid("backwardings", "must be at most 1000");
         }
+        if self.migration.enabled && self.mode == FairMode::Off {
+            return invalid(
+                "migration.enabled",
+                "needs the stage on (a mode other than off): migration moves what it holds",
+            );
+        }
+        self.migration.validate()?;
         self.monitor.validate()
     }
 }
