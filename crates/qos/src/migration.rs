@@ -289,9 +289,11 @@ pub struct MigratorStats {
 }
 
 impl Migrator {
-    pub fn new(config: &MigrationConfig, thread_index: usize, threads: usize) -> Migrator {
-        assert!(thread_index < threads, "thread {thread_index} of {threads}");
-        assert!(threads <= THREADS_MAX);
+    /// Thread `thread_index`'s side; sized for [`THREADS_MAX`] threads, as the device's
+    /// threads are known only once each has joined the [`MigrationBoard`].
+    pub fn new(config: &MigrationConfig, thread_index: usize) -> Migrator {
+        assert!(thread_index < THREADS_MAX, "thread {thread_index}");
+        let threads = THREADS_MAX;
         Migrator {
             config: config.clone(),
             thread_index,
@@ -337,9 +339,17 @@ impl Migrator {
     /// Takes this thread's row of a new plan. A destination whose quota fell keeps what it
     /// has until those requests come back; it gets no more meanwhile.
     pub fn set_plan(&mut self, plan: &MigrationPlan) {
-        assert_eq!(plan.threads(), self.quota.len(), "a plan for other threads");
+        assert!(
+            plan.threads() <= self.quota.len(),
+            "a plan for other threads"
+        );
+        let planned = self.thread_index < plan.threads();
         for (destination, quota) in self.quota.iter_mut().enumerate() {
-            *quota = plan.quota(self.thread_index, destination);
+            *quota = if planned && destination < plan.threads() {
+                plan.quota(self.thread_index, destination)
+            } else {
+                0
+            };
         }
         assert_eq!(
             self.quota[self.thread_index], 0,

@@ -52,6 +52,7 @@ mod errors;
 mod io;
 mod kv;
 mod limits;
+mod migration;
 mod ops;
 mod publish;
 mod receive;
@@ -72,6 +73,7 @@ pub use limits::{
     CONNECTION_SLACK, DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits,
     RECV_BUFFERS_SPARE_MAX,
 };
+pub use migration::{MIGRATED_TOKEN, MigratedRead, MigrationMessage};
 pub use ops::{AcceptRefused, ConnectionId, DeviceCommand, DeviceOpId, DeviceOpKind, Op};
 pub use request::{GENERATION_MASK, REQUEST_STATE_COUNT, RequestState};
 pub use send::SEND_SEGMENTS_MAX;
@@ -221,6 +223,8 @@ pub struct Dataplane {
     admitted: Vec<Admitted>,
     /// Scratch: what a fairness stage released in one round (tenant id, scheduler token).
     fair_released: Vec<(u32, u64)>,
+    /// Scratch: admitted reads going to other threads in one round (token, destination).
+    migrating: Vec<(u64, u16)>,
     /// Scratch: control messages being applied.
     messages: Vec<ControlMessage>,
     /// Accounts of tenant ids that were reused by another tenant on this thread, by handle.
@@ -256,6 +260,8 @@ pub struct Dataplane {
     refusal_log: RefusalLog,
     /// The key-value table and its operations in progress (`kv`).
     kv: Option<kv::KvEngine>,
+    /// Reads served for other threads and messages to them (`migration`).
+    migration: migration::Migration,
 }
 
 impl Dataplane {
@@ -291,6 +297,7 @@ impl Dataplane {
         stats.requests_per_state[RequestState::Free as usize] = limits.requests_max;
         let mut qos = Vec::with_capacity(setup.qos.len());
         for (index, namespace) in setup.qos.into_iter().enumerate() {
+            let shared = std::sync::Arc::clone(&namespace.shared);
             let scheduler = reflex_qos::Scheduler::new(
                 namespace.shared,
                 setup.thread_index as u16,
@@ -301,9 +308,19 @@ impl Dataplane {
             .map_err(|e| SetupError::Qos(e.to_string()))?;
             let fair = reflex_qos::FairQueue::new(&setup.qos_config.fairness, setup.now)
                 .map_err(|e| SetupError::Qos(e.to_string()))?;
+            let migrator =
+                reflex_qos::Migrator::new(&setup.qos_config.fairness.migration, setup.thread_index);
+            if migrator.is_enabled() {
+                shared
+                    .migration_board()
+                    .join(setup.thread_index, fair.depth_max());
+            }
             qos.push(NamespaceQos {
                 scheduler,
                 fair,
+                migrator,
+                shared,
+                loads: Vec::new(),
                 default_tenant: namespace.default_tenant,
                 namespace_id: setup.namespaces.id(index as u16),
                 accounts: Vec::new(),
@@ -352,6 +369,7 @@ impl Dataplane {
             qos_fresh: false,
             admitted: Vec::with_capacity(limits.device_in_flight_max as usize),
             fair_released: Vec::with_capacity(limits.device_in_flight_max as usize),
+            migrating: Vec::with_capacity(limits.device_in_flight_max as usize),
             messages: Vec::with_capacity(MESSAGES_PER_ITERATION_MAX),
             retired_accounts: BTreeMap::new(),
             device_errors: DeviceErrorLog::new(setup.thread_index, namespace_ids),
@@ -378,6 +396,7 @@ impl Dataplane {
             kv: setup
                 .kv
                 .map(|kv| kv::KvEngine::new(kv, limits.requests_max)),
+            migration: migration::Migration::default(),
             limits,
         };
         // The device rates the registries computed at startup.
@@ -435,6 +454,7 @@ impl Dataplane {
             || self.phase_ready()
             || self.gate_retry_ready()
             || self.kv_retry_ready()
+            || self.migration.has_outgoing()
     }
 
     /// The driver is about to sleep: a thread with nothing queued leaves the global buckets'

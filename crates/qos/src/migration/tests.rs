@@ -200,7 +200,7 @@ fn the_migrator_picks_destinations_round_robin_within_its_quota() {
         0.8,
         &loads(&[(12.0, 4), (0.0, 4), (2.0, 4), (4.0, 4)]),
     );
-    let mut migrator = Migrator::new(&config, 0, 4);
+    let mut migrator = Migrator::new(&config, 0);
     migrator.set_plan(&plan);
     assert_eq!((migrator.quota(1), migrator.quota(2)), (4, 2));
     // Sparse flows stay home; dense requests go 1, 2, 1, 2, 1, 1, then no place is left.
@@ -245,7 +245,7 @@ fn which_flows_move_is_the_configuration_s_choice() {
     let destination = |flows, density| {
         let config = config(flows);
         let plan = plan(&config, 0.8, &loads(&[(8.0, 4), (0.0, 4)]));
-        let mut migrator = Migrator::new(&config, 0, 2);
+        let mut migrator = Migrator::new(&config, 0);
         migrator.set_plan(&plan);
         migrator.pick_destination(density)
     };
@@ -259,7 +259,7 @@ fn which_flows_move_is_the_configuration_s_choice() {
     // A destination has no quota of its own: it never migrates.
     let config = config(All);
     let plan = plan(&config, 0.8, &loads(&[(8.0, 4), (0.0, 4)]));
-    let mut destination_side = Migrator::new(&config, 1, 2);
+    let mut destination_side = Migrator::new(&config, 1);
     destination_side.set_plan(&plan);
     assert_eq!(destination_side.pick_destination(Density::Dense), None);
     destination_side.arrived(0);
@@ -312,7 +312,7 @@ fn the_monitor_s_classes_decide_whose_requests_move() {
     let plan = plan(&config, 0.8, &loads(&[(load, 4), (0.0, 4)]));
     // U 1.5 and 0 (mean 0.75): three requests' worth moves.
     assert_eq!(plan.quota(0, 1), 3);
-    let mut migrator = Migrator::new(&config, 0, 2);
+    let mut migrator = Migrator::new(&config, 0);
     migrator.set_plan(&plan);
     let density = |flow: u64| {
         report
