@@ -100,9 +100,14 @@ impl Dataplane {
             && self.migration.in_use() == 0
     }
 
-    /// Whether reads of other threads may still be served here (not once finished).
+    /// Whether reads of other threads may still be served here: while running or draining
+    /// (the drain waits for them), not once waiting requests were refused, devices are being
+    /// flushed or the thread finished (nothing would serve them then).
     pub(super) fn phase_accepts_migrated(&self) -> bool {
-        self.phase != Phase::Finished
+        matches!(
+            self.phase,
+            Phase::Running | Phase::Draining { aborted: false, .. }
+        )
     }
 
     /// The deadline of the phase, when it waits for one: always after the `now` the phase
