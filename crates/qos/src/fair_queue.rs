@@ -42,6 +42,7 @@ use crate::fairness::{
     CoreSample, Density, FairnessConfig, FairnessConfigError, FairnessMonitor, FairnessReport,
     FairnessWindow, FlowId, FlowSample,
 };
+use crate::migration::MigrationConfig;
 use crate::rates::TenantClass;
 use crate::time::Nanos;
 
@@ -80,6 +81,9 @@ pub struct FairQueueConfig {
     pub backwardings: Option<u32>,
     /// The monitor that classifies flows dense or sparse (and gives B when not fixed).
     pub monitor: FairnessConfig,
+    /// Inter-core migration between this device's threads (`crate::migration`); with
+    /// `mode = "backwarding"` it is OctoFAS's hybrid (Algorithm 4).
+    pub migration: MigrationConfig,
 }
 
 impl Default for FairQueueConfig {
@@ -90,6 +94,7 @@ impl Default for FairQueueConfig {
             held_max: 4096,
             backwardings: None,
             monitor: FairnessConfig::default(),
+            migration: MigrationConfig::default(),
         }
     }
 }
@@ -106,6 +111,13 @@ impl FairQueueConfig {
         if self.backwardings.is_some_and(|b| b > 1_000) {
             return invalid("backwardings", "must be at most 1000");
         }
+        if self.migration.enabled && self.mode == FairMode::Off {
+            return invalid(
+                "migration.enabled",
+                "needs the stage on (a mode other than off): migration moves what it holds",
+            );
+        }
+        self.migration.validate()?;
         self.monitor.validate()
     }
 }
@@ -177,6 +189,12 @@ pub struct FairQueue {
     network_rtt: Nanos,
     report: Option<FairnessReport>,
     stats: FairQueueStats,
+    /// Latencies of the requests homed on this thread that completed in the load window,
+    /// served here or migrated (not those of other threads served here): the load.
+    home_latency_ns: u64,
+    load_window_start: Nanos,
+    /// The last window's load: time-averaged requests homed here (Little's law).
+    load: f64,
 }
 
 impl FairQueue {
@@ -198,7 +216,28 @@ impl FairQueue {
             network_rtt: Nanos::ZERO,
             report: None,
             stats: FairQueueStats::default(),
+            home_latency_ns: 0,
+            load_window_start: now,
+            load: 0.0,
         })
+    }
+
+    /// The last closed window's load: the best-effort requests homed on this thread (admitted
+    /// and not yet completed, wherever they were served), averaged over the window: the sum of
+    /// their latencies over the window's length (Little's law). `crate::migration` plans
+    /// from it.
+    pub fn load(&self) -> f64 {
+        self.load
+    }
+
+    /// The stage's places at the device (`be_device_depth_max`): its capacity for migration.
+    pub fn depth_max(&self) -> u32 {
+        self.depth_max
+    }
+
+    /// The monitor's knobs (its `load_balance_threshold` gates migration).
+    pub fn monitor_config(&self) -> &FairnessConfig {
+        self.monitor.config()
     }
 
     pub fn mode(&self) -> FairMode {
@@ -262,16 +301,30 @@ impl FairQueue {
     /// Holds an admitted best-effort request of `flow` until [`FairQueue::poll_release`]
     /// gives it back.
     pub fn hold(&mut self, flow: FlowId, token: u64) -> Result<(), FairQueueFull> {
-        assert!(self.is_on(), "holding a request with the stage off");
-        assert!(
-            flow.0 < u64::from(FAIR_FLOWS_MAX),
-            "flow {flow:?} beyond the limit"
-        );
         if self.held >= self.held_max {
             return Err(FairQueueFull {
                 held_max: self.held_max,
             });
         }
+        self.hold_unchecked(flow, token);
+        Ok(())
+    }
+
+    /// Holds a request another thread migrated here (`crate::migration`): never refused, as
+    /// the request has nowhere else to wait; the migration credits bound how many there are
+    /// (at most `in_transit_per_pair_max` per other thread), so `held` may pass `held_max` by
+    /// that much. It joins its flow's FIFO like a local one (the hybrid's backwarding applies
+    /// to it: OctoFAS Algorithm 4).
+    pub fn hold_migrated(&mut self, flow: FlowId, token: u64) {
+        self.hold_unchecked(flow, token);
+    }
+
+    fn hold_unchecked(&mut self, flow: FlowId, token: u64) {
+        assert!(self.is_on(), "holding a request with the stage off");
+        assert!(
+            flow.0 < u64::from(FAIR_FLOWS_MAX),
+            "flow {flow:?} beyond the limit"
+        );
         let index = flow.0 as usize;
         if self.flows.len() <= index {
             self.flows.resize_with(index + 1, Flow::default);
@@ -288,7 +341,6 @@ impl FairQueue {
         self.sequence += 1;
         self.held += 1;
         self.stats.held_total += 1;
-        Ok(())
     }
 
     /// The next request to send to the device, if the stage has one and the device has fewer
@@ -345,6 +397,35 @@ impl FairQueue {
     /// A released request of `flow` finished at the device; `latency_ns` is its server-side
     /// latency (for the monitor's response time).
     pub fn completed(&mut self, flow: FlowId, latency_ns: u64, now: Nanos) {
+        self.home_latency_ns = self.home_latency_ns.saturating_add(latency_ns);
+        self.completed_here(flow, latency_ns, now);
+    }
+
+    /// A request another thread migrated here finished at the device: its place is free and
+    /// the monitor counts it (OctoFAS's hybrid counts migrated requests in the destination's
+    /// flows), but it is not this thread's load.
+    pub fn completed_migrated_here(&mut self, flow: FlowId, latency_ns: u64, now: Nanos) {
+        self.completed_here(flow, latency_ns, now);
+    }
+
+    /// A request of this thread that another thread served came back: the monitor and the
+    /// load count it; nothing of this stage's device places changes.
+    pub fn completed_elsewhere(&mut self, flow: FlowId, latency_ns: u64) {
+        assert!(
+            flow.0 < u64::from(FAIR_FLOWS_MAX),
+            "flow {flow:?} beyond the limit"
+        );
+        let index = flow.0 as usize;
+        if self.flows.len() <= index {
+            self.flows.resize_with(index + 1, Flow::default);
+        }
+        let entry = &mut self.flows[index];
+        entry.completed += 1;
+        entry.latency_sum_ns = entry.latency_sum_ns.saturating_add(latency_ns);
+        self.home_latency_ns = self.home_latency_ns.saturating_add(latency_ns);
+    }
+
+    fn completed_here(&mut self, flow: FlowId, latency_ns: u64, now: Nanos) {
         let Some(entry) = usize::try_from(flow.0)
             .ok()
             .and_then(|index| self.flows.get_mut(index))
@@ -432,6 +513,9 @@ impl FairQueue {
         }
         self.report = Some(report);
         self.stats.reports += 1;
+        let length_ns = now.saturating_since(self.load_window_start).0.max(1);
+        self.load = std::mem::take(&mut self.home_latency_ns) as f64 / length_ns as f64;
+        self.load_window_start = now;
         true
     }
 

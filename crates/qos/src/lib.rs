@@ -42,6 +42,11 @@
 //! them, and leave in the order its mode picks (FIFO, OctoFAS backwarding, fewest in flight);
 //! latency-critical requests never enter it.
 //!
+//! **Migration** (dataplane, one [`Migrator`] per thread per device, off by default): every
+//! monitor window each thread publishes its load on the device's [`MigrationBoard`];
+//! [`migration::plan`] (OctoFAS Algorithm 2) turns every thread's load into quotas of
+//! requests an overloaded thread may have served by an underloaded one.
+//!
 //! **Dataplane** (one [`Scheduler`] per thread per device, all sharing one `Arc<DeviceShared>`):
 //! - [`Scheduler::new`]`(shared, thread_index, &config, Policy::Tokens | Policy::Fifo, now)`;
 //!   everything it needs is allocated here, nothing per round;
@@ -104,6 +109,7 @@ pub mod config;
 pub mod cost;
 pub mod fair_queue;
 pub mod fairness;
+pub mod migration;
 pub mod profile;
 mod queue;
 pub mod rates;
@@ -124,6 +130,10 @@ pub use fair_queue::{FairMode, FairQueue, FairQueueConfig, FairQueueFull, FairQu
 pub use fairness::{
     CoreSample, Density, FairnessConfig, FairnessMonitor, FairnessPolicy, FairnessReport,
     FairnessWindow, FlowId, FlowReport, FlowSample,
+};
+pub use migration::{
+    MigrationBoard, MigrationConfig, MigrationFlows, MigrationPlan, Migrator, MigratorStats,
+    ThreadLoad,
 };
 pub use profile::{DeviceProfile, TokenLimit};
 pub use rates::{DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates};

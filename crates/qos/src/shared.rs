@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use crate::config::THREADS_MAX;
 use crate::cost::LoadMode;
+use crate::migration::MigrationBoard;
 use crate::time::Nanos;
 use crate::tokens::Tokens;
 
@@ -43,6 +44,8 @@ pub struct DeviceShared {
     rounds_done: AtomicU64,
     resets: AtomicU64,
     discarded: AtomicI64,
+    /// The threads' loads for inter-core migration (`crate::migration`).
+    migration: MigrationBoard,
 }
 
 /// A snapshot of the bucket's accounting.
@@ -67,7 +70,13 @@ impl DeviceShared {
             rounds_done: AtomicU64::new(0),
             resets: AtomicU64::new(0),
             discarded: AtomicI64::new(0),
+            migration: MigrationBoard::default(),
         }
+    }
+
+    /// Where this device's threads publish their loads for inter-core migration.
+    pub fn migration_board(&self) -> &MigrationBoard {
+        &self.migration
     }
 
     pub(crate) fn set_limits(&self, bucket_max: Tokens, loan_max: Tokens) {

@@ -13,6 +13,8 @@ use reflex_qos::Nanos;
 /// Token kinds of device operations, the same in both drivers' `Kind` enums.
 pub const KIND_DEVICE: u8 = 4;
 pub const KIND_FLUSH: u8 = 5;
+/// A read another thread migrated here (`crate::migration`).
+pub const KIND_MIGRATED: u8 = 7;
 
 /// A token: kind (4 bits) | generation (28 bits) | index (32 bits).
 pub fn pack(kind: u8, generation: u32, index: u32) -> u64 {
@@ -36,14 +38,21 @@ pub fn device_token(id: DeviceOpId) -> u64 {
         DeviceOpId::ShutdownFlush { namespace_index } => {
             pack(KIND_FLUSH, 0, u32::from(namespace_index))
         }
+        DeviceOpId::Migrated { slot, generation } => pack(KIND_MIGRATED, generation, slot),
     }
 }
 
-/// The device operation a token of kind [`KIND_DEVICE`] or [`KIND_FLUSH`] names.
+/// The device operation a token of kind [`KIND_DEVICE`], [`KIND_FLUSH`] or [`KIND_MIGRATED`]
+/// names.
 pub fn device_op_id(kind: u8, generation: u32, index: u32) -> DeviceOpId {
     if kind == KIND_FLUSH {
         DeviceOpId::ShutdownFlush {
             namespace_index: index as u16,
+        }
+    } else if kind == KIND_MIGRATED {
+        DeviceOpId::Migrated {
+            slot: index,
+            generation,
         }
     } else {
         debug_assert_eq!(kind, KIND_DEVICE);

@@ -88,6 +88,8 @@ pub struct DriverSetup {
     pub cq_entries: u32,
     /// The longest a blocking thread spins before a deadline (0: never spins).
     pub spin_before_deadline_max: Nanos,
+    /// The queues to and from the other threads, when inter-core migration is on.
+    pub migration: Option<crate::migration::MigrationLinks>,
 }
 
 /// Wakes a sleeping dataplane thread through its eventfd: for the control plane's messages

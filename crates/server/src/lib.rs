@@ -30,7 +30,7 @@
 //! socket options); on epoll it makes one `epoll_wait` per iteration plus one call per socket
 //! operation (file I/O goes to the devices' thread pools); every limit is a named constant or
 //! config field; bad input from the network gets an error status or closes only its own
-//! connection, never panics the server. `unsafe` only in `uring`, `epoll::sys` and `sys`.
+//! connection, never panics the server. `unsafe` only in `uring`, `epoll::sys`, `sys` and `migration`.
 
 #![deny(unsafe_code)]
 
@@ -40,6 +40,8 @@ mod device_queues;
 mod driver;
 mod epoll;
 pub mod metrics;
+#[allow(unsafe_code)]
+mod migration;
 pub mod namespaces;
 mod run_delay;
 #[allow(unsafe_code)]
@@ -337,6 +339,18 @@ impl Server {
         let limits = config.limits();
         let cq_entries = config.ring_cq_entries();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<bool, String>)>();
+        // Inter-core migration: a bounded queue per ordered pair of threads, of the capacity
+        // the dataplane's credits need (`Dataplane::migration_queue_capacity`).
+        let migration = &config.qos_config.fairness.migration;
+        let mut migration_links = if migration.enabled && config.threads > 1 {
+            let capacity = 2 * migration.in_transit_per_pair_max as usize * namespaces.len().max(1);
+            migration::MigrationLinks::mesh(capacity, &wakers)
+                .into_iter()
+                .map(Some)
+                .collect()
+        } else {
+            Vec::new()
+        };
         for (thread_index, listeners) in per_thread.into_iter().enumerate() {
             let (sockets, roles): (Vec<TcpListener>, Vec<ListenerRole>) =
                 listeners.into_iter().unzip();
@@ -385,6 +399,7 @@ impl Server {
                 clock_origin,
                 cq_entries,
                 spin_before_deadline_max: Nanos(config.spin_before_deadline_max.as_nanos() as u64),
+                migration: migration_links.get_mut(thread_index).and_then(Option::take),
             };
             let spawned = spawn_driver(driver, dataplane_setup, driver_setup, ready_tx.clone());
             match spawned {

@@ -952,6 +952,9 @@ impl<'c> Sim<'c> {
             refusals: self.refusals.clone(),
             rate_scale: plan.as_ref().map_or(1.0, |p| p.rate_scale),
             timeline: self.timeline.clone(),
+            migrated: (0..self.config.threads)
+                .map(|thread| self.server.dataplane(thread).migration_stats(0))
+                .collect(),
         }
     }
 }

@@ -78,6 +78,9 @@ pub struct PointReport {
     pub rate_scale: f64,
     /// Per interval, when the scenario asks for a timeline.
     pub timeline: Vec<TimelinePoint>,
+    /// Inter-core migration on namespace 1, per thread: requests it sent to other threads
+    /// and requests of others it served (whole run, warm-up included).
+    pub migrated: Vec<reflex_qos::MigratorStats>,
 }
 
 /// One timeline interval.

@@ -11,7 +11,7 @@
 //! in thread and socket order, then every thread processes in thread order until nothing
 //! moves; the same inputs give the same run.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -19,7 +19,8 @@ use reflex_dataplane::control::{ControlPlane, ControlSetup, NamespaceQosSetup, T
 use reflex_dataplane::frontend::{ExportBinding, NbdExports, Protocol};
 use reflex_dataplane::namespaces::NamespaceSet;
 use reflex_dataplane::{
-    ConnectionId, CoreStats, Dataplane, DataplaneSetup, DeviceOpId, Limits, Op, SetupError,
+    ConnectionId, CoreStats, Dataplane, DataplaneSetup, DeviceOpId, Limits, MigrationMessage, Op,
+    SetupError,
 };
 use reflex_flash::{Completion, Device, DeviceQueue, Submit};
 use reflex_qos::{Nanos, QosConfig};
@@ -183,6 +184,12 @@ pub struct VirtualServer {
     /// Accepts whose slot still belonged to a connection whose `Close` the driver had not
     /// taken yet ([`Self::slot_reuses_before_close`]).
     slot_reuses_before_close: u64,
+    /// Inter-core migration: the bounded queue from each thread to each other (row-major
+    /// (from, to)), as reflexd's single-producer single-consumer rings, and their capacity.
+    migration_queues: Vec<VecDeque<MigrationMessage>>,
+    migration_queue_capacity: usize,
+    /// Messages that found their queue full (they waited in the sender's outbox).
+    migration_queue_full: u64,
 }
 
 impl VirtualServer {
@@ -251,7 +258,16 @@ impl VirtualServer {
                 sockets_by_connection: HashMap::new(),
             });
         }
+        let thread_count = threads.len();
+        let migration_queue_capacity = threads
+            .first()
+            .map_or(0, |thread| thread.dataplane.migration_queue_capacity());
         let mut server = VirtualServer {
+            migration_queues: (0..thread_count * thread_count)
+                .map(|_| VecDeque::with_capacity(migration_queue_capacity))
+                .collect(),
+            migration_queue_capacity,
+            migration_queue_full: 0,
             now: Nanos::ZERO,
             threads,
             sockets: Vec::new(),
@@ -516,6 +532,7 @@ impl VirtualServer {
             let mut moved = false;
             moved |= self.poll_devices();
             moved |= self.deliver();
+            moved |= self.deliver_migrations();
             for thread in 0..self.threads.len() {
                 // A deadline that is due (a token refill, a timeout sweep) needs one process
                 // at this instant, as the real driver's loop would give it.
@@ -674,7 +691,54 @@ impl VirtualServer {
         while let Some(op) = self.threads[thread].dataplane.poll_op() {
             self.issue(thread, op);
         }
+        self.take_migrations(thread);
         true
+    }
+
+    /// Moves `thread`'s messages for other threads onto the queues that have room.
+    fn take_migrations(&mut self, thread: usize) {
+        let count = self.threads.len();
+        let capacity = self.migration_queue_capacity;
+        let queues = &mut self.migration_queues;
+        let mut full = 0u64;
+        while let Some((to, message)) = self.threads[thread].dataplane.poll_migration(|to| {
+            let room = queues[thread * count + usize::from(to)].len() < capacity;
+            if !room {
+                full += 1;
+            }
+            room
+        }) {
+            assert!(
+                usize::from(to) < count,
+                "a message for thread {to} of {count}"
+            );
+            queues[thread * count + usize::from(to)].push_back(message);
+        }
+        self.migration_queue_full += full;
+    }
+
+    /// Every message on the queues between threads reaches its destination (in order per
+    /// queue); returns whether any moved.
+    fn deliver_migrations(&mut self) -> bool {
+        let now = self.now;
+        let count = self.threads.len();
+        let mut moved = false;
+        for from in 0..count {
+            for to in 0..count {
+                while let Some(message) = self.migration_queues[from * count + to].pop_front() {
+                    moved = true;
+                    self.threads[to]
+                        .dataplane
+                        .handle_migration(from as u16, message, now);
+                }
+            }
+        }
+        moved
+    }
+
+    /// Messages between threads that waited in an outbox because their queue was full.
+    pub fn migration_queue_full(&self) -> u64 {
+        self.migration_queue_full
     }
 
     fn socket_of(&self, thread: usize, connection: ConnectionId) -> usize {
@@ -756,6 +820,9 @@ impl VirtualServer {
                     .sockets_by_connection
                     .remove(&(connection.index, connection.generation));
             }
+            Op::Device(command) if matches!(command.id, DeviceOpId::Migrated { .. }) => {
+                self.issue_migrated(thread, command);
+            }
             Op::Device(command) => {
                 let state = &mut self.threads[thread];
                 let user_data = device_user_data(command.id);
@@ -811,6 +878,51 @@ impl VirtualServer {
                     .dataplane
                     .handle_rtt(connection, Ok(rtt_us));
             }
+        }
+    }
+}
+
+impl VirtualServer {
+    /// A read another thread migrated to `thread`: its memory is the home's (the home's
+    /// dataplane builds the operation on its request's buffer), its device queue this
+    /// thread's.
+    fn issue_migrated(&mut self, thread: usize, command: reflex_dataplane::DeviceCommand) {
+        let now = self.now;
+        let Some((home, read)) = self.threads[thread].dataplane.migrated_read(command.id) else {
+            panic!("a migrated operation without its read: {command:?}");
+        };
+        let home = usize::from(home);
+        assert_ne!(home, thread, "a read migrated to its home");
+        let user_data = device_user_data(command.id);
+        let (home_state, server_state) = if home < thread {
+            let (low, high) = self.threads.split_at_mut(thread);
+            (&mut low[home], &mut high[0])
+        } else {
+            let (low, high) = self.threads.split_at_mut(home);
+            (&mut high[0], &mut low[thread])
+        };
+        let op = home_state
+            .dataplane
+            .device_op(&read.command, user_data, None);
+        let Some(queue) = server_state
+            .queues
+            .get_mut(usize::from(command.namespace_index))
+            .and_then(Option::as_mut)
+        else {
+            server_state.dataplane.handle_device(
+                command.id,
+                Err(reflex_flash::FlashError::Io { errno: 6 }),
+                now,
+            );
+            return;
+        };
+        match queue.submit(op, now) {
+            Submit::Pending => {}
+            Submit::Done(result) => server_state
+                .dataplane
+                .handle_device(command.id, result, now),
+            #[allow(unreachable_patterns)]
+            other => panic!("a simulated device asked for a ring: {other:?}"),
         }
     }
 }
@@ -977,12 +1089,15 @@ fn nbd_exports(
     Ok(Some(Arc::new(exports)))
 }
 
-/// Device operation ids in a device's `user_data`: a request's slot and generation, or a
-/// shutdown flush (top bit set).
+/// Device operation ids in a device's `user_data`: a request's slot and generation, a read
+/// migrated here (bit 62 set), or a shutdown flush (top bit set).
 fn device_user_data(id: DeviceOpId) -> u64 {
     match id {
         DeviceOpId::Request { index, generation } => {
             (u64::from(generation) << 32) | u64::from(index)
+        }
+        DeviceOpId::Migrated { slot, generation } => {
+            (1 << 62) | (u64::from(generation) << 32) | u64::from(slot)
         }
         DeviceOpId::ShutdownFlush { namespace_index } => (1 << 63) | u64::from(namespace_index),
     }
@@ -992,6 +1107,11 @@ fn device_op_id(user_data: u64) -> DeviceOpId {
     if user_data >> 63 == 1 {
         DeviceOpId::ShutdownFlush {
             namespace_index: user_data as u16,
+        }
+    } else if user_data >> 62 == 1 {
+        DeviceOpId::Migrated {
+            slot: user_data as u32,
+            generation: ((user_data >> 32) as u32) & reflex_dataplane::GENERATION_MASK,
         }
     } else {
         DeviceOpId::Request {

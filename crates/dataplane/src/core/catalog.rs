@@ -35,6 +35,7 @@ impl Dataplane {
                 );
                 break;
             };
+            let shared = std::sync::Arc::clone(&setup.shared);
             let scheduler = match reflex_qos::Scheduler::new(
                 setup.shared,
                 self.thread_index as u16,
@@ -56,9 +57,19 @@ impl Dataplane {
                 }
             };
             let id = namespaces.id(namespace_index);
+            let migrator =
+                reflex_qos::Migrator::new(&self.qos_config.fairness.migration, self.thread_index);
+            if migrator.is_enabled() {
+                shared
+                    .migration_board()
+                    .join(self.thread_index, fair.depth_max());
+            }
             self.qos.push(NamespaceQos {
                 scheduler,
                 fair,
+                migrator,
+                shared,
+                loads: Vec::new(),
                 default_tenant: setup.default_tenant,
                 namespace_id: id,
                 accounts: Vec::new(),

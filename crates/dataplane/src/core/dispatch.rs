@@ -188,16 +188,37 @@ impl Dataplane {
             .limits
             .device_in_flight_max
             .saturating_sub(self.device_in_flight) as usize;
+        if self.qos[namespace_index].fair.handle_timeout(now) {
+            self.plan_migration(namespace_index);
+        }
         let namespace = &mut self.qos[namespace_index];
-        namespace.fair.handle_timeout(now);
         let mut admitted = std::mem::take(&mut self.admitted);
         assert!(admitted.is_empty());
+        let mut migrating = std::mem::take(&mut self.migrating);
+        assert!(migrating.is_empty());
         let fair = &mut namespace.fair;
+        let migrator = &mut namespace.migrator;
+        let requests = &self.requests;
+        // No new migration once shutting down: the other threads may be finishing.
+        let migrating_allowed = migrator.is_enabled() && !self.shutdown_requested;
         let mut direct = 0usize;
         let summary = namespace.scheduler.schedule(now, &mut |request: Admitted| {
             if fair.holds(request.class) {
                 let flow = reflex_qos::FlowId(u64::from(request.tenant.0));
-                if fair.hold(flow, request.token).is_err() {
+                // Algorithm 4: an eligible flow's READ goes to another thread while the plan
+                // gives this one credit there; otherwise it waits in the stage (backwarding).
+                // A migrated read counts in this thread's device operations until it comes back.
+                let destination = if migrating_allowed
+                    && direct + migrating.len() < room
+                    && Self::migratable_in(requests, request.token)
+                {
+                    migrator.pick_destination(Self::density(fair, flow))
+                } else {
+                    None
+                };
+                if let Some(destination) = destination {
+                    migrating.push((request.token, destination as u16));
+                } else if fair.hold(flow, request.token).is_err() {
                     return false; // The stage is full: the scheduler keeps the rest.
                 }
             } else {
@@ -220,22 +241,34 @@ impl Dataplane {
         let holds = namespace.fair.is_on();
         admitted.retain(|request| !(holds && request.class == reflex_qos::TenantClass::BestEffort));
         assert_eq!(admitted.len(), direct);
-        let mut released = room - direct;
+        let mut released = room - direct - migrating.len();
+        let mut migrated_here = 0usize;
         while released > 0 {
             let Some((flow, token)) = namespace.fair.poll_release(now) else {
                 break;
             };
             released -= 1;
+            if token & super::MIGRATED_TOKEN != 0 {
+                migrated_here += 1; // Another thread's: never in this thread's schedulers.
+            }
             self.fair_released.push((flow.0 as u32, token));
         }
-        assert!(admitted.len() + self.fair_released.len() <= self.qos_queued as usize);
-        self.qos_queued -= (admitted.len() + self.fair_released.len()) as u32;
+        let leaving = admitted.len() + migrating.len() + self.fair_released.len() - migrated_here;
+        assert!(leaving <= self.qos_queued as usize);
+        self.qos_queued -= leaving as u32;
         for request in &admitted {
             self.submit_admitted(request.token, None, now);
         }
+        for &(token, destination) in &migrating {
+            self.submit_migrated(token, destination, namespace_index, now);
+        }
+        migrating.clear();
+        self.migrating = migrating;
         let mut fair_released = std::mem::take(&mut self.fair_released);
         for &(flow, token) in &fair_released {
-            if !self.submit_admitted(token, Some(flow), now) {
+            if token & super::MIGRATED_TOKEN != 0 {
+                self.submit_migrated_here(token);
+            } else if !self.submit_admitted(token, Some(flow), now) {
                 self.qos[namespace_index]
                     .fair
                     .withdraw(reflex_qos::FlowId(u64::from(flow)), now);
@@ -264,6 +297,13 @@ impl Dataplane {
     }
 
     fn submit_io(&mut self, index: u32, now: Nanos) {
+        let command = self.begin_device_operation(index, now);
+        self.ops.push_back(Op::Device(command));
+    }
+
+    /// The request's current step goes to a device (this thread's, or another's when it
+    /// migrates): it is `Submitted` and counted in flight until its completion.
+    pub(super) fn begin_device_operation(&mut self, index: u32, now: Nanos) -> DeviceCommand {
         self.transition(index, RequestState::Submitted);
         self.device_in_flight += 1;
         let placed = self.placed(index);
@@ -305,7 +345,7 @@ impl Dataplane {
             index,
             generation: request.generation,
         };
-        self.ops.push_back(Op::Device(DeviceCommand {
+        DeviceCommand {
             id,
             namespace_index,
             queue: {
@@ -316,7 +356,7 @@ impl Dataplane {
                     .unwrap_or(connection.device_queue)
             },
             kind,
-        }));
+        }
     }
 
     /// The device operation `command` names, with its memory, for the driver to submit:
@@ -373,6 +413,9 @@ impl Dataplane {
             (DeviceOpId::ShutdownFlush { .. }, kind) => {
                 panic!("a shutdown flush carries no data: {kind:?}")
             }
+            (DeviceOpId::Migrated { .. }, kind) => {
+                panic!("a migrated read's buffer is its home's ({kind:?}): see migrated_read")
+            }
         };
         DeviceOp {
             user_data,
@@ -387,6 +430,9 @@ impl Dataplane {
     pub fn device_namespace(&self, id: DeviceOpId) -> Option<u16> {
         match id {
             DeviceOpId::ShutdownFlush { namespace_index } => Some(namespace_index),
+            DeviceOpId::Migrated { .. } => self
+                .migrated_read(id)
+                .map(|(_, read)| read.command.namespace_index),
             DeviceOpId::Request { index, .. } => {
                 let request = self.requests.get(index as usize)?;
                 match request.work {
@@ -398,7 +444,7 @@ impl Dataplane {
     }
 
     /// The run of a submitted request and where its current step's data starts in it.
-    fn submitted_buffer(&self, index: u32) -> (crate::buffers::PageRun, usize) {
+    pub(super) fn submitted_buffer(&self, index: u32) -> (crate::buffers::PageRun, usize) {
         let request = &self.requests[index as usize];
         assert_eq!(request.state, RequestState::Submitted);
         let Work::Io { run: Some(run), .. } = request.work else {
@@ -427,11 +473,14 @@ impl Dataplane {
             DeviceOpId::ShutdownFlush { namespace_index } => {
                 self.on_shutdown_flush(namespace_index, result)
             }
+            DeviceOpId::Migrated { slot, generation } => {
+                self.complete_migrated_here(slot, generation, result, now)
+            }
         }
     }
 
     /// Step two: a device result becomes the next step or the answer.
-    fn complete_io(&mut self, index: u32, result: Result<u32, FlashError>, now: Nanos) {
+    pub(super) fn complete_io(&mut self, index: u32, result: Result<u32, FlashError>, now: Nanos) {
         assert!(self.device_in_flight > 0);
         self.device_in_flight -= 1;
         let live_index = usize::from(self.requests[index as usize].submitted_namespace);

@@ -53,6 +53,7 @@ mod errors;
 mod io;
 mod kv;
 mod limits;
+mod migration;
 mod ops;
 mod publish;
 mod receive;
@@ -73,6 +74,7 @@ pub use limits::{
     CONNECTION_SLACK, DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits,
     RECV_BUFFERS_SPARE_MAX,
 };
+pub use migration::{MIGRATED_TOKEN, MigratedRead, MigrationMessage};
 pub use ops::{AcceptRefused, ConnectionId, DeviceCommand, DeviceOpId, DeviceOpKind, Op};
 pub use request::{GENERATION_MASK, REQUEST_STATE_COUNT, RequestState};
 pub use send::SEND_SEGMENTS_MAX;
@@ -227,6 +229,8 @@ pub struct Dataplane {
     admitted: Vec<Admitted>,
     /// Scratch: what a fairness stage released in one round (tenant id, scheduler token).
     fair_released: Vec<(u32, u64)>,
+    /// Scratch: admitted reads going to other threads in one round (token, destination).
+    migrating: Vec<(u64, u16)>,
     /// Scratch: control messages being applied.
     messages: Vec<ControlMessage>,
     /// Accounts of tenant ids that were reused by another tenant on this thread, by handle.
@@ -268,6 +272,8 @@ pub struct Dataplane {
     refusal_log: RefusalLog,
     /// The key-value table and its operations in progress (`kv`).
     kv: Option<kv::KvEngine>,
+    /// Reads served for other threads and messages to them (`migration`).
+    migration: migration::Migration,
 }
 
 impl Dataplane {
@@ -303,6 +309,7 @@ impl Dataplane {
         stats.requests_per_state[RequestState::Free as usize] = limits.requests_max;
         let mut qos = Vec::with_capacity(setup.qos.len());
         for (index, namespace) in setup.qos.into_iter().enumerate() {
+            let shared = std::sync::Arc::clone(&namespace.shared);
             let scheduler = reflex_qos::Scheduler::new(
                 namespace.shared,
                 setup.thread_index as u16,
@@ -313,9 +320,19 @@ impl Dataplane {
             .map_err(|e| SetupError::Qos(e.to_string()))?;
             let fair = reflex_qos::FairQueue::new(&setup.qos_config.fairness, setup.now)
                 .map_err(|e| SetupError::Qos(e.to_string()))?;
+            let migrator =
+                reflex_qos::Migrator::new(&setup.qos_config.fairness.migration, setup.thread_index);
+            if migrator.is_enabled() {
+                shared
+                    .migration_board()
+                    .join(setup.thread_index, fair.depth_max());
+            }
             qos.push(NamespaceQos {
                 scheduler,
                 fair,
+                migrator,
+                shared,
+                loads: Vec::new(),
                 default_tenant: namespace.default_tenant,
                 namespace_id: setup.namespaces.id(index as u16),
                 accounts: Vec::new(),
@@ -368,6 +385,7 @@ impl Dataplane {
             qos_fresh: false,
             admitted: Vec::with_capacity(limits.device_in_flight_max as usize),
             fair_released: Vec::with_capacity(limits.device_in_flight_max as usize),
+            migrating: Vec::with_capacity(limits.device_in_flight_max as usize),
             messages: Vec::with_capacity(MESSAGES_PER_ITERATION_MAX),
             retired_accounts: BTreeMap::new(),
             member_tenants: HashMap::new(),
@@ -396,6 +414,7 @@ impl Dataplane {
             kv: setup
                 .kv
                 .map(|kv| kv::KvEngine::new(kv, limits.requests_max)),
+            migration: migration::Migration::default(),
             limits,
         };
         // The device rates the registries computed at startup.
@@ -453,6 +472,7 @@ impl Dataplane {
             || self.phase_ready()
             || self.gate_retry_ready()
             || self.kv_retry_ready()
+            || self.migration.has_outgoing()
     }
 
     /// The driver is about to sleep: a thread with nothing queued leaves the global buckets'

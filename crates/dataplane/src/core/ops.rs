@@ -18,8 +18,19 @@ pub struct ConnectionId {
 /// A device operation: a request's current step, or the flush of a namespace at shutdown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DeviceOpId {
-    Request { index: u32, generation: u32 },
-    ShutdownFlush { namespace_index: u16 },
+    Request {
+        index: u32,
+        generation: u32,
+    },
+    ShutdownFlush {
+        namespace_index: u16,
+    },
+    /// A read another thread migrated here (`Dataplane::migrated_read` names its home and
+    /// buffer): a slot of this thread's table of migrated reads.
+    Migrated {
+        slot: u32,
+        generation: u32,
+    },
 }
 
 /// One operation for the driver, in the order the dataplane wants them issued.

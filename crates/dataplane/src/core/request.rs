@@ -237,6 +237,8 @@ pub(super) struct Request {
     /// The tenant whose place at the device the fairness stage counts for this request's
     /// device operation (`None`: it did not come through the stage).
     pub(super) fair_flow: Option<u32>,
+    /// The thread serving this request's device operation (inter-core migration, `migration`).
+    pub(super) migrated_to: Option<u16>,
     pub(super) queued_at: Nanos,
     pub(super) submitted_at: Nanos,
 }
@@ -264,6 +266,7 @@ impl Request {
             piece_done: 0,
             piece_tenant: 0,
             fair_flow: None,
+            migrated_to: None,
             queued_at: Nanos::ZERO,
             submitted_at: Nanos::ZERO,
         }
@@ -339,6 +342,10 @@ impl Dataplane {
     /// its connection.
     pub(super) fn free_request(&mut self, index: u32) {
         let orphaned = self.requests[index as usize].state == RequestState::Orphaned;
+        assert_eq!(
+            self.requests[index as usize].migrated_to, None,
+            "freeing a request another thread is serving"
+        );
         // No operation uses the request any more: whatever it wrote is done.
         self.leave_gate(index);
         self.kv_forget(index);

@@ -97,6 +97,17 @@ impl Dataplane {
             && self.device_in_flight == 0
             && self.qos_queued == 0
             && self.blocked.is_empty()
+            && self.migration.in_use() == 0
+    }
+
+    /// Whether reads of other threads may still be served here: while running or draining
+    /// (the drain waits for them), not once waiting requests were refused, devices are being
+    /// flushed or the thread finished (nothing would serve them then).
+    pub(super) fn phase_accepts_migrated(&self) -> bool {
+        matches!(
+            self.phase,
+            Phase::Running | Phase::Draining { aborted: false, .. }
+        )
     }
 
     /// The deadline of the phase, when it waits for one: always after the `now` the phase
@@ -165,13 +176,22 @@ impl Dataplane {
     /// Returns how many were answered.
     fn refuse_waiting_requests(&mut self, now: Nanos) -> u32 {
         let mut tokens = Vec::new();
+        let mut migrated = Vec::new();
         for namespace in &mut self.qos {
             namespace
                 .scheduler
                 .cancel_queued(&mut |_, token| tokens.push(token));
-            namespace
-                .fair
-                .cancel_held(&mut |_, token| tokens.push(token));
+            namespace.fair.cancel_held(&mut |_, token| {
+                if token & super::MIGRATED_TOKEN != 0 {
+                    migrated.push(token);
+                } else {
+                    tokens.push(token);
+                }
+            });
+        }
+        // Reads of other threads go home with an error; their homes answer them.
+        for token in migrated {
+            self.cancel_migrated_here(token);
         }
         assert_eq!(
             tokens.len(),

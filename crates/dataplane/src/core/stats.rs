@@ -49,6 +49,11 @@ pub struct CoreStats {
     pub control_messages: u64,
     pub notices_sent: u64,
     pub notices_dropped: u64,
+    /// Inter-core migration: reads this thread sent to others, reads of others it served,
+    /// and reads of others it could not serve (answered with an error).
+    pub migrated_sent: u64,
+    pub migrated_served: u64,
+    pub migrated_refused: u64,
     /// What each tenant did on this thread, by handle.
     pub tenants: Vec<TenantStats>,
 }

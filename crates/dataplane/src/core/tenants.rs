@@ -156,6 +156,12 @@ pub(super) struct NamespaceQos {
     pub(super) scheduler: reflex_qos::Scheduler,
     /// The fairness stage between the scheduler and the device (off unless configured).
     pub(super) fair: reflex_qos::FairQueue,
+    /// Inter-core migration (`migration`; off unless configured) and the device's shared
+    /// state, where the threads publish their loads.
+    pub(super) migrator: reflex_qos::Migrator,
+    pub(super) shared: std::sync::Arc<reflex_qos::DeviceShared>,
+    /// Scratch: every thread's load when a plan is made.
+    pub(super) loads: Vec<reflex_qos::ThreadLoad>,
     pub(super) default_tenant: TenantRef,
     pub(super) namespace_id: u32,
     /// By tenant id; grown when this thread first charges a tenant (control path).

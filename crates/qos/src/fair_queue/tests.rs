@@ -16,6 +16,7 @@ fn config(mode: FairMode, depth: u32, backwardings: Option<u32>) -> FairQueueCon
             samples_min: 1,
             ..FairnessConfig::default()
         },
+        migration: crate::migration::MigrationConfig::default(),
     }
 }
 

@@ -77,12 +77,14 @@ mod token {
         Connection = 2,
         Device = 4,
         Flush = 5,
+        Migrated = 7,
         Wake = 0xC,
     }
 
     // Device operations' kinds are the shared ones (`crate::device_queues`).
     const _: () = assert!(Kind::Device as u8 == crate::device_queues::KIND_DEVICE);
     const _: () = assert!(Kind::Flush as u8 == crate::device_queues::KIND_FLUSH);
+    const _: () = assert!(Kind::Migrated as u8 == crate::device_queues::KIND_MIGRATED);
 
     pub fn encode(kind: Kind, generation: u32, index: u32) -> u64 {
         crate::device_queues::pack(kind as u8, generation, index)
@@ -95,6 +97,7 @@ mod token {
             2 => Kind::Connection,
             4 => Kind::Device,
             5 => Kind::Flush,
+            7 => Kind::Migrated,
             0xC => Kind::Wake,
             _ => return None,
         };
@@ -149,6 +152,8 @@ pub struct EpollDriver {
     shutdown_begun: bool,
     waker: Arc<File>,
     clock_origin: Instant,
+    /// The queues to and from the other threads (inter-core migration).
+    migration: Option<crate::migration::MigrationLinks>,
     polled: Vec<Completion>,
     /// Results reported while issuing (then `process` runs again).
     finished_synchronously: bool,
@@ -199,6 +204,7 @@ impl EpollDriver {
             shutdown_begun: false,
             waker: setup.waker,
             clock_origin: setup.clock_origin,
+            migration: setup.migration,
             polled: Vec::new(),
             finished_synchronously: false,
             reports: 0,
@@ -214,6 +220,11 @@ impl EpollDriver {
     /// Runs until shutdown has drained every connection and flushed every device.
     pub fn run(mut self) -> io::Result<CoreStats> {
         let result = self.run_loop();
+        if let Some(links) = &self.migration
+            && self.dataplane.is_finished()
+        {
+            links.linger(&mut self.dataplane, self.clock_origin);
+        }
         if result.is_err() || self.dataplane.abandoned_device_operations() > 0 {
             // A device operation may still be outstanding (a wait failed, or a device never
             // answered): its pool thread may still write into the arena.
@@ -252,6 +263,9 @@ impl EpollDriver {
                 self.retry_accepts(now);
             }
             self.poll_devices(now);
+            if let Some(links) = &self.migration {
+                self.reports += links.receive(&mut self.dataplane, now) as u64;
+            }
             let reports = std::mem::take(&mut self.reports);
             self.dataplane.count_iteration(reports);
             if !self.shutdown_begun && self.shutdown.load(Ordering::Relaxed) {
@@ -262,6 +276,9 @@ impl EpollDriver {
                 self.finished_synchronously = false;
                 self.dataplane.process(now);
                 self.issue_ops(now);
+                if let Some(links) = &self.migration {
+                    links.send(&mut self.dataplane);
+                }
                 if !self.finished_synchronously {
                     break;
                 }
@@ -350,7 +367,9 @@ impl EpollDriver {
                 self.try_recv(id, now);
                 self.try_send(id, now);
             }
-            Kind::Device | Kind::Flush => panic!("a device token in an epoll event"),
+            Kind::Device | Kind::Flush | Kind::Migrated => {
+                panic!("a device token in an epoll event")
+            }
         }
     }
 
@@ -577,7 +596,7 @@ impl EpollDriver {
             queue.poll_completions(now, &mut polled);
         }
         for completion in polled.drain(..) {
-            let Some((kind @ (Kind::Device | Kind::Flush), generation, index)) =
+            let Some((kind @ (Kind::Device | Kind::Flush | Kind::Migrated), generation, index)) =
                 token::decode(completion.user_data)
             else {
                 panic!(
@@ -703,7 +722,10 @@ impl EpollDriver {
 
     fn submit_device(&mut self, command: &DeviceCommand, now: Nanos) {
         let user_data = device_token(command.id);
-        let op = self.dataplane.device_op(command, user_data, None);
+        let op = match crate::migration::migrated_device_op(&self.dataplane, command, user_data) {
+            Some(op) => op,
+            None => self.dataplane.device_op(command, user_data, None),
+        };
         let namespace_index = usize::from(command.namespace_index);
         let Some(queue) = self.queues.get_mut(namespace_index) else {
             // Not reachable: the dataplane opens a slot's queue before its first operation

@@ -92,6 +92,7 @@ mod token {
         Device = 4,
         Flush = 5,
         Poll = 6,
+        Migrated = 7,
         Wake = 0xC,
         Cancel = 0xD,
     }
@@ -99,6 +100,7 @@ mod token {
     // Device operations' kinds are the shared ones (`crate::device_queues`).
     const _: () = assert!(Kind::Device as u8 == crate::device_queues::KIND_DEVICE);
     const _: () = assert!(Kind::Flush as u8 == crate::device_queues::KIND_FLUSH);
+    const _: () = assert!(Kind::Migrated as u8 == crate::device_queues::KIND_MIGRATED);
 
     pub fn encode(kind: Kind, generation: u32, index: u32) -> u64 {
         crate::device_queues::pack(kind as u8, generation, index)
@@ -112,6 +114,7 @@ mod token {
             3 => Kind::Send,
             4 => Kind::Device,
             5 => Kind::Flush,
+            7 => Kind::Migrated,
             6 => Kind::Poll,
             0xC => Kind::Wake,
             0xD => Kind::Cancel,
@@ -163,6 +166,8 @@ pub struct UringDriver {
     wake_in_flight: bool,
     wake_cancelled: bool,
     clock_origin: Instant,
+    /// The queues to and from the other threads (inter-core migration).
+    migration: Option<crate::migration::MigrationLinks>,
     wake_cost: WakeCost,
     /// Operations pushed whose completion has not been reaped, and how many of them are
     /// device operations (a shutdown may abandon those).
@@ -216,6 +221,7 @@ impl UringDriver {
             wake_in_flight: false,
             wake_cancelled: false,
             clock_origin: setup.clock_origin,
+            migration: setup.migration,
             wake_cost: WakeCost::new(setup.spin_before_deadline_max),
             in_flight: 0,
             device_in_flight: 0,
@@ -236,6 +242,11 @@ impl UringDriver {
     /// Runs until shutdown has drained every connection and flushed every device.
     pub fn run(mut self) -> std::io::Result<CoreStats> {
         let result = self.run_loop();
+        if let Some(links) = &self.migration
+            && self.dataplane.is_finished()
+        {
+            links.linger(&mut self.dataplane, self.clock_origin);
+        }
         if self.in_flight > 0 || self.dataplane.abandoned_device_operations() > 0 {
             // Only after an enter error or a device that never answered: never free memory
             // the kernel may still use.
@@ -283,6 +294,10 @@ impl UringDriver {
                 self.handle_cqe(cqe, now);
             }
             let device_completions = self.poll_devices(now);
+            let migrated = self
+                .migration
+                .as_ref()
+                .map_or(0, |links| links.receive(&mut self.dataplane, now));
             self.dataplane.count_iteration(reaped as u64);
             if !self.shutdown_begun && self.shutdown.load(Ordering::Relaxed) {
                 self.shutdown_begun = true;
@@ -293,6 +308,7 @@ impl UringDriver {
             // would find nothing to do, which is what lets the blocking loop sleep.
             let nothing_new = reaped == 0
                 && device_completions == 0
+                && migrated == 0
                 && !self.finished_synchronously
                 && !self.dataplane.has_pending_work()
                 && self.next_deadline().is_none_or(|due| due > now);
@@ -301,6 +317,9 @@ impl UringDriver {
                     self.finished_synchronously = false;
                     self.dataplane.process(now);
                     self.issue_ops(now);
+                    if let Some(links) = &self.migration {
+                        links.send(&mut self.dataplane);
+                    }
                     if !self.finished_synchronously {
                         break;
                     }
@@ -413,7 +432,7 @@ impl UringDriver {
                 }
                 self.dataplane.handle_sent(id, result, now);
             }
-            Kind::Device | Kind::Flush => {
+            Kind::Device | Kind::Flush | Kind::Migrated => {
                 self.device_in_flight -= 1;
                 let id = device_op_id(kind as u8, generation, index);
                 let namespace_index = self.device_namespace(id);
@@ -448,10 +467,12 @@ impl UringDriver {
     fn device_namespace(&self, id: DeviceOpId) -> usize {
         match id {
             DeviceOpId::ShutdownFlush { namespace_index } => usize::from(namespace_index),
-            DeviceOpId::Request { .. } => match self.dataplane.device_namespace(id) {
-                Some(namespace_index) => usize::from(namespace_index),
-                None => panic!("device completion for a request without I/O: {id:?}"),
-            },
+            DeviceOpId::Request { .. } | DeviceOpId::Migrated { .. } => {
+                match self.dataplane.device_namespace(id) {
+                    Some(namespace_index) => usize::from(namespace_index),
+                    None => panic!("device completion for a request without I/O: {id:?}"),
+                }
+            }
         }
     }
 
@@ -508,7 +529,7 @@ impl UringDriver {
         }
         let count = polled.len();
         for completion in polled.drain(..) {
-            let Some((kind @ (Kind::Device | Kind::Flush), generation, index)) =
+            let Some((kind @ (Kind::Device | Kind::Flush | Kind::Migrated), generation, index)) =
                 token::decode(completion.user_data)
             else {
                 panic!(
@@ -711,7 +732,10 @@ impl UringDriver {
     fn submit_device(&mut self, command: &DeviceCommand, now: Nanos) {
         let user_data = device_token(command.id);
         let buf_index = if self.registered { Some(0) } else { None };
-        let op = self.dataplane.device_op(command, user_data, buf_index);
+        let op = match crate::migration::migrated_device_op(&self.dataplane, command, user_data) {
+            Some(op) => op,
+            None => self.dataplane.device_op(command, user_data, buf_index),
+        };
         let Some(queue) = self.queues.get_mut(usize::from(command.namespace_index)) else {
             // Not reachable: the dataplane opens a slot's queue before its first operation
             // and closes it only when none is left.

@@ -1,0 +1,253 @@
+//! Inter-core migration on a real reflexd over loopback (`docs/FAIRNESS.md`): two dataplane
+//! threads, one connection pipelining many reads and one reading little, so whichever way the
+//! kernel places them one thread carries more load and sends reads to the other through the
+//! bounded queues between threads; every answer is checked for identity (each request answered
+//! once, none lost) and content (the bytes the blocks hold, a rewritten block's new bytes once
+//! its write was answered).
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use common::{config, namespace, start};
+use reflex_client::{ConnectionCore, CoreOptions};
+use reflex_qos::{FairMode, FairQueueConfig, FairnessConfig, MigrationConfig, MigrationFlows};
+
+const NAMESPACE: u32 = 1;
+const BLOCK: usize = 4096;
+const SHARED_BLOCKS: u64 = 256;
+const OWNED_BLOCKS: u64 = 16;
+/// The server's window per connection (`common::config`).
+const WINDOW: usize = 16;
+
+fn pattern(block: u64, version: u32, i: usize) -> u8 {
+    (block.wrapping_mul(31) as usize + version as usize * 7 + i) as u8 ^ (i >> 8) as u8
+}
+
+fn block_bytes(block: u64, version: u32) -> Vec<u8> {
+    (0..BLOCK).map(|i| pattern(block, version, i)).collect()
+}
+
+enum Expect {
+    Write,
+    Read(Vec<u8>),
+}
+
+/// One connection driven through the client library's sans-IO core, checking every answer.
+struct Connection {
+    stream: TcpStream,
+    core: ConnectionCore,
+    outstanding: HashMap<u64, Expect>,
+    buffer: Vec<u8>,
+    answered: u64,
+    /// Ids of writes answered since the caller last looked.
+    writes_done: Vec<u64>,
+}
+
+impl Connection {
+    fn connect(addr: std::net::SocketAddr) -> Connection {
+        let stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect: {e}"));
+        stream.set_nodelay(true).unwrap_or_else(|e| panic!("{e}"));
+        Connection {
+            stream,
+            core: ConnectionCore::new(CoreOptions {
+                window_assumed: WINDOW as u32,
+            }),
+            outstanding: HashMap::new(),
+            buffer: vec![0; 1 << 16],
+            answered: 0,
+            writes_done: Vec::new(),
+        }
+    }
+
+    fn read(&mut self, id: u64, offset: u64, expected: Vec<u8>) {
+        self.core
+            .submit_read(id, NAMESPACE, offset, expected.len() as u32)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            self.outstanding
+                .insert(id, Expect::Read(expected))
+                .is_none()
+        );
+    }
+
+    fn write(&mut self, id: u64, block: u64, version: u32) {
+        self.core
+            .submit_write(
+                id,
+                NAMESPACE,
+                block * BLOCK as u64,
+                &block_bytes(block, version),
+                false,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(self.outstanding.insert(id, Expect::Write).is_none());
+    }
+
+    fn transmit(&mut self) {
+        while let Some(bytes) = self.core.transmit_start() {
+            let length = bytes.len();
+            self.stream
+                .write_all(bytes)
+                .unwrap_or_else(|e| panic!("send: {e}"));
+            self.core.transmit_done(length);
+        }
+    }
+
+    /// Blocks for at least one answer and checks every answer that came.
+    fn receive(&mut self) {
+        assert!(!self.outstanding.is_empty());
+        let received = self
+            .stream
+            .read(&mut self.buffer)
+            .unwrap_or_else(|e| panic!("receive: {e}"));
+        assert!(received > 0, "the server closed the connection");
+        let mut offered = &self.buffer[..received];
+        loop {
+            let taken = self.core.handle_received_bytes(offered);
+            offered = &offered[taken..];
+            while let Some(completion) = self
+                .core
+                .poll_completion()
+                .unwrap_or_else(|e| panic!("{e}"))
+            {
+                let id = completion.request_id;
+                let Some(expected) = self.outstanding.remove(&id) else {
+                    panic!("answer for {id}, not outstanding (duplicate or unknown)");
+                };
+                assert!(
+                    completion.is_ok(),
+                    "request {id} failed: status {}",
+                    completion.status_raw
+                );
+                match expected {
+                    Expect::Read(bytes) => {
+                        assert!(completion.data == &bytes[..], "request {id}: wrong bytes")
+                    }
+                    Expect::Write => self.writes_done.push(id),
+                }
+                self.answered += 1;
+            }
+            if offered.is_empty() || taken == 0 {
+                break;
+            }
+        }
+    }
+
+    fn drain(&mut self) {
+        while !self.outstanding.is_empty() {
+            self.receive();
+        }
+    }
+}
+
+#[test]
+fn reads_migrate_between_two_threads_and_every_answer_is_right_once() {
+    let mut server_config = config(vec![namespace(
+        NAMESPACE,
+        "fault(delay=300us):mem:16M",
+        None,
+    )]);
+    server_config.qos_config.fairness = FairQueueConfig {
+        mode: FairMode::Fifo,
+        be_device_depth_max: 2,
+        monitor: FairnessConfig {
+            window_us: 5_000,
+            samples_min: 1,
+            ..FairnessConfig::default()
+        },
+        migration: MigrationConfig {
+            enabled: true,
+            flows: MigrationFlows::All,
+            requires_imbalance: false,
+            in_transit_per_pair_max: 4,
+            ..MigrationConfig::default()
+        },
+        ..FairQueueConfig::default()
+    };
+    let server = start(server_config);
+    let addr = server.native_addr();
+
+    let mut light = Connection::connect(addr);
+    let mut heavy = Connection::connect(addr);
+    // The initial content, in batches of the window.
+    let total_blocks = SHARED_BLOCKS + OWNED_BLOCKS;
+    for first in (0..total_blocks).step_by(WINDOW) {
+        for block in first..(first + WINDOW as u64).min(total_blocks) {
+            light.write(block, block, 0);
+        }
+        light.transmit();
+        light.drain();
+    }
+    light.writes_done.clear();
+
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |bound: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound
+    };
+    let shared_read = |next: &mut dyn FnMut(u64) -> u64| {
+        let blocks = 1 + next(4);
+        let offset = next(SHARED_BLOCKS * 8 - blocks * 8) * 512;
+        let expected: Vec<u8> = (0..blocks as usize * BLOCK)
+            .map(|i| {
+                let at = offset as usize + i;
+                pattern((at / BLOCK) as u64, 0, at % BLOCK)
+            })
+            .collect();
+        (offset, expected)
+    };
+    let mut next_id = 1u64 << 32;
+    let heavy_reads = 3_000u64;
+    let mut versions = vec![0u32; OWNED_BLOCKS as usize];
+    for round in 0..heavy_reads {
+        // The heavy connection keeps its window nearly full.
+        while heavy.outstanding.len() < WINDOW - 2 {
+            let (offset, expected) = shared_read(&mut next);
+            heavy.read(next_id, offset, expected);
+            next_id += 1;
+        }
+        heavy.transmit();
+        heavy.receive();
+        // The light one, every 20th round: rewrites one of its blocks, waits for the answer,
+        // reads it back (it must see the new bytes wherever the read is served) and reads a
+        // shared range.
+        if round % 20 == 0 {
+            let slot = next(OWNED_BLOCKS);
+            let block = SHARED_BLOCKS + slot;
+            versions[slot as usize] += 1;
+            let version = versions[slot as usize];
+            light.write(next_id, block, version);
+            next_id += 1;
+            light.transmit();
+            light.drain();
+            light.read(next_id, block * BLOCK as u64, block_bytes(block, version));
+            next_id += 1;
+            let (offset, expected) = shared_read(&mut next);
+            light.read(next_id, offset, expected);
+            next_id += 1;
+            light.transmit();
+            light.drain();
+        }
+    }
+    heavy.drain();
+    light.drain();
+    assert!(heavy.answered >= heavy_reads);
+    drop(heavy);
+    drop(light);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let sent: u64 = stats.iter().map(|s| s.migrated_sent).sum();
+    let served: u64 = stats.iter().map(|s| s.migrated_served).sum();
+    let report: Vec<_> = stats
+        .iter()
+        .map(|s| (s.migrated_sent, s.migrated_served, s.migrated_refused))
+        .collect();
+    eprintln!("per thread (sent, served, refused): {report:?}");
+    assert!(sent > 100, "per thread (sent, served, refused): {report:?}");
+    assert_eq!(sent, served, "{report:?}");
+    assert!(stats.iter().all(|s| s.migrated_refused == 0), "{report:?}");
+}
