@@ -242,6 +242,7 @@ fn stress_server() -> VirtualServer {
         listeners: vec![VirtualListener::Native],
         nbd_exports: Vec::new(),
         nbd_default_export: None,
+        composites: Vec::new(),
     })
     .unwrap_or_else(|e| panic!("{e}"))
 }
