@@ -827,27 +827,8 @@ impl VirtualServer {
                 let state = &mut self.threads[thread];
                 let user_data = device_user_data(command.id);
                 let op = state.dataplane.device_op(&command, user_data, None);
-                let Some(queue) = state
-                    .queues
-                    .get_mut(usize::from(command.namespace_index))
-                    .and_then(Option::as_mut)
-                else {
-                    // Not reachable: the dataplane opens a slot's queue before its first
-                    // operation and closes it only when none is left.
-                    state.dataplane.handle_device(
-                        command.id,
-                        Err(reflex_flash::FlashError::Io { errno: 6 }),
-                        now,
-                    );
-                    return;
-                };
-                match queue.submit(op, now) {
-                    Submit::Pending => {}
-                    Submit::Done(result) => state.dataplane.handle_device(command.id, result, now),
-                    // Only ring-driven devices (files) ask for a ring entry; the simulator
-                    // has none (the variant exists when a workspace build turns `uring` on).
-                    #[allow(unreachable_patterns)]
-                    other => panic!("a simulated device asked for a ring: {other:?}"),
+                if let Some(result) = submit_device_op(&mut state.queues, &command, op, now) {
+                    state.dataplane.handle_device(command.id, result, now);
                 }
             }
             Op::OpenDevice { namespace_index } => {
@@ -904,26 +885,37 @@ impl VirtualServer {
         let op = home_state
             .dataplane
             .device_op(&read.command, user_data, None);
-        let Some(queue) = server_state
-            .queues
-            .get_mut(usize::from(command.namespace_index))
-            .and_then(Option::as_mut)
-        else {
-            server_state.dataplane.handle_device(
-                command.id,
-                Err(reflex_flash::FlashError::Io { errno: 6 }),
-                now,
-            );
-            return;
-        };
-        match queue.submit(op, now) {
-            Submit::Pending => {}
-            Submit::Done(result) => server_state
+        if let Some(result) = submit_device_op(&mut server_state.queues, &command, op, now) {
+            server_state
                 .dataplane
-                .handle_device(command.id, result, now),
-            #[allow(unreachable_patterns)]
-            other => panic!("a simulated device asked for a ring: {other:?}"),
+                .handle_device(command.id, result, now);
         }
+    }
+}
+
+/// Submits `op` (the operation of `command`) on a thread's queue of its namespace's device;
+/// `Some`: the result the thread's dataplane is to handle now.
+fn submit_device_op(
+    queues: &mut [Option<Box<dyn DeviceQueue>>],
+    command: &reflex_dataplane::DeviceCommand,
+    op: reflex_flash::DeviceOp,
+    now: Nanos,
+) -> Option<Result<u32, reflex_flash::FlashError>> {
+    let Some(queue) = queues
+        .get_mut(usize::from(command.namespace_index))
+        .and_then(Option::as_mut)
+    else {
+        // Not reachable: the dataplane opens a slot's queue before its first operation and
+        // closes it only when none is left.
+        return Some(Err(reflex_flash::FlashError::Io { errno: 6 }));
+    };
+    match queue.submit(op, now) {
+        Submit::Pending => None,
+        Submit::Done(result) => Some(result),
+        // Only ring-driven devices (files) ask for a ring entry; the simulator has none (the
+        // variant exists when a workspace build turns `uring` on).
+        #[allow(unreachable_patterns)]
+        other => panic!("a simulated device asked for a ring: {other:?}"),
     }
 }
 
