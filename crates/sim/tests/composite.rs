@@ -3,6 +3,8 @@
 //! it lands on, so a flood on one member's own namespace slows only the pieces that land on
 //! that member, and each device's tokens are charged to the tenant's member tenant there.
 
+mod common;
+
 use std::sync::Arc;
 
 use reflex_client::{ConnectionCore, CoreOptions};
@@ -138,21 +140,17 @@ impl Client {
 
     /// The ids of the answers that arrived (each must be OK).
     fn answers(&mut self, server: &mut VirtualServer) -> Vec<u64> {
-        self.received.clear();
-        server.client_read(self.socket, &mut self.received);
         let mut done = Vec::new();
-        let mut offered = &self.received[..];
-        loop {
-            let taken = self.core.handle_received_bytes(offered);
-            offered = &offered[taken..];
-            while let Some(completion) = self
-                .core
-                .poll_completion()
-                .unwrap_or_else(|e| panic!("{e}"))
-            {
+        let notices = &mut self.notices;
+        common::take_completions(
+            server,
+            self.socket,
+            &mut self.core,
+            &mut self.received,
+            |completion| {
                 if let Some(notice) = completion.notice() {
-                    self.notices.push(notice.handle);
-                    continue;
+                    notices.push(notice.handle);
+                    return;
                 }
                 assert!(
                     completion.is_ok(),
@@ -161,11 +159,8 @@ impl Client {
                     completion
                 );
                 done.push(completion.request_id);
-            }
-            if offered.is_empty() || taken == 0 {
-                break;
-            }
-        }
+            },
+        );
         done
     }
 }

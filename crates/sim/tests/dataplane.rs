@@ -85,24 +85,14 @@ impl Client {
 
     /// Takes what reached this client and records each answer (id, ok).
     fn take_answers(&mut self, server: &mut VirtualServer) {
-        self.received.clear();
-        server.client_read(self.socket, &mut self.received);
-        let mut offered = &self.received[..];
-        loop {
-            let taken = self.core.handle_received_bytes(offered);
-            offered = &offered[taken..];
-            while let Some(completion) = self
-                .core
-                .poll_completion()
-                .unwrap_or_else(|e| panic!("{e}"))
-            {
-                self.answered
-                    .push((completion.request_id, completion.is_ok()));
-            }
-            if offered.is_empty() || taken == 0 {
-                break;
-            }
-        }
+        let answered = &mut self.answered;
+        common::take_completions(
+            server,
+            self.socket,
+            &mut self.core,
+            &mut self.received,
+            |completion| answered.push((completion.request_id, completion.is_ok())),
+        );
     }
 }
 

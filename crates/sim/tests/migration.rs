@@ -10,6 +10,8 @@
 //! two threads: the sparse flow (2 closed-loop requests) on thread 0 with three quarters of
 //! the dense flow (8), the last quarter on thread 1.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -328,17 +330,12 @@ impl Client {
 
     /// Checks every answer that arrived: a known id, once, OK, and a read's exact bytes.
     fn take_answers(&mut self, server: &mut VirtualServer) {
-        self.received.clear();
-        server.client_read(self.socket, &mut self.received);
-        let mut offered = &self.received[..];
-        loop {
-            let taken = self.core.handle_received_bytes(offered);
-            offered = &offered[taken..];
-            while let Some(completion) = self
-                .core
-                .poll_completion()
-                .unwrap_or_else(|e| panic!("{e}"))
-            {
+        common::take_completions(
+            server,
+            self.socket,
+            &mut self.core,
+            &mut self.received,
+            |completion| {
                 let id = completion.request_id;
                 let Some(expected) = self.outstanding.remove(&id) else {
                     panic!("answer for {id}, not outstanding (duplicate or unknown)");
@@ -346,7 +343,7 @@ impl Client {
                 if !completion.is_ok() && self.errors_allowed {
                     self.errors += 1;
                     self.answered += 1;
-                    continue;
+                    return;
                 }
                 assert!(
                     completion.is_ok(),
@@ -363,11 +360,8 @@ impl Client {
                     self.rewriting = Some((block, version, true)); // Written: read it back.
                 }
                 self.answered += 1;
-            }
-            if offered.is_empty() || taken == 0 {
-                break;
-            }
-        }
+            },
+        );
     }
 }
 

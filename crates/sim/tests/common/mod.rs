@@ -83,3 +83,27 @@ pub fn run(name: &str, seed: u64) -> PointReport {
     assert_eq!(report.points.len(), 1, "{name} is not a sweep");
     report.points[0].1.clone()
 }
+
+/// Feeds what reached `socket` to `core` and hands each completion it finishes to `each`, in
+/// order: the receive loop of every virtual client in these tests.
+pub fn take_completions(
+    server: &mut VirtualServer,
+    socket: reflex_sim::SocketId,
+    core: &mut reflex_client::ConnectionCore,
+    received: &mut Vec<u8>,
+    mut each: impl FnMut(reflex_client::Completion<'_>),
+) {
+    received.clear();
+    server.client_read(socket, received);
+    let mut offered = &received[..];
+    loop {
+        let taken = core.handle_received_bytes(offered);
+        offered = &offered[taken..];
+        while let Some(completion) = core.poll_completion().unwrap_or_else(|e| panic!("{e}")) {
+            each(completion);
+        }
+        if offered.is_empty() || taken == 0 {
+            break;
+        }
+    }
+}
