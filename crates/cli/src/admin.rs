@@ -755,6 +755,32 @@ fn render_fairness(value: &Value) -> String {
             &flows,
         ));
     }
+    // Inter-core migration, per thread, once any thread has handed a read over.
+    let migration = value["migration"].as_array().unwrap_or(&empty);
+    let migrated = |thread: &Value| ["sent", "served", "refused"].iter().any(|k| thread[k] != 0);
+    if migration.iter().any(migrated) {
+        let rows: Vec<Vec<String>> = migration
+            .iter()
+            .map(|thread| {
+                vec![
+                    cell(&thread["thread"]),
+                    cell(&thread["sent"]),
+                    cell(&thread["served"]),
+                    cell(&thread["refused"]),
+                ]
+            })
+            .collect();
+        out.push('\n');
+        out.push_str(&table(
+            &[
+                "thread",
+                "migrated_sent",
+                "migrated_served",
+                "migrated_refused",
+            ],
+            &rows,
+        ));
+    }
     out
 }
 
@@ -900,6 +926,26 @@ mod tests {
             "{text}"
         );
         assert!(lines[5].contains("-"), "{text}");
+    }
+
+    #[test]
+    fn migration_counters_get_a_table_once_a_read_moved() {
+        let idle = json!({"namespaces": [], "migration": [
+            {"thread": 0, "sent": 0, "served": 0, "refused": 0}]});
+        assert!(!render_fairness(&idle).contains("migrated_sent"));
+        let moved = render_fairness(&json!({"namespaces": [], "migration": [
+            {"thread": 0, "sent": 0, "served": 12, "refused": 0},
+            {"thread": 1, "sent": 12, "served": 0, "refused": 1}]}));
+        let lines: Vec<&str> = moved.lines().collect();
+        let header = lines
+            .iter()
+            .position(|line| line.starts_with("thread  migrated_sent"))
+            .unwrap_or_else(|| panic!("{moved}"));
+        assert!(lines[header + 1].starts_with("0       0"), "{moved}");
+        assert!(
+            lines[header + 2].contains("12") && lines[header + 2].ends_with('1'),
+            "{moved}"
+        );
     }
 
     #[test]

@@ -163,6 +163,11 @@ pub struct ThreadSnapshot {
     /// TLS sessions started, and those refused or broken (`core/tls.rs`).
     pub tls_sessions: u64,
     pub tls_failures: u64,
+    /// Inter-core migration (`core/migration.rs`): reads this thread handed to others, reads
+    /// of others it served, and reads of others it answered with an error.
+    pub migrated_sent: u64,
+    pub migrated_served: u64,
+    pub migrated_refused: u64,
     pub namespaces: Vec<NamespaceSnapshot>,
     pub tenants: Vec<TenantSnapshot>,
     pub listeners: Vec<ListenerSnapshot>,

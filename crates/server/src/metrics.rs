@@ -783,6 +783,28 @@ fn encode_fairness(
         "fairness_flow_backwardings",
         "B for a dense flow's head requests (0 for sparse flows or without unfairness).",
         &backwardings,
+    )?;
+    let mut migrated = Vec::new();
+    for thread in &view.migration {
+        for (outcome, count) in [
+            ("sent", thread.sent),
+            ("served", thread.served),
+            ("refused", thread.refused),
+        ] {
+            migrated.push((
+                vec![
+                    ("thread", thread.thread.to_string()),
+                    ("outcome", outcome.to_string()),
+                ],
+                count as f64,
+            ));
+        }
+    }
+    counters(
+        encoder,
+        "migration_reads",
+        "Inter-core migration: reads the thread sent to another thread, reads of other threads it served, and those it answered with an error.",
+        &migrated,
     )
 }
 

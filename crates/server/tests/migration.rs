@@ -5,6 +5,7 @@
 //! once, none lost) and content (the bytes the blocks hold, a rewritten block's new bytes once
 //! its write was answered).
 
+mod admin_common;
 mod common;
 
 use std::collections::HashMap;
@@ -167,8 +168,17 @@ fn reads_migrate_between_two_threads_and_every_answer_is_right_once() {
         },
         ..FairQueueConfig::default()
     };
+    server_config.admin = reflex_server::admin::AdminConfig {
+        stats_window: std::time::Duration::from_millis(100),
+        ..reflex_server::admin::AdminConfig::loopback()
+    };
     let server = start(server_config);
     let addr = server.native_addr();
+    let api = admin_common::Api::new(
+        server
+            .admin_addr()
+            .unwrap_or_else(|| panic!("no admin listener")),
+    );
 
     let mut light = Connection::connect(addr);
     let mut heavy = Connection::connect(addr);
@@ -239,7 +249,52 @@ fn reads_migrate_between_two_threads_and_every_answer_is_right_once() {
     assert!(heavy.answered >= heavy_reads);
     drop(heavy);
     drop(light);
+    // Every read answered, so the counters are final: the admin API and the metrics show
+    // what the threads report at exit once they have published.
+    let sum = |view: &serde_json::Value, key: &str| -> u64 {
+        view["migration"].as_array().map_or(0, |threads| {
+            threads.iter().filter_map(|t| t[key].as_u64()).sum()
+        })
+    };
+    let view = api.wait_for("/v1/fairness", |view| {
+        // Snapshots that predate the last answers can agree too: wait for the idle stage.
+        let idle = view["namespaces"].as_array().is_some_and(|namespaces| {
+            namespaces
+                .iter()
+                .all(|n| n["held"] == 0 && n["device_in_flight"] == 0)
+        });
+        idle && view["migration"].as_array().map(Vec::len) == Some(2)
+            && sum(view, "sent") > 0
+            && sum(view, "sent") == sum(view, "served")
+    });
+    let metrics = api.get("/metrics").text;
     let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    for thread in view["migration"].as_array().into_iter().flatten() {
+        let index = thread["thread"].as_u64().unwrap_or(u64::MAX) as usize;
+        let exit = &stats[index];
+        assert_eq!(thread["sent"].as_u64(), Some(exit.migrated_sent), "{view}");
+        assert_eq!(
+            thread["served"].as_u64(),
+            Some(exit.migrated_served),
+            "{view}"
+        );
+        assert_eq!(
+            thread["refused"].as_u64(),
+            Some(exit.migrated_refused),
+            "{view}"
+        );
+        for (outcome, count) in [
+            ("sent", exit.migrated_sent),
+            ("served", exit.migrated_served),
+            ("refused", exit.migrated_refused),
+        ] {
+            let series = format!(
+                "reflex_migration_reads_total{{thread=\"{index}\",outcome=\"{outcome}\"}} {count}.0\n"
+            );
+            assert!(metrics.contains(&series), "{series} missing:\n{metrics}");
+        }
+    }
+    admin_common::promtool_accepts(&metrics);
     let sent: u64 = stats.iter().map(|s| s.migrated_sent).sum();
     let served: u64 = stats.iter().map(|s| s.migrated_served).sum();
     let report: Vec<_> = stats

@@ -167,6 +167,9 @@ impl Dataplane {
             notices_sent: self.stats.notices_sent,
             tls_sessions: self.stats.tls_sessions,
             tls_failures: self.stats.tls_failures,
+            migrated_sent: self.stats.migrated_sent,
+            migrated_served: self.stats.migrated_served,
+            migrated_refused: self.stats.migrated_refused,
             namespaces,
             tenants,
             listeners: self

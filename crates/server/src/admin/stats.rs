@@ -297,10 +297,25 @@ pub struct FairNamespaceView {
     pub threads: Vec<FairThreadView>,
 }
 
+/// One thread's inter-core migration counters since start (`core/migration.rs`), over all
+/// namespaces: migration hands reads between threads, not between namespaces.
+#[derive(Debug, Clone, Serialize)]
+pub struct MigrationThreadView {
+    pub thread: usize,
+    /// Reads this thread handed to another thread.
+    pub sent: u64,
+    /// Reads of other threads this thread served.
+    pub served: u64,
+    /// Reads of other threads this thread could not serve (answered with an error).
+    pub refused: u64,
+}
+
 /// `GET /v1/fairness`.
 #[derive(Debug, Clone, Serialize)]
 pub struct FairnessView {
     pub namespaces: Vec<FairNamespaceView>,
+    /// Per thread, in thread order (threads that have not published yet are absent).
+    pub migration: Vec<MigrationThreadView>,
 }
 
 /// LB = min / max of `utilisations` (`None` with fewer than two, 1 when all are idle).
@@ -644,7 +659,22 @@ impl Sampler {
                 threads,
             });
         }
-        FairnessView { namespaces }
+        let mut migration: Vec<MigrationThreadView> = self
+            .latest
+            .threads
+            .iter()
+            .map(|thread| MigrationThreadView {
+                thread: thread.thread_index,
+                sent: thread.migrated_sent,
+                served: thread.migrated_served,
+                refused: thread.migrated_refused,
+            })
+            .collect();
+        migration.sort_by_key(|view| view.thread);
+        FairnessView {
+            namespaces,
+            migration,
+        }
     }
 
     /// What `GET /v1/stats` shows: the last window, totals since start, SLO attainment.
