@@ -104,8 +104,11 @@ enum TenantCommand {
         /// The tenant may only read.
         #[arg(long)]
         read_only: bool,
+        /// RT_alone of its flows for the fairness monitors, µs (default: learned).
+        #[arg(long)]
+        rt_alone_us: Option<u32>,
     },
-    /// Change a tenant's class or SLO: admission runs again.
+    /// Change a tenant's class or SLO (admission runs again), or its RT_alone (no admission).
     Set {
         name: String,
         #[arg(short, long, default_value_t = 1)]
@@ -114,6 +117,12 @@ enum TenantCommand {
         class: Option<Class>,
         #[command(flatten)]
         slo: Slo,
+        /// RT_alone of its flows for the fairness monitors, µs.
+        #[arg(long, conflicts_with = "rt_alone_learned")]
+        rt_alone_us: Option<u32>,
+        /// Learn RT_alone from the monitors' windows again (clears --rt-alone-us).
+        #[arg(long)]
+        rt_alone_learned: bool,
     },
     /// Delete a tenant: its connections get an error.
     Rm {
@@ -379,6 +388,7 @@ fn tenants(client: &Client, json: bool, command: TenantCommand) -> Result<()> {
             class,
             slo,
             read_only,
+            rt_alone_us,
         } => {
             let mut body = Map::new();
             body.insert("name".into(), json!(name));
@@ -386,6 +396,9 @@ fn tenants(client: &Client, json: bool, command: TenantCommand) -> Result<()> {
             slo_body(&mut body, &slo);
             if read_only {
                 body.insert("read_only".into(), json!(true));
+            }
+            if let Some(rt_alone_us) = rt_alone_us {
+                body.insert("rt_alone_us".into(), json!(rt_alone_us));
             }
             let path = format!("/v1/namespaces/{namespace}/tenants");
             let changed = client.request("POST", &path, Some(&Value::Object(body)))?;
@@ -396,15 +409,22 @@ fn tenants(client: &Client, json: bool, command: TenantCommand) -> Result<()> {
             namespace,
             class,
             slo,
+            rt_alone_us,
+            rt_alone_learned,
         } => {
             let mut body = Map::new();
             if let Some(class) = class {
                 body.insert("class".into(), json!(class.name()));
             }
             slo_body(&mut body, &slo);
+            if let Some(rt_alone_us) = rt_alone_us {
+                body.insert("rt_alone_us".into(), json!(rt_alone_us));
+            } else if rt_alone_learned {
+                body.insert("rt_alone_us".into(), Value::Null);
+            }
             if body.is_empty() {
                 bail!(
-                    "nothing to change: give --class, --latency-us-p95, --iops or --read-percent"
+                    "nothing to change: give --class, --latency-us-p95, --iops, --read-percent, --rt-alone-us or --rt-alone-learned"
                 );
             }
             let changed = client.request(
@@ -606,6 +626,7 @@ fn render_tenants(value: &Value) -> String {
                 cell(&tenant["origin"]),
                 cell(&tenant["connections"]),
                 cell(&tenant["handle"]),
+                cell(&tenant["rt_alone_us"]),
             ]
         })
         .collect();
@@ -621,6 +642,7 @@ fn render_tenants(value: &Value) -> String {
             "origin",
             "conns",
             "handle",
+            "alone_us",
         ],
         &rows,
     )

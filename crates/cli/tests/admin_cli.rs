@@ -120,7 +120,26 @@ fn tenants_add_set_list_show_rm_round_trip_through_the_api() {
     );
     assert!(added.starts_with("admitted: "), "{added}");
     assert!(added.contains("silver"), "{added}");
-    ok(&api, &["tenants", "add", "bronze", "--class", "be"]);
+    ok(
+        &api,
+        &[
+            "tenants",
+            "add",
+            "bronze",
+            "--class",
+            "be",
+            "--rt-alone-us",
+            "300",
+        ],
+    );
+    let bronze = ok_json(&api, &["tenants", "show", "bronze"]);
+    assert_eq!(bronze["rt_alone_us"], 300, "{bronze}");
+    // RT_alone alone changes no SLO; --rt-alone-learned clears it.
+    let changed = ok_json(&api, &["tenants", "set", "bronze", "--rt-alone-us", "250"]);
+    assert_eq!(changed["tenant"]["rt_alone_us"], 250, "{changed}");
+    assert_eq!(changed["tenant"]["class"], "be", "{changed}");
+    let changed = ok_json(&api, &["tenants", "set", "bronze", "--rt-alone-learned"]);
+    assert!(changed["tenant"]["rt_alone_us"].is_null(), "{changed}");
 
     let list = ok_json(&api, &["tenants", "list"]);
     for name in ["gold", "silver", "bronze"] {

@@ -102,6 +102,13 @@ pub enum ControlMessage {
     Grant { handle: u64, grant: Grant },
     /// Send this RENEGOTIATE notice to every native connection charged to the tenant.
     Notice { body: RenegotiateBody },
+    /// The operator set the tenant's RT_alone (µs; `None`: learn it again) for the fairness
+    /// monitors of namespace `namespace_index` (`docs/FAIRNESS.md`).
+    Alone {
+        namespace_index: u16,
+        tenant: u32,
+        rt_alone_us: Option<u32>,
+    },
     /// The namespaces changed (one added, one being removed, one gone): adopt
     /// [`ControlPlane::catalog`]. Sent before any other message about a new namespace.
     Namespaces,
@@ -222,6 +229,8 @@ pub struct TenantEntry {
     /// A composite namespace's tenant: the handles of its member tenants, in member order
     /// (each admitted on its member's own registry; see [`member_spec`]).
     pub members: Vec<u64>,
+    /// RT_alone the operator set for the fairness monitors (µs); `None`: learned.
+    pub rt_alone_us: Option<u32>,
     /// A member tenant: the composite namespace's tenant it serves (its notices go to that
     /// tenant's connections, the only ones that know a handle).
     pub member_of: Option<u64>,
@@ -335,6 +344,8 @@ pub struct TenantInfo {
     pub deficit_episodes: u64,
     /// Whether a deficit episode is going on.
     pub in_deficit_episode: bool,
+    /// RT_alone set for the fairness monitors (µs); `None`: learned from the windows.
+    pub rt_alone_us: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -407,6 +418,8 @@ struct State {
     qos_enabled: bool,
     /// Grants of configured tenants, by name ([`ControlPlane::set_grants`]).
     grants: BTreeMap<String, Grant>,
+    /// RT_alone of configured tenants, by name ([`ControlPlane::set_configured_alone`]).
+    alone: BTreeMap<String, u32>,
 }
 
 /// What the threads serve: the namespace slots and the NBD export table.
@@ -536,6 +549,7 @@ impl ControlPlane {
             qos_config: setup.qos_config.clone(),
             qos_enabled: setup.qos_enabled,
             grants: BTreeMap::new(),
+            alone: BTreeMap::new(),
         };
         let mut setups = Vec::new();
         for (index, namespace) in setup.namespaces.iter().enumerate() {
@@ -940,6 +954,55 @@ impl ControlPlane {
         })
     }
 
+    /// Sets the RT_alone of configured tenants, by name, like [`Self::set_grants`]: tenants
+    /// registered already under one of these names (not over the wire) take it now, tenants
+    /// registered later when they are. Only names whose value differs from the previous
+    /// call's change (a reload leaves an RT_alone the admin API set alone unless the file
+    /// changed it); a name gone from `alone` learns its RT_alone again. Returns how many
+    /// tenants changed.
+    pub fn set_configured_alone(&self, alone: BTreeMap<String, u32>) -> usize {
+        self.change_from_outside(|state| {
+            let changed: Vec<(u64, Option<u32>)> = state
+                .tenants
+                .iter()
+                .filter(|(_, entry)| !entry.dynamic && entry.member_of.is_none())
+                .filter_map(|(handle, entry)| {
+                    let wanted = alone.get(&entry.name).copied();
+                    let before = state.alone.get(&entry.name).copied();
+                    (wanted != before && entry.rt_alone_us != wanted).then_some((*handle, wanted))
+                })
+                .collect();
+            for &(handle, rt_alone_us) in &changed {
+                state.announce_alone(handle, rt_alone_us);
+            }
+            state.alone = alone;
+            changed.len()
+        })
+    }
+
+    /// Sets (or with `None` clears) the RT_alone of tenant `name` on `namespace_id` for the
+    /// admin API; the threads' fairness monitors use it from their next window.
+    pub fn admin_set_alone(
+        &self,
+        namespace_id: u32,
+        name: &str,
+        rt_alone_us: Option<u32>,
+    ) -> Result<TenantInfo, AdminError> {
+        let handle =
+            self.find_tenant(namespace_id, name)
+                .ok_or_else(|| AdminError::NoSuchTenant {
+                    namespace_id,
+                    name: name.to_string(),
+                })?;
+        self.change_from_outside(|state| state.announce_alone(handle, rt_alone_us));
+        tracing::info!(handle, tenant = %name, namespace = namespace_id, ?rt_alone_us,
+            "tenant's RT_alone set through the admin API");
+        self.tenant(handle).ok_or_else(|| AdminError::NoSuchTenant {
+            namespace_id,
+            name: name.to_string(),
+        })
+    }
+
     /// A connection of each of `handles` on `thread` is gone (tenants that are gone
     /// already are skipped).
     pub fn disconnect(
@@ -1150,6 +1213,7 @@ impl ControlPlane {
                 .unwrap_or_default(),
             deficit_episodes,
             in_deficit_episode,
+            rt_alone_us: entry.rt_alone_us,
         })
     }
 
@@ -1930,9 +1994,43 @@ impl State {
                 orphaned_at: None,
                 members,
                 member_of: None,
+                rt_alone_us: None,
             },
         );
+        if !dynamic && let Some(&rt_alone_us) = self.alone.get(self.tenants[&handle].name.as_str())
+        {
+            self.announce_alone(handle, Some(rt_alone_us));
+        }
         Ok(handle)
+    }
+
+    /// Records `handle`'s RT_alone and tells every thread's fairness monitors, on its
+    /// namespace or, for a composite namespace's tenant, on each member's.
+    fn announce_alone(&mut self, handle: u64, rt_alone_us: Option<u32>) {
+        let Some(entry) = self.tenants.get_mut(&handle) else {
+            return;
+        };
+        entry.rt_alone_us = rt_alone_us;
+        let mut targets = vec![(entry.namespace_index, entry.id.0)];
+        let members = entry.members.clone();
+        for member in members {
+            if let Some(member) = self.tenants.get_mut(&member) {
+                member.rt_alone_us = rt_alone_us;
+                targets.push((member.namespace_index, member.id.0));
+            }
+        }
+        for (namespace_index, tenant) in targets {
+            for thread in 0..self.threads {
+                self.outbox.push((
+                    thread,
+                    ControlMessage::Alone {
+                        namespace_index,
+                        tenant,
+                        rt_alone_us,
+                    },
+                ));
+            }
+        }
     }
 
     /// A new SLO for a registered tenant: admission runs again on its namespace, or for a

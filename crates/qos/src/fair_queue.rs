@@ -462,6 +462,15 @@ impl FairQueue {
         self.network_rtt = rtt;
     }
 
+    /// RT_alone of `flow` set from outside (µs; `None` goes back to learning it), for the
+    /// monitor's slowdowns from its next window on.
+    pub fn set_alone(&mut self, flow: FlowId, rt_alone_us: Option<f64>) {
+        match rt_alone_us {
+            Some(rt_alone_us) => self.monitor.set_alone(flow, rt_alone_us),
+            None => self.monitor.clear_alone(flow),
+        }
+    }
+
     /// When the monitor's window ends.
     pub fn next_deadline(&self) -> Nanos {
         self.monitor.next_deadline()

@@ -26,7 +26,9 @@
 //! at least `samples_min` requests moves RT_alone towards the window's RT by an exponential
 //! average (weight `alone_weight`). Until a flow has had one, its lowest RT so far stands in
 //! (a lower bound of RT_alone's sense: its slowdown is then ≥ 1 and errs towards "fair").
-//! [`FairnessMonitor::set_alone`] sets it from a calibration phase instead.
+//! [`FairnessMonitor::set_alone`] sets it from outside instead (a calibration phase, the
+//! operator's `rt_alone_us` of a tenant): a set RT_alone stands until cleared, whatever the
+//! windows show, and outlives the flow's leaving.
 
 use std::collections::BTreeMap;
 
@@ -178,9 +180,11 @@ pub struct FlowReport {
     pub rt_us: f64,
     /// RT_alone in force, µs.
     pub rt_alone_us: f64,
-    /// Whether RT_alone came from low-contention windows or calibration (false: the lowest RT
+    /// Whether RT_alone came from low-contention windows or was set (false: the lowest RT
     /// seen stands in).
     pub alone_learned: bool,
+    /// Whether RT_alone was set from outside ([`FairnessMonitor::set_alone`]).
+    pub alone_set: bool,
     pub slowdown: f64,
     pub density: Density,
     /// Backwardings for a dense flow's requests (0 for sparse flows or without unfairness).
@@ -229,6 +233,8 @@ struct FlowState {
 pub struct FairnessMonitor {
     config: FairnessConfig,
     flows: BTreeMap<FlowId, FlowState>,
+    /// RT_alone set from outside, µs: kept when the flow leaves, never moved by a window.
+    alone_set: BTreeMap<FlowId, f64>,
     window_start: Nanos,
     last_end: Option<Nanos>,
 }
@@ -239,6 +245,7 @@ impl FairnessMonitor {
         Ok(FairnessMonitor {
             config,
             flows: BTreeMap::new(),
+            alone_set: BTreeMap::new(),
             window_start: now,
             last_end: None,
         })
@@ -253,14 +260,17 @@ impl FairnessMonitor {
         self.window_start + self.config.window()
     }
 
-    /// RT_alone of `flow` from a calibration phase (µs), replacing what was learned.
+    /// Sets RT_alone of `flow` (µs) from outside: it stands instead of what windows teach
+    /// until [`Self::clear_alone`].
     pub fn set_alone(&mut self, flow: FlowId, rt_alone_us: f64) {
         assert!(rt_alone_us.is_finite() && rt_alone_us > 0.0);
-        let state = self.flows.entry(flow).or_insert(FlowState {
-            alone_us: None,
-            lowest_us: rt_alone_us,
-        });
-        state.alone_us = Some(rt_alone_us);
+        self.alone_set.insert(flow, rt_alone_us);
+    }
+
+    /// Goes back to learning `flow`'s RT_alone from its windows (what was learned meanwhile
+    /// stands at once).
+    pub fn clear_alone(&mut self, flow: FlowId) {
+        self.alone_set.remove(&flow);
     }
 
     /// Forgets a flow that left.
@@ -331,9 +341,10 @@ impl FairnessMonitor {
                     None => rt_us,
                 });
             }
-            let (rt_alone_us, alone_learned) = match state.alone_us {
-                Some(alone) => (alone, true),
-                None => (state.lowest_us, false),
+            let set = self.alone_set.get(&sample.flow).copied();
+            let (rt_alone_us, alone_learned) = match (set, state.alone_us) {
+                (Some(alone), _) | (None, Some(alone)) => (alone, true),
+                (None, None) => (state.lowest_us, false),
             };
             flows.push(FlowReport {
                 flow: sample.flow,
@@ -341,6 +352,7 @@ impl FairnessMonitor {
                 rt_us,
                 rt_alone_us,
                 alone_learned,
+                alone_set: set.is_some(),
                 slowdown: rt_us / rt_alone_us.max(f64::MIN_POSITIVE),
                 density: Density::Sparse,
                 backwardings: 0,

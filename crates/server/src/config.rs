@@ -38,6 +38,8 @@ pub const EXPORT_NAME_BYTES_MAX: usize = 256;
 pub const TENANT_NAME_BYTES_MAX: usize = 256;
 /// Tenants one configuration may declare.
 pub const TENANTS_CONFIGURED_MAX: usize = 1024;
+/// The largest RT_alone a tenant may be given (µs): one minute, like a latency SLO.
+pub const RT_ALONE_US_MAX: u32 = 60_000_000;
 /// Requests a connection may have outstanding (advertised in HELLO).
 pub const WINDOW_DEFAULT: u32 = 128;
 pub const WINDOW_MAX: u32 = 4096;
@@ -418,6 +420,10 @@ pub struct TenantConfig {
     pub range_offset: Option<u64>,
     #[serde(default, deserialize_with = "optional_size")]
     pub range_size: Option<u64>,
+    /// Its flows' response time alone (µs), for the fairness monitors' slowdowns instead of
+    /// what they learn from low-contention windows (`docs/FAIRNESS.md`).
+    #[serde(default)]
+    pub rt_alone_us: Option<u32>,
 }
 
 /// `access` of a tenant.
@@ -466,6 +472,7 @@ impl TenantConfig {
             access: AccessConfig::ReadWrite,
             range_offset: None,
             range_size: None,
+            rt_alone_us: None,
         }
     }
 
@@ -502,6 +509,7 @@ impl TenantConfig {
             access: AccessConfig::ReadWrite,
             range_offset: None,
             range_size: None,
+            rt_alone_us: None,
         }
     }
 
@@ -1274,6 +1282,14 @@ impl Config {
             .collect()
     }
 
+    /// The RT_alone of the configured tenants that have one, by name.
+    pub fn rt_alone(&self) -> std::collections::BTreeMap<String, u32> {
+        self.tenants
+            .iter()
+            .filter_map(|tenant| Some((tenant.name.clone(), tenant.rt_alone_us?)))
+            .collect()
+    }
+
     /// Checks every field against its documented range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
@@ -1435,6 +1451,14 @@ impl Config {
             tenant.spec().map_err(ConfigError::Invalid)?;
             if tenant.range_size == Some(0) {
                 return invalid(format!("tenant {:?}: range_size is 0", tenant.name));
+            }
+            if let Some(us) = tenant.rt_alone_us
+                && !(1..=RT_ALONE_US_MAX).contains(&us)
+            {
+                return invalid(format!(
+                    "tenant {:?}: rt_alone_us {us} must be 1..={RT_ALONE_US_MAX} (one minute)",
+                    tenant.name
+                ));
             }
             // A namespace without a QoS profile charges everything to its default tenant: a
             // grant bound there would not be enforced, so it is refused rather than ignored.
@@ -1839,6 +1863,14 @@ mod tests {
             (
                 "[[tenant]]\nname = \"t\"\nclass = \"be\"\nrange_size = 0",
                 "range_size is 0",
+            ),
+            (
+                "[[tenant]]\nname = \"t\"\nclass = \"be\"\nrt_alone_us = 0",
+                "rt_alone_us 0 must be",
+            ),
+            (
+                "[[tenant]]\nname = \"t\"\nclass = \"be\"\nrt_alone_us = 60000001",
+                "rt_alone_us 60000001 must be",
             ),
             (
                 "[[namespace]]\nid = 1\nbackend = \"mem:1M\"\ntenant = \"t\"\n[[tenant]]\nname = \"t\"\nclass = \"be\"\naccess = \"read-only\"",

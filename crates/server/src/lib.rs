@@ -198,6 +198,7 @@ impl Server {
             ControlPlane::start(&control_setup(&config)?, &namespaces, control_wakers)?;
         let control = Arc::new(control);
         control.set_grants(config.grants());
+        control.set_configured_alone(config.rt_alone());
         let configured = |namespace_index: u16, name: Option<&String>| -> TenantRef {
             let Some(name) = name else {
                 return TenantRef::NONE;
@@ -1227,6 +1228,9 @@ pub struct ReloadReport {
     /// Configured tenants whose grant (`access`, `range_offset`, `range_size`) changed: in
     /// force for their connections from each thread's next iteration.
     pub grants_changed: u32,
+    /// Configured tenants whose `rt_alone_us` changed: the fairness monitors use it from
+    /// their next window.
+    pub rt_alone_changed: u32,
     /// What a reload cannot change (a namespace gone from the file, a changed backend):
     /// each is logged.
     pub needs_restart: u32,
@@ -1274,6 +1278,7 @@ impl ServerHandle {
         // Grants first: a tenant bound below takes its grant when it is registered.
         let mut report = ReloadReport {
             grants_changed: self.control.set_grants(config.grants()) as u32,
+            rt_alone_changed: self.control.set_configured_alone(config.rt_alone()) as u32,
             ..ReloadReport::default()
         };
         let effective = config.effective_namespaces();

@@ -216,6 +216,7 @@ fn reload(server: &reflex_server::ServerHandle, path: Option<&std::path::Path>) 
         namespaces_added = report.namespaces_added,
         exports_rebound = report.exports_rebound,
         grants_changed = report.grants_changed,
+        rt_alone_changed = report.rt_alone_changed,
         needs_restart = report.needs_restart,
         "SIGHUP: configured namespaces and tenants reloaded"
     );

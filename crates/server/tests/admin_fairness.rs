@@ -242,3 +242,133 @@ fn with_the_stage_off_the_endpoint_says_so_and_metrics_have_no_fairness() {
     assert!(!metrics.contains("reflex_fairness_"), "{metrics}");
     drop(server);
 }
+
+/// The fairness config of the RT_alone tests: the stage on, short windows.
+fn fair_share(config: &mut reflex_server::Config) {
+    config.qos_config.fairness = FairQueueConfig {
+        mode: FairMode::FairShare,
+        be_device_depth_max: 2,
+        monitor: FairnessConfig {
+            window_us: 50_000,
+            samples_min: 5,
+            ..FairnessConfig::default()
+        },
+        ..FairQueueConfig::default()
+    };
+}
+
+/// Waits for a window of one thread in which `name`'s flow was judged and `done` holds for
+/// it; returns the flow.
+fn judged_flow(api: &Api, name: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let view = api.wait_for("/v1/fairness", |view| {
+        view["namespaces"][0]["threads"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|thread| flow(thread, name))
+            .any(|flow| flow["slowdown"].is_f64() && done(flow))
+    });
+    let flow = view["namespaces"][0]["threads"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|thread| flow(thread, name))
+        .find(|flow| flow["slowdown"].is_f64() && done(flow))
+        .cloned();
+    conforms(&view, &schema("Fairness"), "fairness");
+    flow.unwrap_or_else(|| panic!("{view}"))
+}
+
+#[test]
+fn rt_alone_set_in_the_config_and_the_admin_api_stands_until_cleared() {
+    let mut config = config(None);
+    fair_share(&mut config);
+    config.tenants[0].rt_alone_us = Some(700);
+    let (server, api) = start(config);
+
+    // From the configuration (gold is latency-critical: the stage holds best-effort flows
+    // only, so its monitors never judge it; the value reaches them as the admin API's does).
+    let gold = api.get("/v1/namespaces/1/tenants/gold").json();
+    assert_eq!(gold["rt_alone_us"], 700, "{gold}");
+    // From the admin API at creation; out-of-range values are refused and change nothing.
+    for bad in [0u64, 60_000_001] {
+        let refused = api.post(
+            "/v1/namespaces/1/tenants",
+            &format!(r#"{{"name": "bad", "class": "be", "rt_alone_us": {bad}}}"#),
+        );
+        assert_eq!(refused.status, 400, "{}", refused.text);
+        assert!(refused.error().contains("rt_alone_us"), "{}", refused.text);
+    }
+    assert_eq!(api.get("/v1/namespaces/1/tenants/bad").status, 404);
+    let created = api.post(
+        "/v1/namespaces/1/tenants",
+        r#"{"name": "dense", "class": "be", "rt_alone_us": 250}"#,
+    );
+    assert_eq!(created.status, 201, "{}", created.text);
+    assert_eq!(created.json()["tenant"]["rt_alone_us"], 250);
+    let dense = u64::from_str_radix(
+        created.json()["tenant"]["handle"].as_str().unwrap_or(""),
+        16,
+    )
+    .unwrap_or_else(|e| panic!("handle: {e}"));
+    let sparse = be_tenant(&api, "sparse");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = readers(server.native_addr(), dense, DENSE_CONNECTIONS, &stop);
+    workers.extend(readers(server.native_addr(), sparse, 1, &stop));
+
+    // The set values stand in the monitors' windows; the unset one is learned.
+    let flow = judged_flow(&api, "dense", |flow| flow["alone_set"] == true);
+    assert_eq!(flow["rt_alone_us"].as_f64(), Some(250.0), "{flow}");
+    judged_flow(&api, "sparse", |flow| flow["alone_set"] == false);
+
+    // Set on the unset one, cleared on the set one: SLO untouched, no admission.
+    let patched = api.patch("/v1/namespaces/1/tenants/sparse", r#"{"rt_alone_us": 123}"#);
+    assert_eq!(patched.status, 200, "{}", patched.text);
+    assert_eq!(patched.json()["tenant"]["rt_alone_us"], 123);
+    assert_eq!(patched.json()["tenant"]["class"], "be");
+    let patched = api.patch("/v1/namespaces/1/tenants/dense", r#"{"rt_alone_us": null}"#);
+    assert_eq!(patched.status, 200, "{}", patched.text);
+    assert!(patched.json()["tenant"]["rt_alone_us"].is_null());
+    let refused = api.patch("/v1/namespaces/1/tenants/dense", r#"{"rt_alone_us": 0}"#);
+    assert_eq!(refused.status, 400, "{}", refused.text);
+    let flow = judged_flow(&api, "sparse", |flow| flow["alone_set"] == true);
+    assert_eq!(flow["rt_alone_us"].as_f64(), Some(123.0), "{flow}");
+    judged_flow(&api, "dense", |flow| flow["alone_set"] == false);
+    // The namespace's default tenant (untenanted flows) takes one too.
+    let patched = api.patch(
+        "/v1/namespaces/1/tenants/(default)",
+        r#"{"rt_alone_us": 90}"#,
+    );
+    assert_eq!(patched.status, 200, "{}", patched.text);
+
+    stop.store(true, Ordering::Relaxed);
+    for worker in workers {
+        worker.join().unwrap_or_else(|_| panic!("reader panicked"));
+    }
+    drop(server);
+}
+
+#[test]
+fn rt_alone_set_through_the_admin_api_survives_a_restart() {
+    let directory = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let state = directory.path().join("state.json").display().to_string();
+    {
+        let (server, api) = start(config(Some(state.clone())));
+        let created = api.post(
+            "/v1/namespaces/1/tenants",
+            r#"{"name": "kept", "class": "be", "rt_alone_us": 400}"#,
+        );
+        assert_eq!(created.status, 201, "{}", created.text);
+        let patched = api.patch("/v1/namespaces/1/tenants/gold", r#"{"rt_alone_us": 300}"#);
+        assert_eq!(patched.status, 200, "{}", patched.text);
+        server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    }
+    let (server, api) = start(config(Some(state)));
+    let kept = api.get("/v1/namespaces/1/tenants/kept").json();
+    assert_eq!(kept["rt_alone_us"], 400, "{kept}");
+    let gold = api.get("/v1/namespaces/1/tenants/gold").json();
+    assert_eq!(gold["rt_alone_us"], 300, "{gold}");
+    assert_eq!(gold["latency_us_p95"], 500, "{gold}");
+    drop(server);
+}

@@ -267,6 +267,21 @@ impl Dataplane {
                 }
             }
             ControlMessage::Namespaces => self.adopt_catalog(now),
+            ControlMessage::Alone {
+                namespace_index,
+                tenant,
+                rt_alone_us,
+            } => match self.qos.get_mut(usize::from(namespace_index)) {
+                Some(namespace) => namespace.fair.set_alone(
+                    reflex_qos::FlowId(u64::from(tenant)),
+                    rt_alone_us.map(f64::from),
+                ),
+                None => tracing::error!(
+                    thread = self.thread_index,
+                    namespace_index,
+                    "RT_alone for a namespace slot this thread does not know"
+                ),
+            },
             ControlMessage::Revoke { handle } => {
                 self.member_tenants.remove(&handle);
                 for connection in self.connections.iter_mut() {

@@ -279,3 +279,28 @@ fn knobs_out_of_range_are_refused_with_the_field() {
     assert_eq!(parsed.window_us, 50_000);
     assert!(toml::from_str::<FairnessConfig>("windw_us = 1").is_err());
 }
+
+#[test]
+fn a_set_rt_alone_stands_until_cleared_and_outlives_the_flow() {
+    let mut m = monitor(FairnessConfig::default());
+    m.set_alone(FlowId(1), 50.0);
+    // A quiet window would teach 100 µs; the set value stands and says so.
+    let quiet = FairnessWindow {
+        flows: vec![flow(1, 100, 100), flow(2, 100, 120)],
+        cores: cores(&[20, 10]),
+        network_rtt_ns: 0,
+    };
+    let r = report(&mut m, 100, quiet.clone());
+    assert!(r.flows[0].alone_set && r.flows[0].alone_learned);
+    assert!(close(r.flows[0].rt_alone_us, 50.0) && close(r.flows[0].slowdown, 2.0));
+    assert!(!r.flows[1].alone_set && close(r.flows[1].rt_alone_us, 120.0));
+    // The flow leaves and comes back: still set.
+    m.remove(FlowId(1));
+    let r = report(&mut m, 200, quiet.clone());
+    assert!(r.flows[0].alone_set && close(r.flows[0].rt_alone_us, 50.0));
+    // Cleared: learned from the windows again (the quiet window after its return).
+    m.clear_alone(FlowId(1));
+    let r = report(&mut m, 300, quiet);
+    assert!(!r.flows[0].alone_set && r.flows[0].alone_learned);
+    assert!(close(r.flows[0].rt_alone_us, 100.0), "{:?}", r.flows[0]);
+}

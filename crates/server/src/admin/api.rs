@@ -201,6 +201,9 @@ pub struct TenantCreate {
     pub read_percent: Option<u8>,
     #[serde(default)]
     pub read_only: bool,
+    /// RT_alone for the fairness monitors (µs); absent: learned from the windows.
+    #[serde(default)]
+    pub rt_alone_us: Option<u32>,
 }
 
 /// `POST /v1/namespaces`: a namespace to serve from now on (and after a restart).
@@ -244,6 +247,31 @@ pub struct TenantPatch {
     pub iops: Option<u64>,
     #[serde(default)]
     pub read_percent: Option<u8>,
+    /// RT_alone for the fairness monitors (µs); `null` goes back to learning it.
+    #[serde(default, deserialize_with = "present")]
+    pub rt_alone_us: Option<Option<u32>>,
+}
+
+/// A field that may be given as `null`: `Some(None)` then, `None` when absent (with
+/// `#[serde(default)]`).
+fn present<'de, D, T>(deserializer: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(deserializer).map(Some)
+}
+
+/// RT_alone is a response time: above 0, at most a minute.
+fn check_rt_alone(rt_alone_us: Option<u32>) -> ApiResult<()> {
+    match rt_alone_us {
+        Some(0) => Err(ApiError::bad_request("rt_alone_us must be above 0")),
+        Some(us) if us > crate::config::RT_ALONE_US_MAX => Err(ApiError::bad_request(format!(
+            "rt_alone_us {us} above {} (one minute)",
+            crate::config::RT_ALONE_US_MAX
+        ))),
+        _ => Ok(()),
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -263,6 +291,8 @@ pub struct TenantView {
     pub connections: u32,
     pub renegotiation_notices: u64,
     pub in_deficit_episode: bool,
+    /// RT_alone set for the fairness monitors (µs); `null`: learned from the windows.
+    pub rt_alone_us: Option<u32>,
 }
 
 #[derive(Debug, Serialize)]
@@ -378,6 +408,7 @@ impl AdminState {
             connections: info.connections_per_thread.iter().sum(),
             renegotiation_notices: info.deficit_episodes,
             in_deficit_episode: info.in_deficit_episode,
+            rt_alone_us: info.rt_alone_us,
         }
     }
 
@@ -500,6 +531,9 @@ fn spec_of(
     }
 }
 
+/// Fields whose `null` means something (clear the value) rather than a mistake.
+const NULLABLE_FIELDS: &[&str] = &["rt_alone_us"];
+
 /// A request body that must be a JSON object of `T`'s fields. Numbers with no fractional part
 /// count as integers whatever their spelling (`70.0` is 70), as JSON Schema has it. A body
 /// that is not an object, or fields of the wrong type, are a 422 naming the field.
@@ -515,7 +549,10 @@ fn object_body<T: serde::de::DeserializeOwned>(
             "the body must be a JSON object",
         ));
     };
-    if let Some((key, _)) = object.iter().find(|(_, field)| field.is_null()) {
+    if let Some((key, _)) = object
+        .iter()
+        .find(|(key, field)| field.is_null() && !NULLABLE_FIELDS.contains(&key.as_str()))
+    {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!("{key}: null is not a value (leave the field out instead)"),
@@ -707,21 +744,30 @@ pub async fn create_tenant(
     let body: TenantCreate = object_body(body)?;
     state.namespace_index(namespace_id)?;
     check_name(&body.name)?;
+    check_rt_alone(body.rt_alone_us)?;
     let spec = spec_of(
         body.class,
         body.latency_us_p95,
         body.iops,
         body.read_percent,
     )?;
-    let outcome = state
-        .control
-        .admin_register(namespace_id, &body.name, spec, body.read_only)?;
+    let mut outcome =
+        state
+            .control
+            .admin_register(namespace_id, &body.name, spec, body.read_only)?;
+    if body.rt_alone_us.is_some() {
+        outcome.tenant =
+            state
+                .control
+                .admin_set_alone(namespace_id, &body.name, body.rt_alone_us)?;
+    }
     let persisted = PersistedTenant {
         namespace_id,
         name: body.name.clone(),
         spec,
         read_only: body.read_only,
         origin: Origin::Admin,
+        rt_alone_us: body.rt_alone_us,
     };
     if let Err(error) = state.persist(|file| file.upsert(persisted)) {
         let _ = state.control.admin_remove(namespace_id, &body.name);
@@ -754,6 +800,17 @@ pub async fn update_tenant(
     let Path((namespace_id, name)) = path?;
     let body: TenantPatch = object_body(body)?;
     let info = find(&state, namespace_id, &name)?;
+    if let Some(rt_alone_us) = body.rt_alone_us {
+        check_rt_alone(rt_alone_us)?;
+    }
+    let slo_given = body.class.is_some()
+        || body.latency_us_p95.is_some()
+        || body.iops.is_some()
+        || body.read_percent.is_some();
+    if !slo_given && let Some(rt_alone_us) = body.rt_alone_us {
+        // RT_alone alone: no admission, and the default tenant (untenanted flows) takes it too.
+        return set_alone_only(&state, namespace_id, &name, &info, rt_alone_us);
+    }
     if info.name == "(default)" {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -811,7 +868,12 @@ pub async fn update_tenant(
         )?,
     };
     let old_spec = info.spec;
-    let outcome = state.control.admin_update(namespace_id, &name, spec)?;
+    let mut outcome = state.control.admin_update(namespace_id, &name, spec)?;
+    if let Some(rt_alone_us) = body.rt_alone_us {
+        outcome.tenant = state
+            .control
+            .admin_set_alone(namespace_id, &name, rt_alone_us)?;
+    }
     let origin = if state.control.is_managed(info.handle) {
         Origin::Admin
     } else {
@@ -823,12 +885,16 @@ pub async fn update_tenant(
         spec,
         read_only: info.read_only,
         origin,
+        rt_alone_us: body.rt_alone_us.unwrap_or(info.rt_alone_us),
     };
     // A wire tenant's SLO is its client's business: it does not outlive the server.
     if !info.dynamic
         && let Err(error) = state.persist(|file| file.upsert(persisted))
     {
         let _ = state.control.admin_update(namespace_id, &name, old_spec);
+        let _ = state
+            .control
+            .admin_set_alone(namespace_id, &name, info.rt_alone_us);
         return Err(error);
     }
     Ok(json(TenantChanged {
@@ -838,6 +904,52 @@ pub async fn update_tenant(
             reason: admission_reason(outcome.plan.as_ref()),
         },
         plan: outcome.plan.as_ref().map(PlanView::of),
+    }))
+}
+
+/// A PATCH that sets only RT_alone: no admission runs (the SLO is unchanged), so the
+/// namespace's default tenant (the untenanted flows) may take one too. Kept in the state file
+/// for tenants that outlive the server, like an SLO change; the default tenant's lasts until
+/// the restart.
+fn set_alone_only(
+    state: &Shared,
+    namespace_id: u32,
+    name: &str,
+    info: &TenantInfo,
+    rt_alone_us: Option<u32>,
+) -> ApiResult<Response> {
+    let tenant = state
+        .control
+        .admin_set_alone(namespace_id, name, rt_alone_us)?;
+    if !info.dynamic && info.name != "(default)" {
+        let origin = if state.control.is_managed(info.handle) {
+            Origin::Admin
+        } else {
+            Origin::Config
+        };
+        let persisted = PersistedTenant {
+            namespace_id,
+            name: name.to_string(),
+            spec: info.spec,
+            read_only: info.read_only,
+            origin,
+            rt_alone_us,
+        };
+        if let Err(error) = state.persist(|file| file.upsert(persisted)) {
+            let _ = state
+                .control
+                .admin_set_alone(namespace_id, name, info.rt_alone_us);
+            return Err(error);
+        }
+    }
+    let plan = state.control.plan(state.namespace_index(namespace_id)?);
+    Ok(json(TenantChanged {
+        tenant: state.tenant_view(&tenant),
+        admission: AdmissionView {
+            admitted: true,
+            reason: admission_reason(plan.as_ref()),
+        },
+        plan: plan.as_ref().map(PlanView::of),
     }))
 }
 

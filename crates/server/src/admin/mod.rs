@@ -239,6 +239,13 @@ pub fn restore(
                 .admin_update(tenant.namespace_id, &tenant.name, tenant.spec)
                 .map(|_| ()),
         };
+        // An RT_alone set through the admin API comes back with its tenant.
+        let result = result.and_then(|()| match tenant.rt_alone_us {
+            Some(rt_alone_us) => control
+                .admin_set_alone(tenant.namespace_id, &tenant.name, Some(rt_alone_us))
+                .map(|_| ()),
+            None => Ok(()),
+        });
         match result {
             Ok(()) => {
                 tracing::info!(namespace = tenant.namespace_id, tenant = %tenant.name,

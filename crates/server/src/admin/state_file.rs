@@ -51,6 +51,9 @@ pub struct PersistedTenant {
     pub spec: TenantSpec,
     pub read_only: bool,
     pub origin: Origin,
+    /// RT_alone set through the admin API for the fairness monitors (µs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rt_alone_us: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -228,6 +231,7 @@ mod tests {
                 read_percent: 90,
             },
             read_only: false,
+            rt_alone_us: None,
             origin: Origin::Admin,
         });
         file.store(&state).unwrap_or_else(|e| panic!("{e}"));

@@ -254,6 +254,8 @@ pub struct FairFlowView {
     pub rt_us: Option<f64>,
     pub rt_alone_us: Option<f64>,
     pub alone_learned: Option<bool>,
+    /// RT_alone was set from outside (the tenant's `rt_alone_us`), not learned.
+    pub alone_set: Option<bool>,
     pub slowdown: Option<f64>,
     pub density: Option<&'static str>,
     pub backwardings: Option<u32>,
@@ -801,6 +803,7 @@ fn fair_thread_view(
                     rt_us: judged.map(|f| f.rt_us),
                     rt_alone_us: judged.map(|f| f.rt_alone_us),
                     alone_learned: judged.map(|f| f.alone_learned),
+                    alone_set: judged.map(|f| f.alone_set),
                     slowdown: judged.map(|f| f.slowdown),
                     density: judged.map(|f| density_label(f.density)),
                     backwardings: judged.map(|f| f.backwardings),
