@@ -980,6 +980,12 @@ impl ControlPlane {
         })
     }
 
+    /// Sets (or with `None` clears) the RT_alone of the tenant `handle` names, for every
+    /// thread's fairness monitors from their next window (nothing if it is gone).
+    pub fn set_alone(&self, handle: u64, rt_alone_us: Option<u32>) {
+        self.change_from_outside(|state| state.announce_alone(handle, rt_alone_us));
+    }
+
     /// Sets (or with `None` clears) the RT_alone of tenant `name` on `namespace_id` for the
     /// admin API; the threads' fairness monitors use it from their next window.
     pub fn admin_set_alone(
@@ -994,7 +1000,7 @@ impl ControlPlane {
                     namespace_id,
                     name: name.to_string(),
                 })?;
-        self.change_from_outside(|state| state.announce_alone(handle, rt_alone_us));
+        self.set_alone(handle, rt_alone_us);
         tracing::info!(handle, tenant = %name, namespace = namespace_id, ?rt_alone_us,
             "tenant's RT_alone set through the admin API");
         self.tenant(handle).ok_or_else(|| AdminError::NoSuchTenant {

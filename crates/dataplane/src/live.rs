@@ -118,6 +118,9 @@ pub struct FairnessSnapshot {
     pub mode: FairMode,
     pub held: u32,
     pub device_in_flight: u32,
+    /// The places the stage uses at the device now (adaptive depth), and its maximum.
+    pub depth: u32,
+    pub depth_max: u32,
     pub stats: FairQueueStats,
     pub last_window: Option<FairWindowSnapshot>,
     /// Bounded by the namespace's tenants on this thread.

@@ -43,8 +43,11 @@ use crate::fairness::{
     FairnessWindow, FlowId, FlowSample,
 };
 use crate::migration::MigrationConfig;
+
+mod adaptive;
 use crate::rates::TenantClass;
 use crate::time::Nanos;
+pub use adaptive::{AdaptiveDepth, AdaptiveDepthConfig, DepthStep};
 
 /// Most flows one stage tracks (tenant ids beyond are refused, like the scheduler's).
 pub const FAIR_FLOWS_MAX: u32 = 1 << 16;
@@ -81,6 +84,9 @@ pub struct FairQueueConfig {
     pub backwardings: Option<u32>,
     /// The monitor that classifies flows dense or sparse (and gives B when not fixed).
     pub monitor: FairnessConfig,
+    /// The places at the device chosen from the monitor's F, up to `be_device_depth_max`
+    /// (`adaptive`).
+    pub adaptive_depth: AdaptiveDepthConfig,
     /// Inter-core migration between this device's threads (`crate::migration`); with
     /// `mode = "backwarding"` it is OctoFAS's hybrid (Algorithm 4).
     pub migration: MigrationConfig,
@@ -94,6 +100,7 @@ impl Default for FairQueueConfig {
             held_max: 4096,
             backwardings: None,
             monitor: FairnessConfig::default(),
+            adaptive_depth: AdaptiveDepthConfig::default(),
             migration: MigrationConfig::default(),
         }
     }
@@ -116,6 +123,9 @@ impl FairQueueConfig {
                 "migration.enabled",
                 "needs the stage on (a mode other than off): migration moves what it holds",
             );
+        }
+        if self.adaptive_depth.enabled {
+            self.adaptive_depth.validate(self.be_device_depth_max)?;
         }
         self.migration.validate()?;
         self.monitor.validate()
@@ -166,6 +176,9 @@ pub struct FairQueueStats {
     /// Releases that went before an older dense head (backwarding at work).
     pub backwarded_total: u64,
     pub reports: u64,
+    /// Adaptive depth: places taken away and given back.
+    pub depth_lowered: u64,
+    pub depth_raised: u64,
 }
 
 /// The stage. See the module documentation.
@@ -173,6 +186,8 @@ pub struct FairQueueStats {
 pub struct FairQueue {
     mode: FairMode,
     depth_max: u32,
+    /// Chooses the places in use below `depth_max` (`None`: all of them).
+    adaptive: Option<AdaptiveDepth>,
     held_max: u32,
     fixed_backwardings: Option<u32>,
     flows: Vec<Flow>,
@@ -203,6 +218,9 @@ impl FairQueue {
         Ok(FairQueue {
             mode: config.mode,
             depth_max: config.be_device_depth_max,
+            adaptive: config.adaptive_depth.enabled.then(|| {
+                AdaptiveDepth::new(config.adaptive_depth.clone(), config.be_device_depth_max)
+            }),
             held_max: config.held_max,
             fixed_backwardings: config.backwardings,
             flows: Vec::new(),
@@ -233,6 +251,13 @@ impl FairQueue {
     /// The stage's places at the device (`be_device_depth_max`): its capacity for migration.
     pub fn depth_max(&self) -> u32 {
         self.depth_max
+    }
+
+    /// The places in use now: `depth_max`, or the adaptive controller's choice.
+    pub fn depth(&self) -> u32 {
+        self.adaptive
+            .as_ref()
+            .map_or(self.depth_max, AdaptiveDepth::depth)
     }
 
     /// The monitor's knobs (its `load_balance_threshold` gates migration).
@@ -347,7 +372,8 @@ impl FairQueue {
     /// than `be_device_depth_max` of the stage's requests; the caller must send it and report
     /// its end with [`FairQueue::completed`].
     pub fn poll_release(&mut self, now: Nanos) -> Option<(FlowId, u64)> {
-        if self.in_flight >= self.depth_max || self.active.is_empty() {
+        let depth = self.depth();
+        if self.in_flight >= depth || self.active.is_empty() {
             return None;
         }
         let position = match self.mode {
@@ -358,7 +384,7 @@ impl FairQueue {
             FairMode::FairShare => {
                 let present = self.flows.iter().filter(|f| f.present()).count() as u32;
                 assert!(present > 0, "a flow with held requests is present");
-                self.pick_fewest_in_flight(self.depth_max.div_ceil(present))?
+                self.pick_fewest_in_flight(depth.div_ceil(present))?
             }
         };
         let index = self.active[position] as usize;
@@ -518,6 +544,13 @@ impl FairQueue {
             entry.dense = flow.density == Density::Dense;
             if entry.dense {
                 entry.backwardings = self.fixed_backwardings.unwrap_or(flow.backwardings);
+            }
+        }
+        if let Some(adaptive) = self.adaptive.as_mut() {
+            match adaptive.on_window(&report) {
+                DepthStep::Lowered => self.stats.depth_lowered += 1,
+                DepthStep::Raised => self.stats.depth_raised += 1,
+                DepthStep::Held => {}
             }
         }
         self.report = Some(report);

@@ -126,7 +126,10 @@ pub use calibrator::{
 };
 pub use config::{ConfigError, QosConfig, THREADS_MAX};
 pub use cost::{COST_UNIT_BYTES, CostModel, IoKind, LoadMode, REQUEST_BYTES_MAX};
-pub use fair_queue::{FairMode, FairQueue, FairQueueConfig, FairQueueFull, FairQueueStats};
+pub use fair_queue::{
+    AdaptiveDepth, AdaptiveDepthConfig, DepthStep, FairMode, FairQueue, FairQueueConfig,
+    FairQueueFull, FairQueueStats,
+};
 pub use fairness::{
     CoreSample, Density, FairnessConfig, FairnessMonitor, FairnessPolicy, FairnessReport,
     FairnessWindow, FlowId, FlowReport, FlowSample,

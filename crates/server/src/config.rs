@@ -1869,6 +1869,11 @@ mod tests {
                 "rt_alone_us 0 must be",
             ),
             (
+                "[qos_config.fairness]\nmode = \"fair_share\"\nbe_device_depth_max = 4\n\
+                 [qos_config.fairness.adaptive_depth]\nenabled = true\ndepth_min = 5",
+                "adaptive_depth.depth_min",
+            ),
+            (
                 "[[tenant]]\nname = \"t\"\nclass = \"be\"\nrt_alone_us = 60000001",
                 "rt_alone_us 60000001 must be",
             ),

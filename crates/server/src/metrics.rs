@@ -640,6 +640,7 @@ fn encode_fairness(
     let mut intensity = Vec::new();
     let mut dense = Vec::new();
     let mut backwardings = Vec::new();
+    let mut depth = Vec::new();
     for namespace in &view.namespaces {
         if namespace.mode == reflex_qos::FairMode::Off {
             continue;
@@ -659,6 +660,7 @@ fn encode_fairness(
             released.push((labels.clone(), thread.released_total as f64));
             backwarded.push((labels.clone(), thread.backwarded_total as f64));
             windows.push((labels.clone(), thread.windows as f64));
+            depth.push((labels.clone(), f64::from(thread.device_depth)));
             if let Some(f) = thread.fairness {
                 fairness.push((labels.clone(), f));
             }
@@ -699,6 +701,12 @@ fn encode_fairness(
         "fairness_device_in_flight",
         "Requests the fairness stage released that are at the device now.",
         &in_flight,
+    )?;
+    gauges(
+        encoder,
+        "fairness_device_depth",
+        "Places at the device the fairness stage uses now (be_device_depth_max, or fewer when the adaptive depth took some away).",
+        &depth,
     )?;
     counters(
         encoder,

@@ -121,6 +121,10 @@ fn fair_share_shows_its_counters_f_and_each_flows_slowdown() {
         .and_then(|threads| threads.iter().find(|t| t["fairness"].is_f64()))
         .unwrap_or_else(|| panic!("{namespace}"));
     assert!(thread["device_in_flight"].as_u64() <= Some(2), "{thread}");
+    // The adaptive depth is off: every place in use.
+    assert_eq!(thread["device_depth"], 2, "{thread}");
+    assert_eq!(thread["device_depth_max"], 2, "{thread}");
+    assert_eq!(thread["depth_lowered_total"], 0, "{thread}");
     let utilisation = thread["utilisation"].as_f64().unwrap_or(-1.0);
     assert!((0.0..=1.0).contains(&utilisation), "{thread}");
     assert!(
@@ -142,6 +146,7 @@ fn fair_share_shows_its_counters_f_and_each_flows_slowdown() {
     for family in [
         "reflex_fairness_held_requests{",
         "reflex_fairness_device_in_flight{",
+        "reflex_fairness_device_depth{",
         "reflex_fairness_released_total{",
         "reflex_fairness_held_total{",
         "reflex_fairness_windows_total{",

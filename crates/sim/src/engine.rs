@@ -82,6 +82,8 @@ pub struct SimTenant {
     pub namespace: u32,
     /// When it starts sending, from the start of the run (the warm-up's start).
     pub start: Nanos,
+    /// RT_alone for the server's fairness monitors (µs), set once it registered.
+    pub rt_alone_us: Option<u32>,
 }
 
 /// Everything one run needs.
@@ -413,6 +415,11 @@ impl<'c> Sim<'c> {
                     let handle = reflex_proto::native::decode_handle(&body)
                         .map_err(|e| SimError::Client(e.to_string()))?;
                     self.tenants[tenant].handle = Some(handle);
+                    // The scenario's RT_alone stands in the server's fairness monitors, as an
+                    // operator's `rt_alone_us` does in reflexd.
+                    if let Some(rt_alone_us) = self.tenants[tenant].sim.rt_alone_us {
+                        self.server.control().set_alone(handle, Some(rt_alone_us));
+                    }
                 }
                 Err(reason) => {
                     let name = &self.tenants[tenant].sim.name;

@@ -157,6 +157,9 @@ fn sim_tenant(tenant: &TenantSpecToml, name: String, connections: Vec<u16>) -> S
         load,
         namespace: tenant.namespace,
         start: Nanos::from_millis(tenant.start_ms),
+        rt_alone_us: tenant
+            .rt_alone_us
+            .map(|us| us.round().clamp(1.0, f64::from(u32::MAX)) as u32),
     }
 }
 

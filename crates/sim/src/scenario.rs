@@ -179,7 +179,9 @@ pub struct TenantSpecToml {
     pub load: LoadToml,
     /// The tenant's mean response time alone (µs), from a run with the device to itself: with
     /// it, `reflex bench --scenario` reports the tenant's slowdown and the run's F = min S /
-    /// max S (OctoFAS eq. 1, 2). The simulator does not use it.
+    /// max S (OctoFAS eq. 1, 2). The simulator also sets it on its server, whose fairness
+    /// monitors then use it instead of learning it, as reflexd's use a tenant's configured
+    /// `rt_alone_us` (`reflex bench` does not send it to reflexd).
     #[serde(default)]
     pub rt_alone_us: Option<f64>,
     /// The namespace (device) the tenant registers on and sends to: 1 is `[device]`, 2 the

@@ -154,6 +154,7 @@ fn lc(name: &str, iops: u64, read_percent: u8, latency_us_p95: u64, send: Load) 
         load: send,
         namespace: 1,
         start: reflex_qos::Nanos::ZERO,
+        rt_alone_us: None,
     }
 }
 

@@ -222,6 +222,8 @@ fn fairness_snapshot(namespace: &NamespaceQos) -> FairnessSnapshot {
         mode: fair.mode(),
         held: fair.held(),
         device_in_flight: fair.in_flight(),
+        depth: fair.depth(),
+        depth_max: fair.depth_max(),
         stats: fair.stats(),
         last_window: report.map(|r| FairWindowSnapshot {
             end: r.end,

@@ -16,6 +16,7 @@ fn config(mode: FairMode, depth: u32, backwardings: Option<u32>) -> FairQueueCon
             samples_min: 1,
             ..FairnessConfig::default()
         },
+        adaptive_depth: AdaptiveDepthConfig::default(),
         migration: crate::migration::MigrationConfig::default(),
     }
 }

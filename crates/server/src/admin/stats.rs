@@ -271,6 +271,12 @@ pub struct FairThreadView {
     pub released_total: u64,
     pub backwarded_total: u64,
     pub windows: u64,
+    /// The places at the device the stage uses now (below `be_device_depth_max` when the
+    /// adaptive depth took some away), and how often it took one away and gave one back.
+    pub device_depth: u32,
+    pub device_depth_max: u32,
+    pub depth_lowered_total: u64,
+    pub depth_raised_total: u64,
     /// The monitor's last window: F, the device's busy share, the verdict, and how long ago
     /// it closed (the monitor closes windows only while requests flow).
     pub fairness: Option<f64>,
@@ -784,6 +790,10 @@ fn fair_thread_view(
         released_total: stage.stats.released_total,
         backwarded_total: stage.stats.backwarded_total,
         windows: stage.stats.reports,
+        device_depth: stage.depth,
+        device_depth_max: stage.depth_max,
+        depth_lowered_total: stage.stats.depth_lowered,
+        depth_raised_total: stage.stats.depth_raised,
         fairness: window.map(|w| w.fairness),
         utilisation: window.map(|w| w.utilisation),
         unfair: window.map(|w| w.unfair),
