@@ -101,6 +101,8 @@ pub struct SimConfig {
     pub duration: Nanos,
     pub tenants: Vec<SimTenant>,
     pub network: NetworkModel,
+    /// The threads' CPU (`None`: their work is free).
+    pub cpu: Option<crate::CpuModel>,
     /// Report each tenant's IOPS and read p95 per interval of this length (measured time only).
     pub timeline: Option<Nanos>,
 }
@@ -275,7 +277,7 @@ impl<'c> Sim<'c> {
             .map(|(index, device)| (NAMESPACE_ID + index as u32, device, false))
             .collect();
         let limits = limits_for(config);
-        let server = VirtualServer::new(VirtualServerSetup {
+        let mut server = VirtualServer::new(VirtualServerSetup {
             threads: config.threads,
             namespaces,
             composites: Vec::new(),
@@ -294,6 +296,9 @@ impl<'c> Sim<'c> {
             nbd_exports: Vec::new(),
             nbd_default_export: None,
         })?;
+        if let Some(cpu) = config.cpu {
+            server.set_cpu_model(cpu);
+        }
         let mut tenants = Vec::with_capacity(config.tenants.len());
         for (index, sim) in config.tenants.iter().enumerate() {
             if sim.connections.is_empty() {

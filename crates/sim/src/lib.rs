@@ -28,8 +28,8 @@ pub use network::NetworkModel;
 pub use report::{PointReport, ScenarioReport, TenantReport};
 pub use scenario::{LoadedScenario, Scenario, ScenarioError};
 pub use server::{
-    SocketId, TlsServer, VirtualExport, VirtualListener, VirtualServer, VirtualServerError,
-    VirtualServerSetup,
+    CpuModel, SocketId, TlsServer, VirtualExport, VirtualListener, VirtualServer,
+    VirtualServerError, VirtualServerSetup,
 };
 
 use scenario::{ClassToml, TenantSpecToml};
@@ -125,6 +125,7 @@ pub fn sim_config(
         duration: Nanos::from_millis(options.duration_ms.unwrap_or(scenario.duration_ms)),
         tenants,
         network: scenario.network.model(),
+        cpu: scenario.cpu.map(|cpu| cpu.model()),
         timeline: scenario.timeline_ms.map(Nanos::from_millis),
     }
 }

@@ -22,6 +22,10 @@
 //! latency_us = 10                  # one-way delay (default 0)
 //! gbit_per_sec = 10                # bandwidth per direction (default 0: unlimited)
 //!
+//! [cpu]                            # optional: the dataplane threads' work takes time
+//! per_answer_ns = 2000             # per answered request, on its connection's thread
+//! per_device_completion_ns = 1000  # per device completion, on the thread that served it
+//!
 //! [qos_config]                     # optional QosConfig overrides (docs/QOS.md)
 //! loan_max_tokens = 50.0
 //!
@@ -72,6 +76,25 @@ impl NetworkSpec {
     }
 }
 
+/// `[cpu]`: what the dataplane threads' work costs in virtual time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CpuSpec {
+    #[serde(default)]
+    pub per_answer_ns: u64,
+    #[serde(default)]
+    pub per_device_completion_ns: u64,
+}
+
+impl CpuSpec {
+    pub fn model(&self) -> crate::CpuModel {
+        crate::CpuModel {
+            per_answer: reflex_qos::Nanos(self.per_answer_ns),
+            per_device_completion: reflex_qos::Nanos(self.per_device_completion_ns),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
@@ -97,6 +120,9 @@ pub struct Scenario {
     pub qos_config: Option<QosConfig>,
     #[serde(default)]
     pub network: NetworkSpec,
+    /// The threads' CPU ([`crate::CpuModel`]); absent, their work is free.
+    #[serde(default)]
+    pub cpu: Option<CpuSpec>,
     #[serde(rename = "tenant")]
     pub tenants: Vec<TenantSpecToml>,
     #[serde(default)]

@@ -126,6 +126,38 @@ pub enum VirtualServerError {
     Config(String),
 }
 
+/// A model of the dataplane threads' CPU: each thread's work takes virtual time, so a thread
+/// with more connections' requests than it can process makes them wait, as a core does
+/// (OctoFAS's contended resource). Without it the dataplane's work is free and only devices
+/// and the network take time.
+///
+/// A thread that processes at `t` and does work `w` (its answers, and the device completions
+/// it handled, each at its cost) is busy until `t + w`: it is not processed again before,
+/// so what arrives meanwhile waits for it. The batch's own operations leave at `t` (the work
+/// is paid after, not before: the model bounds each thread's rate and makes its requests
+/// queue, which is what fairness between flows on shared threads depends on).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuModel {
+    /// Per answered request: receiving, parsing, dispatching and sending, on its home thread.
+    pub per_answer: Nanos,
+    /// Per device completion handled, on the thread whose device queue served it (a migrated
+    /// read's device work is the serving thread's).
+    pub per_device_completion: Nanos,
+}
+
+/// One thread's account under the CPU model.
+#[derive(Debug, Clone, Copy, Default)]
+struct CpuAccount {
+    /// Not processed before this.
+    busy_until: Nanos,
+    /// Device completions' cost not yet paid.
+    owed_ns: u64,
+    /// Answers counted so far.
+    answered: u64,
+    /// All the work charged, for reports.
+    busy_ns: u64,
+}
+
 struct Thread {
     dataplane: Dataplane,
     /// Per namespace slot: this thread's queue of its device (`None`: removed).
@@ -190,6 +222,8 @@ pub struct VirtualServer {
     migration_queue_capacity: usize,
     /// Messages that found their queue full (they waited in the sender's outbox).
     migration_queue_full: u64,
+    /// The CPU model and each thread's account ([`Self::set_cpu_model`]); `None`: free work.
+    cpu: Option<(CpuModel, Vec<CpuAccount>)>,
 }
 
 impl VirtualServer {
@@ -268,6 +302,7 @@ impl VirtualServer {
                 .collect(),
             migration_queue_capacity,
             migration_queue_full: 0,
+            cpu: None,
             now: Nanos::ZERO,
             threads,
             sockets: Vec::new(),
@@ -282,6 +317,35 @@ impl VirtualServer {
         };
         server.run_instant(Nanos::ZERO);
         Ok(server)
+    }
+
+    /// Gives the threads' work virtual time from now on ([`CpuModel`]).
+    pub fn set_cpu_model(&mut self, model: CpuModel) {
+        self.cpu = Some((model, vec![CpuAccount::default(); self.threads.len()]));
+    }
+
+    /// Per thread, the work the CPU model charged so far (empty without one).
+    pub fn cpu_busy(&self) -> Vec<Nanos> {
+        self.cpu.as_ref().map_or_else(Vec::new, |(_, accounts)| {
+            accounts
+                .iter()
+                .map(|account| Nanos(account.busy_ns))
+                .collect()
+        })
+    }
+
+    /// Charges `thread` the cost of one device completion it handled.
+    fn charge_device_completion(&mut self, thread: usize) {
+        if let Some((model, accounts)) = self.cpu.as_mut() {
+            accounts[thread].owed_ns += model.per_device_completion.0;
+        }
+    }
+
+    /// Whether `thread` is still busy with its last batch at `now` (the CPU model).
+    fn cpu_busy_at(&self, thread: usize, now: Nanos) -> bool {
+        self.cpu
+            .as_ref()
+            .is_some_and(|(_, accounts)| accounts[thread].busy_until > now)
     }
 
     pub fn now(&self) -> Nanos {
@@ -495,8 +559,19 @@ impl VirtualServer {
             consider(socket.to_server.next_arrival());
             consider(socket.to_client.next_arrival());
         }
-        for thread in &self.threads {
-            consider(thread.dataplane.next_deadline());
+        for (index, thread) in self.threads.iter().enumerate() {
+            match &self.cpu {
+                // A busy thread does nothing before it is free: its deadlines and the work
+                // that waits for it are due then.
+                Some((_, accounts)) if accounts[index].busy_until > self.now => {
+                    let free = accounts[index].busy_until;
+                    if thread.dataplane.has_pending_work() || accounts[index].owed_ns > 0 {
+                        consider(Some(free));
+                    }
+                    consider(thread.dataplane.next_deadline().map(|at| at.max(free)));
+                }
+                _ => consider(thread.dataplane.next_deadline()),
+            }
             for queue in thread.queues.iter().flatten() {
                 consider(queue.next_deadline());
             }
@@ -558,7 +633,7 @@ impl VirtualServer {
         let now = self.now;
         let mut moved = false;
         let mut completions = std::mem::take(&mut self.completions);
-        for thread in &mut self.threads {
+        for (index, thread) in self.threads.iter_mut().enumerate() {
             for queue in thread.queues.iter_mut().flatten() {
                 if queue.next_deadline().is_some_and(|due| due <= now) {
                     queue.poll_completions(now, &mut completions);
@@ -568,6 +643,9 @@ impl VirtualServer {
                 moved = true;
                 let id = device_op_id(completion.user_data);
                 thread.dataplane.handle_device(id, completion.result, now);
+                if let Some((model, accounts)) = self.cpu.as_mut() {
+                    accounts[index].owed_ns += model.per_device_completion.0;
+                }
             }
         }
         self.completions = completions;
@@ -684,10 +762,26 @@ impl VirtualServer {
     /// One thread: process, then carry out its operations; returns whether anything moved.
     fn process_thread(&mut self, thread: usize, due: bool) -> bool {
         let now = self.now;
-        if !due && !self.threads[thread].dataplane.has_pending_work() {
+        if self.cpu_busy_at(thread, now) {
+            return false;
+        }
+        let owed = self
+            .cpu
+            .as_ref()
+            .is_some_and(|(_, accounts)| accounts[thread].owed_ns > 0);
+        if !due && !owed && !self.threads[thread].dataplane.has_pending_work() {
             return false;
         }
         self.threads[thread].dataplane.process(now);
+        if let Some((model, accounts)) = self.cpu.as_mut() {
+            let account = &mut accounts[thread];
+            let answered = self.threads[thread].dataplane.requests_answered();
+            let work = std::mem::take(&mut account.owed_ns)
+                + (answered - account.answered) * model.per_answer.0;
+            account.answered = answered;
+            account.busy_ns += work;
+            account.busy_until = now + Nanos(work);
+        }
         while let Some(op) = self.threads[thread].dataplane.poll_op() {
             self.issue(thread, op);
         }
@@ -829,6 +923,7 @@ impl VirtualServer {
                 let op = state.dataplane.device_op(&command, user_data, None);
                 if let Some(result) = submit_device_op(&mut state.queues, &command, op, now) {
                     state.dataplane.handle_device(command.id, result, now);
+                    self.charge_device_completion(thread);
                 }
             }
             Op::OpenDevice { namespace_index } => {
@@ -889,6 +984,7 @@ impl VirtualServer {
             server_state
                 .dataplane
                 .handle_device(command.id, result, now);
+            self.charge_device_completion(thread);
         }
     }
 }

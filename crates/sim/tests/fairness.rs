@@ -295,3 +295,61 @@ fn adaptive_depth_finds_a_fair_depth_from_the_monitors_f() {
     assert!(adaptive.0 >= 0.94, "{report}");
     assert!((0.85..0.88).contains(&adaptive.1), "{report}");
 }
+
+/// A scenario on 8 threads whose work takes CPU time (`[cpu]`: 8 µs per answer on the
+/// connection's thread, 2 µs per device completion, a 20 µs fixed-latency device with room
+/// for everything), each flow with one connection per thread and its closed-loop requests
+/// going round them: the cores, not the device, are what the flows share.
+fn cores_scenario(flows: &[(&str, u32)]) -> LoadedScenario {
+    let mut text = String::from(
+        "name = \"fig3-cores\"\nseed = 1\nthreads = 8\nqos = false\nwarmup_ms = 50\n\
+         duration_ms = 200\n[device]\nfixed = { servers = 64, read_us = 20, write_us = 20 }\n\
+         profile = \"device-a-small.toml\"\n[cpu]\nper_answer_ns = 8000\n\
+         per_device_completion_ns = 2000\n",
+    );
+    for (name, depth) in flows {
+        text += &format!(
+            "[[tenant]]\nname = \"{name}\"\nclass = \"be\"\nthreads = [0, 1, 2, 3, 4, 5, 6, 7]\n\
+             load = {{ closed_depth = {depth} }}\n"
+        );
+    }
+    let profiles = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles");
+    let profile_text = std::fs::read_to_string(profiles.join("device-a-small.toml")).unwrap();
+    LoadedScenario {
+        scenario: Scenario::from_toml(&text, "fig3-cores.toml").unwrap(),
+        profile: DeviceProfile::from_toml(&profile_text).unwrap(),
+        extra_profiles: Vec::new(),
+        base_dir: profiles,
+    }
+}
+
+/// Figure 3 on 8 simulated cores (the CPU model): a sparse flow of 2 requests against a
+/// dense one of k. Alone, each flow has the cores to itself; together the dense flow's
+/// requests keep the cores the sparse flow's land on busy, and F falls as k grows (F 1.00
+/// at k = 2, 0.76 at k = 14: `scenarios/fig3-cores.py` prints the sweep).
+#[test]
+fn figure_3_on_8_simulated_cores_fairness_falls_as_the_dense_flow_grows() {
+    let iops = |flows: &[(&str, u32)]| -> Vec<f64> {
+        let report = run_scenario(&cores_scenario(flows), &RunOptions::default()).unwrap();
+        let point = &report.points[0].1;
+        flows
+            .iter()
+            .map(|(name, _)| point.tenant(name).unwrap().iops)
+            .collect()
+    };
+    let alone_sparse = iops(&[("sparse", 2)])[0];
+    let mut fairness = Vec::new();
+    for k in [2, 14] {
+        let alone_dense = iops(&[("dense", k)])[0];
+        let shared = iops(&[("sparse", 2), ("dense", k)]);
+        let (s_sparse, s_dense) = (alone_sparse / shared[0], alone_dense / shared[1]);
+        let report = format!(
+            "k = {k}: alone {alone_sparse:.0} / {alone_dense:.0}, shared {shared:.0?}, \
+             S {s_sparse:.2} / {s_dense:.2}"
+        );
+        assert!(s_sparse >= s_dense - 1e-9, "{report}");
+        fairness.push((s_sparse.min(s_dense) / s_sparse.max(s_dense), report));
+    }
+    assert!(fairness[0].0 > 0.99, "{fairness:?}");
+    assert!(fairness[1].0 < 0.85, "{fairness:?}");
+}

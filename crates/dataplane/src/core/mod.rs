@@ -541,6 +541,11 @@ impl Dataplane {
     }
 
     /// Counters, per-tenant figures included.
+    /// Requests answered so far (a cheap read of one counter of [`Self::stats`]).
+    pub fn requests_answered(&self) -> u64 {
+        self.stats.requests_answered
+    }
+
     pub fn stats(&self) -> CoreStats {
         let mut stats = self.stats.clone();
         stats.tenants = self.tenant_stats();
