@@ -986,6 +986,15 @@ impl ControlPlane {
         self.change_from_outside(|state| state.announce_alone(handle, rt_alone_us));
     }
 
+    /// The handle of tenant `name` on `namespace_id`, or the admin API's error.
+    fn named_tenant(&self, namespace_id: u32, name: &str) -> Result<u64, AdminError> {
+        self.find_tenant(namespace_id, name)
+            .ok_or_else(|| AdminError::NoSuchTenant {
+                namespace_id,
+                name: name.to_string(),
+            })
+    }
+
     /// Sets (or with `None` clears) the RT_alone of tenant `name` on `namespace_id` for the
     /// admin API; the threads' fairness monitors use it from their next window.
     pub fn admin_set_alone(
@@ -994,12 +1003,7 @@ impl ControlPlane {
         name: &str,
         rt_alone_us: Option<u32>,
     ) -> Result<TenantInfo, AdminError> {
-        let handle =
-            self.find_tenant(namespace_id, name)
-                .ok_or_else(|| AdminError::NoSuchTenant {
-                    namespace_id,
-                    name: name.to_string(),
-                })?;
+        let handle = self.named_tenant(namespace_id, name)?;
         self.set_alone(handle, rt_alone_us);
         tracing::info!(handle, tenant = %name, namespace = namespace_id, ?rt_alone_us,
             "tenant's RT_alone set through the admin API");
@@ -1419,12 +1423,7 @@ impl ControlPlane {
     /// its connections' I/O is refused (PERMISSION) from then on. Configured tenants and the
     /// namespace's default tenant stay (they are the configuration file's).
     pub fn admin_remove(&self, namespace_id: u32, name: &str) -> Result<TenantInfo, AdminError> {
-        let handle =
-            self.find_tenant(namespace_id, name)
-                .ok_or_else(|| AdminError::NoSuchTenant {
-                    namespace_id,
-                    name: name.to_string(),
-                })?;
+        let handle = self.named_tenant(namespace_id, name)?;
         let info = self
             .tenant(handle)
             .ok_or_else(|| AdminError::NoSuchTenant {

@@ -69,16 +69,7 @@ fn flow<'a>(thread: &'a Value, tenant: &str) -> Option<&'a Value> {
 #[test]
 fn fair_share_shows_its_counters_f_and_each_flows_slowdown() {
     let mut config = config(None);
-    config.qos_config.fairness = FairQueueConfig {
-        mode: FairMode::FairShare,
-        be_device_depth_max: 2,
-        monitor: FairnessConfig {
-            window_us: 50_000,
-            samples_min: 5,
-            ..FairnessConfig::default()
-        },
-        ..FairQueueConfig::default()
-    };
+    fair_share(&mut config);
     let (server, api) = start(config);
     let dense = be_tenant(&api, "dense");
     let sparse = be_tenant(&api, "sparse");
@@ -248,7 +239,7 @@ fn with_the_stage_off_the_endpoint_says_so_and_metrics_have_no_fairness() {
     drop(server);
 }
 
-/// The fairness config of the RT_alone tests: the stage on, short windows.
+/// The stage on in `fair_share` mode with two places, 50 ms windows.
 fn fair_share(config: &mut reflex_server::Config) {
     config.qos_config.fairness = FairQueueConfig {
         mode: FairMode::FairShare,

@@ -369,6 +369,29 @@ fn json<T: Serialize>(value: T) -> Response {
 }
 
 impl AdminState {
+    /// What the state file keeps of a configured or admin tenant after a change: `spec` and
+    /// `rt_alone_us` as they now are.
+    fn persisted(
+        &self,
+        namespace_id: u32,
+        info: &TenantInfo,
+        spec: TenantSpec,
+        rt_alone_us: Option<u32>,
+    ) -> PersistedTenant {
+        PersistedTenant {
+            namespace_id,
+            name: info.name.clone(),
+            spec,
+            read_only: info.read_only,
+            origin: if self.control.is_managed(info.handle) {
+                Origin::Admin
+            } else {
+                Origin::Config
+            },
+            rt_alone_us,
+        }
+    }
+
     fn origin(&self, info: &TenantInfo) -> &'static str {
         if info.dynamic {
             "wire"
@@ -874,19 +897,12 @@ pub async fn update_tenant(
             .control
             .admin_set_alone(namespace_id, &name, rt_alone_us)?;
     }
-    let origin = if state.control.is_managed(info.handle) {
-        Origin::Admin
-    } else {
-        Origin::Config
-    };
-    let persisted = PersistedTenant {
+    let persisted = state.persisted(
         namespace_id,
-        name: name.clone(),
+        &info,
         spec,
-        read_only: info.read_only,
-        origin,
-        rt_alone_us: body.rt_alone_us.unwrap_or(info.rt_alone_us),
-    };
+        body.rt_alone_us.unwrap_or(info.rt_alone_us),
+    );
     // A wire tenant's SLO is its client's business: it does not outlive the server.
     if !info.dynamic
         && let Err(error) = state.persist(|file| file.upsert(persisted))
@@ -922,19 +938,7 @@ fn set_alone_only(
         .control
         .admin_set_alone(namespace_id, name, rt_alone_us)?;
     if !info.dynamic && info.name != "(default)" {
-        let origin = if state.control.is_managed(info.handle) {
-            Origin::Admin
-        } else {
-            Origin::Config
-        };
-        let persisted = PersistedTenant {
-            namespace_id,
-            name: name.to_string(),
-            spec: info.spec,
-            read_only: info.read_only,
-            origin,
-            rt_alone_us,
-        };
+        let persisted = state.persisted(namespace_id, info, info.spec, rt_alone_us);
         if let Err(error) = state.persist(|file| file.upsert(persisted)) {
             let _ = state
                 .control
