@@ -13,6 +13,9 @@ Modes (QoS off, the FIFO scheduler in front, as in fig9.py):
   off          no stage (ReFlex's behaviour)
   fair_share   the stage, fair_share, be_device_depth_max 8 for reads, 4 for writes
   backwarding  the stage, backwarding with B = 2 fixed, be_device_depth_max 6
+  inter        (with THREADS=2) the stage in arrival order at depth 4, dense flows' reads
+               migrating to the other thread (OctoFAS Algorithm 2)
+  hybrid       (with THREADS=2) backwarding with B = 20 at depth 4 and migration (Algorithm 4)
 Then the LC check: Figure 5 scenario 1 and scenario 2 (with slo_headroom_us = 100, as
 docs/BENCHMARKS.md measured it) at 1/10 scale, QoS on, the LC tenants' SLOs, stage off against
 fair_share at depth 4, RUNS runs each (LC_WARMUP_S + LC_DURATION_S); besides the bench's p95,
@@ -78,7 +81,22 @@ def fairness_table(mode, read_percent):
         return {"mode": "fair_share", "be_device_depth_max": depth}
     if mode == "backwarding":
         return {"mode": "backwarding", "backwardings": 2, "be_device_depth_max": 6}
+    # Inter-core migration (OctoFAS Algorithms 2 and 4; THREADS=2): dense flows' reads are
+    # served by the other thread's device places, as the simulator's Figure 9 runs them.
+    migration = {"enabled": True, "flows": "dense", "requires_imbalance": False}
+    if mode == "inter":
+        return {"mode": "fifo", "be_device_depth_max": 4, "migration": migration}
+    if mode == "hybrid":
+        return {"mode": "backwarding", "backwardings": 20, "be_device_depth_max": 4,
+                "migration": migration}
     raise SystemExit(f"unknown mode {mode}")
+
+
+def toml_value(value):
+    """A TOML value: JSON's scalars are TOML's; a dict is an inline table."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
 
 
 def pinned(side):
@@ -127,7 +145,7 @@ profile = "{PROFILE}"
             if fairness is not None:
                 text += "[qos_config.fairness]\n"
                 for key, value in fairness.items():
-                    text += f"{key} = {json.dumps(value)}\n"
+                    text += f"{key} = {toml_value(value)}\n"
         self.config = os.path.join(self.dir, "reflexd.toml")
         with open(self.config, "w") as f:
             f.write(text)
