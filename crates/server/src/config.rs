@@ -883,6 +883,9 @@ pub struct Config {
     pub admin: crate::admin::AdminConfig,
     /// TLS on the native and NBD listeners (`docs/OPERATIONS.md`, "TLS").
     pub tls: TlsConfig,
+    /// Thread scaling: threads parked and woken with the load (`docs/OPERATIONS.md`,
+    /// "Thread scaling"); automatic scaling is off by default.
+    pub scaling: reflex_qos::ScalingConfig,
 }
 
 /// `[tls]`: the server's certificate and key, the CA whose client certificates name tenants,
@@ -974,6 +977,7 @@ impl Default for Config {
             tenants: Vec::new(),
             admin: crate::admin::AdminConfig::default(),
             tls: TlsConfig::default(),
+            scaling: reflex_qos::ScalingConfig::default(),
         }
     }
 }
@@ -1279,6 +1283,9 @@ impl Config {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
         if self.threads == 0 || self.threads > THREADS_MAX {
             return invalid(format!("threads {} not in 1..={THREADS_MAX}", self.threads));
+        }
+        if let Err(error) = self.scaling.validate(self.threads) {
+            return invalid(error.to_string());
         }
         if self.window == 0 || self.window > WINDOW_MAX {
             return invalid(format!("window {} not in 1..={WINDOW_MAX}", self.window));
