@@ -59,6 +59,8 @@ pub struct ScalingShared {
     inboxes: Vec<ArrayQueue<(TcpStream, MovedConnection)>>,
     wakers: Vec<Arc<File>>,
     moved: AtomicU64,
+    /// Per thread: its open connections, as its driver last saw them.
+    connections: Vec<AtomicU32>,
 }
 
 /// The controller's side: the policy, the steering sockets and the event log.
@@ -92,6 +94,7 @@ impl ScalingControl {
                 .collect(),
             wakers: wakers.to_vec(),
             moved: AtomicU64::new(0),
+            connections: (0..threads).map(|_| AtomicU32::new(0)).collect(),
         });
         Arc::new(ScalingControl {
             shared,
@@ -135,6 +138,24 @@ impl ScalingControl {
     /// Connections adopted by another thread so far.
     pub fn connections_moved(&self) -> u64 {
         self.shared.moved.load(Ordering::Relaxed)
+    }
+
+    /// Per thread: its open connections (as of its last loop iteration).
+    pub fn connections_per_thread(&self) -> Vec<u32> {
+        self.shared
+            .connections
+            .iter()
+            .map(|count| count.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Per thread: whether it is active (takes new connections).
+    pub fn active_per_thread(&self) -> Vec<bool> {
+        self.shared
+            .requested
+            .iter()
+            .map(|request| request.load(Ordering::Relaxed) == ACTIVE)
+            .collect()
     }
 
     pub fn config(&self) -> &ScalingConfig {
@@ -304,6 +325,8 @@ pub struct ThreadScaling {
 impl ThreadScaling {
     /// Parks or wakes the dataplane when its request changed; returns whether it did.
     pub fn apply(&mut self, dataplane: &mut Dataplane) -> bool {
+        self.shared.connections[self.thread_index]
+            .store(dataplane.connections_open(), Ordering::Relaxed);
         let requested = self.shared.requested[self.thread_index].load(Ordering::Acquire);
         if requested == self.applied {
             return false;
@@ -336,12 +359,24 @@ impl ThreadScaling {
                 Err(_) => drop(stream),
             }
         }
+        if received > 0 {
+            self.shared.connections[self.thread_index]
+                .store(dataplane.connections_open(), Ordering::Relaxed);
+        }
         self.flush();
         received
     }
 
-    /// Sends a handed-off connection to thread `to` (or keeps it until its queue has room).
-    pub fn send(&mut self, to: u16, stream: TcpStream, moved: MovedConnection) {
+    /// Sends a handed-off connection to thread `to` (or keeps it until its queue has room);
+    /// `connections_open` is this thread's count after it.
+    pub fn send(
+        &mut self,
+        to: u16,
+        stream: TcpStream,
+        moved: MovedConnection,
+        connections_open: u32,
+    ) {
+        self.shared.connections[self.thread_index].store(connections_open, Ordering::Relaxed);
         self.backlog.push_back((to, stream, moved));
         self.flush();
     }

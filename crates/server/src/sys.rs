@@ -182,33 +182,6 @@ pub fn empty_sockaddr() -> libc::sockaddr_storage {
     unsafe { std::mem::zeroed() }
 }
 
-#[cfg(test)]
-mod tests {
-    use std::io::{Read, Write};
-
-    use super::*;
-
-    #[test]
-    fn a_loopback_connection_has_a_round_trip_and_a_file_has_none() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (mut server, _) = listener.accept().unwrap();
-        let mut byte = [0u8; 1];
-        for _ in 0..10 {
-            server.write_all(b"x").unwrap();
-            client.read_exact(&mut byte).unwrap();
-            client.write_all(b"y").unwrap();
-            server.read_exact(&mut byte).unwrap();
-        }
-        let rtt_us = tcp_rtt_us(&server).unwrap();
-        // Loopback: far below a second (qemu-user, which runs the aarch64 build's tests here,
-        // does not translate TCP_INFO and answers 0).
-        assert!(rtt_us < 1_000_000, "{rtt_us} µs");
-        let file = File::open("/dev/null").unwrap();
-        assert_eq!(tcp_rtt_us(&file), Err(libc::ENOTSOCK));
-    }
-}
-
 /// Steers new connections of the `SO_REUSEPORT` group `member` belongs to onto its first
 /// `active` sockets (thread scaling: the group's sockets are in bind order, thread 0 first;
 /// threads `active..` get none), by a classic BPF program picking one of them at random.
@@ -278,5 +251,32 @@ pub fn steer_reuseport(member: &impl AsRawFd, active: Option<u32>) -> io::Result
         Ok(())
     } else {
         Err(io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+
+    use super::*;
+
+    #[test]
+    fn a_loopback_connection_has_a_round_trip_and_a_file_has_none() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        let mut byte = [0u8; 1];
+        for _ in 0..10 {
+            server.write_all(b"x").unwrap();
+            client.read_exact(&mut byte).unwrap();
+            client.write_all(b"y").unwrap();
+            server.read_exact(&mut byte).unwrap();
+        }
+        let rtt_us = tcp_rtt_us(&server).unwrap();
+        // Loopback: far below a second (qemu-user, which runs the aarch64 build's tests here,
+        // does not translate TCP_INFO and answers 0).
+        assert!(rtt_us < 1_000_000, "{rtt_us} µs");
+        let file = File::open("/dev/null").unwrap();
+        assert_eq!(tcp_rtt_us(&file), Err(libc::ENOTSOCK));
     }
 }

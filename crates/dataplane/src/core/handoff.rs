@@ -119,6 +119,11 @@ impl Dataplane {
         }
     }
 
+    /// Open connections (the table's limit counts these).
+    pub fn connections_open(&self) -> u32 {
+        self.open_connections
+    }
+
     pub fn is_thread_parked(&self) -> bool {
         self.handoff.parked_to.is_some()
     }

@@ -737,7 +737,7 @@ impl EpollDriver {
                     let Some(scaling) = self.scaling.as_mut() else {
                         panic!("a handoff without thread scaling");
                     };
-                    scaling.send(to, slot.stream, moved);
+                    scaling.send(to, slot.stream, moved, self.dataplane.connections_open());
                 }
                 Op::Device(command) => self.submit_device(&command, now),
                 Op::OpenDevice { namespace_index } => {

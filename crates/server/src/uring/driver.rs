@@ -636,7 +636,7 @@ impl UringDriver {
                     let Some(scaling) = self.scaling.as_mut() else {
                         panic!("a handoff without thread scaling");
                     };
-                    scaling.send(to, stream, moved);
+                    scaling.send(to, stream, moved, self.dataplane.connections_open());
                 }
                 Op::Device(command) => self.submit_device(&command, now),
                 Op::OpenDevice { namespace_index } => {
