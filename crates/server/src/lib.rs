@@ -472,6 +472,7 @@ impl Server {
                 manager: Arc::clone(&manager),
                 persistence,
                 threads: config.threads,
+                scaling: handle.scaling.clone(),
             })?);
         }
         log_startup(&config, driver, &namespaces, &handle, &registered, &qos);

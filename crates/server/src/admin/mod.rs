@@ -298,6 +298,8 @@ pub struct AdminSetup {
     pub manager: Arc<crate::namespaces::NamespaceManager>,
     pub persistence: Option<(StateFile, PersistedState)>,
     pub threads: usize,
+    /// Thread scaling, when the server runs several threads (metrics).
+    pub scaling: Option<Arc<crate::scaling::ScalingControl>>,
 }
 
 /// The router of every route in [`api::ROUTES`].
@@ -349,10 +351,9 @@ pub fn start(setup: AdminSetup) -> Result<AdminHandle, AdminStartError> {
     listener
         .set_nonblocking(true)
         .map_err(|source| AdminStartError::Bind { addr, source })?;
-    let sampler = Arc::new(Mutex::new(Sampler::new(
-        Arc::clone(&setup.control),
-        Arc::clone(&setup.manager),
-    )));
+    let mut sampler = Sampler::new(Arc::clone(&setup.control), Arc::clone(&setup.manager));
+    sampler.scaling = setup.scaling.clone();
+    let sampler = Arc::new(Mutex::new(sampler));
     let refused = Arc::clone(
         &sampler
             .lock()
