@@ -328,6 +328,10 @@ pub fn router(state: Shared) -> Router {
         )
         .route("/v1/stats", get(api::get_stats))
         .route("/v1/fairness", get(api::get_fairness))
+        .route(
+            "/v1/scaling",
+            get(api::get_scaling).post(api::change_scaling),
+        )
         .route("/metrics", get(api::get_metrics))
         .fallback(api::not_found)
         .layer(axum::middleware::from_fn_with_state(
@@ -376,6 +380,7 @@ pub fn start(setup: AdminSetup) -> Result<AdminHandle, AdminStartError> {
         allow_remote: setup.config.allow_remote,
         version: env!("CARGO_PKG_VERSION"),
         threads: setup.threads,
+        scaling: setup.scaling.clone(),
     });
     let window = setup.config.stats_window;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
