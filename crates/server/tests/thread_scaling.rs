@@ -3,8 +3,9 @@
 //! request half sent, then thread 1 parked through the scaling control (an operator's call,
 //! not the load, so the test does not depend on timing). Every answer is checked for identity
 //! (each request answered once) and content (the bytes each block holds); after the park
-//! every connection lives on thread 0, new connections land there, and after the wake thread
-//! 1 takes new connections again.
+//! every connection lives on thread 0, each tenant (registered and bound over the wire) counts
+//! its connection once and on thread 0, new connections land there, and after the wake thread
+//! 1 takes new connections again. A third test lets the policy park an idle thread.
 
 mod common;
 
@@ -14,7 +15,9 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use common::{config, namespace, start};
-use reflex_client::{ConnectionCore, CoreOptions};
+use reflex_client::{
+    ConnectionCore, CoreOptions, NO_TENANT_HANDLE, RegisterBody, TenantClassRequest,
+};
 use reflex_server::DriverChoice;
 
 const NAMESPACE: u32 = 1;
@@ -35,6 +38,8 @@ fn block_bytes(block: u64, version: u32) -> Vec<u8> {
 enum Expect {
     Write,
     Read(Vec<u8>),
+    /// A REGISTER (its handle is kept) or a BIND.
+    Control,
 }
 
 /// One connection driven through the client library's sans-IO core, checking every answer.
@@ -44,6 +49,8 @@ struct Connection {
     outstanding: HashMap<u64, Expect>,
     buffer: Vec<u8>,
     answered: u64,
+    /// The handle the last REGISTER answered.
+    handle: Option<u64>,
     /// Ids of writes answered since the caller last looked.
     writes_done: Vec<u64>,
 }
@@ -60,6 +67,7 @@ impl Connection {
             outstanding: HashMap::new(),
             buffer: vec![0; 1 << 16],
             answered: 0,
+            handle: None,
             writes_done: Vec::new(),
         }
     }
@@ -129,6 +137,11 @@ impl Connection {
                         assert!(completion.data == &bytes[..], "request {id}: wrong bytes")
                     }
                     Expect::Write => self.writes_done.push(id),
+                    Expect::Control => {
+                        if let Ok(handle) = completion.tenant_handle() {
+                            self.handle.get_or_insert(handle);
+                        }
+                    }
                 }
                 self.answered += 1;
             }
@@ -158,21 +171,49 @@ impl Connection {
     }
 }
 
-/// One connection's blocks and their versions.
+/// One connection's blocks and their versions, and the tenant it registered and bound to.
 struct Client {
     connection: Connection,
+    tenant: u64,
     first_block: u64,
     versions: Vec<u32>,
     next_id: u64,
 }
 
 impl Client {
+    /// Connects, registers a best-effort tenant and binds the connection to it.
     fn new(addr: std::net::SocketAddr, index: u64) -> Client {
+        let mut connection = Connection::connect(addr);
+        let register = RegisterBody {
+            namespace_id: NAMESPACE,
+            class: TenantClassRequest::BestEffort,
+            read_only: false,
+            handle: NO_TENANT_HANDLE,
+        };
+        let id = index << 32;
+        connection
+            .core
+            .submit_register(id, &register)
+            .unwrap_or_else(|e| panic!("{e}"));
+        connection.outstanding.insert(id, Expect::Control);
+        connection.transmit();
+        connection.drain();
+        let Some(tenant) = connection.handle else {
+            panic!("REGISTER refused");
+        };
+        connection
+            .core
+            .submit_bind(id + 1, tenant)
+            .unwrap_or_else(|e| panic!("{e}"));
+        connection.outstanding.insert(id + 1, Expect::Control);
+        connection.transmit();
+        connection.drain();
         Client {
-            connection: Connection::connect(addr),
+            connection,
+            tenant,
             first_block: index * OWNED_BLOCKS,
             versions: vec![0; OWNED_BLOCKS as usize],
-            next_id: index << 32,
+            next_id: id + 2,
         }
     }
 
@@ -210,8 +251,18 @@ fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
     }
 }
 
+/// Memory with a profile (one that never holds a request back), so that tenants register.
+fn profiled_memory() -> reflex_server::NamespaceConfig {
+    let mut memory = namespace(NAMESPACE, "mem:16M", None);
+    memory.profile = Some(format!(
+        "{}/../../profiles/mem-unlimited.toml",
+        env!("CARGO_MANIFEST_DIR")
+    ));
+    memory
+}
+
 fn park_and_wake(driver: DriverChoice) {
-    let mut server_config = config(vec![namespace(NAMESPACE, "mem:16M", None)]);
+    let mut server_config = config(vec![profiled_memory()]);
     server_config.driver = driver;
     // Thread 0 takes thread 1's connections on top of its own: room in its table (and in
     // the native listener's share of it) for all of them.
@@ -236,6 +287,26 @@ fn park_and_wake(driver: DriverChoice) {
             .all(|&count| count > 0)
     });
     let on_thread_1 = scaling.connections_per_thread()[1];
+    // Each tenant counts its one connection once, on the thread that serves it.
+    let tenant_threads = |clients: &[Client]| -> Vec<Vec<u32>> {
+        clients
+            .iter()
+            .map(|client| match server.tenant(client.tenant) {
+                Some(info) => info.connections_per_thread,
+                None => panic!("tenant {} gone", client.tenant),
+            })
+            .collect()
+    };
+    let before = tenant_threads(&clients);
+    assert!(
+        before.iter().all(|counts| counts.iter().sum::<u32>() == 1),
+        "{before:?}"
+    );
+    assert_eq!(
+        before.iter().filter(|counts| counts[1] == 1).count() as u32,
+        on_thread_1,
+        "{before:?}"
+    );
 
     // Requests in flight on every connection, the last one cut in the middle.
     for client in &mut clients {
@@ -253,7 +324,10 @@ fn park_and_wake(driver: DriverChoice) {
         scaling.connections_per_thread()[1] == 0
     });
     assert_eq!(scaling.connections_moved(), u64::from(on_thread_1));
-    // They carry on on thread 0, in order.
+    // The tenants followed their connections: each counted once, on thread 0.
+    let after = tenant_threads(&clients);
+    assert!(after.iter().all(|counts| counts == &[1, 0]), "{after:?}");
+    // They carry on on thread 0, in order, charged to their tenants.
     for _ in 0..3 {
         for client in &mut clients {
             client.round();
@@ -310,4 +384,53 @@ fn a_parked_thread_hands_its_connections_over_on_io_uring() {
 #[test]
 fn a_parked_thread_hands_its_connections_over_on_epoll() {
     park_and_wake(DriverChoice::Epoll);
+}
+
+/// The policy itself, with thresholds that make an idle server park at once (any busy share
+/// is below `park_below = 0.99`, one window suffices, no dwell): thread 1 parks by the load,
+/// and connections opened before the park keep being served, after it on thread 0.
+#[test]
+fn the_load_parks_an_idle_thread_when_scaling_is_enabled() {
+    let mut server_config = config(vec![profiled_memory()]);
+    server_config.connections_per_thread_max = 256;
+    server_config.scaling = reflex_qos::ScalingConfig {
+        enabled: true,
+        window_ms: 20,
+        park_below: 0.99,
+        park_windows: 1,
+        wake_above: 1.0,
+        dwell_ms: 0,
+        active_min: 1,
+        active_max: 0,
+    };
+    let server = start(server_config);
+    let Some(scaling) = server.scaling() else {
+        panic!("two threads and no thread scaling");
+    };
+    let mut clients: Vec<Client> = Vec::new();
+    let mut round = 0;
+    // Connect and serve while the policy decides, until it has parked thread 1.
+    while scaling.active() == 2 {
+        assert!(round < 10_000, "thread 1 never parked");
+        clients.push(Client::new(server.native_addr(), round));
+        for client in &mut clients {
+            client.round();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        round += 1;
+    }
+    wait_for("thread 1 to hand off its connections", || {
+        scaling.connections_per_thread()[1] == 0
+    });
+    for client in &mut clients {
+        client.round();
+    }
+    let events = scaling.events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(
+        (events[0].kind, events[0].thread, events[0].cause),
+        ("park", 1, "load")
+    );
+    assert!(events[0].mean_busy_share.is_some_and(|share| share < 0.99));
+    assert_eq!(scaling.active_per_thread(), vec![true, false]);
 }
