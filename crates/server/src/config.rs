@@ -2207,6 +2207,28 @@ mod example_file {
     use super::*;
 
     #[test]
+    fn scaling_is_off_by_default_and_its_knobs_are_checked() {
+        let config = Config::from_toml("threads = 2\n", "test").unwrap_or_else(|e| panic!("{e}"));
+        assert!(!config.scaling.enabled);
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        let text = "threads = 2\n[scaling]\nenabled = true\npark_below = 0.1\nwake_above = 0.5\n\
+                    active_min = 2\n";
+        let config = Config::from_toml(text, "test").unwrap_or_else(|e| panic!("{e}"));
+        assert!(config.scaling.enabled);
+        assert_eq!(config.scaling.active_min, 2);
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        for bad in [
+            "threads = 2\n[scaling]\npark_below = 0.7\nwake_above = 0.5\n",
+            "threads = 2\n[scaling]\nactive_min = 3\n",
+            "threads = 2\n[scaling]\nwindow_ms = 0\n",
+        ] {
+            let config = Config::from_toml(bad, "test").unwrap_or_else(|e| panic!("{e}"));
+            assert!(config.validate().is_err(), "{bad}");
+        }
+        assert!(Config::from_toml("[scaling]\nthreshold = 1\n", "test").is_err());
+    }
+
+    #[test]
     fn the_shipped_example_parses_and_validates() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../reflexd.example.toml");
         let config = Config::from_file(Path::new(path)).unwrap_or_else(|e| panic!("{e}"));
