@@ -96,15 +96,17 @@ impl Dataplane {
             self.thread_index,
             "a thread parks onto another"
         );
-        tracing::info!(
-            thread = self.thread_index,
-            to,
-            "thread parking: moving its connections"
-        );
         self.handoff.parked_to = Some(to);
         for index in 0..self.connections.len() as u32 {
             self.mark_moving(index);
         }
+        tracing::info!(
+            thread = self.thread_index,
+            to,
+            moving = self.handoff.moving.len(),
+            staying = self.connections_staying(),
+            "thread parking: moving its connections (TLS, NVMe/TCP and key-value ones stay)"
+        );
     }
 
     /// Wakes this thread: it keeps the connections it has not handed over yet and serves them
