@@ -1042,6 +1042,55 @@ impl ControlPlane {
         });
     }
 
+    /// A connection moved from thread `from` to thread `to` (thread scaling): each tenant of
+    /// `handles` (and a composite's members) now counts it on `to` instead of `from`, so its
+    /// reservation stays counted once and its rate share follows the connection; the tenants
+    /// the connection registered follow it to its new key. Returns the handles that are gone
+    /// (unregistered while the connection was between threads).
+    pub fn connection_moved(
+        &self,
+        to: usize,
+        from: usize,
+        keys: (ConnectionKey, ConnectionKey),
+        handles: impl Iterator<Item = u64>,
+        own: &mut Vec<ControlMessage>,
+    ) -> Vec<u64> {
+        let (old_key, new_key) = keys;
+        self.change(to, own, |state| {
+            let mut gone = Vec::new();
+            for handle in handles {
+                let Some(entry) = state.tenants.get(&handle) else {
+                    gone.push(handle);
+                    continue;
+                };
+                let members = entry.members.clone();
+                for handle in std::iter::once(handle).chain(members) {
+                    let Some(entry) = state.tenants.get(&handle) else {
+                        continue;
+                    };
+                    let (namespace_index, id) = (entry.namespace_index, entry.id);
+                    if let Some(namespace) = state.namespace(namespace_index)
+                        && let Err(error) =
+                            namespace
+                                .registry
+                                .move_connection(id, from as u16, to as u16)
+                    {
+                        tracing::error!(handle, %error, "moving a connection the registry does not count");
+                    }
+                }
+            }
+            if let Some(count) = state.owned_by_connection.remove(&old_key) {
+                state.owned_by_connection.insert(new_key, count);
+                for entry in state.tenants.values_mut() {
+                    if entry.owner == Some(old_key) {
+                        entry.owner = Some(new_key);
+                    }
+                }
+            }
+            gone
+        })
+    }
+
     /// A scheduler event of `thread`: deficit episodes become at most one RENEGOTIATE
     /// notice per tenant episode, sent to every thread with connections of the tenant.
     /// `observed_iops_here` is the tenant's recent request rate on `thread`.

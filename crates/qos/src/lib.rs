@@ -114,6 +114,7 @@ pub mod profile;
 mod queue;
 pub mod rates;
 pub mod registry;
+pub mod scaling;
 pub mod scheduler;
 pub mod shared;
 pub mod time;
@@ -141,6 +142,9 @@ pub use migration::{
 pub use profile::{DeviceProfile, TokenLimit};
 pub use rates::{DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates};
 pub use registry::{AdmissionError, Notice, Plan, TenantRegistry, TenantSpec};
+pub use scaling::{
+    ScalingConfig, ScalingConfigError, ScalingDecision, ScalingPolicy, ScalingReason, ThreadBusy,
+};
 pub use scheduler::{
     Admitted, EnqueueError, Ledger, Policy, Request, RoundSummary, Scheduler, SchedulerEvent,
     TenantStats,

@@ -891,6 +891,9 @@ pub struct Config {
     pub admin: crate::admin::AdminConfig,
     /// TLS on the native and NBD listeners (`docs/OPERATIONS.md`, "TLS").
     pub tls: TlsConfig,
+    /// Thread scaling: threads parked and woken with the load (`docs/OPERATIONS.md`,
+    /// "Thread scaling"); automatic scaling is off by default.
+    pub scaling: reflex_qos::ScalingConfig,
 }
 
 /// `[tls]`: the server's certificate and key, the CA whose client certificates name tenants,
@@ -982,6 +985,7 @@ impl Default for Config {
             tenants: Vec::new(),
             admin: crate::admin::AdminConfig::default(),
             tls: TlsConfig::default(),
+            scaling: reflex_qos::ScalingConfig::default(),
         }
     }
 }
@@ -1295,6 +1299,9 @@ impl Config {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
         if self.threads == 0 || self.threads > THREADS_MAX {
             return invalid(format!("threads {} not in 1..={THREADS_MAX}", self.threads));
+        }
+        if let Err(error) = self.scaling.validate(self.threads) {
+            return invalid(error.to_string());
         }
         if self.window == 0 || self.window > WINDOW_MAX {
             return invalid(format!("window {} not in 1..={WINDOW_MAX}", self.window));
@@ -2235,6 +2242,28 @@ mod tests {
 #[cfg(test)]
 mod example_file {
     use super::*;
+
+    #[test]
+    fn scaling_is_off_by_default_and_its_knobs_are_checked() {
+        let config = Config::from_toml("threads = 2\n", "test").unwrap_or_else(|e| panic!("{e}"));
+        assert!(!config.scaling.enabled);
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        let text = "threads = 2\n[scaling]\nenabled = true\npark_below = 0.1\nwake_above = 0.5\n\
+                    active_min = 2\n";
+        let config = Config::from_toml(text, "test").unwrap_or_else(|e| panic!("{e}"));
+        assert!(config.scaling.enabled);
+        assert_eq!(config.scaling.active_min, 2);
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        for bad in [
+            "threads = 2\n[scaling]\npark_below = 0.7\nwake_above = 0.5\n",
+            "threads = 2\n[scaling]\nactive_min = 3\n",
+            "threads = 2\n[scaling]\nwindow_ms = 0\n",
+        ] {
+            let config = Config::from_toml(bad, "test").unwrap_or_else(|e| panic!("{e}"));
+            assert!(config.validate().is_err(), "{bad}");
+        }
+        assert!(Config::from_toml("[scaling]\nthreshold = 1\n", "test").is_err());
+    }
 
     #[test]
     fn the_shipped_example_parses_and_validates() {

@@ -90,6 +90,8 @@ pub struct DriverSetup {
     pub spin_before_deadline_max: Nanos,
     /// The queues to and from the other threads, when inter-core migration is on.
     pub migration: Option<crate::migration::MigrationLinks>,
+    /// Thread scaling's requests and connection queues, when the server has several threads.
+    pub scaling: Option<crate::scaling::ThreadScaling>,
 }
 
 /// Wakes a sleeping dataplane thread through its eventfd: for the control plane's messages

@@ -44,6 +44,7 @@ pub mod metrics;
 mod migration;
 pub mod namespaces;
 mod run_delay;
+pub mod scaling;
 #[allow(unsafe_code)]
 mod sys;
 pub mod tls;
@@ -332,6 +333,8 @@ impl Server {
             manager: Arc::clone(&manager),
             admin: None,
             tls: None,
+            scaling: None,
+            scaling_controller: None,
         };
         let tls_keys = tls::load(&config)?.map(|current| Arc::new(TlsKeys::new(current)));
         handle.tls = tls_keys
@@ -352,6 +355,26 @@ impl Server {
         } else {
             Vec::new()
         };
+        // Thread scaling: one socket of each port every thread listens on steers new
+        // connections (`scaling`).
+        if config.threads > 1 {
+            let mut steering = Vec::new();
+            for (listener, role) in &per_thread[0] {
+                if *role == ListenerRole::Kv {
+                    continue;
+                }
+                steering.push(listener.try_clone().map_err(|e| ServerError::Thread {
+                    thread: 0,
+                    message: format!("listener for thread scaling: {e}"),
+                })?);
+            }
+            handle.scaling = Some(scaling::ScalingControl::new(
+                config.scaling,
+                &wakers,
+                steering,
+                clock_origin,
+            ));
+        }
         for (thread_index, listeners) in per_thread.into_iter().enumerate() {
             let (sockets, roles): (Vec<TcpListener>, Vec<ListenerRole>) =
                 listeners.into_iter().unzip();
@@ -401,6 +424,10 @@ impl Server {
                 cq_entries,
                 spin_before_deadline_max: Nanos(config.spin_before_deadline_max.as_nanos() as u64),
                 migration: migration_links.get_mut(thread_index).and_then(Option::take),
+                scaling: handle
+                    .scaling
+                    .as_ref()
+                    .map(|scaling| scaling.thread(thread_index)),
             };
             let spawned = spawn_driver(driver, dataplane_setup, driver_setup, ready_tx.clone());
             match spawned {
@@ -427,6 +454,18 @@ impl Server {
                 }
             }
         }
+        if let Some(scaling) = &handle.scaling
+            && config.scaling.enabled
+        {
+            let stop = Arc::new(AtomicBool::new(false));
+            let controller = scaling
+                .spawn_controller(Arc::clone(&control), Arc::clone(&stop))
+                .map_err(|e| ServerError::Thread {
+                    thread: 0,
+                    message: format!("spawn the scaling controller: {e}"),
+                })?;
+            handle.scaling_controller = Some((stop, controller));
+        }
         if config.admin.enabled {
             handle.admin = Some(admin::start(admin::AdminSetup {
                 config: config.admin.clone(),
@@ -434,6 +473,7 @@ impl Server {
                 manager: Arc::clone(&manager),
                 persistence,
                 threads: config.threads,
+                scaling: handle.scaling.clone(),
             })?);
         }
         log_startup(&config, driver, &namespaces, &handle, &registered, &qos);
@@ -790,7 +830,7 @@ pub(crate) fn open_device(
 
 /// Which front end a listening socket serves, before the namespaces are open (the original
 /// protocol's by its position in the configured ports).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ListenerRole {
     Native,
     Original(usize),
@@ -966,12 +1006,20 @@ pub struct ServerHandle {
     /// What TLS sessions start with, and the `[tls]` the server started with.
     /// The keys and what used TLS at start: `[tls]` and `nvme_tcp.tls`.
     tls: Option<(Arc<TlsKeys>, config::TlsConfig, config::TlsMode)>,
+    /// Thread scaling (several threads only), and its controller thread when automatic.
+    scaling: Option<Arc<scaling::ScalingControl>>,
+    scaling_controller: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
 }
 
 impl ServerHandle {
     /// Address of the admin API, when it serves.
     pub fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin.as_ref().map(admin::AdminHandle::addr)
+    }
+
+    /// Thread scaling, when the server runs several threads.
+    pub fn scaling(&self) -> Option<&Arc<scaling::ScalingControl>> {
+        self.scaling.as_ref()
     }
 
     /// The I/O driver the dataplane threads run on.
@@ -1097,6 +1145,10 @@ impl ServerHandle {
     fn join(&mut self) -> Result<Vec<CoreStats>, ServerError> {
         if let Some(mut admin) = self.admin.take() {
             admin.stop();
+        }
+        if let Some((stop, controller)) = self.scaling_controller.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = controller.join();
         }
         let mut stats = Vec::new();
         let mut first_error = None;

@@ -74,6 +74,10 @@ struct Args {
     /// Dataplane threads (default 1).
     #[arg(long, short = 't')]
     threads: Option<usize>,
+    /// Thread scaling: park and wake dataplane threads with the load (`[scaling]` in the
+    /// configuration file gives the thresholds).
+    #[arg(long)]
+    scaling: bool,
     /// Spin instead of sleeping when idle (lowest latency; each thread uses a full core).
     #[arg(long)]
     poll: bool,
@@ -287,6 +291,9 @@ fn build_config(args: Args) -> anyhow::Result<Config> {
     }
     if args.poll {
         config.poll = true;
+    }
+    if args.scaling {
+        config.scaling.enabled = true;
     }
     if let Some(driver) = args.driver {
         config.driver = driver;

@@ -422,6 +422,31 @@ impl Collector for SamplerCollector {
             &refused,
         )?;
 
+        // Thread scaling.
+        if let Some(scaling) = &sampler.scaling {
+            gauges(
+                &mut encoder,
+                "threads_active",
+                "Dataplane threads taking new connections (thread scaling).",
+                &[(Vec::new(), f64::from(scaling.active()))],
+            )?;
+            counters(
+                &mut encoder,
+                "scaling_events",
+                "Thread scaling's parks and wakes.",
+                &[
+                    (vec![("kind", "park".to_string())], scaling.parks() as f64),
+                    (vec![("kind", "wake".to_string())], scaling.wakes() as f64),
+                ],
+            )?;
+            counters(
+                &mut encoder,
+                "scaling_connections_moved",
+                "Connections a parked thread handed to an active one.",
+                &[(Vec::new(), scaling.connections_moved() as f64)],
+            )?;
+        }
+
         // Per thread.
         let mut busy = Vec::new();
         let mut idle = Vec::new();

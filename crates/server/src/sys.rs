@@ -182,6 +182,78 @@ pub fn empty_sockaddr() -> libc::sockaddr_storage {
     unsafe { std::mem::zeroed() }
 }
 
+/// Steers new connections of the `SO_REUSEPORT` group `member` belongs to onto its first
+/// `active` sockets (thread scaling: the group's sockets are in bind order, thread 0 first;
+/// threads `active..` get none), by a classic BPF program picking one of them at random.
+/// `None` detaches the program: the kernel's hash spreads connections over every socket again.
+pub fn steer_reuseport(member: &impl AsRawFd, active: Option<u32>) -> io::Result<()> {
+    let Some(active) = active else {
+        let unused: libc::c_int = 0;
+        // SAFETY: `unused` outlives the call, which reads `size_of::<c_int>()` bytes of it.
+        let rc = unsafe {
+            libc::setsockopt(
+                member.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_DETACH_REUSEPORT_BPF,
+                (&unused as *const libc::c_int).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        let error = io::Error::last_os_error();
+        // ENOENT: no program was attached.
+        return if rc == 0 || error.raw_os_error() == Some(libc::ENOENT) {
+            Ok(())
+        } else {
+            Err(error)
+        };
+    };
+    assert!(active >= 1);
+    const SKF_AD_OFF: i32 = -0x1000;
+    const SKF_AD_RANDOM: i32 = 56;
+    let mut program = [
+        // A = a random 32-bit number.
+        libc::sock_filter {
+            code: (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16,
+            jt: 0,
+            jf: 0,
+            k: (SKF_AD_OFF + SKF_AD_RANDOM) as u32,
+        },
+        // A = A % active.
+        libc::sock_filter {
+            code: (libc::BPF_ALU | libc::BPF_MOD | libc::BPF_K) as u16,
+            jt: 0,
+            jf: 0,
+            k: active,
+        },
+        // The socket at index A.
+        libc::sock_filter {
+            code: (libc::BPF_RET | libc::BPF_A) as u16,
+            jt: 0,
+            jf: 0,
+            k: 0,
+        },
+    ];
+    let fprog = libc::sock_fprog {
+        len: program.len() as u16,
+        filter: program.as_mut_ptr(),
+    };
+    // SAFETY: `fprog` and the program it points to outlive the call; the kernel copies them.
+    let rc = unsafe {
+        libc::setsockopt(
+            member.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_REUSEPORT_CBPF,
+            (&fprog as *const libc::sock_fprog).cast(),
+            size_of::<libc::sock_fprog>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::{Read, Write};

@@ -509,6 +509,22 @@ impl VirtualServer {
     /// outside the socket's buffer). Otherwise it reads only when [`Self::client_read`] is
     /// called, between instants, so an instant moves at most one client buffer.
     pub fn set_client_draining(&mut self, socket: SocketId, draining: bool) {
+        self.set_client_draining_inner(socket, draining);
+    }
+
+    /// Thread scaling: parks `thread`, whose connections move to thread `to` once between
+    /// requests (`reflex_dataplane` `core/handoff.rs`); new connections keep arriving where
+    /// the test connects them.
+    pub fn park_thread(&mut self, thread: u16, to: u16) {
+        self.threads[usize::from(thread)].dataplane.park_thread(to);
+    }
+
+    /// Wakes a parked thread.
+    pub fn wake_thread(&mut self, thread: u16) {
+        self.threads[usize::from(thread)].dataplane.wake_thread();
+    }
+
+    fn set_client_draining_inner(&mut self, socket: SocketId, draining: bool) {
         self.sockets[socket.0 as usize].draining = draining;
     }
 
@@ -944,6 +960,28 @@ impl VirtualServer {
                     .get_mut(usize::from(namespace_index))
                 {
                     *queue = None;
+                }
+            }
+            Op::Handoff { connection, to } => {
+                // The socket follows its connection to the other thread, as reflexd's
+                // drivers carry it through a queue.
+                let socket = self.socket_of(thread, connection);
+                self.threads[thread]
+                    .sockets_by_connection
+                    .remove(&(connection.index, connection.generation));
+                let moved = self.threads[thread].dataplane.take_moved(connection);
+                let to = usize::from(to);
+                match self.threads[to].dataplane.adopt(moved, now) {
+                    Ok(id) => {
+                        let entry = &mut self.sockets[socket];
+                        assert!(!entry.recv_pending && !entry.send_pending && !entry.wait_pending);
+                        entry.thread = to as u16;
+                        entry.id = id;
+                        self.threads[to]
+                            .sockets_by_connection
+                            .insert((id.index, id.generation), SocketId(socket as u32));
+                    }
+                    Err(_) => self.sockets[socket].server_closed = true,
                 }
             }
             Op::SampleRtt { connection } => {

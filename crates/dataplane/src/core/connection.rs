@@ -131,6 +131,10 @@ pub(super) struct Connection {
     /// The protocol asked for TLS (NBD's STARTTLS): nothing is parsed or received until the
     /// answers before it have left; then TLS starts.
     pub(super) tls_starting: bool,
+    /// Its thread is parked: it moves to another once between requests (`handoff`).
+    pub(super) moving: bool,
+    /// Its read side was cancelled for the move.
+    pub(super) move_cancelled: bool,
 }
 
 /// Submission queue of connections that declared no I/O priority.
@@ -177,6 +181,8 @@ impl Connection {
             send_progress_at: Nanos::ZERO,
             tls: None,
             tls_starting: false,
+            moving: false,
+            move_cancelled: false,
         }
     }
 
@@ -315,6 +321,9 @@ impl Dataplane {
         // Parsing first: a protocol may speak before it listens (the NBD greeting); the
         // others find nothing to parse and receive.
         self.mark_parse(index);
+        // Accepted while parked (it was queued on the listener before the server steered
+        // new connections away): it moves on.
+        self.mark_moving(index);
         Ok(self.connections[index as usize].id(index))
     }
 
@@ -572,6 +581,8 @@ impl Dataplane {
         let connection = &mut self.connections[index as usize];
         connection.tls = None;
         connection.tls_starting = false;
+        connection.moving = false;
+        connection.move_cancelled = false;
         assert!(connection.payload.is_none());
         assert!(connection.stalled.is_none());
         assert_eq!(connection.send_head, NONE);

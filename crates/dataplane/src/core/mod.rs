@@ -50,6 +50,7 @@ mod composite;
 mod connection;
 mod dispatch;
 mod errors;
+mod handoff;
 mod io;
 mod kv;
 mod limits;
@@ -68,6 +69,7 @@ mod tls;
 
 use connection::{Connection, Listener};
 use errors::DeviceErrorLog;
+pub use handoff::MovedConnection;
 use io::GateWaits;
 pub use kv::KvSetup;
 pub use limits::{
@@ -274,6 +276,8 @@ pub struct Dataplane {
     kv: Option<kv::KvEngine>,
     /// Reads served for other threads and messages to them (`migration`).
     migration: migration::Migration,
+    /// Thread scaling: whether this thread is parked, and its connections on the move.
+    handoff: handoff::Handoff,
 }
 
 impl Dataplane {
@@ -415,6 +419,7 @@ impl Dataplane {
                 .kv
                 .map(|kv| kv::KvEngine::new(kv, limits.requests_max)),
             migration: migration::Migration::default(),
+            handoff: handoff::Handoff::default(),
             limits,
         };
         // The device rates the registries computed at startup.
@@ -443,6 +448,7 @@ impl Dataplane {
         self.dispatch_step(now);
         self.handle_scheduler_events(now);
         self.send_step(now);
+        self.advance_handoffs(now);
         self.check_drained(now);
         self.advance_phase(now);
     }
@@ -450,7 +456,7 @@ impl Dataplane {
     /// The next operation for the driver.
     pub fn poll_op(&mut self) -> Option<Op> {
         let op = self.ops.pop_front()?;
-        if let Op::Close { connection } = op {
+        if let Op::Close { connection } | Op::Handoff { connection, .. } = op {
             // Its slot may be reused from now on, never before the driver saw the Close.
             self.free_connections.push(connection.index);
         }

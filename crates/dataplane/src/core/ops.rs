@@ -63,6 +63,11 @@ pub enum Op {
     /// this operation was taken from [`super::Dataplane::poll_op`], so a driver that keeps one
     /// socket per slot closes the old socket before a new connection gets the slot.
     Close { connection: ConnectionId },
+    /// Thread scaling: the connection moves to thread `to`. Take its state with
+    /// [`super::Dataplane::take_moved`] and send it with the socket (not closed) to that
+    /// thread's driver, which passes it to [`super::Dataplane::adopt`]. Nothing of it is in
+    /// flight; its slot is reused after this operation, as after a `Close`.
+    Handoff { connection: ConnectionId, to: u16 },
     /// A device operation; its memory through [`super::Dataplane::device_op`], its result
     /// through [`super::Dataplane::handle_device`].
     Device(DeviceCommand),

@@ -141,6 +141,9 @@ impl Dataplane {
                     break;
                 }
             }
+            if connection.moving {
+                return; // It moves to another thread, which parses the rest (`handoff`).
+            }
             if connection.outstanding >= self.limits.window {
                 return; // Back-pressure: read nothing more until responses go out.
             }
@@ -424,6 +427,7 @@ impl Dataplane {
             && connection.tls.is_none()
             && !connection.parked
             && !connection.parking
+            && !connection.moving
             && connection.outstanding == 0
             && connection.payload.is_none()
             && connection.stalled.is_none()
@@ -488,12 +492,15 @@ impl Dataplane {
         let connection = &mut self.connections[index as usize];
         connection.recv_buffer = buffer;
         connection.parked = false;
+        let move_cancelled = std::mem::take(&mut connection.move_cancelled);
         if !connection.is_open() {
             self.maybe_finish_close(index);
             return;
         }
         match result {
             Ok(()) => self.mark_parse(index),
+            // Cancelled so that the connection can move (`handoff`).
+            Err(libc::ECANCELED) if move_cancelled => self.mark_parse(index),
             Err(errno) if connection.read == ReadState::Open => {
                 tracing::debug!(thread = self.thread_index, errno, "readiness wait failed");
                 self.abort_connection(index, "readiness wait failed");
@@ -544,6 +551,13 @@ impl Dataplane {
             "a receive completion for a parked connection"
         );
         connection.recv_in_flight = false;
+        let move_cancelled = std::mem::take(&mut connection.move_cancelled);
+        if move_cancelled && result == Err(libc::ECANCELED) && connection.is_open() {
+            // Cancelled so that the connection can move (`handoff`).
+            self.mark_parse(index);
+            return;
+        }
+        let connection = &mut self.connections[index as usize];
         if std::mem::take(&mut connection.parking)
             && result == Err(libc::ECANCELED)
             && connection.is_open()

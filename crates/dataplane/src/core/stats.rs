@@ -18,6 +18,9 @@ pub struct CoreStats {
     pub connections_timed_out: u64,
     /// Times an idle connection gave its receive buffer back and waited for readiness.
     pub connections_parked: u64,
+    /// Thread scaling: connections this thread handed to another, and adopted from others.
+    pub connections_moved_out: u64,
+    pub connections_moved_in: u64,
     /// Connections whose framing broke (closed after their answers).
     pub framing_errors: u64,
     /// TLS sessions started, and those that failed (handshake refused, bad records).

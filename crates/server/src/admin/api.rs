@@ -37,6 +37,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("delete", "/v1/namespaces/{namespace_id}/tenants/{name}"),
     ("get", "/v1/stats"),
     ("get", "/v1/fairness"),
+    ("get", "/v1/scaling"),
+    ("post", "/v1/scaling"),
     ("get", "/metrics"),
 ];
 
@@ -65,6 +67,8 @@ pub struct AdminState {
     pub refusal_log: std::sync::Mutex<(std::time::Instant, reflex_dataplane::access::RefusalLog)>,
     pub version: &'static str,
     pub threads: usize,
+    /// Thread scaling, when the server runs several threads.
+    pub scaling: Option<Arc<crate::scaling::ScalingControl>>,
 }
 
 pub type Shared = Arc<AdminState>;
@@ -997,6 +1001,81 @@ pub async fn get_fairness(State(state): State<Shared>) -> Response {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .fairness_view();
     json(view)
+}
+
+/// Thread scaling as `GET /v1/scaling` shows it.
+#[derive(Debug, Serialize)]
+pub struct ScalingView {
+    /// Whether the load parks and wakes threads (`[scaling] enabled`); an operator can
+    /// either way.
+    pub enabled: bool,
+    pub threads: usize,
+    pub active: u16,
+    pub active_per_thread: Vec<bool>,
+    pub connections_per_thread: Vec<u32>,
+    pub parks_total: u64,
+    pub wakes_total: u64,
+    pub connections_moved_total: u64,
+    /// The newest events, oldest first.
+    pub events: Vec<crate::scaling::ScalingEvent>,
+}
+
+/// `POST /v1/scaling`'s body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScalingChange {
+    /// Threads to keep active (clamped to `active_min ..= threads`).
+    pub active: u16,
+}
+
+impl AdminState {
+    fn scaling_view(&self) -> ScalingView {
+        match &self.scaling {
+            Some(scaling) => ScalingView {
+                enabled: scaling.config().enabled,
+                threads: self.threads,
+                active: scaling.active(),
+                active_per_thread: scaling.active_per_thread(),
+                connections_per_thread: scaling.connections_per_thread(),
+                parks_total: scaling.parks(),
+                wakes_total: scaling.wakes(),
+                connections_moved_total: scaling.connections_moved(),
+                events: scaling.events(),
+            },
+            None => ScalingView {
+                enabled: false,
+                threads: self.threads,
+                active: self.threads as u16,
+                active_per_thread: vec![true; self.threads],
+                connections_per_thread: Vec::new(),
+                parks_total: 0,
+                wakes_total: 0,
+                connections_moved_total: 0,
+                events: Vec::new(),
+            },
+        }
+    }
+}
+
+/// `GET /v1/scaling`: the active threads, each thread's connections and the scaling events.
+pub async fn get_scaling(State(state): State<Shared>) -> Response {
+    json(state.scaling_view())
+}
+
+/// `POST /v1/scaling`: an operator parks or wakes threads until `active` take connections.
+pub async fn change_scaling(
+    State(state): State<Shared>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+) -> ApiResult<Response> {
+    let body: ScalingChange = object_body(body)?;
+    let Some(scaling) = &state.scaling else {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "the server runs one dataplane thread: nothing to scale",
+        ));
+    };
+    scaling.force(body.active);
+    Ok(json(state.scaling_view()))
 }
 
 /// `GET /metrics`: OpenMetrics for clients that ask for it (Prometheus does), the Prometheus

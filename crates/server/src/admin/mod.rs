@@ -305,6 +305,8 @@ pub struct AdminSetup {
     pub manager: Arc<crate::namespaces::NamespaceManager>,
     pub persistence: Option<(StateFile, PersistedState)>,
     pub threads: usize,
+    /// Thread scaling, when the server runs several threads (metrics).
+    pub scaling: Option<Arc<crate::scaling::ScalingControl>>,
 }
 
 /// The router of every route in [`api::ROUTES`].
@@ -333,6 +335,10 @@ pub fn router(state: Shared) -> Router {
         )
         .route("/v1/stats", get(api::get_stats))
         .route("/v1/fairness", get(api::get_fairness))
+        .route(
+            "/v1/scaling",
+            get(api::get_scaling).post(api::change_scaling),
+        )
         .route("/metrics", get(api::get_metrics))
         .fallback(api::not_found)
         .layer(axum::middleware::from_fn_with_state(
@@ -356,10 +362,9 @@ pub fn start(setup: AdminSetup) -> Result<AdminHandle, AdminStartError> {
     listener
         .set_nonblocking(true)
         .map_err(|source| AdminStartError::Bind { addr, source })?;
-    let sampler = Arc::new(Mutex::new(Sampler::new(
-        Arc::clone(&setup.control),
-        Arc::clone(&setup.manager),
-    )));
+    let mut sampler = Sampler::new(Arc::clone(&setup.control), Arc::clone(&setup.manager));
+    sampler.scaling = setup.scaling.clone();
+    let sampler = Arc::new(Mutex::new(sampler));
     let refused = Arc::clone(
         &sampler
             .lock()
@@ -382,6 +387,7 @@ pub fn start(setup: AdminSetup) -> Result<AdminHandle, AdminStartError> {
         allow_remote: setup.config.allow_remote,
         version: env!("CARGO_PKG_VERSION"),
         threads: setup.threads,
+        scaling: setup.scaling.clone(),
     });
     let window = setup.config.stats_window;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -381,6 +381,8 @@ pub struct Sampler {
     /// Requests the admin API refused, by [`AdminRefusal::index`] (counted by its
     /// middleware, read by `/metrics`).
     pub admin_refused: Arc<AdminRefusals>,
+    /// Thread scaling (several threads only): active threads and scaling events.
+    pub scaling: Option<Arc<crate::scaling::ScalingControl>>,
 }
 
 /// Why the admin API refused a request.
@@ -460,6 +462,7 @@ impl Sampler {
             namespace_windows: BTreeMap::new(),
             window_seconds: 0.0,
             admin_refused: Arc::new(AdminRefusals::default()),
+            scaling: None,
         }
     }
 

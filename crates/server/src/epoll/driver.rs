@@ -154,6 +154,8 @@ pub struct EpollDriver {
     clock_origin: Instant,
     /// The queues to and from the other threads (inter-core migration).
     migration: Option<crate::migration::MigrationLinks>,
+    /// Thread scaling: park and wake requests, connections moving between threads.
+    scaling: Option<crate::scaling::ThreadScaling>,
     polled: Vec<Completion>,
     /// Results reported while issuing (then `process` runs again).
     finished_synchronously: bool,
@@ -205,6 +207,7 @@ impl EpollDriver {
             waker: setup.waker,
             clock_origin: setup.clock_origin,
             migration: setup.migration,
+            scaling: setup.scaling,
             polled: Vec::new(),
             finished_synchronously: false,
             reports: 0,
@@ -266,6 +269,7 @@ impl EpollDriver {
             if let Some(links) = &self.migration {
                 self.reports += links.receive(&mut self.dataplane, now) as u64;
             }
+            self.receive_scaling(now);
             let reports = std::mem::take(&mut self.reports);
             self.dataplane.count_iteration(reports);
             if !self.shutdown_begun && self.shutdown.load(Ordering::Relaxed) {
@@ -292,7 +296,8 @@ impl EpollDriver {
             let busy = self.dataplane.has_pending_work()
                 || self.finished_synchronously
                 || device_due
-                || self.accept_deferred;
+                || self.accept_deferred
+                || self.scaling.as_ref().is_some_and(|s| s.has_backlog());
             if !busy {
                 idle_since = Some(self.now());
             }
@@ -321,6 +326,24 @@ impl EpollDriver {
             Some(due) => {
                 Timeout::After(Duration::from_nanos(due.saturating_since(now).0.max(1_000)))
             }
+        }
+    }
+
+    /// Thread scaling: applies a park or wake request and adopts the connections handed to
+    /// this thread.
+    fn receive_scaling(&mut self, now: Nanos) {
+        let Some(scaling) = self.scaling.as_mut() else {
+            return;
+        };
+        if scaling.apply(&mut self.dataplane) {
+            self.reports += 1;
+        }
+        let mut adopted = Vec::new();
+        self.reports += scaling.receive(&mut self.dataplane, now, |_, id, stream| {
+            adopted.push((id, stream));
+        }) as u64;
+        for (id, stream) in adopted {
+            self.adopt(id, stream);
         }
     }
 
@@ -697,6 +720,24 @@ impl EpollDriver {
                         forget(&self.epoll, slot.stream.as_raw_fd());
                         // Dropping the stream closes the socket.
                     }
+                }
+                Op::Handoff { connection, to } => {
+                    let entry = &mut self.connections[connection.index as usize];
+                    let slot = match entry.take() {
+                        Some(slot) if slot.generation == connection.generation => slot,
+                        _ => panic!("handoff of connection {connection:?} without a socket"),
+                    };
+                    assert!(
+                        !slot.recv_pending && !slot.wait_pending && !slot.send_pending,
+                        "handoff with an operation pending"
+                    );
+                    // The destination's epoll watches it from now on.
+                    forget(&self.epoll, slot.stream.as_raw_fd());
+                    let moved = self.dataplane.take_moved(connection);
+                    let Some(scaling) = self.scaling.as_mut() else {
+                        panic!("a handoff without thread scaling");
+                    };
+                    scaling.send(to, slot.stream, moved, self.dataplane.connections_open());
                 }
                 Op::Device(command) => self.submit_device(&command, now),
                 Op::OpenDevice { namespace_index } => {

@@ -168,6 +168,8 @@ pub struct UringDriver {
     clock_origin: Instant,
     /// The queues to and from the other threads (inter-core migration).
     migration: Option<crate::migration::MigrationLinks>,
+    /// Thread scaling: park and wake requests, connections moving between threads.
+    scaling: Option<crate::scaling::ThreadScaling>,
     wake_cost: WakeCost,
     /// Operations pushed whose completion has not been reaped, and how many of them are
     /// device operations (a shutdown may abandon those).
@@ -222,6 +224,7 @@ impl UringDriver {
             wake_cancelled: false,
             clock_origin: setup.clock_origin,
             migration: setup.migration,
+            scaling: setup.scaling,
             wake_cost: WakeCost::new(setup.spin_before_deadline_max),
             in_flight: 0,
             device_in_flight: 0,
@@ -298,6 +301,7 @@ impl UringDriver {
                 .migration
                 .as_ref()
                 .map_or(0, |links| links.receive(&mut self.dataplane, now));
+            let scaled = self.receive_scaling(now);
             self.dataplane.count_iteration(reaped as u64);
             if !self.shutdown_begun && self.shutdown.load(Ordering::Relaxed) {
                 self.shutdown_begun = true;
@@ -309,6 +313,7 @@ impl UringDriver {
             let nothing_new = reaped == 0
                 && device_completions == 0
                 && migrated == 0
+                && scaled == 0
                 && !self.finished_synchronously
                 && !self.dataplane.has_pending_work()
                 && self.next_deadline().is_none_or(|due| due > now);
@@ -343,6 +348,7 @@ impl UringDriver {
                 self.ring.more_in_cq()
             } else {
                 self.dataplane.has_pending_work()
+                    || self.scaling.as_ref().is_some_and(|s| s.has_backlog())
                     || self.finished_synchronously
                     || self.device_deadline().is_some_and(|due| due <= now)
                     || self.ring.more_in_cq()
@@ -397,6 +403,28 @@ impl UringDriver {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
+    }
+
+    /// Thread scaling: applies a park or wake request and adopts the connections handed to
+    /// this thread. Returns how many things happened.
+    fn receive_scaling(&mut self, now: Nanos) -> usize {
+        let Some(scaling) = self.scaling.as_mut() else {
+            return 0;
+        };
+        let applied = usize::from(scaling.apply(&mut self.dataplane));
+        let (sockets, staging) = (&mut self.sockets, &mut self.staging);
+        applied
+            + scaling.receive(&mut self.dataplane, now, |_, id, stream| {
+                let index = id.index as usize;
+                if sockets.len() <= index {
+                    sockets.resize_with(index + 1, || None);
+                    staging.resize_with(index + 1, || None);
+                }
+                if let Some((generation, _)) = &sockets[index] {
+                    assert_ne!(*generation, id.generation, "connection slot still in use");
+                }
+                sockets[index] = Some((id.generation, stream));
+            })
     }
 
     fn handle_cqe(&mut self, cqe: Cqe, now: Nanos) {
@@ -597,6 +625,18 @@ impl UringDriver {
                     {
                         *slot = None;
                     }
+                }
+                Op::Handoff { connection, to } => {
+                    let slot = &mut self.sockets[connection.index as usize];
+                    let stream = match slot.take() {
+                        Some((generation, stream)) if generation == connection.generation => stream,
+                        _ => panic!("handoff of connection {connection:?} without a socket"),
+                    };
+                    let moved = self.dataplane.take_moved(connection);
+                    let Some(scaling) = self.scaling.as_mut() else {
+                        panic!("a handoff without thread scaling");
+                    };
+                    scaling.send(to, stream, moved, self.dataplane.connections_open());
                 }
                 Op::Device(command) => self.submit_device(&command, now),
                 Op::OpenDevice { namespace_index } => {

@@ -1,0 +1,396 @@
+//! Thread scaling (`docs/OPERATIONS.md`, "Thread scaling"): a parked thread hands its
+//! connections to an active one, which adopts them and carries on.
+//!
+//! A connection moves only between requests: once the thread is parked
+//! ([`Dataplane::park_thread`]) a movable connection is marked `moving`; from then on nothing new is
+//! parsed on it, but what it started finishes (a WRITE payload still arrives, requests at the
+//! device complete, answers leave), and its receive (or readiness wait) is cancelled. Bytes
+//! that arrived meanwhile stay unparsed in its receive buffer. When nothing of it is in flight
+//! or outstanding, the slot is released without closing the socket, and [`Op::Handoff`] asks
+//! the driver to take the socket and the connection's state ([`Dataplane::take_moved`]) to
+//! the destination thread, whose driver calls [`Dataplane::adopt`]: the unparsed bytes are
+//! parsed there first, so no request is lost, repeated or reordered on the connection.
+//!
+//! What moves: the front end's protocol state (native, original, NBD in any phase), the
+//! unparsed bytes, the BIND and the tenants the connection is counted for (the control plane
+//! moves each tenant's count from one thread to the other: its reservation is counted once,
+//! its rate share follows), the tenants it registered (re-keyed), its device queue. What does
+//! not move, and keeps a parked thread serving it until it closes: TLS connections (the
+//! session state lives in the TLS stack), NVMe/TCP (its queue pairs belong to a controller
+//! bound to a thread) and key-value connections (the table has one owner thread).
+
+use std::net::IpAddr;
+
+use reflex_qos::Nanos;
+
+use super::Dataplane;
+use super::connection::{Bound, Charge, ConnectionState, ReadState};
+use super::ops::{AcceptRefused, ConnectionId, Op};
+use super::request::{NONE, next_generation};
+use crate::control::ConnectionKey;
+use crate::frontend::Frontend;
+
+/// A connection between two threads: everything of it but the socket, which the driver
+/// carries beside it.
+pub struct MovedConnection {
+    from_thread: u16,
+    key: ConnectionKey,
+    listener: u32,
+    source: Option<IpAddr>,
+    frontend: Frontend,
+    /// Received and not parsed yet (parsed first on the new thread).
+    unparsed: Vec<u8>,
+    bound: Option<Bound>,
+    owns_tenants: bool,
+    charged: Vec<Charge>,
+    device_queue: u16,
+    accepted_at: Nanos,
+    established: bool,
+}
+
+impl std::fmt::Debug for MovedConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MovedConnection")
+            .field("from_thread", &self.from_thread)
+            .field("key", &self.key)
+            .field("unparsed_bytes", &self.unparsed.len())
+            .field("tenants", &self.charged.len())
+            .finish()
+    }
+}
+
+impl MovedConnection {
+    pub fn from_thread(&self) -> u16 {
+        self.from_thread
+    }
+
+    pub fn unparsed_bytes(&self) -> usize {
+        self.unparsed.len()
+    }
+}
+
+// The state crosses threads in the driver's queues.
+const _: () = {
+    const fn sendable<T: Send>() {}
+    sendable::<MovedConnection>();
+};
+
+/// This thread's part in thread scaling.
+#[derive(Debug, Default)]
+pub(super) struct Handoff {
+    /// Parked: the thread its connections go to.
+    parked_to: Option<u16>,
+    /// Connections marked `moving`, by slot.
+    moving: Vec<u32>,
+    /// Released slots whose state waits for the driver ([`Dataplane::take_moved`]).
+    released: Vec<(ConnectionId, MovedConnection)>,
+}
+
+impl Dataplane {
+    /// Parks this thread: its movable connections go to thread `to` as soon as each is between
+    /// requests, and so does every connection it accepts from now on (the server steers new
+    /// connections elsewhere; what was already queued on its listeners still arrives here).
+    pub fn park_thread(&mut self, to: u16) {
+        assert_ne!(
+            usize::from(to),
+            self.thread_index,
+            "a thread parks onto another"
+        );
+        self.handoff.parked_to = Some(to);
+        for index in 0..self.connections.len() as u32 {
+            self.mark_moving(index);
+        }
+        tracing::info!(
+            thread = self.thread_index,
+            to,
+            moving = self.handoff.moving.len(),
+            staying = self.connections_staying(),
+            "thread parking: moving its connections (TLS, NVMe/TCP and key-value ones stay)"
+        );
+    }
+
+    /// Wakes this thread: it keeps the connections it has not handed over yet and serves them
+    /// again.
+    pub fn wake_thread(&mut self) {
+        tracing::info!(thread = self.thread_index, "thread woken");
+        self.handoff.parked_to = None;
+        for index in std::mem::take(&mut self.handoff.moving) {
+            let connection = &mut self.connections[index as usize];
+            connection.moving = false;
+            self.mark_parse(index);
+        }
+    }
+
+    /// Open connections (the table's limit counts these).
+    pub fn connections_open(&self) -> u32 {
+        self.open_connections
+    }
+
+    pub fn is_thread_parked(&self) -> bool {
+        self.handoff.parked_to.is_some()
+    }
+
+    /// Open connections that cannot move (TLS, NVMe/TCP, key-value): a parked thread keeps
+    /// serving them.
+    pub fn connections_staying(&self) -> u32 {
+        (0..self.connections.len() as u32)
+            .filter(|&index| self.connections[index as usize].is_open() && !self.can_move(index))
+            .count() as u32
+    }
+
+    /// Whether a connection's state can move to another thread.
+    fn can_move(&self, index: u32) -> bool {
+        let connection = &self.connections[index as usize];
+        connection.is_open()
+            && connection.read == ReadState::Open
+            && connection.tls.is_none()
+            && !connection.tls_starting
+            && matches!(
+                connection.frontend,
+                Frontend::Native | Frontend::Original { .. } | Frontend::Nbd(_)
+            )
+    }
+
+    /// Marks a connection of a parked thread for moving (a connection accepted while parked
+    /// too).
+    pub(super) fn mark_moving(&mut self, index: u32) {
+        if self.handoff.parked_to.is_none() || !self.can_move(index) {
+            return;
+        }
+        let connection = &mut self.connections[index as usize];
+        if connection.moving {
+            return;
+        }
+        connection.moving = true;
+        self.handoff.moving.push(index);
+    }
+
+    /// Advances every moving connection: cancels its receive once no payload is due, and
+    /// releases it once nothing of it is in flight or outstanding (in `process`, after sends).
+    pub(super) fn advance_handoffs(&mut self, now: Nanos) {
+        let Some(to) = self.handoff.parked_to else {
+            return;
+        };
+        let mut position = 0;
+        while position < self.handoff.moving.len() {
+            let index = self.handoff.moving[position];
+            if !self.can_move(index) {
+                // Closing, or its peer ended: it finishes here.
+                self.connections[index as usize].moving = false;
+                self.handoff.moving.swap_remove(position);
+                continue;
+            }
+            let connection = &self.connections[index as usize];
+            if connection.recv_in_flight
+                && connection.payload.is_none()
+                && connection.skip_bytes == 0
+                && !connection.move_cancelled
+                && !connection.parking
+            {
+                self.connections[index as usize].move_cancelled = true;
+                self.cancel_read_side(index);
+            }
+            if self.ready_to_move(index) {
+                self.handoff.moving.swap_remove(position);
+                self.release_moved(index, to, now);
+                continue;
+            }
+            position += 1;
+        }
+    }
+
+    /// Nothing of the connection is in flight, outstanding or half-done.
+    fn ready_to_move(&self, index: u32) -> bool {
+        let connection = &self.connections[index as usize];
+        connection.moving
+            && !connection.recv_in_flight
+            && !connection.send_in_flight
+            && connection.outstanding == 0
+            && connection.payload.is_none()
+            && connection.stalled.is_none()
+            && connection.skip_bytes == 0
+            && connection.blocked_count == 0
+            && connection.send_head == NONE
+            && connection.stream_owner == NONE
+            && connection.notices.is_empty()
+            && connection.run_pages == 0
+    }
+
+    /// Releases the slot of a connection ready to move, keeping its state for the driver.
+    fn release_moved(&mut self, index: u32, to: u16, now: Nanos) {
+        let key = self.requester(index).connection;
+        let connection = &mut self.connections[index as usize];
+        assert!(connection.is_open());
+        assert_eq!(connection.outstanding, 0);
+        assert!(!connection.recv_in_flight && !connection.send_in_flight);
+        let id = connection.id(index);
+        let unparsed = connection.recv_buffer[connection.recv_start..connection.recv_end].to_vec();
+        let moved = MovedConnection {
+            from_thread: self.thread_index as u16,
+            key,
+            listener: connection.listener,
+            source: connection.source,
+            frontend: std::mem::replace(&mut connection.frontend, Frontend::Native),
+            unparsed,
+            bound: connection.bound.take(),
+            owns_tenants: std::mem::take(&mut connection.owns_tenants),
+            charged: std::mem::take(&mut connection.charged),
+            device_queue: connection.device_queue,
+            accepted_at: connection.accepted_at,
+            established: connection.established,
+        };
+        let (listener, source) = (connection.listener, connection.source);
+        connection.state = ConnectionState::Free;
+        connection.moving = false;
+        connection.move_cancelled = false;
+        connection.parked = false;
+        connection.source = None;
+        connection.notices.clear();
+        connection.generation = next_generation(connection.generation);
+        let recv_buffer = std::mem::take(&mut connection.recv_buffer);
+        self.return_recv_buffer(recv_buffer);
+        assert!(self.open_connections > 0);
+        self.open_connections -= 1;
+        self.listeners[listener as usize].connections -= 1;
+        if let Some(source) = source
+            && let Some(count) = self.connections_by_source.get_mut(&source)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.connections_by_source.remove(&source);
+            }
+        }
+        self.stats.connections_moved_out += 1;
+        tracing::debug!(
+            thread = self.thread_index,
+            connection = index,
+            to,
+            unparsed_bytes = moved.unparsed.len(),
+            "connection handed off"
+        );
+        let _ = now;
+        self.handoff.released.push((id, moved));
+        self.ops.push_back(Op::Handoff { connection: id, to });
+    }
+
+    /// The state of the connection an [`Op::Handoff`] names (the driver sends it along with the
+    /// socket).
+    pub fn take_moved(&mut self, id: ConnectionId) -> MovedConnection {
+        let Some(position) = self.handoff.released.iter().position(|(of, _)| *of == id) else {
+            panic!("no handed-off connection {id:?}");
+        };
+        self.handoff.released.swap_remove(position).1
+    }
+
+    /// A handed-over connection this thread cannot take (shutting down, or no slot at all):
+    /// the tenants stop counting it and its registered tenants become orphans, as when a
+    /// connection closes; the driver closes the socket (nothing of it was outstanding).
+    fn refuse_moved(&mut self, moved: MovedConnection, now: Nanos) {
+        self.stats.connections_refused += 1;
+        tracing::warn!(
+            thread = self.thread_index,
+            from = moved.from_thread,
+            "no slot for a connection handed over: closing it"
+        );
+        let handles: Vec<u64> = moved.charged.iter().map(|c| c.tenant.handle).collect();
+        let (key, from, owns) = (
+            moved.key,
+            usize::from(moved.from_thread),
+            moved.owns_tenants,
+        );
+        self.with_control(now, |control, thread, own| {
+            control.connection_moved(thread, from, (key, key), handles.iter().copied(), own);
+            control.disconnect(thread, handles.iter().copied(), own);
+            if owns {
+                control.connection_closed(thread, key, now, own);
+            }
+        });
+    }
+
+    /// A connection another thread handed over: it takes a slot here and carries on, its
+    /// unparsed bytes first. Refused only when no slot is free at all (the driver then closes
+    /// the socket: the connection had nothing outstanding).
+    pub fn adopt(
+        &mut self,
+        moved: MovedConnection,
+        now: Nanos,
+    ) -> Result<ConnectionId, AcceptRefused> {
+        if usize::try_from(moved.listener).is_ok_and(|listener| listener >= self.listeners.len())
+            || moved.unparsed.len() >= self.limits.recv_buffer_bytes
+        {
+            // Not reachable: movable connections come from listeners every thread has, and
+            // never hold more unparsed bytes than a receive buffer.
+            return Err(AcceptRefused::TableFull);
+        }
+        if self.phase != super::Phase::Running || self.free_connections.is_empty() {
+            self.refuse_moved(moved, now);
+            return Err(AcceptRefused::TableFull);
+        }
+        let Some(index) = self.free_connections.pop() else {
+            unreachable!("checked above");
+        };
+        let mut recv_buffer = self.take_recv_buffer();
+        recv_buffer[..moved.unparsed.len()].copy_from_slice(&moved.unparsed);
+        self.open_connections += 1;
+        self.listeners[moved.listener as usize].connections += 1;
+        if let Some(source) = moved.source {
+            *self.connections_by_source.entry(source).or_insert(0) += 1;
+        }
+        let connection = &mut self.connections[index as usize];
+        assert_eq!(connection.state, ConnectionState::Free);
+        assert_eq!(connection.outstanding, 0);
+        assert!(connection.charged.is_empty());
+        let generation = connection.generation;
+        let mut notices = std::mem::take(&mut connection.notices);
+        notices.clear();
+        *connection = super::connection::Connection::empty();
+        connection.notices = notices;
+        connection.generation = generation;
+        connection.state = ConnectionState::Open;
+        connection.listener = moved.listener;
+        connection.source = moved.source;
+        connection.frontend = moved.frontend;
+        connection.recv_end = moved.unparsed.len();
+        connection.recv_buffer = recv_buffer;
+        connection.bound = moved.bound;
+        connection.owns_tenants = moved.owns_tenants;
+        connection.device_queue = moved.device_queue;
+        connection.accepted_at = moved.accepted_at;
+        connection.established = moved.established;
+        connection.receive_progress_at = now;
+        connection.send_progress_at = now;
+        let new_key = self.requester(index).connection;
+        let from = usize::from(moved.from_thread);
+        let handles: Vec<u64> = moved.charged.iter().map(|c| c.tenant.handle).collect();
+        let gone = self.with_control(now, |control, thread, own| {
+            control.connection_moved(thread, from, (moved.key, new_key), handles.into_iter(), own)
+        });
+        let mut charged = moved.charged;
+        charged.retain(|charge| !gone.contains(&charge.tenant.handle));
+        for charge in &charged {
+            self.ensure_account(charge.namespace_index, charge.tenant, now);
+            if self.namespaces.composite(charge.namespace_index).is_some() {
+                self.learn_member_tenants(charge.namespace_index, charge.tenant.handle, now);
+            }
+        }
+        let connection = &mut self.connections[index as usize];
+        if let Some(bound) = connection.bound.as_mut()
+            && gone.contains(&bound.tenant.handle)
+        {
+            // Unregistered on the way: refused until the next BIND, as where it was.
+            bound.revoked = true;
+        }
+        connection.charged = charged;
+        self.stats.connections_moved_in += 1;
+        tracing::debug!(
+            thread = self.thread_index,
+            connection = index,
+            from,
+            "connection adopted"
+        );
+        self.mark_parse(index);
+        // A connection this thread cannot keep (it is parked too) moves on.
+        self.mark_moving(index);
+        Ok(self.connections[index as usize].id(index))
+    }
+}

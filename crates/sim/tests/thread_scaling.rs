@@ -1,0 +1,317 @@
+//! Thread scaling in virtual time (`docs/OPERATIONS.md`, "Thread scaling"): the real
+//! dataplanes of two threads, a parked thread handing its connections to the other while its
+//! clients keep requests in flight and send requests in pieces; every answer checked for
+//! identity (each request answered once) and content (a block read back after its rewrite
+//! was answered has the new bytes). Seeded: the seed is printed on failure.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use common::{NAMESPACE, one_namespace_server_on};
+use reflex_client::{ConnectionCore, CoreOptions};
+use reflex_dataplane::Limits;
+use reflex_flash::Device;
+use reflex_qos::Nanos;
+use reflex_sim::{NetworkModel, SocketId, VirtualListener, VirtualServer};
+
+const BLOCK: usize = 4096;
+const BLOCKS_PER_CLIENT: u64 = 8;
+const DEPTH: usize = 6;
+
+fn block_bytes(block: u64, version: u32) -> Vec<u8> {
+    (0..BLOCK)
+        .map(|i| {
+            (block.wrapping_mul(31) as usize + version as usize * 7 + i) as u8 ^ (i >> 8) as u8
+        })
+        .collect()
+}
+
+enum Expect {
+    Write { slot: usize, version: u32 },
+    Read(Vec<u8>),
+}
+
+/// A native client whose sends may be cut in two (the rest sent at a later instant).
+struct Client {
+    socket: SocketId,
+    core: ConnectionCore,
+    outstanding: HashMap<u64, Expect>,
+    received: Vec<u8>,
+    /// Bytes the client still has to send of a request it cut.
+    held: Vec<u8>,
+    /// Per owned block: the version written and answered (what a read must see), and whether
+    /// a rewrite is in flight (no read of the block meanwhile).
+    versions: Vec<u32>,
+    rewriting: Vec<bool>,
+    first_block: u64,
+    next_id: u64,
+    answered: u64,
+}
+
+impl Client {
+    fn new(server: &mut VirtualServer, thread: u16, index: u64) -> Client {
+        let socket = server
+            .connect(thread, 0, None)
+            .unwrap_or_else(|e| panic!("connect: {e}"));
+        Client {
+            socket,
+            core: ConnectionCore::new(CoreOptions {
+                window_assumed: 128,
+            }),
+            outstanding: HashMap::new(),
+            received: Vec::new(),
+            held: Vec::new(),
+            versions: vec![0; BLOCKS_PER_CLIENT as usize],
+            rewriting: vec![false; BLOCKS_PER_CLIENT as usize],
+            first_block: index * BLOCKS_PER_CLIENT,
+            next_id: index << 40,
+            answered: 0,
+        }
+    }
+
+    fn take_answers(&mut self, server: &mut VirtualServer) {
+        let (outstanding, versions, rewriting, answered) = (
+            &mut self.outstanding,
+            &mut self.versions,
+            &mut self.rewriting,
+            &mut self.answered,
+        );
+        common::take_completions(
+            server,
+            self.socket,
+            &mut self.core,
+            &mut self.received,
+            |c| {
+                let id = c.request_id;
+                let Some(expected) = outstanding.remove(&id) else {
+                    panic!("answer for {id}, not outstanding (duplicate or unknown)");
+                };
+                assert!(c.is_ok(), "request {id} failed: {}", c.status_raw);
+                match expected {
+                    Expect::Read(bytes) => {
+                        assert!(c.data == &bytes[..], "request {id}: wrong bytes")
+                    }
+                    Expect::Write { slot, version } => {
+                        versions[slot] = version;
+                        rewriting[slot] = false;
+                    }
+                }
+                *answered += 1;
+            },
+        );
+    }
+
+    /// Tops the window up with rewrites and reads of settled blocks; sends, cutting the
+    /// bytes in two at `cut` (then the rest waits for the next call).
+    fn step(&mut self, server: &mut VirtualServer, next: &mut impl FnMut(u64) -> u64) {
+        if !self.held.is_empty() {
+            let rest = std::mem::take(&mut self.held);
+            server.client_send(self.socket, &rest);
+        }
+        while self.outstanding.len() < DEPTH {
+            let slot = next(BLOCKS_PER_CLIENT) as usize;
+            if self.rewriting[slot] {
+                break;
+            }
+            let block = self.first_block + slot as u64;
+            let id = self.next_id;
+            self.next_id += 1;
+            if next(3) == 0 {
+                let version = self.versions[slot] + 1;
+                self.rewriting[slot] = true;
+                self.core
+                    .submit_write(
+                        id,
+                        NAMESPACE,
+                        block * BLOCK as u64,
+                        &block_bytes(block, version),
+                        false,
+                    )
+                    .unwrap_or_else(|e| panic!("{e}"));
+                self.outstanding.insert(id, Expect::Write { slot, version });
+            } else {
+                let expected = block_bytes(block, self.versions[slot]);
+                self.core
+                    .submit_read(id, NAMESPACE, block * BLOCK as u64, BLOCK as u32)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                self.outstanding.insert(id, Expect::Read(expected));
+            }
+        }
+        while let Some(bytes) = self.core.transmit_start() {
+            let length = bytes.len();
+            let cut = if next(4) == 0 {
+                next(length as u64) as usize
+            } else {
+                length
+            };
+            server.client_send(self.socket, &bytes[..cut]);
+            self.held.extend_from_slice(&bytes[cut..]);
+            self.core.transmit_done(length);
+        }
+    }
+}
+
+fn run_until(server: &mut VirtualServer, until: Nanos) {
+    server.run_instant(server.now());
+    while let Some(next) = server.next_event() {
+        if next > until {
+            break;
+        }
+        server.run_instant(next);
+    }
+    if server.now() < until {
+        server.run_instant(until);
+    }
+}
+
+fn run(seed: u64) {
+    let memory: Arc<dyn Device> =
+        Arc::new(reflex_flash::mem::MemDevice::new(16 << 20).unwrap_or_else(|e| panic!("{e}")));
+    let plan =
+        reflex_flash::fault::FaultPlan::parse("delay=100us").unwrap_or_else(|e| panic!("{e}"));
+    let device: Arc<dyn Device> = Arc::new(
+        reflex_flash::fault::FaultDevice::new(memory, plan).unwrap_or_else(|e| panic!("{e}")),
+    );
+    let mut server = one_namespace_server_on(
+        2,
+        device,
+        Limits::with_arena(16 << 20, 16),
+        NetworkModel::default(),
+        vec![VirtualListener::Native],
+    );
+    let mut rng = seed | 1;
+    let mut next = move |bound: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound.max(1)
+    };
+    // Version 0 of every block first: each client writes its own.
+    let mut clients: Vec<Client> = (0..6)
+        .map(|index| Client::new(&mut server, (index % 2) as u16, index))
+        .collect();
+    let mut now = server.now();
+    for client in &mut clients {
+        for slot in 0..BLOCKS_PER_CLIENT {
+            let block = client.first_block + slot;
+            let id = client.next_id;
+            client.next_id += 1;
+            client
+                .core
+                .submit_write(
+                    id,
+                    NAMESPACE,
+                    block * BLOCK as u64,
+                    &block_bytes(block, 0),
+                    false,
+                )
+                .unwrap_or_else(|e| panic!("{e}"));
+            client.outstanding.insert(
+                id,
+                Expect::Write {
+                    slot: slot as usize,
+                    version: 0,
+                },
+            );
+        }
+        while let Some(bytes) = client.core.transmit_start() {
+            let length = bytes.len();
+            server.client_send(client.socket, bytes);
+            client.core.transmit_done(length);
+        }
+    }
+    // Thread 1 parks at 20 ms and wakes at 60 ms (its connections stay on thread 0); new
+    // connections open on thread 1 after the wake, and it parks again at 100 ms.
+    let mut parked_at = [false; 3];
+    while now < Nanos::from_millis(140) {
+        for client in &mut clients {
+            client.take_answers(&mut server);
+            client.step(&mut server, &mut next);
+        }
+        if now >= Nanos::from_millis(20) && !parked_at[0] {
+            parked_at[0] = true;
+            server.park_thread(1, 0);
+        }
+        if now >= Nanos::from_millis(60) && !parked_at[1] {
+            parked_at[1] = true;
+            // Every connection of thread 1 has moved by now.
+            for client in &clients {
+                assert_eq!(server.socket_thread(client.socket), 0, "seed {seed}");
+            }
+            server.wake_thread(1);
+            for index in 6..9 {
+                clients.push(Client::new(&mut server, 1, index));
+                let client = clients.last_mut().unwrap_or_else(|| unreachable!());
+                for slot in 0..BLOCKS_PER_CLIENT {
+                    let block = client.first_block + slot;
+                    let id = client.next_id;
+                    client.next_id += 1;
+                    client
+                        .core
+                        .submit_write(
+                            id,
+                            NAMESPACE,
+                            block * BLOCK as u64,
+                            &block_bytes(block, 0),
+                            false,
+                        )
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    client.outstanding.insert(
+                        id,
+                        Expect::Write {
+                            slot: slot as usize,
+                            version: 0,
+                        },
+                    );
+                }
+            }
+        }
+        if now >= Nanos::from_millis(100) && !parked_at[2] {
+            parked_at[2] = true;
+            server.park_thread(1, 0);
+        }
+        now += Nanos::from_micros(50);
+        run_until(&mut server, now);
+    }
+    // Drain: everything sent and answered.
+    for _ in 0..10_000 {
+        for client in &mut clients {
+            client.take_answers(&mut server);
+            if !client.held.is_empty() {
+                let rest = std::mem::take(&mut client.held);
+                server.client_send(client.socket, &rest);
+            }
+        }
+        if clients.iter().all(|c| c.outstanding.is_empty()) {
+            break;
+        }
+        now += Nanos::from_micros(50);
+        run_until(&mut server, now);
+    }
+    for client in &clients {
+        assert!(
+            client.outstanding.is_empty(),
+            "seed {seed}: requests unanswered"
+        );
+        assert_eq!(server.socket_thread(client.socket), 0, "seed {seed}");
+        assert!(!server.is_server_closed(client.socket), "seed {seed}");
+    }
+    let stats = server.stats();
+    let moved: Vec<(u64, u64)> = stats
+        .iter()
+        .map(|s| (s.connections_moved_out, s.connections_moved_in))
+        .collect();
+    // Three connections moved at the first park, three more at the second.
+    assert_eq!(moved, vec![(0, 6), (6, 0)], "seed {seed}");
+    let answered: u64 = clients.iter().map(|c| c.answered).sum();
+    assert!(answered > 1_000, "seed {seed}: {answered}");
+}
+
+#[test]
+fn connections_move_between_threads_and_every_answer_is_right_once() {
+    for seed in [1u64, 0x2545_f491_4f6c_dd1d, 0x9e37_79b9_7f4a_7c15, 42] {
+        run(seed);
+    }
+}
