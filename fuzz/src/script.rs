@@ -2837,6 +2837,7 @@ fn request_state(index: usize) -> RequestState {
         Blocked,
         Orphaned,
         Overlapping,
+        Forwarded,
     ];
     STATES[index]
 }
