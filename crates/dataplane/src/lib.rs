@@ -10,7 +10,8 @@
 //! take several device operations: large, unaligned, zeroing), `gate` (the ordering of
 //! read-modify-writes, shared by the threads), `control` (tenants, admission and the messages
 //! to the threads' schedulers), `buffers` (page allocation in the arena), `memory` (the arena
-//! itself: the only module with `unsafe`), `namespaces`, `composite` (a namespace striped or
+//! itself: with `unsafe`, as has the one call in `core/kv_owner.rs` that uses a run another
+//! thread lent), `namespaces`, `composite` (a namespace striped or
 //! concatenated over others: the address mapping; QoS stays per member device), `access`
 //! (listeners' allow-lists, tenants' grants, refusals).
 //!
