@@ -252,6 +252,16 @@ fn every_thread_accepts_and_a_key_crosses_threads_both_ways() {
         "thread 1's PUT, GET, DELETE and FLUSH were stepped on thread 0"
     );
     assert_eq!(server.dataplane(0).kv_guests_in_use(), 0);
+    // Each request's device operations went through its own connection's thread's
+    // scheduler, charged to the KV port's tenant there. Thread 1: PUT (bucket read, value
+    // write, bucket write), GET (bucket, value), DELETE (bucket read and write), FLUSH;
+    // thread 0: GET (bucket, value), PUT (3), GET of the deleted key (one bucket).
+    let charged: Vec<u64> = server
+        .stats()
+        .iter()
+        .map(|stats| stats.tenants.iter().map(|tenant| tenant.requests).sum())
+        .collect();
+    assert_eq!(charged, vec![6, 8], "device operations admitted per thread");
     shut_down(&mut server);
 }
 
