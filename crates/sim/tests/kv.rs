@@ -549,3 +549,152 @@ fn two_connections_racing_on_one_key_agree_on_one_value() {
         assert!(server.is_server_closed(socket));
     }
 }
+
+/// Two threads with inter-core migration of every flow's reads (no imbalance gate, 4 credits
+/// per pair, 1 ms monitor windows, 2 device places per thread, a 100 µs memory device): the
+/// KV table's bucket and value reads of a thread crowded with GETs go to the other thread's
+/// device queue, and every value read back is the one written.
+fn migration_server(device: Arc<dyn Device>) -> VirtualServer {
+    use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
+    use reflex_qos::{
+        FairMode, FairQueueConfig, FairnessConfig, MigrationConfig, MigrationFlows, QosConfig,
+    };
+    let plan = FaultPlan::parse("delay=100us").unwrap_or_else(|e| panic!("{e}"));
+    let device: Arc<dyn Device> =
+        Arc::new(FaultDevice::new(device, plan).unwrap_or_else(|e| panic!("{e}")));
+    let qos_config = QosConfig {
+        fairness: FairQueueConfig {
+            mode: FairMode::Fifo,
+            be_device_depth_max: 2,
+            monitor: FairnessConfig {
+                window_us: 1_000,
+                samples_min: 1,
+                ..FairnessConfig::default()
+            },
+            migration: MigrationConfig {
+                enabled: true,
+                flows: MigrationFlows::All,
+                requires_imbalance: false,
+                in_transit_per_pair_max: 4,
+                ..MigrationConfig::default()
+            },
+            ..FairQueueConfig::default()
+        },
+        ..QosConfig::default()
+    };
+    VirtualServer::new(reflex_sim::VirtualServerSetup {
+        threads: 2,
+        namespaces: vec![(common::NAMESPACE, device, false)],
+        control: ControlSetup {
+            threads: 2,
+            handles: HandleKeys::Seeded(1),
+            tenant_limits: TenantLimits::default(),
+            qos_config: qos_config.clone(),
+            qos_enabled: false,
+            namespaces: vec![NamespaceControl {
+                namespace_id: common::NAMESPACE,
+                profile: None,
+                tenants: Vec::new(),
+            }],
+        },
+        qos_config,
+        limits: Limits::with_arena(32 << 20, 25),
+        network: NetworkModel::default(),
+        listeners: vec![VirtualListener::Kv {
+            namespace_index: 0,
+            tenant: None,
+        }],
+        nbd_exports: Vec::new(),
+        nbd_default_export: None,
+        composites: Vec::new(),
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn kv_reads_migrate_between_threads_and_every_answer_is_right_once() {
+    let seed = 0x6d69_6772;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut server = migration_server(memory_device());
+    // Three connections crowd thread 0 with GETs; one on thread 1 reads little and rewrites
+    // its own key, reading it back after each answered PUT.
+    let mut clients: Vec<Client> = [0u16, 0, 0, 1]
+        .iter()
+        .map(|&thread| Client::connect_to(&mut server, thread))
+        .collect();
+    let keys: Vec<Vec<u8>> = (0..48)
+        .map(|k| format!("shared-{k}").into_bytes())
+        .collect();
+    let values: Vec<Vec<u8>> = (0..keys.len())
+        .map(|k| value_of(k as u64, 100 + (k * 997) % 20_000))
+        .collect();
+    for (chunk_keys, chunk_values) in keys.chunks(8).zip(values.chunks(8)) {
+        let ids: Vec<(usize, u64)> = chunk_keys
+            .iter()
+            .zip(chunk_values)
+            .map(|(key, value)| (0, clients[0].send(&mut server, Request::Put { key, value })))
+            .collect();
+        let mut refs: Vec<&mut Client> = clients.iter_mut().collect();
+        await_answers(&mut server, &mut refs, &ids);
+    }
+    let own_key = b"light-own".to_vec();
+    let mut own_value = Vec::new();
+    let mut answered = 0u64;
+    for round in 0..40u64 {
+        let mut expected: Vec<(usize, u64, Vec<u8>)> = Vec::new();
+        for (index, client) in clients.iter_mut().enumerate().take(3) {
+            for _ in 0..12 {
+                let k = (rng.next_u64() % keys.len() as u64) as usize;
+                let id = client.send(&mut server, Request::Get { key: &keys[k] });
+                expected.push((index, id, values[k].clone()));
+            }
+        }
+        own_value = value_of(1_000 + round, 50 + (round as usize * 331) % 9_000);
+        let put = clients[3].send(
+            &mut server,
+            Request::Put {
+                key: &own_key,
+                value: &own_value,
+            },
+        );
+        {
+            let mut refs: Vec<&mut Client> = clients.iter_mut().collect();
+            await_answers(&mut server, &mut refs, &[(3, put)]);
+        }
+        assert_eq!(clients[3].answers[&put].1, Status::Ok, "round {round}: PUT");
+        let get = clients[3].send(&mut server, Request::Get { key: &own_key });
+        expected.push((3, get, own_value.clone()));
+        let ids: Vec<(usize, u64)> = expected.iter().map(|e| (e.0, e.1)).collect();
+        let mut refs: Vec<&mut Client> = clients.iter_mut().collect();
+        await_answers(&mut server, &mut refs, &ids);
+        for (client, id, value) in expected {
+            let Some((_, status, seen)) = clients[client].answers.remove(&id) else {
+                panic!("seed {seed:#x} round {round} request {id}: no answer");
+            };
+            assert_eq!(
+                status,
+                Status::Ok,
+                "seed {seed:#x} round {round} request {id}"
+            );
+            assert!(
+                seen == value,
+                "seed {seed:#x} round {round} request {id}: value"
+            );
+            answered += 1;
+        }
+    }
+    assert!(!own_value.is_empty());
+    assert_eq!(answered, 40 * 37);
+    let stats = server.stats();
+    let report: Vec<_> = stats
+        .iter()
+        .map(|s| (s.migrated_sent, s.migrated_served, s.migrated_refused))
+        .collect();
+    let sent: u64 = stats.iter().map(|s| s.migrated_sent).sum();
+    let served: u64 = stats.iter().map(|s| s.migrated_served).sum();
+    eprintln!("per thread (sent, served, refused): {report:?}");
+    assert!(sent > 100, "per thread (sent, served, refused): {report:?}");
+    assert_eq!(sent, served, "{report:?}");
+    assert!(stats.iter().all(|s| s.migrated_refused == 0), "{report:?}");
+    shut_down(&mut server);
+}

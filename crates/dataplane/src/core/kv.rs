@@ -73,11 +73,12 @@ pub(super) enum KvSlot {
         op: KvOp,
         pending: Option<BlockIo>,
     },
-    /// Stepped on the owner: its slot there (known once the owner first answered) and the
-    /// device operation it asked for.
+    /// Stepped on the owner: its slot there (known once the owner first answered), the
+    /// device operation it asked for, and whether the owner has the step (and the run) now.
     Remote {
         guest: Option<u32>,
         pending: Option<BlockIo>,
+        at_owner: bool,
     },
 }
 
@@ -266,6 +267,7 @@ impl Dataplane {
         kv.ops[index as usize] = KvSlot::Remote {
             guest: None,
             pending: None,
+            at_owner: true,
         };
         self.transition(index, RequestState::Forwarded);
         self.stats.kv_forwarded += 1;
@@ -389,11 +391,21 @@ impl Dataplane {
         let connection_index = self.requests[index as usize].connection_index;
         let open = self.connections[connection_index as usize].is_open();
         let kv = self.kv_engine();
-        let KvSlot::Remote { guest: known, .. } = &mut kv.ops[index as usize] else {
+        let KvSlot::Remote {
+            guest: known,
+            at_owner,
+            ..
+        } = &mut kv.ops[index as usize]
+        else {
             panic!("a KV step answer for slot {index}, which is not forwarded");
         };
+        assert!(
+            *at_owner,
+            "a KV step answer for a request the owner does not have"
+        );
         assert!(known.is_none_or(|known| known == guest), "guest slot moved");
         *known = Some(guest);
+        *at_owner = false;
         match next {
             KvNext::Io(io) if open => {
                 if let KvSlot::Remote { pending, .. } = &mut kv.ops[index as usize] {
@@ -451,7 +463,15 @@ impl Dataplane {
         let namespace_index = self.requests[index as usize].io().namespace_index;
         let (io, guest) = match &mut self.kv_engine().ops[index as usize] {
             KvSlot::Local { pending, .. } => (pending.take(), None),
-            KvSlot::Remote { pending, guest } => (pending.take(), *guest),
+            KvSlot::Remote {
+                pending,
+                guest,
+                at_owner,
+            } => {
+                assert!(!*at_owner, "a device completion for a step the owner has");
+                *at_owner = guest.is_some();
+                (pending.take(), *guest)
+            }
             KvSlot::Idle => panic!("a KV completion for slot {index} without an operation"),
         };
         let Some(io) = io else {
@@ -524,11 +544,12 @@ impl Dataplane {
                 }
                 kv.released = true;
             }
-            KvSlot::Remote { guest, .. } => {
-                assert_ne!(
-                    state,
-                    RequestState::Forwarded,
-                    "forgetting a KV request its owner is stepping"
+            KvSlot::Remote {
+                guest, at_owner, ..
+            } => {
+                assert!(
+                    !at_owner,
+                    "forgetting a KV request its owner is stepping ({state:?})"
                 );
                 let Some(guest) = guest else {
                     panic!("a forwarded KV request the owner never answered");

@@ -21,9 +21,12 @@
 //!    would, and the answer leaves through the home's socket.
 //!
 //! # Rules
-//! - Only READ requests migrate (each of a large read's device reads may): a read changes
-//!   nothing on the device, so a connection's writes keep their order and the write gate's
-//!   read-modify-writes never span threads. A read migrates only once the home's scheduler
+//! - Only device reads migrate: a READ request's (each of a large read's may) and a
+//!   key-value operation's bucket and value reads (`core/kv.rs`). A read changes nothing on
+//!   the device, so a connection's writes keep their order and the write gate's
+//!   read-modify-writes never span threads; a key-value read is admitted only once its
+//!   operation holds its probe window at the table's bucket gate, so no write of those
+//!   buckets runs meanwhile, wherever the read is served. A read migrates only once the home's scheduler
 //!   admitted it, where it would otherwise go to the home's device, so whatever ordering the
 //!   home enforced before admission (the write gate) holds.
 //! - The buffer belongs to the home's arena throughout: the home does not touch a
@@ -208,12 +211,14 @@ impl Dataplane {
         }
     }
 
-    /// Whether the admitted request `token` may be served by another thread: a READ (see the
-    /// module's rules), and not a key-value operation.
+    /// Whether the admitted request `token` may be served by another thread: a READ, or a
+    /// key-value operation's device read (a bucket or a value), see the module's rules.
     pub(super) fn migratable_in(requests: &[super::request::Request], token: u64) -> bool {
         let request = &requests[(token as u32) as usize];
-        matches!(request.work, Work::Io { io, .. } if io.kind == IoKind::Read)
-            && matches!(request.operation, Operation::Read { .. })
+        matches!(
+            request.work,
+            Work::Io { io, .. } if matches!(io.kind, IoKind::Read | IoKind::Kv { .. })
+        ) && matches!(request.operation, Operation::Read { .. })
     }
 
     /// The density the stage's monitor gave `flow` in its last window.
