@@ -306,6 +306,54 @@ fn connections_on_both_threads_match_a_model_across_a_restart_epoll() {
     connections_on_both_threads(DriverChoice::Epoll);
 }
 
+/// Inter-core migration on (every flow, no imbalance gate, 2 device places per thread, a
+/// 300 µs memory device): sixteen connections over both threads run concurrent rounds, every
+/// key is read through every connection; the KV tables' bucket and value reads that moved to
+/// the other thread's device queue were all served and none refused, and every answer
+/// matched the model.
+#[test]
+fn kv_reads_migrate_between_threads_and_every_answer_matches_the_model() {
+    use reflex_qos::{FairMode, FairQueueConfig, FairnessConfig, MigrationConfig, MigrationFlows};
+    let seed = SEED ^ 0x6d69_6772;
+    let mut server_config = kv_config("fault(delay=300us):mem:64M", None);
+    server_config.qos_config.fairness = FairQueueConfig {
+        mode: FairMode::Fifo,
+        be_device_depth_max: 2,
+        monitor: FairnessConfig {
+            window_us: 5_000,
+            samples_min: 1,
+            ..FairnessConfig::default()
+        },
+        migration: MigrationConfig {
+            enabled: true,
+            flows: MigrationFlows::All,
+            requires_imbalance: false,
+            in_transit_per_pair_max: 4,
+            ..MigrationConfig::default()
+        },
+        ..FairQueueConfig::default()
+    };
+    let server = start(server_config);
+    let addr = kv_addr(&server);
+    let mut clients: Vec<KvClient> = (0..CONNECTIONS).map(|_| connect(addr)).collect();
+    let mut models: Vec<HashMap<Vec<u8>, Vec<u8>>> = vec![HashMap::new(); CONNECTIONS];
+    concurrent_rounds(seed, &mut clients, &mut models, 10);
+    check_everywhere(seed, &mut clients, &models);
+    drop(clients);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let report: Vec<_> = stats
+        .iter()
+        .map(|s| (s.migrated_sent, s.migrated_served, s.migrated_refused))
+        .collect();
+    eprintln!("per thread (sent, served, refused): {report:?}");
+    let sent: u64 = stats.iter().map(|s| s.migrated_sent).sum();
+    let served: u64 = stats.iter().map(|s| s.migrated_served).sum();
+    assert!(sent > 0, "no KV read migrated: {report:?}");
+    assert_eq!(sent, served, "{report:?}");
+    assert!(stats.iter().all(|s| s.migrated_refused == 0), "{report:?}");
+    check_forwarding(&stats);
+}
+
 /// Sends `header` and `payload_bytes` bytes of payload; returns the answer's status.
 fn raw_status(client: &mut KvClient, header: RequestHeader, payload_bytes: usize) -> Status {
     ok(client.send_raw(&header.to_bytes()), "send header");
