@@ -32,6 +32,7 @@ REFLEXD, REFLEX (target/release/...)
 """
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -126,7 +127,7 @@ profile = "{PROFILE}"
                 time.sleep(0.05)
         raise SystemExit("reflexd did not start listening within 10 s")
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         self.process.terminate()
         try:
             self.process.wait(timeout=10)
@@ -134,6 +135,8 @@ profile = "{PROFILE}"
             self.process.kill()
             self.process.wait()
         self.log.close()
+        if exc_type is None:
+            shutil.rmtree(self.dir)  # Kept after a failure, for its log.
 
 
 def bench_command(server, workload, threads, ops):
