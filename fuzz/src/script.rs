@@ -2837,6 +2837,7 @@ fn request_state(index: usize) -> RequestState {
         Blocked,
         Orphaned,
         Overlapping,
+        Forwarded,
     ];
     STATES[index]
 }
@@ -3316,6 +3317,31 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
                     kv(0, 2, 5, 0x45, 0, 0),
                     kv(1, 1, 6, 0x45, 0, 0),
                     kv(1, 3, 7, 0, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            "kv-threads",
+            // A KV connection on each thread (thread 1's table steps forwarded to thread 0,
+            // which owns the table): private keys written on each and read back, a shared
+            // key written through one thread and read, rewritten and deleted through the
+            // other, a FLUSH from thread 1.
+            script(
+                [0; 4],
+                vec![
+                    connect(1, 6, 0),
+                    connect(0, 6, 1),
+                    kv(0, 0, 1, 0x20, 2, 7),
+                    kv(1, 0, 2, 0x20, 5, 3),
+                    kv(0, 0, 3, 0x45, 6, 1),
+                    advance(8),
+                    kv(0, 1, 4, 0x20, 0, 0),
+                    kv(1, 1, 5, 0x20, 0, 0),
+                    kv(1, 1, 6, 0x45, 0, 0),
+                    kv(1, 0, 7, 0x45, 4, 2),
+                    kv(0, 2, 8, 0x45, 0, 0),
+                    kv(0, 3, 9, 0, 0, 0),
                     advance(9),
                 ],
             ),

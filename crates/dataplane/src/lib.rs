@@ -10,7 +10,8 @@
 //! take several device operations: large, unaligned, zeroing), `gate` (the ordering of
 //! read-modify-writes, shared by the threads), `control` (tenants, admission and the messages
 //! to the threads' schedulers), `buffers` (page allocation in the arena), `memory` (the arena
-//! itself: the only module with `unsafe`), `namespaces`, `composite` (a namespace striped or
+//! itself: with `unsafe`, as has the one call in `core/kv_owner.rs` that uses a run another
+//! thread lent), `namespaces`, `composite` (a namespace striped or
 //! concatenated over others: the address mapping; QoS stays per member device), `access`
 //! (listeners' allow-lists, tenants' grants, refusals).
 //!
@@ -39,9 +40,10 @@ pub mod telemetry;
 pub use crate::core::{
     AcceptRefused, BATCH_MAX, CONNECTION_SLACK, ConnectionId, CoreStats,
     DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Dataplane, DataplaneSetup,
-    DeviceCommand, DeviceOpId, DeviceOpKind, GENERATION_MASK, HOUSEKEEPING_INTERVAL, KvSetup,
-    Limits, MIGRATED_TOKEN, MigratedRead, MigrationMessage, MovedConnection, NOTICES_PENDING_MAX,
-    Op, PskError, PskKeys, RECV_BUFFERS_SPARE_MAX, REQUEST_STATE_COUNT, RequestState,
-    SEND_SEGMENTS_MAX, SetupError, TelemetryWindow, TenantStats, TlsCurrent, TlsKeys, TlsSetup,
-    policy_for,
+    DeviceCommand, DeviceOpId, DeviceOpKind, GENERATION_MASK, HOUSEKEEPING_INTERVAL, KvMessage,
+    KvNext, KvRequestRef, KvSetup, Limits, MIGRATED_TOKEN, MigratedRead, MigrationMessage,
+    MovedConnection, NOTICES_PENDING_MAX, Op, PskError, PskKeys, RECV_BUFFERS_SPARE_MAX,
+    REQUEST_STATE_COUNT, RequestState, SEND_SEGMENTS_MAX, SetupError, TelemetryWindow, TenantStats,
+    TlsCurrent, TlsKeys, TlsSetup, exchange_queue_capacity, policy_for,
 };
+pub use crate::memory::LentRun;

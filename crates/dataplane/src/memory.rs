@@ -82,6 +82,47 @@ impl Arena {
     }
 }
 
+/// A run lent to another dataplane thread: a key-value request's run, which the thread that
+/// owns the table reads and writes while it runs one of the request's table steps
+/// (`core/kv_owner.rs`). Only [`Arena::lend`] makes one, so it always names a whole run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LentRun {
+    address: usize,
+    size_bytes: usize,
+}
+
+impl Arena {
+    /// The address of a run owned by the caller's request, for another thread to use while
+    /// the request is `Forwarded` (the lender neither reads, writes nor frees it meanwhile).
+    pub fn lend(&mut self, run: PageRun) -> LentRun {
+        let bytes = self.run_mut(run, run.size_bytes());
+        LentRun {
+            address: bytes.as_mut_ptr() as usize,
+            size_bytes: bytes.len(),
+        }
+    }
+}
+
+impl LentRun {
+    pub fn size_bytes(self) -> usize {
+        self.size_bytes
+    }
+
+    /// The lent run's bytes.
+    ///
+    /// # Safety
+    /// The lender's request must be `Forwarded` to the caller's thread for as long as the
+    /// slice lives (the lender does not touch the run and does not free it until the caller
+    /// answers), and the lender's arena must outlive it (threads are joined before any
+    /// dataplane is dropped, and a dataplane with a forwarded request is not finished).
+    pub unsafe fn bytes_mut<'a>(self) -> &'a mut [u8] {
+        assert_ne!(self.address, 0, "a lent run without an address");
+        // SAFETY: the address and length are a whole run of a live arena (`Arena::lend`),
+        // and the caller has exclusive use of it (this function's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.address as *mut u8, self.size_bytes) }
+    }
+}
+
 impl Drop for Arena {
     fn drop(&mut self) {
         if self.leak_on_drop {

@@ -634,8 +634,9 @@ impl Default for NbdConfig {
     }
 }
 
-/// The key-value port (`docs/KV.md`): the table on one namespace, served by dataplane
-/// thread 0 (every KV connection lands there; the table is not shared between threads).
+/// The key-value port (`docs/KV.md`): the table on one namespace, accepted on every dataplane
+/// thread; thread 0 owns the table and steps every operation's machine, the other threads
+/// forward their requests' steps to it.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KvConfig {
@@ -1107,7 +1108,7 @@ impl Config {
     pub fn ring_cq_entries(&self) -> u32 {
         let slots = u64::from(self.connections_per_thread_max)
             + u64::from(reflex_dataplane::CONNECTION_SLACK);
-        // Native, NBD, NVMe/TCP, the original ports, and the KV port (thread 0's).
+        // Native, NBD, NVMe/TCP, the original ports, and the KV port.
         let listeners =
             3 + self.effective_original_ports().len() as u64 + u64::from(self.kv.enabled);
         let needed = 4 * slots

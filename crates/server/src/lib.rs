@@ -163,13 +163,14 @@ impl Server {
             None
         };
 
-        // The key-value port is bound on thread 0 only: its table is not shared between
-        // threads (`reflex_dataplane` `core/kv.rs`).
+        // The key-value port is bound on every thread like the others; thread 0 owns the
+        // table and the other threads forward their requests' table steps to it
+        // (`reflex_dataplane` `core/kv.rs`).
         let kv_addr = if config.kv.enabled {
             Some(bind_all(
                 SocketAddr::new(config.listen, config.kv.port),
                 ListenerRole::Kv,
-                &mut per_thread[..1],
+                &mut per_thread,
             )?)
         } else {
             None
@@ -177,7 +178,10 @@ impl Server {
 
         let namespaces = open_namespaces(&config)?;
         let mut kv_table = match kv_addr {
-            Some(_) => Some(open_kv_table(&config, &namespaces)?),
+            Some(_) => {
+                let (namespace_index, table) = open_kv_table(&config, &namespaces)?;
+                Some((namespace_index, Some(table)))
+            }
             None => None,
         };
         let clock_origin = Instant::now();
@@ -345,9 +349,16 @@ impl Server {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<bool, String>)>();
         // Inter-core migration: a bounded queue per ordered pair of threads, of the capacity
         // the dataplane's credits need (`Dataplane::migration_queue_capacity`).
+        // Key-value requests' table steps use the same queues.
         let migration = &config.qos_config.fairness.migration;
-        let mut migration_links = if migration.enabled && config.threads > 1 {
-            let capacity = 2 * migration.in_transit_per_pair_max as usize * namespaces.len().max(1);
+        let kv_forwards = kv_table.is_some();
+        let mut migration_links = if (migration.enabled || kv_forwards) && config.threads > 1 {
+            let capacity = reflex_dataplane::exchange_queue_capacity(
+                migration.in_transit_per_pair_max,
+                namespaces.len(),
+                limits.requests_max,
+                kv_forwards,
+            );
             migration::MigrationLinks::mesh(capacity, &wakers)
                 .into_iter()
                 .map(Some)
@@ -359,10 +370,7 @@ impl Server {
         // connections (`scaling`).
         if config.threads > 1 {
             let mut steering = Vec::new();
-            for (listener, role) in &per_thread[0] {
-                if *role == ListenerRole::Kv {
-                    continue;
-                }
+            for (listener, _) in &per_thread[0] {
                 steering.push(listener.try_clone().map_err(|e| ServerError::Thread {
                     thread: 0,
                     message: format!("listener for thread scaling: {e}"),
@@ -389,17 +397,18 @@ impl Server {
                     .collect(),
             });
             let dataplane_setup = DataplaneSetup {
-                // Thread 0 owns the table (the only thread with the KV listener).
-                kv: if thread_index == 0 {
-                    kv_table
-                        .take()
-                        .map(|(namespace_index, table)| reflex_dataplane::KvSetup {
-                            namespace_index,
-                            table,
-                        })
-                } else {
-                    None
-                },
+                // Thread 0 owns the table; every thread serves the KV listener.
+                kv: kv_table
+                    .as_mut()
+                    .map(|(namespace_index, table)| reflex_dataplane::KvSetup {
+                        namespace_index: *namespace_index,
+                        table: if thread_index == 0 {
+                            table.take()
+                        } else {
+                            None
+                        },
+                        owner_thread: 0,
+                    }),
                 tls,
                 thread_index,
                 listener_access: roles.iter().copied().map(access_of).collect(),

@@ -2,7 +2,10 @@
 //! PUT/GET/DELETE sequences against a `HashMap` model, pipelined, across a restart after
 //! FLUSH; malformed frames answered with their statuses and their payloads skipped; a wrong
 //! magic closing only its connection; oversize values and unknown keys; two connections
-//! racing on the same keys. Failure messages name the seed.
+//! racing on the same keys; sixteen connections spread over both dataplane threads (thread 1
+//! forwarding its requests' table steps to thread 0, which owns the table) running
+//! concurrently against a model, every key read through every connection, across a restart,
+//! on io_uring and on epoll. Failure messages name the seed.
 
 mod common;
 
@@ -14,6 +17,7 @@ use rand::{RngExt, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use reflex_client::kv::{KvClient, KvClientError};
 use reflex_proto::kv::{Opcode, Request, RequestHeader, Status, VALUE_SIZE_MAX_BYTES};
+use reflex_server::DriverChoice;
 use reflex_server::config::{Config, KvConfig, NvmeTcpConfig};
 
 const SEED: u64 = 0x6b76_0000_5eed_0d00;
@@ -76,11 +80,23 @@ fn random_rounds(
     rounds: usize,
     keys: u64,
 ) {
+    random_rounds_on(seed, client, model, rounds, "key", keys);
+}
+
+/// [`random_rounds`] on the keys `{prefix}-0 .. {prefix}-{keys - 1}`.
+fn random_rounds_on(
+    seed: u64,
+    client: &mut KvClient,
+    model: &mut HashMap<Vec<u8>, Vec<u8>>,
+    rounds: usize,
+    prefix: &str,
+    keys: u64,
+) {
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     for round in 0..rounds {
         let mut expected: HashMap<u64, (Status, Option<Vec<u8>>, String)> = HashMap::new();
         for _ in 0..rng.random_range(1..=16) {
-            let key = format!("key-{}", rng.random_range(0..keys)).into_bytes();
+            let key = format!("{prefix}-{}", rng.random_range(0..keys)).into_bytes();
             let label = format!(
                 "seed {seed:#x} round {round}: {}",
                 String::from_utf8_lossy(&key)
@@ -166,6 +182,176 @@ fn random_operations_match_a_model_across_a_restart() {
     random_rounds(SEED + 1, &mut client, &mut model, 30, 48);
     check_model(SEED + 1, &mut client, &model, 48);
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Connections of the multi-thread test: with the kernel spreading them over the two
+/// threads' `SO_REUSEPORT` sockets, all sixteen on one thread has odds of 2^-15.
+const CONNECTIONS: usize = 16;
+/// Keys each connection owns in the multi-thread test.
+const KEYS_PER_CONNECTION: u64 = 6;
+
+/// Every connection runs seeded pipelined rounds on its own keys at the same time (one OS
+/// thread each), so requests of connections on both dataplane threads are in progress
+/// together; returns the merged model.
+fn concurrent_rounds(
+    seed: u64,
+    clients: &mut [KvClient],
+    models: &mut [HashMap<Vec<u8>, Vec<u8>>],
+    rounds: usize,
+) {
+    std::thread::scope(|scope| {
+        for (index, (client, model)) in clients.iter_mut().zip(models.iter_mut()).enumerate() {
+            scope.spawn(move || {
+                let prefix = format!("c{index}");
+                random_rounds_on(
+                    seed + index as u64,
+                    client,
+                    model,
+                    rounds,
+                    &prefix,
+                    KEYS_PER_CONNECTION,
+                );
+            });
+        }
+    });
+}
+
+/// Every key of every connection read through every connection: keys written through one
+/// dataplane thread are read through the other.
+fn check_everywhere(seed: u64, clients: &mut [KvClient], models: &[HashMap<Vec<u8>, Vec<u8>>]) {
+    for (reader_index, reader) in clients.iter_mut().enumerate() {
+        for (writer, model) in models.iter().enumerate() {
+            for key_index in 0..KEYS_PER_CONNECTION {
+                let key = format!("c{writer}-{key_index}").into_bytes();
+                let found = ok(reader.get(&key), "get");
+                assert!(
+                    found.as_ref() == model.get(&key),
+                    "seed {seed:#x}: c{writer}-{key_index} read through connection \
+                     {reader_index}: {:?} bytes, model {:?} bytes",
+                    found.as_ref().map(Vec::len),
+                    model.get(&key).map(Vec::len)
+                );
+            }
+        }
+    }
+}
+
+/// Both threads had connections, thread 1 forwarded its requests' table steps and thread 0
+/// stepped exactly those.
+fn check_forwarding(stats: &[reflex_server::CoreStats]) {
+    let report: Vec<_> = stats
+        .iter()
+        .map(|s| (s.connections_accepted, s.kv_forwarded, s.kv_guests))
+        .collect();
+    eprintln!("per thread (connections, forwarded, guests): {report:?}");
+    assert_eq!(stats.len(), 2);
+    assert!(stats[0].connections_accepted > 0, "{report:?}");
+    assert!(stats[1].connections_accepted > 0, "{report:?}");
+    assert_eq!(
+        stats[0].kv_forwarded, 0,
+        "thread 0 owns the table: {report:?}"
+    );
+    assert!(stats[1].kv_forwarded > 0, "{report:?}");
+    assert_eq!(stats[0].kv_guests, stats[1].kv_forwarded, "{report:?}");
+    assert_eq!(stats[1].kv_guests, 0, "{report:?}");
+}
+
+/// The multi-thread model test on one driver: sixteen connections spread over both threads
+/// run seeded rounds concurrently, every key is read through every connection, FLUSH,
+/// shutdown; a new server on the same file finds every key through every connection, more
+/// rounds, every key again.
+fn connections_on_both_threads(driver: DriverChoice) {
+    let seed = SEED ^ 0x7468_7265_6164;
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let backend = format!("file:{}", dir.path().join("kv").display());
+    let server_config = |size_bytes| Config {
+        driver,
+        ..kv_config(&backend, size_bytes)
+    };
+    let mut models: Vec<HashMap<Vec<u8>, Vec<u8>>> = vec![HashMap::new(); CONNECTIONS];
+    {
+        let server = start(server_config(Some(64 << 20)));
+        let addr = kv_addr(&server);
+        let mut clients: Vec<KvClient> = (0..CONNECTIONS).map(|_| connect(addr)).collect();
+        concurrent_rounds(seed, &mut clients, &mut models, 12);
+        check_everywhere(seed, &mut clients, &models);
+        // A FLUSH through each connection, all at once.
+        for client in &mut clients {
+            ok(client.send(&Request::Flush), "flush");
+        }
+        for client in &mut clients {
+            let response = ok(client.receive(), "flush");
+            assert_eq!(response.status(), Some(Status::Ok), "FLUSH");
+        }
+        drop(clients);
+        check_forwarding(&server.shutdown().unwrap_or_else(|e| panic!("{e}")));
+    }
+    let server = start(server_config(None));
+    let addr = kv_addr(&server);
+    let mut clients: Vec<KvClient> = (0..CONNECTIONS).map(|_| connect(addr)).collect();
+    check_everywhere(seed, &mut clients, &models);
+    concurrent_rounds(seed + 100, &mut clients, &mut models, 8);
+    check_everywhere(seed + 100, &mut clients, &models);
+    drop(clients);
+    check_forwarding(&server.shutdown().unwrap_or_else(|e| panic!("{e}")));
+}
+
+#[test]
+fn connections_on_both_threads_match_a_model_across_a_restart_io_uring() {
+    connections_on_both_threads(DriverChoice::Uring);
+}
+
+#[test]
+fn connections_on_both_threads_match_a_model_across_a_restart_epoll() {
+    connections_on_both_threads(DriverChoice::Epoll);
+}
+
+/// Inter-core migration on (every flow, no imbalance gate, 2 device places per thread, a
+/// 300 µs memory device): sixteen connections over both threads run concurrent rounds, every
+/// key is read through every connection; the KV tables' bucket and value reads that moved to
+/// the other thread's device queue were all served and none refused, and every answer
+/// matched the model.
+#[test]
+fn kv_reads_migrate_between_threads_and_every_answer_matches_the_model() {
+    use reflex_qos::{FairMode, FairQueueConfig, FairnessConfig, MigrationConfig, MigrationFlows};
+    let seed = SEED ^ 0x6d69_6772;
+    let mut server_config = kv_config("fault(delay=300us):mem:64M", None);
+    server_config.qos_config.fairness = FairQueueConfig {
+        mode: FairMode::Fifo,
+        be_device_depth_max: 2,
+        monitor: FairnessConfig {
+            window_us: 5_000,
+            samples_min: 1,
+            ..FairnessConfig::default()
+        },
+        migration: MigrationConfig {
+            enabled: true,
+            flows: MigrationFlows::All,
+            requires_imbalance: false,
+            in_transit_per_pair_max: 4,
+            ..MigrationConfig::default()
+        },
+        ..FairQueueConfig::default()
+    };
+    let server = start(server_config);
+    let addr = kv_addr(&server);
+    let mut clients: Vec<KvClient> = (0..CONNECTIONS).map(|_| connect(addr)).collect();
+    let mut models: Vec<HashMap<Vec<u8>, Vec<u8>>> = vec![HashMap::new(); CONNECTIONS];
+    concurrent_rounds(seed, &mut clients, &mut models, 10);
+    check_everywhere(seed, &mut clients, &models);
+    drop(clients);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let report: Vec<_> = stats
+        .iter()
+        .map(|s| (s.migrated_sent, s.migrated_served, s.migrated_refused))
+        .collect();
+    eprintln!("per thread (sent, served, refused): {report:?}");
+    let sent: u64 = stats.iter().map(|s| s.migrated_sent).sum();
+    let served: u64 = stats.iter().map(|s| s.migrated_served).sum();
+    assert!(sent > 0, "no KV read migrated: {report:?}");
+    assert_eq!(sent, served, "{report:?}");
+    assert!(stats.iter().all(|s| s.migrated_refused == 0), "{report:?}");
+    check_forwarding(&stats);
 }
 
 /// Sends `header` and `payload_bytes` bytes of payload; returns the answer's status.

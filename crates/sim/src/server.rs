@@ -72,9 +72,8 @@ pub enum VirtualListener {
     Nbd,
     /// The key-value protocol (`docs/KV.md`) on a table formatted on one namespace when the
     /// server starts, charged to a configured tenant (`None`: the namespace's default tenant).
-    /// As in reflexd, only thread 0 serves it (the table is not shared between threads): the
-    /// other threads have the listener in their tables, so that indices line up, but never
-    /// accept on it ([`VirtualServer::is_accepting`] is false there).
+    /// As in reflexd, every thread accepts on it; thread 0 owns the table and the other
+    /// threads forward their requests' table steps to it over the queues between threads.
     Kv {
         namespace_index: u16,
         tenant: Option<String>,
@@ -163,8 +162,8 @@ struct Thread {
     /// Per namespace slot: this thread's queue of its device (`None`: removed).
     queues: Vec<Option<Box<dyn DeviceQueue>>>,
     accept_armed: Vec<bool>,
-    /// Per listener: whether this thread accepts on it (reflexd binds the KV port on thread 0
-    /// only; an accept the dataplane arms elsewhere waits until its listener closes).
+    /// Per listener: whether this thread accepts on it (every listener today; an accept the
+    /// dataplane arms on a listener a thread does not serve waits until the listener closes).
     serves: Vec<bool>,
     /// Sockets of this thread by connection (slot index and generation): the dataplane may
     /// hand a slot to a new connection before the driver has taken the old one's `Close`.
@@ -261,8 +260,18 @@ impl VirtualServer {
         let mut threads = Vec::new();
         for thread_index in 0..usize::from(setup.threads) {
             let dataplane = Dataplane::new(DataplaneSetup {
-                // Thread 0 owns the table, as in reflexd.
-                kv: if thread_index == 0 { kv.take() } else { None },
+                // Thread 0 owns the table, as in reflexd; every thread serves the listener.
+                kv: kv
+                    .as_mut()
+                    .map(|(namespace_index, table)| reflex_dataplane::KvSetup {
+                        namespace_index: *namespace_index,
+                        table: if thread_index == 0 {
+                            table.take()
+                        } else {
+                            None
+                        },
+                        owner_thread: 0,
+                    }),
                 tls: tls.clone(),
                 thread_index,
                 listeners: listeners.clone(),
@@ -282,13 +291,7 @@ impl VirtualServer {
                     .map(|index| namespaces.device(index as u16).map(|device| device.queue()))
                     .collect(),
                 accept_armed: vec![false; setup.listeners.len()],
-                serves: setup
-                    .listeners
-                    .iter()
-                    .map(|listener| {
-                        thread_index == 0 || !matches!(listener, VirtualListener::Kv { .. })
-                    })
-                    .collect(),
+                serves: vec![true; setup.listeners.len()],
                 sockets_by_connection: HashMap::new(),
             });
         }
@@ -1081,7 +1084,7 @@ fn tls_setup(listeners: &[VirtualListener]) -> Option<reflex_dataplane::TlsSetup
 fn kv_setup(
     listeners: &[VirtualListener],
     namespaces: &NamespaceSet,
-) -> Result<Option<reflex_dataplane::KvSetup>, VirtualServerError> {
+) -> Result<Option<(u16, Option<reflex_kv::KvTable>)>, VirtualServerError> {
     let mut kv_listeners = listeners.iter().filter_map(|listener| match listener {
         VirtualListener::Kv {
             namespace_index, ..
@@ -1115,10 +1118,7 @@ fn kv_setup(
     };
     let store = reflex_kv::KvStore::format(blocks, geometry).map_err(|e| invalid(e.to_string()))?;
     let (_, table) = store.into_parts();
-    Ok(Some(reflex_dataplane::KvSetup {
-        namespace_index,
-        table,
-    }))
+    Ok(Some((namespace_index, Some(table))))
 }
 
 fn listener_protocol(

@@ -814,6 +814,12 @@ fn kv_clients_get_every_answer_and_read_back_their_writes() {
     let outcome = script::run(&seed("kv"), false);
     assert_eq!(outcome.responses, 13, "{outcome:?}");
     assert_eq!(outcome.framing_errors, 0, "{outcome:?}");
+    // A connection on each thread: thread 1's requests are stepped on thread 0's table and
+    // answered once, and each client reads its private keys back.
+    let outcome = script::run_mode(&seed("kv-threads"), Mode::WellFormed, false);
+    assert_eq!(outcome.requests_sent, 9, "{outcome:?}");
+    assert_eq!(outcome.responses, 9, "{outcome:?}");
+    assert!(outcome.kv_gets_checked >= 2, "{outcome:?}");
     // Broken headers are answered (their payloads skipped) until the bad magic closes the
     // connection (the other one's raw bytes break its framing too).
     let outcome = script::run(&seed("kv-broken"), false);

@@ -1,7 +1,9 @@
 //! The key-value front end (`docs/KV.md`) through the real dataplane in virtual time: KV
-//! clients on the simulator's network, the table formatted on a memory device whose every
-//! completion is delayed by the fault-injecting wrapper (so each step completes
-//! asynchronously), answers checked against a `HashMap` model.
+//! clients on the simulator's network, connected to both dataplane threads (thread 0 owns the
+//! table, thread 1 forwards its requests' table steps there), the table formatted on a memory
+//! device whose every completion is delayed by the fault-injecting wrapper (so each step
+//! completes asynchronously), answers checked against a `HashMap` model, and the table on the
+//! device reopened after the shutdown and compared with the model.
 
 mod common;
 
@@ -9,16 +11,27 @@ use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::Arc;
 
+use rand_xoshiro::Xoshiro256PlusPlus;
+use rand_xoshiro::rand_core::{Rng, SeedableRng};
 use reflex_dataplane::Limits;
+use reflex_flash::Device;
 use reflex_flash::fault::{Delay, DelayPick, FaultDevice, FaultPlan};
 use reflex_proto::kv::{self, Request, Status};
 use reflex_qos::Nanos;
-use reflex_sim::{NetworkModel, SocketId, VirtualListener, VirtualServer, VirtualServerError};
+use reflex_sim::{NetworkModel, SocketId, VirtualListener, VirtualServer};
 
 /// Two threads, one namespace (4 MiB of memory, every operation delayed 30 µs), the KV
 /// listener (index 0).
 fn server() -> VirtualServer {
-    let mem = reflex_flash::mem::MemDevice::new(4 << 20).unwrap_or_else(|e| panic!("{e}"));
+    server_on(memory_device())
+}
+
+fn memory_device() -> Arc<dyn Device> {
+    Arc::new(reflex_flash::mem::MemDevice::new(4 << 20).unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// [`server`] on `mem`, which the test keeps to reopen the table after the shutdown.
+fn server_on(mem: Arc<dyn Device>) -> VirtualServer {
     let plan = FaultPlan {
         delay: Some(Delay {
             added: Nanos(30_000),
@@ -26,7 +39,7 @@ fn server() -> VirtualServer {
         }),
         ..FaultPlan::default()
     };
-    let device = FaultDevice::new(Arc::new(mem), plan).unwrap_or_else(|e| panic!("{e}"));
+    let device = FaultDevice::new(mem, plan).unwrap_or_else(|e| panic!("{e}"));
     common::one_namespace_server_on(
         2,
         Arc::new(device),
@@ -51,10 +64,17 @@ struct Client {
 }
 
 impl Client {
+    /// A client of thread 0, which owns the table.
     fn connect(server: &mut VirtualServer) -> Client {
+        Client::connect_to(server, 0)
+    }
+
+    /// A client of dataplane thread `thread`.
+    fn connect_to(server: &mut VirtualServer, thread: u16) -> Client {
         let socket = server
-            .connect(0, 0, None)
+            .connect(thread, 0, None)
             .unwrap_or_else(|e| panic!("connect: {e}"));
+        assert_eq!(server.socket_thread(socket), thread);
         Client {
             socket,
             next_id: 0,
@@ -149,16 +169,193 @@ fn value_of(seed: u64, length: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Every key of `model` (and no other of `keys`) in the table on `device`, opened as a
+/// restarted server would open it.
+fn check_reopened(device: Arc<dyn Device>, model: &HashMap<Vec<u8>, Vec<u8>>, keys: &[Vec<u8>]) {
+    let blocks = reflex_kv::DeviceBlocks::new(device).unwrap_or_else(|e| panic!("{e}"));
+    let mut store = reflex_kv::KvStore::open(blocks).unwrap_or_else(|e| panic!("reopen: {e}"));
+    assert_eq!(store.len(), model.len() as u64, "keys after reopening");
+    for key in keys {
+        let found = store
+            .get(key)
+            .unwrap_or_else(|e| panic!("GET after reopening: {e}"));
+        assert_eq!(
+            found.as_ref(),
+            model.get(key),
+            "key {key:?} after reopening"
+        );
+    }
+}
+
+/// Each thread's statistics: `(kv_forwarded, kv_guests)`.
+fn forwarding(server: &VirtualServer) -> Vec<(u64, u64)> {
+    server
+        .stats()
+        .iter()
+        .map(|stats| (stats.kv_forwarded, stats.kv_guests))
+        .collect()
+}
+
 #[test]
-fn the_kv_listener_is_served_by_thread_0_only() {
+fn every_thread_accepts_and_a_key_crosses_threads_both_ways() {
     let mut server = server();
     assert!(server.is_accepting(0, 0));
-    assert!(!server.is_accepting(1, 0));
-    assert!(matches!(
-        server.connect(1, 0, None),
-        Err(VirtualServerError::NotAccepting { .. })
-    ));
+    assert!(server.is_accepting(1, 0));
+    assert_eq!(
+        server.dataplane(0).kv_len(),
+        Some(0),
+        "thread 0 owns the table"
+    );
+    assert_eq!(server.dataplane(1).kv_len(), None);
+    let mut owner = Client::connect_to(&mut server, 0);
+    let mut other = Client::connect_to(&mut server, 1);
+    // Written through thread 1 (forwarded to the owner), read through thread 0.
+    let value = value_of(7, 20_000);
+    let (status, _) = call(
+        &mut server,
+        &mut other,
+        Request::Put {
+            key: b"crossing",
+            value: &value,
+        },
+    );
+    assert_eq!(status, Status::Ok);
+    let (status, seen) = call(&mut server, &mut owner, Request::Get { key: b"crossing" });
+    assert_eq!(status, Status::Ok);
+    assert!(seen == value, "thread 0 reads what thread 1 wrote");
+    // And back: written through thread 0, read and deleted through thread 1.
+    let newer = value_of(8, 3);
+    let (status, _) = call(
+        &mut server,
+        &mut owner,
+        Request::Put {
+            key: b"crossing",
+            value: &newer,
+        },
+    );
+    assert_eq!(status, Status::Ok);
+    let (status, seen) = call(&mut server, &mut other, Request::Get { key: b"crossing" });
+    assert_eq!((status, seen), (Status::Ok, newer));
+    let (status, _) = call(
+        &mut server,
+        &mut other,
+        Request::Delete { key: b"crossing" },
+    );
+    assert_eq!(status, Status::Ok);
+    let (status, _) = call(&mut server, &mut owner, Request::Get { key: b"crossing" });
+    assert_eq!(status, Status::NotFound);
+    let (status, _) = call(&mut server, &mut other, Request::Flush);
+    assert_eq!(status, Status::Ok);
+    assert_eq!(
+        forwarding(&server),
+        vec![(0, 4), (4, 0)],
+        "thread 1's PUT, GET, DELETE and FLUSH were stepped on thread 0"
+    );
+    assert_eq!(server.dataplane(0).kv_guests_in_use(), 0);
+    // Each request's device operations went through its own connection's thread's
+    // scheduler, charged to the KV port's tenant there. Thread 1: PUT (bucket read, value
+    // write, bucket write), GET (bucket, value), DELETE (bucket read and write), FLUSH;
+    // thread 0: GET (bucket, value), PUT (3), GET of the deleted key (one bucket).
+    let charged: Vec<u64> = server
+        .stats()
+        .iter()
+        .map(|stats| stats.tenants.iter().map(|tenant| tenant.requests).sum())
+        .collect();
+    assert_eq!(charged, vec![6, 8], "device operations admitted per thread");
     shut_down(&mut server);
+}
+
+/// Seeded rounds of pipelined PUT, GET and DELETE from four connections, two on each
+/// thread, against a model. In a round each key is used by one connection only, so the
+/// model applied in each connection's order predicts every answer; a FLUSH ends some rounds.
+/// After the shutdown the table is reopened from the device and must equal the model.
+#[test]
+fn random_operations_on_both_threads_match_a_model_and_the_reopened_table() {
+    let seed = 0x5eed_0014;
+    eprintln!("seed {seed:#x}");
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let device = memory_device();
+    let mut server = server_on(Arc::clone(&device));
+    let mut clients: Vec<Client> = (0..4u16)
+        .map(|index| Client::connect_to(&mut server, index % 2))
+        .collect();
+    let keys: Vec<Vec<u8>> = (0..24)
+        .map(|k| format!("model-key-{k}").into_bytes())
+        .collect();
+    let mut model: HashMap<Vec<u8>, Vec<u8>> = HashMap::new();
+    for round in 0..30u64 {
+        // Each key belongs to one client this round.
+        let owners: Vec<usize> = (0..keys.len())
+            .map(|_| (rng.next_u64() % 4) as usize)
+            .collect();
+        let mut expected: Vec<(usize, u64, Status, Option<Vec<u8>>)> = Vec::new();
+        for step in 0..16u64 {
+            let key_index = (rng.next_u64() % keys.len() as u64) as usize;
+            let key = &keys[key_index];
+            let client = owners[key_index];
+            let (request_id, status, value) = match rng.next_u64() % 3 {
+                0 => {
+                    let length = match rng.next_u64() % 4 {
+                        0 => 0,
+                        1 => (rng.next_u64() % 200) as usize,
+                        2 => (rng.next_u64() % 20_000) as usize,
+                        _ => kv::VALUE_SIZE_MAX_BYTES - (rng.next_u64() % 3) as usize,
+                    };
+                    let value = value_of(round * 1000 + step, length);
+                    let id = clients[client].send(&mut server, Request::Put { key, value: &value });
+                    model.insert(key.clone(), value);
+                    (id, Status::Ok, None)
+                }
+                1 => {
+                    let id = clients[client].send(&mut server, Request::Get { key });
+                    match model.get(key) {
+                        Some(value) => (id, Status::Ok, Some(value.clone())),
+                        None => (id, Status::NotFound, Some(Vec::new())),
+                    }
+                }
+                _ => {
+                    let id = clients[client].send(&mut server, Request::Delete { key });
+                    let status = if model.remove(key).is_some() {
+                        Status::Ok
+                    } else {
+                        Status::NotFound
+                    };
+                    (id, status, None)
+                }
+            };
+            expected.push((client, request_id, status, value));
+        }
+        if round % 5 == 4 {
+            let client = (rng.next_u64() % 4) as usize;
+            let id = clients[client].send(&mut server, Request::Flush);
+            expected.push((client, id, Status::Ok, None));
+        }
+        let ids: Vec<(usize, u64)> = expected.iter().map(|e| (e.0, e.1)).collect();
+        let mut refs: Vec<&mut Client> = clients.iter_mut().collect();
+        await_answers(&mut server, &mut refs, &ids);
+        for (client, id, status, value) in expected {
+            let (_, seen_status, seen_value) = clients[client].answers[&id].clone();
+            assert_eq!(
+                seen_status, status,
+                "seed {seed:#x} round {round} request {id}"
+            );
+            if let Some(value) = value {
+                assert!(
+                    seen_value == value,
+                    "seed {seed:#x} round {round} request {id}: value"
+                );
+            }
+        }
+    }
+    assert_eq!(server.dataplane(0).kv_len(), Some(model.len() as u64));
+    let flows = forwarding(&server);
+    assert!(flows[1].0 > 50, "thread 1 forwarded: {flows:?}");
+    assert_eq!(
+        flows[1].0, flows[0].1,
+        "every forwarded request reached the owner"
+    );
+    shut_down(&mut server);
+    check_reopened(device, &model, &keys);
 }
 
 #[test]
@@ -283,7 +480,7 @@ fn pipelined_requests_on_one_key_take_effect_in_order() {
 fn two_connections_racing_on_one_key_agree_on_one_value() {
     let mut server = server();
     let mut a = Client::connect(&mut server);
-    let mut b = Client::connect(&mut server);
+    let mut b = Client::connect_to(&mut server, 1);
     let key = b"contended";
     for round in 0..8u64 {
         let value_a = value_of(2 * round, 1000 + round as usize * 3000);
@@ -351,4 +548,153 @@ fn two_connections_racing_on_one_key_agree_on_one_value() {
     for socket in [a.socket, b.socket] {
         assert!(server.is_server_closed(socket));
     }
+}
+
+/// Two threads with inter-core migration of every flow's reads (no imbalance gate, 4 credits
+/// per pair, 1 ms monitor windows, 2 device places per thread, a 100 µs memory device): the
+/// KV table's bucket and value reads of a thread crowded with GETs go to the other thread's
+/// device queue, and every value read back is the one written.
+fn migration_server(device: Arc<dyn Device>) -> VirtualServer {
+    use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
+    use reflex_qos::{
+        FairMode, FairQueueConfig, FairnessConfig, MigrationConfig, MigrationFlows, QosConfig,
+    };
+    let plan = FaultPlan::parse("delay=100us").unwrap_or_else(|e| panic!("{e}"));
+    let device: Arc<dyn Device> =
+        Arc::new(FaultDevice::new(device, plan).unwrap_or_else(|e| panic!("{e}")));
+    let qos_config = QosConfig {
+        fairness: FairQueueConfig {
+            mode: FairMode::Fifo,
+            be_device_depth_max: 2,
+            monitor: FairnessConfig {
+                window_us: 1_000,
+                samples_min: 1,
+                ..FairnessConfig::default()
+            },
+            migration: MigrationConfig {
+                enabled: true,
+                flows: MigrationFlows::All,
+                requires_imbalance: false,
+                in_transit_per_pair_max: 4,
+                ..MigrationConfig::default()
+            },
+            ..FairQueueConfig::default()
+        },
+        ..QosConfig::default()
+    };
+    VirtualServer::new(reflex_sim::VirtualServerSetup {
+        threads: 2,
+        namespaces: vec![(common::NAMESPACE, device, false)],
+        control: ControlSetup {
+            threads: 2,
+            handles: HandleKeys::Seeded(1),
+            tenant_limits: TenantLimits::default(),
+            qos_config: qos_config.clone(),
+            qos_enabled: false,
+            namespaces: vec![NamespaceControl {
+                namespace_id: common::NAMESPACE,
+                profile: None,
+                tenants: Vec::new(),
+            }],
+        },
+        qos_config,
+        limits: Limits::with_arena(32 << 20, 25),
+        network: NetworkModel::default(),
+        listeners: vec![VirtualListener::Kv {
+            namespace_index: 0,
+            tenant: None,
+        }],
+        nbd_exports: Vec::new(),
+        nbd_default_export: None,
+        composites: Vec::new(),
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn kv_reads_migrate_between_threads_and_every_answer_is_right_once() {
+    let seed = 0x6d69_6772;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut server = migration_server(memory_device());
+    // Three connections crowd thread 0 with GETs; one on thread 1 reads little and rewrites
+    // its own key, reading it back after each answered PUT.
+    let mut clients: Vec<Client> = [0u16, 0, 0, 1]
+        .iter()
+        .map(|&thread| Client::connect_to(&mut server, thread))
+        .collect();
+    let keys: Vec<Vec<u8>> = (0..48)
+        .map(|k| format!("shared-{k}").into_bytes())
+        .collect();
+    let values: Vec<Vec<u8>> = (0..keys.len())
+        .map(|k| value_of(k as u64, 100 + (k * 997) % 20_000))
+        .collect();
+    for (chunk_keys, chunk_values) in keys.chunks(8).zip(values.chunks(8)) {
+        let ids: Vec<(usize, u64)> = chunk_keys
+            .iter()
+            .zip(chunk_values)
+            .map(|(key, value)| (0, clients[0].send(&mut server, Request::Put { key, value })))
+            .collect();
+        let mut refs: Vec<&mut Client> = clients.iter_mut().collect();
+        await_answers(&mut server, &mut refs, &ids);
+    }
+    let own_key = b"light-own".to_vec();
+    let mut own_value = Vec::new();
+    let mut answered = 0u64;
+    for round in 0..40u64 {
+        let mut expected: Vec<(usize, u64, Vec<u8>)> = Vec::new();
+        for (index, client) in clients.iter_mut().enumerate().take(3) {
+            for _ in 0..12 {
+                let k = (rng.next_u64() % keys.len() as u64) as usize;
+                let id = client.send(&mut server, Request::Get { key: &keys[k] });
+                expected.push((index, id, values[k].clone()));
+            }
+        }
+        own_value = value_of(1_000 + round, 50 + (round as usize * 331) % 9_000);
+        let put = clients[3].send(
+            &mut server,
+            Request::Put {
+                key: &own_key,
+                value: &own_value,
+            },
+        );
+        {
+            let mut refs: Vec<&mut Client> = clients.iter_mut().collect();
+            await_answers(&mut server, &mut refs, &[(3, put)]);
+        }
+        assert_eq!(clients[3].answers[&put].1, Status::Ok, "round {round}: PUT");
+        let get = clients[3].send(&mut server, Request::Get { key: &own_key });
+        expected.push((3, get, own_value.clone()));
+        let ids: Vec<(usize, u64)> = expected.iter().map(|e| (e.0, e.1)).collect();
+        let mut refs: Vec<&mut Client> = clients.iter_mut().collect();
+        await_answers(&mut server, &mut refs, &ids);
+        for (client, id, value) in expected {
+            let Some((_, status, seen)) = clients[client].answers.remove(&id) else {
+                panic!("seed {seed:#x} round {round} request {id}: no answer");
+            };
+            assert_eq!(
+                status,
+                Status::Ok,
+                "seed {seed:#x} round {round} request {id}"
+            );
+            assert!(
+                seen == value,
+                "seed {seed:#x} round {round} request {id}: value"
+            );
+            answered += 1;
+        }
+    }
+    assert!(!own_value.is_empty());
+    assert_eq!(answered, 40 * 37);
+    let stats = server.stats();
+    let report: Vec<_> = stats
+        .iter()
+        .map(|s| (s.migrated_sent, s.migrated_served, s.migrated_refused))
+        .collect();
+    let sent: u64 = stats.iter().map(|s| s.migrated_sent).sum();
+    let served: u64 = stats.iter().map(|s| s.migrated_served).sum();
+    eprintln!("per thread (sent, served, refused): {report:?}");
+    assert!(sent > 100, "per thread (sent, served, refused): {report:?}");
+    assert_eq!(sent, served, "{report:?}");
+    assert!(stats.iter().all(|s| s.migrated_refused == 0), "{report:?}");
+    shut_down(&mut server);
 }

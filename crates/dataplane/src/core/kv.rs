@@ -1,13 +1,18 @@
 //! Key-value requests (`docs/KV.md`): each is a `reflex_kv::KvOp` step machine whose device
 //! operations go through the namespace's QoS scheduler like any request's, charged to the
-//! KV port's tenant.
+//! KV port's tenant, on the thread whose connection sent it.
 //!
-//! Why the table lives on one thread: an open table's state (allocator, key count, bucket
-//! gate) is shared by every operation, and each step mutates it. reflexd binds the KV port on
-//! dataplane thread 0 only, so every KV connection lands there and the table needs no lock;
-//! the other threads serve the block protocols on the same namespace. A thread without the
-//! table answers KV requests `IO_ERROR` (not reached in reflexd). Spreading KV connections
-//! over threads would need the table behind a lock (its gate already orders operations).
+//! Threads: reflexd accepts KV connections on every dataplane thread, but an open table's
+//! state (allocator, key count, bucket gate) is mutated by every step of every operation, so
+//! exactly one thread, the table's *owner*, holds it and runs every step of every machine
+//! (`poll` and `complete`, a few microseconds of CPU). A request of the owner's own
+//! connections is stepped here, as on one thread; a request of another thread's connection
+//! (its *home*) is `Forwarded`: its table step goes to the owner through the bounded queues
+//! between threads with the address of its run, the owner steps it on that run and sends back
+//! the device operation it needs next or its answer (`core/kv_owner.rs`). The device
+//! operation itself, its QoS charge and the answer stay on the home thread, so the device
+//! load and the tenant's tokens are spread like the connections. No lock: the table is only
+//! ever touched by its owner, and a run only by the thread its request is at.
 //!
 //! A request's run holds everything it needs, so nothing is allocated per request:
 //!
@@ -18,11 +23,12 @@
 //!                      from the device and sent from here (64 KiB for a GET)
 //! ```
 //!
-//! Lifecycle: decoded → payload received into the run (`Receiving`) → the machine polled: a
-//! device step (`Queued`, `Submitted`, and back), a wait at the bucket gate (`Overlapping`,
-//! polled again when another KV operation finishes), or the answer (`Completed`). A request
-//! freed early (its connection closed) abandons its machine, which leaves the gate and frees
-//! a value extent no index names.
+//! Lifecycle: decoded → payload received into the run (`Receiving`) → the machine polled
+//! (here, or `Forwarded` to the owner): a device step (`Queued`, `Submitted`, and back), a
+//! wait at the bucket gate (`Overlapping` here; at the owner a forwarded request just stays
+//! `Forwarded`), or the answer (`Completed`). A request freed early (its connection closed)
+//! abandons its machine, which leaves the gate and frees a value extent no index names; a
+//! forwarded request is never freed before the owner has answered its step.
 
 use std::collections::VecDeque;
 
@@ -33,10 +39,11 @@ use reflex_proto::kv::{Opcode, Status, VALUE_SIZE_MAX_BYTES};
 use reflex_qos::Nanos;
 
 use super::Dataplane;
+use super::kv_owner::{Guests, KvMessage, KvNext, KvRequestRef};
+use super::migration::MigrationMessage;
 use super::request::{RequestState, Work};
 use crate::buffers::PageRun;
 use crate::frontend::{Answer, IoKind, IoRequest};
-use crate::memory::Arena;
 use crate::steps::{IoStep, Operation};
 
 /// Where a KV request's key ends and its value begins in its run.
@@ -48,41 +55,78 @@ const _: () = assert!(KV_VALUE_START + VALUE_SIZE_MAX_BYTES <= crate::buffers::R
 /// The table a dataplane serves KV requests from.
 pub struct KvSetup {
     pub namespace_index: u16,
-    pub table: KvTable,
+    /// The table's state, on its owner thread only; the other threads forward their
+    /// requests' table steps to `owner_thread` (see the module doc).
+    pub table: Option<KvTable>,
+    pub owner_thread: u16,
 }
 
-/// The open table and the operations in progress on it.
+/// A request slot's machine.
+// One per request slot, allocated when the thread starts: boxing the machine would allocate
+// per request instead.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub(super) enum KvSlot {
+    Idle,
+    /// Stepped on this thread (the owner's own request), at this device operation.
+    Local {
+        op: KvOp,
+        pending: Option<BlockIo>,
+    },
+    /// Stepped on the owner: its slot there (known once the owner first answered), the
+    /// device operation it asked for, and whether the owner has the step (and the run) now.
+    Remote {
+        guest: Option<u32>,
+        pending: Option<BlockIo>,
+        at_owner: bool,
+    },
+}
+
+/// Who waits at the owner's bucket gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Waiter {
+    /// One of this thread's requests.
+    Local(u32),
+    /// A guest slot (another thread's request).
+    Guest(u32),
+}
+
+/// The open table (on the owner) and the operations in progress on it.
 pub(super) struct KvEngine {
-    namespace_index: u16,
-    table: KvTable,
+    pub(super) namespace_index: u16,
+    pub(super) owner_thread: u16,
+    pub(super) table: Option<KvTable>,
     /// Per request slot: its machine and the device operation it is at.
-    ops: Vec<Option<(KvOp, Option<BlockIo>)>>,
-    /// Requests waiting at the bucket gate, oldest first.
-    waiting: VecDeque<u32>,
+    pub(super) ops: Vec<KvSlot>,
+    /// Operations waiting at the bucket gate, oldest first (owner only).
+    pub(super) waiting: VecDeque<Waiter>,
     /// An operation finished since the waiting ones were last polled.
-    released: bool,
+    pub(super) released: bool,
+    /// Other threads' operations in progress on this thread's table (owner only).
+    pub(super) guests: Guests,
 }
 
 impl KvEngine {
     pub(super) fn new(setup: KvSetup, requests_max: u32) -> KvEngine {
         KvEngine {
             namespace_index: setup.namespace_index,
+            owner_thread: setup.owner_thread,
             table: setup.table,
-            ops: (0..requests_max).map(|_| None).collect(),
+            ops: (0..requests_max).map(|_| KvSlot::Idle).collect(),
             waiting: VecDeque::with_capacity(requests_max as usize),
             released: false,
+            guests: Guests::default(),
         }
     }
 
-    /// Keys in the table (tests and metrics).
-    pub(super) fn len(&self) -> u64 {
-        self.table.len()
+    /// Keys in the table (tests and metrics; `None` on a thread that does not own it).
+    pub(super) fn len(&self) -> Option<u64> {
+        self.table.as_ref().map(KvTable::len)
     }
 }
 
-/// The op's view of the request's run.
-fn buffers(arena: &mut Arena, run: PageRun) -> Buffers<'_> {
-    let bytes = arena.run_mut(run, run.size_bytes());
+/// The op's view of a request's run: the bucket block, and the value area after the key.
+pub(super) fn split_run(bytes: &mut [u8]) -> Buffers<'_> {
     let (head, value) = bytes.split_at_mut(KV_VALUE_START);
     let bucket: &mut Block = match (&mut head[..BLOCK_SIZE_BYTES]).try_into() {
         Ok(block) => block,
@@ -138,7 +182,7 @@ impl Dataplane {
             .as_ref()
             .is_some_and(|kv| kv.namespace_index == io.namespace_index);
         if !served {
-            // Not reached in reflexd (the KV port is only on the table's thread).
+            // Not reached in reflexd (every thread with the KV listener has the table's setup).
             self.connections[connection_index as usize].skip_bytes += u64::from(io.length_bytes);
             self.respond(index, Answer::Kv(Status::IoError), None, 0);
             return true;
@@ -177,7 +221,8 @@ impl Dataplane {
         )
     }
 
-    /// The payload is in the run: the machine is made and polled for its first step.
+    /// The payload is in the run: the machine is made and polled for its first step, here
+    /// or on the table's owner.
     pub(super) fn kv_begin(&mut self, index: u32, now: Nanos) {
         let Work::Io {
             io, run: Some(run), ..
@@ -206,16 +251,44 @@ impl Dataplane {
                 return;
             }
         };
-        let Some(kv) = self.kv.as_mut() else {
-            panic!("a KV request began on a thread without the table");
+        let kv = self.kv_engine();
+        assert!(
+            matches!(kv.ops[index as usize], KvSlot::Idle),
+            "a KV slot in use"
+        );
+        if kv.table.is_some() {
+            kv.ops[index as usize] = KvSlot::Local { op, pending: None };
+            self.kv_advance(index, now);
+            return;
+        }
+        // The machine is made again on the owner, from the run (the key is there).
+        drop(op);
+        let owner = kv.owner_thread;
+        kv.ops[index as usize] = KvSlot::Remote {
+            guest: None,
+            pending: None,
+            at_owner: true,
         };
-        assert!(kv.ops[index as usize].is_none(), "a KV slot in use");
-        kv.ops[index as usize] = Some((op, None));
-        self.kv_advance(index, now);
+        self.transition(index, RequestState::Forwarded);
+        self.stats.kv_forwarded += 1;
+        let request = KvRequestRef {
+            index,
+            generation: self.requests[index as usize].generation,
+        };
+        let lent = self.arena.lend(run);
+        self.migration.outbox.push_back((
+            owner,
+            MigrationMessage::Kv(KvMessage::Begin {
+                request,
+                kind,
+                key_bytes,
+                run: lent,
+            }),
+        ));
     }
 
-    /// Polls the request's machine: its next device step enters the scheduler, a wait at the
-    /// gate parks it, an answer goes out.
+    /// Polls a local request's machine: its next device step enters the scheduler, a wait at
+    /// the gate parks it, an answer goes out.
     fn kv_advance(&mut self, index: u32, now: Nanos) {
         let Some(run) = self.requests[index as usize].work.run() else {
             panic!("a KV request without its run");
@@ -224,18 +297,21 @@ impl Dataplane {
             let Some(kv) = self.kv.as_mut() else {
                 panic!("a KV request on a thread without the table");
             };
-            let Some((op, pending)) = kv.ops[index as usize].as_mut() else {
-                panic!("advancing KV slot {index} without an operation");
+            let Some(table) = kv.table.as_mut() else {
+                panic!("stepping a KV request on a thread without the table");
+            };
+            let KvSlot::Local { op, pending } = &mut kv.ops[index as usize] else {
+                panic!("advancing KV slot {index} without a local operation");
             };
             assert!(
                 pending.is_none(),
                 "polled with a device operation in flight"
             );
-            op.poll(&mut kv.table, buffers(&mut self.arena, run))
+            op.poll(table, split_run(self.arena.run_mut(run, run.size_bytes())))
         };
         match poll {
             Poll::Io(io) => {
-                if let Some((_, pending)) = self.kv_engine().ops[index as usize].as_mut() {
+                if let KvSlot::Local { pending, .. } = &mut self.kv_engine().ops[index as usize] {
                     *pending = Some(io);
                 }
                 self.requests[index as usize].operation = operation(io);
@@ -246,18 +322,18 @@ impl Dataplane {
                     self.transition(index, RequestState::Overlapping);
                     self.stats.gate_waits += 1;
                 }
-                self.kv_engine().waiting.push_back(index);
+                self.kv_engine().waiting.push_back(Waiter::Local(index));
             }
             Poll::Done(result) => {
                 let kv = self.kv_engine();
-                kv.ops[index as usize] = None;
+                kv.ops[index as usize] = KvSlot::Idle;
                 kv.released = true;
                 self.kv_answer(index, run, result);
             }
         }
     }
 
-    fn kv_engine(&mut self) -> &mut KvEngine {
+    pub(super) fn kv_engine(&mut self) -> &mut KvEngine {
         match self.kv.as_mut() {
             Some(kv) => kv,
             None => panic!("a KV request on a thread without the table"),
@@ -296,29 +372,107 @@ impl Dataplane {
         }
     }
 
+    /// Home: the owner stepped forwarded request `request` (its guest slot `guest`): the
+    /// device operation it needs next enters this thread's scheduler, or the answer goes out.
+    pub(super) fn kv_next(&mut self, request: KvRequestRef, guest: u32, next: KvNext, now: Nanos) {
+        let index = request.index;
+        assert_eq!(
+            self.requests[index as usize].generation, request.generation,
+            "a KV step answer for a reused request"
+        );
+        assert_eq!(
+            self.requests[index as usize].state,
+            RequestState::Forwarded,
+            "a KV step answer for a request that is not forwarded"
+        );
+        let Some(run) = self.requests[index as usize].work.run() else {
+            panic!("a forwarded KV request without its run");
+        };
+        let connection_index = self.requests[index as usize].connection_index;
+        let open = self.connections[connection_index as usize].is_open();
+        let kv = self.kv_engine();
+        let KvSlot::Remote {
+            guest: known,
+            at_owner,
+            ..
+        } = &mut kv.ops[index as usize]
+        else {
+            panic!("a KV step answer for slot {index}, which is not forwarded");
+        };
+        assert!(
+            *at_owner,
+            "a KV step answer for a request the owner does not have"
+        );
+        assert!(known.is_none_or(|known| known == guest), "guest slot moved");
+        *known = Some(guest);
+        *at_owner = false;
+        match next {
+            KvNext::Io(io) if open => {
+                if let KvSlot::Remote { pending, .. } = &mut kv.ops[index as usize] {
+                    *pending = Some(io);
+                }
+                self.requests[index as usize].operation = operation(io);
+                self.enqueue(index, now);
+            }
+            KvNext::Io(_) => {
+                // Its connection closed: the owner's machine, which waits for this device
+                // operation and uses the run no more, is abandoned.
+                kv.ops[index as usize] = KvSlot::Idle;
+                let owner = kv.owner_thread;
+                self.migration.outbox.push_back((
+                    owner,
+                    MigrationMessage::Kv(KvMessage::Abandon { request, guest }),
+                ));
+                self.free_request(index);
+                self.maybe_finish_close(connection_index);
+            }
+            KvNext::Done(result) => {
+                kv.ops[index as usize] = KvSlot::Idle;
+                if open {
+                    self.kv_answer(index, run, result);
+                } else {
+                    self.free_request(index);
+                    self.maybe_finish_close(connection_index);
+                }
+            }
+        }
+    }
+
     /// The device operation of the request's current KV step.
     pub(super) fn kv_operation(&self, index: u32) -> Operation {
         let pending = self
             .kv
             .as_ref()
-            .and_then(|kv| kv.ops[index as usize].as_ref())
-            .and_then(|(_, pending)| *pending);
+            .and_then(|kv| match &kv.ops[index as usize] {
+                KvSlot::Local { pending, .. } | KvSlot::Remote { pending, .. } => *pending,
+                KvSlot::Idle => None,
+            });
         match pending {
             Some(io) => operation(io),
             None => panic!("KV slot {index} has no device operation"),
         }
     }
 
-    /// A KV step's device operation finished.
+    /// A KV step's device operation finished: its machine is given the result, here or on
+    /// the owner.
     pub(super) fn kv_complete(&mut self, index: u32, result: Result<u32, FlashError>, now: Nanos) {
         let Some(run) = self.requests[index as usize].work.run() else {
             panic!("a KV completion without its run");
         };
         let connection_index = self.requests[index as usize].connection_index;
         let namespace_index = self.requests[index as usize].io().namespace_index;
-        let io = match self.kv_engine().ops[index as usize].as_mut() {
-            Some((_, pending)) => pending.take(),
-            None => panic!("a KV completion for slot {index} without an operation"),
+        let (io, guest) = match &mut self.kv_engine().ops[index as usize] {
+            KvSlot::Local { pending, .. } => (pending.take(), None),
+            KvSlot::Remote {
+                pending,
+                guest,
+                at_owner,
+            } => {
+                assert!(!*at_owner, "a device completion for a step the owner has");
+                *at_owner = guest.is_some();
+                (pending.take(), *guest)
+            }
+            KvSlot::Idle => panic!("a KV completion for slot {index} without an operation"),
         };
         let Some(io) = io else {
             panic!("a KV completion without a device operation");
@@ -333,11 +487,37 @@ impl Dataplane {
             self.device_errors
                 .record(namespace_index, &error.to_string(), now);
         }
+        if let Some(guest) = guest {
+            // The owner learns the result even if the connection closed: the machine's
+            // allocator bookkeeping depends on it. Its answer comes back through `kv_next`.
+            let owner = self.kv_engine().owner_thread;
+            self.transition(index, RequestState::Forwarded);
+            let request = KvRequestRef {
+                index,
+                generation: self.requests[index as usize].generation,
+            };
+            self.migration.outbox.push_back((
+                owner,
+                MigrationMessage::Kv(KvMessage::Complete {
+                    request,
+                    guest,
+                    result,
+                }),
+            ));
+            return;
+        }
         let Some(kv) = self.kv.as_mut() else {
             panic!("a KV completion on a thread without the table");
         };
-        if let Some((op, _)) = kv.ops[index as usize].as_mut() {
-            op.complete(&mut kv.table, buffers(&mut self.arena, run), result);
+        let Some(table) = kv.table.as_mut() else {
+            panic!("a local KV completion on a thread without the table");
+        };
+        if let KvSlot::Local { op, .. } = &mut kv.ops[index as usize] {
+            op.complete(
+                table,
+                split_run(self.arena.run_mut(run, run.size_bytes())),
+                result,
+            );
         }
         if !self.connections[connection_index as usize].is_open() {
             self.free_request(index);
@@ -348,14 +528,41 @@ impl Dataplane {
     }
 
     /// The request will not go on: its machine (if any) leaves the gate and gives back what
-    /// no index names. Called when a KV request is answered early or freed.
+    /// no index names (on the owner, for a forwarded one). Called when a KV request is
+    /// answered early or freed; never while it is `Forwarded` (the owner is using its run).
     pub(super) fn kv_forget(&mut self, index: u32) {
+        let state = self.requests[index as usize].state;
+        let generation = self.requests[index as usize].generation;
         let Some(kv) = self.kv.as_mut() else {
             return;
         };
-        if let Some((op, _)) = kv.ops[index as usize].take() {
-            op.abandon(&mut kv.table);
-            kv.released = true;
+        match std::mem::replace(&mut kv.ops[index as usize], KvSlot::Idle) {
+            KvSlot::Idle => {}
+            KvSlot::Local { op, .. } => {
+                if let Some(table) = kv.table.as_mut() {
+                    op.abandon(table);
+                }
+                kv.released = true;
+            }
+            KvSlot::Remote {
+                guest, at_owner, ..
+            } => {
+                assert!(
+                    !at_owner,
+                    "forgetting a KV request its owner is stepping ({state:?})"
+                );
+                let Some(guest) = guest else {
+                    panic!("a forwarded KV request the owner never answered");
+                };
+                let owner = kv.owner_thread;
+                self.migration.outbox.push_back((
+                    owner,
+                    MigrationMessage::Kv(KvMessage::Abandon {
+                        request: KvRequestRef { index, generation },
+                        guest,
+                    }),
+                ));
+            }
         }
     }
 
@@ -366,7 +573,7 @@ impl Dataplane {
             .is_some_and(|kv| kv.released && !kv.waiting.is_empty())
     }
 
-    /// The requests waiting at the bucket gate are polled again, oldest first.
+    /// The operations waiting at the bucket gate are polled again, oldest first.
     pub(super) fn kv_retry(&mut self, now: Nanos) {
         let Some(kv) = self.kv.as_mut() else {
             return;
@@ -377,8 +584,15 @@ impl Dataplane {
         kv.released = false;
         let waiting_count = kv.waiting.len();
         for _ in 0..waiting_count {
-            let Some(index) = self.kv.as_mut().and_then(|kv| kv.waiting.pop_front()) else {
+            let Some(waiter) = self.kv.as_mut().and_then(|kv| kv.waiting.pop_front()) else {
                 break;
+            };
+            let index = match waiter {
+                Waiter::Local(index) => index,
+                Waiter::Guest(slot) => {
+                    self.guest_advance(slot);
+                    continue;
+                }
             };
             assert_eq!(
                 self.requests[index as usize].state,
@@ -394,10 +608,18 @@ impl Dataplane {
         }
     }
 
-    /// Takes the oldest request waiting at the bucket gate out of the queue (a shutdown
-    /// refuses it).
+    /// Takes the oldest of this thread's requests waiting at the bucket gate out of the
+    /// queue (a shutdown refuses it). Other threads' operations stay: they finish, as their
+    /// homes' shutdowns wait for them.
     pub(super) fn take_kv_waiter(&mut self) -> Option<u32> {
-        let index = self.kv.as_mut()?.waiting.pop_front()?;
+        let kv = self.kv.as_mut()?;
+        let position = kv
+            .waiting
+            .iter()
+            .position(|waiter| matches!(waiter, Waiter::Local(_)))?;
+        let Some(Waiter::Local(index)) = kv.waiting.remove(position) else {
+            panic!("the waiter found is not local");
+        };
         assert_eq!(
             self.requests[index as usize].state,
             RequestState::Overlapping
@@ -405,8 +627,8 @@ impl Dataplane {
         Some(index)
     }
 
-    /// Keys in this thread's table (`None`: it has none).
+    /// Keys in this thread's table (`None`: it does not own it).
     pub fn kv_len(&self) -> Option<u64> {
-        self.kv.as_ref().map(KvEngine::len)
+        self.kv.as_ref().and_then(KvEngine::len)
     }
 }

@@ -21,9 +21,12 @@
 //!    would, and the answer leaves through the home's socket.
 //!
 //! # Rules
-//! - Only READ requests migrate (each of a large read's device reads may): a read changes
-//!   nothing on the device, so a connection's writes keep their order and the write gate's
-//!   read-modify-writes never span threads. A read migrates only once the home's scheduler
+//! - Only device reads migrate: a READ request's (each of a large read's may) and a
+//!   key-value operation's bucket and value reads (`core/kv.rs`). A read changes nothing on
+//!   the device, so a connection's writes keep their order and the write gate's
+//!   read-modify-writes never span threads; a key-value read is admitted only once its
+//!   operation holds its probe window at the table's bucket gate, so no write of those
+//!   buckets runs meanwhile, wherever the read is served. A read migrates only once the home's scheduler
 //!   admitted it, where it would otherwise go to the home's device, so whatever ordering the
 //!   home enforced before admission (the write gate) holds.
 //! - The buffer belongs to the home's arena throughout: the home does not touch a
@@ -40,6 +43,7 @@ use reflex_flash::FlashError;
 use reflex_qos::{Density, FlowId, Nanos};
 
 use super::Dataplane;
+use super::kv_owner::KvMessage;
 use super::ops::{DeviceCommand, DeviceOpId, DeviceOpKind, Op};
 use super::request::{RequestState, Work};
 use crate::frontend::IoKind;
@@ -71,6 +75,8 @@ pub enum MigrationMessage {
         id: DeviceOpId,
         result: Result<u32, FlashError>,
     },
+    /// A key-value request's table step, to or from the table's owner (`core/kv_owner.rs`).
+    Kv(KvMessage),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,7 +103,9 @@ pub(super) struct Migration {
     slots: Vec<Slot>,
     free: Vec<u32>,
     in_use: u32,
-    outbox: VecDeque<(u16, MigrationMessage)>,
+    /// Messages waiting for room on their queue, in order per destination (migrated reads'
+    /// and key-value steps').
+    pub(super) outbox: VecDeque<(u16, MigrationMessage)>,
 }
 
 impl Migration {
@@ -108,6 +116,20 @@ impl Migration {
     pub(super) fn has_outgoing(&self) -> bool {
         !self.outbox.is_empty()
     }
+}
+
+/// The capacity of the queue from one thread to another: every migrated read the credits
+/// allow (`in_transit_per_pair_max` each way per namespace) and, with a key-value table, one
+/// step message per request slot of either thread (each request has at most one in flight).
+pub fn exchange_queue_capacity(
+    in_transit_per_pair_max: u32,
+    namespace_count: usize,
+    requests_max: u32,
+    kv: bool,
+) -> usize {
+    let migration = 2 * in_transit_per_pair_max as usize * namespace_count.max(1);
+    let kv_steps = if kv { 2 * requests_max as usize } else { 0 };
+    migration + kv_steps
 }
 
 impl Dataplane {
@@ -138,14 +160,24 @@ impl Dataplane {
     /// message the credits allow, so a queue of this size is never full (a full one is still
     /// handled: the message waits in the outbox).
     pub fn migration_queue_capacity(&self) -> usize {
-        2 * self.qos_config.fairness.migration.in_transit_per_pair_max as usize
-            * self.qos.len().max(1)
+        exchange_queue_capacity(
+            self.qos_config.fairness.migration.in_transit_per_pair_max,
+            self.qos.len(),
+            self.limits.requests_max,
+            self.kv.is_some(),
+        )
     }
 
     /// Whether migration is on (the driver must then carry [`Self::poll_migration`]'s
-    /// messages).
+    /// messages; so must it when [`Self::kv_forwards`]).
     pub fn migration_enabled(&self) -> bool {
         self.qos_config.fairness.migration.enabled
+    }
+
+    /// Whether this thread serves KV connections for a table another thread owns, or owns
+    /// one (the driver must then carry [`Self::poll_migration`]'s messages).
+    pub fn kv_forwards(&self) -> bool {
+        self.kv.is_some()
     }
 
     /// This thread's migration counters for a namespace.
@@ -175,15 +207,18 @@ impl Dataplane {
         match message {
             MigrationMessage::Serve(read) => self.serve_migrated(from, read, now),
             MigrationMessage::Done { id, result } => self.migrated_done(from, id, result, now),
+            MigrationMessage::Kv(message) => self.handle_kv_message(from, message, now),
         }
     }
 
-    /// Whether the admitted request `token` may be served by another thread: a READ (see the
-    /// module's rules), and not a key-value operation.
+    /// Whether the admitted request `token` may be served by another thread: a READ, or a
+    /// key-value operation's device read (a bucket or a value), see the module's rules.
     pub(super) fn migratable_in(requests: &[super::request::Request], token: u64) -> bool {
         let request = &requests[(token as u32) as usize];
-        matches!(request.work, Work::Io { io, .. } if io.kind == IoKind::Read)
-            && matches!(request.operation, Operation::Read { .. })
+        matches!(
+            request.work,
+            Work::Io { io, .. } if matches!(io.kind, IoKind::Read | IoKind::Kv { .. })
+        ) && matches!(request.operation, Operation::Read { .. })
     }
 
     /// The density the stage's monitor gave `flow` in its last window.

@@ -53,6 +53,7 @@ mod errors;
 mod handoff;
 mod io;
 mod kv;
+mod kv_owner;
 mod limits;
 mod migration;
 mod ops;
@@ -72,11 +73,12 @@ use errors::DeviceErrorLog;
 pub use handoff::MovedConnection;
 use io::GateWaits;
 pub use kv::KvSetup;
+pub use kv_owner::{KvMessage, KvNext, KvRequestRef};
 pub use limits::{
     CONNECTION_SLACK, DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Limits,
     RECV_BUFFERS_SPARE_MAX,
 };
-pub use migration::{MIGRATED_TOKEN, MigratedRead, MigrationMessage};
+pub use migration::{MIGRATED_TOKEN, MigratedRead, MigrationMessage, exchange_queue_capacity};
 pub use ops::{AcceptRefused, ConnectionId, DeviceCommand, DeviceOpId, DeviceOpKind, Op};
 pub use request::{GENERATION_MASK, REQUEST_STATE_COUNT, RequestState};
 pub use send::SEND_SEGMENTS_MAX;

@@ -5,7 +5,8 @@
 //! Lifecycle: `Free → (NeedBuffer →) [Receiving →] [Overlapping →] [Blocked →] Queued →
 //! Submitted → Completed ⇄ Sending → Free`. `NeedBuffer` waits for a buffer run; `Receiving`
 //! takes a WRITE payload straight into its run; `Overlapping` waits at the write gate for an
-//! overlapping read-modify-write (`crate::gate`); `Blocked` waits for room in a full tenant
+//! overlapping read-modify-write (`crate::gate`); `Forwarded` is a key-value request whose
+//! table step runs on the table's thread; `Blocked` waits for room in a full tenant
 //! queue; a request with several device steps goes `Submitted → Queued` between them, a large
 //! WRITE `Submitted → Receiving` for its next part's payload, and a large READ `Sending →
 //! Queued` once a part is sent; `Orphaned` is a request whose device operation outlived its
@@ -45,9 +46,12 @@ pub enum RequestState {
     Orphaned = 8,
     /// Waiting at the write gate for an earlier write over the same sectors.
     Overlapping = 9,
+    /// A key-value request whose table step runs on the thread that owns the table
+    /// (`core/kv_owner.rs`): that thread uses its run until it answers.
+    Forwarded = 10,
 }
 
-pub const REQUEST_STATE_COUNT: usize = 10;
+pub const REQUEST_STATE_COUNT: usize = 11;
 
 /// Every state, in discriminant order (for the transition table).
 const STATES: [RequestState; REQUEST_STATE_COUNT] = [
@@ -61,6 +65,7 @@ const STATES: [RequestState; REQUEST_STATE_COUNT] = [
     RequestState::Blocked,
     RequestState::Orphaned,
     RequestState::Overlapping,
+    RequestState::Forwarded,
 ];
 
 const _: () = {
@@ -102,17 +107,20 @@ impl RequestState {
             (self, to),
             (
                 Free,
-                NeedBuffer | Receiving | Overlapping | Queued | Blocked | Completed
+                NeedBuffer | Receiving | Overlapping | Queued | Blocked | Completed | Forwarded
             ) | (
                 NeedBuffer,
-                Receiving | Overlapping | Queued | Blocked | Completed | Free
-            ) | (Receiving, Overlapping | Queued | Blocked | Completed | Free)
-                | (Overlapping, Queued | Blocked | Completed | Free)
+                Receiving | Overlapping | Queued | Blocked | Completed | Forwarded | Free
+            ) | (
+                Receiving,
+                Overlapping | Queued | Blocked | Completed | Forwarded | Free
+            ) | (Overlapping, Queued | Blocked | Completed | Free)
+                | (Forwarded, Queued | Blocked | Completed | Free)
                 | (Blocked, Queued | Completed | Free)
                 | (Queued, Submitted | Completed | Free)
                 | (
                     Submitted,
-                    Completed | Queued | Blocked | Receiving | Orphaned | Free
+                    Completed | Queued | Blocked | Receiving | Orphaned | Forwarded | Free
                 )
                 | (Orphaned, Free)
                 | (Completed, Sending | Free)

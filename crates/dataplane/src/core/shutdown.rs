@@ -61,7 +61,10 @@ impl Dataplane {
     /// write, nor wait for their completions.
     pub fn abandoned_device_operations(&self) -> u32 {
         if self.phase == Phase::Finished {
-            self.device_in_flight + self.flushes_pending
+            // A key-value request still forwarded to the table's owner (which never answered)
+            // lends its run to that thread: the arena must outlive it too.
+            let forwarded = self.stats.requests_per_state[RequestState::Forwarded as usize];
+            self.device_in_flight + self.flushes_pending + forwarded
         } else {
             0
         }

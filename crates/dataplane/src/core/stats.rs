@@ -42,6 +42,11 @@ pub struct CoreStats {
     pub buffer_waits: u64,
     /// Writes that waited at the write gate for an overlapping read-modify-write.
     pub gate_waits: u64,
+    /// Key-value requests of this thread's connections whose table steps ran on the table's
+    /// owner thread (`core/kv_owner.rs`).
+    pub kv_forwarded: u64,
+    /// Key-value operations of other threads' connections this thread (the owner) stepped.
+    pub kv_guests: u64,
     /// Enters forced by a full submission queue (counted by the driver).
     pub sq_full_flushes: u64,
     pub registered_buffers: bool,

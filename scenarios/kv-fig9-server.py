@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""OctoFAS Figures 3 and 9 shapes over the key-value front end on the real server (issue 14):
+a sparse flow (2 client threads) against a dense one (DENSE threads), both db_bench
+`readrandom` through `reflex bench --kv` (4-byte keys, 16 KiB values, one request in flight
+per thread, as the paper's db_bench), against a reflexd with two dataplane threads serving
+the KV port of a table on the emulated device (emu:device-a-small, real time).
+
+Per mode, on a fresh server each run (the modes' runs alternate, so the shared machine's
+drifting load favours none): fill the table (fillrandom), run each flow alone (its mean
+response time is RT_alone), then both at once; slowdown S = RT_shared / RT_alone per flow,
+fairness F = min S / max S, per-flow and total operations per second.
+Modes (QoS off, as scenarios/fig9-server.py):
+  baseline  no fairness stage (ReFlex's behaviour)
+  stage     the stage in fifo (be_device_depth_max 8 per thread), no migration: what the
+            stage alone costs, for the two below
+  inter     that stage with inter-core migration of every flow's reads, KV bucket and value
+            reads included (docs/FAIRNESS.md)
+  hybrid    the stage in backwarding (B = 2, be_device_depth_max 8) with that migration
+Caveat (docs/KV.md): every KV connection is charged to the one [kv] tenant, so the stage and
+the migrator see one flow, not two; the modes differ in where reads are served and in the
+stage's order, not in a per-flow policy.
+
+Each figure is the median of RUNS runs. Every bench is bounded by its operation count
+(OPS per client thread) and by a 60 s timeout.
+
+Usage (from the repository root, after
+`cargo build --release -p reflex-server -p reflex-cli`):
+    scenarios/kv-fig9-server.py              # a markdown table to stdout, progress to stderr
+Environment: RUNS (2), DENSE (8), OPS (1000), KEYS (2000),
+MODES ("baseline stage inter hybrid"),
+REFLEXD, REFLEX (target/release/...)
+"""
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REFLEXD = os.environ.get("REFLEXD", "target/release/reflexd")
+REFLEX = os.environ.get("REFLEX", "target/release/reflex")
+RUNS = int(os.environ.get("RUNS", "2"))
+DENSE = int(os.environ.get("DENSE", "8"))
+OPS = int(os.environ.get("OPS", "1000"))
+KEYS = int(os.environ.get("KEYS", "2000"))
+MODES = os.environ.get("MODES", "baseline stage inter hybrid").split()
+SPARSE = 2
+BENCH_TIMEOUT_S = 60
+PROFILE = os.path.abspath("profiles/device-a-small.toml")
+
+MIGRATION = {"enabled": True, "flows": "all", "requires_imbalance": False}
+
+
+def fairness_table(mode):
+    """The [qos_config.fairness] keys of a mode (None: no stage)."""
+    if mode == "baseline":
+        return None
+    if mode in ("stage", "inter"):
+        return {"mode": "fifo", "be_device_depth_max": 8}
+    if mode == "hybrid":
+        return {"mode": "backwarding", "backwardings": 2, "be_device_depth_max": 8}
+    raise SystemExit(f"unknown mode {mode}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A reflexd with two threads and the KV port on a free loopback port; stopped by its pid
+    (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, mode):
+        self.kv_port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="kv-fig9-server-")
+        text = f'''listen = "127.0.0.1"
+port = {free_port()}
+original_ports = []
+threads = 2
+qos = false
+[nbd]
+enabled = false
+[nvme_tcp]
+enabled = false
+[admin]
+enabled = false
+[kv]
+enabled = true
+port = {self.kv_port}
+namespace = 1
+[[namespace]]
+id = 1
+backend = "emu:device-a-small"
+size_bytes = "1G"
+profile = "{PROFILE}"
+'''
+        fairness = fairness_table(mode)
+        if fairness is not None:
+            text += "[qos_config.fairness]\n"
+            for key, value in fairness.items():
+                text += f"{key} = {json.dumps(value)}\n"
+            if mode != "stage":
+                text += "[qos_config.fairness.migration]\n"
+                for key, value in MIGRATION.items():
+                    text += f"{key} = {json.dumps(value)}\n"
+        self.config = os.path.join(self.dir, "reflexd.toml")
+        with open(self.config, "w") as f:
+            f.write(text)
+        self.log = open(os.path.join(self.dir, "reflexd.log"), "w")
+
+    def __enter__(self):
+        self.process = subprocess.Popen([REFLEXD, "--config", self.config], stdout=self.log,
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"reflexd exited: {open(self.log.name).read()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.kv_port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise SystemExit("reflexd did not start listening within 10 s")
+
+    def __exit__(self, exc_type, *exc):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+        if exc_type is None:
+            shutil.rmtree(self.dir)  # Kept after a failure, for its log.
+
+
+def bench_command(server, workload, threads, ops):
+    return [REFLEX, "bench", "--kv", f"127.0.0.1:{server.kv_port}", "--kv-workload", workload,
+            "--threads", str(threads), "--qd", "1", "--kv-ops", str(ops), "--kv-keys",
+            str(KEYS), "--key-size", "4", "--value-size", "16k", "--json"]
+
+
+def rows_of(process):
+    out, err = process.communicate(timeout=BENCH_TIMEOUT_S)
+    if process.returncode != 0:
+        raise SystemExit(f"reflex bench failed: {err}")
+    return json.loads(out)[0]
+
+
+def run_once(mode):
+    """One run of a mode on a fresh server: RT_alone of each flow, then both at once."""
+    with Server(mode) as server:
+        fill = subprocess.Popen(bench_command(server, "fillrandom", 4, KEYS // 4),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        rows_of(fill)
+        alone = {}
+        for name, threads in (("sparse", SPARSE), ("dense", DENSE)):
+            process = subprocess.Popen(bench_command(server, "readrandom", threads, OPS),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+            alone[name] = rows_of(process)["latency"]["avg_us"]
+        processes = {
+            name: subprocess.Popen(bench_command(server, "readrandom", threads, OPS),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name, threads in (("sparse", SPARSE), ("dense", DENSE))
+        }
+        shared = {name: rows_of(process) for name, process in processes.items()}
+    slowdown = {name: shared[name]["latency"]["avg_us"] / alone[name] for name in alone}
+    return {
+        "F": min(slowdown.values()) / max(slowdown.values()),
+        "sparse_ops": shared["sparse"]["ops_per_sec"],
+        "dense_ops": shared["dense"]["ops_per_sec"],
+        "total_ops": shared["sparse"]["ops_per_sec"] + shared["dense"]["ops_per_sec"],
+        "sparse_S": slowdown["sparse"],
+        "dense_S": slowdown["dense"],
+    }
+
+
+def main():
+    results = {mode: [] for mode in MODES}
+    for run in range(RUNS):
+        for mode in MODES:
+            figures = run_once(mode)
+            print(f"run {run + 1} {mode}: " + ", ".join(
+                f"{key} {value:.3f}" for key, value in figures.items()), file=sys.stderr)
+            results[mode].append(figures)
+    keys = ["F", "sparse_S", "dense_S", "sparse_ops", "dense_ops", "total_ops"]
+    print(f"| mode | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for mode in MODES:
+        cells = [statistics.median(run[key] for run in results[mode]) for key in keys]
+        print(f"| {mode} | " + " | ".join(
+            f"{value:.3f}" if key in ("F", "sparse_S", "dense_S") else f"{value:,.0f}"
+            for key, value in zip(keys, cells)) + " |")
+    print(f"\n{SPARSE} vs {DENSE} client threads, {OPS} readrandom operations per thread, "
+          f"{KEYS} keys, medians of {RUNS} runs.")
+
+
+if __name__ == "__main__":
+    main()
