@@ -6,143 +6,15 @@
 //! its write was answered).
 
 mod admin_common;
+mod checked;
 mod common;
 
-use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
-
+use checked::{BLOCK, Connection, NAMESPACE, WINDOW, block_bytes, pattern};
 use common::{config, namespace, start};
-use reflex_client::{ConnectionCore, CoreOptions};
 use reflex_qos::{FairMode, FairQueueConfig, FairnessConfig, MigrationConfig, MigrationFlows};
 
-const NAMESPACE: u32 = 1;
-const BLOCK: usize = 4096;
 const SHARED_BLOCKS: u64 = 256;
 const OWNED_BLOCKS: u64 = 16;
-/// The server's window per connection (`common::config`).
-const WINDOW: usize = 16;
-
-fn pattern(block: u64, version: u32, i: usize) -> u8 {
-    (block.wrapping_mul(31) as usize + version as usize * 7 + i) as u8 ^ (i >> 8) as u8
-}
-
-fn block_bytes(block: u64, version: u32) -> Vec<u8> {
-    (0..BLOCK).map(|i| pattern(block, version, i)).collect()
-}
-
-enum Expect {
-    Write,
-    Read(Vec<u8>),
-}
-
-/// One connection driven through the client library's sans-IO core, checking every answer.
-struct Connection {
-    stream: TcpStream,
-    core: ConnectionCore,
-    outstanding: HashMap<u64, Expect>,
-    buffer: Vec<u8>,
-    answered: u64,
-    /// Ids of writes answered since the caller last looked.
-    writes_done: Vec<u64>,
-}
-
-impl Connection {
-    fn connect(addr: std::net::SocketAddr) -> Connection {
-        let stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect: {e}"));
-        stream.set_nodelay(true).unwrap_or_else(|e| panic!("{e}"));
-        Connection {
-            stream,
-            core: ConnectionCore::new(CoreOptions {
-                window_assumed: WINDOW as u32,
-            }),
-            outstanding: HashMap::new(),
-            buffer: vec![0; 1 << 16],
-            answered: 0,
-            writes_done: Vec::new(),
-        }
-    }
-
-    fn read(&mut self, id: u64, offset: u64, expected: Vec<u8>) {
-        self.core
-            .submit_read(id, NAMESPACE, offset, expected.len() as u32)
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(
-            self.outstanding
-                .insert(id, Expect::Read(expected))
-                .is_none()
-        );
-    }
-
-    fn write(&mut self, id: u64, block: u64, version: u32) {
-        self.core
-            .submit_write(
-                id,
-                NAMESPACE,
-                block * BLOCK as u64,
-                &block_bytes(block, version),
-                false,
-            )
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(self.outstanding.insert(id, Expect::Write).is_none());
-    }
-
-    fn transmit(&mut self) {
-        while let Some(bytes) = self.core.transmit_start() {
-            let length = bytes.len();
-            self.stream
-                .write_all(bytes)
-                .unwrap_or_else(|e| panic!("send: {e}"));
-            self.core.transmit_done(length);
-        }
-    }
-
-    /// Blocks for at least one answer and checks every answer that came.
-    fn receive(&mut self) {
-        assert!(!self.outstanding.is_empty());
-        let received = self
-            .stream
-            .read(&mut self.buffer)
-            .unwrap_or_else(|e| panic!("receive: {e}"));
-        assert!(received > 0, "the server closed the connection");
-        let mut offered = &self.buffer[..received];
-        loop {
-            let taken = self.core.handle_received_bytes(offered);
-            offered = &offered[taken..];
-            while let Some(completion) = self
-                .core
-                .poll_completion()
-                .unwrap_or_else(|e| panic!("{e}"))
-            {
-                let id = completion.request_id;
-                let Some(expected) = self.outstanding.remove(&id) else {
-                    panic!("answer for {id}, not outstanding (duplicate or unknown)");
-                };
-                assert!(
-                    completion.is_ok(),
-                    "request {id} failed: status {}",
-                    completion.status_raw
-                );
-                match expected {
-                    Expect::Read(bytes) => {
-                        assert!(completion.data == &bytes[..], "request {id}: wrong bytes")
-                    }
-                    Expect::Write => self.writes_done.push(id),
-                }
-                self.answered += 1;
-            }
-            if offered.is_empty() || taken == 0 {
-                break;
-            }
-        }
-    }
-
-    fn drain(&mut self) {
-        while !self.outstanding.is_empty() {
-            self.receive();
-        }
-    }
-}
 
 #[test]
 fn reads_migrate_between_two_threads_and_every_answer_is_right_once() {

@@ -215,6 +215,22 @@ pub(super) struct Listener {
 }
 
 impl Dataplane {
+    /// A connection leaves this thread (closed, or handed to another): it no longer counts
+    /// against the table, its listener's share or its source address's.
+    pub(super) fn uncount_connection(&mut self, listener: u32, source: Option<IpAddr>) {
+        assert!(self.open_connections > 0);
+        self.open_connections -= 1;
+        self.listeners[listener as usize].connections -= 1;
+        if let Some(source) = source
+            && let Some(count) = self.connections_by_source.get_mut(&source)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.connections_by_source.remove(&source);
+            }
+        }
+    }
+
     pub(super) fn arm_accept(&mut self, listener_index: u32) {
         let listener = &mut self.listeners[listener_index as usize];
         if listener.closed || listener.accept_in_flight {
@@ -480,17 +496,7 @@ impl Dataplane {
         connection.state = ConnectionState::Closing;
         connection.read = ReadState::Closed;
         let (listener, source) = (connection.listener, connection.source);
-        assert!(self.open_connections > 0);
-        self.open_connections -= 1;
-        self.listeners[listener as usize].connections -= 1;
-        if let Some(source) = source
-            && let Some(count) = self.connections_by_source.get_mut(&source)
-        {
-            *count -= 1;
-            if *count == 0 {
-                self.connections_by_source.remove(&source);
-            }
-        }
+        self.uncount_connection(listener, source);
     }
 
     /// Abandons a connection: cancels its operations and frees every request no operation

@@ -249,17 +249,7 @@ impl Dataplane {
         connection.generation = next_generation(connection.generation);
         let recv_buffer = std::mem::take(&mut connection.recv_buffer);
         self.return_recv_buffer(recv_buffer);
-        assert!(self.open_connections > 0);
-        self.open_connections -= 1;
-        self.listeners[listener as usize].connections -= 1;
-        if let Some(source) = source
-            && let Some(count) = self.connections_by_source.get_mut(&source)
-        {
-            *count -= 1;
-            if *count == 0 {
-                self.connections_by_source.remove(&source);
-            }
-        }
+        self.uncount_connection(listener, source);
         self.stats.connections_moved_out += 1;
         tracing::debug!(
             thread = self.thread_index,
