@@ -28,8 +28,8 @@ pub use network::NetworkModel;
 pub use report::{PointReport, ScenarioReport, TenantReport};
 pub use scenario::{LoadedScenario, Scenario, ScenarioError};
 pub use server::{
-    SocketId, TlsServer, VirtualExport, VirtualListener, VirtualServer, VirtualServerError,
-    VirtualServerSetup,
+    NvmeTcpListener, SocketId, TlsServer, VirtualExport, VirtualListener, VirtualServer,
+    VirtualServerError, VirtualServerSetup,
 };
 
 use scenario::{ClassToml, TenantSpecToml};

@@ -111,7 +111,7 @@ fn a_native_write_and_read_are_answered() {
 #[test]
 fn well_formed_clients_get_every_answer() {
     let script = Script {
-        config: Config([0x01, 0, 0x1f, 0x04]),
+        config: Config([0x01, 0, 0x1f, 0x04, 0]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -222,7 +222,7 @@ fn well_formed_clients_get_every_answer() {
 fn an_evicted_connection_s_slot_is_not_reused_before_its_close_is_issued() {
     let script = Script {
         // Window 1 and one request slot; the handshake timeout on.
-        config: Config([0x00, 0x41, 0x00, 0x00]),
+        config: Config([0x00, 0x41, 0x00, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -279,7 +279,7 @@ fn an_evicted_connection_s_slot_is_not_reused_before_its_close_is_issued() {
 #[test]
 fn shutdown_finishes_when_a_device_never_answers_its_flush() {
     // Idle, receive, send and device (1 ms) timeouts on: even so the flush waits forever.
-    let setup = Config([0x00, 0x3e, 0x3e, 0x00]).decoded();
+    let setup = Config([0x00, 0x3e, 0x3e, 0x00, 0x00]).decoded();
     let (mut server, faults) = script::server(&setup).unwrap_or_else(|e| panic!("{e}"));
     faults[2].set_stalled(true);
     server.begin_shutdown();
@@ -304,7 +304,7 @@ fn shutdown_finishes_when_a_device_never_answers_its_flush() {
 /// a late completion frees it), which releases the connections they held; then the flush.
 #[test]
 fn shutdown_finishes_when_a_device_never_answers_a_request() {
-    let setup = Config([0x00, 0x00, 0x00, 0x00]).decoded();
+    let setup = Config([0x00, 0x00, 0x00, 0x00, 0x00]).decoded();
     let (mut server, faults) = script::server(&setup).unwrap_or_else(|e| panic!("{e}"));
     let socket = server.connect(0, 0, None).unwrap_or_else(|e| panic!("{e}"));
     faults[1].set_stalled(true);
@@ -368,7 +368,7 @@ fn a_draining_thread_does_not_spin_on_a_passed_deadline() {
     let script = Script {
         // Two threads; every timeout on; two request slots beyond the window of 4, one device
         // operation in flight per thread; QoS on.
-        config: Config([0x01, 0x1f, 0x12, 0x00]),
+        config: Config([0x01, 0x1f, 0x12, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -462,7 +462,7 @@ fn the_shutdown_is_bounded_by_the_drain_timeouts_when_a_tenant_is_in_debt() {
     let script = Script {
         // One thread, a window of 8 and 8 more request slots, one device operation in flight,
         // no timeouts.
-        config: Config([0x00, 0xc0, 0x12, 0x00]),
+        config: Config([0x00, 0xc0, 0x12, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -517,7 +517,7 @@ fn the_shutdown_is_bounded_by_the_drain_timeouts_when_a_tenant_is_in_debt() {
 fn the_largest_request_gets_a_buffer_in_the_smallest_arena() {
     let script = Script {
         // One thread, a 1 MiB arena, no timeouts.
-        config: Config([0x00, 0x00, 0x00, 0x00]),
+        config: Config([0x00, 0x00, 0x00, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -563,7 +563,7 @@ fn an_lc_tenant_in_deficit_renegotiated_to_best_effort_does_not_stop_the_thread(
     };
     let script = Script {
         // One thread, a window of 8 and 8 more request slots, no timeouts.
-        config: Config([0x00, 0xc0, 0x02, 0x00]),
+        config: Config([0x00, 0xc0, 0x02, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
