@@ -820,3 +820,50 @@ fn kv_clients_get_every_answer_and_read_back_their_writes() {
     assert!(outcome.framing_errors >= 1, "{outcome:?}");
     assert!(outcome.responses >= 8, "{outcome:?}");
 }
+
+/// Finding 11: an NVMe/TCP I/O queue with a READ on the model device (it completes later) gets
+/// a malformed PDU: the controller queues its C2HTermReq at once, and the READ's C2HData and
+/// CapsuleResp, finished after it, went out behind it (a host stops parsing at a TermReq; the
+/// transport's rule is that nothing follows it). The script's NVMe/TCP client fails on any
+/// byte after a C2HTermReq.
+#[test]
+fn nothing_follows_an_nvme_tcp_term_req() {
+    let nvme = |socket: u8, op: u8, a: u8, b: u8, c: u16| Step::Nvme {
+        socket,
+        op,
+        a,
+        b,
+        c,
+    };
+    let connect = |source: u8| Step::Connect {
+        thread: 0,
+        listener: script::NVME_LISTENER as u8,
+        source,
+    };
+    let script = Script {
+        config: Config::default(),
+        steps: vec![
+            // An admin queue, then an I/O queue of its controller.
+            connect(0),
+            nvme(0, 0, 0, 0, 3),
+            Step::Advance { mode: 4 },
+            connect(0),
+            nvme(1, 0, 1, 0, 0),
+            Step::Advance { mode: 4 },
+            // A 128 KiB READ of NSID 2 (the model device), then bytes that are no PDU.
+            nvme(1, 6, 4, 1, 0),
+            Step::Raw {
+                socket: 1,
+                bytes: vec![0x67; 28],
+            },
+            Step::Advance { mode: 9 },
+        ],
+    };
+    assert_eq!(Script::decode(&script.encode()), script);
+    let outcome = script::run(&script, true);
+    assert_eq!(outcome.framing_errors, 1, "{outcome:?}");
+    // ICResp and the Connect's completion on each queue, the admin queue's two other
+    // completions, the TermReq.
+    assert_eq!(outcome.nvme_completions, 4, "{outcome:?}");
+    assert_eq!(outcome.nvme_pdus, 7, "{outcome:?}");
+}

@@ -660,6 +660,16 @@ impl Frontend {
         }
     }
 
+    /// Whether answers (responses with a tag) are no longer sent: an NVMe/TCP connection
+    /// whose C2HTermReq is queued (the transport puts nothing after it; the host stops
+    /// parsing there). The connection closes once its requests are done.
+    pub fn answers_dropped(&self) -> bool {
+        match self {
+            Frontend::NvmeTcp(nvme) => nvme.terminated(),
+            _ => false,
+        }
+    }
+
     /// Bytes of protocol output waiting for an [`Action::Output`] request.
     pub fn pending_output_bytes(&self) -> usize {
         match self {
