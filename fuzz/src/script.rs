@@ -12,7 +12,7 @@
 //! and, for some selector values, raw bytes: the fuzzer gets past the headers at once and
 //! still reaches the validation edges.
 //!
-//! Layout: four configuration bytes ([`Config`]), then steps, each a tag byte (`% 16`) and
+//! Layout: five configuration bytes ([`Config`]), then steps, each a tag byte (`% 17`) and
 //! that step's fixed number of bytes (a [`Step::Raw`] also its bytes). Missing bytes at the
 //! end read as zero. At most [`STEPS_MAX`] steps are decoded.
 //!
@@ -26,7 +26,9 @@
 //!   thread waits with nothing to do and a deadline already passed (its driver would spin);
 //! - every byte a native or original-protocol client receives parses as a stream of valid
 //!   response headers and their payloads (a truncated tail is allowed: the server may abort a
-//!   connection mid-send);
+//!   connection mid-send); every byte an NVMe/TCP host receives parses as controller PDUs
+//!   (ICResp once, with the digests asked for; CapsuleResp, C2HData, R2T, C2HTermReq) with
+//!   correct header and data digests, and nothing follows a C2HTermReq;
 //! - no accepted connection gets a slot whose previous connection's close the driver has not
 //!   taken yet (reflexd's io_uring driver asserts on it);
 //! - after the script, a graceful shutdown (devices still stalled stay stalled) finishes
@@ -1512,6 +1514,106 @@ fn nvme_admin(opcode: u8, cid: u16, nsid: u32, cdw10: u32, cdw11: u32, length: u
     command
 }
 
+/// What an NVMe/TCP command does to a well-formed host's private blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NvmeEffect {
+    Read,
+    /// Every block written with this byte (Write Zeroes: 0).
+    Write(u8),
+    /// Deallocated: unknown from now on.
+    Unknown,
+}
+
+/// Blocks of a well-formed host's private region on the composite namespace, from
+/// [`nvme_region`]: only this host's I/O queue writes them, so what it reads back must be
+/// what it last wrote (zeroes before).
+pub const NVME_REGION_BLOCKS: u64 = 128;
+
+/// The first block of client `index`'s private region on the composite namespace (1 MiB,
+/// 512-byte blocks): regions 240 blocks apart, so that client 4's crosses the middle (the
+/// `concat` members' boundary) and every one crosses 4 KiB stripes, client 0's a 64 KiB one.
+pub fn nvme_region(index: usize) -> u64 {
+    32 + 240 * (index as u64 % 8)
+}
+
+/// A well-formed host's model of its private blocks (by block number).
+#[derive(Default)]
+struct NvmeData {
+    /// The byte every byte of a written block holds; absent: never written (zeroes).
+    fills: std::collections::HashMap<u64, u8>,
+    unknown: std::collections::HashSet<u64>,
+    /// Writes in flight: cid → first block, blocks, byte (`None`: unknown once answered).
+    writes: BTreeMap<u16, (u64, u32, Option<u8>)>,
+    /// Reads in flight: cid → the byte each block must hold (`None`: not checked).
+    reads: BTreeMap<u16, Vec<Option<u8>>>,
+    /// Blocks read back and compared.
+    checked: u64,
+}
+
+impl NvmeData {
+    fn track(&mut self, cid: u16, first: u64, blocks: u32, effect: NvmeEffect) {
+        let range = first..first + u64::from(blocks);
+        match effect {
+            NvmeEffect::Read => {
+                let expected = range
+                    .map(|block| {
+                        let written = self.writes.values().any(|&(start, count, _)| {
+                            (start..start + u64::from(count)).contains(&block)
+                        });
+                        (!written && !self.unknown.contains(&block))
+                            .then(|| self.fills.get(&block).copied().unwrap_or(0))
+                    })
+                    .collect();
+                self.reads.insert(cid, expected);
+            }
+            NvmeEffect::Write(fill) => {
+                self.writes.insert(cid, (first, blocks, Some(fill)));
+            }
+            NvmeEffect::Unknown => {
+                self.writes.insert(cid, (first, blocks, None));
+            }
+        }
+    }
+
+    /// A read's data at `offset` bytes into it.
+    fn check(&mut self, cid: u16, offset: usize, data: &[u8]) {
+        let Some(expected) = self.reads.get(&cid) else {
+            return;
+        };
+        for (at, byte) in data.iter().enumerate() {
+            let block = (offset + at) / 512;
+            if let Some(Some(fill)) = expected.get(block) {
+                assert_eq!(
+                    byte,
+                    fill,
+                    "NVMe/TCP read {cid} of a private block returned another byte than its last \
+                     write's at block {block} of the read (byte {})",
+                    offset + at
+                );
+            }
+        }
+        self.checked += (data.len() / 512) as u64;
+    }
+
+    fn completed(&mut self, cid: u16, ok: bool) {
+        self.reads.remove(&cid);
+        if let Some((first, blocks, fill)) = self.writes.remove(&cid) {
+            for block in first..first + u64::from(blocks) {
+                match (ok, fill) {
+                    (true, Some(fill)) => {
+                        self.unknown.remove(&block);
+                        self.fills.insert(block, fill);
+                    }
+                    _ => {
+                        self.fills.remove(&block);
+                        self.unknown.insert(block);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A client's NVMe/TCP connection: what it negotiated, the controller's PDUs parsed (every
 /// one must decode, with correct digests, and be one a controller sends), R2Ts answered
 /// with the data of their writes, and what its admin queue learned (the controller's id).
@@ -1547,6 +1649,8 @@ struct NvmeClient {
     completions: u64,
     /// R2Ts answered with data.
     r2ts: u64,
+    /// A well-formed host's private blocks on the composite namespace.
+    data: NvmeData,
 }
 
 impl NvmeClient {
@@ -1628,6 +1732,10 @@ impl NvmeClient {
                     completions.push(NvmeCompletion::from_bytes(&cqe));
                 }
                 Pdu::C2hData(header) => {
+                    if let Some(span) = decoded.data {
+                        let data = &rest[span.offset..span.offset + span.length as usize];
+                        self.data.check(header.cccid, header.offset as usize, data);
+                    }
                     if decoded.flags & nvme_pdu::flags::SUCCESS != 0 {
                         assert!(
                             decoded.flags & nvme_pdu::flags::LAST_PDU != 0,
@@ -1681,6 +1789,7 @@ impl NvmeClient {
             let cid = completion.cid;
             let ok = completion.status.is_success();
             self.r2t_data.remove(&cid);
+            self.data.completed(cid, ok);
             if self.connect_cid == Some(cid) {
                 self.connect_cid = None;
                 if ok && self.qid == Some(0) {
@@ -1893,8 +2002,20 @@ impl Run {
         } else {
             op % 12
         };
-        let slba = offset_bytes(c) / u64::from(block_bytes);
+        let mut slba = offset_bytes(c) / u64::from(block_bytes);
         let mut blocks = nvme_blocks(a);
+        // A well-formed host's I/O on the composite namespace stays in its private region
+        // (at most 8 blocks at a time), where what it reads back is checked.
+        let tracked = well_formed
+            && qid != Some(0)
+            && nsid == COMPOSITE_ID
+            && self.setup.composite.is_some()
+            && block_bytes == 512;
+        if tracked {
+            slba = nvme_region(index) + u64::from(c) % (NVME_REGION_BLOCKS - 8);
+            blocks = blocks.clamp(1, 8);
+        }
+        let mut effect: Option<(u64, u32, NvmeEffect)> = None;
         let bytes = match op {
             0 => {
                 // A whole setup: `a` bit 0 an I/O queue of a controller some admin queue
@@ -2102,6 +2223,7 @@ impl Run {
                 if well_formed {
                     blocks = blocks.min(2048);
                 }
+                effect = Some((slba, blocks, NvmeEffect::Read));
                 let mut command = NvmeCommand::io(
                     io_opcode::READ,
                     cid,
@@ -2133,6 +2255,7 @@ impl Run {
                 let blocks = blocks.clamp(1, 0x1_0000);
                 let length = blocks.saturating_mul(block_bytes);
                 let fill = (cid as u8) | 1;
+                effect = Some((slba, blocks, NvmeEffect::Write(fill)));
                 let data = vec![fill; (length as usize).min(PAYLOAD_BYTES_MAX)];
                 let mut command =
                     NvmeCommand::io(io_opcode::WRITE, cid, nsid, slba, blocks, b & 0x40 != 0);
@@ -2170,7 +2293,9 @@ impl Run {
                         nvme_capsule(&framing, &command, &[])
                     }
                     1 => {
-                        let blocks = nvme_blocks(a >> 2).clamp(1, 0x1_0000);
+                        let blocks =
+                            nvme_blocks(a >> 2).clamp(1, if tracked { 8 } else { 0x1_0000 });
+                        effect = Some((slba, blocks, NvmeEffect::Write(0)));
                         let mut command = NvmeCommand::io(
                             io_opcode::WRITE_ZEROES,
                             cid,
@@ -2186,14 +2311,24 @@ impl Run {
                         nvme_capsule(&framing, &command, &[])
                     }
                     _ => {
-                        let ranges = usize::from(c % 4) + 1;
+                        // Tracked: two ranges of at most 4 blocks, 4 apart.
+                        let (ranges, stride, count) = if tracked {
+                            (2, 4, nvme_blocks(a >> 2).min(4))
+                        } else {
+                            (usize::from(c % 4) + 1, 16, nvme_blocks(a >> 2).min(2048))
+                        };
+                        effect = Some((
+                            slba,
+                            (ranges as u32 - 1) * stride + count,
+                            NvmeEffect::Unknown,
+                        ));
                         let mut data = Vec::with_capacity(ranges * nvme_command::DSM_RANGE_SIZE);
                         for range in 0..ranges {
                             data.extend(
                                 nvme_command::DsmRange {
                                     attributes: 0,
-                                    block_count: nvme_blocks(a >> 2).min(2048),
-                                    slba: slba + range as u64 * 16,
+                                    block_count: count,
+                                    slba: slba + range as u64 * u64::from(stride),
                                 }
                                 .encode(),
                             );
@@ -2259,6 +2394,12 @@ impl Run {
                 }
             }
         };
+        if tracked
+            && let Some((first, count, effect)) = effect
+            && let Some(nvme) = self.clients[index].nvme.as_mut()
+        {
+            nvme.data.track(cid, first, count, effect);
+        }
         self.nvme_send(index, bytes, Some(cid));
     }
 }
@@ -2297,6 +2438,9 @@ pub struct Outcome {
     pub nvme_pdus: u64,
     pub nvme_completions: u64,
     pub nvme_r2ts: u64,
+    /// [`Mode::WellFormed`]: blocks of the composite namespace NVMe/TCP hosts read back and
+    /// compared with what they wrote.
+    pub nvme_blocks_checked: u64,
     /// Inter-core migration: reads the threads served for each other.
     pub migrated_reads: u64,
 }
@@ -3289,6 +3433,7 @@ impl Run {
             self.outcome.nvme_pdus += nvme.pdus;
             self.outcome.nvme_completions += nvme.completions;
             self.outcome.nvme_r2ts += nvme.r2ts;
+            self.outcome.nvme_blocks_checked += nvme.data.checked;
         }
         self.outcome.kv_gets_checked = self
             .clients
@@ -3566,8 +3711,9 @@ impl Run {
                 use native::Opcode::*;
                 const OPCODES: [native::Opcode; 8] =
                     [Read, Write, Flush, Trim, Hello, Register, Bind, Unregister];
-                // 4: the composite namespace, or none.
-                const NAMESPACES: [u32; 4] = [1, 2, 3, 4];
+                // 9: none (the composite namespace, 4, is the NVMe/TCP hosts' private
+                // regions in this mode).
+                const NAMESPACES: [u32; 4] = [1, 2, 3, 9];
                 let opcode = OPCODES[usize::from(opcode % 8)];
                 let namespace_id = NAMESPACES[usize::from(namespace % 4)];
                 let id = self.next_id(index);
@@ -4616,6 +4762,35 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
                     advance(4),
                     nvme(1, 8, 3, 3, 6),
                     nvme(1, 6, 3, 3, 6),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            // NVMe/TCP on a concatenated namespace (two threads, 4 connections each): the I/O
+            // queue is the fifth client (on thread 1), whose
+            // private region (well-formed) crosses the members' boundary at block 1024;
+            // writes in the capsule and on R2T, then reads of them (op 20: an R2T write in
+            // `Mode::Any`, a read in `Mode::WellFormed`), checked against what was written.
+            "nvme-composite",
+            script5(
+                [0xc1, 0, 0, 0, 0x02],
+                vec![
+                    connect(0, 0, 0),
+                    connect(0, 0, 1),
+                    connect(0, 2, 0),
+                    connect(0, NVME, 0),
+                    nvme(0, 0, 0, 0, 3),
+                    advance(4),
+                    connect(1, NVME, 4),
+                    nvme(1, 0, 1, 0, 0),
+                    advance(4),
+                    nvme(1, 6, 1, 3, 28),
+                    nvme(1, 7, 1, 3, 36),
+                    advance(4),
+                    nvme(1, 20, 1, 3, 28),
+                    nvme(1, 20, 1, 3, 32),
+                    nvme(1, 20, 4, 3, 0),
                     advance(9),
                 ],
             ),
