@@ -2434,7 +2434,9 @@ pub struct Outcome {
     /// [`Mode::WellFormed`]: GET answers of private keys checked against the client's model
     /// (value or NOT_FOUND).
     pub kv_gets_checked: u64,
-    /// NVMe/TCP: controller PDUs and completions the hosts parsed, R2Ts they answered.
+    /// NVMe/TCP: connections, controller PDUs and completions the hosts parsed, R2Ts they
+    /// answered.
+    pub nvme_connections: u64,
     pub nvme_pdus: u64,
     pub nvme_completions: u64,
     pub nvme_r2ts: u64,
@@ -3430,6 +3432,7 @@ impl Run {
         self.outcome.responses = self.clients.iter().map(|c| c.responses.headers).sum();
         self.outcome.busy_answers = self.clients.iter().map(|c| c.responses.busy).sum();
         for nvme in self.clients.iter().filter_map(|c| c.nvme.as_ref()) {
+            self.outcome.nvme_connections += 1;
             self.outcome.nvme_pdus += nvme.pdus;
             self.outcome.nvme_completions += nvme.completions;
             self.outcome.nvme_r2ts += nvme.r2ts;

@@ -702,12 +702,41 @@ fn replay() {
             .map(|entry| entry.unwrap_or_else(|e| panic!("{e}")).path())
             .collect();
         files.sort();
+        // How many inputs reach each part of the server the scripts added last.
+        let mut reached = [0usize; 8];
         for file in &files {
             eprintln!("{}", file.display());
             let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-            script::run_mode(&Script::decode(&bytes), mode, false);
+            let script = Script::decode(&bytes);
+            let setup = script.config.decoded();
+            let outcome = script::run_mode(&script, mode, false);
+            for (count, hit) in reached.iter_mut().zip([
+                outcome.nvme_connections > 0,
+                outcome.nvme_pdus > 0,
+                outcome.nvme_completions > 0,
+                outcome.nvme_r2ts > 0,
+                outcome.nvme_blocks_checked > 0,
+                setup.composite.is_some() && outcome.requests_answered > 0,
+                setup.migration,
+                outcome.migrated_reads > 0,
+            ]) {
+                *count += usize::from(hit);
+            }
         }
         eprintln!("{} inputs ran clean", files.len());
+        eprintln!(
+            "NVMe/TCP: {} connected, {} got controller PDUs, {} completions, {} answered R2Ts, \
+             {} read back private blocks; composite namespace: {} with answered requests; \
+             migration: {} set up, {} migrated reads",
+            reached[0],
+            reached[1],
+            reached[2],
+            reached[3],
+            reached[4],
+            reached[5],
+            reached[6],
+            reached[7]
+        );
         return;
     }
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
