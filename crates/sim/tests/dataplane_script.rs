@@ -896,3 +896,40 @@ fn nothing_follows_an_nvme_tcp_term_req() {
     assert_eq!(outcome.nvme_completions, 4, "{outcome:?}");
     assert_eq!(outcome.nvme_pdus, 7, "{outcome:?}");
 }
+
+/// An ICReq in raw bytes (header and data digests on) before the host's own (digests off):
+/// the controller answers the raw one and ends the connection at the second; the host parses
+/// what comes with the digests the ICResp says (a harness check, not a finding).
+#[test]
+fn a_raw_icreq_sets_the_digests_the_host_parses_with() {
+    let mut icreq = vec![0u8; 128];
+    icreq[2] = 128;
+    icreq[4] = 128;
+    icreq[11] = 3;
+    let script = Script {
+        config: Config::default(),
+        steps: vec![
+            Step::Connect {
+                thread: 0,
+                listener: script::NVME_LISTENER as u8,
+                source: 0,
+            },
+            Step::Raw {
+                socket: 0,
+                bytes: icreq,
+            },
+            Step::Nvme {
+                socket: 0,
+                op: 0,
+                a: 0,
+                b: 0,
+                c: 0,
+            },
+            Step::Advance { mode: 9 },
+        ],
+    };
+    let outcome = script::run(&script, true);
+    // ICResp, then the TermReq for the second ICReq.
+    assert_eq!(outcome.nvme_pdus, 2, "{outcome:?}");
+    assert_eq!(outcome.framing_errors, 1, "{outcome:?}");
+}
