@@ -579,7 +579,7 @@ pub enum Step {
         value: u8,
         fill: u8,
     },
-    /// NVMe/TCP PDUs ([`nvme_pdus`]): `op % 12` picks a whole connection setup, an ICReq, a
+    /// NVMe/TCP PDUs (`Run::nvme_pdus`): `op % 12` picks a whole connection setup, an ICReq, a
     /// Connect, a Property Get or Set, an Identify, another admin command, a Read, a Write
     /// with its data in the capsule or sent on R2T, a Flush, Write Zeroes or Dataset
     /// Management, an H2CData PDU of fuzzed fields, or a host TermReq or PDU of a raw type;
@@ -2247,8 +2247,9 @@ impl Run {
             }
             7 | 8 => {
                 // Write of `a` blocks at `c`, FUA by `b` bit 6: its data in the capsule (7),
-                // or sent when the controller's R2T asks for it (8). At most 64 KiB of data
-                // is sent (a longer command's length stays in its fields).
+                // or sent when the controller's R2T asks for it (8). The capsule carries at
+                // most 64 KiB (a longer command's length stays in its fields); an R2T gets
+                // what it asks for, zeroes past the 64 KiB kept.
                 let in_capsule = op == 7;
                 if well_formed {
                     let max_bytes = if in_capsule {
