@@ -934,14 +934,15 @@ fn a_raw_icreq_sets_the_digests_the_host_parses_with() {
     assert_eq!(outcome.framing_errors, 1, "{outcome:?}");
 }
 
-/// Finding 12 (open): `dataplane_protocol`'s input (two threads; an NVMe/TCP admin queue and an
+/// Finding 12: `dataplane_protocol`'s input (two threads; an NVMe/TCP admin queue and an
 /// I/O queue pipelining writes on R2T, in-capsule writes and reads): the controller sent
 /// R2T (CCCID 14, TTAG 0) and R2T (CCCID 15, TTAG 1), the host answered each with one H2CData
 /// of the 4096 bytes asked for, and the controller ended the connection with a C2HTermReq
 /// (FES 2, PDU sequence error) naming the H2CData of CCCID 14, TTAG 0: "H2CData without an R2T
-/// asking for it", with writes 14 and 15 unanswered.
+/// asking for it", with writes 14 and 15 unanswered: the H2CData's header had arrived before
+/// its data, the dataplane decoded it (the frontend counted its data into the transfer), waited
+/// to gather the data, and decoded it again.
 #[test]
-#[ignore = "finding 12: an H2CData answering an R2T the controller sent is refused as out of sequence"]
 fn an_h2c_data_answering_its_r2t_is_accepted() {
     let bytes = include_bytes!("data/finding-12-nvme-h2cdata.bin");
     let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, true);
