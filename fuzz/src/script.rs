@@ -12,7 +12,7 @@
 //! and, for some selector values, raw bytes: the fuzzer gets past the headers at once and
 //! still reaches the validation edges.
 //!
-//! Layout: four configuration bytes ([`Config`]), then steps, each a tag byte (`% 16`) and
+//! Layout: five configuration bytes ([`Config`]), then steps, each a tag byte (`% 17`) and
 //! that step's fixed number of bytes (a [`Step::Raw`] also its bytes). Missing bytes at the
 //! end read as zero. At most [`STEPS_MAX`] steps are decoded.
 //!
@@ -26,7 +26,9 @@
 //!   thread waits with nothing to do and a deadline already passed (its driver would spin);
 //! - every byte a native or original-protocol client receives parses as a stream of valid
 //!   response headers and their payloads (a truncated tail is allowed: the server may abort a
-//!   connection mid-send);
+//!   connection mid-send); every byte an NVMe/TCP host receives parses as controller PDUs
+//!   (ICResp once, with the digests asked for; CapsuleResp, C2HData, R2T, C2HTermReq) with
+//!   correct header and data digests, and nothing follows a C2HTermReq;
 //! - no accepted connection gets a slot whose previous connection's close the driver has not
 //!   taken yet (reflexd's io_uring driver asserts on it);
 //! - after the script, a graceful shutdown (devices still stalled stay stalled) finishes
@@ -44,14 +46,20 @@ use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, Tena
 use reflex_dataplane::{Limits, REQUEST_STATE_COUNT, RequestState};
 use std::num::NonZeroU64;
 
+use reflex_dataplane::frontend::nvme_tcp_targets::NvmeTcpOptions;
 use reflex_flash::Device;
 use reflex_flash::fault::{Delay, DelayPick, FaultControls, FaultDevice, FaultPlan, LbaRange};
 use reflex_flash::mem::MemDevice;
+use reflex_proto::nvme_tcp::command::{
+    self as nvme_command, admin_opcode, cns, fctype, feature, io_opcode, log_page, property, sgl,
+};
+use reflex_proto::nvme_tcp::pdu::{self as nvme_pdu, DataHeader, Digests, Framing, Pdu, PduType};
+use reflex_proto::nvme_tcp::{Command as NvmeCommand, Completion as NvmeCompletion};
 use reflex_proto::{kv, native, nbd, original};
 use reflex_qos::{DeviceProfile, Nanos, QosConfig, TenantSpec};
 use reflex_sim::{
-    EmuSimDevice, FixedDevice, ModelFlash, NetworkModel, SocketId, TlsServer, VirtualExport,
-    VirtualListener, VirtualServer, VirtualServerError, VirtualServerSetup,
+    EmuSimDevice, FixedDevice, ModelFlash, NetworkModel, NvmeTcpListener, SocketId, TlsServer,
+    VirtualExport, VirtualListener, VirtualServer, VirtualServerError, VirtualServerSetup,
 };
 
 /// Steps decoded from one input at most.
@@ -90,7 +98,7 @@ pub fn tenant_handle(selector: u8) -> u64 {
 }
 
 /// Bytes of the configuration prefix.
-pub const CONFIG_BYTES: usize = 4;
+pub const CONFIG_BYTES: usize = 5;
 
 /// The namespaces every run serves, by index: a memory device with a QoS profile and two
 /// configured tenants, a model device (emulated Flash or fixed latency) without a profile,
@@ -112,8 +120,33 @@ pub const KV_NAMESPACE_INDEX: u16 = 3;
 /// the plan makes it synchronous).
 pub const KV_DELAY: Nanos = Nanos(20_000);
 
+/// The composite namespace's id when the configuration asks for one (the native requests'
+/// namespace selector 4 and NVMe/TCP NSID 4 name it; without it, nothing does), and its two
+/// members' (each a memory device of [`MEMBER_BYTES`] behind its own fault wrapper).
+pub const COMPOSITE_ID: u32 = 4;
+pub const MEMBER_IDS: [u32; 2] = [6, 7];
+const MEMBER_BYTES: u64 = 512 << 10;
+/// The composite namespace's slot: after the four namespaces and the two members.
+pub const COMPOSITE_INDEX: u16 = 6;
+
+/// The NVMe/TCP listener's index and its subsystem, which serves namespaces 1, 2, 3 (read
+/// only) and the composite namespace when there is one, by their ids as NSIDs.
+pub const NVME_LISTENER: usize = 7;
+pub const NVME_NQN: &str = "nqn.2026-01.io.reflex:fuzz";
+/// Host NQNs by selector: allowed and charged to `lc` (namespace 1's tenant), allowed with
+/// each namespace's default tenant, not allowed (the subsystem lists its hosts).
+pub const NVME_HOSTS: [&str; 3] = [
+    "nqn.2014-08.org.nvmexpress:uuid:fuzz-lc",
+    "nqn.2014-08.org.nvmexpress:uuid:fuzz-be",
+    "nqn.2014-08.org.nvmexpress:uuid:stranger",
+];
+
 /// The listeners of every thread, by index.
-pub fn listeners() -> Vec<VirtualListener> {
+pub fn listeners(setup: &Setup) -> Vec<VirtualListener> {
+    let mut nvme_namespaces = vec![0, 1, 2];
+    if setup.composite.is_some() {
+        nvme_namespaces.push(COMPOSITE_INDEX);
+    }
     vec![
         VirtualListener::Native,
         VirtualListener::Original {
@@ -138,6 +171,16 @@ pub fn listeners() -> Vec<VirtualListener> {
             namespace_index: KV_NAMESPACE_INDEX,
             tenant: None,
         },
+        VirtualListener::NvmeTcp(NvmeTcpListener {
+            subsystem_nqn: NVME_NQN.into(),
+            namespace_indices: nvme_namespaces,
+            allow_any_host: false,
+            hosts: vec![
+                (NVME_HOSTS[0].into(), Some("lc".into())),
+                (NVME_HOSTS[1].into(), None),
+            ],
+            options: setup.nvme_options.clone(),
+        }),
     ]
 }
 
@@ -345,6 +388,13 @@ pub struct Setup {
     /// The fairness stage in front of the device (fair share, 2 best-effort requests at the
     /// device per thread, at most 8 held), so that requests wait in it.
     pub fairness: bool,
+    /// A composite namespace ([`COMPOSITE_ID`]) over the two members: its spec text.
+    pub composite: Option<&'static str>,
+    /// Inter-core migration of reads between the two threads (the fairness stage in `fifo`
+    /// with migration of every flow, no imbalance gate, 4 reads in transit per pair).
+    pub migration: bool,
+    /// The NVMe/TCP transport's settings (keep-alive minimum, R2T timeout).
+    pub nvme_options: NvmeTcpOptions,
 }
 
 impl Config {
@@ -360,9 +410,12 @@ impl Config {
     /// socket buffer (2 bits: 64 KiB, 4 KiB, 16 KiB, 1 MiB), the tenant queue depth (2 bits:
     /// 1024, 1, 2, 4), requests queued in a thread's schedulers (2 bits: 64, 2, 8, 32), tenants
     /// per namespace (16, 4), the fairness stage on. All zero is a plain single-thread server
-    /// without timeouts. (The QoS tables are small so that a run starts quickly.)
+    /// without timeouts. (The QoS tables are small so that a run starts quickly.) Byte 4:
+    /// a composite namespace over the two members (2 bits: none, `stripe:4K`, `concat`,
+    /// `stripe:64K`), inter-core migration (two threads whatever byte 0 says), NVMe/TCP's
+    /// keep-alive minimum 100 ms instead of 1 s, its R2T timeout 300 ms instead of 30 s.
     pub fn decoded(&self) -> Setup {
-        let [a, b, c, d] = self.0;
+        let [a, b, c, d, e] = self.0;
         let bit = |byte: u8, index: u8| byte >> index & 1 == 1;
         let two = |byte: u8, index: u8| usize::from(byte >> index & 3);
         let short = |on: bool, ms: u64| on.then_some(Nanos::from_millis(ms));
@@ -391,8 +444,9 @@ impl Config {
             device_in_flight_max: [1024, 1, 2, 8][two(c, 4)],
             park_after: short(bit(c, 7), 50),
         };
+        let migration = bit(e, 2);
         Setup {
-            threads: if bit(a, 0) { 2 } else { 1 },
+            threads: if bit(a, 0) || migration { 2 } else { 1 },
             network: NetworkModel {
                 latency: if bit(a, 1) {
                     Nanos(20_000)
@@ -410,6 +464,18 @@ impl Config {
             emulated: !bit(a, 3),
             model_queue_depth: 4,
             fairness: bit(d, 7),
+            composite: [
+                None,
+                Some("stripe:4K:6,7"),
+                Some("concat:6,7"),
+                Some("stripe:64K:6,7"),
+            ][two(e, 0)],
+            migration,
+            nvme_options: NvmeTcpOptions {
+                keep_alive_timeout_min: Nanos::from_millis(if bit(e, 3) { 100 } else { 1_000 }),
+                r2t_timeout: Nanos::from_millis(if bit(e, 4) { 300 } else { 30_000 }),
+                ..NvmeTcpOptions::default()
+            },
         }
     }
 }
@@ -513,6 +579,18 @@ pub enum Step {
         value: u8,
         fill: u8,
     },
+    /// NVMe/TCP PDUs (`Run::nvme_pdus`): `op % 12` picks a whole connection setup, an ICReq, a
+    /// Connect, a Property Get or Set, an Identify, another admin command, a Read, a Write
+    /// with its data in the capsule or sent on R2T, a Flush, Write Zeroes or Dataset
+    /// Management, an H2CData PDU of fuzzed fields, or a host TermReq or PDU of a raw type;
+    /// `a`, `b` and `c` are its fields' selectors.
+    Nvme {
+        socket: u8,
+        op: u8,
+        a: u8,
+        b: u8,
+        c: u16,
+    },
 }
 
 /// A whole input: configuration and steps.
@@ -521,6 +599,9 @@ pub struct Script {
     pub config: Config,
     pub steps: Vec<Step>,
 }
+
+/// Step tags: a tag byte is taken modulo this.
+pub const STEP_TAGS: u8 = 17;
 
 struct Reader<'a> {
     bytes: &'a [u8],
@@ -554,7 +635,13 @@ impl Script {
     /// Decodes any bytes (never fails; missing bytes read as zero).
     pub fn decode(bytes: &[u8]) -> Script {
         let mut reader = Reader { bytes, position: 0 };
-        let config = Config([reader.u8(), reader.u8(), reader.u8(), reader.u8()]);
+        let config = Config([
+            reader.u8(),
+            reader.u8(),
+            reader.u8(),
+            reader.u8(),
+            reader.u8(),
+        ]);
         let mut steps = Vec::new();
         while !reader.is_empty() && steps.len() < STEPS_MAX {
             steps.push(Step::decode(&mut reader));
@@ -574,7 +661,7 @@ impl Script {
 
 impl Step {
     fn decode(r: &mut Reader<'_>) -> Step {
-        match r.u8() % 16 {
+        match r.u8() % STEP_TAGS {
             0 => Step::Connect {
                 thread: r.u8(),
                 listener: r.u8(),
@@ -655,6 +742,13 @@ impl Step {
                 key: r.u8(),
                 value: r.u8(),
                 fill: r.u8(),
+            },
+            16 => Step::Nvme {
+                socket: r.u8(),
+                op: r.u8(),
+                a: r.u8(),
+                b: r.u8(),
+                c: r.u16(),
             },
             _ => Step::Shutdown,
         }
@@ -748,6 +842,16 @@ impl Step {
                 value,
                 fill,
             } => out.extend([15, *socket, *opcode, *id, *key, *value, *fill]),
+            Step::Nvme {
+                socket,
+                op,
+                a,
+                b,
+                c,
+            } => {
+                out.extend([16, *socket, *op, *a, *b]);
+                out.extend(c.to_le_bytes());
+            }
         }
     }
 }
@@ -1291,6 +1395,1023 @@ pub fn fault(plan: &mut FaultPlan, kind: u8, a: u8, b: u8) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// NVMe/TCP.
+
+/// NSIDs by selector (`% 7`): the subsystem's four (4: the composite namespace, unknown
+/// without one), 0, the broadcast NSID, one no subsystem has.
+pub const NVME_NSIDS: [u32; 7] = [1, 2, 3, 4, 0, u32::MAX, 9];
+
+/// Blocks of an NVMe/TCP command: 8 interesting counts for selectors below 8 (one more than
+/// a 1 MiB transfer of 512-byte blocks, the largest count), else the selector itself.
+pub fn nvme_blocks(selector: u8) -> u32 {
+    const BLOCKS: [u32; 8] = [1, 8, 2, 3, 256, 2048, 2049, 0x1_0000];
+    BLOCKS
+        .get(usize::from(selector))
+        .copied()
+        .unwrap_or(u32::from(selector))
+}
+
+/// The CC value that enables a controller (I/O queue entry sizes 64 and 16 bytes).
+pub const NVME_CC_ENABLE: u32 =
+    property::CC_EN | (6 << property::CC_IOSQES_SHIFT) | (4 << property::CC_IOCQES_SHIFT);
+
+/// A CapsuleCmd PDU: `command` and its in-capsule `data`, with the host's framing.
+pub fn nvme_capsule(framing: &Framing, command: &NvmeCommand, data: &[u8]) -> Vec<u8> {
+    let header = framing.capsule_cmd(&command.0, data.len() as u32);
+    let mut out = header.as_bytes().to_vec();
+    if !data.is_empty() {
+        out.extend_from_slice(data);
+        if framing.digests.data {
+            out.extend(nvme_pdu::crc32c(data).to_le_bytes());
+        }
+    }
+    out
+}
+
+/// An H2CData PDU with `data`.
+pub fn nvme_h2c_data(framing: &Framing, header: DataHeader, last: bool, data: &[u8]) -> Vec<u8> {
+    let flags = if last { nvme_pdu::flags::LAST_PDU } else { 0 };
+    let header_bytes = framing.data_pdu(PduType::H2cData, flags, header);
+    let mut out = header_bytes.as_bytes().to_vec();
+    if !data.is_empty() {
+        out.extend_from_slice(data);
+        if framing.digests.data {
+            out.extend(nvme_pdu::crc32c(data).to_le_bytes());
+        }
+    }
+    out
+}
+
+/// An ICReq: `digests` bits 0–1 (header, data), HPDA, and a PDU format version.
+pub fn nvme_ic_req(digests: Digests, hpda: u8, pfv: u16, maxr2t: u32) -> Vec<u8> {
+    nvme_pdu::encode_ic_req(&nvme_pdu::IcReq {
+        pfv,
+        hpda,
+        digests,
+        maxr2t,
+    })
+    .to_vec()
+}
+
+/// A Connect's fields: the queue, its size (0's based), CATTR, KATO, and its data's
+/// controller id and NQNs.
+pub struct NvmeConnect<'a> {
+    pub qid: u16,
+    pub sqsize: u16,
+    pub cattr: u8,
+    pub kato_ms: u32,
+    pub cntlid: u16,
+    pub subsystem_nqn: &'a str,
+    pub host_nqn: &'a str,
+}
+
+/// A Connect and its 1024 bytes of data (in the capsule).
+pub fn nvme_connect(framing: &Framing, cid: u16, connect: &NvmeConnect<'_>) -> Vec<u8> {
+    let data = nvme_command::ConnectData {
+        host_id: [0x5a; 16],
+        cntlid: connect.cntlid,
+        subsystem_nqn: connect.subsystem_nqn.into(),
+        host_nqn: connect.host_nqn.into(),
+    }
+    .encode();
+    let mut command = NvmeCommand::connect_command(
+        cid,
+        connect.qid,
+        connect.sqsize,
+        connect.cattr,
+        connect.kato_ms,
+    );
+    command.set_sgl(nvme_command::SglDescriptor {
+        address: 0,
+        length: data.len() as u32,
+        identifier: sgl::DATA_BLOCK_OFFSET,
+    });
+    nvme_capsule(framing, &command, &data)
+}
+
+/// A command whose data the controller sends (or asks for by R2T): a transport SGL of
+/// `length` bytes.
+fn nvme_transport_sgl(command: &mut NvmeCommand, length: u32) {
+    command.set_sgl(nvme_command::SglDescriptor {
+        address: 0,
+        length,
+        identifier: sgl::TRANSPORT_DATA_BLOCK,
+    });
+}
+
+/// An admin command: `opcode`, `nsid`, CDW10 and CDW11, and a transport SGL of `length`.
+fn nvme_admin(opcode: u8, cid: u16, nsid: u32, cdw10: u32, cdw11: u32, length: u32) -> NvmeCommand {
+    let mut command = NvmeCommand::zeroed();
+    command
+        .set_opcode(opcode)
+        .set_cid(cid)
+        .set_nsid(nsid)
+        .set_cdw(10, cdw10)
+        .set_cdw(11, cdw11);
+    if length > 0 {
+        nvme_transport_sgl(&mut command, length);
+    }
+    command
+}
+
+/// What an NVMe/TCP command does to a well-formed host's private blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NvmeEffect {
+    Read,
+    /// Every block written with this byte (Write Zeroes: 0).
+    Write(u8),
+    /// Deallocated: unknown from now on.
+    Unknown,
+}
+
+/// Blocks of a well-formed host's private region on the composite namespace, from
+/// [`nvme_region`]: only this host's I/O queue writes them, so what it reads back must be
+/// what it last wrote (zeroes before).
+pub const NVME_REGION_BLOCKS: u64 = 128;
+
+/// The first block of client `index`'s private region on the composite namespace (1 MiB,
+/// 512-byte blocks): regions 240 blocks apart, so that client 4's crosses the middle (the
+/// `concat` members' boundary) and every one crosses 4 KiB stripes, client 0's a 64 KiB one.
+pub fn nvme_region(index: usize) -> u64 {
+    32 + 240 * (index as u64 % 8)
+}
+
+/// A well-formed host's model of its private blocks (by block number).
+#[derive(Default)]
+struct NvmeData {
+    /// The byte every byte of a written block holds; absent: never written (zeroes).
+    fills: std::collections::HashMap<u64, u8>,
+    unknown: std::collections::HashSet<u64>,
+    /// Writes in flight: cid → first block, blocks, byte (`None`: unknown once answered).
+    writes: BTreeMap<u16, (u64, u32, Option<u8>)>,
+    /// Reads in flight: cid → the byte each block must hold (`None`: not checked).
+    reads: BTreeMap<u16, Vec<Option<u8>>>,
+    /// Blocks read back and compared.
+    checked: u64,
+}
+
+impl NvmeData {
+    fn track(&mut self, cid: u16, first: u64, blocks: u32, effect: NvmeEffect) {
+        let range = first..first + u64::from(blocks);
+        match effect {
+            NvmeEffect::Read => {
+                let expected = range
+                    .map(|block| {
+                        let written = self.writes.values().any(|&(start, count, _)| {
+                            (start..start + u64::from(count)).contains(&block)
+                        });
+                        (!written && !self.unknown.contains(&block))
+                            .then(|| self.fills.get(&block).copied().unwrap_or(0))
+                    })
+                    .collect();
+                self.reads.insert(cid, expected);
+            }
+            NvmeEffect::Write(fill) => {
+                self.writes.insert(cid, (first, blocks, Some(fill)));
+            }
+            NvmeEffect::Unknown => {
+                self.writes.insert(cid, (first, blocks, None));
+            }
+        }
+    }
+
+    /// A read's data at `offset` bytes into it.
+    fn check(&mut self, cid: u16, offset: usize, data: &[u8]) {
+        let Some(expected) = self.reads.get(&cid) else {
+            return;
+        };
+        for (at, byte) in data.iter().enumerate() {
+            let block = (offset + at) / 512;
+            if let Some(Some(fill)) = expected.get(block) {
+                assert_eq!(
+                    byte,
+                    fill,
+                    "NVMe/TCP read {cid} of a private block returned another byte than its last \
+                     write's at block {block} of the read (byte {})",
+                    offset + at
+                );
+            }
+        }
+        self.checked += (data.len() / 512) as u64;
+    }
+
+    fn completed(&mut self, cid: u16, ok: bool) {
+        self.reads.remove(&cid);
+        if let Some((first, blocks, fill)) = self.writes.remove(&cid) {
+            for block in first..first + u64::from(blocks) {
+                match (ok, fill) {
+                    (true, Some(fill)) => {
+                        self.unknown.remove(&block);
+                        self.fills.insert(block, fill);
+                    }
+                    _ => {
+                        self.fills.remove(&block);
+                        self.unknown.insert(block);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A client's NVMe/TCP connection: what it negotiated, the controller's PDUs parsed (every
+/// one must decode, with correct digests, and be one a controller sends), R2Ts answered
+/// with the data of their writes, and what its admin queue learned (the controller's id).
+#[derive(Default)]
+struct NvmeClient {
+    /// The digests its first ICReq asked for (its PDUs use them from then on).
+    digests: Option<Digests>,
+    /// The controller's, once its ICResp arrived.
+    controller_digests: Option<Digests>,
+    maxh2cdata: u32,
+    /// The start of a PDU not received whole.
+    pending: Vec<u8>,
+    /// A C2HTermReq arrived: the controller sends nothing more.
+    terminated: bool,
+    next_cid: u16,
+    /// Writes whose data goes on R2T: cid → data.
+    r2t_data: BTreeMap<u16, Vec<u8>>,
+    /// The queue its Connect asked for (`None`: no Connect sent).
+    qid: Option<u16>,
+    /// Admin queue: its Connect, the Property Set enabling the controller and the Set
+    /// Features asking for I/O queues, while in flight.
+    connect_cid: Option<u16>,
+    enable_cid: Option<u16>,
+    queues_cid: Option<u16>,
+    /// Admin queue: the controller's id once its Connect succeeded, whether it is enabled,
+    /// the I/O queues granted and the next one to connect.
+    cntlid: Option<u16>,
+    enabled: bool,
+    granted: u16,
+    next_qid: u16,
+    /// PDUs and completions received.
+    pdus: u64,
+    completions: u64,
+    /// R2Ts answered with data.
+    r2ts: u64,
+    /// A well-formed host's private blocks on the composite namespace.
+    data: NvmeData,
+    /// A [`Mode::WellFormed`] host: only its own PDUs reach the controller.
+    well_formed: bool,
+}
+
+impl NvmeClient {
+    fn framing(&self) -> Framing {
+        Framing {
+            digests: self.digests.unwrap_or(Digests::NONE),
+            data_alignment: 4,
+        }
+    }
+
+    fn next_cid(&mut self) -> u16 {
+        self.next_cid = self.next_cid.wrapping_add(1);
+        if self.next_cid == u16::MAX {
+            self.next_cid = 1;
+        }
+        self.next_cid
+    }
+
+    /// Parses the controller's bytes: returns the H2CData PDUs answering its R2Ts, and puts
+    /// each completion in `completions`. Panics on a PDU a controller must not send.
+    fn feed(&mut self, input: &[u8], completions: &mut Vec<NvmeCompletion>) -> Vec<u8> {
+        let mut out = Vec::new();
+        if input.is_empty() {
+            return out;
+        }
+        assert!(
+            !self.terminated,
+            "an NVMe/TCP controller sent {} bytes after its C2HTermReq",
+            input.len()
+        );
+        self.pending.extend_from_slice(input);
+        let mut start = 0;
+        while !self.terminated {
+            let rest = &self.pending[start..];
+            let digests = self.controller_digests.unwrap_or(Digests::NONE);
+            let decoded = match nvme_pdu::decode_header(rest, digests) {
+                Ok(Some(decoded)) => decoded,
+                Ok(None) => break,
+                Err(e) => panic!(
+                    "an NVMe/TCP client received a broken PDU: {e:?} in {:02x?}",
+                    &rest[..rest.len().min(64)]
+                ),
+            };
+            if rest.len() < decoded.total_bytes {
+                break;
+            }
+            if let Some(span) = decoded.data
+                && span.digest
+            {
+                let data = &rest[span.offset..span.offset + span.length as usize];
+                let end = span.offset + span.length as usize;
+                let sent =
+                    u32::from_le_bytes([rest[end], rest[end + 1], rest[end + 2], rest[end + 3]]);
+                assert_eq!(
+                    nvme_pdu::crc32c(data),
+                    sent,
+                    "an NVMe/TCP controller's data digest is wrong: {:?}",
+                    decoded.pdu
+                );
+            }
+            self.pdus += 1;
+            match decoded.pdu {
+                Pdu::IcResp(response) => {
+                    assert!(
+                        self.controller_digests.is_none(),
+                        "a second ICResp on one connection"
+                    );
+                    // Only a well-formed host's ICReq is surely the one answered (raw bytes
+                    // may carry another).
+                    if self.well_formed {
+                        assert_eq!(
+                            Some(response.digests),
+                            self.digests,
+                            "ICResp's digests are not the ICReq's"
+                        );
+                    }
+                    self.controller_digests = Some(response.digests);
+                    self.maxh2cdata = response.maxh2cdata;
+                }
+                Pdu::C2hTermReq(_) => self.terminated = true,
+                Pdu::CapsuleResp(cqe) => {
+                    self.completions += 1;
+                    completions.push(NvmeCompletion::from_bytes(&cqe));
+                }
+                Pdu::C2hData(header) => {
+                    if let Some(span) = decoded.data {
+                        let data = &rest[span.offset..span.offset + span.length as usize];
+                        self.data.check(header.cccid, header.offset as usize, data);
+                    }
+                    if decoded.flags & nvme_pdu::flags::SUCCESS != 0 {
+                        assert!(
+                            decoded.flags & nvme_pdu::flags::LAST_PDU != 0,
+                            "C2HData with SUCCESS but not LAST_PDU"
+                        );
+                        self.completions += 1;
+                        completions.push(NvmeCompletion::new(
+                            header.cccid,
+                            reflex_proto::nvme_tcp::Status::SUCCESS,
+                        ));
+                    }
+                }
+                Pdu::R2t(header) => {
+                    let framing = self.framing();
+                    if let Some(data) = self.r2t_data.get(&header.cccid) {
+                        self.r2ts += 1;
+                        let chunk_max = self.maxh2cdata.max(nvme_pdu::MAXH2CDATA_MIN) as usize;
+                        let (start, end) = (
+                            header.offset as usize,
+                            (header.offset as usize).saturating_add(header.length as usize),
+                        );
+                        let mut at = start;
+                        while at < end {
+                            let next = (at + chunk_max).min(end);
+                            let mut piece = data
+                                .get(at.min(data.len())..next.min(data.len()))
+                                .unwrap_or(&[])
+                                .to_vec();
+                            piece.resize(next - at, 0);
+                            out.extend(nvme_h2c_data(
+                                &framing,
+                                DataHeader {
+                                    cccid: header.cccid,
+                                    ttag: header.ttag,
+                                    offset: at as u32,
+                                    length: piece.len() as u32,
+                                },
+                                next == end,
+                                &piece,
+                            ));
+                            at = next;
+                        }
+                    }
+                }
+                other => panic!("an NVMe/TCP controller sent a host's PDU: {other:?}"),
+            }
+            start += decoded.total_bytes;
+        }
+        self.pending.drain(..start);
+        for completion in completions.iter() {
+            let cid = completion.cid;
+            let ok = completion.status.is_success();
+            self.r2t_data.remove(&cid);
+            self.data.completed(cid, ok);
+            if self.connect_cid == Some(cid) {
+                self.connect_cid = None;
+                if ok && self.qid == Some(0) {
+                    self.cntlid = Some(completion.dw0 as u16);
+                }
+            }
+            if self.enable_cid == Some(cid) {
+                self.enable_cid = None;
+                self.enabled = ok;
+            }
+            if self.queues_cid == Some(cid) {
+                self.queues_cid = None;
+                if ok {
+                    let granted = (completion.dw0 & 0xffff).min(completion.dw0 >> 16) + 1;
+                    self.granted = granted.min(u32::from(u16::MAX)) as u16;
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Run {
+    /// The block size of the namespace an NSID names (512 when there is none).
+    fn nvme_block_bytes(&self, nsid: u32) -> u32 {
+        let namespaces = self.server.namespaces();
+        namespaces
+            .index_of(nsid)
+            .map_or(512, |index| namespaces.info(index).block_size.max(512))
+    }
+
+    /// An admin queue that may take another I/O queue: its client and controller id
+    /// (`selector` picks among them; with `ready`, only enabled controllers with a queue
+    /// left, whose next queue is taken).
+    fn nvme_controller(&mut self, selector: u8, ready: bool) -> Option<(u16, u16)> {
+        let candidates: Vec<usize> = (0..self.clients.len())
+            .filter(|&index| {
+                let client = &self.clients[index];
+                let Some(nvme) = client.nvme.as_ref() else {
+                    return false;
+                };
+                nvme.cntlid.is_some()
+                    && (!ready
+                        || (nvme.enabled
+                            && nvme.next_qid < nvme.granted
+                            && !self.server.is_server_closed(client.socket)))
+            })
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let index = candidates[usize::from(selector) % candidates.len()];
+        let nvme = self.clients[index].nvme.as_mut()?;
+        let qid = nvme.next_qid + 1;
+        if ready {
+            nvme.next_qid += 1;
+        }
+        Some((nvme.cntlid?, qid))
+    }
+
+    /// Sends an NVMe/TCP client's PDUs: as any client would in [`Mode::Any`], as a request
+    /// answered by command `cid` in [`Mode::WellFormed`].
+    fn nvme_send(&mut self, index: usize, bytes: Vec<u8>, cid: Option<u16>) {
+        if self.clients[index].oracle.is_some() {
+            match cid {
+                Some(cid) => {
+                    self.send_request(index, bytes, u64::from(cid), 0);
+                }
+                None => {
+                    if self.outcome.bytes_sent + bytes.len() <= SEND_BYTES_MAX {
+                        self.outcome.bytes_sent += bytes.len();
+                        self.transmit(index, &bytes);
+                    }
+                }
+            }
+        } else {
+            self.send_index(index, &bytes);
+        }
+    }
+
+    /// The first steps of an NVMe/TCP host: ICReq with `digests`, then an admin queue's
+    /// Connect (KATO `kato_ms`, host [`NVME_HOSTS`]`[host]`), Property Set enabling the
+    /// controller and Set Features asking for `queues` I/O queues; or, given a controller, an
+    /// I/O queue's Connect.
+    fn nvme_go(
+        &mut self,
+        index: usize,
+        digests: Digests,
+        io_queue: Option<(u16, u16)>,
+        kato_ms: u32,
+        host: usize,
+        queues: u16,
+    ) {
+        let Some(nvme) = self.clients[index].nvme.as_mut() else {
+            return;
+        };
+        if nvme.digests.is_none() {
+            nvme.digests = Some(digests);
+        }
+        let ic = nvme_ic_req(digests, 0, 0, 0);
+        self.nvme_send(index, ic, None);
+        let Some(nvme) = self.clients[index].nvme.as_mut() else {
+            return;
+        };
+        let framing = nvme.framing();
+        let host_nqn = NVME_HOSTS[host % NVME_HOSTS.len()];
+        let cid = nvme.next_cid();
+        nvme.connect_cid = Some(cid);
+        match io_queue {
+            Some((cntlid, qid)) => {
+                nvme.qid = Some(qid);
+                let bytes = nvme_connect(
+                    &framing,
+                    cid,
+                    &NvmeConnect {
+                        qid,
+                        sqsize: 31,
+                        cattr: 0,
+                        kato_ms: 0,
+                        cntlid,
+                        subsystem_nqn: NVME_NQN,
+                        host_nqn,
+                    },
+                );
+                self.nvme_send(index, bytes, Some(cid));
+            }
+            None => {
+                nvme.qid = Some(0);
+                let connect = nvme_connect(
+                    &framing,
+                    cid,
+                    &NvmeConnect {
+                        qid: 0,
+                        sqsize: 31,
+                        cattr: 0,
+                        kato_ms,
+                        cntlid: nvme_command::CNTLID_DYNAMIC,
+                        subsystem_nqn: NVME_NQN,
+                        host_nqn,
+                    },
+                );
+                let enable_cid = nvme.next_cid();
+                nvme.enable_cid = Some(enable_cid);
+                let enable = nvme_capsule(
+                    &framing,
+                    &NvmeCommand::property(
+                        enable_cid,
+                        property::CC,
+                        false,
+                        Some(u64::from(NVME_CC_ENABLE)),
+                    ),
+                    &[],
+                );
+                let queues_cid = nvme.next_cid();
+                nvme.queues_cid = Some(queues_cid);
+                let count = u32::from(queues.max(1) - 1);
+                let set_queues = nvme_capsule(
+                    &framing,
+                    &nvme_admin(
+                        admin_opcode::SET_FEATURES,
+                        queues_cid,
+                        0,
+                        u32::from(feature::NUMBER_OF_QUEUES),
+                        count | (count << 16),
+                        0,
+                    ),
+                    &[],
+                );
+                self.nvme_send(index, connect, Some(cid));
+                self.nvme_send(index, enable, Some(enable_cid));
+                self.nvme_send(index, set_queues, Some(queues_cid));
+            }
+        }
+    }
+
+    /// An NVMe/TCP step ([`Step::Nvme`]) on client `index`; `well_formed` keeps to what a
+    /// correct host sends on its queue (admin commands on the admin queue, I/O on an I/O
+    /// queue, valid framing and data) with commands it expects one answer to.
+    fn nvme_pdus(&mut self, index: usize, op: u8, a: u8, b: u8, c: u16, well_formed: bool) {
+        let Some(nvme) = self.clients[index].nvme.as_ref() else {
+            return;
+        };
+        let qid = nvme.qid;
+        let framing = nvme.framing();
+        if well_formed {
+            // Connected at once by connect_well_formed; a well-formed host keeps within its
+            // queue's 32 entries.
+            let in_flight = self.clients[index]
+                .oracle
+                .as_ref()
+                .map_or(0, |oracle| oracle.outstanding.len());
+            if qid.is_none() || in_flight >= 30 {
+                return;
+            }
+        }
+        let nsid = NVME_NSIDS[usize::from(b % if well_formed { 4 } else { 7 })];
+        let block_bytes = self.nvme_block_bytes(nsid);
+        let Some(nvme) = self.clients[index].nvme.as_mut() else {
+            return;
+        };
+        let cid = nvme.next_cid();
+        let op = if well_formed {
+            // Admin queue: Identify, Property Get, Get Log Page, Get Features, Keep Alive.
+            // I/O queue: Read, Write in the capsule or on R2T, Flush, Write Zeroes or DSM.
+            if qid == Some(0) {
+                [4, 3, 5, 5, 5][usize::from(op % 5)]
+            } else {
+                [6, 7, 8, 9, 9][usize::from(op % 5)]
+            }
+        } else {
+            op % 12
+        };
+        let mut slba = offset_bytes(c) / u64::from(block_bytes);
+        let mut blocks = nvme_blocks(a);
+        // A well-formed host's I/O on the composite namespace stays in its private region
+        // (at most 8 blocks at a time), where what it reads back is checked.
+        let tracked = well_formed
+            && qid != Some(0)
+            && nsid == COMPOSITE_ID
+            && self.setup.composite.is_some()
+            && block_bytes == 512;
+        if tracked {
+            slba = nvme_region(index) + u64::from(c) % (NVME_REGION_BLOCKS - 8);
+            blocks = blocks.clamp(1, 8);
+        }
+        let mut effect: Option<(u64, u32, NvmeEffect)> = None;
+        let bytes = match op {
+            0 => {
+                // A whole setup: `a` bit 0 an I/O queue of a controller some admin queue
+                // connected, bits 1–2 the digests; `b` the host and KATO.
+                let digests = Digests::from_byte(a >> 1);
+                let io_queue = if a & 1 == 1 {
+                    self.nvme_controller(b, false)
+                } else {
+                    None
+                };
+                let kato_ms = [0, 500, 5_000, 100][usize::from(b >> 2 & 3)];
+                self.nvme_go(
+                    index,
+                    digests,
+                    io_queue,
+                    kato_ms,
+                    usize::from(b >> 4),
+                    c % 8 + 1,
+                );
+                return;
+            }
+            1 => {
+                // ICReq: `a` bits 0–1 digests, 2–6 HPDA, 7 a PDU format version of 1.
+                let digests = Digests::from_byte(a);
+                if nvme.digests.is_none() {
+                    nvme.digests = Some(digests);
+                }
+                let bytes = nvme_ic_req(digests, (a >> 2) & 0x1f, u16::from(a >> 7), u32::from(b));
+                self.nvme_send(index, bytes, None);
+                return;
+            }
+            2 => {
+                // Connect: `a` the queue (0, a learned controller's next, 1, 65535) and its
+                // size; `b` the subsystem, host, KATO and flow control.
+                let learned = self.nvme_controller(b, false);
+                let Some(nvme) = self.clients[index].nvme.as_mut() else {
+                    return;
+                };
+                let (cntlid, qid) = match a % 4 {
+                    0 => (nvme_command::CNTLID_DYNAMIC, 0),
+                    1 => learned.unwrap_or((1, 1)),
+                    2 => (learned.map_or(c, |(cntlid, _)| cntlid), 1),
+                    _ => (c, u16::MAX),
+                };
+                nvme.qid = Some(qid);
+                nvme.connect_cid = Some(cid);
+                let sqsize = [31, 0, 127, u16::MAX][usize::from(a >> 2 & 3)];
+                let subsystem =
+                    [NVME_NQN, nvme_command::DISCOVERY_NQN, "nqn.nope", ""][usize::from(b & 3)];
+                let host = NVME_HOSTS[usize::from(b >> 2 & 3) % NVME_HOSTS.len()];
+                let cattr = if b & 0x10 != 0 {
+                    nvme_command::CATTR_DISABLE_SQ_FLOW_CONTROL
+                } else {
+                    0
+                };
+                let kato_ms = [0, 100, 5_000, 60_000][usize::from(b >> 5 & 3)];
+                nvme_connect(
+                    &framing,
+                    cid,
+                    &NvmeConnect {
+                        qid,
+                        sqsize,
+                        cattr,
+                        kato_ms,
+                        cntlid,
+                        subsystem_nqn: subsystem,
+                        host_nqn: host,
+                    },
+                )
+            }
+            3 => {
+                // Property Get or Set (`a` bit 3): CAP, VS, CC, CSTS, NSSR or a raw offset;
+                // Set's value: enable, disable, shut down, raw.
+                const OFFSETS: [u32; 6] = [
+                    property::CAP,
+                    property::VS,
+                    property::CC,
+                    property::CSTS,
+                    property::NSSR,
+                    0x30,
+                ];
+                let offset = if well_formed {
+                    OFFSETS[usize::from(a % 4)]
+                } else {
+                    OFFSETS[usize::from(a % 6)]
+                };
+                let value = match (a >> 3 & 1 == 1 && !well_formed, a >> 4 & 3) {
+                    (false, _) => None,
+                    (true, 0) => Some(u64::from(NVME_CC_ENABLE)),
+                    (true, 1) => Some(0),
+                    (true, 2) => Some(u64::from(NVME_CC_ENABLE | (1 << property::CC_SHN_SHIFT))),
+                    (true, _) => Some(u64::from(c)),
+                };
+                if value.is_some() && offset == property::CC {
+                    nvme.enable_cid = Some(cid);
+                }
+                let eight = offset == property::CAP || a & 0x40 != 0;
+                nvme_capsule(
+                    &framing,
+                    &NvmeCommand::property(cid, offset, eight, value),
+                    &[],
+                )
+            }
+            4 => {
+                // Identify: the namespace, the controller, the active namespaces, the
+                // namespace descriptors, or a raw CNS; the transfer 4096 bytes or raw.
+                const CNS: [u8; 4] = [
+                    cns::NAMESPACE,
+                    cns::CONTROLLER,
+                    cns::ACTIVE_NAMESPACES,
+                    cns::NAMESPACE_DESCRIPTORS,
+                ];
+                let cns = if a < 0xf0 || well_formed {
+                    CNS[usize::from(a % 4)]
+                } else {
+                    a & 0x1f
+                };
+                let length = if well_formed || c < 0xf000 {
+                    4096
+                } else {
+                    u32::from(c & 0x1fff)
+                };
+                let command =
+                    nvme_admin(admin_opcode::IDENTIFY, cid, nsid, u32::from(cns), 0, length);
+                nvme_capsule(&framing, &command, &[])
+            }
+            5 => {
+                // Other admin commands by `a % 8`: Get Log Page, Get Features, Keep Alive,
+                // Set Features (Number of Queues, KATO), Async Event Request, Abort,
+                // Disconnect (well-formed: the first three).
+                const LOGS: [u8; 5] = [
+                    log_page::SMART_HEALTH,
+                    log_page::ERROR_INFORMATION,
+                    log_page::FIRMWARE_SLOT,
+                    log_page::CHANGED_NAMESPACES,
+                    log_page::DISCOVERY,
+                ];
+                const FEATURES: [u8; 6] = [
+                    feature::NUMBER_OF_QUEUES,
+                    feature::VOLATILE_WRITE_CACHE,
+                    feature::KEEP_ALIVE_TIMER,
+                    feature::ARBITRATION,
+                    feature::ASYNC_EVENT_CONFIGURATION,
+                    0x80,
+                ];
+                let kind = if well_formed { a % 3 } else { a % 8 };
+                let command = match kind {
+                    0 => {
+                        let dwords = u32::from(c % 1024) + 1;
+                        let lid = LOGS[usize::from(b % if well_formed { 4 } else { 5 })];
+                        nvme_admin(
+                            admin_opcode::GET_LOG_PAGE,
+                            cid,
+                            u32::MAX,
+                            u32::from(lid) | ((dwords - 1) << 16),
+                            0,
+                            dwords * 4,
+                        )
+                    }
+                    1 => nvme_admin(
+                        admin_opcode::GET_FEATURES,
+                        cid,
+                        0,
+                        u32::from(FEATURES[usize::from(b % if well_formed { 4 } else { 6 })]),
+                        0,
+                        0,
+                    ),
+                    2 => nvme_admin(admin_opcode::KEEP_ALIVE, cid, 0, 0, 0, 0),
+                    3 => {
+                        nvme.queues_cid = Some(cid);
+                        let count = u32::from(c);
+                        nvme_admin(
+                            admin_opcode::SET_FEATURES,
+                            cid,
+                            0,
+                            u32::from(feature::NUMBER_OF_QUEUES),
+                            count | (count << 16),
+                            0,
+                        )
+                    }
+                    4 => nvme_admin(
+                        admin_opcode::SET_FEATURES,
+                        cid,
+                        0,
+                        u32::from(FEATURES[usize::from(b % 6)]),
+                        u32::from(c),
+                        0,
+                    ),
+                    5 => nvme_admin(admin_opcode::ASYNC_EVENT_REQUEST, cid, 0, 0, 0, 0),
+                    6 => nvme_admin(admin_opcode::ABORT, cid, 0, u32::from(c) << 16, 0, 0),
+                    _ => {
+                        let mut command = NvmeCommand::zeroed();
+                        command
+                            .set_opcode(admin_opcode::FABRICS)
+                            .set_cid(cid)
+                            .set_fctype(fctype::DISCONNECT);
+                        command
+                    }
+                };
+                nvme_capsule(&framing, &command, &[])
+            }
+            6 => {
+                // Read of `a` blocks at `c` (an offset), SGL length right or (`b` bit 7) off
+                // by a block.
+                if well_formed {
+                    blocks = blocks.min(2048);
+                }
+                effect = Some((slba, blocks, NvmeEffect::Read));
+                let mut command = NvmeCommand::io(
+                    io_opcode::READ,
+                    cid,
+                    nsid,
+                    slba,
+                    blocks.clamp(1, 0x1_0000),
+                    false,
+                );
+                let mut length = blocks.saturating_mul(block_bytes);
+                if b & 0x80 != 0 && !well_formed {
+                    length = length.wrapping_add(block_bytes);
+                }
+                nvme_transport_sgl(&mut command, length);
+                nvme_capsule(&framing, &command, &[])
+            }
+            7 | 8 => {
+                // Write of `a` blocks at `c`, FUA by `b` bit 6: its data in the capsule (7),
+                // or sent when the controller's R2T asks for it (8). The capsule carries at
+                // most 64 KiB (a longer command's length stays in its fields); an R2T gets
+                // what it asks for, zeroes past the 64 KiB kept.
+                let in_capsule = op == 7;
+                if well_formed {
+                    let max_bytes = if in_capsule {
+                        4096
+                    } else {
+                        PAYLOAD_BYTES_MAX as u32
+                    };
+                    blocks = blocks.clamp(1, (max_bytes / block_bytes).max(1));
+                }
+                let blocks = blocks.clamp(1, 0x1_0000);
+                let length = blocks.saturating_mul(block_bytes);
+                let fill = (cid as u8) | 1;
+                effect = Some((slba, blocks, NvmeEffect::Write(fill)));
+                let data = vec![fill; (length as usize).min(PAYLOAD_BYTES_MAX)];
+                let mut command =
+                    NvmeCommand::io(io_opcode::WRITE, cid, nsid, slba, blocks, b & 0x40 != 0);
+                if in_capsule {
+                    command.set_sgl(nvme_command::SglDescriptor {
+                        address: 0,
+                        length: data.len() as u32,
+                        identifier: sgl::DATA_BLOCK_OFFSET,
+                    });
+                    nvme_capsule(&framing, &command, &data)
+                } else {
+                    if well_formed {
+                        // The data goes out when the R2T arrives, whatever the budget is
+                        // then: it counts now.
+                        if self.outcome.bytes_sent + 128 + data.len() > SEND_BYTES_MAX {
+                            return;
+                        }
+                        self.outcome.bytes_sent += data.len();
+                    }
+                    nvme_transport_sgl(&mut command, length);
+                    nvme.r2t_data.insert(cid, data);
+                    nvme_capsule(&framing, &command, &[])
+                }
+            }
+            9 => {
+                // `a % 3`: Flush, Write Zeroes (deallocate by `b` bit 5), Dataset Management
+                // deallocating `c % 4 + 1` ranges.
+                match a % 3 {
+                    0 => {
+                        let mut command = NvmeCommand::zeroed();
+                        command
+                            .set_opcode(io_opcode::FLUSH)
+                            .set_cid(cid)
+                            .set_nsid(nsid);
+                        nvme_capsule(&framing, &command, &[])
+                    }
+                    1 => {
+                        let blocks =
+                            nvme_blocks(a >> 2).clamp(1, if tracked { 8 } else { 0x1_0000 });
+                        effect = Some((slba, blocks, NvmeEffect::Write(0)));
+                        let mut command = NvmeCommand::io(
+                            io_opcode::WRITE_ZEROES,
+                            cid,
+                            nsid,
+                            slba,
+                            blocks,
+                            false,
+                        );
+                        if b & 0x20 != 0 {
+                            let cdw12 = command.cdw12() | (1 << 25);
+                            command.set_cdw(12, cdw12);
+                        }
+                        nvme_capsule(&framing, &command, &[])
+                    }
+                    _ => {
+                        // Tracked: two ranges of at most 4 blocks, 4 apart.
+                        let (ranges, stride, count) = if tracked {
+                            (2, 4, nvme_blocks(a >> 2).min(4))
+                        } else {
+                            (usize::from(c % 4) + 1, 16, nvme_blocks(a >> 2).min(2048))
+                        };
+                        effect = Some((
+                            slba,
+                            (ranges as u32 - 1) * stride + count,
+                            NvmeEffect::Unknown,
+                        ));
+                        let mut data = Vec::with_capacity(ranges * nvme_command::DSM_RANGE_SIZE);
+                        for range in 0..ranges {
+                            data.extend(
+                                nvme_command::DsmRange {
+                                    attributes: 0,
+                                    block_count: count,
+                                    slba: slba + range as u64 * u64::from(stride),
+                                }
+                                .encode(),
+                            );
+                        }
+                        let mut command = nvme_admin(
+                            io_opcode::DATASET_MANAGEMENT,
+                            cid,
+                            nsid,
+                            (ranges - 1) as u32,
+                            1 << 2,
+                            0,
+                        );
+                        command.set_sgl(nvme_command::SglDescriptor {
+                            address: 0,
+                            length: data.len() as u32,
+                            identifier: sgl::DATA_BLOCK_OFFSET,
+                        });
+                        nvme_capsule(&framing, &command, &data)
+                    }
+                }
+            }
+            10 => {
+                // An H2CData PDU of fuzzed fields: the last command's or a raw CCCID, a raw
+                // TTAG, an offset and length from the tables, LAST_PDU by `b` bit 7.
+                let cccid = if b & 0x40 != 0 {
+                    c
+                } else {
+                    cid.wrapping_sub(1)
+                };
+                let length = (length_bytes(b & 0x3f) as usize).min(PAYLOAD_BYTES_MAX);
+                let data = vec![a; length];
+                nvme_h2c_data(
+                    &framing,
+                    DataHeader {
+                        cccid,
+                        ttag: u16::from(a),
+                        offset: (offset_bytes(c) as u32) & 0xf_ffff,
+                        length: length as u32,
+                    },
+                    b & 0x80 != 0,
+                    &data,
+                )
+            }
+            _ => {
+                // A host TermReq (`a` bit 0), or a header of a raw PDU type with fuzzed HLEN,
+                // PDO and PLEN (the bytes after it come from later steps).
+                if a & 1 == 0 {
+                    let error = nvme_pdu::PduError::new(
+                        nvme_pdu::FatalError::InvalidHeaderField,
+                        u32::from(b) as usize,
+                        "fuzz",
+                    );
+                    let mut out = vec![0u8; nvme_pdu::TERM_HLEN + nvme_pdu::TERM_DATA_MAX];
+                    let length = nvme_pdu::encode_term_req(false, &error, &[a; 8], &mut out);
+                    out.truncate(length);
+                    out
+                } else {
+                    let plen = u32::from(c);
+                    let mut header = vec![a >> 1, b, b.wrapping_add(8), a >> 3];
+                    header.extend(plen.to_le_bytes());
+                    header.resize(usize::from(b.wrapping_add(8)).min(128), 0);
+                    header
+                }
+            }
+        };
+        if tracked
+            && let Some((first, count, effect)) = effect
+            && let Some(nvme) = self.clients[index].nvme.as_mut()
+        {
+            nvme.data.track(cid, first, count, effect);
+        }
+        self.nvme_send(index, bytes, Some(cid));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The run.
 
 /// What a run did (for regression tests and the trace).
@@ -1320,6 +2441,17 @@ pub struct Outcome {
     /// [`Mode::WellFormed`]: GET answers of private keys checked against the client's model
     /// (value or NOT_FOUND).
     pub kv_gets_checked: u64,
+    /// NVMe/TCP: connections, controller PDUs and completions the hosts parsed, R2Ts they
+    /// answered.
+    pub nvme_connections: u64,
+    pub nvme_pdus: u64,
+    pub nvme_completions: u64,
+    pub nvme_r2ts: u64,
+    /// [`Mode::WellFormed`]: blocks of the composite namespace NVMe/TCP hosts read back and
+    /// compared with what they wrote.
+    pub nvme_blocks_checked: u64,
+    /// Inter-core migration: reads the threads served for each other.
+    pub migrated_reads: u64,
 }
 
 /// What the clients of a run may do.
@@ -1338,6 +2470,7 @@ enum Kind {
     Original,
     Nbd,
     Kv,
+    NvmeTcp,
 }
 
 struct Client {
@@ -1354,6 +2487,8 @@ struct Client {
     /// On the TLS listener: the client's TLS session (what it sends is encrypted, what it
     /// reads decrypted; the protocol inside is the same).
     tls: Option<ClientTls>,
+    /// On the NVMe/TCP listener: the host's connection state.
+    nvme: Option<NvmeClient>,
 }
 
 /// A client's view of the server's bytes: complete response headers parsed, their payloads
@@ -1369,7 +2504,7 @@ struct ResponseStream {
 
 impl ResponseStream {
     fn feed(&mut self, kind: Kind, mut input: &[u8]) {
-        if kind == Kind::Nbd {
+        if matches!(kind, Kind::Nbd | Kind::NvmeTcp) {
             return;
         }
         loop {
@@ -1496,7 +2631,26 @@ pub fn server(
         tenant_queue_depth_max: setup.tenant_queue_depth_max,
         thread_queued_requests_max: setup.thread_queued_requests_max,
         tenants_max: setup.tenants_max,
-        fairness: if setup.fairness {
+        fairness: if setup.migration {
+            // As the migration simulator test's stress server: reads move whatever the load.
+            reflex_qos::FairQueueConfig {
+                mode: reflex_qos::FairMode::Fifo,
+                be_device_depth_max: 2,
+                monitor: reflex_qos::FairnessConfig {
+                    window_us: 1_000,
+                    samples_min: 1,
+                    ..reflex_qos::FairnessConfig::default()
+                },
+                migration: reflex_qos::MigrationConfig {
+                    enabled: true,
+                    flows: reflex_qos::MigrationFlows::All,
+                    requires_imbalance: false,
+                    in_transit_per_pair_max: 4,
+                    ..reflex_qos::MigrationConfig::default()
+                },
+                ..reflex_qos::FairQueueConfig::default()
+            }
+        } else if setup.fairness {
             reflex_qos::FairQueueConfig {
                 mode: reflex_qos::FairMode::FairShare,
                 be_device_depth_max: 2,
@@ -1513,12 +2667,16 @@ pub fn server(
         profile,
         tenants,
     };
-    let devices: [Arc<dyn Device>; 4] = [
+    let mut devices: Vec<Arc<dyn Device>> = vec![
         Arc::new(mem(MEM_BYTES)),
         model,
         Arc::new(mem(READ_ONLY_BYTES)),
         Arc::new(mem(KV_BYTES)),
     ];
+    if setup.composite.is_some() {
+        devices.push(Arc::new(mem(MEMBER_BYTES)));
+        devices.push(Arc::new(mem(MEMBER_BYTES)));
+    }
     let mut controls = Vec::with_capacity(devices.len());
     let mut namespaces = Vec::with_capacity(devices.len());
     for (index, inner) in devices.into_iter().enumerate() {
@@ -1541,16 +2699,31 @@ pub fn server(
         };
         controls.push(device.controls());
         let read_only = index == 2;
-        namespaces.push((
-            NAMESPACE_IDS[index],
-            Arc::new(device) as Arc<dyn Device>,
-            read_only,
-        ));
+        let id = NAMESPACE_IDS
+            .get(index)
+            .copied()
+            .unwrap_or_else(|| MEMBER_IDS[index - NAMESPACE_IDS.len()]);
+        namespaces.push((id, Arc::new(device) as Arc<dyn Device>, read_only));
+    }
+    let mut composites = Vec::new();
+    let mut controls_extra = Vec::new();
+    if let Some(spec) = setup.composite {
+        match reflex_dataplane::composite::CompositeSpec::parse(spec) {
+            Ok(spec) => composites.push((COMPOSITE_ID, spec)),
+            Err(e) => panic!("composite {spec}: {e}"),
+        }
+        for id in MEMBER_IDS.into_iter().chain([COMPOSITE_ID]) {
+            controls_extra.push(NamespaceControl {
+                namespace_id: id,
+                profile: None,
+                tenants: Vec::new(),
+            });
+        }
     }
     let server = VirtualServer::new(VirtualServerSetup {
         threads: setup.threads,
         namespaces,
-        composites: Vec::new(),
+        composites,
         control: ControlSetup {
             threads: setup.threads,
             handles: HandleKeys::Seeded(HANDLE_SEED),
@@ -1576,12 +2749,15 @@ pub fn server(
                 namespace(1, None, Vec::new()),
                 namespace(2, None, Vec::new()),
                 namespace(3, None, Vec::new()),
-            ],
+            ]
+            .into_iter()
+            .chain(controls_extra)
+            .collect(),
         },
         qos_config,
         limits: setup.limits.clone(),
         network: setup.network,
-        listeners: listeners(),
+        listeners: listeners(setup),
         nbd_exports: exports(),
         nbd_default_export: Some("ns1".into()),
     })?;
@@ -1631,6 +2807,8 @@ fn run_with(script: &Script, mode: Mode, trace: bool, draining_answers: bool) ->
         limits.send_timeout = None;
         limits.device_timeout = None;
         setup.model_queue_depth = 1 << 16;
+        // A host answers every R2T, but only when it reads.
+        setup.nvme_options.r2t_timeout = Nanos::from_millis(3_600_000);
     }
     if trace {
         eprintln!("setup: {setup:?}");
@@ -1693,6 +2871,11 @@ impl Run {
         let Some(index) = self.client(socket) else {
             return;
         };
+        self.send_index(index, bytes);
+    }
+
+    /// Client `index` sends `bytes` (within the script's send budget).
+    fn send_index(&mut self, index: usize, bytes: &[u8]) {
         let client = &self.clients[index];
         if client.done_sending || bytes.is_empty() {
             return;
@@ -1826,12 +3009,23 @@ impl Run {
                 errno,
             } => {
                 let thread = u16::from(thread) % self.setup.threads;
-                let listener = u32::from(listener) % listeners().len() as u32;
+                let listener = u32::from(listener) % listeners(&self.setup).len() as u32;
                 let errno =
                     [libc::EMFILE, libc::ECONNABORTED, libc::ENOBUFS][usize::from(errno % 3)];
                 self.server.fail_accept(thread, listener, errno);
             }
             Step::Shutdown => self.server.begin_shutdown(),
+            Step::Nvme {
+                socket,
+                op,
+                a,
+                b,
+                c,
+            } => {
+                if let Some(index) = self.client_of_kind(socket, Kind::NvmeTcp) {
+                    self.nvme_pdus(index, op, a, b, c, false);
+                }
+            }
             Step::Kv {
                 socket,
                 opcode,
@@ -1863,7 +3057,7 @@ impl Run {
         if self.clients.len() >= SOCKETS_MAX {
             return;
         }
-        let listeners = listeners();
+        let listeners = listeners(&self.setup);
         let thread = u16::from(thread) % self.setup.threads;
         let listener_index = usize::from(listener) % listeners.len();
         let source_selector = source;
@@ -1889,6 +3083,7 @@ impl Run {
                     VirtualListener::Original { .. } => Kind::Original,
                     VirtualListener::Nbd => Kind::Nbd,
                     VirtualListener::Kv { .. } => Kind::Kv,
+                    VirtualListener::NvmeTcp(_) => Kind::NvmeTcp,
                 };
                 if self.trace {
                     eprintln!("  connected {socket:?} ({kind:?})");
@@ -1906,6 +3101,7 @@ impl Run {
                     responses: ResponseStream::default(),
                     oracle: None,
                     tls,
+                    nvme: (kind == Kind::NvmeTcp).then(NvmeClient::default),
                 });
                 if self
                     .clients
@@ -2007,7 +3203,9 @@ impl Run {
         self.decrypt(index, &mut received);
         let client = &mut self.clients[index];
         client.responses.feed(client.kind, &received);
-        if client.oracle.is_some() {
+        if client.nvme.is_some() {
+            self.nvme_received(index, &received);
+        } else if client.oracle.is_some() {
             self.answers(index, &received);
         }
         let client = &self.clients[index];
@@ -2024,6 +3222,39 @@ impl Run {
             );
         }
         self.received = received;
+    }
+
+    /// What an NVMe/TCP client makes of the controller's bytes: its completions (each
+    /// answers a request in flight, for a well-formed client), and the data of the writes
+    /// whose R2Ts arrived (sent at once: a host answers an R2T).
+    fn nvme_received(&mut self, index: usize, received: &[u8]) {
+        let mut completions = Vec::new();
+        let Some(nvme) = self.clients[index].nvme.as_mut() else {
+            return;
+        };
+        let replies = nvme.feed(received, &mut completions);
+        if self.trace {
+            for completion in &completions {
+                eprintln!(
+                    "  {:?} completion cid {} status {:?} dw0 {:#x}",
+                    self.clients[index].socket, completion.cid, completion.status, completion.dw0
+                );
+            }
+            if !replies.is_empty() {
+                eprintln!("  R2T data: {} bytes", replies.len());
+            }
+        }
+        if let Some(oracle) = self.clients[index].oracle.as_mut() {
+            for completion in &completions {
+                oracle.answered(u64::from(completion.cid));
+            }
+            // The data was counted with its command.
+            if !replies.is_empty() && !self.clients[index].done_sending {
+                self.transmit(index, &replies);
+            }
+        } else if !replies.is_empty() {
+            self.send_index(index, &replies);
+        }
     }
 
     /// Checks that hold at any time.
@@ -2053,6 +3284,14 @@ impl Run {
                 eprintln!(
                     "  tenant {:?} handle {:#x}: {:?}, connections {:?}",
                     tenant.name, tenant.handle, tenant.spec, tenant.connections_per_thread
+                );
+            }
+        }
+        if self.trace {
+            for (thread, stats) in self.server.stats().iter().enumerate() {
+                eprintln!(
+                    "  thread {thread}: migrated sent {}, served {}, refused {}",
+                    stats.migrated_sent, stats.migrated_served, stats.migrated_refused
                 );
             }
         }
@@ -2173,6 +3412,7 @@ impl Run {
             self.outcome.requests_answered += stats.requests_answered;
             self.outcome.connections_timed_out += stats.connections_timed_out;
             self.outcome.framing_errors += stats.framing_errors;
+            self.outcome.migrated_reads += stats.migrated_served;
         }
         for socket in 0..self.server.socket_count() {
             let socket = SocketId(socket as u32);
@@ -2198,6 +3438,13 @@ impl Run {
         }
         self.outcome.responses = self.clients.iter().map(|c| c.responses.headers).sum();
         self.outcome.busy_answers = self.clients.iter().map(|c| c.responses.busy).sum();
+        for nvme in self.clients.iter().filter_map(|c| c.nvme.as_ref()) {
+            self.outcome.nvme_connections += 1;
+            self.outcome.nvme_pdus += nvme.pdus;
+            self.outcome.nvme_completions += nvme.completions;
+            self.outcome.nvme_r2ts += nvme.r2ts;
+            self.outcome.nvme_blocks_checked += nvme.data.checked;
+        }
         self.outcome.kv_gets_checked = self
             .clients
             .iter()
@@ -2324,6 +3571,7 @@ impl Oracle {
                 Kind::Original => original::HEADER_SIZE,
                 Kind::Nbd => nbd::SIMPLE_REPLY_SIZE,
                 Kind::Kv => unreachable!("KV answers go to feed_kv"),
+                Kind::NvmeTcp => unreachable!("NVMe/TCP answers go to NvmeClient::feed"),
             };
             let taken = (header_size - self.pending.len()).min(input.len());
             self.pending.extend_from_slice(&input[..taken]);
@@ -2357,7 +3605,7 @@ impl Oracle {
                     }
                     other => panic!("an NBD client received a broken reply: {other:?}"),
                 },
-                Kind::Kv => unreachable!("KV answers go to feed_kv"),
+                Kind::Kv | Kind::NvmeTcp => unreachable!("parsed elsewhere"),
             };
             self.pending.clear();
         }
@@ -2473,6 +3721,8 @@ impl Run {
                 use native::Opcode::*;
                 const OPCODES: [native::Opcode; 8] =
                     [Read, Write, Flush, Trim, Hello, Register, Bind, Unregister];
+                // 9: none (the composite namespace, 4, is the NVMe/TCP hosts' private
+                // regions in this mode).
                 const NAMESPACES: [u32; 4] = [1, 2, 3, 9];
                 let opcode = OPCODES[usize::from(opcode % 8)];
                 let namespace_id = NAMESPACES[usize::from(namespace % 4)];
@@ -2575,6 +3825,17 @@ impl Run {
                 fill,
                 ..
             } => self.kv_well_formed(socket, opcode, key, value, fill),
+            Step::Nvme {
+                socket,
+                op,
+                a,
+                b,
+                c,
+            } => {
+                if let Some(index) = self.client_of_kind(socket, Kind::NvmeTcp) {
+                    self.nvme_pdus(index, op, a, b, c, true);
+                }
+            }
             Step::Advance { .. } | Step::Read { .. } => self.step(step),
             // Timing faults only: clear, stall, lift, delay, seed.
             Step::Fault { kind, .. } if matches!(kind % 8, 0 | 1 | 2 | 5 | 7) => self.step(step),
@@ -2650,7 +3911,7 @@ impl Run {
     /// server's right, not a lost answer).
     fn connect_well_formed(&mut self, thread: u8, listener: u8, source: u8) {
         let thread_index = u16::from(thread) % self.setup.threads;
-        let listener_index = usize::from(listener) % listeners().len();
+        let listener_index = usize::from(listener) % listeners(&self.setup).len();
         let on_thread = |same_listener: bool| {
             self.clients
                 .iter()
@@ -2659,7 +3920,7 @@ impl Run {
                 .count()
         };
         let limits = &self.setup.limits;
-        let others = listeners().len() as u32 - 1;
+        let others = listeners(&self.setup).len() as u32 - 1;
         let listener_max = limits
             .connections_max
             .saturating_sub(limits.connections_reserved_per_listener * others)
@@ -2674,7 +3935,7 @@ impl Run {
         if self.clients.len() == before {
             return;
         }
-        let (nbd, sectors) = match &listeners()[listener_index] {
+        let (nbd, sectors) = match &listeners(&self.setup)[listener_index] {
             VirtualListener::Nbd => {
                 let name = WELL_FORMED_EXPORTS[usize::from(source / 4) % WELL_FORMED_EXPORTS.len()];
                 match nbd::ClientHandshake::new(name) {
@@ -2694,7 +3955,8 @@ impl Run {
             }
             VirtualListener::Native
             | VirtualListener::NativeTls(_)
-            | VirtualListener::Kv { .. } => (None, 0),
+            | VirtualListener::Kv { .. }
+            | VirtualListener::NvmeTcp(_) => (None, 0),
         };
         let index = self.clients.len() - 1;
         self.clients[index].oracle = Some(Oracle {
@@ -2706,6 +3968,20 @@ impl Run {
             sectors,
             kv: KvModel::default(),
         });
+        if listener_index == NVME_LISTENER {
+            if let Some(nvme) = self.clients[index].nvme.as_mut() {
+                nvme.well_formed = true;
+            }
+            // A host: an I/O queue of a controller that has one left (`source` bit 2), or
+            // an admin queue; digests by bits 3–4, the host (both allowed) by bit 5.
+            let io_queue = if source & 4 != 0 {
+                self.nvme_controller(source >> 3, true)
+            } else {
+                None
+            };
+            let digests = Digests::from_byte(source >> 3);
+            self.nvme_go(index, digests, io_queue, 0, usize::from(source >> 5 & 1), 4);
+        }
         // The NBD greeting may have arrived already.
         let socket = self.clients[index].socket;
         self.read(index, socket);
@@ -2898,6 +4174,17 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
         payload: 0,
     };
     let advance = |mode: u8| Step::Advance { mode };
+    // NVMe/TCP steps: op 0 a setup (a bit 0: an I/O queue; bits 1–2 digests), 3 Property,
+    // 4 Identify, 5 other admin, 6 Read, 7 Write in the capsule, 8 Write on R2T, 9 Flush,
+    // Write Zeroes, DSM; `socket` counts NVMe/TCP clients only.
+    const NVME: u8 = NVME_LISTENER as u8;
+    let nvme = |socket: u8, op: u8, a: u8, b: u8, c: u16| Step::Nvme {
+        socket,
+        op,
+        a,
+        b,
+        c,
+    };
     let kv = |socket: u8, opcode: u8, id: u8, key: u8, value: u8, fill: u8| Step::Kv {
         socket,
         opcode,
@@ -2917,7 +4204,12 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
     const REGISTER_LC: [u8; 4] = [0, 90, 3 + 2 * 6, 0];
     const REGISTER_BE: [u8; 4] = [1, 0, 0, 0];
     let bind = |handle: u8| [handle, 0, 0, 0];
-    let script = |config: [u8; CONFIG_BYTES], steps: Vec<Step>| Script {
+    // Seeds from before the fifth configuration byte: no composite, no migration.
+    let script = |[a, b, c, d]: [u8; 4], steps: Vec<Step>| Script {
+        config: Config([a, b, c, d, 0]),
+        steps,
+    };
+    let script5 = |config: [u8; CONFIG_BYTES], steps: Vec<Step>| Script {
         config: Config(config),
         steps,
     };
@@ -3397,6 +4689,211 @@ pub fn seeds() -> Vec<(&'static str, Script)> {
                         socket: 2,
                         bytes: vec![0; 4],
                     },
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            // An NVMe/TCP host: an admin queue (ICReq, Connect, CC.EN, Number of Queues),
+            // then an I/O queue of its controller on the other connection, and commands on
+            // both. Well-formed, the connect selectors 0 and 4 make the same two queues.
+            "nvme-io",
+            script5(
+                [0; CONFIG_BYTES],
+                vec![
+                    connect(0, NVME, 0),
+                    nvme(0, 0, 0, 0, 3),
+                    advance(4),
+                    connect(0, NVME, 4),
+                    nvme(1, 0, 1, 0, 0),
+                    advance(4),
+                    nvme(0, 4, 1, 0, 0),
+                    nvme(0, 3, 0, 0, 0),
+                    nvme(1, 7, 1, 0, 16),
+                    nvme(1, 8, 4, 0, 64),
+                    nvme(1, 6, 1, 0, 16),
+                    nvme(1, 6, 4, 1, 0),
+                    nvme(1, 9, 0, 0, 0),
+                    nvme(1, 9, 1, 0, 8),
+                    nvme(1, 9, 2, 0, 8),
+                    advance(9),
+                    nvme(0, 5, 0, 0, 3),
+                    nvme(0, 5, 1, 0, 0),
+                    nvme(0, 5, 2, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            // As nvme-io with header and data digests on both queues (connect selectors
+            // 24 and 28 for well-formed hosts), on two threads.
+            "nvme-digests",
+            script5(
+                [0x01, 0, 0, 0, 0],
+                vec![
+                    connect(0, NVME, 24),
+                    nvme(0, 0, 6, 0, 3),
+                    advance(4),
+                    connect(1, NVME, 28),
+                    nvme(1, 0, 7, 0, 0),
+                    advance(4),
+                    nvme(1, 7, 1, 0, 16),
+                    nvme(1, 8, 5, 0, 64),
+                    nvme(1, 6, 5, 0, 64),
+                    nvme(0, 4, 0, 0, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            // Broken NVMe/TCP: a PDU before ICReq, an ICReq of version 1, a Connect to an
+            // unknown subsystem and the discovery one, an H2CData no R2T asked for, a
+            // controller disabled and shut down, a keep-alive that expires (100 ms minimum),
+            // an R2T never answered (300 ms), a host TermReq.
+            "nvme-broken",
+            script5(
+                [0, 0, 0, 0, 0x18],
+                vec![
+                    connect(0, NVME, 0),
+                    connect(0, NVME, 0),
+                    connect(0, NVME, 0),
+                    nvme(0, 6, 0, 0, 0),
+                    nvme(1, 1, 0x80, 0, 0),
+                    nvme(2, 1, 0, 0, 0),
+                    nvme(2, 2, 0, 2, 0),
+                    nvme(2, 2, 0, 1, 0),
+                    nvme(2, 10, 3, 3, 0),
+                    advance(4),
+                    connect(0, NVME, 0),
+                    nvme(2, 0, 0, 4, 4),
+                    advance(4),
+                    connect(0, NVME, 0),
+                    nvme(3, 0, 1, 0, 0),
+                    advance(4),
+                    nvme(3, 8, 1, 0, 0),
+                    nvme(2, 3, 0x18, 0, 0),
+                    nvme(2, 3, 0x28, 0, 0),
+                    advance(8),
+                    nvme(3, 11, 0, 0, 0),
+                    advance(10),
+                ],
+            ),
+        ),
+        (
+            // A striped namespace (4 KiB stripes over namespaces 6 and 7): native writes and
+            // reads across a stripe boundary (sector 8), and NVMe/TCP I/O on NSID 4.
+            "composite-stripe",
+            script5(
+                [0, 0, 0, 0, 0x01],
+                vec![
+                    connect(0, 0, 0),
+                    native(0, 2, 1, 4, 6, 3),
+                    native(0, 1, 2, 4, 6, 3),
+                    native(0, 2, 3, 4, 0, 8),
+                    native(0, 1, 4, 4, 0, 8),
+                    native(0, 4, 5, 4, 8, 5),
+                    native(0, 3, 6, 4, 0, 0),
+                    connect(0, NVME, 0),
+                    nvme(0, 0, 0, 0, 3),
+                    advance(4),
+                    connect(0, NVME, 4),
+                    nvme(1, 0, 1, 0, 0),
+                    advance(4),
+                    nvme(1, 8, 3, 3, 6),
+                    nvme(1, 6, 3, 3, 6),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            // NVMe/TCP on a concatenated namespace (two threads, 4 connections each): the I/O
+            // queue is the fifth client (on thread 1), whose
+            // private region (well-formed) crosses the members' boundary at block 1024;
+            // writes in the capsule and on R2T, then reads of them (op 20: an R2T write in
+            // `Mode::Any`, a read in `Mode::WellFormed`), checked against what was written.
+            "nvme-composite",
+            script5(
+                [0xc1, 0, 0, 0, 0x02],
+                vec![
+                    connect(0, 0, 0),
+                    connect(0, 0, 1),
+                    connect(0, 2, 0),
+                    connect(0, NVME, 0),
+                    nvme(0, 0, 0, 0, 3),
+                    advance(4),
+                    connect(1, NVME, 4),
+                    nvme(1, 0, 1, 0, 0),
+                    advance(4),
+                    nvme(1, 6, 1, 3, 28),
+                    nvme(1, 7, 1, 3, 36),
+                    advance(4),
+                    nvme(1, 20, 1, 3, 28),
+                    nvme(1, 20, 1, 3, 32),
+                    nvme(1, 20, 4, 3, 0),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            // Concatenated members (512 KiB each): I/O across the boundary at sector 1024,
+            // with a member failing its writes.
+            "composite-concat",
+            script5(
+                [0, 0, 0, 0, 0x02],
+                vec![
+                    connect(0, 0, 0),
+                    native(0, 2, 1, 4, 1020, 5),
+                    native(0, 1, 2, 4, 1020, 5),
+                    fault(5, 3, 0, 0),
+                    native(0, 2, 3, 4, 1020, 5),
+                    native(0, 1, 4, 4, 1016, 8),
+                    advance(9),
+                ],
+            ),
+        ),
+        (
+            // Inter-core migration: reads of namespace 1, delayed 1 ms each, from two
+            // connections on thread 0 while thread 1 idles, over several 1 ms monitor
+            // windows, so thread 0 sends reads to thread 1; then a shutdown while some are
+            // away.
+            "migration",
+            script5(
+                [0, 0, 0, 0, 0x04],
+                vec![
+                    fault(0, 5, 1, 0),
+                    connect(0, 0, 0),
+                    connect(0, 0, 0),
+                    connect(1, 0, 0),
+                    native(0, 1, 1, 0, 0, 3),
+                    native(1, 1, 2, 0, 8, 3),
+                    native(0, 1, 3, 0, 16, 3),
+                    native(1, 1, 4, 0, 24, 3),
+                    native(0, 1, 5, 0, 0, 3),
+                    native(1, 1, 6, 0, 8, 3),
+                    native(0, 1, 7, 0, 16, 3),
+                    native(1, 1, 8, 0, 24, 3),
+                    advance(7),
+                    native(0, 1, 9, 0, 0, 3),
+                    native(1, 1, 10, 0, 8, 3),
+                    native(0, 1, 11, 0, 16, 3),
+                    native(1, 1, 12, 0, 24, 3),
+                    native(0, 1, 13, 0, 0, 3),
+                    native(1, 1, 14, 0, 8, 3),
+                    native(0, 1, 15, 0, 16, 3),
+                    native(1, 1, 16, 0, 24, 3),
+                    advance(7),
+                    native(0, 1, 17, 0, 0, 3),
+                    native(1, 1, 18, 0, 8, 3),
+                    native(0, 1, 19, 0, 16, 3),
+                    native(1, 1, 20, 0, 24, 3),
+                    native(0, 1, 21, 0, 0, 3),
+                    native(1, 1, 22, 0, 8, 3),
+                    native(0, 1, 23, 0, 16, 3),
+                    native(1, 1, 24, 0, 24, 3),
+                    native(2, 1, 30, 0, 0, 3),
+                    advance(6),
+                    Step::Shutdown,
+                    advance(4),
                     advance(9),
                 ],
             ),

@@ -28,7 +28,7 @@ pub use network::NetworkModel;
 pub use report::{PointReport, ScenarioReport, TenantReport};
 pub use scenario::{LoadedScenario, Scenario, ScenarioError};
 pub use server::{
-    CpuModel, SocketId, TlsServer, VirtualExport, VirtualListener, VirtualServer,
+    CpuModel, NvmeTcpListener, SocketId, TlsServer, VirtualExport, VirtualListener, VirtualServer,
     VirtualServerError, VirtualServerSetup,
 };
 

@@ -78,6 +78,25 @@ pub enum VirtualListener {
         namespace_index: u16,
         tenant: Option<String>,
     },
+    /// NVMe/TCP (`docs/NVME-TCP.md`): one subsystem over some namespaces. Every NVMe/TCP
+    /// listener of a server serves the same targets (those of the first one), as reflexd's
+    /// single `[nvme_tcp]` port does.
+    NvmeTcp(NvmeTcpListener),
+}
+
+/// What an NVMe/TCP listener serves: one subsystem, its namespaces (by index; the NSID is
+/// the namespace's id) and hosts, and the transport's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvmeTcpListener {
+    pub subsystem_nqn: String,
+    pub namespace_indices: Vec<u16>,
+    /// Any host may connect (those not listed get each namespace's default tenant).
+    pub allow_any_host: bool,
+    /// Hosts by NQN and the configured tenant (by name, in every namespace of the subsystem
+    /// that has it; `None` or a namespace without it: the namespace's default tenant) their
+    /// I/O is charged to.
+    pub hosts: Vec<(String, Option<String>)>,
+    pub options: reflex_dataplane::frontend::nvme_tcp_targets::NvmeTcpOptions,
 }
 
 /// A TLS listener's rustls server configuration (certificates) and optional pre-shared keys
@@ -256,6 +275,7 @@ impl VirtualServer {
             nbd_exports: nbd_exports.clone(),
         });
         let tls = tls_setup(&setup.listeners);
+        let nvme_tcp = nvme_tcp_setup(&setup.listeners, &namespaces, &qos)?;
         let mut kv = kv_setup(&setup.listeners, &namespaces)?;
         let mut threads = Vec::new();
         for thread_index in 0..usize::from(setup.threads) {
@@ -277,7 +297,7 @@ impl VirtualServer {
                 listeners: listeners.clone(),
                 listener_access: Vec::new(),
                 namespaces: Arc::clone(&namespaces),
-                nvme_tcp: None,
+                nvme_tcp: nvme_tcp.clone(),
                 nbd_exports: nbd_exports.clone(),
                 limits: setup.limits.clone(),
                 control: Arc::clone(&control),
@@ -1079,6 +1099,80 @@ fn tls_setup(listeners: &[VirtualListener]) -> Option<reflex_dataplane::TlsSetup
     })
 }
 
+/// The NVMe/TCP targets of the first NVMe/TCP listener, as reflexd builds them from its
+/// `[nvme_tcp]` configuration.
+fn nvme_tcp_setup(
+    listeners: &[VirtualListener],
+    namespaces: &NamespaceSet,
+    qos: &[NamespaceQosSetup],
+) -> Result<Option<Arc<reflex_dataplane::frontend::NvmeTcpTargets>>, VirtualServerError> {
+    use reflex_dataplane::frontend::nvme_tcp_targets::{HostAccess, Subsystem, SubsystemNamespace};
+    let Some(listener) = listeners.iter().find_map(|listener| match listener {
+        VirtualListener::NvmeTcp(nvme) => Some(nvme),
+        _ => None,
+    }) else {
+        return Ok(None);
+    };
+    let mut members = Vec::with_capacity(listener.namespace_indices.len());
+    for &namespace_index in &listener.namespace_indices {
+        if usize::from(namespace_index) >= namespaces.len() {
+            return Err(VirtualServerError::Config(format!(
+                "NVMe/TCP namespace index {namespace_index} of {}",
+                namespaces.len()
+            )));
+        }
+        let id = namespaces.id(namespace_index);
+        let info = namespaces.info(namespace_index);
+        let block_size = info.block_size.max(512);
+        let mut nguid = [0u8; 16];
+        nguid[..6].copy_from_slice(b"REFLEX");
+        nguid[12..].copy_from_slice(&id.to_be_bytes());
+        members.push(SubsystemNamespace {
+            nsid: id,
+            namespace_index,
+            read_only: namespaces.is_read_only(namespace_index),
+            size_bytes: namespaces.size_bytes(namespace_index) / u64::from(block_size)
+                * u64::from(block_size),
+            block_size,
+            discards: info.supports_trim,
+            nguid,
+        });
+    }
+    // A tenant name resolves in each namespace that configures it; elsewhere (and for
+    // `None`) the namespace's default tenant.
+    let tenant_in = |namespace_index: u16, name: Option<&str>| {
+        configured_tenant(qos, namespace_index, name).unwrap_or(TenantRef::NONE)
+    };
+    let subsystem = Subsystem {
+        nqn: listener.subsystem_nqn.clone(),
+        allow_any_host: listener.allow_any_host,
+        hosts: listener
+            .hosts
+            .iter()
+            .map(|(nqn, tenant)| HostAccess {
+                nqn: nqn.clone(),
+                tenants: members
+                    .iter()
+                    .map(|member| tenant_in(member.namespace_index, tenant.as_deref()))
+                    .collect(),
+                tls_key: false,
+            })
+            .collect(),
+        default_tenants: members.iter().map(|_| TenantRef::NONE).collect(),
+        namespaces: members,
+        secure_channel: false,
+    };
+    // Not a socket: the address the discovery log reports (never a well-known port).
+    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 14_420));
+    Ok(Some(Arc::new(
+        reflex_dataplane::frontend::NvmeTcpTargets::new(
+            listener.options.clone(),
+            vec![subsystem],
+            listen,
+        ),
+    )))
+}
+
 /// The key-value table of the KV listener (at most one), formatted on its namespace's device
 /// as reflexd's `[kv] format = true` does, synchronously before the threads start.
 fn kv_setup(
@@ -1129,6 +1223,7 @@ fn listener_protocol(
     Ok(match listener {
         VirtualListener::Native | VirtualListener::NativeTls(_) => Protocol::Native,
         VirtualListener::Nbd => Protocol::Nbd,
+        VirtualListener::NvmeTcp(_) => Protocol::NvmeTcp,
         VirtualListener::Kv {
             namespace_index,
             tenant,

@@ -111,7 +111,7 @@ fn a_native_write_and_read_are_answered() {
 #[test]
 fn well_formed_clients_get_every_answer() {
     let script = Script {
-        config: Config([0x01, 0, 0x1f, 0x04]),
+        config: Config([0x01, 0, 0x1f, 0x04, 0]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -222,7 +222,7 @@ fn well_formed_clients_get_every_answer() {
 fn an_evicted_connection_s_slot_is_not_reused_before_its_close_is_issued() {
     let script = Script {
         // Window 1 and one request slot; the handshake timeout on.
-        config: Config([0x00, 0x41, 0x00, 0x00]),
+        config: Config([0x00, 0x41, 0x00, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -279,7 +279,7 @@ fn an_evicted_connection_s_slot_is_not_reused_before_its_close_is_issued() {
 #[test]
 fn shutdown_finishes_when_a_device_never_answers_its_flush() {
     // Idle, receive, send and device (1 ms) timeouts on: even so the flush waits forever.
-    let setup = Config([0x00, 0x3e, 0x3e, 0x00]).decoded();
+    let setup = Config([0x00, 0x3e, 0x3e, 0x00, 0x00]).decoded();
     let (mut server, faults) = script::server(&setup).unwrap_or_else(|e| panic!("{e}"));
     faults[2].set_stalled(true);
     server.begin_shutdown();
@@ -304,7 +304,7 @@ fn shutdown_finishes_when_a_device_never_answers_its_flush() {
 /// a late completion frees it), which releases the connections they held; then the flush.
 #[test]
 fn shutdown_finishes_when_a_device_never_answers_a_request() {
-    let setup = Config([0x00, 0x00, 0x00, 0x00]).decoded();
+    let setup = Config([0x00, 0x00, 0x00, 0x00, 0x00]).decoded();
     let (mut server, faults) = script::server(&setup).unwrap_or_else(|e| panic!("{e}"));
     let socket = server.connect(0, 0, None).unwrap_or_else(|e| panic!("{e}"));
     faults[1].set_stalled(true);
@@ -368,7 +368,7 @@ fn a_draining_thread_does_not_spin_on_a_passed_deadline() {
     let script = Script {
         // Two threads; every timeout on; two request slots beyond the window of 4, one device
         // operation in flight per thread; QoS on.
-        config: Config([0x01, 0x1f, 0x12, 0x00]),
+        config: Config([0x01, 0x1f, 0x12, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -462,7 +462,7 @@ fn the_shutdown_is_bounded_by_the_drain_timeouts_when_a_tenant_is_in_debt() {
     let script = Script {
         // One thread, a window of 8 and 8 more request slots, one device operation in flight,
         // no timeouts.
-        config: Config([0x00, 0xc0, 0x12, 0x00]),
+        config: Config([0x00, 0xc0, 0x12, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -517,7 +517,7 @@ fn the_shutdown_is_bounded_by_the_drain_timeouts_when_a_tenant_is_in_debt() {
 fn the_largest_request_gets_a_buffer_in_the_smallest_arena() {
     let script = Script {
         // One thread, a 1 MiB arena, no timeouts.
-        config: Config([0x00, 0x00, 0x00, 0x00]),
+        config: Config([0x00, 0x00, 0x00, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -563,7 +563,7 @@ fn an_lc_tenant_in_deficit_renegotiated_to_best_effort_does_not_stop_the_thread(
     };
     let script = Script {
         // One thread, a window of 8 and 8 more request slots, no timeouts.
-        config: Config([0x00, 0xc0, 0x02, 0x00]),
+        config: Config([0x00, 0xc0, 0x02, 0x00, 0x00]),
         steps: vec![
             Step::Connect {
                 thread: 0,
@@ -702,12 +702,41 @@ fn replay() {
             .map(|entry| entry.unwrap_or_else(|e| panic!("{e}")).path())
             .collect();
         files.sort();
+        // How many inputs reach each part of the server the scripts added last.
+        let mut reached = [0usize; 8];
         for file in &files {
             eprintln!("{}", file.display());
             let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-            script::run_mode(&Script::decode(&bytes), mode, false);
+            let script = Script::decode(&bytes);
+            let setup = script.config.decoded();
+            let outcome = script::run_mode(&script, mode, false);
+            for (count, hit) in reached.iter_mut().zip([
+                outcome.nvme_connections > 0,
+                outcome.nvme_pdus > 0,
+                outcome.nvme_completions > 0,
+                outcome.nvme_r2ts > 0,
+                outcome.nvme_blocks_checked > 0,
+                setup.composite.is_some() && outcome.requests_answered > 0,
+                setup.migration,
+                outcome.migrated_reads > 0,
+            ]) {
+                *count += usize::from(hit);
+            }
         }
         eprintln!("{} inputs ran clean", files.len());
+        eprintln!(
+            "NVMe/TCP: {} connected, {} got controller PDUs, {} completions, {} answered R2Ts, \
+             {} read back private blocks; composite namespace: {} with answered requests; \
+             migration: {} set up, {} migrated reads",
+            reached[0],
+            reached[1],
+            reached[2],
+            reached[3],
+            reached[4],
+            reached[5],
+            reached[6],
+            reached[7]
+        );
         return;
     }
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -825,4 +854,103 @@ fn kv_clients_get_every_answer_and_read_back_their_writes() {
     let outcome = script::run(&seed("kv-broken"), false);
     assert!(outcome.framing_errors >= 1, "{outcome:?}");
     assert!(outcome.responses >= 8, "{outcome:?}");
+}
+
+/// Finding 11: an NVMe/TCP I/O queue with a READ on the model device (it completes later) gets
+/// a malformed PDU: the controller queues its C2HTermReq at once, and the READ's C2HData and
+/// CapsuleResp, finished after it, went out behind it (a host stops parsing at a TermReq; the
+/// transport's rule is that nothing follows it). The script's NVMe/TCP client fails on any
+/// byte after a C2HTermReq.
+#[test]
+fn nothing_follows_an_nvme_tcp_term_req() {
+    let nvme = |socket: u8, op: u8, a: u8, b: u8, c: u16| Step::Nvme {
+        socket,
+        op,
+        a,
+        b,
+        c,
+    };
+    let connect = |source: u8| Step::Connect {
+        thread: 0,
+        listener: script::NVME_LISTENER as u8,
+        source,
+    };
+    let script = Script {
+        config: Config::default(),
+        steps: vec![
+            // An admin queue, then an I/O queue of its controller.
+            connect(0),
+            nvme(0, 0, 0, 0, 3),
+            Step::Advance { mode: 4 },
+            connect(0),
+            nvme(1, 0, 1, 0, 0),
+            Step::Advance { mode: 4 },
+            // A 128 KiB READ of NSID 2 (the model device), then bytes that are no PDU.
+            nvme(1, 6, 4, 1, 0),
+            Step::Raw {
+                socket: 1,
+                bytes: vec![0x67; 28],
+            },
+            Step::Advance { mode: 9 },
+        ],
+    };
+    assert_eq!(Script::decode(&script.encode()), script);
+    let outcome = script::run(&script, true);
+    assert_eq!(outcome.framing_errors, 1, "{outcome:?}");
+    // ICResp and the Connect's completion on each queue, the admin queue's two other
+    // completions, the TermReq.
+    assert_eq!(outcome.nvme_completions, 4, "{outcome:?}");
+    assert_eq!(outcome.nvme_pdus, 7, "{outcome:?}");
+}
+
+/// An ICReq in raw bytes (header and data digests on) before the host's own (digests off):
+/// the controller answers the raw one and ends the connection at the second; the host parses
+/// what comes with the digests the ICResp says (a harness check, not a finding).
+#[test]
+fn a_raw_icreq_sets_the_digests_the_host_parses_with() {
+    let mut icreq = vec![0u8; 128];
+    icreq[2] = 128;
+    icreq[4] = 128;
+    icreq[11] = 3;
+    let script = Script {
+        config: Config::default(),
+        steps: vec![
+            Step::Connect {
+                thread: 0,
+                listener: script::NVME_LISTENER as u8,
+                source: 0,
+            },
+            Step::Raw {
+                socket: 0,
+                bytes: icreq,
+            },
+            Step::Nvme {
+                socket: 0,
+                op: 0,
+                a: 0,
+                b: 0,
+                c: 0,
+            },
+            Step::Advance { mode: 9 },
+        ],
+    };
+    let outcome = script::run(&script, true);
+    // ICResp, then the TermReq for the second ICReq.
+    assert_eq!(outcome.nvme_pdus, 2, "{outcome:?}");
+    assert_eq!(outcome.framing_errors, 1, "{outcome:?}");
+}
+
+/// Finding 12: `dataplane_protocol`'s input (two threads; an NVMe/TCP admin queue and an
+/// I/O queue pipelining writes on R2T, in-capsule writes and reads): the controller sent
+/// R2T (CCCID 14, TTAG 0) and R2T (CCCID 15, TTAG 1), the host answered each with one H2CData
+/// of the 4096 bytes asked for, and the controller ended the connection with a C2HTermReq
+/// (FES 2, PDU sequence error) naming the H2CData of CCCID 14, TTAG 0: "H2CData without an R2T
+/// asking for it", with writes 14 and 15 unanswered: the H2CData's header had arrived before
+/// its data, the dataplane decoded it (the frontend counted its data into the transfer), waited
+/// to gather the data, and decoded it again.
+#[test]
+fn an_h2c_data_answering_its_r2t_is_accepted() {
+    let bytes = include_bytes!("data/finding-12-nvme-h2cdata.bin");
+    let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, true);
+    assert!(outcome.nvme_r2ts >= 4, "{outcome:?}");
 }

@@ -222,7 +222,14 @@ impl Dataplane {
                     {
                         assert_eq!(payload_bytes, u64::from(io.length_bytes));
                         let total = header_bytes + io.length_bytes as usize;
-                        if total > unparsed_bytes && total <= self.write_gather_bytes_max() {
+                        // Gathering decodes the header again once the rest arrived; an
+                        // NVMe/TCP decode takes state (finding 12), so it is never repeated.
+                        if total > unparsed_bytes
+                            && total <= self.write_gather_bytes_max()
+                            && self.connections[index as usize]
+                                .frontend
+                                .decode_is_repeatable()
+                        {
                             break;
                         }
                     }

@@ -17,7 +17,7 @@ use super::Dataplane;
 use super::ops::{ConnectionId, Op};
 use super::request::{NONE, RequestState, Work};
 use crate::buffers::PageRun;
-use crate::frontend::Answer;
+use crate::frontend::{Answer, Tag};
 
 /// Segments in one gathered send: a header, a body and a trailer per response.
 pub const SEND_SEGMENTS_MAX: usize = 129;
@@ -101,6 +101,17 @@ impl Dataplane {
     pub(super) fn queue_response(&mut self, index: u32, front: bool) {
         assert_eq!(self.requests[index as usize].state, RequestState::Completed);
         let connection_index = self.requests[index as usize].connection_index;
+        if self.requests[index as usize].tag != Tag::None
+            && self.connections[connection_index as usize]
+                .frontend
+                .answers_dropped()
+        {
+            // Finding 11: an answer finished after an NVMe/TCP C2HTermReq was queued would
+            // follow it on the wire; it is dropped (the TermReq itself, protocol output
+            // without a tag, is not).
+            self.free_request(index);
+            return;
+        }
         let connection = &mut self.connections[connection_index as usize];
         if front {
             assert!(

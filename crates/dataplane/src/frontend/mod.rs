@@ -660,6 +660,25 @@ impl Frontend {
         }
     }
 
+    /// Whether decoding the same bytes again gives the same request with no other effect (the
+    /// dataplane may decode a small WRITE's header, wait for its payload, and decode it again).
+    /// Not for NVMe/TCP: decoding a command advances the SQ head, and an H2CData PDU counts
+    /// its data into its transfer (finding 12: the second decode found the transfer complete
+    /// and ended the connection with a PDU sequence error).
+    pub fn decode_is_repeatable(&self) -> bool {
+        !matches!(self, Frontend::NvmeTcp(_))
+    }
+
+    /// Whether answers (responses with a tag) are no longer sent: an NVMe/TCP connection
+    /// whose C2HTermReq is queued (the transport puts nothing after it; the host stops
+    /// parsing there). The connection closes once its requests are done.
+    pub fn answers_dropped(&self) -> bool {
+        match self {
+            Frontend::NvmeTcp(nvme) => nvme.terminated(),
+            _ => false,
+        }
+    }
+
     /// Bytes of protocol output waiting for an [`Action::Output`] request.
     pub fn pending_output_bytes(&self) -> usize {
         match self {

@@ -307,6 +307,12 @@ impl NvmeTcpFrontend {
         matches!(self.phase, Phase::Queue(_))
     }
 
+    /// A fatal error's C2HTermReq has been handed to the dataplane (its output request took
+    /// it): nothing may follow it on the wire, so answers finished from now on are dropped.
+    pub(super) fn terminated(&self) -> bool {
+        self.closing.is_some() && self.output.is_empty()
+    }
+
     pub(super) fn begin_shutdown(&mut self) -> bool {
         self.shutting_down = true;
         false
