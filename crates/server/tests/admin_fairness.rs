@@ -368,3 +368,27 @@ fn rt_alone_set_through_the_admin_api_survives_a_restart() {
     assert_eq!(gold["latency_us_p95"], 500, "{gold}");
     drop(server);
 }
+
+/// A reload applies a configured tenant's `rt_alone_us` only where the file changed it: an
+/// RT_alone the admin API set stands through a reload of the same file.
+#[test]
+fn a_reload_changes_rt_alone_only_where_the_file_changed_it() {
+    let mut config = config(None);
+    config.tenants[0].rt_alone_us = Some(700);
+    let (server, api) = start(config.clone());
+    let rt_alone =
+        |api: &Api| api.get("/v1/namespaces/1/tenants/gold").json()["rt_alone_us"].clone();
+    assert_eq!(rt_alone(&api), 700);
+    let patched = api.patch("/v1/namespaces/1/tenants/gold", r#"{"rt_alone_us": 300}"#);
+    assert_eq!(patched.status, 200, "{}", patched.text);
+    let report = server.reload_tenants(&config);
+    assert_eq!(report.rt_alone_changed, 0);
+    assert_eq!(rt_alone(&api), 300);
+    config.tenants[0].rt_alone_us = Some(800);
+    assert_eq!(server.reload_tenants(&config).rt_alone_changed, 1);
+    assert_eq!(rt_alone(&api), 800);
+    config.tenants[0].rt_alone_us = None;
+    assert_eq!(server.reload_tenants(&config).rt_alone_changed, 1);
+    assert!(rt_alone(&api).is_null());
+    drop(server);
+}
