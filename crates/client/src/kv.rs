@@ -126,9 +126,16 @@ impl KvClient {
                 self.received_bytes -= length;
                 return Ok(response);
             }
-            let read = self
+            let read = match self
                 .stream
-                .read(&mut self.receive_buffer[self.received_bytes..])?;
+                .read(&mut self.receive_buffer[self.received_bytes..])
+            {
+                Ok(read) => read,
+                // A signal is no error of the connection (a server in the same process, as in
+                // the tests, uses them to wake its threads): read again.
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(error) => return Err(error.into()),
+            };
             if read == 0 {
                 return Err(KvClientError::Closed);
             }
