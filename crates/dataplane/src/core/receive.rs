@@ -237,6 +237,12 @@ impl Dataplane {
                             Ok(io) => Action::Io(io),
                             Err(answer) => Action::Reply(answer),
                         },
+                        // Applied here, in decode order: every later request of the
+                        // connection is charged to the new tenant, every earlier one to the
+                        // old.
+                        Action::KvBind { handle } => {
+                            Action::Reply(self.kv_bind(index, handle, now))
+                        }
                         other => other,
                     };
                     let request = self.allocate_request(index, tag, action, now);
@@ -376,6 +382,12 @@ impl Dataplane {
                 true
             }
             Action::Io(io) => self.start_io(index, io, now),
+            // Turned into its answer at decode (above); kept whole for a caller that did not.
+            Action::KvBind { handle } => {
+                let answer = self.kv_bind(connection_index, handle, now);
+                self.respond(index, answer, None, 0);
+                true
+            }
         }
     }
 
