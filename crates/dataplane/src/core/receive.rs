@@ -227,6 +227,16 @@ impl Dataplane {
                         }
                     }
                     let connection = &mut self.connections[index as usize];
+                    if let Action::KvBind { .. } = action
+                        && connection.outstanding > 0
+                    {
+                        // A KV BIND waits until every earlier request of its connection is
+                        // answered: rebinding releases the old tenant's place on this thread,
+                        // which its requests still in the scheduler need. Freed requests
+                        // wake the waiters, so it is parsed again.
+                        self.add_waiter(index);
+                        return;
+                    }
                     connection.recv_start += header_bytes;
                     // Established: a request that is not handshake output.
                     if action != Action::Output {
