@@ -16,9 +16,10 @@ Modes (QoS off, as scenarios/fig9-server.py):
   inter     that stage with inter-core migration of every flow's reads, KV bucket and value
             reads included (docs/FAIRNESS.md)
   hybrid    the stage in backwarding (B = 2, be_device_depth_max 8) with that migration
-Caveat (docs/KV.md): every KV connection is charged to the one [kv] tenant, so the stage and
-the migrator see one flow, not two; the modes differ in where reads are served and in the
-stage's order, not in a per-flow policy.
+The two flows are two best-effort tenants, `sparse` and `dense`, created through the admin
+API on each fresh server; every connection of a flow BINDs to its tenant first
+(`reflex bench --kv --kv-tenant`, docs/KV.md §1.3), so the stage and the migrator see two
+flows.
 
 Each figure is the median of RUNS runs. Every bench is bounded by its operation count
 (OPS per client thread) and by a 60 s timeout.
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 REFLEXD = os.environ.get("REFLEXD", "target/release/reflexd")
 REFLEX = os.environ.get("REFLEX", "target/release/reflex")
@@ -77,6 +79,7 @@ class Server:
 
     def __init__(self, mode):
         self.kv_port = free_port()
+        self.admin_port = free_port()
         self.dir = tempfile.mkdtemp(prefix="kv-fig9-server-")
         text = f'''listen = "127.0.0.1"
 port = {free_port()}
@@ -88,7 +91,7 @@ enabled = false
 [nvme_tcp]
 enabled = false
 [admin]
-enabled = false
+listen = "127.0.0.1:{self.admin_port}"
 [kv]
 enabled = true
 port = {self.kv_port}
@@ -139,10 +142,23 @@ profile = "{PROFILE}"
             shutil.rmtree(self.dir)  # Kept after a failure, for its log.
 
 
-def bench_command(server, workload, threads, ops):
-    return [REFLEX, "bench", "--kv", f"127.0.0.1:{server.kv_port}", "--kv-workload", workload,
-            "--threads", str(threads), "--qd", "1", "--kv-ops", str(ops), "--kv-keys",
-            str(KEYS), "--key-size", "4", "--value-size", "16k", "--json"]
+def create_tenant(server, name):
+    """A best-effort tenant on namespace 1 through the admin API; its handle (hex)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.admin_port}/v1/namespaces/1/tenants",
+        data=json.dumps({"name": name, "class": "be"}).encode(),
+        headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return json.load(answer)["tenant"]["handle"]
+
+
+def bench_command(server, workload, threads, ops, tenant=None):
+    command = [REFLEX, "bench", "--kv", f"127.0.0.1:{server.kv_port}", "--kv-workload",
+               workload, "--threads", str(threads), "--qd", "1", "--kv-ops", str(ops),
+               "--kv-keys", str(KEYS), "--key-size", "4", "--value-size", "16k", "--json"]
+    if tenant is not None:
+        command += ["--kv-tenant", tenant]
+    return command
 
 
 def rows_of(process):
@@ -158,14 +174,17 @@ def run_once(mode):
         fill = subprocess.Popen(bench_command(server, "fillrandom", 4, KEYS // 4),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         rows_of(fill)
+        tenants = {name: create_tenant(server, name) for name in ("sparse", "dense")}
         alone = {}
         for name, threads in (("sparse", SPARSE), ("dense", DENSE)):
-            process = subprocess.Popen(bench_command(server, "readrandom", threads, OPS),
+            process = subprocess.Popen(bench_command(server, "readrandom", threads, OPS,
+                                                     tenants[name]),
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True)
             alone[name] = rows_of(process)["latency"]["avg_us"]
         processes = {
-            name: subprocess.Popen(bench_command(server, "readrandom", threads, OPS),
+            name: subprocess.Popen(bench_command(server, "readrandom", threads, OPS,
+                                                 tenants[name]),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for name, threads in (("sparse", SPARSE), ("dense", DENSE))
         }

@@ -1,7 +1,7 @@
 //! Raw bytes as a server's receive stream of key-value requests, fed to one `RequestDecoder`
 //! in chunks whose sizes the input's first byte picks: the decoder never panics, never consumes
 //! more than it is given, returns valid requests only whole, everything it returns re-encodes
-//! to the bytes it consumed, and a buffer of `REQUEST_FRAME_SIZE_MAX` always makes progress.
+//! to the bytes it consumed, a BIND's handle is its 8-byte key, and a buffer of `REQUEST_FRAME_SIZE_MAX` always makes progress.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -28,6 +28,14 @@ fuzz_target!(|data: &[u8]| {
                 let mut out = vec![0u8; request.encoded_length_bytes()];
                 assert_eq!(request.encode_into(request_id, &mut out), Ok(out.len()));
                 assert_eq!(out[..], buffer[..consumed]);
+                // A BIND always carries exactly one little-endian handle.
+                if request.opcode() == reflex_proto::kv::Opcode::Bind {
+                    let key: [u8; 8] = match request.key().try_into() {
+                        Ok(key) => key,
+                        Err(_) => panic!("a decoded BIND with a {}-byte key", request.key().len()),
+                    };
+                    assert_eq!(request.bind_handle(), Some(u64::from_le_bytes(key)));
+                }
             }
             Some(Decoded::Rejected { header, status: _ }) => {
                 assert_eq!(header.to_bytes()[..], buffer[..consumed]);

@@ -206,4 +206,12 @@ impl KvClient {
         let response = self.call(&Request::Flush)?;
         Self::expect_ok(response).map(|_| ())
     }
+
+    /// Charges this connection's later requests to tenant `handle` (0: back to the port's
+    /// tenant). `NO_TENANT`: no such tenant on the table's namespace; the old one stays.
+    pub fn bind(&mut self, handle: u64) -> Result<(), KvClientError> {
+        let key = handle.to_le_bytes();
+        let response = self.call(&Request::Bind { key: &key })?;
+        Self::expect_ok(response).map(|_| ())
+    }
 }

@@ -29,6 +29,9 @@ pub fn answer<B: BlockStore>(
             (status, 0)
         }),
         Request::Flush => store.flush().map(|()| (Status::Ok, 0)),
+        // Tenants are the server's (reflexd's dataplane answers BIND before the table sees
+        // it); a bare table has none to bind to.
+        Request::Bind { .. } => Ok((Status::NoTenant, 0)),
     };
     let (status, value_length) = outcome.unwrap_or_else(|error| (error.status(), 0));
     // ≤ 64 KiB: the table stores nothing longer.

@@ -1,4 +1,4 @@
-//! The key-value protocol v1 (`docs/KV.md`): PUT, GET, DELETE and FLUSH over one stream, a
+//! The key-value protocol v1 (`docs/KV.md`): PUT, GET, DELETE, FLUSH and BIND over one stream, a
 //! 24-byte little-endian request header followed by the key and the value, a 24-byte response
 //! header followed (GET only) by the value.
 //!
@@ -30,6 +30,8 @@ pub const RESPONSE_MAGIC: u32 = u32::from_le_bytes(*b"RFXV");
 pub const VERSION: u8 = 1;
 pub const REQUEST_HEADER_SIZE: usize = 24;
 pub const RESPONSE_HEADER_SIZE: usize = 24;
+/// A BIND's key: one tenant handle, little-endian.
+pub const BIND_KEY_SIZE_BYTES: usize = 8;
 /// Longest key. Keys are never empty.
 pub const KEY_SIZE_MAX_BYTES: usize = 255;
 /// Largest value (64 KiB). Empty values are allowed.
@@ -64,6 +66,9 @@ pub enum Opcode {
     /// Every PUT and DELETE answered before this FLUSH was received survives a restart once
     /// FLUSH is answered `OK`.
     Flush = 0x04,
+    /// Charge this connection's later requests to the tenant whose 8-byte handle (little-endian,
+    /// as the native protocol writes handles) is the key; handle 0: back to the port's tenant.
+    Bind = 0x05,
 }
 
 /// An opcode value v1 does not define.
@@ -79,6 +84,7 @@ impl Opcode {
             0x02 => Opcode::Get,
             0x03 => Opcode::Delete,
             0x04 => Opcode::Flush,
+            0x05 => Opcode::Bind,
             _ => return Err(UnknownOpcode(value)),
         })
     }
@@ -107,6 +113,11 @@ pub enum Status {
     Invalid = 4,
     /// The device failed the operation.
     IoError = 5,
+    /// BIND named no tenant of the table's namespace; the connection keeps its tenant.
+    NoTenant = 6,
+    /// The connection's tenant may not do this: it was removed (revoked), or its grant
+    /// refuses the request (a read-only tenant writing).
+    Permission = 7,
 }
 
 /// A status value v1 does not define; clients treat it as an error.
@@ -124,6 +135,8 @@ impl Status {
             3 => Status::TableFull,
             4 => Status::Invalid,
             5 => Status::IoError,
+            6 => Status::NoTenant,
+            7 => Status::Permission,
             _ => return Err(UnknownStatus(value)),
         })
     }
@@ -143,6 +156,8 @@ impl std::fmt::Display for Status {
             Status::TableFull => "table full",
             Status::Invalid => "invalid request",
             Status::IoError => "I/O error",
+            Status::NoTenant => "no such tenant on the table's namespace",
+            Status::Permission => "the connection's tenant may not do this",
         })
     }
 }
@@ -280,7 +295,7 @@ impl ValidatedRequest {
     pub const fn request_id(&self) -> u64 {
         self.request_id
     }
-    /// 1 ..= 255 for PUT, GET and DELETE; 0 for FLUSH.
+    /// 1 ..= 255 for PUT, GET and DELETE; 8 for BIND; 0 for FLUSH.
     #[inline]
     pub const fn key_length_bytes(&self) -> usize {
         self.key_length_bytes as usize
@@ -303,8 +318,9 @@ impl ValidatedRequest {
 /// Order of checks (the first failing one decides the status):
 /// 1. version ≠ 1, unknown opcode, flags or reserved not zero → `INVALID`;
 /// 2. key longer than 255 bytes, or value larger than 64 KiB → `TOO_LARGE`;
-/// 3. FLUSH with a key, or PUT/GET/DELETE with an empty key → `INVALID`;
-/// 4. GET, DELETE or FLUSH with a value → `INVALID`.
+/// 3. FLUSH with a key, PUT/GET/DELETE with an empty key, or BIND with a key of other than
+///    [`BIND_KEY_SIZE_BYTES`] bytes → `INVALID`;
+/// 4. GET, DELETE, FLUSH or BIND with a value → `INVALID`.
 pub fn validate_request(header: &RequestHeader) -> Result<ValidatedRequest, Status> {
     if header.version != VERSION || header.flags != 0 || header.reserved != 0 {
         return Err(Status::Invalid);
@@ -317,6 +333,9 @@ pub fn validate_request(header: &RequestHeader) -> Result<ValidatedRequest, Stat
     }
     let key_wanted = opcode != Opcode::Flush;
     if key_wanted != (header.key_length_bytes != 0) {
+        return Err(Status::Invalid);
+    }
+    if opcode == Opcode::Bind && usize::from(header.key_length_bytes) != BIND_KEY_SIZE_BYTES {
         return Err(Status::Invalid);
     }
     if opcode != Opcode::Put && header.value_length_bytes != 0 {
@@ -339,10 +358,21 @@ pub fn validate_request(header: &RequestHeader) -> Result<ValidatedRequest, Stat
 /// A valid request with its key and value borrowed from the receive buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Request<'a> {
-    Put { key: &'a [u8], value: &'a [u8] },
-    Get { key: &'a [u8] },
-    Delete { key: &'a [u8] },
+    Put {
+        key: &'a [u8],
+        value: &'a [u8],
+    },
+    Get {
+        key: &'a [u8],
+    },
+    Delete {
+        key: &'a [u8],
+    },
     Flush,
+    /// `key`: the tenant handle's 8 bytes (see [`Request::bind_handle`]).
+    Bind {
+        key: &'a [u8],
+    },
 }
 
 impl<'a> Request<'a> {
@@ -352,13 +382,28 @@ impl<'a> Request<'a> {
             Request::Get { .. } => Opcode::Get,
             Request::Delete { .. } => Opcode::Delete,
             Request::Flush => Opcode::Flush,
+            Request::Bind { .. } => Opcode::Bind,
+        }
+    }
+
+    /// A BIND's tenant handle: `Some` for a BIND whose key is 8 bytes (always, once decoded).
+    pub fn bind_handle(&self) -> Option<u64> {
+        match self {
+            Request::Bind { key } => key
+                .first_chunk::<BIND_KEY_SIZE_BYTES>()
+                .filter(|_| key.len() == BIND_KEY_SIZE_BYTES)
+                .map(|bytes| u64::from_le_bytes(*bytes)),
+            _ => None,
         }
     }
 
     /// The key (empty for FLUSH).
     pub const fn key(&self) -> &'a [u8] {
         match self {
-            Request::Put { key, .. } | Request::Get { key } | Request::Delete { key } => key,
+            Request::Put { key, .. }
+            | Request::Get { key }
+            | Request::Delete { key }
+            | Request::Bind { key } => key,
             Request::Flush => &[],
         }
     }
@@ -481,6 +526,7 @@ impl RequestDecoder {
             Opcode::Get => Request::Get { key },
             Opcode::Delete => Request::Delete { key },
             Opcode::Flush => Request::Flush,
+            Opcode::Bind => Request::Bind { key },
         };
         debug_assert_eq!(request.encoded_length_bytes(), frame.len());
         let decoded = Decoded::Request {

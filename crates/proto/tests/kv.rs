@@ -179,7 +179,7 @@ fn validation_table() {
     check(header(delete, 4, 1), Err(Status::Invalid));
     check(header(flush, 0, 1), Err(Status::Invalid));
     check(header(0, 4, 0), Err(Status::Invalid));
-    check(header(0x05, 4, 0), Err(Status::Invalid));
+    check(header(0x06, 4, 0), Err(Status::Invalid));
     check(header(0xff, 4, 0), Err(Status::Invalid));
     check(
         RequestHeader {
@@ -413,4 +413,62 @@ fn random_bytes_never_panic_and_round_trip() {
             assert!(frame.length_bytes <= response.len());
         }
     }
+}
+
+#[test]
+fn bind_carries_an_eight_byte_little_endian_handle() {
+    let handle: u64 = 0x1122_3344_5566_7788;
+    let key = handle.to_le_bytes();
+    let request = Request::Bind { key: &key };
+    assert_eq!(request.opcode(), Opcode::Bind);
+    assert_eq!(Opcode::Bind.as_u8(), 5);
+    assert_eq!(Opcode::from_u8(5), Ok(Opcode::Bind));
+    assert_eq!(request.bind_handle(), Some(handle));
+    assert_eq!(Request::Flush.bind_handle(), None);
+    assert_eq!(Request::Bind { key: &key[..7] }.bind_handle(), None);
+    // The exact bytes: header with opcode 5, key length 8, no value, then the handle LE.
+    #[rustfmt::skip]
+    let expected: Vec<u8> = vec![
+        b'R', b'F', b'X', b'K', 1, 0x05, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0,
+        0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,
+    ];
+    let bytes = encode(&request, 9);
+    assert_eq!(bytes, expected);
+    // Decoded whole, in every chunking, back to the same handle.
+    for chunk in [1, 7, 24, 31, 32, 100] {
+        let outcomes = drive(&bytes, chunk).expect("framing");
+        assert_eq!(outcomes, vec![Ok((9, bytes.clone()))], "chunk {chunk}");
+    }
+    let (decoded, consumed) = RequestDecoder::new().decode(&bytes).expect("framing");
+    assert_eq!(consumed, bytes.len());
+    let Some(Decoded::Request { request, .. }) = decoded else {
+        panic!("a BIND decodes to a request: {decoded:?}");
+    };
+    assert_eq!(request.bind_handle(), Some(handle));
+}
+
+#[test]
+fn bind_validation_and_new_statuses() {
+    let bind = Opcode::Bind.as_u8();
+    check(header(bind, 8, 0), Ok((Opcode::Bind, 8, 0)));
+    // Key of another length than 8, or a value: INVALID, payload skipped.
+    for key_length in [0u16, 1, 7, 9, 255] {
+        check(header(bind, key_length, 0), Err(Status::Invalid));
+    }
+    check(header(bind, 8, 1), Err(Status::Invalid));
+    // Oversize still decides first (TOO_LARGE before the shape checks).
+    check(header(bind, 256, 0), Err(Status::TooLarge));
+    check(header(bind, 8, (64 << 10) + 1), Err(Status::TooLarge));
+    let mut stream = header(bind, 9, 3).to_bytes().to_vec();
+    stream.extend_from_slice(&[0xaa; 12]);
+    let flush = encode(&Request::Flush, 5);
+    stream.extend_from_slice(&flush);
+    let outcomes = drive(&stream, 5).expect("framing");
+    assert_eq!(outcomes, vec![Err((77, Status::Invalid)), Ok((5, flush))]);
+    // The two statuses BIND brought, both ways.
+    assert_eq!(Status::from_u16(6), Ok(Status::NoTenant));
+    assert_eq!(Status::from_u16(7), Ok(Status::Permission));
+    assert_eq!(Status::NoTenant.as_u16(), 6);
+    assert_eq!(Status::Permission.as_u16(), 7);
+    assert_eq!(Status::from_u16(8), Err(UnknownStatus(8)));
 }

@@ -698,3 +698,171 @@ fn kv_reads_migrate_between_threads_and_every_answer_is_right_once() {
     assert!(stats.iter().all(|s| s.migrated_refused == 0), "{report:?}");
     shut_down(&mut server);
 }
+
+/// Two threads, QoS on with the small device profile and the FIFO fairness stage, two
+/// best-effort tenants `sparse` and `dense` created at run time (as the admin API does).
+fn two_tenant_server() -> (VirtualServer, u64, u64) {
+    use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
+    use reflex_qos::{DeviceProfile, FairMode, FairQueueConfig, QosConfig, TenantSpec};
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../profiles/device-a-small.toml"
+    );
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let profile = DeviceProfile::from_toml(&text).unwrap_or_else(|e| panic!("{e}"));
+    let qos_config = QosConfig {
+        fairness: FairQueueConfig {
+            mode: FairMode::Fifo,
+            ..FairQueueConfig::default()
+        },
+        ..QosConfig::default()
+    };
+    let plan = FaultPlan::parse("delay=50us").unwrap_or_else(|e| panic!("{e}"));
+    let device: Arc<dyn Device> =
+        Arc::new(FaultDevice::new(memory_device(), plan).unwrap_or_else(|e| panic!("{e}")));
+    let server = VirtualServer::new(reflex_sim::VirtualServerSetup {
+        threads: 2,
+        namespaces: vec![(common::NAMESPACE, device, false)],
+        control: ControlSetup {
+            threads: 2,
+            handles: HandleKeys::Seeded(3),
+            tenant_limits: TenantLimits::default(),
+            qos_config: qos_config.clone(),
+            qos_enabled: true,
+            namespaces: vec![NamespaceControl {
+                namespace_id: common::NAMESPACE,
+                profile: Some(profile),
+                tenants: Vec::new(),
+            }],
+        },
+        qos_config,
+        limits: Limits::with_arena(8 << 20, 25),
+        network: NetworkModel::default(),
+        listeners: vec![VirtualListener::Kv {
+            namespace_index: 0,
+            tenant: None,
+        }],
+        nbd_exports: Vec::new(),
+        nbd_default_export: None,
+        composites: Vec::new(),
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let create = |name: &str| {
+        server
+            .control()
+            .admin_register(common::NAMESPACE, name, TenantSpec::BestEffort, false)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .tenant
+            .handle
+    };
+    let (sparse, dense) = (create("sparse"), create("dense"));
+    (server, sparse, dense)
+}
+
+#[test]
+fn two_connections_bound_to_two_tenants_are_charged_to_their_own() {
+    let (mut server, sparse, dense) = two_tenant_server();
+    // One connection per thread: thread 1's table steps are forwarded to thread 0, its
+    // device operations and their charge stay on thread 1.
+    let mut first = Client::connect_to(&mut server, 0);
+    let mut second = Client::connect_to(&mut server, 1);
+    let sparse_key = sparse.to_le_bytes();
+    let dense_key = dense.to_le_bytes();
+    assert_eq!(
+        call(&mut server, &mut first, Request::Bind { key: &sparse_key }).0,
+        Status::Ok
+    );
+    assert_eq!(
+        call(&mut server, &mut second, Request::Bind { key: &dense_key }).0,
+        Status::Ok
+    );
+    let unknown = 0x0bad_0bad_0bad_0badu64.to_le_bytes();
+    assert_eq!(
+        call(&mut server, &mut first, Request::Bind { key: &unknown }).0,
+        Status::NoTenant
+    );
+    // `sparse`: 2 PUTs; `dense`: 6 PUTs pipelined with a BIND to `sparse` and a GET after
+    // it (the GET is `sparse`'s).
+    let mut ids = Vec::new();
+    for number in 0..2u8 {
+        let key = [b's', number];
+        ids.push((
+            0,
+            first.send(
+                &mut server,
+                Request::Put {
+                    key: &key,
+                    value: b"s",
+                },
+            ),
+        ));
+    }
+    for number in 0..6u8 {
+        let key = [b'd', number];
+        ids.push((
+            1,
+            second.send(
+                &mut server,
+                Request::Put {
+                    key: &key,
+                    value: b"d",
+                },
+            ),
+        ));
+    }
+    ids.push((
+        1,
+        second.send(&mut server, Request::Bind { key: &sparse_key }),
+    ));
+    ids.push((1, second.send(&mut server, Request::Get { key: b"d\x05" })));
+    await_answers(&mut server, &mut [&mut first, &mut second], &ids);
+    for &(client, id) in &ids {
+        let answers = if client == 0 {
+            &first.answers
+        } else {
+            &second.answers
+        };
+        assert_eq!(
+            answers[&id].1,
+            Status::Ok,
+            "request {id} of client {client}"
+        );
+    }
+    assert_eq!(second.answers[&ids[ids.len() - 1].1].2, b"d".to_vec());
+    let stats = server.stats();
+    let arrivals = |thread: usize, handle: u64| -> u64 {
+        stats[thread]
+            .tenants
+            .iter()
+            .filter(|tenant| tenant.handle == handle)
+            .map(|tenant| tenant.arrivals)
+            .sum()
+    };
+    let report = [
+        (arrivals(0, sparse), arrivals(0, dense)),
+        (arrivals(1, sparse), arrivals(1, dense)),
+    ];
+    eprintln!("arrivals per thread (sparse, dense): {report:?}");
+    // Each tenant's requests arrived on its connection's thread, charged to it, and the
+    // scheduler admitted device operations for both (two flows of the stage).
+    assert_eq!(report, [(2, 0), (1, 6)]);
+    let admitted = |thread: usize, handle: u64| -> u64 {
+        stats[thread]
+            .tenants
+            .iter()
+            .filter(|tenant| tenant.handle == handle)
+            .map(|tenant| tenant.requests)
+            .sum()
+    };
+    assert!(
+        admitted(0, sparse) >= 2 * 2,
+        "a PUT is at least two device steps"
+    );
+    assert!(
+        admitted(1, dense) >= 6 * 2,
+        "a PUT is at least two device steps"
+    );
+    assert!(admitted(1, sparse) >= 1, "the GET after the BIND");
+    assert_eq!(admitted(0, dense), 0);
+    shut_down(&mut server);
+}

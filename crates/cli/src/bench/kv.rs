@@ -51,6 +51,8 @@ pub struct KvOptions {
     pub value_size_bytes: usize,
     pub seed: u64,
     pub json: bool,
+    /// Tenant handle each connection BINDs to first (`None`: the port's tenant).
+    pub tenant: Option<u64>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -94,6 +96,11 @@ struct ThreadResult {
 fn run_thread(options: &KvOptions, workload: Workload, thread: usize) -> Result<ThreadResult> {
     let mut client = KvClient::connect(options.address)
         .with_context(|| format!("connecting to {}", options.address))?;
+    if let Some(handle) = options.tenant {
+        client
+            .bind(handle)
+            .with_context(|| format!("binding to tenant {handle:#x}"))?;
+    }
     let seed = options.seed ^ (thread as u64) << 32 ^ workload as u64;
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     let mut latency = Latency::new();

@@ -218,6 +218,19 @@ pub struct Args {
     /// With --kv: bytes per value (db_bench's default 100; OctoFAS uses 16k).
     #[arg(long, default_value = "100", value_parser = parse_size, requires = "kv")]
     value_size: u64,
+    /// With --kv: BIND every connection to this tenant handle (hexadecimal, as the admin API
+    /// shows it, `0x` optional) before its first request, so two runs are two flows.
+    #[arg(long, value_parser = parse_handle, requires = "kv")]
+    kv_tenant: Option<u64>,
+}
+
+/// A tenant handle: hexadecimal, as the admin API writes it (`0x` optional).
+fn parse_handle(text: &str) -> std::result::Result<u64, String> {
+    let hex = text
+        .strip_prefix("0x")
+        .or_else(|| text.strip_prefix("0X"))
+        .unwrap_or(text);
+    u64::from_str_radix(hex, 16).map_err(|e| format!("tenant handle {text:?}: {e}"))
 }
 
 /// What the run targets, resolved before any row.
@@ -333,6 +346,7 @@ pub fn run(args: Args) -> Result<()> {
             value_size_bytes: usize::try_from(args.value_size).unwrap_or(usize::MAX),
             seed: args.seed,
             json: args.json,
+            tenant: args.kv_tenant,
         };
         return kv::run(&options);
     }

@@ -181,17 +181,23 @@ impl Dataplane {
             .kv
             .as_ref()
             .is_some_and(|kv| kv.namespace_index == io.namespace_index);
-        if !served {
+        // A BIND is answered at decode (`Action::KvBind`) and never becomes an I/O request.
+        if !served || opcode == Opcode::Bind {
             // Not reached in reflexd (every thread with the KV listener has the table's setup).
             self.connections[connection_index as usize].skip_bytes += u64::from(io.length_bytes);
-            self.respond(index, Answer::Kv(Status::IoError), None, 0);
+            let status = if served {
+                Status::Invalid
+            } else {
+                Status::IoError
+            };
+            self.respond(index, Answer::Kv(status), None, 0);
             return true;
         }
         let value_bytes = (io.length_bytes - u32::from(key_bytes)) as usize;
         let value_area = match opcode {
             Opcode::Get => VALUE_SIZE_MAX_BYTES,
             Opcode::Put => value_bytes.next_multiple_of(BLOCK_SIZE_BYTES),
-            Opcode::Delete | Opcode::Flush => 0,
+            Opcode::Delete | Opcode::Flush | Opcode::Bind => 0,
         };
         let Some(run) = self.allocate_run(connection_index, KV_VALUE_START + value_area) else {
             return false;
@@ -240,6 +246,11 @@ impl Dataplane {
             Opcode::Get => OpKind::Get,
             Opcode::Delete => OpKind::Delete,
             Opcode::Flush => OpKind::Flush,
+            Opcode::Bind => {
+                // Refused in `start_kv`; never stepped.
+                self.respond(index, Answer::Kv(Status::Invalid), Some(run), 0);
+                return;
+            }
         };
         let key_start = KV_VALUE_START - usize::from(key_bytes);
         let key = &self.arena.run(run, KV_VALUE_START)[key_start..];

@@ -234,6 +234,16 @@ impl Dataplane {
                         }
                     }
                     let connection = &mut self.connections[index as usize];
+                    if let Action::KvBind { .. } = action
+                        && connection.outstanding > 0
+                    {
+                        // A KV BIND waits until every earlier request of its connection is
+                        // answered: rebinding releases the old tenant's place on this thread,
+                        // which its requests still in the scheduler need. Freed requests
+                        // wake the waiters, so it is parsed again.
+                        self.add_waiter(index);
+                        return;
+                    }
                     connection.recv_start += header_bytes;
                     // Established: a request that is not handshake output.
                     if action != Action::Output {
@@ -244,6 +254,12 @@ impl Dataplane {
                             Ok(io) => Action::Io(io),
                             Err(answer) => Action::Reply(answer),
                         },
+                        // Applied here, in decode order: every later request of the
+                        // connection is charged to the new tenant, every earlier one to the
+                        // old.
+                        Action::KvBind { handle } => {
+                            Action::Reply(self.kv_bind(index, handle, now))
+                        }
                         other => other,
                     };
                     let request = self.allocate_request(index, tag, action, now);
@@ -383,6 +399,12 @@ impl Dataplane {
                 true
             }
             Action::Io(io) => self.start_io(index, io, now),
+            // Turned into its answer at decode (above); kept whole for a caller that did not.
+            Action::KvBind { handle } => {
+                let answer = self.kv_bind(connection_index, handle, now);
+                self.respond(index, answer, None, 0);
+                true
+            }
         }
     }
 

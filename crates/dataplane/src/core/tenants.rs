@@ -22,6 +22,8 @@ use crate::control::{
     Requester, TenantRef,
 };
 use crate::frontend::{Answer, ControlRequest, Frontend, IoKind, IoRequest};
+use reflex_proto::kv::Status as KvStatus;
+use reflex_proto::native::Status as NativeStatus;
 
 /// RENEGOTIATE notices a connection holds while it cannot send them (window full); beyond
 /// it the oldest is dropped (counted in `CoreStats::notices_dropped`).
@@ -777,6 +779,30 @@ impl Dataplane {
             self.learn_member_tenants(binding.namespace_index, binding.tenant.handle, now);
         }
         ControlAnswer::ok()
+    }
+
+    /// KV BIND: like a native BIND (same bookkeeping, revocation, per-thread counts), but
+    /// only to a tenant of the table's namespace; a refused BIND keeps the old binding.
+    pub(super) fn kv_bind(&mut self, connection_index: u32, handle: u64, now: Nanos) -> Answer {
+        let Frontend::Kv {
+            namespace_index, ..
+        } = self.connections[connection_index as usize].frontend
+        else {
+            return Answer::Kv(KvStatus::Invalid);
+        };
+        if handle != TenantRef::NONE.handle {
+            let binding = self.with_control(now, |control, _, _| control.peek_binding(handle));
+            if binding.is_none_or(|binding| binding.namespace_index != namespace_index) {
+                return Answer::Kv(KvStatus::NoTenant);
+            }
+        }
+        let answer = self.control_request(connection_index, ControlRequest::Bind { handle }, now);
+        match answer.status {
+            NativeStatus::Ok => Answer::Ok,
+            NativeStatus::Permission => Answer::Permission,
+            // Removed between the check and the BIND.
+            _ => Answer::Kv(KvStatus::NoTenant),
+        }
     }
 
     /// Tells the control plane the connection no longer counts for the tenants it was charged

@@ -1,5 +1,5 @@
 //! The key-value protocol (`docs/KV.md`): one port serves the table on one namespace and
-//! charges one tenant. A valid request becomes an [`IoKind::Kv`] request whose payload (the
+//! charges the port's tenant, or the tenant a connection BINDs to. A valid request becomes an [`IoKind::Kv`] request whose payload (the
 //! key, then the value) the dataplane receives into the request's run like a WRITE payload;
 //! the table's step machine then decides its device operations (`core/kv.rs`). An invalid
 //! header is answered with its status and its payload skipped; only a wrong magic closes the
@@ -23,6 +23,23 @@ pub(super) fn decode(input: &[u8], namespace_index: u16, tenant: TenantRef) -> D
     let payload_bytes = header.payload_length_bytes();
     let action = match kv::validate_request(&header) {
         Err(status) => Action::Reply(Answer::Kv(status)),
+        Ok(valid) if valid.opcode() == Opcode::Bind => {
+            // The key is the 8-byte handle: wait until it is in the buffer with its header
+            // and decode it here, like a native control body (never received into a run).
+            let total = header_bytes + kv::BIND_KEY_SIZE_BYTES;
+            let Some(key) = input.get(header_bytes..total) else {
+                return Decoded::NeedMore;
+            };
+            let Some(handle) = (kv::Request::Bind { key }).bind_handle() else {
+                panic!("a validated BIND key of {} bytes", key.len());
+            };
+            return Decoded::Request {
+                header_bytes: total,
+                payload_bytes: 0,
+                tag,
+                action: Action::KvBind { handle },
+            };
+        }
         Ok(valid) => Action::Io(IoRequest {
             kind: IoKind::Kv {
                 opcode: valid.opcode(),
@@ -49,9 +66,9 @@ pub(super) fn status(answer: Answer) -> kv::Status {
     match answer {
         Answer::Ok => kv::Status::Ok,
         Answer::Kv(status) => status,
-        // The tenant may not write (a read-only grant) or the namespace is gone: the protocol
-        // has no permission status, and the request was not understood as asked.
-        Answer::Permission | Answer::Native(_) | Answer::Nbd(_) => kv::Status::Invalid,
+        // The tenant may not do this: removed (revoked), a read-only grant, another namespace.
+        Answer::Permission => kv::Status::Permission,
+        Answer::Native(_) | Answer::Nbd(_) => kv::Status::Invalid,
         Answer::DeviceError { .. } | Answer::Unsupported | Answer::ShuttingDown => {
             kv::Status::IoError
         }

@@ -105,6 +105,10 @@ const _: () = assert!(nbd::SIMPLE_REPLY_SIZE <= RESPONSE_HEADER_SIZE_MAX);
 const _: () = assert!(reflex_proto::kv::RESPONSE_HEADER_SIZE <= RESPONSE_HEADER_SIZE_MAX);
 // A KV request's header is waited for whole, like any unit.
 const _: () = assert!(reflex_proto::kv::REQUEST_HEADER_SIZE <= UNIT_BYTES_MAX);
+// A KV BIND is waited for whole, with its 8-byte key.
+const _: () = assert!(
+    reflex_proto::kv::REQUEST_HEADER_SIZE + reflex_proto::kv::BIND_KEY_SIZE_BYTES <= UNIT_BYTES_MAX
+);
 
 /// The protocol a listening port speaks. Each connection accepted there gets a [`Frontend`]
 /// made by [`Frontend::new`].
@@ -258,6 +262,11 @@ pub enum Action {
     Control(ControlRequest),
     /// A RENEGOTIATE notice the dataplane queued on the connection (never decoded).
     Notice,
+    /// A KV BIND: charge the connection to tenant `handle` of the table's namespace (0: back
+    /// to the port's tenant). Answered with a bare KV status.
+    KvBind {
+        handle: u64,
+    },
 }
 
 /// A native control request with its decoded body.

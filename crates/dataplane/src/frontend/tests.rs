@@ -635,7 +635,34 @@ fn kv_requests_statuses_and_broken_framing() {
         kv_frontend::status(Answer::DeviceError { errno: libc::EIO }),
         kv::Status::IoError
     );
-    assert_eq!(kv_frontend::status(Answer::Permission), kv::Status::Invalid);
+    assert_eq!(
+        kv_frontend::status(Answer::Permission),
+        kv::Status::Permission
+    );
+    // A BIND waits for its 8-byte key, then becomes `KvBind` with the handle, key consumed
+    // with the header and nothing left to skip.
+    let handle: u64 = 0x0102_0304_0506_0708;
+    let key = handle.to_le_bytes();
+    let mut bind = vec![0u8; kv::REQUEST_HEADER_SIZE + key.len()];
+    let encoded = kv::Request::Bind { key: &key }.encode_into(12, &mut bind);
+    assert_eq!(encoded, Ok(bind.len()));
+    assert!(matches!(
+        frontend().decode(&bind[..bind.len() - 1], &namespaces()),
+        Decoded::NeedMore
+    ));
+    let decoded = frontend().decode(&bind, &namespaces());
+    assert_eq!(
+        decoded,
+        Decoded::Request {
+            header_bytes: bind.len(),
+            payload_bytes: 0,
+            tag: Tag::Kv {
+                opcode_raw: kv::Opcode::Bind.as_u8(),
+                request_id: 12,
+            },
+            action: Action::KvBind { handle },
+        }
+    );
     // A wrong magic is broken framing: the connection closes.
     let mut garbage = bytes;
     garbage[0] ^= 0xff;
