@@ -954,3 +954,18 @@ fn an_h2c_data_answering_its_r2t_is_accepted() {
     let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, true);
     assert!(outcome.nvme_r2ts >= 4, "{outcome:?}");
 }
+
+/// Finding 13 (fuzzer, run 36): a key-value connection on thread 1, whose table steps go to
+/// thread 0 (the table's owner), with PUTs in flight, a fault stalling a device, then the
+/// shutdown. A request whose step waited at the owner (at the bucket gate, behind the stalled
+/// device's operation) stayed `Forwarded`: the second drain deadline orphaned only requests
+/// the device held, so the connection kept it outstanding and its socket was never closed.
+/// Now it is orphaned too (its run stays lent to the owner, counted as abandoned), and the
+/// harness's end checks (every socket closed, every slot free or orphaned) hold.
+#[test]
+fn a_kv_request_stuck_at_the_owner_does_not_keep_its_connection_past_the_shutdown() {
+    let bytes = include_bytes!("data/finding-13-kv-forwarded-shutdown.bin");
+    let outcome = script::run(&Script::decode(bytes), false);
+    assert!(outcome.stalled_devices > 0, "{outcome:?}");
+    assert!(outcome.abandoned_device_operations > 0, "{outcome:?}");
+}

@@ -391,16 +391,22 @@ impl Dataplane {
             self.requests[index as usize].generation, request.generation,
             "a KV step answer for a reused request"
         );
-        assert_eq!(
-            self.requests[index as usize].state,
-            RequestState::Forwarded,
-            "a KV step answer for a request that is not forwarded"
+        let state = self.requests[index as usize].state;
+        assert!(
+            matches!(state, RequestState::Forwarded | RequestState::Orphaned),
+            "a KV step answer for a request that is not forwarded ({state:?})"
         );
         let Some(run) = self.requests[index as usize].work.run() else {
             panic!("a forwarded KV request without its run");
         };
         let connection_index = self.requests[index as usize].connection_index;
-        let open = self.connections[connection_index as usize].is_open();
+        // Orphaned at shutdown while the owner had it: its connection let it go already.
+        let orphaned = state == RequestState::Orphaned;
+        let open = !orphaned && self.connections[connection_index as usize].is_open();
+        if orphaned {
+            assert!(self.kv_orphaned_at_owner > 0);
+            self.kv_orphaned_at_owner -= 1;
+        }
         let kv = self.kv_engine();
         let KvSlot::Remote {
             guest: known,
@@ -435,7 +441,9 @@ impl Dataplane {
                     MigrationMessage::Kv(KvMessage::Abandon { request, guest }),
                 ));
                 self.free_request(index);
-                self.maybe_finish_close(connection_index);
+                if !orphaned {
+                    self.maybe_finish_close(connection_index);
+                }
             }
             KvNext::Done(result) => {
                 kv.ops[index as usize] = KvSlot::Idle;
@@ -443,7 +451,9 @@ impl Dataplane {
                     self.kv_answer(index, run, result);
                 } else {
                     self.free_request(index);
-                    self.maybe_finish_close(connection_index);
+                    if !orphaned {
+                        self.maybe_finish_close(connection_index);
+                    }
                 }
             }
         }

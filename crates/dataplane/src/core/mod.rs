@@ -212,6 +212,9 @@ pub struct Dataplane {
     phase: Phase,
     shutdown_requested: bool,
     flushes_pending: u32,
+    /// Key-value requests orphaned at shutdown while their table step was at the owner (its
+    /// answer never came): the owner may still use their runs (`shutdown.rs`).
+    kv_orphaned_at_owner: u32,
     device_in_flight: u32,
     thread_index: usize,
     stats: CoreStats,
@@ -379,6 +382,7 @@ impl Dataplane {
             phase: Phase::Running,
             shutdown_requested: false,
             flushes_pending: 0,
+            kv_orphaned_at_owner: 0,
             device_in_flight: 0,
             thread_index: setup.thread_index,
             stats,

@@ -115,7 +115,7 @@ impl RequestState {
                 Receiving,
                 Overlapping | Queued | Blocked | Completed | Forwarded | Free
             ) | (Overlapping, Queued | Blocked | Completed | Free)
-                | (Forwarded, Queued | Blocked | Completed | Free)
+                | (Forwarded, Queued | Blocked | Completed | Orphaned | Free)
                 | (Blocked, Queued | Completed | Free)
                 | (Queued, Submitted | Completed | Free)
                 | (

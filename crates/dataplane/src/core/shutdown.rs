@@ -64,7 +64,7 @@ impl Dataplane {
             // A key-value request still forwarded to the table's owner (which never answered)
             // lends its run to that thread: the arena must outlive it too.
             let forwarded = self.stats.requests_per_state[RequestState::Forwarded as usize];
-            self.device_in_flight + self.flushes_pending + forwarded
+            self.device_in_flight + self.flushes_pending + forwarded + self.kv_orphaned_at_owner
         } else {
             0
         }
@@ -152,7 +152,8 @@ impl Dataplane {
                         }
                     }
                 } else if now >= deadline {
-                    if self.device_in_flight > 0 {
+                    let forwarded = self.stats.requests_per_state[RequestState::Forwarded as usize];
+                    if self.device_in_flight > 0 || forwarded > 0 {
                         self.abandon_device_operations();
                     }
                     self.start_flush(now);
@@ -237,12 +238,16 @@ impl Dataplane {
 
     /// Gives up on the request operations the devices still hold (every connection was
     /// aborted one drain timeout ago): each request is orphaned, which releases its
-    /// connection; a late completion frees it.
+    /// connection; a late completion frees it. So is a key-value request whose table step
+    /// waits at the owner (behind an operation of a device that does not answer): its run
+    /// stays lent to the owner until the owner's late answer frees it (`kv_next`).
     fn abandon_device_operations(&mut self) {
         let mut abandoned = 0u32;
         for index in 0..self.requests.len() as u32 {
-            if self.requests[index as usize].state != RequestState::Submitted {
-                continue;
+            match self.requests[index as usize].state {
+                RequestState::Submitted => {}
+                RequestState::Forwarded => self.kv_orphaned_at_owner += 1,
+                _ => continue,
             }
             abandoned += 1;
             self.transition(index, RequestState::Orphaned);
