@@ -298,7 +298,7 @@ fn connections_on_both_threads(driver: DriverChoice) {
 
 #[test]
 fn connections_on_both_threads_match_a_model_across_a_restart_io_uring() {
-    connections_on_both_threads(DriverChoice::Uring);
+    connections_on_both_threads(common::io_uring_driver());
 }
 
 #[test]
@@ -884,7 +884,7 @@ fn bind_charges_the_bound_tenant(driver: DriverChoice) {
 
 #[test]
 fn bind_charges_the_bound_tenant_io_uring() {
-    bind_charges_the_bound_tenant(DriverChoice::Uring);
+    bind_charges_the_bound_tenant(common::io_uring_driver());
 }
 
 #[test]

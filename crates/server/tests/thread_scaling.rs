@@ -227,7 +227,7 @@ fn park_and_wake(driver: DriverChoice) {
 
 #[test]
 fn a_parked_thread_hands_its_connections_over_on_io_uring() {
-    park_and_wake(DriverChoice::Uring);
+    park_and_wake(common::io_uring_driver());
 }
 
 #[test]

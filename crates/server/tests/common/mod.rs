@@ -35,6 +35,16 @@ pub fn driver() -> DriverChoice {
     }
 }
 
+/// io_uring for the tests that exist once per driver, unless the tests run under an emulator
+/// (`REFLEX_TEST_RUNNER`: qemu-user implements no io_uring), where `auto` picks epoll.
+pub fn io_uring_driver() -> DriverChoice {
+    if std::env::var_os("REFLEX_TEST_RUNNER").is_some_and(|runner| !runner.is_empty()) {
+        DriverChoice::Auto
+    } else {
+        DriverChoice::Uring
+    }
+}
+
 /// `--driver NAME` for a `reflexd` child process (nothing when `REFLEX_DRIVER` is unset, so
 /// the binary's own default applies).
 pub fn driver_args() -> Vec<String> {
