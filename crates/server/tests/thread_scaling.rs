@@ -188,7 +188,14 @@ fn park_and_wake(driver: DriverChoice) {
         client.round();
     }
     assert_eq!(scaling.connections_per_thread()[1], 0);
-    assert_eq!(scaling.connections_moved(), u64::from(on_thread_1));
+    let moved = scaling.connections_moved();
+    if std::env::var_os("REFLEX_TEST_RUNNER").is_some_and(|runner| !runner.is_empty()) {
+        // Under qemu-user the steering program (SO_ATTACH_REUSEPORT_CBPF) is not attached:
+        // a late connection may reach thread 1's listener, and is handed over like the others.
+        assert!(moved >= u64::from(on_thread_1), "{moved}");
+    } else {
+        assert_eq!(moved, u64::from(on_thread_1));
+    }
 
     // Woken, thread 1 takes new connections again.
     assert_eq!(scaling.force(2), 2);
@@ -220,8 +227,9 @@ fn park_and_wake(driver: DriverChoice) {
         .map(|s| (s.connections_moved_out, s.connections_moved_in))
         .collect();
     eprintln!("{driver:?}: per thread (moved out, moved in): {moved:?}");
-    assert_eq!(moved[1].0, u64::from(on_thread_1), "{moved:?}");
-    assert_eq!(moved[0].1, u64::from(on_thread_1), "{moved:?}");
+    let handed_over = scaling.connections_moved();
+    assert_eq!(moved[1].0, handed_over, "{moved:?}");
+    assert_eq!(moved[0].1, handed_over, "{moved:?}");
     assert_eq!((moved[0].0, moved[1].1), (0, 0), "{moved:?}");
 }
 
