@@ -218,6 +218,7 @@ fn park_and_wake(driver: DriverChoice) {
         ("park", 1, Some(0))
     );
     assert_eq!((events[1].kind, events[1].thread), ("wake", 1));
+    let handed_over = scaling.connections_moved();
     drop(clients);
     drop(late);
     drop(woken);
@@ -227,7 +228,6 @@ fn park_and_wake(driver: DriverChoice) {
         .map(|s| (s.connections_moved_out, s.connections_moved_in))
         .collect();
     eprintln!("{driver:?}: per thread (moved out, moved in): {moved:?}");
-    let handed_over = scaling.connections_moved();
     assert_eq!(moved[1].0, handed_over, "{moved:?}");
     assert_eq!(moved[0].1, handed_over, "{moved:?}");
     assert_eq!((moved[0].0, moved[1].1), (0, 0), "{moved:?}");
