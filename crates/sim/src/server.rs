@@ -172,8 +172,6 @@ struct CpuAccount {
     owed_ns: u64,
     /// Answers counted so far.
     answered: u64,
-    /// All the work charged, for reports.
-    busy_ns: u64,
 }
 
 struct Thread {
@@ -345,16 +343,6 @@ impl VirtualServer {
     /// Gives the threads' work virtual time from now on ([`CpuModel`]).
     pub fn set_cpu_model(&mut self, model: CpuModel) {
         self.cpu = Some((model, vec![CpuAccount::default(); self.threads.len()]));
-    }
-
-    /// Per thread, the work the CPU model charged so far (empty without one).
-    pub fn cpu_busy(&self) -> Vec<Nanos> {
-        self.cpu.as_ref().map_or_else(Vec::new, |(_, accounts)| {
-            accounts
-                .iter()
-                .map(|account| Nanos(account.busy_ns))
-                .collect()
-        })
     }
 
     /// Charges `thread` the cost of one device completion it handled.
@@ -818,7 +806,6 @@ impl VirtualServer {
             let work = std::mem::take(&mut account.owed_ns)
                 + (answered - account.answered) * model.per_answer.0;
             account.answered = answered;
-            account.busy_ns += work;
             account.busy_until = now + Nanos(work);
         }
         while let Some(op) = self.threads[thread].dataplane.poll_op() {
