@@ -1182,7 +1182,11 @@ impl ControlPlane {
             if !calibration.add(window, now) {
                 return;
             }
-            let decision = match calibration.close(now, &namespace.registry.plan()) {
+            let decision = match calibration.close(
+                now,
+                &namespace.registry.plan(),
+                namespace.registry.profile(),
+            ) {
                 Ok(decision) => decision,
                 Err(error) => {
                     tracing::error!(%error, "self-calibration window refused");

@@ -8,8 +8,8 @@
 //! the strictest LC SLO minus the configured client share.
 
 use reflex_qos::{
-    Calibrator, CalibratorConfig, CalibratorConfigError, CalibratorStats, Decision, LoadMode,
-    Nanos, ObservationError, Plan, WindowObservation,
+    Calibrator, CalibratorConfig, CalibratorConfigError, CalibratorStats, Decision, DeviceProfile,
+    LoadMode, Nanos, ObservationError, Plan, WindowObservation,
 };
 
 use crate::core::TelemetryWindow;
@@ -47,7 +47,14 @@ impl DeviceCalibration {
 
     /// Closes the window: the merged measurements against `plan` (the device rate in use and
     /// the strictest SLO) give the calibrator's decision.
-    pub fn close(&mut self, now: Nanos, plan: &Plan) -> Result<Decision, ObservationError> {
+    /// The device's `profile` says what p95 the load it was driven at should give.
+    pub fn close(
+        &mut self,
+        now: Nanos,
+        plan: &Plan,
+        profile: &DeviceProfile,
+    ) -> Result<Decision, ObservationError> {
+        let window_start = self.calibrator.window_start();
         let config = self.calibrator.config();
         let mode = if plan.read_only_admission {
             LoadMode::ReadOnly
@@ -72,15 +79,21 @@ impl DeviceCalibration {
         } else {
             0
         };
+        let tokens_spent = self.window.tokens_spent.as_tokens_f64().max(0.0);
+        let seconds = now.saturating_since(window_start).as_secs_f64();
+        let profile_p95_at_load_us = (seconds > 0.0).then(|| {
+            profile.latency_at(tokens_spent / seconds, matches!(mode, LoadMode::ReadOnly))
+        });
         let observation = WindowObservation {
             lc_reads: self.window.lc_reads_service.count(),
             lc_read_latency_us_p95: self.window.lc_reads_service.quantile_us(0.95),
             slo_latency_us_p95: plan.latency_us_p95,
             client_share_us: config.client_share_us + learned_network_us,
             tokens_per_sec_in_use: device,
-            tokens_spent: self.window.tokens_spent.as_tokens_f64().max(0.0),
+            tokens_spent,
             lc_fit_scale,
             server_busy: self.window.server_busy,
+            profile_p95_at_load_us,
         };
         self.window.clear();
         self.last = Some(observation);

@@ -36,6 +36,12 @@
 //! for a CPU at least `server_busy_max` of the time, the latency came from the server, which
 //! a lower device rate does not cure, and the calibrator holds there (`Hold::ServerBusy`).
 //!
+//! And it needs the device to be slower than its profile: when its p95 is within
+//! `device_slower_ratio` of what the profile predicts for the load it was driven at, the
+//! device keeps the promise admission made against that profile, and LC reservations are
+//! kept (`Hold::DeviceAsProfiled`); after a squeeze, such windows let the scale return to
+//! where LC reservations fit.
+//!
 //! For a fixed state, the new scale never increases with `p` (tested).
 
 use std::collections::VecDeque;
@@ -110,6 +116,13 @@ pub struct CalibratorConfig {
     /// LC reservations (a flood of connections raised the latency in `bench/overload.sh`
     /// while the device was as fast as ever). 1.0: never hold for this.
     pub server_busy_max: f64,
+    /// A cut into LC reservations also needs the device to be slower than its profile: its
+    /// p95 above this multiple of what the profile predicts for the load it was driven at.
+    /// A device that answers as profiled at that load is not what breaks the target (the
+    /// client's share is, or the server's time), and LC reservations were promised against
+    /// that profile: best-effort tenants stay at their floor and LC reservations are kept
+    /// (the real-server collapse of docs/QOS.md §11 was such squeezes, on noise).
+    pub device_slower_ratio: f64,
 }
 
 impl Default for CalibratorConfig {
@@ -133,6 +146,7 @@ impl Default for CalibratorConfig {
             comfort_ratio: 0.8,
             increase_load_min: 0.5,
             server_busy_max: 0.9,
+            device_slower_ratio: 1.5,
         }
     }
 }
@@ -207,6 +221,9 @@ impl CalibratorConfig {
                 "must be above 0 and at most 1 (1: never hold)",
             );
         }
+        if !(self.device_slower_ratio.is_finite() && self.device_slower_ratio >= 1.0) {
+            return invalid("device_slower_ratio", "must be at least 1");
+        }
         Ok(())
     }
 }
@@ -237,9 +254,19 @@ pub struct WindowObservation {
     /// The largest share of the window any dataplane thread serving the device spent working
     /// or waiting for a CPU (0 where nobody measures it, as in the simulator).
     pub server_busy: f64,
+    /// The p95 the device's profile predicts at the token rate the window actually drove
+    /// (µs; `None` without a profile): LC reservations are cut only when the device is
+    /// slower than this (`device_slower_ratio`).
+    pub profile_p95_at_load_us: Option<u64>,
 }
 
 impl WindowObservation {
+    /// The device answered as its profile says at the load it was driven at.
+    fn device_as_profiled(&self, p95_us: u64, ratio: f64) -> bool {
+        self.profile_p95_at_load_us
+            .is_some_and(|predicted| p95_us as f64 <= predicted as f64 * ratio)
+    }
+
     /// The device-side p95 target, µs.
     pub fn target_us(&self) -> Option<u64> {
         self.slo_latency_us_p95
@@ -277,6 +304,9 @@ pub enum Hold {
     /// Over the target where LC reservations just fit, but the server's threads were busy
     /// (`server_busy_max`): the latency is the server's, not the device's.
     ServerBusy,
+    /// Over the target where LC reservations just fit, but the device answered as its profile
+    /// predicts for the load (`device_slower_ratio`): LC reservations are kept.
+    DeviceAsProfiled,
     /// A decrease was due but the scale is at the floor.
     AtFloor,
     /// An increase was due but the scale is at the ceiling.
@@ -384,6 +414,11 @@ impl Calibrator {
     /// The scale in force: the device rate is the profile's rate × this.
     pub fn scale(&self) -> f64 {
         self.scale
+    }
+
+    /// When the current window started (the previous one's end).
+    pub fn window_start(&self) -> Nanos {
+        self.window_start
     }
 
     /// When the current window should be closed.
@@ -505,6 +540,9 @@ impl Calibrator {
                 {
                     self.squeeze_windows = 0;
                     return Action::Held(Hold::ServerBusy);
+                } else if observation.device_as_profiled(p95_us, config.device_slower_ratio) {
+                    self.squeeze_windows = 0;
+                    return Action::Held(Hold::DeviceAsProfiled);
                 } else {
                     self.squeeze_windows += 1;
                     if self.squeeze_windows < config.lc_squeeze_windows {
@@ -527,7 +565,15 @@ impl Calibrator {
             };
         }
         self.squeeze_windows = 0;
-        if p95_us as f64 >= config.comfort_ratio * target_us as f64 {
+        // Below the line where LC reservations fit (after a squeeze), a device back to its
+        // profile may return to that line: the target is met and the profile vouches for the
+        // load there, and the tenants cut are owed their reservations.
+        let squeezed = observation
+            .lc_fit_scale
+            .is_some_and(|fit| self.scale < fit.min(config.scale_ceiling) * (1.0 - 1e-9));
+        let returning =
+            squeezed && observation.device_as_profiled(p95_us, config.device_slower_ratio);
+        if !returning && p95_us as f64 >= config.comfort_ratio * target_us as f64 {
             self.comfortable_windows = 0;
             return Action::Held(Hold::InBand);
         }
@@ -548,7 +594,12 @@ impl Calibrator {
             });
         }
         self.comfortable_windows = 0;
-        let scale = (self.scale + config.increase_step).min(config.scale_ceiling);
+        let mut scale = (self.scale + config.increase_step).min(config.scale_ceiling);
+        if returning && p95_us as f64 >= config.comfort_ratio * target_us as f64 {
+            // Returning in the band: up to the line, not past it.
+            let fit = observation.lc_fit_scale.expect("squeezed implies a line");
+            scale = scale.min(fit.min(config.scale_ceiling));
+        }
         if scale <= self.scale {
             return Action::Held(Hold::AtCeiling);
         }

@@ -135,6 +135,41 @@ impl DeviceProfile {
     }
 }
 
+impl DeviceProfile {
+    /// The p95 read latency the profile predicts for a device driven at `tokens_per_sec`
+    /// (mixed load, or read-only load in read-only tokens: reads × `read_only_read_cost`):
+    /// the inverse of [`DeviceProfile::rate_at`], linear between rows. Below the first row's
+    /// rate the first row's latency (the profile knows nothing faster), beyond the last row's
+    /// the last row's (the device is driven past what was measured). Self-calibration compares
+    /// it with what the device really did to tell a slower device from a tight target.
+    pub fn latency_at(&self, tokens_per_sec: f64, read_only: bool) -> u64 {
+        let rows = &self.token_limits;
+        assert!(!rows.is_empty(), "validated profiles have rows");
+        let rate = |row: &TokenLimit| {
+            if read_only {
+                row.reads_per_sec_read_only * self.read_only_read_cost
+            } else {
+                row.tokens_per_sec
+            }
+        };
+        let Some(upper) = rows.iter().position(|row| rate(row) >= tokens_per_sec) else {
+            return rows[rows.len() - 1].latency_us_p95;
+        };
+        if upper == 0 {
+            return rows[0].latency_us_p95;
+        }
+        let (low, high) = (rows[upper - 1], rows[upper]);
+        let span = rate(&high) - rate(&low);
+        if span <= 0.0 {
+            return high.latency_us_p95;
+        }
+        let fraction = (tokens_per_sec - rate(&low)) / span;
+        let latency = low.latency_us_p95 as f64
+            + fraction * (high.latency_us_p95 - low.latency_us_p95) as f64;
+        latency.round() as u64
+    }
+}
+
 fn positive(field: &'static str, value: f64) -> Result<(), ProfileError> {
     if value.is_finite() && value > 0.0 {
         Ok(())
@@ -192,6 +227,18 @@ mod tests {
                 last_latency_us: 1000
             })
         );
+    }
+
+    #[test]
+    fn latency_at_inverts_rate_at() {
+        let p = profile();
+        assert_eq!(p.latency_at(430_000.0, false), 750);
+        assert_eq!(p.latency_at(p.rate_at(600).tokens_per_sec, false), 600);
+        // Read-only tokens: 900K reads at 0.5 tokens each.
+        assert_eq!(p.latency_at(450_000.0, true), 750);
+        // Outside the table: the nearest row.
+        assert_eq!(p.latency_at(1.0, false), 500);
+        assert_eq!(p.latency_at(1e9, false), 1000);
     }
 
     #[test]

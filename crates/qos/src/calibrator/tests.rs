@@ -107,6 +107,7 @@ impl Loop {
                 tokens_spent: served,
                 lc_fit_scale: None,
                 server_busy: 0.0,
+                profile_p95_at_load_us: None,
             };
             let decision = self
                 .calibrator
@@ -280,6 +281,7 @@ fn observation(lc_reads: u64, p95_us: u64, load: f64) -> WindowObservation {
         tokens_spent: 10_000.0 * load,
         lc_fit_scale: None,
         server_busy: 0.0,
+        profile_p95_at_load_us: None,
     }
 }
 
@@ -581,6 +583,13 @@ fn configurations_are_validated() {
             },
             "network_share_max",
         ),
+        (
+            CalibratorConfig {
+                device_slower_ratio: 0.9,
+                ..base()
+            },
+            "device_slower_ratio",
+        ),
     ] {
         let error = refused(config);
         assert!(error.contains(field), "{field}: {error}");
@@ -676,4 +685,101 @@ fn a_busy_server_does_not_cut_into_lc_reservations() {
         ],
     );
     assert!(matches!(decisions[2].action, Action::Decreased { .. }));
+}
+
+/// The real-server collapse of docs/QOS.md §11: at the line where LC reservations fit, a
+/// target tightened by the client's share is crossed now and then by a device that answers
+/// exactly as profiled. That is no reason to cut LC reservations (admission promised them
+/// against this profile); a device slower than its profile is.
+#[test]
+fn lc_reservations_are_cut_only_when_the_device_is_slower_than_its_profile() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let window = |p95_us, predicted_us| WindowObservation {
+        lc_fit_scale: Some(0.9),
+        profile_p95_at_load_us: Some(predicted_us),
+        ..observation(1_000, p95_us, 1.0)
+    };
+    // Best-effort tenants pay first, as ever.
+    let decisions = feed(&mut calibrator, &[window(SLO_US * 3 / 2, SLO_US)]);
+    assert!(matches!(decisions[0].action, Action::Decreased { .. }));
+    assert_eq!(calibrator.scale(), 0.9);
+    // Over the target at the line, within 1.5x of the profile's prediction: kept, however
+    // long it lasts.
+    let profiled: Vec<_> = (0..20)
+        .map(|i| window(SLO_US + 10 * (i + 1), SLO_US))
+        .collect();
+    let decisions = feed(&mut calibrator, &profiled);
+    // (The first is still the cut draining: p95 fell since.)
+    assert_eq!(decisions[0].action, Action::Held(Hold::Settling));
+    for decision in &decisions[1..] {
+        assert_eq!(decision.action, Action::Held(Hold::DeviceAsProfiled));
+    }
+    assert_eq!(calibrator.scale(), 0.9);
+    // A device 2x slower than its profile: the usual two windows, then a cut.
+    let decisions = feed(
+        &mut calibrator,
+        &[window(2 * SLO_US, SLO_US), window(2 * SLO_US + 1, SLO_US)],
+    );
+    assert_eq!(
+        decisions[0].action,
+        Action::Held(Hold::ProtectingLc { count: 1 })
+    );
+    assert!(matches!(decisions[1].action, Action::Decreased { .. }));
+    assert!(calibrator.scale() < 0.9);
+}
+
+/// After a squeeze, a device back to its profile returns the scale to the line where LC
+/// reservations fit, in `increase_step`s, even with its p95 in the band (not comfortably
+/// under it), and no further while it is in the band.
+#[test]
+fn a_device_back_to_its_profile_returns_to_where_lc_reservations_fit() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let window = |p95_us, predicted_us| WindowObservation {
+        lc_fit_scale: Some(0.9),
+        profile_p95_at_load_us: Some(predicted_us),
+        ..observation(1_000, p95_us, 1.0)
+    };
+    feed(
+        &mut calibrator,
+        &[
+            window(10 * SLO_US, SLO_US / 2),
+            window(11 * SLO_US, SLO_US / 2),
+            window(12 * SLO_US, SLO_US / 2),
+        ],
+    );
+    assert!(
+        (calibrator.scale() - 0.63).abs() < 1e-9,
+        "{}",
+        calibrator.scale()
+    );
+    // In the band (0.9 T), the device within its profile's prediction: +0.05 every three
+    // windows up to the line, then it stays there.
+    let in_band: Vec<_> = (0..30).map(|_| window(SLO_US * 9 / 10, SLO_US)).collect();
+    let decisions = feed(&mut calibrator, &in_band);
+    let increases = decisions
+        .iter()
+        .filter(|d| matches!(d.action, Action::Increased { .. }))
+        .count();
+    assert_eq!(increases, 6, "{decisions:?}");
+    assert!(
+        (calibrator.scale() - 0.9).abs() < 1e-9,
+        "{}",
+        calibrator.scale()
+    );
+    // In the band but slower than the profile allows: no return.
+    let mut squeezed = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    feed(
+        &mut squeezed,
+        &[
+            window(10 * SLO_US, SLO_US / 2),
+            window(11 * SLO_US, SLO_US / 2),
+            window(12 * SLO_US, SLO_US / 2),
+        ],
+    );
+    let slow: Vec<_> = (0..9)
+        .map(|_| window(SLO_US * 9 / 10, SLO_US / 2))
+        .collect();
+    for decision in feed(&mut squeezed, &slow) {
+        assert_eq!(decision.action, Action::Held(Hold::InBand));
+    }
 }
