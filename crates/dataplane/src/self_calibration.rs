@@ -21,6 +21,8 @@ pub struct DeviceCalibration {
     window: TelemetryWindow,
     /// The last observation, for operators.
     last: Option<WindowObservation>,
+    /// The learned network share (µs), smoothed over windows; `None` before the first sample.
+    network_share_us: Option<f64>,
 }
 
 /// What an operator sees of a device's calibration.
@@ -36,6 +38,7 @@ impl DeviceCalibration {
             calibrator: Calibrator::new(config, now)?,
             window: TelemetryWindow::default(),
             last: None,
+            network_share_us: None,
         })
     }
 
@@ -69,13 +72,23 @@ impl DeviceCalibration {
         let lc_share = 1.0 - config.best_effort_floor;
         let lc_fit_scale = (plan.lc_tenants > 0 && device > 0.0 && plan.rate_scale > 0.0)
             .then(|| reserved / (lc_share * device / plan.rate_scale));
-        // The network's share of what LC tenants see: the sampled round trips' p95 (none
-        // without samples: a window's reads then had no answer to sample yet).
+        // The network's share of what LC tenants see: a quantile of the sampled round trips,
+        // smoothed over windows (a window without samples keeps the estimate: its reads had
+        // no answer to sample yet).
         let learned_network_us = if config.learn_network_rtt {
+            let rtt = &self.window.network_rtt;
+            if rtt.count() > 0 {
+                let sample = rtt.quantile_us(config.network_share_quantile) as f64;
+                let weight = config.network_share_weight;
+                self.network_share_us = Some(match self.network_share_us {
+                    Some(estimate) => estimate + weight * (sample - estimate),
+                    None => sample,
+                });
+            }
             let cap = plan
                 .latency_us_p95
-                .map_or(0, |slo| (slo as f64 * config.network_share_max) as u64);
-            self.window.network_rtt.quantile_us(0.95).min(cap)
+                .map_or(0.0, |slo| slo as f64 * config.network_share_max);
+            self.network_share_us.unwrap_or(0.0).min(cap).round() as u64
         } else {
             0
         };

@@ -80,6 +80,16 @@ pub struct CalibratorConfig {
     /// that is the client's or the network's trouble, which no device rate cures (connections
     /// just opened reported 495 µs on loopback, which left a 500 µs SLO a 5 µs target).
     pub network_share_max: f64,
+    /// Which quantile of a window's sampled round trips is the network's share. The median,
+    /// not the p95: the tenant's p95 is that of the sum of device and network time, which is
+    /// about the device's p95 plus the network's typical time, while adding the two p95s
+    /// overstates it (and a loopback round trip's tail is the client's delayed
+    /// acknowledgements: p95 above 1 ms against a p50 near 200 µs here).
+    pub network_share_quantile: f64,
+    /// Weight of a window's sample in the smoothed share (1: no smoothing): one window's
+    /// round trips must not swing the target, and with it the rate, from one window to the
+    /// next.
+    pub network_share_weight: f64,
     /// One observation window: the integrator closes one every this long.
     pub window_us: u64,
     /// Fewest LC reads a window needs to count as evidence (at 100 the p95 is the 5th-slowest
@@ -101,6 +111,11 @@ pub struct CalibratorConfig {
     /// their share first); cutting below it, into LC reservations, takes this many windows
     /// over the target in a row there.
     pub lc_squeeze_windows: u32,
+    /// ...or, from the second such window on, as soon as their p95s add up to this many
+    /// targets: a device whose backlog grows (p95 many times the target) is cut into within
+    /// two windows, while a short run of merely high windows (a busy host's hiccups: 1.5–2.5
+    /// targets each on this VM) waits for `lc_squeeze_windows`.
+    pub lc_squeeze_overshoot: f64,
     /// Increase per step, as a share of the profile's rate.
     pub increase_step: f64,
     /// Comfortable windows in a row before one increase step.
@@ -133,6 +148,8 @@ impl Default for CalibratorConfig {
             client_share_us: 0,
             learn_network_rtt: true,
             network_share_max: 0.5,
+            network_share_quantile: 0.5,
+            network_share_weight: 0.2,
             window_us: 100_000,
             samples_min: 100,
             scale_floor: 0.2,
@@ -141,12 +158,13 @@ impl Default for CalibratorConfig {
             decrease_step_max: 0.3,
             decrease_hold_windows: 3,
             lc_squeeze_windows: 2,
+            lc_squeeze_overshoot: 10.0,
             increase_step: 0.05,
             increase_windows: 3,
             comfort_ratio: 0.8,
             increase_load_min: 0.5,
             server_busy_max: 0.9,
-            device_slower_ratio: 1.5,
+            device_slower_ratio: 2.0,
         }
     }
 }
@@ -199,6 +217,16 @@ impl CalibratorConfig {
         }
         if !(self.network_share_max.is_finite() && (0.0..1.0).contains(&self.network_share_max)) {
             return invalid("network_share_max", "must be at least 0 and below 1");
+        }
+        let share = |value: f64| value.is_finite() && value > 0.0 && value <= 1.0;
+        if !share(self.network_share_quantile) {
+            return invalid("network_share_quantile", "must be above 0 and at most 1");
+        }
+        if !share(self.network_share_weight) {
+            return invalid("network_share_weight", "must be above 0 and at most 1");
+        }
+        if !(self.lc_squeeze_overshoot.is_finite() && self.lc_squeeze_overshoot >= 1.0) {
+            return invalid("lc_squeeze_overshoot", "must be at least 1");
         }
         if self.lc_squeeze_windows == 0 {
             return invalid("lc_squeeze_windows", "must be at least 1");
@@ -374,6 +402,8 @@ pub struct Calibrator {
     windows_since_decrease: Option<u32>,
     /// Windows over the target in a row at or below the LC-fit scale.
     squeeze_windows: u32,
+    /// Σ p95 / target over those windows.
+    squeeze_overshoot: f64,
     /// The p95 of the previous evidence window.
     p95_previous_us: Option<u64>,
     stats: CalibratorStats,
@@ -393,6 +423,7 @@ impl Calibrator {
             comfortable_windows: 0,
             windows_since_decrease: None,
             squeeze_windows: 0,
+            squeeze_overshoot: 0.0,
             p95_previous_us: None,
             stats: CalibratorStats {
                 scale,
@@ -502,9 +533,14 @@ impl Calibrator {
         })
     }
 
+    fn reset_squeeze(&mut self) {
+        self.squeeze_windows = 0;
+        self.squeeze_overshoot = 0.0;
+    }
+
     /// The control law (module documentation); changes `self.scale` and the streak state.
     fn decide(&mut self, duration: Nanos, observation: &WindowObservation) -> Action {
-        let config = &self.config;
+        let config = &self.config.clone();
         let Some(target_us) = observation.target_us() else {
             self.comfortable_windows = 0;
             return Action::Held(Hold::NoTarget);
@@ -538,14 +574,18 @@ impl Calibrator {
                 } else if config.server_busy_max < 1.0
                     && observation.server_busy >= config.server_busy_max
                 {
-                    self.squeeze_windows = 0;
+                    self.reset_squeeze();
                     return Action::Held(Hold::ServerBusy);
                 } else if observation.device_as_profiled(p95_us, config.device_slower_ratio) {
-                    self.squeeze_windows = 0;
+                    self.reset_squeeze();
                     return Action::Held(Hold::DeviceAsProfiled);
                 } else {
                     self.squeeze_windows += 1;
-                    if self.squeeze_windows < config.lc_squeeze_windows {
+                    self.squeeze_overshoot += p95_us as f64 / target_us as f64;
+                    let persisted = self.squeeze_windows >= config.lc_squeeze_windows
+                        || (self.squeeze_windows >= 2
+                            && self.squeeze_overshoot >= config.lc_squeeze_overshoot);
+                    if !persisted {
                         return Action::Held(Hold::ProtectingLc {
                             count: self.squeeze_windows,
                         });
@@ -555,7 +595,7 @@ impl Calibrator {
             if scale >= self.scale {
                 return Action::Held(Hold::AtFloor);
             }
-            self.squeeze_windows = 0;
+            self.reset_squeeze();
             let from = self.scale;
             self.scale = scale;
             self.windows_since_decrease = Some(0);
@@ -564,7 +604,7 @@ impl Calibrator {
                 overshoot: p95_us as f64 / target_us as f64,
             };
         }
-        self.squeeze_windows = 0;
+        self.reset_squeeze();
         // Below the line where LC reservations fit (after a squeeze), a device back to its
         // profile may return to that line: the target is met and the profile vouches for the
         // load there, and the tenants cut are owed their reservations.
