@@ -233,11 +233,23 @@ fn best_effort_tenants_keep_their_floor_through_a_cut() {
 fn run_behind_a_network(learn_network_rtt: bool) -> PointReport {
     let mut loaded = common::load("fig5-small-scenario1");
     loaded.scenario.tenants.retain(|tenant| tenant.name != "B");
-    loaded.scenario.network.latency_us = 100;
+    run_calibrated(loaded, 100, |calibration| {
+        calibration.enabled = true;
+        calibration.learn_network_rtt = learn_network_rtt;
+    })
+}
+
+/// Runs `loaded` behind a network of `one_way_us` each way, with 50 ms calibration windows
+/// and the calibrator configured by `configure`.
+fn run_calibrated(
+    mut loaded: reflex_sim::scenario::LoadedScenario,
+    one_way_us: u64,
+    configure: impl FnOnce(&mut reflex_qos::CalibratorConfig),
+) -> PointReport {
+    loaded.scenario.network.latency_us = one_way_us;
     let mut qos = loaded.scenario.qos_config.clone().unwrap_or_default();
-    qos.calibration.enabled = true;
     qos.calibration.window_us = 50_000;
-    qos.calibration.learn_network_rtt = learn_network_rtt;
+    configure(&mut qos.calibration);
     loaded.scenario.qos_config = Some(qos);
     let report = reflex_sim::run_scenario(&loaded, &reflex_sim::RunOptions::default())
         .unwrap_or_else(|e| panic!("{e}"));
@@ -280,15 +292,8 @@ fn learning_the_network_round_trip_keeps_the_slo_at_the_client_without_headroom(
 fn scenario2_behind_a_network(calibrate: bool, seed: u64) -> PointReport {
     let mut loaded = common::load("fig5-small-scenario2");
     loaded.scenario.seed = seed;
-    loaded.scenario.network.latency_us = 50;
     loaded.scenario.timeline_ms = Some(250);
-    let mut qos = loaded.scenario.qos_config.clone().unwrap_or_default();
-    qos.calibration.enabled = calibrate;
-    qos.calibration.window_us = 50_000;
-    loaded.scenario.qos_config = Some(qos);
-    let report = reflex_sim::run_scenario(&loaded, &reflex_sim::RunOptions::default())
-        .unwrap_or_else(|e| panic!("{e}"));
-    report.points[0].1.clone()
+    run_calibrated(loaded, 50, |calibration| calibration.enabled = calibrate)
 }
 
 /// What hand-set headroom did on the real server (docs/BENCHMARKS.md), learnt instead: both
