@@ -1446,6 +1446,18 @@ fn a_discovery_secure_channel_refuses_every_plaintext_host() {
 const DISCOVERY_HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:discovery-host-a";
 const NQN_ONE: &str = "nqn.2026-01.io.reflex:one";
 
+/// Sends an Asynchronous Event Request and waits until the target holds it: commands of a
+/// queue are taken in order, so the Keep Alive's completion means the request was seen.
+fn hold_async_event_request(controller: &mut NvmeTcpController) -> u16 {
+    let cid = controller
+        .async_event_request()
+        .unwrap_or_else(|e| panic!("{e}"));
+    controller
+        .keep_alive()
+        .unwrap_or_else(|e| panic!("keep alive after the request: {e}"));
+    cid
+}
+
 /// Enables namespace attribute notices (Asynchronous Event Configuration bit 8).
 fn enable_namespace_notices(controller: &mut NvmeTcpController) {
     use reflex_proto::nvme_tcp::command::feature;
@@ -1492,9 +1504,9 @@ fn a_removed_namespace_raises_the_namespace_attribute_changed_event() {
     for controller in [&mut a, &mut b, &mut d] {
         enable_namespace_notices(controller);
     }
-    let a_cid = a.async_event_request().unwrap_or_else(|e| panic!("{e}"));
-    let c_cid = c.async_event_request().unwrap_or_else(|e| panic!("{e}"));
-    let d_cid = d.async_event_request().unwrap_or_else(|e| panic!("{e}"));
+    let a_cid = hold_async_event_request(&mut a);
+    let c_cid = hold_async_event_request(&mut c);
+    let d_cid = hold_async_event_request(&mut d);
 
     server
         .namespace_manager()
@@ -1540,8 +1552,8 @@ fn a_removed_namespace_raises_the_namespace_attribute_changed_event() {
 
     // A read the log (RAE clear), so the next removal raises the event again; B did not,
     // so its event stays masked: B's list grows without an event.
-    let a_cid = a.async_event_request().unwrap_or_else(|e| panic!("{e}"));
-    let b_cid = b.async_event_request().unwrap_or_else(|e| panic!("{e}"));
+    let a_cid = hold_async_event_request(&mut a);
+    let b_cid = hold_async_event_request(&mut b);
     server
         .namespace_manager()
         .remove(3, true)
