@@ -2038,6 +2038,73 @@ mod tests {
     }
 
     #[test]
+    fn nvme_tcp_discovery_keys_are_checked() {
+        const KEY: &str = "NVMeTLSkey-1:01:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:";
+        let discovery = |tls: &str, secure: bool, hosts: &str| {
+            format!(
+                "[[namespace]]\nid = 1\nbackend = \"mem:1M\"\n[nvme_tcp]\ntls = \"{tls}\"\n\
+                 [nvme_tcp.discovery]\nsecure_channel = {secure}\n{hosts}"
+            )
+        };
+        let host = |nqn: &str, extra: &str| {
+            format!("[[nvme_tcp.discovery.host]]\nnqn = \"{nqn}\"\n{extra}\n")
+        };
+        let keyed = host("nqn.2026-01.io.reflex:h", &format!("psk = \"{KEY}\""));
+        // A discovery key alone is enough for TLS to be in use.
+        let good = discovery("optional", true, &keyed);
+        let config = Config::from_toml(&good, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert!(config.tls_in_use());
+        assert!(config.nvme_tcp.discovery.secure_channel);
+        assert_eq!(config.nvme_tcp.discovery.hosts.len(), 1);
+        for (bad, expected) in [
+            (discovery("off", false, &keyed), "has a TLS key"),
+            (discovery("off", true, ""), "discovery.secure_channel needs"),
+            (
+                discovery("optional", false, &host("nqn.2026-01.io.reflex:h", "")),
+                "needs a psk or psk_file",
+            ),
+            (
+                discovery(
+                    "optional",
+                    false,
+                    &host(
+                        "nqn.2026-01.io.reflex:h",
+                        &format!("psk = \"{KEY}\"\ntenant = \"t\""),
+                    ),
+                ),
+                "discovery does no I/O",
+            ),
+            (
+                discovery("optional", false, &format!("{keyed}{keyed}")),
+                "listed twice",
+            ),
+            (
+                discovery(
+                    "optional",
+                    false,
+                    &host(
+                        "nqn.2026-01.io.reflex:h",
+                        &format!("psk = \"{}S:\"", &KEY[..KEY.len() - 2]),
+                    ),
+                ),
+                "CRC-32",
+            ),
+        ] {
+            let error = Config::from_toml(&bad, "test")
+                .and_then(|config| config.validate().map(|()| config))
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {bad}"));
+            let message = error.to_string();
+            assert!(message.contains(expected), "{bad}: {message}");
+            assert!(
+                !message.contains("AAECAwQF"),
+                "an error shows the key: {message}"
+            );
+        }
+    }
+
+    #[test]
     fn driver_choice_from_the_file_and_the_flag() {
         for (text, expected) in [
             ("auto", DriverChoice::Auto),

@@ -7,6 +7,7 @@
 //! 8011): verified I/O over TLS, and the refusals that keep a key to its host and subsystem. Assertions only; no timing
 //! (timeouts are upper bounds for a wait, never a pass condition).
 
+mod admin_common;
 mod common;
 
 use std::collections::BTreeMap;
@@ -1488,7 +1489,13 @@ fn a_removed_namespace_raises_the_namespace_attribute_changed_event() {
     };
     server_config.nvme_tcp.subsystems =
         vec![subsystem(NQN, vec![1, 2, 3]), subsystem(NQN_ONE, vec![1])];
+    server_config.admin = reflex_server::admin::AdminConfig::loopback();
     let server = start(server_config);
+    let api = admin_common::Api::new(
+        server
+            .admin_addr()
+            .unwrap_or_else(|| panic!("no admin listener")),
+    );
     let options = NvmeTcpOptions::new(HOST, NQN);
     // A: notices on, a request outstanding. B: notices on, no request yet. C: notices off,
     // a request outstanding. D: another subsystem, without namespace 2.
@@ -1508,10 +1515,9 @@ fn a_removed_namespace_raises_the_namespace_attribute_changed_event() {
     let c_cid = hold_async_event_request(&mut c);
     let d_cid = hold_async_event_request(&mut d);
 
-    server
-        .namespace_manager()
-        .remove(2, true)
-        .unwrap_or_else(|e| panic!("remove: {e}"));
+    // Removed through the admin API, as an operator would.
+    let removed = api.delete("/v1/namespaces/2?force=true");
+    assert_eq!(removed.status, 204, "{}", removed.text);
     let event = a
         .admin()
         .wait_completion(a_cid)
@@ -1576,5 +1582,43 @@ fn a_removed_namespace_raises_the_namespace_attribute_changed_event() {
     b.keep_alive().unwrap_or_else(|e| panic!("{e}"));
     c.keep_alive().unwrap_or_else(|e| panic!("{e}"));
     drop((a, b, c, d));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn the_namespace_event_reaches_a_controller_over_tls() {
+    let file = key_file(&tls_key(7));
+    let server = start(tls_config(TlsMode::Optional, file.path()));
+    let mut controller = attach(
+        &server,
+        NvmeTcpOptions::new(HOST, NQN)
+            .with_tls_psk(tls_key(3))
+            .with_digests(Digests::BOTH),
+        1,
+    );
+    enable_namespace_notices(&mut controller);
+    let cid = hold_async_event_request(&mut controller);
+    server
+        .namespace_manager()
+        .remove(1, true)
+        .unwrap_or_else(|e| panic!("remove: {e}"));
+    let event = controller
+        .admin()
+        .wait_completion(cid)
+        .unwrap_or_else(|e| panic!("event over TLS: {e}"));
+    assert_eq!(event.dw0, 0x0004_0002);
+    assert_eq!(
+        controller
+            .changed_namespaces()
+            .unwrap_or_else(|e| panic!("{e}")),
+        vec![1]
+    );
+    assert_eq!(
+        controller
+            .active_namespaces()
+            .unwrap_or_else(|e| panic!("{e}")),
+        Vec::<u32>::new()
+    );
+    drop(controller);
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }
