@@ -1753,7 +1753,7 @@ impl Config {
             ));
         }
         if let Some(text) = &host.psk
-            && let Err(reason) = crate::tls::nvme_host_key(text, &host.nqn, &subsystem_nqn)
+            && let Err(reason) = crate::tls::nvme_host_key(text, &host.nqn, subsystem_nqn)
         {
             return invalid(format!(
                 "nvme_tcp subsystem {:?}, host {:?}: psk: {reason}",
