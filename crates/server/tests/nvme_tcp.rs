@@ -4,7 +4,9 @@
 //! C2HData reads), flush, write zeroes, deallocate, the shutdown handshake, tenant selection
 //! by host NQN, the keep-alive timeout, and bad input: each either gets the spec's status or
 //! closes only its own connection, while other queues go on; TLS with pre-shared keys (TP
-//! 8011): verified I/O over TLS, and the refusals that keep a key to its host and subsystem. Assertions only; no timing
+//! 8011): verified I/O over TLS, and the refusals that keep a key to its host and subsystem,
+//! the discovery subsystem included; the Namespace Attribute Changed event of a namespace
+//! removed through the admin API, and its changed namespace list. Assertions only; no timing
 //! (timeouts are upper bounds for a wait, never a pass condition).
 
 mod admin_common;
