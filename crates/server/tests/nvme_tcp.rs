@@ -732,24 +732,9 @@ fn discovery_log(
     host_nqn: &str,
     entries_max: usize,
 ) -> Vec<reflex_proto::nvme_tcp::admin::DiscoveryEntry> {
-    use reflex_proto::nvme_tcp::admin::{decode_discovery_log, discovery_log_size};
-    use reflex_proto::nvme_tcp::command::{DISCOVERY_NQN, admin_opcode, log_page};
+    use reflex_proto::nvme_tcp::command::DISCOVERY_NQN;
     let mut controller = attach(server, NvmeTcpOptions::new(host_nqn, DISCOVERY_NQN), 0);
-    let length = discovery_log_size(entries_max);
-    let mut command = Command::zeroed();
-    let dwords = (length / 4 - 1) as u32;
-    command
-        .set_opcode(admin_opcode::GET_LOG_PAGE)
-        .set_cdw(
-            10,
-            u32::from(log_page::DISCOVERY) | ((dwords & 0xFFFF) << 16),
-        )
-        .set_cdw(11, dwords >> 16);
-    let (_, data) = controller
-        .admin()
-        .execute(command, Transfer::FromTarget(length))
-        .unwrap_or_else(|e| panic!("discovery log: {e}"));
-    decode_discovery_log(&data)
+    read_discovery_log(&mut controller, entries_max)
 }
 
 #[test]

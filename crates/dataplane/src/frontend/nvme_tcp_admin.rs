@@ -104,23 +104,22 @@ impl NvmeTcpFrontend {
                 }
                 Outcome::status(cid, Status::SUCCESS)
             }
-            admin_opcode::ASYNC_EVENT_REQUEST => match self.admin() {
-                // An event generated while no request was held goes out on this one.
-                Some(admin) if admin.events_held.is_empty() => {
-                    match admin.namespace_changes.poll_event() {
-                        Some(dw0) => Outcome::success(cid, dw0),
-                        None => {
-                            admin.events_held.push(cid);
-                            Outcome::Nothing
-                        }
+            admin_opcode::ASYNC_EVENT_REQUEST => {
+                let held = match self.admin() {
+                    Some(admin) if admin.events_held.len() < ASYNC_EVENTS_HELD_MAX => {
+                        admin.events_held.push(cid);
+                        true
                     }
-                }
-                Some(admin) if admin.events_held.len() < ASYNC_EVENTS_HELD_MAX => {
-                    admin.events_held.push(cid);
+                    _ => false,
+                };
+                if held {
+                    // An event generated while no request was held goes out on this one.
+                    self.report_async_event();
                     Outcome::Nothing
+                } else {
+                    Outcome::status(cid, Status::ASYNC_EVENT_LIMIT_EXCEEDED)
                 }
-                _ => Outcome::status(cid, Status::ASYNC_EVENT_LIMIT_EXCEEDED),
-            },
+            }
             // Abort: the command was not aborted (dw0 bit 0); every command finishes.
             admin_opcode::ABORT => Outcome::success(cid, 1),
             _ => Outcome::status(cid, Status::INVALID_OPCODE),

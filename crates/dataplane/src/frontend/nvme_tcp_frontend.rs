@@ -339,7 +339,8 @@ impl NvmeTcpFrontend {
         self.report_async_event();
     }
 
-    /// Completes a held Asynchronous Event Request with a pending event, if both exist.
+    /// Completes a held Asynchronous Event Request with a pending event, if both exist: the
+    /// completion waits in the output (sent before the next PDU is decoded).
     pub(super) fn report_async_event(&mut self) {
         let Phase::Queue(queue) = &mut self.phase else {
             return;
@@ -355,10 +356,7 @@ impl NvmeTcpFrontend {
         };
         // The oldest request carries the event.
         let cid = admin.events_held.remove(0);
-        let response = self
-            .framing
-            .capsule_resp(&self.completion(cid, Status::SUCCESS, dw0, 0).to_bytes());
-        self.output.extend_from_slice(response.as_bytes());
+        self.output_data(cid, &[], Status::SUCCESS, dw0);
     }
 
     /// Whether output waits to be sent (an event's completion the host did not ask for
