@@ -3,10 +3,11 @@
 //!
 //! Why: a namespace removed at run time leaves the active namespace list; without the notice
 //! a host only learns it when its I/O fails (the Linux host rescans its namespaces on this
-//! event). The rules follow the NVMe base specification as the Linux target implements them
-//! (`drivers/nvme/target`): the list holds each changed NSID once, in increasing order, and
-//! past [`CHANGED_NAMESPACES_MAX`] entries it says only "more than that" (first entry
-//! FFFFFFFFh, the rest zero); reading the log page clears it; an event is generated only if
+//! event). The rules are the Linux target's (`nvmet_ns_changed`, `nvmet_aen_bit_disabled` in
+//! `drivers/nvme/target/core.c`): the list holds each changed NSID once (here in increasing
+//! order; Linux keeps the order of the changes), and past [`CHANGED_NAMESPACES_MAX`] entries it
+//! says only "more than that" (first entry FFFFFFFFh, the rest zero); reading the log page
+//! clears it; an event is generated only if
 //! the host enabled namespace attribute notices (Set Features, Asynchronous Event
 //! Configuration bit 8), and once generated, further events of its kind are masked until the
 //! host reads the log page without Retain Asynchronous Event (RAE).
