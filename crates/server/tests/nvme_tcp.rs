@@ -1609,3 +1609,36 @@ fn the_namespace_event_reaches_a_controller_over_tls() {
     drop(controller);
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }
+
+#[test]
+fn discovery_keys_reload_from_their_files() {
+    use reflex_proto::nvme_tcp::command::DISCOVERY_NQN;
+    let file = key_file(&tls_key(7));
+    let discovery_file = key_file(&tls_key(13));
+    let mut server_config = tls_config(TlsMode::Optional, file.path());
+    server_config.nvme_tcp.discovery.hosts = vec![host(
+        HOST_C,
+        None,
+        Some(discovery_file.path().display().to_string()),
+    )];
+    let server = start(server_config.clone());
+    let options = |key: u8| NvmeTcpOptions::new(HOST_C, DISCOVERY_NQN).with_tls_psk(tls_key(key));
+    let mut before = attach(&server, options(13), 0);
+    std::fs::write(discovery_file.path(), tls_key(19).to_interchange())
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        server
+            .reload_tls(&server_config)
+            .unwrap_or_else(|e| panic!("reload: {e}"))
+    );
+    assert_tls_refused(
+        NvmeTcpController::attach(address(&server), options(13), 0),
+        "the replaced discovery key",
+    );
+    let mut after = attach(&server, options(19), 0);
+    assert_eq!(read_discovery_log(&mut after, 4).len(), 3);
+    // The session that started with the old key goes on.
+    assert_eq!(read_discovery_log(&mut before, 4).len(), 3);
+    drop((before, after));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
