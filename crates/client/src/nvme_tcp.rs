@@ -25,12 +25,12 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use reflex_proto::nvme_tcp::admin::{
-    self, IDENTIFY_SIZE, IdentifyController, IdentifyNamespace, decode_active_namespaces,
-    decode_namespace_descriptors,
+    self, CHANGED_NAMESPACES_LOG_SIZE, IDENTIFY_SIZE, IdentifyController, IdentifyNamespace,
+    decode_active_namespaces, decode_namespace_descriptors,
 };
 use reflex_proto::nvme_tcp::command::{
     CNTLID_DYNAMIC, ConnectData, DSM_RANGE_SIZE, DsmRange, SglDescriptor, admin_opcode, cns,
-    feature, io_opcode, property, sgl,
+    feature, io_opcode, log_page, property, sgl,
 };
 use reflex_proto::nvme_tcp::pdu::{
     self, DataHeader, Digests, Framing, IcReq, Pdu, PduError, PduType, flags,
@@ -361,6 +361,23 @@ impl NvmeTcpQueue {
         let (completion, _) = result?;
         self.qid = qid;
         Ok(completion.dw0 as u16)
+    }
+
+    /// Sends `command` (its CID replaced, no data) and returns its CID without waiting: for
+    /// a command the target holds, as an Asynchronous Event Request until an event.
+    pub fn submit_without_data(&mut self, mut command: Command) -> Result<u16, NvmeTcpError> {
+        let cid = self.next_cid;
+        self.next_cid = self.next_cid.wrapping_add(1).max(1);
+        command.set_cid(cid);
+        self.submit(&mut command, Transfer::None)?;
+        Ok(cid)
+    }
+
+    /// Waits (at most the queue's timeout) for the completion of `cid`, sent with
+    /// [`Self::submit_without_data`]; it must be the next the target sends.
+    pub fn wait_completion(&mut self, cid: u16) -> Result<Completion, NvmeTcpError> {
+        self.await_completion(cid, Transfer::None)
+            .map(|(completion, _)| completion)
     }
 
     /// Sends `command` (its CID replaced) with its data and waits for its completion;
@@ -711,6 +728,51 @@ impl NvmeTcpController {
     pub fn namespace_descriptors(&mut self, nsid: u32) -> Result<Vec<(u8, Vec<u8>)>, NvmeTcpError> {
         let data = self.identify_raw(cns::NAMESPACE_DESCRIPTORS, nsid)?;
         Ok(decode_namespace_descriptors(&data))
+    }
+
+    /// Get Log Page `log_page` for all namespaces: `length` bytes (a multiple of 4) from
+    /// offset 0; `retain_event` sets RAE (the event of the log stays masked).
+    pub fn log_page(
+        &mut self,
+        log_page: u8,
+        length: usize,
+        retain_event: bool,
+    ) -> Result<Vec<u8>, NvmeTcpError> {
+        let dwords = (length / 4).saturating_sub(1) as u32;
+        let mut command = Command::zeroed();
+        command
+            .set_opcode(admin_opcode::GET_LOG_PAGE)
+            .set_nsid(u32::MAX)
+            .set_cdw(
+                10,
+                u32::from(log_page) | (u32::from(retain_event) << 15) | ((dwords & 0xFFFF) << 16),
+            )
+            .set_cdw(11, dwords >> 16);
+        let (_, data) = self.admin.execute(command, Transfer::FromTarget(length))?;
+        Ok(data)
+    }
+
+    /// The Changed Namespace List (log page 04h, which the read clears): the NSIDs, or
+    /// `[0xFFFFFFFF]` when more than 1024 changed.
+    pub fn changed_namespaces(&mut self) -> Result<Vec<u32>, NvmeTcpError> {
+        let data = self.log_page(
+            log_page::CHANGED_NAMESPACES,
+            CHANGED_NAMESPACES_LOG_SIZE,
+            false,
+        )?;
+        Ok(data
+            .chunks_exact(4)
+            .map(|entry| u32::from_le_bytes([entry[0], entry[1], entry[2], entry[3]]))
+            .take_while(|&nsid| nsid != 0)
+            .collect())
+    }
+
+    /// Sends an Asynchronous Event Request, which the target holds until an event; its CID
+    /// (wait for it with [`NvmeTcpQueue::wait_completion`] on [`Self::admin`]).
+    pub fn async_event_request(&mut self) -> Result<u16, NvmeTcpError> {
+        let mut command = Command::zeroed();
+        command.set_opcode(admin_opcode::ASYNC_EVENT_REQUEST);
+        self.admin.submit_without_data(command)
     }
 
     pub fn keep_alive(&mut self) -> Result<(), NvmeTcpError> {

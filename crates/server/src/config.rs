@@ -725,6 +725,21 @@ fn default_true() -> bool {
     true
 }
 
+/// TLS on the discovery subsystem (`nqn.2014-08.org.nvmexpress.discovery`): which hosts have
+/// a key for it and whether plaintext discovery is refused. Why apart from the subsystems:
+/// the discovery subsystem has no namespaces or tenants, and every host may ask for its
+/// discovery log (which lists only the subsystems that host may connect to).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NvmeDiscoveryConfig {
+    /// Hosts connect to the discovery subsystem over TLS only (needs `nvme_tcp.tls`).
+    pub secure_channel: bool,
+    /// Hosts with a TLS key for the discovery subsystem (`nqn` and `psk` or `psk_file`; no
+    /// `tenant`): each asks for the discovery log over TLS only.
+    #[serde(rename = "host")]
+    pub hosts: Vec<NvmeHostConfig>,
+}
+
 /// The NVMe/TCP listener (`docs/NVME-TCP.md`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -752,6 +767,8 @@ pub struct NvmeTcpConfig {
     /// TLS (TP 8011, pre-shared keys of the hosts): `"off"`, `"optional"` (each host
     /// chooses) or `"require"` (a plaintext host is closed before its ICResp).
     pub tls: TlsMode,
+    /// TLS keys and requirement of the discovery subsystem (`[nvme_tcp.discovery]`).
+    pub discovery: NvmeDiscoveryConfig,
 }
 
 impl Default for NvmeTcpConfig {
@@ -766,6 +783,7 @@ impl Default for NvmeTcpConfig {
             subsystems: Vec::new(),
             allow: None,
             tls: TlsMode::Off,
+            discovery: NvmeDiscoveryConfig::default(),
         }
     }
 }
@@ -1079,11 +1097,13 @@ impl Config {
         {
             *path = resolve(path);
         }
-        for subsystem in &mut self.nvme_tcp.subsystems {
-            for host in &mut subsystem.hosts {
-                if let Some(path) = &host.psk_file {
-                    host.psk_file = Some(resolve(path));
-                }
+        let discovery_hosts = self.nvme_tcp.discovery.hosts.iter_mut();
+        for host in (self.nvme_tcp.subsystems.iter_mut())
+            .flat_map(|subsystem| subsystem.hosts.iter_mut())
+            .chain(discovery_hosts)
+        {
+            if let Some(path) = &host.psk_file {
+                host.psk_file = Some(resolve(path));
             }
         }
     }
@@ -1642,7 +1662,7 @@ impl Config {
                         host.nqn
                     ));
                 }
-                self.validate_nvme_host_key(subsystem, host)?;
+                self.validate_nvme_host_key(&subsystem.nqn, host)?;
             }
             if subsystem.secure_channel && nvme.tls == TlsMode::Off {
                 return invalid(format!(
@@ -1651,15 +1671,63 @@ impl Config {
                 ));
             }
         }
+        self.validate_nvme_discovery()?;
         if nvme.tls != TlsMode::Off
             && !subsystems
                 .iter()
-                .any(|subsystem| subsystem.hosts.iter().any(NvmeHostConfig::has_tls_key))
+                .flat_map(|subsystem| subsystem.hosts.iter())
+                .chain(nvme.discovery.hosts.iter())
+                .any(NvmeHostConfig::has_tls_key)
         {
             return invalid(
-                "nvme_tcp.tls: no [[nvme_tcp.subsystem.host]] has a psk or psk_file, so no host could connect over TLS"
+                "nvme_tcp.tls: no [[nvme_tcp.subsystem.host]] or [[nvme_tcp.discovery.host]] has a psk or psk_file, so no host could connect over TLS"
                     .into(),
             );
+        }
+        Ok(())
+    }
+
+    /// `[nvme_tcp.discovery]`: hosts listed once, each with a key and no tenant (discovery
+    /// does no I/O), and a secure channel only where TLS is on.
+    fn validate_nvme_discovery(&self) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        let discovery = &self.nvme_tcp.discovery;
+        let discovery_nqn = reflex_proto::nvme_tcp::command::DISCOVERY_NQN;
+        if discovery.secure_channel && self.nvme_tcp.tls == TlsMode::Off {
+            return invalid(
+                "nvme_tcp.discovery.secure_channel needs nvme_tcp.tls = \"optional\" or \"require\""
+                    .into(),
+            );
+        }
+        for (position, host) in discovery.hosts.iter().enumerate() {
+            if host.nqn.is_empty() || host.nqn.len() > NQN_BYTES_MAX {
+                return invalid(format!(
+                    "nvme_tcp.discovery: host NQN {:?} must be 1..={NQN_BYTES_MAX} bytes",
+                    host.nqn
+                ));
+            }
+            if discovery.hosts[..position]
+                .iter()
+                .any(|other| other.nqn == host.nqn)
+            {
+                return invalid(format!(
+                    "nvme_tcp.discovery: host {:?} listed twice",
+                    host.nqn
+                ));
+            }
+            if host.tenant.is_some() {
+                return invalid(format!(
+                    "nvme_tcp.discovery: host {:?} has a tenant, but discovery does no I/O",
+                    host.nqn
+                ));
+            }
+            if !host.has_tls_key() {
+                return invalid(format!(
+                    "nvme_tcp.discovery: host {:?} needs a psk or psk_file (it is listed only for its key)",
+                    host.nqn
+                ));
+            }
+            self.validate_nvme_host_key(discovery_nqn, host)?;
         }
         Ok(())
     }
@@ -1668,28 +1736,28 @@ impl Config {
     /// (a key file is read and checked when the server starts and on SIGHUP).
     fn validate_nvme_host_key(
         &self,
-        subsystem: &NvmeSubsystemConfig,
+        subsystem_nqn: &str,
         host: &NvmeHostConfig,
     ) -> Result<(), ConfigError> {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
         if host.psk.is_some() && host.psk_file.is_some() {
             return invalid(format!(
                 "nvme_tcp subsystem {:?}, host {:?}: psk and psk_file both set: give one",
-                subsystem.nqn, host.nqn
+                subsystem_nqn, host.nqn
             ));
         }
         if host.has_tls_key() && self.nvme_tcp.tls == TlsMode::Off {
             return invalid(format!(
                 "nvme_tcp subsystem {:?}, host {:?} has a TLS key: set nvme_tcp.tls = \"optional\" or \"require\"",
-                subsystem.nqn, host.nqn
+                subsystem_nqn, host.nqn
             ));
         }
         if let Some(text) = &host.psk
-            && let Err(reason) = crate::tls::nvme_host_key(text, &host.nqn, &subsystem.nqn)
+            && let Err(reason) = crate::tls::nvme_host_key(text, &host.nqn, subsystem_nqn)
         {
             return invalid(format!(
                 "nvme_tcp subsystem {:?}, host {:?}: psk: {reason}",
-                subsystem.nqn, host.nqn
+                subsystem_nqn, host.nqn
             ));
         }
         Ok(())
@@ -1954,6 +2022,73 @@ mod tests {
                     "psk = \"NVMeTLSkey-1:01:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8gISIjJCUmJygpKissLS4vcSEgBQ==:\"",
                 ),
                 "must be 32 or 48",
+            ),
+        ] {
+            let error = Config::from_toml(&bad, "test")
+                .and_then(|config| config.validate().map(|()| config))
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {bad}"));
+            let message = error.to_string();
+            assert!(message.contains(expected), "{bad}: {message}");
+            assert!(
+                !message.contains("AAECAwQF"),
+                "an error shows the key: {message}"
+            );
+        }
+    }
+
+    #[test]
+    fn nvme_tcp_discovery_keys_are_checked() {
+        const KEY: &str = "NVMeTLSkey-1:01:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:";
+        let discovery = |tls: &str, secure: bool, hosts: &str| {
+            format!(
+                "[[namespace]]\nid = 1\nbackend = \"mem:1M\"\n[nvme_tcp]\ntls = \"{tls}\"\n\
+                 [nvme_tcp.discovery]\nsecure_channel = {secure}\n{hosts}"
+            )
+        };
+        let host = |nqn: &str, extra: &str| {
+            format!("[[nvme_tcp.discovery.host]]\nnqn = \"{nqn}\"\n{extra}\n")
+        };
+        let keyed = host("nqn.2026-01.io.reflex:h", &format!("psk = \"{KEY}\""));
+        // A discovery key alone is enough for TLS to be in use.
+        let good = discovery("optional", true, &keyed);
+        let config = Config::from_toml(&good, "test").unwrap_or_else(|e| panic!("{e}"));
+        config.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert!(config.tls_in_use());
+        assert!(config.nvme_tcp.discovery.secure_channel);
+        assert_eq!(config.nvme_tcp.discovery.hosts.len(), 1);
+        for (bad, expected) in [
+            (discovery("off", false, &keyed), "has a TLS key"),
+            (discovery("off", true, ""), "discovery.secure_channel needs"),
+            (
+                discovery("optional", false, &host("nqn.2026-01.io.reflex:h", "")),
+                "needs a psk or psk_file",
+            ),
+            (
+                discovery(
+                    "optional",
+                    false,
+                    &host(
+                        "nqn.2026-01.io.reflex:h",
+                        &format!("psk = \"{KEY}\"\ntenant = \"t\""),
+                    ),
+                ),
+                "discovery does no I/O",
+            ),
+            (
+                discovery("optional", false, &format!("{keyed}{keyed}")),
+                "listed twice",
+            ),
+            (
+                discovery(
+                    "optional",
+                    false,
+                    &host(
+                        "nqn.2026-01.io.reflex:h",
+                        &format!("psk = \"{}S:\"", &KEY[..KEY.len() - 2]),
+                    ),
+                ),
+                "CRC-32",
             ),
         ] {
             let error = Config::from_toml(&bad, "test")

@@ -74,8 +74,8 @@ use reflex_qos::{DeviceProfile, Nanos};
 
 pub use crate::config::{
     AccessConfig, Config, ConfigError, DriverChoice, NamespaceConfig, NbdConfig, NbdExportConfig,
-    NvmeHostConfig, NvmeSubsystemConfig, NvmeTcpConfig, OriginalPortConfig, PriorityConfig,
-    TenantClassConfig, TenantConfig, TimeoutsConfig,
+    NvmeDiscoveryConfig, NvmeHostConfig, NvmeSubsystemConfig, NvmeTcpConfig, OriginalPortConfig,
+    PriorityConfig, TenantClassConfig, TenantConfig, TimeoutsConfig,
 };
 pub use crate::driver::{Driver, NO_IO_URING_ENV};
 use crate::driver::{DriverSetup, EventfdWaker, spawn_driver};
@@ -655,7 +655,7 @@ fn nvme_tcp_targets(
 ) -> Result<NvmeTcpTargets, ServerError> {
     use reflex_dataplane::frontend::NvmeTlsMode;
     use reflex_dataplane::frontend::nvme_tcp_targets::{
-        HostAccess, NvmeTcpOptions, Subsystem, SubsystemNamespace,
+        DiscoveryAccess, HostAccess, NvmeTcpOptions, Subsystem, SubsystemNamespace,
     };
     let effective = config.effective_namespaces();
     let mut subsystems = Vec::new();
@@ -734,7 +734,14 @@ fn nvme_tcp_targets(
         },
         ..NvmeTcpOptions::default()
     };
-    Ok(NvmeTcpTargets::new(options, subsystems, listen))
+    let discovery = DiscoveryAccess {
+        secure_channel: config.nvme_tcp.discovery.secure_channel,
+        hosts_with_keys: (config.nvme_tcp.discovery.hosts.iter())
+            .filter(|host| host.has_tls_key())
+            .map(|host| host.nqn.clone())
+            .collect(),
+    };
+    Ok(NvmeTcpTargets::new(options, subsystems, listen).with_discovery(discovery))
 }
 
 /// Opens every namespace's device in configuration order; a composite namespace is laid over

@@ -77,15 +77,25 @@ pub fn nvme_host_key(
     Ok(configured)
 }
 
-/// The NVMe/TCP hosts' keys (`psk` or `psk_file` of `[[nvme_tcp.subsystem.host]]`) by PSK
-/// identity; `None` when NVMe/TCP has no TLS.
+/// The NVMe/TCP hosts' keys (`psk` or `psk_file` of `[[nvme_tcp.subsystem.host]]` and
+/// `[[nvme_tcp.discovery.host]]`) by PSK identity; `None` when NVMe/TCP has no TLS.
 fn nvme_psk_keys(config: &Config) -> Result<Option<Arc<PskKeys>>, TlsSetupError> {
     if !config.nvme_tcp.enabled || config.nvme_tcp.tls == TlsMode::Off {
         return Ok(None);
     }
     let mut keys = TlsKeyTable::default();
-    for subsystem in config.effective_nvme_subsystems() {
-        for host in &subsystem.hosts {
+    // The discovery subsystem's keys are keyed by its NQN like any subsystem's: the identity
+    // `NVMe0R0x <host NQN> nqn.2014-08.org.nvmexpress.discovery` selects them.
+    let subsystems = config.effective_nvme_subsystems();
+    let keyed = subsystems
+        .iter()
+        .map(|subsystem| (subsystem.nqn.as_str(), &subsystem.hosts))
+        .chain(std::iter::once((
+            reflex_proto::nvme_tcp::command::DISCOVERY_NQN,
+            &config.nvme_tcp.discovery.hosts,
+        )));
+    for (subsystem_nqn, hosts) in keyed {
+        for host in hosts {
             let (field, path, text) = match (&host.psk, &host.psk_file) {
                 (Some(text), _) => (
                     "nvme_tcp.subsystem.host.psk",
@@ -102,18 +112,15 @@ fn nvme_psk_keys(config: &Config) -> Result<Option<Arc<PskKeys>>, TlsSetupError>
                 }
                 (None, None) => continue,
             };
-            let key = nvme_host_key(&text, &host.nqn, &subsystem.nqn)
+            let key = nvme_host_key(&text, &host.nqn, subsystem_nqn)
                 .and_then(|key| {
-                    keys.insert(&host.nqn, &subsystem.nqn, key)
+                    keys.insert(&host.nqn, subsystem_nqn, key)
                         .map_err(|e| e.to_string())
                 })
                 .map_err(|reason| TlsSetupError::File {
                     field,
                     path,
-                    reason: format!(
-                        "host {:?}, subsystem {:?}: {reason}",
-                        host.nqn, subsystem.nqn
-                    ),
+                    reason: format!("host {:?}, subsystem {subsystem_nqn:?}: {reason}", host.nqn),
                 });
             key?;
         }

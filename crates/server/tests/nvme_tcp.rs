@@ -4,9 +4,12 @@
 //! C2HData reads), flush, write zeroes, deallocate, the shutdown handshake, tenant selection
 //! by host NQN, the keep-alive timeout, and bad input: each either gets the spec's status or
 //! closes only its own connection, while other queues go on; TLS with pre-shared keys (TP
-//! 8011): verified I/O over TLS, and the refusals that keep a key to its host and subsystem. Assertions only; no timing
+//! 8011): verified I/O over TLS, and the refusals that keep a key to its host and subsystem,
+//! the discovery subsystem included; the Namespace Attribute Changed event of a namespace
+//! removed through the admin API, and its changed namespace list. Assertions only; no timing
 //! (timeouts are upper bounds for a wait, never a pass condition).
 
+mod admin_common;
 mod common;
 
 use std::collections::BTreeMap;
@@ -729,24 +732,9 @@ fn discovery_log(
     host_nqn: &str,
     entries_max: usize,
 ) -> Vec<reflex_proto::nvme_tcp::admin::DiscoveryEntry> {
-    use reflex_proto::nvme_tcp::admin::{decode_discovery_log, discovery_log_size};
-    use reflex_proto::nvme_tcp::command::{DISCOVERY_NQN, admin_opcode, log_page};
+    use reflex_proto::nvme_tcp::command::DISCOVERY_NQN;
     let mut controller = attach(server, NvmeTcpOptions::new(host_nqn, DISCOVERY_NQN), 0);
-    let length = discovery_log_size(entries_max);
-    let mut command = Command::zeroed();
-    let dwords = (length / 4 - 1) as u32;
-    command
-        .set_opcode(admin_opcode::GET_LOG_PAGE)
-        .set_cdw(
-            10,
-            u32::from(log_page::DISCOVERY) | ((dwords & 0xFFFF) << 16),
-        )
-        .set_cdw(11, dwords >> 16);
-    let (_, data) = controller
-        .admin()
-        .execute(command, Transfer::FromTarget(length))
-        .unwrap_or_else(|e| panic!("discovery log: {e}"));
-    decode_discovery_log(&data)
+    read_discovery_log(&mut controller, entries_max)
 }
 
 #[test]
@@ -1298,5 +1286,359 @@ fn tls_discovery_entries_say_where_tls_is_required() {
             .collect();
         assert_eq!(got, expected, "{host_nqn}");
     }
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The discovery log over `controller` (a discovery controller), `entries_max` at most.
+fn read_discovery_log(
+    controller: &mut NvmeTcpController,
+    entries_max: usize,
+) -> Vec<reflex_proto::nvme_tcp::admin::DiscoveryEntry> {
+    use reflex_proto::nvme_tcp::admin::{decode_discovery_log, discovery_log_size};
+    use reflex_proto::nvme_tcp::command::log_page;
+    let data = controller
+        .log_page(log_page::DISCOVERY, discovery_log_size(entries_max), false)
+        .unwrap_or_else(|e| panic!("discovery log: {e}"));
+    decode_discovery_log(&data)
+}
+
+#[test]
+fn tls_on_the_discovery_subsystem() {
+    use reflex_proto::nvme_tcp::command::DISCOVERY_NQN;
+    let file = key_file(&tls_key(7));
+    // Host A has a discovery key (inline), host B one in a file; host C has none.
+    let discovery_file = key_file(&tls_key(13));
+    let mut server_config = tls_config(TlsMode::Optional, file.path());
+    server_config.nvme_tcp.discovery.hosts = vec![
+        host(DISCOVERY_HOST_A, Some(&tls_key(11)), None),
+        host(
+            HOST_B,
+            None,
+            Some(discovery_file.path().display().to_string()),
+        ),
+    ];
+    let server = start(server_config);
+    for (host_nqn, key) in [(DISCOVERY_HOST_A, 11), (HOST_B, 13)] {
+        for digests in [Digests::NONE, Digests::BOTH] {
+            let options = NvmeTcpOptions::new(host_nqn, DISCOVERY_NQN)
+                .with_tls_psk(tls_key(key))
+                .with_digests(digests);
+            let mut controller = attach(&server, options, 0);
+            assert_eq!(
+                controller.identify().controller_type,
+                ControllerType::Discovery
+            );
+            assert_eq!(
+                controller.admin().tls_session(),
+                Some(("TLSv1.3", "TLS_AES_128_GCM_SHA256".to_string()))
+            );
+            let entries = read_discovery_log(&mut controller, 4);
+            let names: Vec<&str> = entries.iter().map(|e| e.subsystem_nqn.as_str()).collect();
+            assert_eq!(names, vec![NQN, NQN_OPEN, NQN_SECURE], "{host_nqn}");
+        }
+    }
+    // The newer identity form reaches discovery too.
+    let mut version1 = attach(
+        &server,
+        NvmeTcpOptions::new(DISCOVERY_HOST_A, DISCOVERY_NQN)
+            .with_tls_psk(tls_key(11))
+            .with_tls_identity_form(IdentityForm::Version1),
+        0,
+    );
+    assert_eq!(read_discovery_log(&mut version1, 4).len(), 3);
+    // A keyed host in plaintext is refused at Connect; a host without a key is served.
+    assert_eq!(
+        status_of(NvmeTcpController::attach(
+            address(&server),
+            NvmeTcpOptions::new(DISCOVERY_HOST_A, DISCOVERY_NQN),
+            0
+        )),
+        Status::CONNECT_INVALID_HOST
+    );
+    let mut plain = attach(&server, NvmeTcpOptions::new(HOST_C, DISCOVERY_NQN), 0);
+    assert_eq!(plain.admin().tls_session(), None);
+    assert_eq!(read_discovery_log(&mut plain, 4).len(), 3);
+    // A wrong key, and a host without a discovery key: the handshake fails.
+    assert_tls_refused(
+        NvmeTcpController::attach(
+            address(&server),
+            NvmeTcpOptions::new(DISCOVERY_HOST_A, DISCOVERY_NQN).with_tls_psk(tls_key(12)),
+            0,
+        ),
+        "wrong discovery key",
+    );
+    assert_tls_refused(
+        NvmeTcpController::attach(
+            address(&server),
+            NvmeTcpOptions::new(HOST_C, DISCOVERY_NQN).with_tls_psk(tls_key(11)),
+            0,
+        ),
+        "no discovery key",
+    );
+    // Host A's subsystem key (for NQN) does not open discovery: the identity names NQN.
+    let mut subsystem_identity = NvmeTcpOptions::new(HOST, DISCOVERY_NQN).with_tls_psk(tls_key(3));
+    if let Some(tls) = subsystem_identity.tls.as_mut() {
+        tls.subsystem_nqn = NQN.to_string();
+    }
+    assert_eq!(
+        status_of(NvmeTcpController::attach(
+            address(&server),
+            subsystem_identity,
+            0
+        )),
+        Status::CONNECT_INVALID_HOST
+    );
+    drop((version1, plain));
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let failures: u64 = stats.iter().map(|core| core.tls_failures).sum();
+    assert_eq!(failures, 2);
+}
+
+#[test]
+fn a_discovery_secure_channel_refuses_every_plaintext_host() {
+    use reflex_proto::nvme_tcp::command::DISCOVERY_NQN;
+    let file = key_file(&tls_key(7));
+    let mut server_config = tls_config(TlsMode::Optional, file.path());
+    server_config.nvme_tcp.discovery.secure_channel = true;
+    server_config.nvme_tcp.discovery.hosts = vec![host(HOST_C, Some(&tls_key(17)), None)];
+    let server = start(server_config);
+    for host_nqn in [HOST, HOST_C] {
+        assert_eq!(
+            status_of(NvmeTcpController::attach(
+                address(&server),
+                NvmeTcpOptions::new(host_nqn, DISCOVERY_NQN),
+                0
+            )),
+            Status::CONNECT_INVALID_HOST,
+            "{host_nqn} in plaintext"
+        );
+    }
+    let mut controller = attach(
+        &server,
+        NvmeTcpOptions::new(HOST_C, DISCOVERY_NQN).with_tls_psk(tls_key(17)),
+        0,
+    );
+    // Host C has no subsystem key: its entries name no security, except the secure subsystem.
+    let entries = read_discovery_log(&mut controller, 4);
+    assert_eq!(entries.len(), 3);
+    // Plaintext I/O subsystems are not affected by discovery's secure channel.
+    let mut io = attach(&server, NvmeTcpOptions::new(HOST_C, NQN_OPEN), 1);
+    io.keep_alive().unwrap_or_else(|e| panic!("{e}"));
+    drop((controller, io));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+// ---- Asynchronous events ----
+
+/// A host of its own, so that the discovery tests' keys stay apart from the TLS tests'.
+const DISCOVERY_HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:discovery-host-a";
+const NQN_ONE: &str = "nqn.2026-01.io.reflex:one";
+
+/// Sends an Asynchronous Event Request and waits until the target holds it: commands of a
+/// queue are taken in order, so the Keep Alive's completion means the request was seen.
+fn hold_async_event_request(controller: &mut NvmeTcpController) -> u16 {
+    let cid = controller
+        .async_event_request()
+        .unwrap_or_else(|e| panic!("{e}"));
+    controller
+        .keep_alive()
+        .unwrap_or_else(|e| panic!("keep alive after the request: {e}"));
+    cid
+}
+
+/// Enables namespace attribute notices (Asynchronous Event Configuration bit 8).
+fn enable_namespace_notices(controller: &mut NvmeTcpController) {
+    use reflex_proto::nvme_tcp::command::feature;
+    controller
+        .admin()
+        .execute(
+            reflex_client::nvme_tcp::set_features(feature::ASYNC_EVENT_CONFIGURATION, 1 << 8),
+            Transfer::None,
+        )
+        .unwrap_or_else(|e| panic!("set async event configuration: {e}"));
+}
+
+#[test]
+fn a_removed_namespace_raises_the_namespace_attribute_changed_event() {
+    /// Notice (2h), Namespace Attribute Changed (00h), log page 04h.
+    const EVENT_DW0: u32 = 0x0004_0002;
+    let mut server_config = nvme_config(vec![
+        namespace(1, "mem:16M", None),
+        namespace(2, "mem:16M", None),
+        namespace(3, "mem:16M", None),
+    ]);
+    let subsystem = |nqn: &str, namespaces: Vec<u32>| NvmeSubsystemConfig {
+        nqn: nqn.to_string(),
+        namespaces,
+        allow_any_host: true,
+        hosts: Vec::new(),
+        secure_channel: false,
+    };
+    server_config.nvme_tcp.subsystems =
+        vec![subsystem(NQN, vec![1, 2, 3]), subsystem(NQN_ONE, vec![1])];
+    server_config.admin = reflex_server::admin::AdminConfig::loopback();
+    let server = start(server_config);
+    let api = admin_common::Api::new(
+        server
+            .admin_addr()
+            .unwrap_or_else(|| panic!("no admin listener")),
+    );
+    let options = NvmeTcpOptions::new(HOST, NQN);
+    // A: notices on, a request outstanding. B: notices on, no request yet. C: notices off,
+    // a request outstanding. D: another subsystem, without namespace 2.
+    let mut a = attach(&server, options.clone(), 1);
+    let mut b = attach(&server, NvmeTcpOptions::new(HOST_B, NQN), 1);
+    let mut c = attach(&server, NvmeTcpOptions::new(HOST_C, NQN), 1);
+    let mut d = attach(&server, NvmeTcpOptions::new(HOST, NQN_ONE), 1);
+    assert_eq!(
+        a.identify().oaes & (1 << 8),
+        1 << 8,
+        "OAES: notices supported"
+    );
+    for controller in [&mut a, &mut b, &mut d] {
+        enable_namespace_notices(controller);
+    }
+    let a_cid = hold_async_event_request(&mut a);
+    let c_cid = hold_async_event_request(&mut c);
+    let d_cid = hold_async_event_request(&mut d);
+
+    // Removed through the admin API, as an operator would.
+    let removed = api.delete("/v1/namespaces/2?force=true");
+    assert_eq!(removed.status, 204, "{}", removed.text);
+    let event = a
+        .admin()
+        .wait_completion(a_cid)
+        .unwrap_or_else(|e| panic!("A's event: {e}"));
+    assert_eq!(event.dw0, EVENT_DW0);
+    assert_eq!(
+        a.changed_namespaces().unwrap_or_else(|e| panic!("{e}")),
+        vec![2]
+    );
+    assert_eq!(
+        a.changed_namespaces().unwrap_or_else(|e| panic!("{e}")),
+        Vec::<u32>::new(),
+        "cleared on read"
+    );
+    assert_eq!(
+        a.active_namespaces().unwrap_or_else(|e| panic!("{e}")),
+        vec![1, 3]
+    );
+    // B's event waited for its request.
+    let b_cid = b.async_event_request().unwrap_or_else(|e| panic!("{e}"));
+    let event = b
+        .admin()
+        .wait_completion(b_cid)
+        .unwrap_or_else(|e| panic!("B's event: {e}"));
+    assert_eq!(event.dw0, EVENT_DW0);
+    // C has notices off: the list is kept, but no event went out (it would have come before
+    // the log page's data, on the same connection, and broken this read).
+    assert_eq!(
+        c.changed_namespaces().unwrap_or_else(|e| panic!("{e}")),
+        vec![2]
+    );
+    // D's subsystem never exposed namespace 2.
+    assert_eq!(
+        d.changed_namespaces().unwrap_or_else(|e| panic!("{e}")),
+        Vec::<u32>::new()
+    );
+    d.keep_alive().unwrap_or_else(|e| panic!("{e}"));
+
+    // A read the log (RAE clear), so the next removal raises the event again; B did not,
+    // so its event stays masked: B's list grows without an event.
+    let a_cid = hold_async_event_request(&mut a);
+    let b_cid = hold_async_event_request(&mut b);
+    server
+        .namespace_manager()
+        .remove(3, true)
+        .unwrap_or_else(|e| panic!("remove: {e}"));
+    let event = a
+        .admin()
+        .wait_completion(a_cid)
+        .unwrap_or_else(|e| panic!("A's second event: {e}"));
+    assert_eq!(event.dw0, EVENT_DW0);
+    assert_eq!(
+        a.changed_namespaces().unwrap_or_else(|e| panic!("{e}")),
+        vec![3]
+    );
+    assert_eq!(
+        b.changed_namespaces().unwrap_or_else(|e| panic!("{e}")),
+        vec![2, 3]
+    );
+    // Held requests still count: C and D each hold one, B one more; the limit is 4.
+    let _ = (b_cid, c_cid, d_cid);
+    b.keep_alive().unwrap_or_else(|e| panic!("{e}"));
+    c.keep_alive().unwrap_or_else(|e| panic!("{e}"));
+    drop((a, b, c, d));
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn the_namespace_event_reaches_a_controller_over_tls() {
+    let file = key_file(&tls_key(7));
+    let server = start(tls_config(TlsMode::Optional, file.path()));
+    let mut controller = attach(
+        &server,
+        NvmeTcpOptions::new(HOST, NQN)
+            .with_tls_psk(tls_key(3))
+            .with_digests(Digests::BOTH),
+        1,
+    );
+    enable_namespace_notices(&mut controller);
+    let cid = hold_async_event_request(&mut controller);
+    server
+        .namespace_manager()
+        .remove(1, true)
+        .unwrap_or_else(|e| panic!("remove: {e}"));
+    let event = controller
+        .admin()
+        .wait_completion(cid)
+        .unwrap_or_else(|e| panic!("event over TLS: {e}"));
+    assert_eq!(event.dw0, 0x0004_0002);
+    assert_eq!(
+        controller
+            .changed_namespaces()
+            .unwrap_or_else(|e| panic!("{e}")),
+        vec![1]
+    );
+    assert_eq!(
+        controller
+            .active_namespaces()
+            .unwrap_or_else(|e| panic!("{e}")),
+        Vec::<u32>::new()
+    );
+    drop(controller);
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn discovery_keys_reload_from_their_files() {
+    use reflex_proto::nvme_tcp::command::DISCOVERY_NQN;
+    let file = key_file(&tls_key(7));
+    let discovery_file = key_file(&tls_key(13));
+    let mut server_config = tls_config(TlsMode::Optional, file.path());
+    server_config.nvme_tcp.discovery.hosts = vec![host(
+        HOST_C,
+        None,
+        Some(discovery_file.path().display().to_string()),
+    )];
+    let server = start(server_config.clone());
+    let options = |key: u8| NvmeTcpOptions::new(HOST_C, DISCOVERY_NQN).with_tls_psk(tls_key(key));
+    let mut before = attach(&server, options(13), 0);
+    std::fs::write(discovery_file.path(), tls_key(19).to_interchange())
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        server
+            .reload_tls(&server_config)
+            .unwrap_or_else(|e| panic!("reload: {e}"))
+    );
+    assert_tls_refused(
+        NvmeTcpController::attach(address(&server), options(13), 0),
+        "the replaced discovery key",
+    );
+    let mut after = attach(&server, options(19), 0);
+    assert_eq!(read_discovery_log(&mut after, 4).len(), 3);
+    // The session that started with the old key goes on.
+    assert_eq!(read_discovery_log(&mut before, 4).len(), 3);
+    drop((before, after));
     server.shutdown().unwrap_or_else(|e| panic!("{e}"));
 }

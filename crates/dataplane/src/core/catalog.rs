@@ -99,7 +99,26 @@ impl Dataplane {
         }
         self.namespaces = Arc::clone(&namespaces);
         self.nbd_exports = catalog.nbd_exports;
+        self.notify_nvme_controllers();
         self.check_drained(now);
+    }
+
+    /// Lets every NVMe/TCP connection see the new namespace set now, not at its next PDU:
+    /// an idle admin queue holding an Asynchronous Event Request is told at once that a
+    /// namespace left the active list, and its completion is parsed out as output.
+    fn notify_nvme_controllers(&mut self) {
+        for index in 0..self.connections.len() {
+            let connection = &mut self.connections[index];
+            if !connection.is_open() {
+                continue;
+            }
+            if let crate::frontend::Frontend::NvmeTcp(nvme) = &mut connection.frontend {
+                nvme.follow_namespaces(&self.namespaces);
+                if nvme.has_output() {
+                    self.mark_parse(index as u32);
+                }
+            }
+        }
     }
 
     /// Moves every slot being removed on: once no request of this thread refers to it, a

@@ -29,7 +29,7 @@ use super::ops::{ConnectionId, Op};
 use super::request::{NONE, RequestState, Work};
 use crate::buffers::{PageRun, RUN_SIZE_MAX, order_for};
 use crate::frontend::{
-    Action, Answer, CONTROL_ANSWER_BYTES_MAX, Decoded, Frontend, IoKind, NOTICE_BODY_BYTES,
+    Action, Answer, CONTROL_ANSWER_BYTES_MAX, Decoded, Frontend, IoKind, NOTICE_BODY_BYTES, Tag,
 };
 
 impl Dataplane {
@@ -124,6 +124,26 @@ impl Dataplane {
                 continue;
             }
             let connection = &mut self.connections[index as usize];
+            if let Frontend::NvmeTcp(nvme) = &connection.frontend
+                && nvme.has_output()
+                && connection.outstanding < self.limits.window
+                && connection.read == ReadState::Open
+            {
+                // Output no command of this parse asked for (an NVMe/TCP asynchronous
+                // event's completion) goes out like a notice, though a receive is in flight.
+                if self.free_requests.is_empty() {
+                    self.add_waiter(index);
+                    return;
+                }
+                let request = self.allocate_request(index, Tag::None, Action::Output, now);
+                if !self.try_start(request, now) {
+                    self.transition(request, RequestState::NeedBuffer);
+                    self.connections[index as usize].stalled = Some(request);
+                    self.add_waiter(index);
+                    return;
+                }
+                continue;
+            }
             if connection.recv_in_flight {
                 // Nothing to parse until that receive completes.
                 self.stop_reading_if_drained(index);

@@ -78,6 +78,7 @@ pub use kv_frontend::writes as kv_writes;
 mod native_frontend;
 mod nbd_frontend;
 mod nvme_tcp_admin;
+mod nvme_tcp_events;
 mod nvme_tcp_frontend;
 pub mod nvme_tcp_targets;
 mod nvme_tcp_tls;

@@ -1,10 +1,10 @@
 //! The admin queue of an NVMe/TCP controller: Property Get/Set (CAP, VS, CC, CSTS with the
 //! enable/ready and shutdown handshakes), Identify, Get Log Page, Get/Set Features, Keep
-//! Alive, Asynchronous Event Request (held until the controller goes: no event is sent; a
-//! subsystem's namespaces change only when one is removed at run time, which leaves the active
-//! list and answers Identify Namespace as inactive, without a Namespace Attribute Changed
-//! notice) and Abort. A discovery
-//! controller answers Identify Controller, the discovery log, keep-alive and its features.
+//! Alive, Asynchronous Event Request (held until an event: a subsystem's namespaces change
+//! only when one is removed at run time, which leaves the active list, answers Identify
+//! Namespace as inactive and raises the Namespace Attribute Changed notice,
+//! `nvme_tcp_events.rs`) and Abort. A discovery controller answers Identify Controller, the
+//! discovery log, keep-alive and its features.
 
 use reflex_proto::nvme_tcp::admin::{
     self, ControllerType, IDENTIFY_SIZE, IdentifyController, IdentifyNamespace, SmartLog,
@@ -16,6 +16,7 @@ use reflex_proto::nvme_tcp::pdu;
 use reflex_proto::nvme_tcp::{Command, Status};
 
 use super::Decoded;
+use super::nvme_tcp_events::NAMESPACE_ATTRIBUTE_NOTICES;
 use super::nvme_tcp_frontend::{ASYNC_EVENTS_HELD_MAX, NvmeTcpFrontend, Outcome, Phase};
 use super::nvme_tcp_targets::{
     ControllerState, IN_CAPSULE_DATA_BYTES, MDTS, Subsystem, SubsystemNamespace,
@@ -103,13 +104,22 @@ impl NvmeTcpFrontend {
                 }
                 Outcome::status(cid, Status::SUCCESS)
             }
-            admin_opcode::ASYNC_EVENT_REQUEST => match self.admin() {
-                Some(admin) if admin.events_held.len() < ASYNC_EVENTS_HELD_MAX => {
-                    admin.events_held.push(cid);
+            admin_opcode::ASYNC_EVENT_REQUEST => {
+                let held = match self.admin() {
+                    Some(admin) if admin.events_held.len() < ASYNC_EVENTS_HELD_MAX => {
+                        admin.events_held.push(cid);
+                        true
+                    }
+                    _ => false,
+                };
+                if held {
+                    // An event generated while no request was held goes out on this one.
+                    self.report_async_event();
                     Outcome::Nothing
+                } else {
+                    Outcome::status(cid, Status::ASYNC_EVENT_LIMIT_EXCEEDED)
                 }
-                _ => Outcome::status(cid, Status::ASYNC_EVENT_LIMIT_EXCEEDED),
-            },
+            }
             // Abort: the command was not aborted (dw0 bit 0); every command finishes.
             admin_opcode::ABORT => Outcome::success(cid, 1),
             _ => Outcome::status(cid, Status::INVALID_OPCODE),
@@ -282,7 +292,12 @@ impl NvmeTcpFrontend {
             mdts: MDTS,
             cntlid: queue.controller.cntlid,
             version: NVME_VERSION,
-            oaes: 0,
+            // Namespace attribute notices, on I/O controllers (`nvme_tcp_events.rs`).
+            oaes: if subsystem.is_some() {
+                NAMESPACE_ATTRIBUTE_NOTICES
+            } else {
+                0
+            },
             controller_type: if subsystem.is_some() {
                 ControllerType::Io
             } else {
@@ -395,7 +410,12 @@ impl NvmeTcpFrontend {
                 log
             }
             log_page::CHANGED_NAMESPACES if !discovery => {
-                vec![0u8; admin::CHANGED_NAMESPACES_LOG_SIZE]
+                // Cleared on read; RAE (CDW10 bit 15) keeps the event masked.
+                let retain_event = command.cdw10() & (1 << 15) != 0;
+                match self.admin() {
+                    Some(admin) => admin.namespace_changes.read_log(retain_event),
+                    None => vec![0u8; admin::CHANGED_NAMESPACES_LOG_SIZE],
+                }
             }
             _ => return Outcome::status(cid, Status::INVALID_LOG_PAGE),
         };

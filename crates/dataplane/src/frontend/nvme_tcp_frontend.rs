@@ -42,6 +42,7 @@ use reflex_proto::nvme_tcp::pdu::{
 use reflex_proto::nvme_tcp::{Command, Completion, Status};
 use reflex_qos::Nanos;
 
+use super::nvme_tcp_events::{NAMESPACE_ATTRIBUTE_NOTICES, NamespaceChanges};
 use super::nvme_tcp_targets::{
     AttachRefused, COMMAND_DATA_BYTES_MAX, Controller, ControllerState, IN_CAPSULE_DATA_BYTES,
     MAXH2CDATA_BYTES, MAXH2CDATA_DIGEST_BYTES, NvmeTcpTargets, QueueRefused, TRANSFER_BYTES_MAX,
@@ -143,6 +144,8 @@ pub(super) struct AdminState {
     pub(super) plain_features: [u32; 16],
     /// CIDs of Asynchronous Event Requests held until an event.
     pub(super) events_held: Vec<u16>,
+    /// Namespaces that left (or joined) the active list, and their event.
+    pub(super) namespace_changes: NamespaceChanges,
 }
 
 /// A command answered once for all its parts: its data transfer (R2T) and the device
@@ -292,15 +295,74 @@ impl NvmeTcpFrontend {
         matches!(self.channel, Channel::Tls { identity: None })
     }
 
-    /// Notes which namespace slots are gone from `namespaces` (once per change of the set).
-    pub(super) fn follow_namespaces(&mut self, namespaces: &crate::namespaces::NamespaceSet) {
+    /// Notes which namespace slots are gone from `namespaces` (once per change of the set);
+    /// on an admin queue, a namespace of its subsystem that left the active list since is a
+    /// Namespace Attribute Changed event (`nvme_tcp_events.rs`), whose completion then
+    /// waits in the output ([`Self::has_output`]).
+    pub fn follow_namespaces(&mut self, namespaces: &crate::namespaces::NamespaceSet) {
         if namespaces.generation() == self.namespaces_seen {
             return;
         }
         self.namespaces_seen = namespaces.generation();
-        self.removed = (0..namespaces.len() as u16)
+        let removed = (0..namespaces.len() as u16)
             .filter(|&index| !namespaces.is_live(index))
             .collect();
+        let previous = std::mem::replace(&mut self.removed, removed);
+        self.note_namespace_changes(&previous);
+    }
+
+    /// Records in the controller's changed namespace list every namespace of its subsystem
+    /// whose state differs between `previous` and `self.removed`, and reports the event.
+    fn note_namespace_changes(&mut self, previous: &[u16]) {
+        let Phase::Queue(queue) = &mut self.phase else {
+            return;
+        };
+        let Some(subsystem) = queue
+            .controller
+            .subsystem
+            .and_then(|index| self.targets.subsystems.get(index))
+        else {
+            return;
+        };
+        let Some(admin) = queue.admin.as_deref_mut() else {
+            return;
+        };
+        let notices_enabled = admin.async_event_config & NAMESPACE_ATTRIBUTE_NOTICES != 0;
+        for namespace in &subsystem.namespaces {
+            let index = namespace.namespace_index;
+            if previous.contains(&index) != self.removed.contains(&index) {
+                admin
+                    .namespace_changes
+                    .note(namespace.nsid, notices_enabled);
+            }
+        }
+        self.report_async_event();
+    }
+
+    /// Completes a held Asynchronous Event Request with a pending event, if both exist: the
+    /// completion waits in the output (sent before the next PDU is decoded).
+    pub(super) fn report_async_event(&mut self) {
+        let Phase::Queue(queue) = &mut self.phase else {
+            return;
+        };
+        let Some(admin) = queue.admin.as_deref_mut() else {
+            return;
+        };
+        if admin.events_held.is_empty() || self.closing.is_some() {
+            return;
+        }
+        let Some(dw0) = admin.namespace_changes.poll_event() else {
+            return;
+        };
+        // The oldest request carries the event.
+        let cid = admin.events_held.remove(0);
+        self.output_data(cid, &[], Status::SUCCESS, dw0);
+    }
+
+    /// Whether output waits to be sent (an event's completion the host did not ask for
+    /// with a command it just sent): the dataplane hands it an output request.
+    pub fn has_output(&self) -> bool {
+        !self.output.is_empty() && self.closing.is_none()
     }
 
     pub(super) fn in_session(&self) -> bool {
@@ -731,6 +793,7 @@ impl NvmeTcpFrontend {
                 async_event_config: 0,
                 plain_features: [0; 16],
                 events_held: Vec::new(),
+                namespace_changes: NamespaceChanges::default(),
             };
             (controller, Some(Box::new(admin)))
         } else {

@@ -135,6 +135,16 @@ impl Subsystem {
     }
 }
 
+/// Who must use TLS on the discovery subsystem (`[nvme_tcp.discovery]`): it has no hosts
+/// list of its own (every host may ask for its discovery log), only keys and a requirement.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DiscoveryAccess {
+    /// Hosts connect to the discovery subsystem over TLS only.
+    pub secure_channel: bool,
+    /// Hosts with a TLS key for the discovery subsystem: they connect to it over TLS only.
+    pub hosts_with_keys: Vec<String>,
+}
+
 /// A controller's state as every queue sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -269,6 +279,8 @@ pub struct NvmeTcpTargets {
     pub subsystems: Vec<Subsystem>,
     /// The listener's address (for the discovery log).
     pub listen: SocketAddr,
+    /// TLS on the discovery subsystem.
+    pub discovery: DiscoveryAccess,
     controllers: Mutex<Vec<Option<Arc<Controller>>>>,
     /// Counts controllers created (the discovery log's generation counter is constant).
     created: AtomicU64,
@@ -280,9 +292,16 @@ impl NvmeTcpTargets {
             options,
             subsystems,
             listen,
+            discovery: DiscoveryAccess::default(),
             controllers: Mutex::new(Vec::new()),
             created: AtomicU64::new(0),
         }
+    }
+
+    /// The same, with TLS on the discovery subsystem as `discovery` says.
+    pub fn with_discovery(mut self, discovery: DiscoveryAccess) -> Self {
+        self.discovery = discovery;
+        self
     }
 
     /// The subsystem named `nqn` (`Ok(None)`: the discovery subsystem).

@@ -95,7 +95,22 @@ pub(super) fn connect_refusal(
             None
         }
         Channel::Undecided | Channel::Plain => {
-            let found = subsystem.and_then(|index| targets.subsystems.get(index))?;
+            let Some(index) = subsystem else {
+                // The discovery subsystem: its own requirement and keys (a discovery log
+                // names where a host may connect, which is worth keeping from eavesdroppers
+                // and from a host claiming another's NQN).
+                let discovery = &targets.discovery;
+                if discovery.secure_channel {
+                    return Some("the discovery subsystem requires TLS (secure channel)");
+                }
+                if discovery.hosts_with_keys.iter().any(|nqn| nqn == host_nqn) {
+                    return Some(
+                        "the host has a TLS key for the discovery subsystem: it must connect over TLS",
+                    );
+                }
+                return None;
+            };
+            let found = targets.subsystems.get(index)?;
             if found.secure_channel {
                 return Some("the subsystem requires TLS (secure channel)");
             }
