@@ -12,6 +12,10 @@
 //! - Decisions come from the controller thread (automatic, when `[scaling] enabled`) every
 //!   window from the threads' busy shares, or from an operator through the admin API
 //!   ([`ScalingControl::force`]); either way one log line and one event per change.
+//! - A wake rebalances: [`reflex_qos::plan_rebalance`] on the threads' open connections
+//!   names how many each other active thread hands to the woken one; each donor's driver
+//!   reads its request ([`ThreadScaling::apply`]) and its dataplane moves them, each once it is
+//!   between requests, through the same queues as a park's.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -24,7 +28,10 @@ use std::time::{Duration, Instant};
 use crossbeam::queue::ArrayQueue;
 use reflex_dataplane::control::ControlPlane;
 use reflex_dataplane::{ConnectionId, Dataplane, MovedConnection};
-use reflex_qos::{Nanos, ScalingConfig, ScalingDecision, ScalingPolicy, ThreadBusy};
+use reflex_qos::{
+    Nanos, REBALANCE_STEP_MAX, ScalingConfig, ScalingDecision, ScalingPolicy, ThreadBusy,
+    ThreadConnections, plan_rebalance,
+};
 
 /// Connections in flight to one thread at once; beyond it senders keep theirs (a parked
 /// thread's connections move over a few iterations).
@@ -50,6 +57,9 @@ pub struct ScalingEvent {
     pub cause: &'static str,
     /// The active threads' mean busy share over the window that decided (load only).
     pub mean_busy_share: Option<f64>,
+    /// A wake: connections the other active threads were asked to hand to the woken one
+    /// (each moves once between requests; fewer if fewer can move). 0 on a park.
+    pub rebalance_asked: u32,
 }
 
 /// What every thread and the controller share.
@@ -61,6 +71,9 @@ pub struct ScalingShared {
     moved: AtomicU64,
     /// Per thread: its open connections, as its driver last saw them.
     connections: Vec<AtomicU32>,
+    /// Per thread: a rebalancing request, `(to + 1) << 32 | count` (0: none), taken by its
+    /// driver.
+    shed: Vec<AtomicU64>,
 }
 
 /// The controller's side: the policy, the steering sockets and the event log.
@@ -95,6 +108,7 @@ impl ScalingControl {
             wakers: wakers.to_vec(),
             moved: AtomicU64::new(0),
             connections: (0..threads).map(|_| AtomicU32::new(0)).collect(),
+            shed: (0..threads).map(|_| AtomicU64::new(0)).collect(),
         });
         Arc::new(ScalingControl {
             shared,
@@ -210,6 +224,7 @@ impl ScalingControl {
     ) {
         let threads = self.threads();
         let steer = (active_after < threads).then_some(u32::from(active_after));
+        let mut rebalance_asked = 0;
         let (kind, thread, to) = match decision {
             // New connections stop first, then the connections move.
             ScalingDecision::Park { thread, to } => {
@@ -222,6 +237,7 @@ impl ScalingControl {
             ScalingDecision::Wake { thread } => {
                 self.shared.requested[usize::from(thread)].store(ACTIVE, Ordering::Release);
                 self.steer(steer);
+                rebalance_asked = self.rebalance_onto(thread, active_after);
                 self.wakes.fetch_add(1, Ordering::Relaxed);
                 ("wake", thread, None)
             }
@@ -236,6 +252,7 @@ impl ScalingControl {
             active = active_after,
             cause,
             mean_busy_share = ?mean_busy_share,
+            rebalance_asked,
             "thread scaling"
         );
         let mut events = self.lock_events();
@@ -250,7 +267,33 @@ impl ScalingControl {
             active_after,
             cause,
             mean_busy_share,
+            rebalance_asked,
         });
+    }
+
+    /// Asks the other active threads to hand connections to `woken` (the plan on the open
+    /// counts the drivers last published; a donor marks only connections that can move).
+    /// Returns how many were asked for.
+    fn rebalance_onto(&self, woken: u16, active: u16) -> u32 {
+        let loads: Vec<ThreadConnections> = self
+            .connections_per_thread()
+            .into_iter()
+            .map(|open| ThreadConnections {
+                open,
+                movable: open,
+            })
+            .collect();
+        let plan = plan_rebalance(&loads, active, woken, REBALANCE_STEP_MAX);
+        let mut asked = 0;
+        for step in &plan {
+            let request = (u64::from(step.to) + 1) << 32 | u64::from(step.count);
+            // Stored after the woken thread's request (above): a donor that sees this sees
+            // that, so the woken thread adopts rather than hands back (see `receive`).
+            self.shared.shed[usize::from(step.from)].store(request, Ordering::Release);
+            self.shared.wake(usize::from(step.from));
+            asked += step.count;
+        }
+        asked
     }
 
     fn steer(&self, active: Option<u32>) {
@@ -323,10 +366,25 @@ pub struct ThreadScaling {
 }
 
 impl ThreadScaling {
-    /// Parks or wakes the dataplane when its request changed; returns whether it did.
+    /// Parks or wakes the dataplane when its request changed, and hands connections to a
+    /// woken thread when asked; returns whether anything changed.
     pub fn apply(&mut self, dataplane: &mut Dataplane) -> bool {
         self.shared.connections[self.thread_index]
             .store(dataplane.connections_open(), Ordering::Relaxed);
+        let shed = self.shared.shed[self.thread_index].swap(0, Ordering::Acquire);
+        let mut changed = false;
+        if shed != 0 {
+            let to = ((shed >> 32) - 1) as u16;
+            let count = shed as u32;
+            if usize::from(to) != self.thread_index {
+                dataplane.shed_connections(to, count);
+                changed = true;
+            }
+        }
+        changed | self.apply_request(dataplane)
+    }
+
+    fn apply_request(&mut self, dataplane: &mut Dataplane) -> bool {
         let requested = self.shared.requested[self.thread_index].load(Ordering::Acquire);
         if requested == self.applied {
             return false;
@@ -350,6 +408,11 @@ impl ThreadScaling {
     ) -> usize {
         let mut received = 0;
         while let Some((stream, moved)) = self.shared.inboxes[self.thread_index].pop() {
+            if received == 0 {
+                // A connection sent after this thread was woken: wake first, or it would be
+                // handed back as if the thread were still parked.
+                self.apply_request(dataplane);
+            }
             received += 1;
             match dataplane.adopt(moved, now) {
                 Ok(id) => {

@@ -303,6 +303,26 @@ impl NvmeTcpFrontend {
             .collect();
     }
 
+    /// A connected I/O queue over plain TCP: its state (the queue, the `Arc` of its
+    /// controller in the table every thread shares, its tenants) means the same on any
+    /// thread, so it may move (thread scaling). Not an admin queue (it holds Asynchronous
+    /// Event Requests unanswered for as long as the controller lives, and the keep-alive
+    /// timer), not a queue still connecting, not TLS (the session stays with its thread).
+    pub fn is_movable_io_queue(&self) -> bool {
+        matches!(&self.phase, Phase::Queue(queue) if queue.admin.is_none())
+            && self.channel == Channel::Plain
+    }
+
+    /// Nothing half-done in the protocol: no output waiting, no data transfer open, no
+    /// digest to skip, no internal request queued, not terminating.
+    pub fn is_between_commands(&self) -> bool {
+        self.output.is_empty()
+            && self.closing.is_none()
+            && self.digest_skip == 0
+            && self.internal.is_empty()
+            && self.transfers.iter().all(Option::is_none)
+    }
+
     pub(super) fn in_session(&self) -> bool {
         matches!(self.phase, Phase::Queue(_))
     }
