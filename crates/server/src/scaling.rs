@@ -69,6 +69,8 @@ pub struct ScalingShared {
     inboxes: Vec<ArrayQueue<(TcpStream, MovedConnection)>>,
     wakers: Vec<Arc<File>>,
     moved: AtomicU64,
+    /// Of `moved`, those a rebalancing onto a woken thread moved.
+    rebalanced: AtomicU64,
     /// Per thread: its open connections, as its driver last saw them.
     connections: Vec<AtomicU32>,
     /// Per thread: a rebalancing request, `(to + 1) << 32 | count` (0: none), taken by its
@@ -107,6 +109,7 @@ impl ScalingControl {
                 .collect(),
             wakers: wakers.to_vec(),
             moved: AtomicU64::new(0),
+            rebalanced: AtomicU64::new(0),
             connections: (0..threads).map(|_| AtomicU32::new(0)).collect(),
             shed: (0..threads).map(|_| AtomicU64::new(0)).collect(),
         });
@@ -149,9 +152,14 @@ impl ScalingControl {
         self.wakes.load(Ordering::Relaxed)
     }
 
-    /// Connections adopted by another thread so far.
+    /// Connections adopted by another thread so far (a park's and a rebalancing's).
     pub fn connections_moved(&self) -> u64 {
         self.shared.moved.load(Ordering::Relaxed)
+    }
+
+    /// Of [`Self::connections_moved`], those a rebalancing onto a woken thread moved.
+    pub fn connections_rebalanced(&self) -> u64 {
+        self.shared.rebalanced.load(Ordering::Relaxed)
     }
 
     /// Per thread: its open connections (as of its last loop iteration).
@@ -414,8 +422,12 @@ impl ThreadScaling {
                 self.apply_request(dataplane);
             }
             received += 1;
+            let rebalance = moved.is_rebalance();
             match dataplane.adopt(moved, now) {
                 Ok(id) => {
+                    if rebalance {
+                        self.shared.rebalanced.fetch_add(1, Ordering::Relaxed);
+                    }
                     self.shared.moved.fetch_add(1, Ordering::Relaxed);
                     register(dataplane, id, stream);
                 }

@@ -227,6 +227,7 @@ fn park_and_wake(driver: DriverChoice) {
     });
     let events = scaling.events();
     assert_eq!(events.last().map(|e| e.rebalance_asked), Some(12));
+    assert_eq!(scaling.connections_rebalanced(), 12);
     // Each tenant still counts its connection once, on the thread that now serves it.
     let rebalanced = tenant_threads(&clients)
         .into_iter()
@@ -550,6 +551,7 @@ fn every_kind_moves(driver: DriverChoice) {
     wait_for("thread 0 to hand connections back", || {
         scaling.connections_moved() == moved_before_wake + u64::from(asked)
     });
+    assert_eq!(scaling.connections_rebalanced(), u64::from(asked));
     wait_for("the counts to even out", || {
         let counts = scaling.connections_per_thread();
         counts.iter().sum::<u32>() == total && counts[0].abs_diff(counts[1]) <= 1

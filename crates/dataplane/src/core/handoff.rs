@@ -55,6 +55,8 @@ pub struct MovedConnection {
     device_queue: u16,
     accepted_at: Nanos,
     established: bool,
+    /// Handed over by a rebalancing onto a woken thread, not by a park (for the counters).
+    rebalance: bool,
 }
 
 impl std::fmt::Debug for MovedConnection {
@@ -75,6 +77,11 @@ impl MovedConnection {
 
     pub fn unparsed_bytes(&self) -> usize {
         self.unparsed.len()
+    }
+
+    /// Whether a rebalancing onto a woken thread moved it (otherwise its thread parked).
+    pub fn is_rebalance(&self) -> bool {
+        self.rebalance
     }
 }
 
@@ -310,6 +317,7 @@ impl Dataplane {
             device_queue: connection.device_queue,
             accepted_at: connection.accepted_at,
             established: connection.established,
+            rebalance: self.handoff.parked_to != Some(to),
         };
         let (listener, source) = (connection.listener, connection.source);
         connection.state = ConnectionState::Free;
