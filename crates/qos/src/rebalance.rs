@@ -22,8 +22,8 @@
 pub struct ThreadConnections {
     /// Open connections (every kind).
     pub open: u32,
-    /// Of those, connections of a kind that can move (not TLS, not an NVMe/TCP admin queue,
-    /// not already moving).
+    /// Of those, connections of a kind that can move (not an NVMe/TCP admin queue, not a TLS
+    /// handshake, not already moving).
     pub movable: u32,
 }
 

@@ -556,3 +556,261 @@ fn key_value_connections_move_on_park_and_back_on_wake_and_every_answer_is_right
         run_kv(seed);
     }
 }
+
+mod tls_clients {
+    //! Native clients over rustls (as in `tests/tls.rs`), for TLS sessions that move.
+
+    use std::collections::HashMap;
+    use std::io::{Read, Write};
+    use std::sync::Arc;
+
+    use reflex_client::{ConnectionCore, CoreOptions};
+    use reflex_sim::{SocketId, TlsServer, VirtualServer};
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+
+    const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data");
+
+    fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+        Arc::new(rustls::crypto::ring::default_provider())
+    }
+
+    pub fn server() -> TlsServer {
+        let chain = vec![
+            CertificateDer::from_pem_file(format!("{DATA}/tls-server-cert.pem"))
+                .unwrap_or_else(|e| panic!("{e}")),
+        ];
+        let key = PrivateKeyDer::from_pem_file(format!("{DATA}/tls-server-key.pem"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        TlsServer(
+            Arc::new(
+                rustls::ServerConfig::builder_with_provider(provider())
+                    .with_safe_default_protocol_versions()
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .with_no_client_auth()
+                    .with_single_cert(chain, key)
+                    .unwrap_or_else(|e| panic!("{e}")),
+            ),
+            None,
+        )
+    }
+
+    fn client_config() -> Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(
+                CertificateDer::from_pem_file(format!("{DATA}/tls-ca.pem"))
+                    .unwrap_or_else(|e| panic!("{e}")),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        Arc::new(
+            rustls::ClientConfig::builder_with_provider(provider())
+                .with_safe_default_protocol_versions()
+                .unwrap_or_else(|e| panic!("{e}"))
+                .with_root_certificates(roots)
+                .with_no_client_auth(),
+        )
+    }
+
+    /// A native client over rustls; each answer checked once (a READ against the bytes the
+    /// write before it on the connection put there).
+    pub struct TlsClient {
+        pub socket: SocketId,
+        tls: rustls::ClientConnection,
+        pub core: ConnectionCore,
+        /// Per request id: the bytes a READ must return (`None`: a WRITE).
+        pub outstanding: HashMap<u64, Option<Vec<u8>>>,
+        pub answered: u64,
+    }
+
+    impl TlsClient {
+        pub fn connect(server: &mut VirtualServer, thread: u16) -> TlsClient {
+            let socket = server
+                .connect(thread, 0, None)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let name = ServerName::try_from("localhost").unwrap_or_else(|e| panic!("{e}"));
+            let mut tls = rustls::ClientConnection::new(client_config(), name)
+                .unwrap_or_else(|e| panic!("{e}"));
+            tls.set_buffer_limit(None);
+            TlsClient {
+                socket,
+                tls,
+                core: ConnectionCore::new(CoreOptions {
+                    window_assumed: 128,
+                }),
+                outstanding: HashMap::new(),
+                answered: 0,
+            }
+        }
+
+        /// Moves bytes both ways once and checks the answers that arrived.
+        pub fn pump(&mut self, server: &mut VirtualServer, seed: u64) {
+            while let Some(bytes) = self.core.transmit_start() {
+                let length = bytes.len();
+                self.tls
+                    .writer()
+                    .write_all(bytes)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                self.core.transmit_done(length);
+            }
+            let mut cipher_out = Vec::new();
+            while self.tls.wants_write() {
+                self.tls
+                    .write_tls(&mut cipher_out)
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+            if !cipher_out.is_empty() {
+                server.client_send(self.socket, &cipher_out);
+            }
+            let mut received = Vec::new();
+            server.client_read(self.socket, &mut received);
+            let mut offered = &received[..];
+            let mut plaintext = Vec::new();
+            while !offered.is_empty() {
+                self.tls
+                    .read_tls(&mut offered)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                self.tls
+                    .process_new_packets()
+                    .unwrap_or_else(|e| panic!("seed {seed}: TLS: {e}"));
+                match self.tls.reader().read_to_end(&mut plaintext) {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => panic!("TLS read: {e}"),
+                }
+            }
+            let mut offered = &plaintext[..];
+            loop {
+                let taken = self.core.handle_received_bytes(offered);
+                offered = &offered[taken..];
+                while let Some(completion) = self.core.poll_completion().unwrap_or_else(|e| {
+                    panic!("seed {seed}: {e}");
+                }) {
+                    let id = completion.request_id;
+                    let Some(expected) = self.outstanding.remove(&id) else {
+                        panic!("seed {seed}: TLS answer {id} not outstanding (twice or unknown)");
+                    };
+                    assert!(completion.is_ok(), "seed {seed}: TLS request {id} failed");
+                    if let Some(bytes) = expected {
+                        assert!(
+                            completion.data == &bytes[..],
+                            "seed {seed}: {id}: wrong bytes"
+                        );
+                    }
+                    self.answered += 1;
+                }
+                if offered.is_empty() || taken == 0 {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+fn run_tls(seed: u64) {
+    let memory: Arc<dyn Device> =
+        Arc::new(reflex_flash::mem::MemDevice::new(16 << 20).unwrap_or_else(|e| panic!("{e}")));
+    let plan =
+        reflex_flash::fault::FaultPlan::parse("delay=50us").unwrap_or_else(|e| panic!("{e}"));
+    let device: Arc<dyn Device> = Arc::new(
+        reflex_flash::fault::FaultDevice::new(memory, plan).unwrap_or_else(|e| panic!("{e}")),
+    );
+    let mut server = one_namespace_server_on(
+        2,
+        device,
+        Limits::with_arena(16 << 20, 16),
+        NetworkModel::default(),
+        vec![VirtualListener::NativeTls(tls_clients::server())],
+    );
+    let mut clients: Vec<tls_clients::TlsClient> = (0..6)
+        .map(|index| tls_clients::TlsClient::connect(&mut server, (index % 2) as u16))
+        .collect();
+    let mut versions = vec![0u32; 6 * BLOCKS_PER_CLIENT as usize];
+    let mut next_id = 1u64;
+    let mut rng = seed | 1;
+    let mut next = move |bound: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound.max(1)
+    };
+    let mut now = server.now();
+    let mut done = [false; 3];
+    while now < Nanos::from_millis(120) {
+        for (index, client) in clients.iter_mut().enumerate() {
+            client.pump(&mut server, seed);
+            // A rewrite and, behind it on the connection, a read that must see it.
+            while client.outstanding.len() < 4 {
+                let block = index as u64 * BLOCKS_PER_CLIENT + next(BLOCKS_PER_CLIENT);
+                versions[block as usize] += 1;
+                let bytes = block_bytes(block, versions[block as usize]);
+                client
+                    .core
+                    .submit_write(next_id, NAMESPACE, block * BLOCK as u64, &bytes, false)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                client.outstanding.insert(next_id, None);
+                client
+                    .core
+                    .submit_read(next_id + 1, NAMESPACE, block * BLOCK as u64, BLOCK as u32)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                client.outstanding.insert(next_id + 1, Some(bytes));
+                next_id += 2;
+            }
+            client.pump(&mut server, seed);
+        }
+        if now >= Nanos::from_millis(20) && !done[0] {
+            done[0] = true;
+            server.park_thread(1, 0);
+        }
+        if now >= Nanos::from_millis(60) && !done[1] {
+            done[1] = true;
+            for client in &clients {
+                assert_eq!(server.socket_thread(client.socket), 0, "seed {seed}");
+            }
+            let plan = server.wake_thread_rebalancing(1, 2);
+            assert_eq!(plan.iter().map(|m| m.count).sum::<u32>(), 3, "seed {seed}");
+        }
+        if now >= Nanos::from_millis(100) && !done[2] {
+            done[2] = true;
+            let on_thread_1 = clients
+                .iter()
+                .filter(|c| server.socket_thread(c.socket) == 1)
+                .count();
+            assert_eq!(on_thread_1, 3, "seed {seed}");
+        }
+        now += Nanos::from_micros(50);
+        run_until(&mut server, now);
+    }
+    for _ in 0..10_000 {
+        for client in &mut clients {
+            client.pump(&mut server, seed);
+        }
+        if clients.iter().all(|c| c.outstanding.is_empty()) {
+            break;
+        }
+        now += Nanos::from_micros(50);
+        run_until(&mut server, now);
+    }
+    for client in &clients {
+        assert!(
+            client.outstanding.is_empty(),
+            "seed {seed}: TLS requests unanswered"
+        );
+        assert!(!server.is_server_closed(client.socket), "seed {seed}");
+    }
+    let moved: Vec<(u64, u64)> = server
+        .stats()
+        .iter()
+        .map(|s| (s.connections_moved_out, s.connections_moved_in))
+        .collect();
+    assert_eq!(moved, vec![(3, 3), (3, 3)], "seed {seed}");
+    let answered: u64 = clients.iter().map(|c| c.answered).sum();
+    assert!(answered > 300, "seed {seed}: {answered}");
+}
+
+#[test]
+fn tls_sessions_move_on_park_and_back_on_wake_and_every_answer_is_right_once() {
+    for seed in [1u64, 0x2545_f491_4f6c_dd1d] {
+        run_tls(seed);
+    }
+}

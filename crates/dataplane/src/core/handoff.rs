@@ -21,12 +21,16 @@
 //! requests exists (so none has a step at the table's owner, `core/kv_owner.rs`, whose
 //! messages name the home thread's request slots); an NVMe/TCP I/O queue once no command,
 //! data transfer or output of it is open (its controller lives in the table every thread
-//! shares, `frontend/nvme_tcp_targets.rs`). What does not move, and keeps its thread serving
-//! it until it closes: TLS connections (the session and its ciphertext buffers are the
-//! thread's, and its outer socket operations are separate from the plaintext side's; not
-//! built), NVMe/TCP admin queues (an Asynchronous Event Request stays unanswered for the
-//! controller's life, so the queue is never between requests; the keep-alive timer is
-//! theirs) and NVMe/TCP queues not yet connected (one may become an admin queue).
+//! shares, `frontend/nvme_tcp_targets.rs`). A TLS connection (native TLS port, NBD after
+//! STARTTLS) moves with its session once the handshake is done and the link is quiescent: no
+//! outer receive or send in flight, no inner send, no ciphertext left to send; the session
+//! (rustls or OpenSSL, both `Send`), the ciphertext not fed to it yet and the plaintext it
+//! decrypted and nobody read yet are the link's own memory and go with it. What does not
+//! move, and keeps its thread serving it until it closes: TLS connections still in their
+//! handshake (or failed), NVMe/TCP queues over TLS (not tested), NVMe/TCP admin queues (an
+//! Asynchronous Event Request stays unanswered for the controller's life, so the queue is
+//! never between requests; the keep-alive timer is theirs) and NVMe/TCP queues not yet
+//! connected (one may become an admin queue).
 
 use std::net::IpAddr;
 
@@ -57,6 +61,8 @@ pub struct MovedConnection {
     established: bool,
     /// Handed over by a rebalancing onto a woken thread, not by a park (for the counters).
     rebalance: bool,
+    /// Its TLS session with the link's buffers (nothing of it in flight).
+    tls: Option<Box<super::tls::TlsLink>>,
 }
 
 impl std::fmt::Debug for MovedConnection {
@@ -121,7 +127,7 @@ impl Dataplane {
             to,
             moving = self.handoff.moving.len(),
             staying = self.connections_staying(),
-            "thread parking: moving its connections (TLS and NVMe/TCP admin queues stay)"
+            "thread parking: moving its connections (NVMe/TCP admin queues and TLS handshakes stay)"
         );
     }
 
@@ -194,8 +200,8 @@ impl Dataplane {
         self.handoff.parked_to.is_some()
     }
 
-    /// Open connections that cannot move (TLS, NVMe/TCP admin queues and queues not connected
-    /// yet): a parked thread keeps serving them.
+    /// Open connections that cannot move (TLS handshakes, NVMe/TCP admin queues, TLS queues
+    /// and queues not connected yet): a parked thread keeps serving them.
     pub fn connections_staying(&self) -> u32 {
         (0..self.connections.len() as u32)
             .filter(|&index| self.connections[index as usize].is_open() && !self.can_move(index))
@@ -207,7 +213,10 @@ impl Dataplane {
         let connection = &self.connections[index as usize];
         connection.is_open()
             && connection.read == ReadState::Open
-            && connection.tls.is_none()
+            && connection
+                .tls
+                .as_ref()
+                .is_none_or(|link| link.is_established())
             && !connection.tls_starting
             && match &connection.frontend {
                 Frontend::Native | Frontend::Original { .. } | Frontend::Nbd(_) => true,
@@ -280,7 +289,12 @@ impl Dataplane {
             Frontend::NvmeTcp(nvme) => nvme.is_between_commands(),
             _ => true,
         };
+        let tls_idle = connection
+            .tls
+            .as_ref()
+            .is_none_or(|link| link.is_quiescent());
         frontend_idle
+            && tls_idle
             && connection.moving
             && !connection.recv_in_flight
             && !connection.send_in_flight
@@ -318,6 +332,7 @@ impl Dataplane {
             accepted_at: connection.accepted_at,
             established: connection.established,
             rebalance: self.handoff.parked_to != Some(to),
+            tls: connection.tls.take(),
         };
         let (listener, source) = (connection.listener, connection.source);
         connection.state = ConnectionState::Free;
@@ -427,6 +442,7 @@ impl Dataplane {
         connection.device_queue = moved.device_queue;
         connection.accepted_at = moved.accepted_at;
         connection.established = moved.established;
+        connection.tls = moved.tls;
         connection.receive_progress_at = now;
         connection.send_progress_at = now;
         let new_key = self.requester(index).connection;

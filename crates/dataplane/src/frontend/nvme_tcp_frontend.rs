@@ -307,7 +307,8 @@ impl NvmeTcpFrontend {
     /// controller in the table every thread shares, its tenants) means the same on any
     /// thread, so it may move (thread scaling). Not an admin queue (it holds Asynchronous
     /// Event Requests unanswered for as long as the controller lives, and the keep-alive
-    /// timer), not a queue still connecting, not TLS (the session stays with its thread).
+    /// timer), not a queue still connecting, not over TLS (a native TLS session moves; an
+    /// NVMe/TCP one is not tested).
     pub fn is_movable_io_queue(&self) -> bool {
         matches!(&self.phase, Phase::Queue(queue) if queue.admin.is_none())
             && self.channel == Channel::Plain
