@@ -177,10 +177,11 @@ fn park_and_wake(driver: DriverChoice) {
         client.connection.drain();
     }
     // Every connection of thread 1 moves once it is between requests.
+    // (The sender publishes its count before the receiver adopts and counts.)
     wait_for("thread 1 to hand off its connections", || {
         scaling.connections_per_thread()[1] == 0
+            && scaling.connections_moved() == u64::from(on_thread_1)
     });
-    assert_eq!(scaling.connections_moved(), u64::from(on_thread_1));
     // The tenants followed their connections: each counted once, on thread 0.
     let after = tenant_threads(&clients);
     assert!(after.iter().all(|counts| counts == &[1, 0]), "{after:?}");
@@ -519,10 +520,10 @@ fn every_kind_moves(driver: DriverChoice) {
     });
     assert_eq!(tenant_counts(), vec![charged, 0]);
     let admin_on_thread_1 = scaling.connections_per_thread()[1];
-    assert_eq!(
-        scaling.connections_moved(),
-        u64::from(on_thread_1 - admin_on_thread_1)
-    );
+    // The counter follows each adoption (the tenants moved inside it).
+    wait_for("the hand-overs to be counted", || {
+        scaling.connections_moved() == u64::from(on_thread_1 - admin_on_thread_1)
+    });
     serve_all(&mut natives, &mut kvs, &mut queues);
     controller
         .active_namespaces()
@@ -596,6 +597,172 @@ fn native_key_value_and_nvme_tcp_connections_move_both_ways_on_io_uring() {
 #[test]
 fn native_key_value_and_nvme_tcp_connections_move_both_ways_on_epoll() {
     every_kind_moves(DriverChoice::Epoll);
+}
+
+/// Certificates made once for the simulator's TLS tests (valid until 2126).
+const TLS_DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../sim/tests/data");
+
+type TlsStream = rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream>;
+
+/// A native client over rustls (no client certificate: the namespace's default tenant).
+fn tls_connect(addr: std::net::SocketAddr) -> TlsStream {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName};
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(
+            CertificateDer::from_pem_file(format!("{TLS_DATA}/tls-ca.pem"))
+                .unwrap_or_else(|e| panic!("{e}")),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = ServerName::try_from("localhost").unwrap_or_else(|e| panic!("{e}"));
+    let connection = rustls::ClientConnection::new(std::sync::Arc::new(config), name)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let stream = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("{e}"));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    rustls::StreamOwned::new(connection, stream)
+}
+
+/// One TLS client's pipelined round: a rewrite of each of its blocks and a read behind it
+/// (which must see it), all sent before any answer is read; `between` runs after the sends.
+/// Every answer is checked once.
+fn tls_round(streams: &mut [TlsStream], round: u32, between: impl FnOnce()) {
+    use reflex_proto::native::{self, RequestHeader, ResponseHeader, Status};
+    use std::io::{Read, Write};
+    let mut expected: Vec<HashMap<u64, Option<Vec<u8>>>> = Vec::new();
+    for (index, stream) in streams.iter_mut().enumerate() {
+        let mut outstanding = HashMap::new();
+        let mut bytes = Vec::new();
+        for slot in 0..OWNED_BLOCKS {
+            let block = index as u64 * OWNED_BLOCKS + slot;
+            let data = block_bytes(block, round);
+            let id = u64::from(round) << 32 | slot << 1;
+            let write =
+                RequestHeader::write(id, NAMESPACE, block * BLOCK as u64, BLOCK as u32, false);
+            bytes.extend_from_slice(&write.to_bytes());
+            bytes.extend_from_slice(&data);
+            let read = RequestHeader::read(id + 1, NAMESPACE, block * BLOCK as u64, BLOCK as u32);
+            bytes.extend_from_slice(&read.to_bytes());
+            outstanding.insert(id, None);
+            outstanding.insert(id + 1, Some(data));
+        }
+        stream
+            .write_all(&bytes)
+            .unwrap_or_else(|e| panic!("TLS send: {e}"));
+        stream.flush().unwrap_or_else(|e| panic!("TLS send: {e}"));
+        expected.push(outstanding);
+    }
+    between();
+    for (stream, mut outstanding) in streams.iter_mut().zip(expected) {
+        while !outstanding.is_empty() {
+            let mut header = [0u8; native::RESPONSE_HEADER_SIZE];
+            stream
+                .read_exact(&mut header)
+                .unwrap_or_else(|e| panic!("TLS receive: {e}"));
+            let Ok(Some((header, _))) = ResponseHeader::decode(&header) else {
+                panic!("malformed response");
+            };
+            let mut body = vec![0u8; header.length_bytes as usize];
+            stream
+                .read_exact(&mut body)
+                .unwrap_or_else(|e| panic!("TLS receive: {e}"));
+            let Some(want) = outstanding.remove(&header.request_id) else {
+                panic!("TLS answer {} not outstanding", header.request_id);
+            };
+            assert_eq!(header.status(), Ok(Status::Ok), "{}", header.request_id);
+            if let Some(data) = want {
+                assert!(body == data, "TLS read {}: wrong bytes", header.request_id);
+            }
+        }
+    }
+}
+
+/// TLS sessions on the native TLS port: thread 1 parked with requests in flight on every
+/// session (they move once established and quiescent), then woken: half come back.
+fn tls_sessions_move(driver: DriverChoice) {
+    let mut server_config = config(vec![namespace(NAMESPACE, "mem:16M", None)]);
+    server_config.driver = driver;
+    server_config.connections_per_thread_max = 256;
+    server_config.original_ports = Some(Vec::new());
+    server_config.nvme_tcp.enabled = false;
+    server_config.tls = reflex_server::config::TlsConfig {
+        certificate: Some(format!("{TLS_DATA}/tls-server-cert.pem").into()),
+        key: Some(format!("{TLS_DATA}/tls-server-key.pem").into()),
+        client_ca: None,
+        native: reflex_server::config::TlsMode::Require,
+        nbd: reflex_server::config::TlsMode::Off,
+        nbd_tls_only_exports: Vec::new(),
+        psk_file: None,
+    };
+    let server = start(server_config);
+    let Some(scaling) = server.scaling() else {
+        panic!("two threads and no thread scaling");
+    };
+    let count = 12u32;
+    let mut streams: Vec<TlsStream> = (0..count)
+        .map(|_| tls_connect(server.native_addr()))
+        .collect();
+    tls_round(&mut streams, 1, || {});
+    wait_for("both threads to hold TLS sessions", || {
+        let counts = scaling.connections_per_thread();
+        counts.iter().sum::<u32>() == count && counts.iter().all(|&c| c > 0)
+    });
+    let on_thread_1 = scaling.connections_per_thread()[1];
+    tls_round(&mut streams, 2, || {
+        assert_eq!(scaling.force(1), 1);
+    });
+    wait_for("thread 1 to hand its TLS sessions over", || {
+        scaling.connections_per_thread()[1] == 0
+            && scaling.connections_moved() == u64::from(on_thread_1)
+    });
+    tls_round(&mut streams, 3, || {});
+    tls_round(&mut streams, 4, || {
+        assert_eq!(scaling.force(2), 2);
+    });
+    wait_for("thread 0 to hand half of the TLS sessions back", || {
+        scaling.connections_rebalanced() == u64::from(count / 2)
+    });
+    wait_for("the counts to even out", || {
+        scaling.connections_per_thread() == [count / 2, count / 2]
+    });
+    for round in 5..8 {
+        tls_round(&mut streams, round, || {});
+    }
+    drop(streams);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let moved: Vec<(u64, u64)> = stats
+        .iter()
+        .map(|s| (s.connections_moved_out, s.connections_moved_in))
+        .collect();
+    eprintln!("{driver:?}: TLS, per thread (moved out, moved in): {moved:?}");
+    assert_eq!(
+        moved[0],
+        (u64::from(count / 2), u64::from(on_thread_1)),
+        "{moved:?}"
+    );
+    assert_eq!(
+        moved[1],
+        (u64::from(on_thread_1), u64::from(count / 2)),
+        "{moved:?}"
+    );
+}
+
+#[test]
+fn tls_sessions_move_both_ways_on_io_uring() {
+    tls_sessions_move(common::io_uring_driver());
+}
+
+#[test]
+fn tls_sessions_move_both_ways_on_epoll() {
+    tls_sessions_move(DriverChoice::Epoll);
 }
 
 /// The policy itself, with thresholds that make an idle server park at once (any busy share
