@@ -694,8 +694,8 @@ fn tls_sessions_move(driver: DriverChoice) {
     server_config.original_ports = Some(Vec::new());
     server_config.nvme_tcp.enabled = false;
     server_config.tls = reflex_server::config::TlsConfig {
-        certificate: Some(format!("{TLS_DATA}/tls-server-cert.pem").into()),
-        key: Some(format!("{TLS_DATA}/tls-server-key.pem").into()),
+        certificate: Some(format!("{TLS_DATA}/tls-server-cert.pem")),
+        key: Some(format!("{TLS_DATA}/tls-server-key.pem")),
         client_ca: None,
         native: reflex_server::config::TlsMode::Require,
         nbd: reflex_server::config::TlsMode::Off,
