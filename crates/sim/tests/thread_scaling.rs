@@ -814,3 +814,132 @@ fn tls_sessions_move_on_park_and_back_on_wake_and_every_answer_is_right_once() {
         run_tls(seed);
     }
 }
+
+/// Three threads parked and woken at random instants (the last active one parks onto thread
+/// 0; the first parked one wakes and the others rebalance onto it), so that connections are
+/// still moving when the next change comes: handed to a thread that parks before adopting
+/// them, shed by a thread that parks meanwhile. Native clients keep requests in flight
+/// throughout, some cut in two; every answer checked once, nothing closed, and every
+/// connection handed out adopted once.
+fn run_random_changes(seed: u64) {
+    let memory: Arc<dyn Device> =
+        Arc::new(reflex_flash::mem::MemDevice::new(16 << 20).unwrap_or_else(|e| panic!("{e}")));
+    let plan =
+        reflex_flash::fault::FaultPlan::parse("delay=100us").unwrap_or_else(|e| panic!("{e}"));
+    let device: Arc<dyn Device> = Arc::new(
+        reflex_flash::fault::FaultDevice::new(memory, plan).unwrap_or_else(|e| panic!("{e}")),
+    );
+    let mut server = one_namespace_server_on(
+        3,
+        device,
+        Limits::with_arena(16 << 20, 16),
+        NetworkModel::default(),
+        vec![VirtualListener::Native],
+    );
+    let mut rng = seed | 1;
+    let mut next = move |bound: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound.max(1)
+    };
+    let mut clients: Vec<Client> = Vec::new();
+    let mut active = 3u16;
+    let mut now = server.now();
+    let mut change_at = Nanos::from_millis(5);
+    let mut changes = 0;
+    while now < Nanos::from_millis(200) {
+        // A new connection now and then, on an active thread (as the steering does).
+        if clients.len() < 12 && next(40) == 0 {
+            let index = clients.len() as u64;
+            let thread = next(u64::from(active)) as u16;
+            let mut client = Client::new(&mut server, thread, index);
+            for slot in 0..BLOCKS_PER_CLIENT {
+                let block = client.first_block + slot;
+                let id = client.next_id;
+                client.next_id += 1;
+                client
+                    .core
+                    .submit_write(
+                        id,
+                        NAMESPACE,
+                        block * BLOCK as u64,
+                        &block_bytes(block, 0),
+                        false,
+                    )
+                    .unwrap_or_else(|e| panic!("{e}"));
+                client.outstanding.insert(
+                    id,
+                    Expect::Write {
+                        slot: slot as usize,
+                        version: 0,
+                    },
+                );
+            }
+            clients.push(client);
+        }
+        for client in &mut clients {
+            client.take_answers(&mut server);
+            client.step(&mut server, &mut next);
+        }
+        if now >= change_at {
+            changes += 1;
+            let park = match active {
+                1 => false,
+                3 => true,
+                _ => next(2) == 0,
+            };
+            if park {
+                active -= 1;
+                server.park_thread(active, 0);
+            } else {
+                server.wake_thread_rebalancing(active, active + 1);
+                active += 1;
+            }
+            change_at = now + Nanos::from_micros(500 + next(15_000));
+        }
+        now += Nanos::from_micros(50);
+        run_until(&mut server, now);
+    }
+    // Every thread active again (what was parked hands nothing more), then drain.
+    while active < 3 {
+        server.wake_thread_rebalancing(active, active + 1);
+        active += 1;
+    }
+    for _ in 0..20_000 {
+        for client in &mut clients {
+            client.take_answers(&mut server);
+            if !client.held.is_empty() {
+                let rest = std::mem::take(&mut client.held);
+                server.client_send(client.socket, &rest);
+            }
+        }
+        if clients.iter().all(|c| c.outstanding.is_empty()) {
+            break;
+        }
+        now += Nanos::from_micros(50);
+        run_until(&mut server, now);
+    }
+    for client in &clients {
+        assert!(
+            client.outstanding.is_empty(),
+            "seed {seed}: requests unanswered"
+        );
+        assert!(!server.is_server_closed(client.socket), "seed {seed}");
+    }
+    let stats = server.stats();
+    let out: u64 = stats.iter().map(|s| s.connections_moved_out).sum();
+    let adopted: u64 = stats.iter().map(|s| s.connections_moved_in).sum();
+    assert_eq!(out, adopted, "seed {seed}");
+    assert!(changes > 10, "seed {seed}: {changes}");
+    assert!(out > 0, "seed {seed}");
+    let answered: u64 = clients.iter().map(|c| c.answered).sum();
+    eprintln!("seed {seed:#x}: {changes} changes, {out} moves, {answered} answers");
+}
+
+#[test]
+fn random_parks_and_wakes_on_three_threads_lose_nothing() {
+    for seed in [3u64, 0x9e37_79b9_7f4a_7c15, 0xdead_beef, 12345] {
+        run_random_changes(seed);
+    }
+}
