@@ -765,6 +765,108 @@ fn tls_sessions_move_both_ways_on_epoll() {
     tls_sessions_move(DriverChoice::Epoll);
 }
 
+/// NVMe/TCP I/O queues over TLS (a pre-shared key, OpenSSL's session) move like plain ones;
+/// the admin queue stays.
+fn nvme_tls_queues_move(driver: DriverChoice) {
+    use reflex_proto::nvme_tcp::tls_key::{ConfiguredPsk, PskHash};
+    let key_bytes: Vec<u8> = (0..32u8).map(|index| index.wrapping_mul(3)).collect();
+    let psk = ConfiguredPsk::new(PskHash::Sha256, &key_bytes).unwrap_or_else(|e| panic!("{e}"));
+    let mut server_config = config(vec![namespace(NAMESPACE, "mem:16M", None)]);
+    server_config.driver = driver;
+    server_config.connections_per_thread_max = 256;
+    server_config.nvme_tcp.enabled = true;
+    server_config.nvme_tcp.tls = reflex_server::config::TlsMode::Require;
+    server_config.nvme_tcp.subsystems = vec![reflex_server::NvmeSubsystemConfig {
+        nqn: NQN.to_string(),
+        namespaces: vec![NAMESPACE],
+        allow_any_host: false,
+        hosts: vec![reflex_server::NvmeHostConfig {
+            nqn: HOST.to_string(),
+            tenant: None,
+            psk: Some(psk.to_interchange()),
+            psk_file: None,
+        }],
+        secure_channel: true,
+    }];
+    let server = start(server_config);
+    let Some(scaling) = server.scaling() else {
+        panic!("two threads and no thread scaling");
+    };
+    let Some(nvme_addr) = server.nvme_tcp_addr() else {
+        panic!("NVMe/TCP not listening");
+    };
+    let options = NvmeTcpOptions::new(HOST, NQN).with_tls_psk(psk);
+    let mut controller = NvmeTcpController::attach(nvme_addr, options, NVME_QUEUES)
+        .unwrap_or_else(|e| panic!("attach: {e}"));
+    let block_bytes = controller
+        .namespace(1)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .block_bytes;
+    let mut queues: Vec<NvmeTcpQueue> = (0..NVME_QUEUES)
+        .map(|_| {
+            controller
+                .connect_io_queue()
+                .unwrap_or_else(|e| panic!("{e}"))
+        })
+        .collect();
+    assert!(queues.iter().all(|queue| queue.tls_session().is_some()));
+    let total = 1 + u32::from(NVME_QUEUES);
+    nvme_round(&mut queues, block_bytes, 1);
+    wait_for("the queues to be counted", || {
+        scaling.connections_per_thread().iter().sum::<u32>() == total
+    });
+    let on_thread_1 = scaling.connections_per_thread()[1];
+    assert_eq!(scaling.force(1), 1);
+    // Every I/O queue of thread 1 moves; the admin queue stays wherever it is. Each queue's
+    // tenant counts it: none left on thread 1 once all moved.
+    let tenant_on_thread_1 = || -> u32 {
+        server
+            .tenants()
+            .iter()
+            .map(|tenant| tenant.connections_per_thread[1])
+            .sum()
+    };
+    wait_for("thread 1 to hand its TLS I/O queues over", || {
+        tenant_on_thread_1() == 0 && scaling.connections_per_thread()[1] <= 1
+    });
+    let admin_on_thread_1 = scaling.connections_per_thread()[1];
+    wait_for("the hand-overs to be counted", || {
+        scaling.connections_moved() == u64::from(on_thread_1 - admin_on_thread_1)
+    });
+    nvme_round(&mut queues, block_bytes, 2);
+    assert_eq!(scaling.force(2), 2);
+    let asked = scaling.events().last().map_or(0, |e| e.rebalance_asked);
+    assert!(asked > 0, "{asked}");
+    wait_for("thread 0 to hand queues back", || {
+        scaling.connections_rebalanced() == u64::from(asked)
+    });
+    for round in 3..6 {
+        nvme_round(&mut queues, block_bytes, round);
+    }
+    controller
+        .active_namespaces()
+        .unwrap_or_else(|e| panic!("admin queue: {e}"));
+    let moved = scaling.connections_moved();
+    drop(queues);
+    drop(controller);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let sessions: u64 = stats.iter().map(|core| core.tls_sessions).sum();
+    assert_eq!(sessions, u64::from(total), "each session started once");
+    let adopted: u64 = stats.iter().map(|core| core.connections_moved_in).sum();
+    assert_eq!(adopted, moved);
+    eprintln!("{driver:?}: NVMe/TCP over TLS, {moved} moves, {asked} rebalanced");
+}
+
+#[test]
+fn nvme_tcp_tls_io_queues_move_both_ways_on_io_uring() {
+    nvme_tls_queues_move(common::io_uring_driver());
+}
+
+#[test]
+fn nvme_tcp_tls_io_queues_move_both_ways_on_epoll() {
+    nvme_tls_queues_move(DriverChoice::Epoll);
+}
+
 /// The policy itself, with thresholds that make an idle server park at once (any busy share
 /// is below `park_below = 0.99`, one window suffices, no dwell): thread 1 parks by the load,
 /// and connections opened before the park keep being served, after it on thread 0.

@@ -27,7 +27,7 @@
 //! (rustls or OpenSSL, both `Send`), the ciphertext not fed to it yet and the plaintext it
 //! decrypted and nobody read yet are the link's own memory and go with it. What does not
 //! move, and keeps its thread serving it until it closes: TLS connections still in their
-//! handshake (or failed), NVMe/TCP queues over TLS (not tested), NVMe/TCP admin queues (an
+//! handshake (or failed), NVMe/TCP admin queues (an
 //! Asynchronous Event Request stays unanswered for the controller's life, so the queue is
 //! never between requests; the keep-alive timer is theirs) and NVMe/TCP queues not yet
 //! connected (one may become an admin queue).
@@ -200,8 +200,8 @@ impl Dataplane {
         self.handoff.parked_to.is_some()
     }
 
-    /// Open connections that cannot move (TLS handshakes, NVMe/TCP admin queues, TLS queues
-    /// and queues not connected yet): a parked thread keeps serving them.
+    /// Open connections that cannot move (TLS handshakes, NVMe/TCP admin queues and queues
+    /// not connected yet): a parked thread keeps serving them.
     pub fn connections_staying(&self) -> u32 {
         (0..self.connections.len() as u32)
             .filter(|&index| self.connections[index as usize].is_open() && !self.can_move(index))

@@ -303,15 +303,19 @@ impl NvmeTcpFrontend {
             .collect();
     }
 
-    /// A connected I/O queue over plain TCP: its state (the queue, the `Arc` of its
-    /// controller in the table every thread shares, its tenants) means the same on any
-    /// thread, so it may move (thread scaling). Not an admin queue (it holds Asynchronous
-    /// Event Requests unanswered for as long as the controller lives, and the keep-alive
-    /// timer), not a queue still connecting, not over TLS (a native TLS session moves; an
-    /// NVMe/TCP one is not tested).
+    /// A connected I/O queue: its state (the queue, the `Arc` of its controller in the table
+    /// every thread shares, its tenants) means the same on any thread, so it may move (thread
+    /// scaling; over TLS once the identity is known, the session moving with the
+    /// connection's link). Not an admin queue (it holds Asynchronous Event Requests
+    /// unanswered for as long as the controller lives, and the keep-alive timer), not a
+    /// queue still connecting.
     pub fn is_movable_io_queue(&self) -> bool {
         matches!(&self.phase, Phase::Queue(queue) if queue.admin.is_none())
-            && self.channel == Channel::Plain
+            && match &self.channel {
+                Channel::Plain => true,
+                Channel::Tls { identity } => identity.is_some(),
+                Channel::Undecided => false,
+            }
     }
 
     /// Nothing half-done in the protocol: no output waiting, no data transfer open, no
