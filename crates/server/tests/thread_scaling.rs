@@ -215,6 +215,7 @@ fn park_and_wake(driver: DriverChoice) {
         client.queue_round();
         client.connection.transmit_holding(10);
     }
+    let woken_at = Instant::now();
     assert_eq!(scaling.force(2), 2);
     for client in clients.iter_mut().chain(&mut late) {
         client.connection.transmit();
@@ -223,6 +224,10 @@ fn park_and_wake(driver: DriverChoice) {
     wait_for("thread 0 to hand half of its connections back", || {
         scaling.connections_moved() == before_wake + 12
     });
+    eprintln!(
+        "{driver:?}: 12 connections rebalanced {} µs after the wake (their rounds answered first)",
+        woken_at.elapsed().as_micros()
+    );
     wait_for("both threads to publish their counts", || {
         scaling.connections_per_thread() == [12, 12]
     });
