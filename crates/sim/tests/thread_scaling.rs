@@ -736,7 +736,7 @@ fn run_tls(seed: u64) {
     };
     let mut now = server.now();
     let mut done = [false; 3];
-    while now < Nanos::from_millis(120) {
+    while now < Nanos::from_millis(170) {
         for (index, client) in clients.iter_mut().enumerate() {
             client.pump(&mut server, seed);
             // A rewrite and, behind it on the connection, a read that must see it.
@@ -761,8 +761,12 @@ fn run_tls(seed: u64) {
         if now >= Nanos::from_millis(20) && !done[0] {
             done[0] = true;
             server.park_thread(1, 0);
+            // A connection that reached the parked thread before the steering changed: it
+            // cannot move in its handshake, and moves at a housekeeping sweep after it.
+            clients.push(tls_clients::TlsClient::connect(&mut server, 1));
+            versions.extend(vec![0u32; BLOCKS_PER_CLIENT as usize]);
         }
-        if now >= Nanos::from_millis(60) && !done[1] {
+        if now >= Nanos::from_millis(130) && !done[1] {
             done[1] = true;
             for client in &clients {
                 assert_eq!(server.socket_thread(client.socket), 0, "seed {seed}");
@@ -770,7 +774,7 @@ fn run_tls(seed: u64) {
             let plan = server.wake_thread_rebalancing(1, 2);
             assert_eq!(plan.iter().map(|m| m.count).sum::<u32>(), 3, "seed {seed}");
         }
-        if now >= Nanos::from_millis(100) && !done[2] {
+        if now >= Nanos::from_millis(160) && !done[2] {
             done[2] = true;
             let on_thread_1 = clients
                 .iter()
@@ -803,7 +807,8 @@ fn run_tls(seed: u64) {
         .iter()
         .map(|s| (s.connections_moved_out, s.connections_moved_in))
         .collect();
-    assert_eq!(moved, vec![(3, 3), (3, 3)], "seed {seed}");
+    // Thread 1's three and the late one at the park, three back at the wake.
+    assert_eq!(moved, vec![(3, 4), (4, 3)], "seed {seed}");
     let answered: u64 = clients.iter().map(|c| c.answered).sum();
     assert!(answered > 300, "seed {seed}: {answered}");
 }

@@ -14,7 +14,7 @@
 //! parsed there first, so no request is lost, repeated or reordered on the connection.
 //!
 //! What moves: the front end's protocol state (native, original, NBD in any phase, key-value,
-//! an NVMe/TCP I/O queue over plain TCP), the unparsed bytes, the BIND and the tenants the
+//! an NVMe/TCP I/O queue), the unparsed bytes, the BIND and the tenants the
 //! connection is counted for (the control plane moves each tenant's count from one thread to
 //! the other: its reservation is counted once, its rate share follows), the tenants it
 //! registered (re-keyed), its device queue. A key-value connection moves once none of its
@@ -26,11 +26,12 @@
 //! outer receive or send in flight, no inner send, no ciphertext left to send; the session
 //! (rustls or OpenSSL, both `Send`), the ciphertext not fed to it yet and the plaintext it
 //! decrypted and nobody read yet are the link's own memory and go with it. What does not
-//! move, and keeps its thread serving it until it closes: TLS connections still in their
-//! handshake (or failed), NVMe/TCP admin queues (an
+//! move, and keeps its thread serving it until it closes: NVMe/TCP admin queues (an
 //! Asynchronous Event Request stays unanswered for the controller's life, so the queue is
-//! never between requests; the keep-alive timer is theirs) and NVMe/TCP queues not yet
-//! connected (one may become an admin queue).
+//! never between requests; the keep-alive timer is theirs) and failed TLS sessions. A TLS
+//! connection still in its handshake, or an NVMe/TCP connection that has not connected a
+//! queue yet (it may become an admin queue), stays until it can move: a parked thread looks
+//! again at every housekeeping sweep.
 
 use std::net::IpAddr;
 
@@ -223,6 +224,18 @@ impl Dataplane {
                 Frontend::Kv { .. } => true,
                 Frontend::NvmeTcp(nvme) => nvme.is_movable_io_queue(),
             }
+    }
+
+    /// A parked thread's connections that could not move when it parked (a TLS handshake, an
+    /// NVMe/TCP queue still connecting) move once they can: looked at every housekeeping
+    /// sweep (a scan of the table every 100 ms, on a parked thread only).
+    pub(super) fn mark_late_movers(&mut self) {
+        if self.handoff.parked_to.is_none() {
+            return;
+        }
+        for index in 0..self.connections.len() as u32 {
+            self.mark_moving(index);
+        }
     }
 
     /// Marks a connection of a parked thread for moving (a connection accepted while parked
