@@ -8,8 +8,9 @@
 //! thread 0 hands half of them back (each tenant still counted once, now on the thread that
 //! serves it), and thread 1 takes new connections again. A second pair parks and wakes with
 //! native, key-value and NVMe/TCP connections together (KV requests in flight, NVMe/TCP I/O
-//! queues moving both ways, the admin queue staying where it is). A third test lets the policy
-//! park an idle thread.
+//! queues moving both ways, the admin queue staying where it is); two more with TLS sessions
+//! (the native TLS port, and NVMe/TCP I/O queues over TLS with a pre-shared key). Another test
+//! lets the policy park an idle thread.
 
 mod checked;
 mod common;

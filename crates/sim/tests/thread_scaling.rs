@@ -1,10 +1,12 @@
 //! Thread scaling in virtual time (`docs/OPERATIONS.md`, "Thread scaling"): the real
 //! dataplanes of two threads, a parked thread handing its connections to the other while its
 //! clients keep requests in flight and send requests in pieces, and on its wake the other
-//! handing half of them back (rebalancing); native and key-value connections; every answer
-//! checked for identity (each request answered once) and content (a block read back after its
-//! rewrite was answered has the new bytes; a GET sees the value its connection last PUT).
-//! Seeded: the seed is printed on failure.
+//! handing half of them back (rebalancing); native, key-value and TLS connections (one of them
+//! still in its handshake when its thread parks), and three threads parked and woken at random
+//! instants while connections are still moving; every answer checked for identity (each
+//! request answered once) and content (a block read back after its rewrite was answered has
+//! the new bytes; a GET sees the value its connection last PUT). Seeded: the seed is printed
+//! on failure.
 
 mod common;
 
