@@ -381,10 +381,11 @@ impl ThreadScaling {
             .store(dataplane.connections_open(), Ordering::Relaxed);
         let shed = self.shared.shed[self.thread_index].swap(0, Ordering::Acquire);
         let mut changed = false;
-        if shed != 0 {
-            let to = ((shed >> 32) - 1) as u16;
-            let count = shed as u32;
-            if usize::from(to) != self.thread_index {
+        if let Some(to) = (shed >> 32).checked_sub(1) {
+            // Only `rebalance_onto` writes it: a thread index below the threads started.
+            assert!(to < self.shared.requested.len() as u64);
+            let (to, count) = (to as u16, shed as u32);
+            if usize::from(to) != self.thread_index && count > 0 {
                 dataplane.shed_connections(to, count);
                 changed = true;
             }
