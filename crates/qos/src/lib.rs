@@ -113,6 +113,7 @@ pub mod migration;
 pub mod profile;
 mod queue;
 pub mod rates;
+pub mod rebalance;
 pub mod registry;
 pub mod scaling;
 pub mod scheduler;
@@ -141,6 +142,7 @@ pub use migration::{
 };
 pub use profile::{DeviceProfile, TokenLimit};
 pub use rates::{DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates};
+pub use rebalance::{REBALANCE_STEP_MAX, RebalanceMove, ThreadConnections, plan_rebalance};
 pub use registry::{AdmissionError, Notice, Plan, TenantRegistry, TenantSpec};
 pub use scaling::{
     ScalingConfig, ScalingConfigError, ScalingDecision, ScalingPolicy, ScalingReason, ThreadBusy,

@@ -442,8 +442,20 @@ impl Collector for SamplerCollector {
             counters(
                 &mut encoder,
                 "scaling_connections_moved",
-                "Connections a parked thread handed to an active one.",
-                &[(Vec::new(), scaling.connections_moved() as f64)],
+                "Connections handed from one thread to another: by a parked thread (park) or to a woken one (rebalance).",
+                &[
+                    (
+                        vec![("cause", "park".to_string())],
+                        scaling
+                            .connections_moved()
+                            .saturating_sub(scaling.connections_rebalanced())
+                            as f64,
+                    ),
+                    (
+                        vec![("cause", "rebalance".to_string())],
+                        scaling.connections_rebalanced() as f64,
+                    ),
+                ],
             )?;
         }
 

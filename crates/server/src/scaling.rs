@@ -12,6 +12,10 @@
 //! - Decisions come from the controller thread (automatic, when `[scaling] enabled`) every
 //!   window from the threads' busy shares, or from an operator through the admin API
 //!   ([`ScalingControl::force`]); either way one log line and one event per change.
+//! - A wake rebalances: [`reflex_qos::plan_rebalance`] on the threads' open connections
+//!   names how many each other active thread hands to the woken one; each donor's driver
+//!   reads its request ([`ThreadScaling::apply`]) and its dataplane moves them, each once it is
+//!   between requests, through the same queues as a park's.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -24,7 +28,10 @@ use std::time::{Duration, Instant};
 use crossbeam::queue::ArrayQueue;
 use reflex_dataplane::control::ControlPlane;
 use reflex_dataplane::{ConnectionId, Dataplane, MovedConnection};
-use reflex_qos::{Nanos, ScalingConfig, ScalingDecision, ScalingPolicy, ThreadBusy};
+use reflex_qos::{
+    Nanos, REBALANCE_STEP_MAX, ScalingConfig, ScalingDecision, ScalingPolicy, ThreadBusy,
+    ThreadConnections, plan_rebalance,
+};
 
 /// Connections in flight to one thread at once; beyond it senders keep theirs (a parked
 /// thread's connections move over a few iterations).
@@ -50,6 +57,9 @@ pub struct ScalingEvent {
     pub cause: &'static str,
     /// The active threads' mean busy share over the window that decided (load only).
     pub mean_busy_share: Option<f64>,
+    /// A wake: connections the other active threads were asked to hand to the woken one
+    /// (each moves once between requests; fewer if fewer can move). 0 on a park.
+    pub rebalance_asked: u32,
 }
 
 /// What every thread and the controller share.
@@ -59,8 +69,13 @@ pub struct ScalingShared {
     inboxes: Vec<ArrayQueue<(TcpStream, MovedConnection)>>,
     wakers: Vec<Arc<File>>,
     moved: AtomicU64,
+    /// Of `moved`, those a rebalancing onto a woken thread moved.
+    rebalanced: AtomicU64,
     /// Per thread: its open connections, as its driver last saw them.
     connections: Vec<AtomicU32>,
+    /// Per thread: a rebalancing request, `(to + 1) << 32 | count` (0: none), taken by its
+    /// driver.
+    shed: Vec<AtomicU64>,
 }
 
 /// The controller's side: the policy, the steering sockets and the event log.
@@ -94,7 +109,9 @@ impl ScalingControl {
                 .collect(),
             wakers: wakers.to_vec(),
             moved: AtomicU64::new(0),
+            rebalanced: AtomicU64::new(0),
             connections: (0..threads).map(|_| AtomicU32::new(0)).collect(),
+            shed: (0..threads).map(|_| AtomicU64::new(0)).collect(),
         });
         Arc::new(ScalingControl {
             shared,
@@ -135,9 +152,14 @@ impl ScalingControl {
         self.wakes.load(Ordering::Relaxed)
     }
 
-    /// Connections adopted by another thread so far.
+    /// Connections adopted by another thread so far (a park's and a rebalancing's).
     pub fn connections_moved(&self) -> u64 {
         self.shared.moved.load(Ordering::Relaxed)
+    }
+
+    /// Of [`Self::connections_moved`], those a rebalancing onto a woken thread moved.
+    pub fn connections_rebalanced(&self) -> u64 {
+        self.shared.rebalanced.load(Ordering::Relaxed)
     }
 
     /// Per thread: its open connections (as of its last loop iteration).
@@ -210,6 +232,7 @@ impl ScalingControl {
     ) {
         let threads = self.threads();
         let steer = (active_after < threads).then_some(u32::from(active_after));
+        let mut rebalance_asked = 0;
         let (kind, thread, to) = match decision {
             // New connections stop first, then the connections move.
             ScalingDecision::Park { thread, to } => {
@@ -222,6 +245,7 @@ impl ScalingControl {
             ScalingDecision::Wake { thread } => {
                 self.shared.requested[usize::from(thread)].store(ACTIVE, Ordering::Release);
                 self.steer(steer);
+                rebalance_asked = self.rebalance_onto(thread, active_after);
                 self.wakes.fetch_add(1, Ordering::Relaxed);
                 ("wake", thread, None)
             }
@@ -236,6 +260,7 @@ impl ScalingControl {
             active = active_after,
             cause,
             mean_busy_share = ?mean_busy_share,
+            rebalance_asked,
             "thread scaling"
         );
         let mut events = self.lock_events();
@@ -250,7 +275,33 @@ impl ScalingControl {
             active_after,
             cause,
             mean_busy_share,
+            rebalance_asked,
         });
+    }
+
+    /// Asks the other active threads to hand connections to `woken` (the plan on the open
+    /// counts the drivers last published; a donor marks only connections that can move).
+    /// Returns how many were asked for.
+    fn rebalance_onto(&self, woken: u16, active: u16) -> u32 {
+        let loads: Vec<ThreadConnections> = self
+            .connections_per_thread()
+            .into_iter()
+            .map(|open| ThreadConnections {
+                open,
+                movable: open,
+            })
+            .collect();
+        let plan = plan_rebalance(&loads, active, woken, REBALANCE_STEP_MAX);
+        let mut asked = 0;
+        for step in &plan {
+            let request = (u64::from(step.to) + 1) << 32 | u64::from(step.count);
+            // Stored after the woken thread's request (above): a donor that sees this sees
+            // that, so the woken thread adopts rather than hands back (see `receive`).
+            self.shared.shed[usize::from(step.from)].store(request, Ordering::Release);
+            self.shared.wake(usize::from(step.from));
+            asked += step.count;
+        }
+        asked
     }
 
     fn steer(&self, active: Option<u32>) {
@@ -323,10 +374,26 @@ pub struct ThreadScaling {
 }
 
 impl ThreadScaling {
-    /// Parks or wakes the dataplane when its request changed; returns whether it did.
+    /// Parks or wakes the dataplane when its request changed, and hands connections to a
+    /// woken thread when asked; returns whether anything changed.
     pub fn apply(&mut self, dataplane: &mut Dataplane) -> bool {
         self.shared.connections[self.thread_index]
             .store(dataplane.connections_open(), Ordering::Relaxed);
+        let shed = self.shared.shed[self.thread_index].swap(0, Ordering::Acquire);
+        let mut changed = false;
+        if let Some(to) = (shed >> 32).checked_sub(1) {
+            // Only `rebalance_onto` writes it: a thread index below the threads started.
+            assert!(to < self.shared.requested.len() as u64);
+            let (to, count) = (to as u16, shed as u32);
+            if usize::from(to) != self.thread_index && count > 0 {
+                dataplane.shed_connections(to, count);
+                changed = true;
+            }
+        }
+        changed | self.apply_request(dataplane)
+    }
+
+    fn apply_request(&mut self, dataplane: &mut Dataplane) -> bool {
         let requested = self.shared.requested[self.thread_index].load(Ordering::Acquire);
         if requested == self.applied {
             return false;
@@ -350,9 +417,18 @@ impl ThreadScaling {
     ) -> usize {
         let mut received = 0;
         while let Some((stream, moved)) = self.shared.inboxes[self.thread_index].pop() {
+            if received == 0 {
+                // A connection sent after this thread was woken: wake first, or it would be
+                // handed back as if the thread were still parked.
+                self.apply_request(dataplane);
+            }
             received += 1;
+            let rebalance = moved.is_rebalance();
             match dataplane.adopt(moved, now) {
                 Ok(id) => {
+                    if rebalance {
+                        self.shared.rebalanced.fetch_add(1, Ordering::Relaxed);
+                    }
                     self.shared.moved.fetch_add(1, Ordering::Relaxed);
                     register(dataplane, id, stream);
                 }

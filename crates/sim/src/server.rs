@@ -535,6 +535,34 @@ impl VirtualServer {
         self.threads[usize::from(thread)].dataplane.wake_thread();
     }
 
+    /// Wakes a parked thread and rebalances onto it, as reflexd does on a wake: the plan
+    /// ([`reflex_qos::plan_rebalance`], over the threads `0..active`) names how many
+    /// connections each other active thread hands over, once each is between requests.
+    /// Returns the plan.
+    pub fn wake_thread_rebalancing(
+        &mut self,
+        thread: u16,
+        active: u16,
+    ) -> Vec<reflex_qos::RebalanceMove> {
+        self.wake_thread(thread);
+        let loads: Vec<reflex_qos::ThreadConnections> = self
+            .threads
+            .iter()
+            .map(|t| reflex_qos::ThreadConnections {
+                open: t.dataplane.connections_open(),
+                movable: t.dataplane.connections_movable(),
+            })
+            .collect();
+        let plan =
+            reflex_qos::plan_rebalance(&loads, active, thread, reflex_qos::REBALANCE_STEP_MAX);
+        for step in &plan {
+            self.threads[usize::from(step.from)]
+                .dataplane
+                .shed_connections(step.to, step.count);
+        }
+        plan
+    }
+
     fn set_client_draining_inner(&mut self, socket: SocketId, draining: bool) {
         self.sockets[socket.0 as usize].draining = draining;
     }

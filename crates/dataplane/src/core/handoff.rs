@@ -2,7 +2,9 @@
 //! connections to an active one, which adopts them and carries on.
 //!
 //! A connection moves only between requests: once the thread is parked
-//! ([`Dataplane::park_thread`]) a movable connection is marked `moving`; from then on nothing new is
+//! ([`Dataplane::park_thread`]), or asked to hand some of its connections to a thread just
+//! woken ([`Dataplane::shed_connections`], rebalancing: `reflex_qos::plan_rebalance` decides how
+//! many), a movable connection is marked `moving`; from then on nothing new is
 //! parsed on it, but what it started finishes (a WRITE payload still arrives, requests at the
 //! device complete, answers leave), and its receive (or readiness wait) is cancelled. Bytes
 //! that arrived meanwhile stay unparsed in its receive buffer. When nothing of it is in flight
@@ -11,13 +13,25 @@
 //! the destination thread, whose driver calls [`Dataplane::adopt`]: the unparsed bytes are
 //! parsed there first, so no request is lost, repeated or reordered on the connection.
 //!
-//! What moves: the front end's protocol state (native, original, NBD in any phase), the
-//! unparsed bytes, the BIND and the tenants the connection is counted for (the control plane
-//! moves each tenant's count from one thread to the other: its reservation is counted once,
-//! its rate share follows), the tenants it registered (re-keyed), its device queue. What does
-//! not move, and keeps a parked thread serving it until it closes: TLS connections (the
-//! session state lives in the TLS stack), NVMe/TCP (its queue pairs belong to a controller
-//! bound to a thread) and key-value connections (the table has one owner thread).
+//! What moves: the front end's protocol state (native, original, NBD in any phase, key-value,
+//! an NVMe/TCP I/O queue), the unparsed bytes, the BIND and the tenants the
+//! connection is counted for (the control plane moves each tenant's count from one thread to
+//! the other: its reservation is counted once, its rate share follows), the tenants it
+//! registered (re-keyed), its device queue. A key-value connection moves once none of its
+//! requests exists (so none has a step at the table's owner, `core/kv_owner.rs`, whose
+//! messages name the home thread's request slots); an NVMe/TCP I/O queue once no command,
+//! data transfer or output of it is open (its controller lives in the table every thread
+//! shares, `frontend/nvme_tcp_targets.rs`). A TLS connection (native TLS port, NBD after
+//! STARTTLS) moves with its session once the handshake is done and the link is quiescent: no
+//! outer receive or send in flight, no inner send, no ciphertext left to send; the session
+//! (rustls or OpenSSL, both `Send`), the ciphertext not fed to it yet and the plaintext it
+//! decrypted and nobody read yet are the link's own memory and go with it. What does not
+//! move, and keeps its thread serving it until it closes: NVMe/TCP admin queues (an
+//! Asynchronous Event Request stays unanswered for the controller's life, so the queue is
+//! never between requests; the keep-alive timer is theirs) and failed TLS sessions. A TLS
+//! connection still in its handshake, or an NVMe/TCP connection that has not connected a
+//! queue yet (it may become an admin queue), stays until it can move: a parked thread looks
+//! again at every housekeeping sweep.
 
 use std::net::IpAddr;
 
@@ -46,6 +60,10 @@ pub struct MovedConnection {
     device_queue: u16,
     accepted_at: Nanos,
     established: bool,
+    /// Handed over by a rebalancing onto a woken thread, not by a park (for the counters).
+    rebalance: bool,
+    /// Its TLS session with the link's buffers (nothing of it in flight).
+    tls: Option<Box<super::tls::TlsLink>>,
 }
 
 impl std::fmt::Debug for MovedConnection {
@@ -67,6 +85,11 @@ impl MovedConnection {
     pub fn unparsed_bytes(&self) -> usize {
         self.unparsed.len()
     }
+
+    /// Whether a rebalancing onto a woken thread moved it (otherwise its thread parked).
+    pub fn is_rebalance(&self) -> bool {
+        self.rebalance
+    }
 }
 
 // The state crosses threads in the driver's queues.
@@ -80,8 +103,8 @@ const _: () = {
 pub(super) struct Handoff {
     /// Parked: the thread its connections go to.
     parked_to: Option<u16>,
-    /// Connections marked `moving`, by slot.
-    moving: Vec<u32>,
+    /// Connections marked `moving`, by slot, with the thread each goes to.
+    moving: Vec<(u32, u16)>,
     /// Released slots whose state waits for the driver ([`Dataplane::take_moved`]).
     released: Vec<(ConnectionId, MovedConnection)>,
 }
@@ -98,27 +121,75 @@ impl Dataplane {
         );
         self.handoff.parked_to = Some(to);
         for index in 0..self.connections.len() as u32 {
-            self.mark_moving(index);
+            self.mark_moving_to(index, to);
         }
         tracing::info!(
             thread = self.thread_index,
             to,
             moving = self.handoff.moving.len(),
             staying = self.connections_staying(),
-            "thread parking: moving its connections (TLS, NVMe/TCP and key-value ones stay)"
+            "thread parking: moving its connections (NVMe/TCP admin queues and TLS handshakes stay)"
         );
     }
 
     /// Wakes this thread: it keeps the connections it has not handed over yet and serves them
-    /// again.
+    /// again (those a rebalancing asked it to hand to another thread still go).
     pub fn wake_thread(&mut self) {
         tracing::info!(thread = self.thread_index, "thread woken");
-        self.handoff.parked_to = None;
-        for index in std::mem::take(&mut self.handoff.moving) {
-            let connection = &mut self.connections[index as usize];
-            connection.moving = false;
+        let Some(parked_to) = self.handoff.parked_to.take() else {
+            return;
+        };
+        let moving = std::mem::take(&mut self.handoff.moving);
+        for (index, to) in moving {
+            if to != parked_to {
+                self.handoff.moving.push((index, to));
+                continue;
+            }
+            self.connections[index as usize].moving = false;
             self.mark_parse(index);
         }
+    }
+
+    /// Rebalancing onto a thread just woken: marks up to `count` of this thread's movable
+    /// connections (the idle ones first: they move at once) for moving to `to`, each once it
+    /// is between requests. Returns how many it marked.
+    pub fn shed_connections(&mut self, to: u16, count: u32) -> u32 {
+        assert_ne!(
+            usize::from(to),
+            self.thread_index,
+            "a thread sheds onto another"
+        );
+        let mut marked = 0;
+        for idle_first in [true, false] {
+            for index in 0..self.connections.len() as u32 {
+                if marked == count {
+                    break;
+                }
+                let connection = &self.connections[index as usize];
+                if connection.moving || (idle_first && connection.outstanding > 0) {
+                    continue;
+                }
+                if self.mark_moving_to(index, to) {
+                    marked += 1;
+                }
+            }
+        }
+        tracing::info!(
+            thread = self.thread_index,
+            to,
+            asked = count,
+            marked,
+            "rebalancing: handing connections to a woken thread"
+        );
+        marked
+    }
+
+    /// Open connections that could move now and are not moving yet (what a rebalancing may
+    /// ask this thread for).
+    pub fn connections_movable(&self) -> u32 {
+        (0..self.connections.len() as u32)
+            .filter(|&index| self.can_move(index) && !self.connections[index as usize].moving)
+            .count() as u32
     }
 
     /// Open connections (the table's limit counts these).
@@ -130,8 +201,8 @@ impl Dataplane {
         self.handoff.parked_to.is_some()
     }
 
-    /// Open connections that cannot move (TLS, NVMe/TCP, key-value): a parked thread keeps
-    /// serving them.
+    /// Open connections that cannot move (TLS handshakes, NVMe/TCP admin queues and queues
+    /// not connected yet): a parked thread keeps serving them.
     pub fn connections_staying(&self) -> u32 {
         (0..self.connections.len() as u32)
             .filter(|&index| self.connections[index as usize].is_open() && !self.can_move(index))
@@ -143,37 +214,60 @@ impl Dataplane {
         let connection = &self.connections[index as usize];
         connection.is_open()
             && connection.read == ReadState::Open
-            && connection.tls.is_none()
+            && connection
+                .tls
+                .as_ref()
+                .is_none_or(|link| link.is_established())
             && !connection.tls_starting
-            && matches!(
-                connection.frontend,
-                Frontend::Native | Frontend::Original { .. } | Frontend::Nbd(_)
-            )
+            && match &connection.frontend {
+                Frontend::Native | Frontend::Original { .. } | Frontend::Nbd(_) => true,
+                Frontend::Kv { .. } => true,
+                Frontend::NvmeTcp(nvme) => nvme.is_movable_io_queue(),
+            }
+    }
+
+    /// A parked thread's connections that could not move when it parked (a TLS handshake, an
+    /// NVMe/TCP queue still connecting) move once they can: looked at every housekeeping
+    /// sweep (a scan of the table every 100 ms, on a parked thread only).
+    pub(super) fn mark_late_movers(&mut self) {
+        if self.handoff.parked_to.is_none() {
+            return;
+        }
+        for index in 0..self.connections.len() as u32 {
+            self.mark_moving(index);
+        }
     }
 
     /// Marks a connection of a parked thread for moving (a connection accepted while parked
     /// too).
     pub(super) fn mark_moving(&mut self, index: u32) {
-        if self.handoff.parked_to.is_none() || !self.can_move(index) {
-            return;
+        if let Some(to) = self.handoff.parked_to {
+            self.mark_moving_to(index, to);
+        }
+    }
+
+    /// Marks a connection for moving to `to` if it can move and is not moving yet; returns
+    /// whether it marked it.
+    fn mark_moving_to(&mut self, index: u32, to: u16) -> bool {
+        assert_ne!(usize::from(to), self.thread_index);
+        if !self.can_move(index) {
+            return false;
         }
         let connection = &mut self.connections[index as usize];
         if connection.moving {
-            return;
+            return false;
         }
         connection.moving = true;
-        self.handoff.moving.push(index);
+        self.handoff.moving.push((index, to));
+        true
     }
 
     /// Advances every moving connection: cancels its receive once no payload is due, and
     /// releases it once nothing of it is in flight or outstanding (in `process`, after sends).
     pub(super) fn advance_handoffs(&mut self, now: Nanos) {
-        let Some(to) = self.handoff.parked_to else {
-            return;
-        };
         let mut position = 0;
         while position < self.handoff.moving.len() {
-            let index = self.handoff.moving[position];
+            let (index, to) = self.handoff.moving[position];
             if !self.can_move(index) {
                 // Closing, or its peer ended: it finishes here.
                 self.connections[index as usize].moving = false;
@@ -186,6 +280,7 @@ impl Dataplane {
                 && connection.skip_bytes == 0
                 && !connection.move_cancelled
                 && !connection.parking
+                && !super::receive::frontend_mid_command(&connection.frontend)
             {
                 self.connections[index as usize].move_cancelled = true;
                 self.cancel_read_side(index);
@@ -199,10 +294,21 @@ impl Dataplane {
         }
     }
 
-    /// Nothing of the connection is in flight, outstanding or half-done.
+    /// Nothing of the connection is in flight, outstanding or half-done (a key-value
+    /// connection with no request has no step at the table's owner either).
     fn ready_to_move(&self, index: u32) -> bool {
         let connection = &self.connections[index as usize];
-        connection.moving
+        let frontend_idle = match &connection.frontend {
+            Frontend::NvmeTcp(nvme) => nvme.is_between_commands(),
+            _ => true,
+        };
+        let tls_idle = connection
+            .tls
+            .as_ref()
+            .is_none_or(|link| link.is_quiescent());
+        frontend_idle
+            && tls_idle
+            && connection.moving
             && !connection.recv_in_flight
             && !connection.send_in_flight
             && connection.outstanding == 0
@@ -238,6 +344,8 @@ impl Dataplane {
             device_queue: connection.device_queue,
             accepted_at: connection.accepted_at,
             established: connection.established,
+            rebalance: self.handoff.parked_to != Some(to),
+            tls: connection.tls.take(),
         };
         let (listener, source) = (connection.listener, connection.source);
         connection.state = ConnectionState::Free;
@@ -347,6 +455,7 @@ impl Dataplane {
         connection.device_queue = moved.device_queue;
         connection.accepted_at = moved.accepted_at;
         connection.established = moved.established;
+        connection.tls = moved.tls;
         connection.receive_progress_at = now;
         connection.send_progress_at = now;
         let new_key = self.requester(index).connection;

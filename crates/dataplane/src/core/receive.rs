@@ -161,7 +161,7 @@ impl Dataplane {
                     break;
                 }
             }
-            if connection.moving {
+            if connection.moving && !frontend_mid_command(&connection.frontend) {
                 return; // It moves to another thread, which parses the rest (`handoff`).
             }
             if connection.outstanding >= self.limits.window {
@@ -660,5 +660,15 @@ impl Dataplane {
             assert!(connection.recv_end <= connection.recv_buffer.len());
         }
         self.mark_parse(index);
+    }
+}
+
+/// The front end has started something only more decoding finishes (an NVMe/TCP command's
+/// data PDUs after an R2T, the pieces of a trim): a moving connection keeps being parsed
+/// until it is between commands.
+pub(super) fn frontend_mid_command(frontend: &Frontend) -> bool {
+    match frontend {
+        Frontend::NvmeTcp(nvme) => !nvme.is_between_commands(),
+        _ => false,
     }
 }

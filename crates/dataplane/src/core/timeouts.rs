@@ -29,6 +29,7 @@ impl Dataplane {
         }
         self.housekeeping_at = now + HOUSEKEEPING_INTERVAL;
         self.time_out_connections(now);
+        self.mark_late_movers();
         self.park_idle_connections(now);
         self.time_out_device_operations(now);
         self.device_errors.tick(now);

@@ -365,6 +365,31 @@ impl NvmeTcpFrontend {
         !self.output.is_empty() && self.closing.is_none()
     }
 
+    /// A connected I/O queue: its state (the queue, the `Arc` of its controller in the table
+    /// every thread shares, its tenants) means the same on any thread, so it may move (thread
+    /// scaling; over TLS once the identity is known, the session moving with the
+    /// connection's link). Not an admin queue (it holds Asynchronous Event Requests
+    /// unanswered for as long as the controller lives, and the keep-alive timer), not a
+    /// queue still connecting.
+    pub fn is_movable_io_queue(&self) -> bool {
+        matches!(&self.phase, Phase::Queue(queue) if queue.admin.is_none())
+            && match &self.channel {
+                Channel::Plain => true,
+                Channel::Tls { identity } => identity.is_some(),
+                Channel::Undecided => false,
+            }
+    }
+
+    /// Nothing half-done in the protocol: no output waiting, no data transfer open, no
+    /// digest to skip, no internal request queued, not terminating.
+    pub fn is_between_commands(&self) -> bool {
+        self.output.is_empty()
+            && self.closing.is_none()
+            && self.digest_skip == 0
+            && self.internal.is_empty()
+            && self.transfers.iter().all(Option::is_none)
+    }
+
     pub(super) fn in_session(&self) -> bool {
         matches!(self.phase, Phase::Queue(_))
     }

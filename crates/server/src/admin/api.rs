@@ -1015,7 +1015,10 @@ pub struct ScalingView {
     pub connections_per_thread: Vec<u32>,
     pub parks_total: u64,
     pub wakes_total: u64,
+    /// Connections handed from one thread to another (parks and rebalancings).
     pub connections_moved_total: u64,
+    /// Of those, the ones a rebalancing onto a woken thread moved.
+    pub connections_rebalanced_total: u64,
     /// The newest events, oldest first.
     pub events: Vec<crate::scaling::ScalingEvent>,
 }
@@ -1040,6 +1043,7 @@ impl AdminState {
                 parks_total: scaling.parks(),
                 wakes_total: scaling.wakes(),
                 connections_moved_total: scaling.connections_moved(),
+                connections_rebalanced_total: scaling.connections_rebalanced(),
                 events: scaling.events(),
             },
             None => ScalingView {
@@ -1051,6 +1055,7 @@ impl AdminState {
                 parks_total: 0,
                 wakes_total: 0,
                 connections_moved_total: 0,
+                connections_rebalanced_total: 0,
                 events: Vec::new(),
             },
         }

@@ -191,6 +191,24 @@ impl TlsLink {
         self.outer_recv || self.outer_send
     }
 
+    /// The session is established and healthy (thread scaling may move it, `handoff`).
+    pub(super) fn is_established(&self) -> bool {
+        !self.session.is_undecided() && !self.session.is_handshaking() && !self.failed
+    }
+
+    /// Nothing of the link is in flight or half-done: no socket operation, no inner send,
+    /// no ciphertext waiting to leave, no cancellation or end to deliver. What it holds then
+    /// (the session, ciphertext not fed yet, plaintext not read yet) is its own memory and
+    /// carries on on any thread.
+    pub(super) fn is_quiescent(&self) -> bool {
+        self.is_established()
+            && !self.outer_busy()
+            && self.inner_send.is_none()
+            && self.cipher_out_sent == self.cipher_out.len()
+            && !self.cancelled
+            && !self.ended
+    }
+
     /// Feeds the received ciphertext to the session while it holds little plaintext; `Err`
     /// when the peer broke the protocol (the session queued an alert for it, if it can).
     fn absorb(&mut self) -> Result<(), TlsFailure> {
