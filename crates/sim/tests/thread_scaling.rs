@@ -157,6 +157,26 @@ impl Client {
     }
 }
 
+/// A memory device of `bytes` behind a fault plan (`delay=…`), so that requests are in flight
+/// when a thread parks or wakes.
+fn delayed_memory(bytes: u64, plan: &str) -> Arc<dyn Device> {
+    let memory: Arc<dyn Device> =
+        Arc::new(reflex_flash::mem::MemDevice::new(bytes).unwrap_or_else(|e| panic!("{e}")));
+    let plan = reflex_flash::fault::FaultPlan::parse(plan).unwrap_or_else(|e| panic!("{e}"));
+    Arc::new(reflex_flash::fault::FaultDevice::new(memory, plan).unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// A seeded xorshift: `next(bound)` is a number below `bound` (0 for a bound of 0).
+fn below(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut rng = seed | 1;
+    move |bound: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound.max(1)
+    }
+}
+
 fn run_until(server: &mut VirtualServer, until: Nanos) {
     server.run_instant(server.now());
     while let Some(next) = server.next_event() {
@@ -171,13 +191,7 @@ fn run_until(server: &mut VirtualServer, until: Nanos) {
 }
 
 fn run(seed: u64) {
-    let memory: Arc<dyn Device> =
-        Arc::new(reflex_flash::mem::MemDevice::new(16 << 20).unwrap_or_else(|e| panic!("{e}")));
-    let plan =
-        reflex_flash::fault::FaultPlan::parse("delay=100us").unwrap_or_else(|e| panic!("{e}"));
-    let device: Arc<dyn Device> = Arc::new(
-        reflex_flash::fault::FaultDevice::new(memory, plan).unwrap_or_else(|e| panic!("{e}")),
-    );
+    let device = delayed_memory(16 << 20, "delay=100us");
     let mut server = one_namespace_server_on(
         2,
         device,
@@ -185,13 +199,7 @@ fn run(seed: u64) {
         NetworkModel::default(),
         vec![VirtualListener::Native],
     );
-    let mut rng = seed | 1;
-    let mut next = move |bound: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % bound.max(1)
-    };
+    let mut next = below(seed);
     // Version 0 of every block first: each client writes its own.
     let mut clients: Vec<Client> = (0..6)
         .map(|index| Client::new(&mut server, (index % 2) as u16, index))
@@ -450,13 +458,7 @@ impl KvClient {
 }
 
 fn run_kv(seed: u64) {
-    let memory: Arc<dyn Device> =
-        Arc::new(reflex_flash::mem::MemDevice::new(4 << 20).unwrap_or_else(|e| panic!("{e}")));
-    let plan =
-        reflex_flash::fault::FaultPlan::parse("delay=30us").unwrap_or_else(|e| panic!("{e}"));
-    let device: Arc<dyn Device> = Arc::new(
-        reflex_flash::fault::FaultDevice::new(memory, plan).unwrap_or_else(|e| panic!("{e}")),
-    );
+    let device = delayed_memory(4 << 20, "delay=30us");
     let mut server = one_namespace_server_on(
         2,
         device,
@@ -467,13 +469,7 @@ fn run_kv(seed: u64) {
             tenant: None,
         }],
     );
-    let mut rng = seed | 1;
-    let mut next = move |bound: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % bound.max(1)
-    };
+    let mut next = below(seed);
     let mut clients: Vec<KvClient> = (0..6)
         .map(|index| KvClient::new(&mut server, (index % 2) as u16, index))
         .collect();
@@ -710,13 +706,7 @@ mod tls_clients {
 }
 
 fn run_tls(seed: u64) {
-    let memory: Arc<dyn Device> =
-        Arc::new(reflex_flash::mem::MemDevice::new(16 << 20).unwrap_or_else(|e| panic!("{e}")));
-    let plan =
-        reflex_flash::fault::FaultPlan::parse("delay=50us").unwrap_or_else(|e| panic!("{e}"));
-    let device: Arc<dyn Device> = Arc::new(
-        reflex_flash::fault::FaultDevice::new(memory, plan).unwrap_or_else(|e| panic!("{e}")),
-    );
+    let device = delayed_memory(16 << 20, "delay=50us");
     let mut server = one_namespace_server_on(
         2,
         device,
@@ -729,13 +719,7 @@ fn run_tls(seed: u64) {
         .collect();
     let mut versions = vec![0u32; 6 * BLOCKS_PER_CLIENT as usize];
     let mut next_id = 1u64;
-    let mut rng = seed | 1;
-    let mut next = move |bound: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % bound.max(1)
-    };
+    let mut next = below(seed);
     let mut now = server.now();
     let mut done = [false; 3];
     while now < Nanos::from_millis(170) {
@@ -828,13 +812,7 @@ fn tls_sessions_move_on_park_and_back_on_wake_and_every_answer_is_right_once() {
 /// throughout, some cut in two; every answer checked once, nothing closed, and every
 /// connection handed out adopted once.
 fn run_random_changes(seed: u64) {
-    let memory: Arc<dyn Device> =
-        Arc::new(reflex_flash::mem::MemDevice::new(16 << 20).unwrap_or_else(|e| panic!("{e}")));
-    let plan =
-        reflex_flash::fault::FaultPlan::parse("delay=100us").unwrap_or_else(|e| panic!("{e}"));
-    let device: Arc<dyn Device> = Arc::new(
-        reflex_flash::fault::FaultDevice::new(memory, plan).unwrap_or_else(|e| panic!("{e}")),
-    );
+    let device = delayed_memory(16 << 20, "delay=100us");
     let mut server = one_namespace_server_on(
         3,
         device,
@@ -842,13 +820,7 @@ fn run_random_changes(seed: u64) {
         NetworkModel::default(),
         vec![VirtualListener::Native],
     );
-    let mut rng = seed | 1;
-    let mut next = move |bound: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % bound.max(1)
-    };
+    let mut next = below(seed);
     let mut clients: Vec<Client> = Vec::new();
     let mut active = 3u16;
     let mut now = server.now();
