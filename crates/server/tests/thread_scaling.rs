@@ -427,6 +427,31 @@ fn nvme_round(queues: &mut [NvmeTcpQueue], block_bytes: u32, round: u32) {
 /// Native, key-value and NVMe/TCP connections on both threads; thread 1 parked with KV and
 /// native requests in flight, then woken: everything but the NVMe/TCP admin queue moves to
 /// thread 0 and half of thread 0's connections come back; every answer checked once.
+/// Leaves a round of requests in flight on every native and KV connection (native ones cut
+/// short), forces `active` threads, then lets the rest of each request go.
+fn force_in_flight(
+    scaling: &reflex_server::scaling::ScalingControl,
+    active: u16,
+    natives: &mut [Client],
+    kvs: &mut [KvConnection],
+) {
+    for client in natives.iter_mut() {
+        client.queue_round();
+        client.connection.transmit_holding(10);
+    }
+    for kv in kvs.iter_mut() {
+        kv.queue_round();
+    }
+    assert_eq!(scaling.force(active), active);
+    for client in natives.iter_mut() {
+        client.connection.transmit();
+        client.connection.drain();
+    }
+    for kv in kvs.iter_mut() {
+        kv.drain();
+    }
+}
+
 fn every_kind_moves(driver: DriverChoice) {
     let mut server_config = config(vec![profiled_memory(), namespace(2, "mem:8M", None)]);
     server_config.driver = driver;
@@ -505,21 +530,7 @@ fn every_kind_moves(driver: DriverChoice) {
     assert_eq!(tenant_counts().iter().sum::<u32>(), charged);
 
     // Requests in flight on the native and KV connections while thread 1 parks.
-    for client in &mut natives {
-        client.queue_round();
-        client.connection.transmit_holding(10);
-    }
-    for kv in &mut kvs {
-        kv.queue_round();
-    }
-    assert_eq!(scaling.force(1), 1);
-    for client in &mut natives {
-        client.connection.transmit();
-        client.connection.drain();
-    }
-    for kv in &mut kvs {
-        kv.drain();
-    }
+    force_in_flight(&scaling, 1, &mut natives, &mut kvs);
     // Everything moves but the admin queue, wherever it is.
     wait_for("thread 1 to hand off its movable connections", || {
         tenant_counts()[1] == 0 && scaling.connections_per_thread()[1] <= 1
@@ -537,21 +548,7 @@ fn every_kind_moves(driver: DriverChoice) {
 
     // The wake hands half back, with KV and native requests in flight again.
     let moved_before_wake = scaling.connections_moved();
-    for client in &mut natives {
-        client.queue_round();
-        client.connection.transmit_holding(10);
-    }
-    for kv in &mut kvs {
-        kv.queue_round();
-    }
-    assert_eq!(scaling.force(2), 2);
-    for client in &mut natives {
-        client.connection.transmit();
-        client.connection.drain();
-    }
-    for kv in &mut kvs {
-        kv.drain();
-    }
+    force_in_flight(&scaling, 2, &mut natives, &mut kvs);
     let asked = scaling.events().last().map_or(0, |e| e.rebalance_asked);
     // The counts even out (within one), the admin queue counted where it stays.
     assert!(asked > 0 && asked <= total / 2, "{asked}");
