@@ -530,7 +530,7 @@ fn every_kind_moves(driver: DriverChoice) {
     assert_eq!(tenant_counts().iter().sum::<u32>(), charged);
 
     // Requests in flight on the native and KV connections while thread 1 parks.
-    force_in_flight(&scaling, 1, &mut natives, &mut kvs);
+    force_in_flight(scaling, 1, &mut natives, &mut kvs);
     // Everything moves but the admin queue, wherever it is.
     wait_for("thread 1 to hand off its movable connections", || {
         tenant_counts()[1] == 0 && scaling.connections_per_thread()[1] <= 1
@@ -548,7 +548,7 @@ fn every_kind_moves(driver: DriverChoice) {
 
     // The wake hands half back, with KV and native requests in flight again.
     let moved_before_wake = scaling.connections_moved();
-    force_in_flight(&scaling, 2, &mut natives, &mut kvs);
+    force_in_flight(scaling, 2, &mut natives, &mut kvs);
     let asked = scaling.events().last().map_or(0, |e| e.rebalance_asked);
     // The counts even out (within one), the admin queue counted where it stays.
     assert!(asked > 0 && asked <= total / 2, "{asked}");
