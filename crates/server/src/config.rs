@@ -1966,6 +1966,20 @@ mod tests {
         }
     }
 
+    /// `bad` is refused with a message naming `expected` and never showing the key.
+    fn refused_without_the_key(bad: &str, expected: &str) {
+        let error = Config::from_toml(bad, "test")
+            .and_then(|config| config.validate().map(|()| config))
+            .err()
+            .unwrap_or_else(|| panic!("accepted: {bad}"));
+        let message = error.to_string();
+        assert!(message.contains(expected), "{bad}: {message}");
+        assert!(
+            !message.contains("AAECAwQF"),
+            "an error shows the key: {message}"
+        );
+    }
+
     #[test]
     fn nvme_tcp_tls_keys_are_checked() {
         const KEY: &str = "NVMeTLSkey-1:01:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:";
@@ -2024,16 +2038,7 @@ mod tests {
                 "must be 32 or 48",
             ),
         ] {
-            let error = Config::from_toml(&bad, "test")
-                .and_then(|config| config.validate().map(|()| config))
-                .err()
-                .unwrap_or_else(|| panic!("accepted: {bad}"));
-            let message = error.to_string();
-            assert!(message.contains(expected), "{bad}: {message}");
-            assert!(
-                !message.contains("AAECAwQF"),
-                "an error shows the key: {message}"
-            );
+            refused_without_the_key(&bad, expected);
         }
     }
 
@@ -2091,16 +2096,7 @@ mod tests {
                 "CRC-32",
             ),
         ] {
-            let error = Config::from_toml(&bad, "test")
-                .and_then(|config| config.validate().map(|()| config))
-                .err()
-                .unwrap_or_else(|| panic!("accepted: {bad}"));
-            let message = error.to_string();
-            assert!(message.contains(expected), "{bad}: {message}");
-            assert!(
-                !message.contains("AAECAwQF"),
-                "an error shows the key: {message}"
-            );
+            refused_without_the_key(&bad, expected);
         }
     }
 

@@ -82,6 +82,24 @@ impl Dataplane {
         self.waiters_behind = behind;
     }
 
+    /// Starts a request that no command of the current parse asked for (a notice, an
+    /// NVMe/TCP event's output); false when the connection must wait for a request slot or
+    /// (stalled on it) for a buffer.
+    fn start_unasked(&mut self, index: u32, tag: Tag, action: Action, now: Nanos) -> bool {
+        if self.free_requests.is_empty() {
+            self.add_waiter(index);
+            return false;
+        }
+        let request = self.allocate_request(index, tag, action, now);
+        if !self.try_start(request, now) {
+            self.transition(request, RequestState::NeedBuffer);
+            self.connections[index as usize].stalled = Some(request);
+            self.add_waiter(index);
+            return false;
+        }
+        true
+    }
+
     fn parse_connection(&mut self, index: u32, now: Nanos) {
         loop {
             let connection = &mut self.connections[index as usize];
@@ -109,16 +127,7 @@ impl Dataplane {
             {
                 // A RENEGOTIATE notice takes a request slot (and a window place) like a
                 // response, so it waits where a request would.
-                if self.free_requests.is_empty() {
-                    self.add_waiter(index);
-                    return;
-                }
-                let request =
-                    self.allocate_request(index, Frontend::notice_tag(), Action::Notice, now);
-                if !self.try_start(request, now) {
-                    self.transition(request, RequestState::NeedBuffer);
-                    self.connections[index as usize].stalled = Some(request);
-                    self.add_waiter(index);
+                if !self.start_unasked(index, Frontend::notice_tag(), Action::Notice, now) {
                     return;
                 }
                 continue;
@@ -131,15 +140,7 @@ impl Dataplane {
             {
                 // Output no command of this parse asked for (an NVMe/TCP asynchronous
                 // event's completion) goes out like a notice, though a receive is in flight.
-                if self.free_requests.is_empty() {
-                    self.add_waiter(index);
-                    return;
-                }
-                let request = self.allocate_request(index, Tag::None, Action::Output, now);
-                if !self.try_start(request, now) {
-                    self.transition(request, RequestState::NeedBuffer);
-                    self.connections[index as usize].stalled = Some(request);
-                    self.add_waiter(index);
+                if !self.start_unasked(index, Tag::None, Action::Output, now) {
                     return;
                 }
                 continue;
