@@ -1768,6 +1768,26 @@ impl Config {
 mod tests {
     use super::*;
 
+    /// Every shipped configuration (`configs/`, the example) parses and validates, so that
+    /// the commands in the docs that start reflexd with one run as written.
+    #[test]
+    fn every_shipped_configuration_is_valid() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let mut files: Vec<_> = std::fs::read_dir(root.join("configs"))
+            .unwrap_or_else(|e| panic!("configs/: {e}"))
+            .map(|entry| entry.unwrap_or_else(|e| panic!("{e}")).path())
+            .filter(|path| path.extension().is_some_and(|ext| ext == "toml"))
+            .collect();
+        files.push(root.join("reflexd.example.toml"));
+        assert!(files.len() > 5, "{files:?}");
+        for file in files {
+            let config = Config::from_file(&file).unwrap_or_else(|e| panic!("{e}"));
+            config
+                .validate()
+                .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        }
+    }
+
     #[test]
     fn defaults_are_valid_and_serve_a_file() {
         let config = Config::default();
