@@ -155,9 +155,9 @@ impl Dataplane {
         if let IoKind::Kv { .. } = io.kind {
             return self.kv_operation(index);
         }
-        let layout = self.requests[index as usize].layout;
-        let run_bytes = run.map_or(0, |run| zero_run_bytes(&layout, io, run.size_bytes()));
-        steps::operation(io.kind, &layout, step, run_bytes)
+        let layout = &self.requests[index as usize].layout;
+        let run_bytes = run.map_or(0, |run| zero_run_bytes(layout, io, run.size_bytes()));
+        steps::operation(io.kind, layout, step, run_bytes)
     }
 
     /// Caches the device operation of the request's new step (its first piece next).
@@ -539,9 +539,9 @@ impl Dataplane {
             *discards = false;
         }
         let discards = *discards;
-        let layout = self.requests[index as usize].layout;
-        let run_bytes = run.map_or(0, |run| zero_run_bytes(&layout, io, run.size_bytes()));
-        let next = steps::after_step(io.kind, &layout, step, run_bytes, discards, &result);
+        let layout = &self.requests[index as usize].layout;
+        let run_bytes = run.map_or(0, |run| zero_run_bytes(layout, io, run.size_bytes()));
+        let next = steps::after_step(io.kind, layout, step, run_bytes, discards, &result);
         match (&next, &result) {
             (Next::Done(Answer::DeviceError { .. }), Ok(bytes)) => {
                 self.stats.io_errors += 1;

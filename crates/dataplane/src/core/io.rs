@@ -484,8 +484,7 @@ impl Dataplane {
             panic!("READ data without a run");
         };
         let connection_index = request.connection_index;
-        let layout = self.requests[index as usize].layout;
-        let data = layout.part(part);
+        let data = request.layout.part(part);
         let piece = ReadPiece {
             offset_bytes: data.data_offset_bytes,
             length_bytes: data.data_bytes,
