@@ -37,6 +37,15 @@ pub(super) enum Progress {
 }
 
 impl Dataplane {
+    /// The piece of a submitted request's device operation in flight, as
+    /// [`Self::begin_device_operation`] placed it (nothing moves a request's step or piece
+    /// while its operation is at the device; checked in debug builds).
+    pub(super) fn submitted_placed(&self, index: u32) -> Placed {
+        let placed = self.requests[index as usize].submitted;
+        debug_assert_eq!(placed, self.placed(index));
+        placed
+    }
+
     /// The current piece of the request's current step.
     pub(super) fn placed(&self, index: u32) -> Placed {
         let request = &self.requests[index as usize];

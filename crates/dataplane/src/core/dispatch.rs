@@ -155,9 +155,9 @@ impl Dataplane {
         if let IoKind::Kv { .. } = io.kind {
             return self.kv_operation(index);
         }
-        let layout = self.requests[index as usize].layout;
-        let run_bytes = run.map_or(0, |run| zero_run_bytes(&layout, io, run.size_bytes()));
-        steps::operation(io.kind, &layout, step, run_bytes)
+        let layout = &self.requests[index as usize].layout;
+        let run_bytes = run.map_or(0, |run| zero_run_bytes(layout, io, run.size_bytes()));
+        steps::operation(io.kind, layout, step, run_bytes)
     }
 
     /// Caches the device operation of the request's new step (its first piece next).
@@ -308,7 +308,7 @@ impl Dataplane {
         self.device_in_flight += 1;
         let placed = self.placed(index);
         let namespace_index = placed.namespace_index;
-        self.requests[index as usize].submitted_namespace = namespace_index;
+        self.requests[index as usize].submitted = placed;
         self.live.device_in_flight[usize::from(namespace_index)] += 1;
         let kind = match placed.operation {
             Operation::Read {
@@ -436,7 +436,7 @@ impl Dataplane {
             DeviceOpId::Request { index, .. } => {
                 let request = self.requests.get(index as usize)?;
                 match request.work {
-                    Work::Io { .. } => Some(request.submitted_namespace),
+                    Work::Io { .. } => Some(request.submitted.namespace_index),
                     _ => None,
                 }
             }
@@ -453,7 +453,7 @@ impl Dataplane {
                 request.work
             );
         };
-        let start = match self.placed(index).operation {
+        let start = match self.submitted_placed(index).operation {
             Operation::Read { buffer_start, .. } | Operation::Write { buffer_start, .. } => {
                 buffer_start
             }
@@ -483,7 +483,7 @@ impl Dataplane {
     pub(super) fn complete_io(&mut self, index: u32, result: Result<u32, FlashError>, now: Nanos) {
         assert!(self.device_in_flight > 0);
         self.device_in_flight -= 1;
-        let live_index = usize::from(self.requests[index as usize].submitted_namespace);
+        let live_index = usize::from(self.requests[index as usize].submitted.namespace_index);
         self.live.device_in_flight[live_index] -= 1;
         if let Some(flow) = self.requests[index as usize].fair_flow.take() {
             // Its place at the device is free, even for an orphan (the device is done with it).
@@ -521,7 +521,7 @@ impl Dataplane {
             self.kv_complete(index, result, now);
             return;
         }
-        let placed = self.placed(index);
+        let placed = self.submitted_placed(index);
         let result = match self.piece_finished(index, placed, result) {
             Progress::Done(result) => result,
             Progress::Next => {
@@ -539,9 +539,9 @@ impl Dataplane {
             *discards = false;
         }
         let discards = *discards;
-        let layout = self.requests[index as usize].layout;
-        let run_bytes = run.map_or(0, |run| zero_run_bytes(&layout, io, run.size_bytes()));
-        let next = steps::after_step(io.kind, &layout, step, run_bytes, discards, &result);
+        let layout = &self.requests[index as usize].layout;
+        let run_bytes = run.map_or(0, |run| zero_run_bytes(layout, io, run.size_bytes()));
+        let next = steps::after_step(io.kind, layout, step, run_bytes, discards, &result);
         match (&next, &result) {
             (Next::Done(Answer::DeviceError { .. }), Ok(bytes)) => {
                 self.stats.io_errors += 1;

@@ -158,6 +158,9 @@ impl Dataplane {
     /// The sectors a request writes, with its edge sectors if it reads them first; `None`
     /// for requests that write nothing.
     fn write_range(&self, io: IoRequest, layout: &Layout) -> Option<WriteRange> {
+        if let IoKind::Read = io.kind {
+            return None; // (The common case, answered before any layout arithmetic.)
+        }
         let sector_bytes = self.namespaces.info(io.namespace_index).block_size;
         let edges = [Edge::Head, Edge::Tail].map(|edge| {
             layout
@@ -194,7 +197,16 @@ impl Dataplane {
     }
 
     /// Gives up the request's place at the gate (after its last write, or when it is freed).
+    /// Inlined: most requests (every read) never take a place, and pay one comparison.
+    #[inline]
     pub(super) fn leave_gate(&mut self, index: u32) {
+        if self.requests[index as usize].gate != GatePlace::Outside {
+            self.release_gate_place(index);
+        }
+    }
+
+    /// [`Self::leave_gate`] for a request that has a place (or waits for one).
+    fn release_gate_place(&mut self, index: u32) {
         let request = &mut self.requests[index as usize];
         let place = std::mem::replace(&mut request.gate, GatePlace::Outside);
         let hold = match place {
@@ -472,8 +484,7 @@ impl Dataplane {
             panic!("READ data without a run");
         };
         let connection_index = request.connection_index;
-        let layout = self.requests[index as usize].layout;
-        let data = layout.part(part);
+        let data = request.layout.part(part);
         let piece = ReadPiece {
             offset_bytes: data.data_offset_bytes,
             length_bytes: data.data_bytes,
@@ -521,7 +532,7 @@ impl Dataplane {
             let (namespace_index, tenant_id) =
                 if self.namespaces.composite(io.namespace_index).is_some() {
                     let request = &self.requests[index as usize];
-                    (request.submitted_namespace, request.piece_tenant)
+                    (request.submitted.namespace_index, request.piece_tenant)
                 } else {
                     (io.namespace_index, io.tenant.id)
                 };

@@ -551,7 +551,16 @@ impl Dataplane {
     /// The request will not go on: its machine (if any) leaves the gate and gives back what
     /// no index names (on the owner, for a forwarded one). Called when a KV request is
     /// answered early or freed; never while it is `Forwarded` (the owner is using its run).
+    /// Inlined: a thread without a key-value table pays one comparison.
+    #[inline]
     pub(super) fn kv_forget(&mut self, index: u32) {
+        if self.kv.is_some() {
+            self.kv_forget_slot(index);
+        }
+    }
+
+    /// [`Self::kv_forget`] on a thread that serves a key-value table.
+    fn kv_forget_slot(&mut self, index: u32) {
         let state = self.requests[index as usize].state;
         let generation = self.requests[index as usize].generation;
         let Some(kv) = self.kv.as_mut() else {

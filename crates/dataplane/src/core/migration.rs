@@ -295,7 +295,7 @@ impl Dataplane {
             Some(from),
             "a completion from a thread the request was not sent to"
         );
-        let namespace_index = usize::from(request.submitted_namespace);
+        let namespace_index = usize::from(request.submitted.namespace_index);
         let latency_ns = now.saturating_since(request.queued_at).0;
         let flow = FlowId(u64::from(request.io().tenant.id));
         let namespace = &mut self.qos[namespace_index];

@@ -17,6 +17,7 @@
 use reflex_qos::Nanos;
 
 use super::Dataplane;
+use super::composite::Placed;
 use crate::buffers::PageRun;
 use crate::buffers::RUN_SIZE_MAX;
 use crate::frontend::IoKind;
@@ -235,8 +236,10 @@ pub(super) struct Request {
     pub(super) measured_read: Option<(u16, bool)>,
     /// The tenant id (in its namespace) a measured READ is charged to (live figures).
     pub(super) measured_tenant: u32,
-    /// The namespace of the device operation in flight (live figures: queue depth).
-    pub(super) submitted_namespace: u16,
+    /// Where the device operation in flight went ([`Dataplane::placed`] when it was
+    /// submitted: its namespace, for live figures and the completion; its piece and
+    /// operation, which the completion and the driver's buffer lookup read again).
+    pub(super) submitted: Placed,
     /// A composite namespace's request: what of the current step's device operation earlier
     /// pieces did (bytes; members for a flush), and the member tenant id its current piece
     /// is charged to (`composite`).
@@ -270,7 +273,11 @@ impl Request {
             arrived_at: Nanos::ZERO,
             measured_read: None,
             measured_tenant: 0,
-            submitted_namespace: 0,
+            submitted: Placed {
+                namespace_index: 0,
+                member: None,
+                operation: Operation::Flush,
+            },
             piece_done: 0,
             piece_tenant: 0,
             fair_flow: None,
