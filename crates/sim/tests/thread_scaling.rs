@@ -55,6 +55,31 @@ struct Client {
 }
 
 impl Client {
+    /// Queues version 0 of every block the client owns (each client writes its own first).
+    fn queue_version_zero(&mut self) {
+        for slot in 0..BLOCKS_PER_CLIENT {
+            let block = self.first_block + slot;
+            let id = self.next_id;
+            self.next_id += 1;
+            self.core
+                .submit_write(
+                    id,
+                    NAMESPACE,
+                    block * BLOCK as u64,
+                    &block_bytes(block, 0),
+                    false,
+                )
+                .unwrap_or_else(|e| panic!("{e}"));
+            self.outstanding.insert(
+                id,
+                Expect::Write {
+                    slot: slot as usize,
+                    version: 0,
+                },
+            );
+        }
+    }
+
     fn new(server: &mut VirtualServer, thread: u16, index: u64) -> Client {
         let socket = server
             .connect(thread, 0, None)
@@ -177,6 +202,18 @@ fn below(seed: u64) -> impl FnMut(u64) -> u64 {
     }
 }
 
+/// How many of `sockets` are on `thread`.
+fn on_thread(
+    server: &VirtualServer,
+    sockets: impl IntoIterator<Item = SocketId>,
+    thread: u16,
+) -> usize {
+    sockets
+        .into_iter()
+        .filter(|&socket| server.socket_thread(socket) == thread)
+        .count()
+}
+
 fn run_until(server: &mut VirtualServer, until: Nanos) {
     server.run_instant(server.now());
     while let Some(next) = server.next_event() {
@@ -206,28 +243,7 @@ fn run(seed: u64) {
         .collect();
     let mut now = server.now();
     for client in &mut clients {
-        for slot in 0..BLOCKS_PER_CLIENT {
-            let block = client.first_block + slot;
-            let id = client.next_id;
-            client.next_id += 1;
-            client
-                .core
-                .submit_write(
-                    id,
-                    NAMESPACE,
-                    block * BLOCK as u64,
-                    &block_bytes(block, 0),
-                    false,
-                )
-                .unwrap_or_else(|e| panic!("{e}"));
-            client.outstanding.insert(
-                id,
-                Expect::Write {
-                    slot: slot as usize,
-                    version: 0,
-                },
-            );
-        }
+        client.queue_version_zero();
         while let Some(bytes) = client.core.transmit_start() {
             let length = bytes.len();
             server.client_send(client.socket, bytes);
@@ -266,43 +282,16 @@ fn run(seed: u64) {
             for index in 6..9 {
                 clients.push(Client::new(&mut server, 1, index));
                 let client = clients.last_mut().unwrap_or_else(|| unreachable!());
-                for slot in 0..BLOCKS_PER_CLIENT {
-                    let block = client.first_block + slot;
-                    let id = client.next_id;
-                    client.next_id += 1;
-                    client
-                        .core
-                        .submit_write(
-                            id,
-                            NAMESPACE,
-                            block * BLOCK as u64,
-                            &block_bytes(block, 0),
-                            false,
-                        )
-                        .unwrap_or_else(|e| panic!("{e}"));
-                    client.outstanding.insert(
-                        id,
-                        Expect::Write {
-                            slot: slot as usize,
-                            version: 0,
-                        },
-                    );
-                }
+                client.queue_version_zero();
             }
         }
         if now >= Nanos::from_millis(95) && !parked_at[3] {
             parked_at[3] = true;
             // Three old connections moved back, beside the three new ones.
-            let on_thread_1 = clients
-                .iter()
-                .filter(|c| server.socket_thread(c.socket) == 1)
-                .count();
+            let on_thread_1 = on_thread(&server, clients.iter().map(|c| c.socket), 1);
             assert_eq!(on_thread_1, 6, "seed {seed}");
             assert_eq!(
-                clients[..6]
-                    .iter()
-                    .filter(|c| server.socket_thread(c.socket) == 1)
-                    .count(),
+                on_thread(&server, clients[..6].iter().map(|c| c.socket), 1),
                 3,
                 "seed {seed}"
             );
@@ -501,18 +490,18 @@ fn run_kv(seed: u64) {
         }
         if now >= Nanos::from_millis(40) && !done[1] {
             done[1] = true;
-            for client in &clients {
-                assert_eq!(server.socket_thread(client.socket), 0, "seed {seed}");
-            }
+            let sockets = clients.iter().map(|c| c.socket);
+            assert_eq!(
+                on_thread(&server, sockets.clone(), 0),
+                sockets.len(),
+                "seed {seed}"
+            );
             let plan = server.wake_thread_rebalancing(1, 2);
             assert_eq!(plan.iter().map(|m| m.count).sum::<u32>(), 3, "seed {seed}");
         }
         if now >= Nanos::from_millis(70) && !done[2] {
             done[2] = true;
-            let on_thread_1 = clients
-                .iter()
-                .filter(|c| server.socket_thread(c.socket) == 1)
-                .count();
+            let on_thread_1 = on_thread(&server, clients.iter().map(|c| c.socket), 1);
             assert_eq!(on_thread_1, 3, "seed {seed}");
         }
         now += Nanos::from_micros(50);
@@ -754,18 +743,18 @@ fn run_tls(seed: u64) {
         }
         if now >= Nanos::from_millis(130) && !done[1] {
             done[1] = true;
-            for client in &clients {
-                assert_eq!(server.socket_thread(client.socket), 0, "seed {seed}");
-            }
+            let sockets = clients.iter().map(|c| c.socket);
+            assert_eq!(
+                on_thread(&server, sockets.clone(), 0),
+                sockets.len(),
+                "seed {seed}"
+            );
             let plan = server.wake_thread_rebalancing(1, 2);
             assert_eq!(plan.iter().map(|m| m.count).sum::<u32>(), 3, "seed {seed}");
         }
         if now >= Nanos::from_millis(160) && !done[2] {
             done[2] = true;
-            let on_thread_1 = clients
-                .iter()
-                .filter(|c| server.socket_thread(c.socket) == 1)
-                .count();
+            let on_thread_1 = on_thread(&server, clients.iter().map(|c| c.socket), 1);
             assert_eq!(on_thread_1, 3, "seed {seed}");
         }
         now += Nanos::from_micros(50);
