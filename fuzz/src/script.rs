@@ -1865,7 +1865,7 @@ impl Run {
                     self.send_request(index, bytes, u64::from(cid), 0);
                 }
                 None => {
-                    if self.outcome.bytes_sent + bytes.len() <= SEND_BYTES_MAX {
+                    if self.within_budget(index, bytes.len()) {
                         self.outcome.bytes_sent += bytes.len();
                         self.transmit(index, &bytes);
                     }
@@ -2874,6 +2874,20 @@ impl Run {
         self.send_index(index, bytes);
     }
 
+    /// Whether well-formed client `index` may send `length` more bytes: within the script's
+    /// send budget, and nothing of it refused before (after a refusal it sends nothing more).
+    fn within_budget(&mut self, index: usize, length: usize) -> bool {
+        let fits = self.outcome.bytes_sent + length <= SEND_BYTES_MAX;
+        match self.clients[index].oracle.as_mut() {
+            Some(oracle) if oracle.out_of_budget => false,
+            Some(oracle) if !fits => {
+                oracle.out_of_budget = true;
+                false
+            }
+            _ => fits,
+        }
+    }
+
     /// Client `index` sends `bytes` (within the script's send budget).
     fn send_index(&mut self, index: usize, bytes: &[u8]) {
         let client = &self.clients[index];
@@ -3482,6 +3496,10 @@ struct Oracle {
     sectors: u64,
     /// Key-value: what the client knows of its private keys.
     kv: KvModel,
+    /// A send of this client did not fit the script's send budget: it sends nothing more (a
+    /// later, smaller message would follow one the server never saw: an NVMe/TCP Property
+    /// Set without its ICReq and Connect is no well-formed host; finding 14).
+    out_of_budget: bool,
 }
 
 /// A well-formed KV client's knowledge of its private keys (first byte `0x80 | client
@@ -3972,6 +3990,7 @@ impl Run {
             nbd,
             sectors,
             kv: KvModel::default(),
+            out_of_budget: false,
         });
         if listener_index == NVME_LISTENER {
             if let Some(nvme) = self.clients[index].nvme.as_mut() {
@@ -3995,7 +4014,7 @@ impl Run {
     /// Sends a request (an NBD client still in its handshake queues it) and records it;
     /// a request beyond the script's send budget is not sent at all (returns false).
     fn send_request(&mut self, index: usize, bytes: Vec<u8>, id: u64, data: u64) -> bool {
-        if self.outcome.bytes_sent + bytes.len() > SEND_BYTES_MAX {
+        if !self.within_budget(index, bytes.len()) {
             return false;
         }
         self.outcome.bytes_sent += bytes.len();

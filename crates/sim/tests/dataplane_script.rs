@@ -955,6 +955,20 @@ fn an_h2c_data_answering_its_r2t_is_accepted() {
     assert!(outcome.nvme_r2ts >= 4, "{outcome:?}");
 }
 
+/// Finding 14 (fuzzer, run 40; a harness defect, not the server's): `dataplane_protocol`'s
+/// input whose original-protocol writes used up most of the script's send budget before an
+/// NVMe/TCP host connected. Its ICReq and Connect no longer fit and were not sent, but its
+/// 76-byte Property Set did: the controller, still waiting for an ICReq, found a header digest
+/// flag it had not negotiated, ended the connection (as it must), and the well-formed oracle
+/// counted an unanswered request. A well-formed client now sends nothing after a send the
+/// budget refused.
+#[test]
+fn a_well_formed_client_sends_nothing_after_a_send_the_budget_refused() {
+    let bytes = include_bytes!("data/finding-14-nvme-budget.bin");
+    let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, true);
+    assert_eq!(outcome.framing_errors, 0, "{outcome:?}");
+}
+
 /// Finding 13 (fuzzer, run 36): a key-value connection on thread 1, whose table steps go to
 /// thread 0 (the table's owner), with PUTs in flight, a fault stalling a device, then the
 /// shutdown. A request whose step waited at the owner (at the bucket gate, behind the stalled
