@@ -1566,11 +1566,23 @@ impl NvmeData {
                     .collect();
                 self.reads.insert(cid, expected);
             }
-            NvmeEffect::Write(fill) => {
-                self.writes.insert(cid, (first, blocks, Some(fill)));
-            }
-            NvmeEffect::Unknown => {
-                self.writes.insert(cid, (first, blocks, None));
+            NvmeEffect::Write(_) | NvmeEffect::Unknown => {
+                // Writes in flight together to the same blocks race: NVMe orders no two
+                // commands, so whichever the device applies last wins, not the last to
+                // complete; both writes' blocks are unknown once answered (more than the
+                // blocks they share, never wrong; finding 15).
+                let mut racing = false;
+                for (start, count, fill) in self.writes.values_mut() {
+                    if *start < range.end && range.start < *start + u64::from(*count) {
+                        *fill = None;
+                        racing = true;
+                    }
+                }
+                let fill = match effect {
+                    NvmeEffect::Write(fill) if !racing => Some(fill),
+                    _ => None,
+                };
+                self.writes.insert(cid, (first, blocks, fill));
             }
         }
     }

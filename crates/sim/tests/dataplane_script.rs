@@ -969,6 +969,18 @@ fn a_well_formed_client_sends_nothing_after_a_send_the_budget_refused() {
     assert_eq!(outcome.framing_errors, 0, "{outcome:?}");
 }
 
+/// Finding 15 (fuzzer, run 41; a harness defect): a well-formed NVMe/TCP host on the
+/// composite namespace with four writes of its private blocks 571–578 (bytes 5, 5, 7, 7) and
+/// one of 568–575 (byte 9) in flight together; they completed 4, 5, 8, 6, 7, and the harness
+/// expected the last to complete (7) where the device had applied the 9 last. NVMe orders no
+/// two commands in flight: the harness now counts blocks written by racing writes as unknown.
+#[test]
+fn racing_nvme_tcp_writes_leave_their_blocks_unknown() {
+    let bytes = include_bytes!("data/finding-15-nvme-racing-writes.bin");
+    let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, true);
+    assert_eq!(outcome.framing_errors, 0, "{outcome:?}");
+}
+
 /// Finding 13 (fuzzer, run 36): a key-value connection on thread 1, whose table steps go to
 /// thread 0 (the table's owner), with PUTs in flight, a fault stalling a device, then the
 /// shutdown. A request whose step waited at the owner (at the bucket gate, behind the stalled
