@@ -452,6 +452,22 @@ fn force_in_flight(
     }
 }
 
+/// Namespace 1's block size and `NVME_QUEUES` I/O queues of an attached controller.
+fn io_queues(controller: &mut NvmeTcpController) -> (u32, Vec<NvmeTcpQueue>) {
+    let block_bytes = controller
+        .namespace(1)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .block_bytes;
+    let queues = (0..NVME_QUEUES)
+        .map(|_| {
+            controller
+                .connect_io_queue()
+                .unwrap_or_else(|e| panic!("{e}"))
+        })
+        .collect();
+    (block_bytes, queues)
+}
+
 fn every_kind_moves(driver: DriverChoice) {
     let mut server_config = config(vec![profiled_memory(), namespace(2, "mem:8M", None)]);
     server_config.driver = driver;
@@ -483,17 +499,7 @@ fn every_kind_moves(driver: DriverChoice) {
     let mut controller =
         NvmeTcpController::attach(nvme_addr, NvmeTcpOptions::new(HOST, NQN), NVME_QUEUES)
             .unwrap_or_else(|e| panic!("attach: {e}"));
-    let block_bytes = controller
-        .namespace(1)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .block_bytes;
-    let mut queues: Vec<NvmeTcpQueue> = (0..NVME_QUEUES)
-        .map(|_| {
-            controller
-                .connect_io_queue()
-                .unwrap_or_else(|e| panic!("{e}"))
-        })
-        .collect();
+    let (block_bytes, mut queues) = io_queues(&mut controller);
     let total = 8 + KV_CLIENTS as u32 + 1 + u32::from(NVME_QUEUES);
     let mut round = 0;
     let mut serve_all =
@@ -801,17 +807,7 @@ fn nvme_tls_queues_move(driver: DriverChoice) {
     let options = NvmeTcpOptions::new(HOST, NQN).with_tls_psk(psk);
     let mut controller = NvmeTcpController::attach(nvme_addr, options, NVME_QUEUES)
         .unwrap_or_else(|e| panic!("attach: {e}"));
-    let block_bytes = controller
-        .namespace(1)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .block_bytes;
-    let mut queues: Vec<NvmeTcpQueue> = (0..NVME_QUEUES)
-        .map(|_| {
-            controller
-                .connect_io_queue()
-                .unwrap_or_else(|e| panic!("{e}"))
-        })
-        .collect();
+    let (block_bytes, mut queues) = io_queues(&mut controller);
     assert!(queues.iter().all(|queue| queue.tls_session().is_some()));
     let total = 1 + u32::from(NVME_QUEUES);
     nvme_round(&mut queues, block_bytes, 1);
