@@ -214,6 +214,21 @@ fn on_thread(
         .count()
 }
 
+/// Every one of `sockets` is on thread 0; thread 1 wakes, and the rebalance plans 3 moves.
+fn wake_thread_1_with_all_on_thread_0(
+    server: &mut VirtualServer,
+    sockets: impl ExactSizeIterator<Item = SocketId> + Clone,
+    seed: u64,
+) {
+    assert_eq!(
+        on_thread(server, sockets.clone(), 0),
+        sockets.len(),
+        "seed {seed}"
+    );
+    let plan = server.wake_thread_rebalancing(1, 2);
+    assert_eq!(plan.iter().map(|m| m.count).sum::<u32>(), 3, "seed {seed}");
+}
+
 fn run_until(server: &mut VirtualServer, until: Nanos) {
     server.run_instant(server.now());
     while let Some(next) = server.next_event() {
@@ -490,14 +505,7 @@ fn run_kv(seed: u64) {
         }
         if now >= Nanos::from_millis(40) && !done[1] {
             done[1] = true;
-            let sockets = clients.iter().map(|c| c.socket);
-            assert_eq!(
-                on_thread(&server, sockets.clone(), 0),
-                sockets.len(),
-                "seed {seed}"
-            );
-            let plan = server.wake_thread_rebalancing(1, 2);
-            assert_eq!(plan.iter().map(|m| m.count).sum::<u32>(), 3, "seed {seed}");
+            wake_thread_1_with_all_on_thread_0(&mut server, clients.iter().map(|c| c.socket), seed);
         }
         if now >= Nanos::from_millis(70) && !done[2] {
             done[2] = true;
@@ -743,14 +751,7 @@ fn run_tls(seed: u64) {
         }
         if now >= Nanos::from_millis(130) && !done[1] {
             done[1] = true;
-            let sockets = clients.iter().map(|c| c.socket);
-            assert_eq!(
-                on_thread(&server, sockets.clone(), 0),
-                sockets.len(),
-                "seed {seed}"
-            );
-            let plan = server.wake_thread_rebalancing(1, 2);
-            assert_eq!(plan.iter().map(|m| m.count).sum::<u32>(), 3, "seed {seed}");
+            wake_thread_1_with_all_on_thread_0(&mut server, clients.iter().map(|c| c.socket), seed);
         }
         if now >= Nanos::from_millis(160) && !done[2] {
             done[2] = true;
