@@ -2,11 +2,12 @@
 # Runs fuzz targets one after the other (never two at once), each for a number of executions
 # and/or a time limit, and prints what libFuzzer reports at the end (executions, coverage).
 #
-# Usage: scripts/fuzz.sh [-r RUNS] [-t SECONDS] [-s SANITIZER] [-a] [TARGET...]
+# Usage: scripts/fuzz.sh [-r RUNS] [-t SECONDS] [-s SANITIZER] [-a] [-c] [TARGET...]
 #   -r RUNS       executions per target (default 1000000; 0: no limit, then give -t)
 #   -t SECONDS    time limit per target (default 0: none)
 #   -s SANITIZER  address or none (default: none for dataplane*, address for the codecs)
 #   -a            debug assertions and overflow checks on (cargo fuzz -a)
+#   -c            comparison tracing on for the dataplane* targets too (off by default)
 #   TARGET...     default: every target in fuzz/Cargo.toml
 # FUZZ_ARGS="..." adds libFuzzer flags, e.g. FUZZ_ARGS="-fork=1 -ignore_crashes=1" to go on
 # past a known crash (each crash still lands in fuzz/artifacts/TARGET/).
@@ -20,13 +21,15 @@ runs=1000000
 seconds=0
 sanitizer=""
 assertions=()
-while getopts "r:t:s:a" option; do
+compares=""
+while getopts "r:t:s:ac" option; do
     case "$option" in
         r) runs="$OPTARG" ;;
         t) seconds="$OPTARG" ;;
         s) sanitizer="$OPTARG" ;;
         a) assertions=(-a) ;;
-        *) sed -n '2,16p' "$0" >&2; exit 2 ;;
+        c) compares=on ;;
+        *) sed -n '2,21p' "$0" >&2; exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
@@ -47,6 +50,12 @@ for target in "${targets[@]}"; do
         # slower), so they run without it by default.
         case "$target" in dataplane*) san=none ;; *) san=address ;; esac
     fi
+    # The dataplane targets run scripts of decoded choices, not parsers looking for magic
+    # values; comparison tracing (libFuzzer's CMP hooks) costs them a third of each run
+    # (measured on dataplane_protocol's corpus: 22.8 s against 14.7 s), so it is off unless
+    # -c. Coverage counts (cov / ft) of the two builds are not comparable.
+    trace=()
+    case "$target" in dataplane*) [ -n "$compares" ] || trace=(--no-trace-compares) ;; esac
     mkdir -p "work/$target" "artifacts/$target"
     seeds=()
     if [ -d "corpus/$target" ]; then
@@ -57,18 +66,18 @@ for target in "${targets[@]}"; do
     fi
     commit=$(git rev-parse --short HEAD)
     dirty=$(git status --porcelain -- . ../crates | head -c1)
-    echo "==> $target: runs=$runs max_total_time=${seconds}s sanitizer=$san ${assertions[*]:-} commit=$commit${dirty:+ (with local changes)}"
+    echo "==> $target: runs=$runs max_total_time=${seconds}s sanitizer=$san ${assertions[*]:-} ${trace[*]:-} commit=$commit${dirty:+ (with local changes)}"
     start=$(date +%s)
     status=0
     # The default build (ASan, no -a) shares cargo fuzz's own target directory with
     # scripts/test.sh; the others get one each, so switching does not rebuild everything.
     target_dir=()
     if [ "$san" != address ] || [ ${#assertions[@]} -gt 0 ]; then
-        target_dir=(--target-dir "target/fuzz-$san${assertions[*]:+-a}")
+        target_dir=(--target-dir "target/fuzz-$san${assertions[*]:+-a}${trace[*]:+-ntc}")
     fi
     runs_flag=$runs
     [ "$runs" = 0 ] && runs_flag=-1   # libFuzzer: -1 is unlimited, 0 runs nothing
-    cargo +nightly fuzz run -O "${assertions[@]}" -s "$san" "${target_dir[@]}" \
+    cargo +nightly fuzz run -O "${assertions[@]}" "${trace[@]}" -s "$san" "${target_dir[@]}" \
         "$target" "work/$target" "${seeds[@]}" -- \
         -runs="$runs_flag" -max_total_time="$seconds" -print_final_stats=1 \
         -artifact_prefix="artifacts/$target/" ${FUZZ_ARGS:-} >"work/$target.log" 2>&1 || status=$?
