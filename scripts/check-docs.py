@@ -70,8 +70,8 @@ def start_reflexd(work):
     log = open(os.path.join(work, "reflexd.log"), "w+")
     process = subprocess.Popen(
         [os.path.join(BIN, "reflexd"), "--config", "configs/reflexd-small.toml", "--port", "0",
-         "--no-nbd", "--no-original", "--admin-listen", "127.0.0.1:0", "--state-file",
-         os.path.join(work, "state.json")],
+         "--no-nbd", "--no-original", "--no-nvme-tcp", "--admin-listen", "127.0.0.1:0",
+         "--state-file", os.path.join(work, "state.json")],
         stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.time() + 30
     while time.time() < deadline:
