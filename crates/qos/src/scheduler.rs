@@ -766,39 +766,11 @@ impl Scheduler {
         self.release_refills(&mut round);
 
         // LC subround.
-        if !self.lc_list.is_empty() {
-            let list = std::mem::take(&mut self.lc_list);
-            let start = self.lc_cursor % list.len();
-            let mut keep = std::mem::take(&mut self.scratch);
-            keep.clear();
-            for &index in list[start..].iter().chain(list[..start].iter()) {
-                if self.serve_lc(index as usize, &mut round, submit) {
-                    keep.push(index);
-                }
-            }
-            self.scratch = list;
-            self.lc_list = keep;
-            self.lc_cursor = self.lc_cursor.wrapping_add(1);
-        }
-
+        self.subround(TenantClass::LatencyCritical, &mut round, submit);
         // LC surplus becomes visible to BE tenants on every thread.
         self.flush_donations();
-
-        // BE subround, round robin from a rotating start.
-        if !self.be_list.is_empty() {
-            let list = std::mem::take(&mut self.be_list);
-            let start = self.be_cursor % list.len();
-            let mut keep = std::mem::take(&mut self.scratch);
-            keep.clear();
-            for &index in list[start..].iter().chain(list[..start].iter()) {
-                if self.serve_be(index as usize, &mut round, submit) {
-                    keep.push(index);
-                }
-            }
-            self.scratch = list;
-            self.be_list = keep;
-            self.be_cursor = self.be_cursor.wrapping_add(1);
-        }
+        // BE subround.
+        self.subround(TenantClass::BestEffort, &mut round, submit);
 
         self.flush_donations();
         if self.participating {
@@ -811,6 +783,46 @@ impl Scheduler {
         #[cfg(debug_assertions)]
         self.check();
         round.summary
+    }
+
+    /// Serves every listed tenant of `class` once, round robin from a start that rotates
+    /// every round; the tenants that stay listed form the list for the next round.
+    #[inline(always)]
+    fn subround<F>(&mut self, class: TenantClass, round: &mut Round, submit: &mut F)
+    where
+        F: FnMut(Admitted) -> bool,
+    {
+        let latency_critical = class == TenantClass::LatencyCritical;
+        let (list, cursor) = if latency_critical {
+            (&mut self.lc_list, self.lc_cursor)
+        } else {
+            (&mut self.be_list, self.be_cursor)
+        };
+        if list.is_empty() {
+            return;
+        }
+        let list = std::mem::take(list);
+        let start = cursor % list.len();
+        let mut keep = std::mem::take(&mut self.scratch);
+        keep.clear();
+        for &index in list[start..].iter().chain(list[..start].iter()) {
+            let stays = if latency_critical {
+                self.serve_lc(index as usize, round, submit)
+            } else {
+                self.serve_be(index as usize, round, submit)
+            };
+            if stays {
+                keep.push(index);
+            }
+        }
+        self.scratch = list;
+        if latency_critical {
+            self.lc_list = keep;
+            self.lc_cursor = self.lc_cursor.wrapping_add(1);
+        } else {
+            self.be_list = keep;
+            self.be_cursor = self.be_cursor.wrapping_add(1);
+        }
     }
 
     /// Serves one listed LC tenant; returns whether it stays listed.
