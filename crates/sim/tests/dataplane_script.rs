@@ -981,6 +981,20 @@ fn racing_nvme_tcp_writes_leave_their_blocks_unknown() {
     assert_eq!(outcome.framing_errors, 0, "{outcome:?}");
 }
 
+/// Finding 16 (fuzzer, run 44; a harness defect): a well-formed NVMe/TCP host on the
+/// composite namespace had reads of its private blocks in flight, delayed 200 ms at random by
+/// a fault, when it sent a 4 KiB in-capsule write of byte 23 to one of them; the device
+/// applied the write before the delayed read 19, which returned 23 where the harness expected
+/// the content at the time the read was sent (0). NVMe orders no two commands in flight: a
+/// write now also unchecks the blocks of the reads in flight that it overlaps.
+#[test]
+fn a_write_sent_after_a_read_in_flight_races_it() {
+    let bytes = include_bytes!("data/finding-16-nvme-read-write-race.bin");
+    let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, false);
+    assert_eq!(outcome.framing_errors, 0, "{outcome:?}");
+    assert!(outcome.nvme_blocks_checked > 0, "{outcome:?}");
+}
+
 /// Finding 13 (fuzzer, run 36): a key-value connection on thread 1, whose table steps go to
 /// thread 0 (the table's owner), with PUTs in flight, a fault stalling a device, then the
 /// shutdown. A request whose step waited at the owner (at the bucket gate, behind the stalled
