@@ -995,6 +995,20 @@ fn a_write_sent_after_a_read_in_flight_races_it() {
     assert!(outcome.nvme_blocks_checked > 0, "{outcome:?}");
 }
 
+/// Finding 17 (fuzzer, run 46; a server defect): two threads with migration on and one
+/// device operation each (`device_in_flight_max` 1). A read migrates from thread 0 to thread
+/// 1 and, in the same instant, one from thread 1 to thread 0. A read sent away counts in its
+/// home's device operations until it comes back, so each thread's only place waited on the
+/// other, and each held the other's read in its fairness stage with no place to serve it:
+/// both threads' clients waited for ever. Reads sent away may now take all but one of a
+/// thread's places, so the last one always serves its own requests or another thread's.
+#[test]
+fn two_threads_that_sent_reads_to_each_other_still_serve_them() {
+    let bytes = include_bytes!("data/finding-17-migration-deadlock.bin");
+    let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, false);
+    assert!(outcome.requests_answered > 0, "{outcome:?}");
+}
+
 /// Finding 13 (fuzzer, run 36): a key-value connection on thread 1, whose table steps go to
 /// thread 0 (the table's owner), with PUTs in flight, a fault stalling a device, then the
 /// shutdown. A request whose step waited at the owner (at the bucket gate, behind the stalled

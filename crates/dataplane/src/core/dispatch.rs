@@ -191,6 +191,18 @@ impl Dataplane {
         if self.qos[namespace_index].fair.handle_timeout(now) {
             self.plan_migration(namespace_index);
         }
+        // Reads this thread sent away count in its device operations until they come back.
+        // They may take all but one of them: a thread whose every place waits on reads at
+        // other threads could not serve theirs, and two such threads would wait on each
+        // other for ever (finding 17). The place left serves its own requests or, released
+        // by the stage, another thread's reads, and its device always completes.
+        let away_max = if self.qos[namespace_index].migrator.is_enabled() {
+            (self.limits.device_in_flight_max as usize)
+                .saturating_sub(1)
+                .saturating_sub(self.migrated_away() as usize)
+        } else {
+            0
+        };
         let namespace = &mut self.qos[namespace_index];
         let mut admitted = std::mem::take(&mut self.admitted);
         assert!(admitted.is_empty());
@@ -210,6 +222,7 @@ impl Dataplane {
                 // A migrated read counts in this thread's device operations until it comes back.
                 let destination = if migrating_allowed
                     && direct + migrating.len() < room
+                    && migrating.len() < away_max
                     && Self::migratable_in(requests, request.token)
                 {
                     migrator.pick_destination(Self::density(fair, flow))

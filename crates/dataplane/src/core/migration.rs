@@ -211,6 +211,14 @@ impl Dataplane {
         }
     }
 
+    /// Reads this thread sent to other threads that have not come back (every namespace).
+    pub(super) fn migrated_away(&self) -> u32 {
+        self.qos
+            .iter()
+            .map(|namespace| namespace.migrator.in_transit_total())
+            .sum()
+    }
+
     /// Whether the admitted request `token` may be served by another thread: a READ, or a
     /// key-value operation's device read (a bucket or a value), see the module's rules.
     pub(super) fn migratable_in(requests: &[super::request::Request], token: u64) -> bool {
