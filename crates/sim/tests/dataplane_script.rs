@@ -1009,6 +1009,24 @@ fn two_threads_that_sent_reads_to_each_other_still_serve_them() {
     assert!(outcome.requests_answered > 0, "{outcome:?}");
 }
 
+/// Finding 18 (fuzzer, runs 45 and 47; a harness defect): a well-formed key-value client
+/// pipelined about 130 PUTs of keys in one bucket through a second thread to the table's
+/// owner, on the namespace the harness delays by 200 ms per device operation. Each PUT is
+/// three operations in turn (bucket read, value write, bucket write) behind the bucket's gate,
+/// so the last answer came after about 78 s, past the 60 s the harness allowed for all the
+/// answers together, though one came every 0.6 s. The harness now allows that time from one
+/// answer to the next: a server that keeps answering is slow, not stuck.
+#[test]
+fn a_server_that_keeps_answering_slowly_is_not_stuck() {
+    let bytes = include_bytes!("data/finding-18-kv-slow-bucket.bin");
+    let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, false);
+    assert!(outcome.requests_answered >= 120, "{outcome:?}");
+    assert!(
+        outcome.finished_at > script::ANSWERS_TIME_MAX,
+        "{outcome:?}"
+    );
+}
+
 /// Finding 13 (fuzzer, run 36): a key-value connection on thread 1, whose table steps go to
 /// thread 0 (the table's owner), with PUTs in flight, a fault stalling a device, then the
 /// shutdown. A request whose step waited at the owner (at the bucket gate, behind the stalled
