@@ -185,6 +185,10 @@ struct Thread {
     /// Sockets of this thread by connection (slot index and generation): the dataplane may
     /// hand a slot to a new connection before the driver has taken the old one's `Close`.
     sockets_by_connection: HashMap<(u32, u32), SocketId>,
+    /// A device operation it issued finished at once: like reflexd's drivers
+    /// (`finished_synchronously`), the thread gets another pass even with no pending work
+    /// (a migrated read answered at once frees a place its stage may fill; finding 19).
+    finished_synchronously: bool,
 }
 
 struct Socket {
@@ -311,6 +315,7 @@ impl VirtualServer {
                 accept_armed: vec![false; setup.listeners.len()],
                 serves: vec![true; setup.listeners.len()],
                 sockets_by_connection: HashMap::new(),
+                finished_synchronously: false,
             });
         }
         let thread_count = threads.len();
@@ -829,7 +834,8 @@ impl VirtualServer {
             .cpu
             .as_ref()
             .is_some_and(|(_, accounts)| accounts[thread].owed_ns > 0);
-        if !due && !owed && !self.threads[thread].dataplane.has_pending_work() {
+        let again = std::mem::take(&mut self.threads[thread].finished_synchronously);
+        if !due && !owed && !again && !self.threads[thread].dataplane.has_pending_work() {
             return false;
         }
         self.threads[thread].dataplane.process(now);
@@ -981,6 +987,7 @@ impl VirtualServer {
                 let user_data = device_user_data(command.id);
                 let op = state.dataplane.device_op(&command, user_data, None);
                 if let Some(result) = submit_device_op(&mut state.queues, &command, op, now) {
+                    state.finished_synchronously = true;
                     state.dataplane.handle_device(command.id, result, now);
                     self.charge_device_completion(thread);
                 }
@@ -1062,6 +1069,7 @@ impl VirtualServer {
             .dataplane
             .device_op(&read.command, user_data, None);
         if let Some(result) = submit_device_op(&mut server_state.queues, &command, op, now) {
+            server_state.finished_synchronously = true;
             server_state
                 .dataplane
                 .handle_device(command.id, result, now);

@@ -1027,6 +1027,20 @@ fn a_server_that_keeps_answering_slowly_is_not_stuck() {
     );
 }
 
+/// Finding 19 (fuzzer, run 48; the simulator's defect, not reflexd's): a thread served three
+/// reads migrated from another on a `mem` device, whose operations finish as they are
+/// submitted, with room for two at a time in its fairness stage. The first two finished at
+/// once and their results went home in the same pass, so the thread had no pending work and
+/// the simulator never processed it again: the third read waited for ever in the stage.
+/// reflexd's drivers give a thread another pass after an operation finished synchronously
+/// (`finished_synchronously`); the simulator now does the same.
+#[test]
+fn a_thread_whose_device_answered_at_once_gets_another_pass() {
+    let bytes = include_bytes!("data/finding-19-migrated-read-at-once.bin");
+    let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, false);
+    assert!(outcome.migrated_reads > 0, "{outcome:?}");
+}
+
 /// Finding 13 (fuzzer, run 36): a key-value connection on thread 1, whose table steps go to
 /// thread 0 (the table's owner), with PUTs in flight, a fault stalling a device, then the
 /// shutdown. A request whose step waited at the owner (at the bucket gate, behind the stalled
