@@ -295,7 +295,8 @@ impl<B: BlockStore> KvStore<B> {
         &self.table.geometry
     }
 
-    /// Keys stored.
+    /// Keys stored, as the answered operations tell: a PUT or DELETE whose bucket write
+    /// failed may still have landed, which the count learns only at the next open.
     pub const fn len(&self) -> u64 {
         self.table.entry_count
     }

@@ -171,7 +171,8 @@ impl KvTable {
         &self.geometry
     }
 
-    /// Keys stored.
+    /// Keys stored, as the answered operations tell: a PUT or DELETE whose bucket write
+    /// failed may still have landed, which the count learns only at the next open.
     pub const fn len(&self) -> u64 {
         self.entry_count
     }
