@@ -6,13 +6,16 @@ use serde::{Deserialize, Serialize};
 use crate::calibrator::{CalibratorConfig, CalibratorConfigError};
 use crate::fair_queue::FairQueueConfig;
 use crate::time::Nanos;
-use crate::tokens::Tokens;
+use crate::tokens::{TokenRate, Tokens};
 
 /// Most dataplane threads that can share one device's global bucket (one bit each in a `u64`).
 pub const THREADS_MAX: usize = 64;
 
 /// Most tenants one registry or scheduler can hold (the original's `MAX_NVME_FLOW_GROUPS`).
 pub const TENANTS_LIMIT: u32 = 1 << 16;
+
+/// Most burst room an LC tenant may have, as time of its own reservation (10 s).
+pub const DEFICIT_LIMIT_US_MAX: u64 = 10_000_000;
 
 /// Knobs shared by [`crate::TenantRegistry`] and [`crate::Scheduler`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -21,7 +24,17 @@ pub struct QosConfig {
     /// How far below zero an LC tenant's balance may fall before it is rate-limited and the
     /// control plane is told (`NEG_LIMIT`), in tokens, for the whole tenant (split between
     /// threads like its rate). Paper: 50 tokens; the original code used 100 × write cost.
+    /// The limit in force is the larger of this and `deficit_limit_us` of the tenant's own
+    /// reservation.
     pub deficit_limit_tokens: f64,
+    /// Burst room: an LC tenant may also run this long of its own reservation ahead of its
+    /// tokens before it is rate-limited. A tenant that sends at its reservation as a Poisson
+    /// stream has a token balance that walks without drift; a floor of a fixed 50 tokens is
+    /// reached within milliseconds and the tenant then waits for its own tokens, while a floor
+    /// of 100 ms of its rate is reached rarely (`docs/QOS.md` §2). The price: in any window a
+    /// tenant may use this much more than its reservation, which the device's other tenants
+    /// feel. 0 (default): the fixed limit alone, as in the paper.
+    pub deficit_limit_us: u64,
     /// Share of an LC tenant's balance donated to the global bucket once the balance exceeds
     /// `surplus_rounds` rounds' worth of its rate (paper: 90 %).
     pub donate_percent: u8,
@@ -64,6 +77,7 @@ impl Default for QosConfig {
     fn default() -> QosConfig {
         QosConfig {
             deficit_limit_tokens: 50.0,
+            deficit_limit_us: 0,
             donate_percent: 90,
             surplus_rounds: 3,
             loan_max_tokens: 50.0,
@@ -81,8 +95,18 @@ impl Default for QosConfig {
 }
 
 impl QosConfig {
+    /// The fixed part of every LC tenant's deficit limit (see [`Self::deficit_limit_for`]).
     pub fn deficit_limit(&self) -> Tokens {
         Tokens::from_tokens_f64(self.deficit_limit_tokens)
+    }
+
+    /// The deficit limit of an LC tenant whose reservation is `reserved` (millitokens per
+    /// second): `deficit_limit_tokens`, or `deficit_limit_us` of the reservation if more.
+    pub fn deficit_limit_for(&self, reserved: TokenRate) -> Tokens {
+        let burst = u128::from(reserved.millitokens_per_sec()) * u128::from(self.deficit_limit_us)
+            / 1_000_000;
+        let burst = Tokens(i64::try_from(burst).unwrap_or(i64::MAX));
+        self.deficit_limit().max(burst)
     }
 
     pub fn loan_max(&self) -> Tokens {
@@ -117,6 +141,12 @@ impl QosConfig {
         };
         finite_non_negative("deficit_limit_tokens", self.deficit_limit_tokens)?;
         finite_non_negative("loan_max_tokens", self.loan_max_tokens)?;
+        if self.deficit_limit_us > DEFICIT_LIMIT_US_MAX {
+            return Err(ConfigError::Invalid {
+                field: "deficit_limit_us",
+                reason: "must be at most 10 s (10000000)",
+            });
+        }
         if self.loan_percent > 100 {
             return Err(ConfigError::Invalid {
                 field: "loan_percent",
@@ -192,6 +222,22 @@ mod tests {
         assert_eq!(config.deficit_limit(), Tokens::from_tokens(50));
         assert_eq!(config.donate_percent, 90);
         assert_eq!(config.surplus_rounds, 3);
+        // Burst room (off by default): 100 ms of the reservation when that is more than the
+        // fixed limit.
+        let rate = TokenRate::from_tokens_per_sec(20_000);
+        assert_eq!(config.deficit_limit_for(rate), Tokens::from_tokens(50));
+        let room = QosConfig {
+            deficit_limit_us: 100_000,
+            ..QosConfig::default()
+        };
+        assert_eq!(room.deficit_limit_for(rate), Tokens::from_tokens(2_000));
+        let slow = TokenRate::from_tokens_per_sec(400);
+        assert_eq!(room.deficit_limit_for(slow), Tokens::from_tokens(50));
+        let too_long = QosConfig {
+            deficit_limit_us: DEFICIT_LIMIT_US_MAX + 1,
+            ..QosConfig::default()
+        };
+        assert!(too_long.validate().is_err());
     }
 
     #[test]

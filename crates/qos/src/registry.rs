@@ -1034,8 +1034,9 @@ impl TenantRegistry {
                     split(reserved[0], &entry.connections),
                     split(reserved[1], &entry.connections),
                 ];
+                let reserved_max = TokenRate(reserved[0].max(reserved[1]));
                 let limits = split(
-                    self.config.deficit_limit().0.max(0) as u64,
+                    self.config.deficit_limit_for(reserved_max).0.max(0) as u64,
                     &entry.connections,
                 );
                 for (thread, &here) in entry.connections.iter().enumerate() {

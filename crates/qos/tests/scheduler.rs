@@ -190,6 +190,39 @@ fn lc_tenant_bursts_to_its_deficit_limit_then_is_rate_limited_and_reported_once(
     assert_eq!(s.threads[0].tenant_stats(a).unwrap().deficit_episodes, 2);
 }
 
+/// Burst room of 100 ms of the tenant's reservation (`deficit_limit_us`), here 1,000 reads
+/// of a 10K-IOPS tenant, before it is held to its rate and told once.
+#[test]
+fn lc_tenant_with_burst_room_bursts_100_ms_of_its_reservation() {
+    let config = QosConfig {
+        deficit_limit_us: 100_000,
+        ..no_lending()
+    };
+    let mut s = Setup::new(1, config, Policy::Tokens);
+    let start = s.make_mixed(0);
+    let a = s.add(
+        TenantSpec::LatencyCritical {
+            latency_us_p95: 500,
+            iops: 10_000,
+            read_percent: 100,
+        },
+        &[0],
+        start,
+    );
+    for token in 0..1_024 {
+        s.threads[0].enqueue(a, read(token), start).unwrap();
+    }
+    let first = s.round(0, start);
+    assert_eq!(first.iter().filter(|x| x.tenant == a).count(), 1_000);
+    assert_eq!(
+        s.events(0),
+        vec![SchedulerEvent::DeficitLimitReached { tenant: a }]
+    );
+    // Then its rate: 10 reads in the next millisecond.
+    let next = s.round(0, start + us(1_000));
+    assert_eq!(next.iter().filter(|x| x.tenant == a).count(), 10);
+}
+
 #[test]
 fn lending_lets_an_lc_tenant_past_its_limit_and_best_effort_tenants_repay() {
     let mut s = Setup::new(1, QosConfig::default(), Policy::Tokens);
