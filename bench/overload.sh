@@ -30,7 +30,9 @@
 # Usage: bench/overload.sh     REPS=1 bench/overload.sh
 # Environment: REPS (3) SCENARIO (scenarios/fig5-small-scenario2.toml) IDLE (10000)
 #   SLOWLORIS (2000) NON_READERS (1) CONNECTIONS (12000) CONNECT_RATE (1000) SOURCE (127.0.0.2)
-#   FRESH_INTERVAL (20ms) SERVER_CPU (0) CLIENT_CPU (1) PORT (17280) NICE (-20 as root) RT_PRIO
+#   FRESH_INTERVAL (20ms) SERVER_CPU (0) CLIENT_CPU (1) PORT (17280) ADMIN_PORT (17281)
+#   NICE (-20 as root) RT_PRIO ISOLATE (on: every other task that can leaves SERVER_CPU for the
+#   run, bench/lib/isolate.py; off: it is shared as the scheduler likes)
 #   QUIET_MAX_PERCENT (20) QUIET_WAIT_S (30) WORK (target/bench-overload)
 #   CALIBRATION (off, reflexd's default: the profile alone; on: online self-calibration with
 #   its best-effort floor, docs/QOS.md §11)
@@ -54,8 +56,11 @@ FRESH_INTERVAL=${FRESH_INTERVAL:-20ms}
 SERVER_CPU=${SERVER_CPU:-0}
 CLIENT_CPU=${CLIENT_CPU:-1}
 PORT=${PORT:-17280}
+ADMIN_PORT=${ADMIN_PORT:-17281}
 if [ "$(id -u)" = 0 ]; then NICE=${NICE:--20}; else NICE=${NICE:-0}; fi
 RT_PRIO=${RT_PRIO:-}
+ISOLATE=${ISOLATE:-on}
+case "$ISOLATE" in on | off) ;; *) die "ISOLATE must be on or off, not $ISOLATE" ;; esac
 # prio: the command prefix that gives the server and the measuring clients their priority.
 prio() {
     if [ -n "$RT_PRIO" ]; then echo chrt -f "$RT_PRIO"; else echo nice -n "$NICE"; fi
@@ -85,6 +90,7 @@ CONFIG="$WORK/overload.toml"
     if [ "$CALIBRATION" = on ]; then
         printf '\n[qos_config.calibration]\nenabled = true\n'
     fi
+    printf '\n[admin]\nlisten = "127.0.0.1:%s"\n' "$ADMIN_PORT"
 } >"$CONFIG"
 grep -q "connections_per_thread_max = $CONNECTIONS" "$CONFIG" || die "could not write $CONFIG"
 SECONDS_SCENARIO=$(awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$SCENARIO")
@@ -98,10 +104,13 @@ cleanup() {
     [ -z "$SERVER_PID" ] || stop_pid "$SERVER_PID"
     SERVER_PID=""
     autogroup_restore
+    isolate_restore
 }
 trap cleanup EXIT
 # Niceness counts only inside a scheduler autogroup (a session): give ours NICE too.
 [ "$NICE" -ge 0 ] || autogroup_nice "$NICE"
+# The server's CPU is its own: every other task that may run elsewhere moves off it.
+[ "$ISOLATE" = off ] || isolate_cpu "$SERVER_CPU"
 AUTOGROUP=$(cat /proc/self/autogroup 2>/dev/null || echo none)
 
 start_server() {
@@ -160,6 +169,12 @@ one_run() {
     PIDS+=("$fresh_pid")
     cpu_before=$(cpu_ns "$SERVER_PID")
     start=$(now_ns)
+    # The server's own view of the scenario's tenants (arrival off the socket to the reply's
+    # send) two thirds into it (the tenants leave with it): the client's p95 less the
+    # server's is the network's and the client's share.
+    (sleep $((SECONDS_SCENARIO * 2 / 3)) && curl -s --max-time 5 \
+        "http://127.0.0.1:$ADMIN_PORT/v1/stats" >"$RAW/$name-stats.json") &
+    PIDS+=("$!")
     # shellcheck disable=SC2046
     timeout $((SECONDS_SCENARIO + STEP_SLACK_S)) $(prio) taskset -c "$CLIENT_CPU" \
         "$REFLEX" bench -s "127.0.0.1:$PORT" --scenario "$SCENARIO" --cpus "$CLIENT_CPU" \
@@ -198,9 +213,9 @@ DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitt
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
-COMMAND="REPS=$REPS CALIBRATION=$CALIBRATION${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
+COMMAND="REPS=$REPS CALIBRATION=$CALIBRATION ISOLATE=$ISOLATE${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
 PRIORITY=$(if [ -n "$RT_PRIO" ]; then echo "SCHED_FIFO priority $RT_PRIO"; else echo "niceness $NICE"; fi)
-export AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU PRIORITY \
+export ISOLATE AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU PRIORITY \
     IDLE SLOWLORIS NON_READERS CONNECTIONS CONNECT_RATE SOURCE FRESH_INTERVAL SCENARIO RAW CONFIG
 mkdir -p "$(dirname "$OUT")"
 python3 bench/lib/overload_report.py "$RUNS" "$OUT"

@@ -40,6 +40,18 @@ for run in runs:
     run["fresh"] = load(run["name"], "fresh")["fresh"]
     run["flood"] = load(run["name"], "flood")
     run["rss"] = rss_samples(run["name"])
+    run["stats"] = load(run["name"], "stats")
+
+
+def server_p95(run, name):
+    """The server's p95 for tenant `name` (arrival off the socket to the reply's send), from
+    /v1/stats two thirds into the scenario; tenants are matched by their handle."""
+    tenant = next(t for t in run["scenario"]["tenants"] if t["name"] == name)
+    handle = f"{tenant['handle']:016x}"
+    for entry in (run["stats"] or {}).get("tenants", []):
+        if entry["handle"] == handle:
+            return entry["totals"]["read_latency_us"]["p95"]
+    return None
 
 modes = [m for m in ("none", "attack") if any(r["mode"] == m for r in runs)]
 by_mode = {m: [r for r in runs if r["mode"] == m] for m in modes}
@@ -63,7 +75,11 @@ add(f"- server: reflexd as `configs/reflexd-small-headroom.toml` (one dataplane 
     f"mode, `emu:device-a-small` with its profile, `slo_headroom_us = 100`) with "
     f"`connections_per_thread_max = {connections}` (written to `{env['CONFIG']}`), other limits and "
     f"timeouts at their defaults (handshake 10 s, receive 30 s, send 60 s, park after 1 s). "
-    f"Pinned to CPU {env['SERVER_CPU']} at {env['PRIORITY']}.")
+    f"Pinned to CPU {env['SERVER_CPU']} at {env['PRIORITY']}. "
+    + ("Every other task that could run elsewhere was moved off that CPU for the run "
+       "(`bench/lib/isolate.py`; per-CPU kernel threads such as ksoftirqd stay)."
+       if env.get("ISOLATE") == "on" else
+       "The CPU was shared with every other task on the machine (`ISOLATE=off`)."))
 add(f"- clients, all pinned to CPU {env['CLIENT_CPU']} (2 vCPUs: the attack competes with the "
     f"LC client for that CPU, never with the server for its own): `reflex bench --scenario "
     f"{env['SCENARIO']}` (LC A 12K IOPS, LC B 7K reserved / 4.5K sent, p95 ≤ 500 µs; BE C and D "
@@ -108,6 +124,22 @@ for mode in modes:
     cores = cell([int(r["server_cpu_ns"]) / int(r["wall_ns"]) for r in rows], lambda v: f"{v:.2f}")
     label = "scenario alone" if mode == "none" else "scenario + attack"
     add(f"| {label} | {' | '.join(cells)} | {', '.join(met)} | {' | '.join(iops)} | {cores} |")
+add("")
+add("The same tenants' p95 as the server saw it (arrival off the socket to the reply's send, "
+    "over the run until two thirds into the scenario, from `GET /v1/stats`); the client's p95 "
+    "less the server's is what the network, the kernel and the client add:")
+add("")
+add("| run | " + " | ".join(f"{t} server p95 µs" for t in tenants if slo[t]) + " |")
+add("|---|" + "---:|" * len([t for t in tenants if slo[t]]))
+for mode in modes:
+    rows = by_mode[mode]
+    cells = []
+    for name in tenants:
+        if slo[name]:
+            values = [v for v in (server_p95(r, name) for r in rows) if v is not None]
+            cells.append(cell(values, lambda v: f"{v:.0f}") if values else "—")
+    label = "scenario alone" if mode == "none" else "scenario + attack"
+    add(f"| {label} | {' | '.join(cells)} |")
 add("")
 add("## A fresh client: connect, HELLO, first 4 KiB READ answered")
 add("")
