@@ -853,6 +853,11 @@ pub struct Config {
     pub kv: KvConfig,
     /// Dataplane threads, each with its own ring, buffers and share of connections.
     pub threads: usize,
+    /// CPUs the dataplane threads are pinned to, thread i to the i-th (as many as `threads`);
+    /// empty: not pinned. ReFlex gives each dataplane thread a core of its own: pin them here
+    /// and keep everything else, the process's own admin and control threads included, off
+    /// those CPUs (e.g. `isolcpus`, or `bench/lib/isolate.py`).
+    pub dataplane_cpus: Vec<usize>,
     /// Spin on the rings instead of sleeping when idle (lowest latency, one busy core each).
     pub poll: bool,
     /// In blocking mode, how long at most a thread spins before a device or scheduler
@@ -981,6 +986,7 @@ impl Default for Config {
             nvme_tcp: NvmeTcpConfig::default(),
             kv: KvConfig::default(),
             threads: 1,
+            dataplane_cpus: Vec::new(),
             poll: false,
             spin_before_deadline_max: Duration::from_micros(500),
             driver: DriverChoice::Auto,
@@ -1320,6 +1326,20 @@ impl Config {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
         if self.threads == 0 || self.threads > THREADS_MAX {
             return invalid(format!("threads {} not in 1..={THREADS_MAX}", self.threads));
+        }
+        if !self.dataplane_cpus.is_empty() && self.dataplane_cpus.len() != self.threads {
+            return invalid(format!(
+                "dataplane_cpus names {} CPUs for {} dataplane threads (one per thread)",
+                self.dataplane_cpus.len(),
+                self.threads
+            ));
+        }
+        for (index, cpu) in self.dataplane_cpus.iter().enumerate() {
+            if self.dataplane_cpus[..index].contains(cpu) {
+                return invalid(format!(
+                    "dataplane_cpus names CPU {cpu} twice (each thread gets a core of its own)"
+                ));
+            }
         }
         if let Err(error) = self.scaling.validate(self.threads) {
             return invalid(error.to_string());
@@ -2357,6 +2377,36 @@ mod tests {
         ten_thousand
             .validate()
             .unwrap_or_else(|e| panic!("10,000 connections per thread: {e}"));
+    }
+
+    #[test]
+    fn dataplane_cpus_name_one_cpu_per_thread() {
+        let refused = |threads: usize, cpus: Vec<usize>, expected: &str| {
+            let config = Config {
+                threads,
+                dataplane_cpus: cpus,
+                ..Config::default()
+            };
+            let error = config
+                .validate()
+                .err()
+                .unwrap_or_else(|| panic!("accepted {:?}", config.dataplane_cpus));
+            assert!(error.to_string().contains(expected), "{error}");
+        };
+        refused(2, vec![0], "names 1 CPUs for 2 dataplane threads");
+        refused(1, vec![0, 1], "names 2 CPUs for 1 dataplane threads");
+        refused(2, vec![3, 3], "CPU 3 twice");
+        for cpus in [vec![], vec![1, 0]] {
+            let config = Config {
+                threads: 2,
+                dataplane_cpus: cpus,
+                ..Config::default()
+            };
+            config.validate().unwrap_or_else(|e| panic!("{e}"));
+        }
+        let parsed: Config = toml::from_str("threads = 2\ndataplane_cpus = [2, 3]\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(parsed.dataplane_cpus, vec![2, 3]);
     }
 
     #[test]

@@ -92,6 +92,9 @@ pub struct DriverSetup {
     pub migration: Option<crate::migration::MigrationLinks>,
     /// Thread scaling's requests and connection queues, when the server has several threads.
     pub scaling: Option<crate::scaling::ThreadScaling>,
+    /// The CPU this thread is pinned to (`dataplane_cpus`), before it allocates its arena so
+    /// that the arena's pages come from that CPU's memory node.
+    pub cpu: Option<usize>,
 }
 
 /// Wakes a sleeping dataplane thread through its eventfd: for the control plane's messages
@@ -133,6 +136,16 @@ pub fn spawn_driver(
     std::thread::Builder::new()
         .name(format!("reflex-dp-{thread_index}"))
         .spawn(move || {
+            if let Some(cpu) = driver_setup.cpu
+                && let Err(errno) = crate::sys::pin_current_thread(cpu)
+            {
+                let error = std::io::Error::from_raw_os_error(errno);
+                return refuse(
+                    &ready,
+                    thread_index,
+                    format!("cannot pin it to CPU {cpu} (dataplane_cpus): {error}"),
+                );
+            }
             let dataplane = match Dataplane::new(dataplane_setup) {
                 Ok(dataplane) => dataplane,
                 Err(e) => return refuse(&ready, thread_index, e.to_string()),

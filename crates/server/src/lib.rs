@@ -437,6 +437,7 @@ impl Server {
                     .scaling
                     .as_ref()
                     .map(|scaling| scaling.thread(thread_index)),
+                cpu: config.dataplane_cpus.get(thread_index).copied(),
             };
             let spawned = spawn_driver(driver, dataplane_setup, driver_setup, ready_tx.clone());
             match spawned {

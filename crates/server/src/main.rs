@@ -74,6 +74,10 @@ struct Args {
     /// Dataplane threads (default 1).
     #[arg(long, short = 't')]
     threads: Option<usize>,
+    /// Pin dataplane thread i to the i-th CPU of this list, e.g. `2,3`: one dedicated core per
+    /// thread, the rest of the process (admin API, control plane) left to the other CPUs.
+    #[arg(long, value_delimiter = ',')]
+    dataplane_cpus: Option<Vec<usize>>,
     /// Thread scaling: park and wake dataplane threads with the load (`[scaling]` in the
     /// configuration file gives the thresholds).
     #[arg(long)]
@@ -288,6 +292,9 @@ fn build_config(args: Args) -> anyhow::Result<Config> {
     }
     if let Some(threads) = args.threads {
         config.threads = threads;
+    }
+    if let Some(cpus) = args.dataplane_cpus {
+        config.dataplane_cpus = cpus;
     }
     if args.poll {
         config.poll = true;

@@ -31,6 +31,26 @@ pub fn tcp_rtt_us(socket: &impl AsRawFd) -> Result<u32, i32> {
     Ok(info.tcpi_rtt)
 }
 
+/// Pins the calling thread to one CPU (`dataplane_cpus`); the errno when the kernel refuses
+/// (a CPU that does not exist or is outside the process's cpuset: EINVAL).
+pub fn pin_current_thread(cpu: usize) -> Result<(), i32> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: cpu_set_t is a plain C bit set for which all-zero bytes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: cpu < CPU_SETSIZE (checked above), so the bit lies inside the set.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: the set is a live cpu_set_t of the size given; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EINVAL));
+    }
+    Ok(())
+}
+
 /// An all-zero `msghdr` (its layout has private padding on some targets).
 pub fn empty_msghdr() -> libc::msghdr {
     // SAFETY: msghdr is a plain C struct for which all-zero bytes is a valid value (null
