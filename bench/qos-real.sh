@@ -12,9 +12,12 @@
 #     bench/qos-real.sh
 # Environment: REPS (3), SCENARIOS, SERVER_CONFIG (configs/reflexd-small.toml),
 #   SERVER_CPU (1), CLIENT_CPU (0), PORT (17070), BIN (target/release), WORK
-#   (target/qos-real), MODES ("on off"), STEP_SLACK (20).
+#   (target/qos-real), MODES ("on off"), STEP_SLACK (20), ISOLATE (on: every other task that
+#   can leaves SERVER_CPU for the run, as an operator dedicates a core to a dataplane thread,
+#   bench/lib/isolate.py; off: the CPU is shared as the scheduler likes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source bench/lib/common.sh
 
 REPS=${REPS:-3}
 SCENARIOS=${SCENARIOS:-"scenarios/fig5-small-scenario1.toml scenarios/fig5-small-scenario2.toml"}
@@ -26,6 +29,8 @@ BIN=${BIN:-target/release}
 WORK=${WORK:-target/qos-real}
 MODES=${MODES:-"on off"}
 STEP_SLACK=${STEP_SLACK:-20}
+ISOLATE=${ISOLATE:-on}
+case "$ISOLATE" in on | off) ;; *) die "ISOLATE must be on or off, not $ISOLATE" ;; esac
 mkdir -p "$WORK/raw"
 
 server_pid=""
@@ -36,7 +41,8 @@ stop_server() {
     fi
     server_pid=""
 }
-trap stop_server EXIT
+trap 'stop_server; isolate_restore' EXIT
+[ "$ISOLATE" = off ] || isolate_cpu "$SERVER_CPU"
 
 seconds_of() { # scenario file -> warm-up + duration in whole seconds
     awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$1"

@@ -16,7 +16,8 @@
 #
 # Usage: bench/slowdown.sh
 # Environment: REPS (3) SERVER_CPU (1) CLIENT_CPU (0) SETTLE_MS (11500: from 1.5 s after the
-#   slowdown) WORK (target/bench-slowdown) OUT (docs/results/slowdown.md)
+#   slowdown) WORK (target/bench-slowdown) OUT (docs/results/slowdown.md) ISOLATE (on: every
+#   other task that can leaves SERVER_CPU for the run, bench/lib/isolate.py; off: shared)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib/common.sh
@@ -28,6 +29,8 @@ SETTLE_MS=${SETTLE_MS:-11500}
 WORK=${WORK:-target/bench-slowdown}
 OUT=${OUT:-docs/results/slowdown.md}
 SCENARIO=scenarios/fig5-small-scenario1-slowdown.toml
+export ISOLATE=${ISOLATE:-on}
+case "$ISOLATE" in on | off) ;; *) die "ISOLATE must be on or off, not $ISOLATE" ;; esac
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 
 require taskset python3 curl
@@ -35,7 +38,8 @@ build_release
 BIN="$CARGO_TARGET_DIR/release"
 mkdir -p "$WORK/raw"
 rm -f "$WORK"/raw/*
-trap stop_tracked EXIT
+trap 'stop_tracked; isolate_restore' EXIT
+[ "$ISOLATE" = off ] || isolate_cpu "$SERVER_CPU"
 wait_quiet 20 30 || note "the machine stayed busy; measuring anyway"
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 SECONDS_SCENARIO=$(awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$SCENARIO")
@@ -65,7 +69,7 @@ done
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 
 python3 - "$WORK/raw" "$REPS" "$SETTLE_MS" "$OUT" "$LOAD_BEFORE" "$LOAD_AFTER" "$(git rev-parse --short HEAD)" <<'EOF'
-import json, statistics, sys, datetime
+import json, os, statistics, sys, datetime
 raw, reps, settle, out, before, after, commit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
 SLO = 500.0
 SLOW_MS = 10_000  # the device slows 12 s after the server starts: about 10 s into the measurement
@@ -96,7 +100,8 @@ def p95_after(run, name):
 lines = [f"# A device 2x slower than its profile from t = 10 s, on the real server (bench/slowdown.sh)", "",
          f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}; load average before {before}, after {after}",
          f"- `{reps}` repetitions per mode, alternating, each on a fresh reflexd; scenario `scenarios/fig5-small-scenario1-slowdown.toml` (A 12K IOPS, B 7K, p95 ≤ 500 µs, both follow notices; C and D saturating), 250 ms intervals",
-         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; intervals counted from {settle} ms", "",
+         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; intervals counted from {settle} ms",
+         f"- server CPU: " + ("every other task that could run elsewhere moved off it for the run (`ISOLATE=on`, `bench/lib/isolate.py`)" if os.environ.get("ISOLATE") == "on" else "shared with every other task (`ISOLATE=off`)"), "",
          "| mode | run | A intervals met | B intervals met | A held from (ms) | B held from (ms) | A / B median interval p95 after (µs) | BE IOPS 5–10 s | BE IOPS 12–20 s | A / B IOPS after | final scale |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 summary = {}

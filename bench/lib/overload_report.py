@@ -71,15 +71,19 @@ add(f"- date: {env['RUN_DATE']}")
 add(f"- machine: {env['MACHINE']}")
 add(f"- commit: {env['COMMIT']}{env['DIRTY']}")
 add(f"- command: `{env['COMMAND']}`")
-add(f"- server: reflexd as `configs/reflexd-small-headroom.toml` (one dataplane thread, blocking "
-    f"mode, `emu:device-a-small` with its profile, `slo_headroom_us = 100`) with "
+base = env.get("BASE_CONFIG", "configs/reflexd-small-headroom.toml")
+margin = ("`slo_headroom_us = 100`" if base.endswith("reflexd-small-headroom.toml") else
+          "no hand-set headroom" + (", online self-calibration on" if "calibrated" in base else ""))
+add(f"- server: reflexd as `{base}` (one dataplane thread, blocking "
+    f"mode, `emu:device-a-small` with its profile, {margin}) with "
     f"`connections_per_thread_max = {connections}` (written to `{env['CONFIG']}`), other limits and "
     f"timeouts at their defaults (handshake 10 s, receive 30 s, send 60 s, park after 1 s). "
-    f"Pinned to CPU {env['SERVER_CPU']} at {env['PRIORITY']}. "
-    + ("Every other task that could run elsewhere was moved off that CPU for the run "
+    + (f"Pinned to CPU {env['SERVER_CPU']} at {env['PRIORITY']}. Every other "
+       "task that could run elsewhere was moved off that CPU for the run "
        "(`bench/lib/isolate.py`; per-CPU kernel threads such as ksoftirqd stay)."
        if env.get("ISOLATE") == "on" else
-       "The CPU was shared with every other task on the machine (`ISOLATE=off`)."))
+       f"The whole process pinned to CPU {env['SERVER_CPU']} at {env['PRIORITY']}, a CPU shared "
+       "with every other task on the machine (`ISOLATE=off`)."))
 add(f"- clients, all pinned to CPU {env['CLIENT_CPU']} (2 vCPUs: the attack competes with the "
     f"LC client for that CPU, never with the server for its own): `reflex bench --scenario "
     f"{env['SCENARIO']}` (LC A 12K IOPS, LC B 7K reserved / 4.5K sent, p95 ≤ 500 µs; BE C and D "
