@@ -329,3 +329,102 @@ fn a_namespace_added_then_removed_under_load_finishes_its_admitted_requests() {
     assert!(catalog.namespaces.device(1).is_none());
     assert_eq!(catalog.namespaces.index_of(2), None);
 }
+
+/// A full table makes room by closing the oldest connection that never completed a request:
+/// connections that did, connections already closed (whose slots were reused) and younger
+/// ones stay. Candidates are kept in arrival order per listener instead of scanning the table
+/// on every accept (a slowloris flood at a full table accepts hundreds per second).
+#[test]
+fn a_full_table_evicts_the_oldest_connection_still_waiting_for_its_first_request() {
+    let mut limits = limits();
+    limits.connections_max = 8;
+    let mut server = server(mem(), limits, NetworkModel::default());
+    let mut clients: Vec<Client> = Vec::new();
+    let later = |server: &mut VirtualServer, by: u64| {
+        let until = Nanos(server.now().0 + by);
+        run_until(server, until);
+    };
+    let connect = |server: &mut VirtualServer, clients: &mut Vec<Client>| {
+        later(server, MS);
+        clients.push(Client::connect(server));
+        later(server, MS);
+    };
+    for _ in 0..8 {
+        connect(&mut server, &mut clients);
+    }
+    // 0 and 2 complete a request; 1 closes (its slot is free for the next newcomer).
+    for index in [0, 2] {
+        clients[index].read(&mut server, 1, 0, 4096);
+    }
+    server.client_close(clients[1].socket);
+    later(&mut server, 10 * MS);
+    for index in [0, 2] {
+        clients[index].take_answers(&mut server);
+        assert_eq!(clients[index].answered, vec![(1, true)]);
+    }
+    assert!(server.is_closed_by_server(clients[1].socket));
+    // Client 8 takes 1's place without evicting anyone; then every newcomer evicts the
+    // oldest still waiting: 3, 4, 5, 6, 7, then 8 (in the reused slot), never 0 or 2.
+    connect(&mut server, &mut clients);
+    let evicted_before = |server: &VirtualServer, clients: &[Client]| -> Vec<usize> {
+        (0..clients.len())
+            .filter(|&index| index != 1 && server.is_closed_by_server(clients[index].socket))
+            .collect()
+    };
+    assert_eq!(evicted_before(&server, &clients), Vec::<usize>::new());
+    let mut expected = Vec::new();
+    for victim in [3, 4, 5, 6, 7, 8] {
+        connect(&mut server, &mut clients);
+        expected.push(victim);
+        assert_eq!(evicted_before(&server, &clients), expected);
+    }
+    assert_eq!(server.stats()[0].connections_evicted, 6);
+}
+
+/// The eviction candidates stay right when many connections come and go behind one that
+/// never sends a request (their entries go stale behind it and are compacted away).
+#[test]
+fn eviction_stays_oldest_first_after_many_connections_came_and_went() {
+    let mut limits = limits();
+    limits.connections_max = 8;
+    let mut server = server(mem(), limits, NetworkModel::default());
+    let later = |server: &mut VirtualServer, by: u64| {
+        let until = Nanos(server.now().0 + by);
+        run_until(server, until);
+    };
+    let oldest = Client::connect(&mut server);
+    later(&mut server, MS);
+    // Far more than twice the table's slots: entries for closed connections pile up behind
+    // the oldest one, which stays open without a request.
+    for _ in 0..500 {
+        let passing = Client::connect(&mut server);
+        later(&mut server, 10_000);
+        server.client_close(passing.socket);
+        later(&mut server, 10_000);
+        assert!(server.is_closed_by_server(passing.socket));
+    }
+    let mut waiting: Vec<Client> = Vec::new();
+    for _ in 0..7 {
+        waiting.push(Client::connect(&mut server));
+        later(&mut server, MS);
+    }
+    assert!(!server.is_closed_by_server(oldest.socket));
+    // The table is full: the newcomer evicts the oldest, then the next oldest.
+    let _newcomer = Client::connect(&mut server);
+    later(&mut server, MS);
+    assert!(server.is_closed_by_server(oldest.socket));
+    assert!(
+        waiting
+            .iter()
+            .all(|c| !server.is_closed_by_server(c.socket))
+    );
+    let _another = Client::connect(&mut server);
+    later(&mut server, MS);
+    assert!(server.is_closed_by_server(waiting[0].socket));
+    assert!(
+        waiting[1..]
+            .iter()
+            .all(|c| !server.is_closed_by_server(c.socket))
+    );
+    assert_eq!(server.stats()[0].connections_evicted, 2);
+}

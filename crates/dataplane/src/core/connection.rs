@@ -212,6 +212,20 @@ pub(super) struct Listener {
     pub(super) refused: [u64; AcceptRefused::COUNT],
     /// Log lines about peers its allow-list refused (rate-limited).
     pub(super) refusal_log: RefusalLog,
+    /// Its connections that had not completed a request when they arrived, oldest first: the
+    /// candidates for eviction. Entries go stale as connections complete a request or close,
+    /// and are dropped when they reach the front (or when stale ones pile up), so finding the
+    /// oldest costs O(1) amortised, not a scan of the table per accept under a flood.
+    pub(super) waiting_first_request: VecDeque<Waiting>,
+}
+
+/// A connection that had not completed a request, as [`Listener::waiting_first_request`]
+/// remembers it: the slot and its generation, so an entry for a slot reused since is stale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Waiting {
+    pub(super) accepted_at: Nanos,
+    pub(super) index: u32,
+    pub(super) generation: u32,
 }
 
 impl Dataplane {
@@ -319,6 +333,7 @@ impl Dataplane {
         if let Some(source) = source {
             *self.connections_by_source.entry(source).or_insert(0) += 1;
         }
+        self.note_waiting(index);
         tracing::debug!(
             thread = self.thread_index,
             connection = index,
@@ -422,22 +437,88 @@ impl Dataplane {
     /// Closes the oldest open connection (of `listener`, if given) that never completed a
     /// request, to make room for a new one; false when there is none.
     fn evict_unestablished(&mut self, listener: Option<u32>) -> bool {
-        let oldest = self
-            .connections
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.is_open() && !c.established)
-            .filter(|(_, c)| listener.is_none_or(|l| c.listener == l))
-            .min_by_key(|(_, c)| c.accepted_at)
-            .map(|(index, _)| index as u32);
-        let Some(victim) = oldest else {
+        let oldest = match listener {
+            Some(listener) => self
+                .oldest_waiting(listener)
+                .map(|waiting| (listener, waiting)),
+            None => (0..self.listeners.len() as u32)
+                .filter_map(|listener| {
+                    self.oldest_waiting(listener)
+                        .map(|waiting| (listener, waiting))
+                })
+                .min_by_key(|(_, waiting)| waiting.accepted_at),
+        };
+        let Some((listener, waiting)) = oldest else {
             return false;
         };
+        let victim = waiting.index;
+        let front = self.listeners[listener as usize]
+            .waiting_first_request
+            .pop_front();
+        assert_eq!(front, Some(waiting));
         self.stats.connections_evicted += 1;
         self.abort_connection(victim, "evicted for a new connection: no request yet");
         // Its listener and source counts drop when the slot is released (at once when
         // nothing was in flight); the listener's share counts open connections only.
         true
+    }
+
+    /// Whether `waiting` still names an open connection that has not completed a request.
+    fn still_waiting(&self, waiting: &Waiting) -> bool {
+        let connection = &self.connections[waiting.index as usize];
+        connection.generation == waiting.generation
+            && connection.is_open()
+            && !connection.established
+    }
+
+    /// The oldest connection of `listener` still waiting for its first request, after
+    /// dropping the stale entries in front of it.
+    fn oldest_waiting(&mut self, listener: u32) -> Option<Waiting> {
+        loop {
+            let front = *self.listeners[listener as usize]
+                .waiting_first_request
+                .front()?;
+            if self.still_waiting(&front) {
+                return Some(front);
+            }
+            self.listeners[listener as usize]
+                .waiting_first_request
+                .pop_front();
+        }
+    }
+
+    /// Remembers connection `index` as waiting for its first request (just accepted, or
+    /// moved here from another thread, with its own `accepted_at`), in order of arrival.
+    pub(super) fn note_waiting(&mut self, index: u32) {
+        let connection = &self.connections[index as usize];
+        if connection.established {
+            return;
+        }
+        let (listener, waiting) = (
+            connection.listener,
+            Waiting {
+                accepted_at: connection.accepted_at,
+                index,
+                generation: connection.generation,
+            },
+        );
+        let queue = &mut self.listeners[listener as usize].waiting_first_request;
+        // Accepts come in time order; a connection moved from another thread may be older.
+        let at = queue.partition_point(|other| other.accepted_at <= waiting.accepted_at);
+        queue.insert(at, waiting);
+        // Stale entries behind a live front pile up (every accept adds one): when they reach
+        // twice the table, keep the live ones only (amortised O(1) per accept).
+        let bound = 2 * self.connections.len();
+        if self.listeners[listener as usize]
+            .waiting_first_request
+            .len()
+            > bound
+        {
+            let mut queue =
+                std::mem::take(&mut self.listeners[listener as usize].waiting_first_request);
+            queue.retain(|waiting| self.still_waiting(waiting));
+            self.listeners[listener as usize].waiting_first_request = queue;
+        }
     }
 
     /// Connections one listener may hold: the table less a reserve for each other listener,

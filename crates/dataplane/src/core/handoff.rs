@@ -458,6 +458,7 @@ impl Dataplane {
         connection.tls = moved.tls;
         connection.receive_progress_at = now;
         connection.send_progress_at = now;
+        self.note_waiting(index);
         let new_key = self.requester(index).connection;
         let from = usize::from(moved.from_thread);
         let handles: Vec<u64> = moved.charged.iter().map(|c| c.tenant.handle).collect();

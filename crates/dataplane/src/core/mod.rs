@@ -312,6 +312,7 @@ impl Dataplane {
                     .unwrap_or_else(|| ListenerAccess::open(format!("listener {index}"))),
                 refused: [0; AcceptRefused::COUNT],
                 refusal_log: RefusalLog::new(),
+                waiting_first_request: VecDeque::new(),
             })
             .collect();
         let mut stats = CoreStats::default();
