@@ -131,8 +131,10 @@ impl MigrationLinks {
 /// The buffer lies in the home thread's arena, which outlives every thread's use of it (the
 /// threads are joined before any dataplane is dropped, and an arena with operations in
 /// flight is leaked, never freed). The home does not touch the buffer between sending the
-/// read and receiving its answer (the request is `Submitted`, as for its own device), and the
-/// dataplane gives the address to exactly one thread, so this is the only reference to it.
+/// read and receiving its answer (the request is `Submitted`, as for its own device, or
+/// `Orphaned` by the home's device timeout, which leaves the run lent until the answer comes
+/// back), and the dataplane gives the address to exactly one thread, so this is the only
+/// reference to it.
 pub fn migrated_device_op(
     dataplane: &Dataplane,
     command: &DeviceCommand,

@@ -1056,6 +1056,22 @@ fn a_delete_of_a_key_whose_failed_put_landed_does_not_panic() {
     assert!(outcome.responses > 0, "{outcome:?}");
 }
 
+/// Finding 21 (fuzzer, run 58; the simulator's defect, not reflexd's): with migration on and
+/// the 1 ms device timeout, a read thread 0 sent to thread 1 waited there (a stalled device)
+/// past its home's device timeout. The home answered its client with an error and orphaned
+/// the request, keeping its buffer lent until the read's answer came back. When thread 1 then
+/// issued the read, the simulator built the operation through the home's request
+/// (`device_op`), which asserted that the request was still `Submitted`, and panicked.
+/// reflexd builds it from the buffer's address (`migrated_device_op`), which the orphaned
+/// request still lends; the dataplane now accepts an orphaned request that is away, as
+/// `migrated_done` already did.
+#[test]
+fn a_read_issued_away_after_its_home_timed_it_out_lands_in_the_lent_buffer() {
+    let bytes = include_bytes!("data/finding-21-migrated-read-after-home-timeout.bin");
+    let outcome = script::run(&Script::decode(bytes), false);
+    assert!(outcome.migrated_reads > 0, "{outcome:?}");
+}
+
 /// Finding 13 (fuzzer, run 36): a key-value connection on thread 1, whose table steps go to
 /// thread 0 (the table's owner), with PUTs in flight, a fault stalling a device, then the
 /// shutdown. A request whose step waited at the owner (at the bucket gate, behind the stalled

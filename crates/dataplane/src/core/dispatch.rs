@@ -456,10 +456,20 @@ impl Dataplane {
         }
     }
 
-    /// The run of a submitted request and where its current step's data starts in it.
+    /// The run of a submitted request and where its current step's data starts in it. A read
+    /// that went to another thread may find its request orphaned by the home's device timeout
+    /// by the time that thread issues it: the run stays lent until the read's answer comes back
+    /// (`migrated_done`), so the read still lands in it.
     pub(super) fn submitted_buffer(&self, index: u32) -> (crate::buffers::PageRun, usize) {
         let request = &self.requests[index as usize];
-        assert_eq!(request.state, RequestState::Submitted);
+        match request.state {
+            RequestState::Submitted => {}
+            RequestState::Orphaned => assert!(
+                request.migrated_to.is_some(),
+                "device data for an orphaned request that is not away"
+            ),
+            state => panic!("device data for a request in {state:?}"),
+        }
         let Work::Io { run: Some(run), .. } = request.work else {
             panic!(
                 "device data for a request without a run: {:?}",
