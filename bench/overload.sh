@@ -39,6 +39,9 @@
 #   OUT (docs/results/overload.md)
 #   BASE_CONFIG (configs/reflexd-small-headroom.toml; configs/reflexd-small-calibrated.toml is
 #   the shipped configuration that learns its margin instead of a hand-set headroom)
+#   POLL (off: blocking mode, the dataplane sleeps in its ring when idle; on: `poll = true`, it
+#   spins on its own CPU, as the paper's IX dataplane does, and no wake-up of a halted vCPU
+#   lies between a request's arrival and its handling)
 set -euo pipefail
 shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
@@ -48,6 +51,8 @@ REPS=${REPS:-3}
 CALIBRATION=${CALIBRATION:-off}
 BASE_CONFIG=${BASE_CONFIG:-configs/reflexd-small-headroom.toml}
 case "$CALIBRATION" in on | off) ;; *) die "CALIBRATION must be on or off, not $CALIBRATION" ;; esac
+POLL=${POLL:-off}
+case "$POLL" in on | off) ;; *) die "POLL must be on or off, not $POLL" ;; esac
 SCENARIO=${SCENARIO:-scenarios/fig5-small-scenario2.toml}
 IDLE=${IDLE:-10000}
 SLOWLORIS=${SLOWLORIS:-2000}
@@ -62,8 +67,7 @@ PORT=${PORT:-17280}
 ADMIN_PORT=${ADMIN_PORT:-17281}
 if [ "$(id -u)" = 0 ]; then NICE=${NICE:--20}; else NICE=${NICE:-0}; fi
 RT_PRIO=${RT_PRIO:-}
-ISOLATE=${ISOLATE:-on}
-case "$ISOLATE" in on | off) ;; *) die "ISOLATE must be on or off, not $ISOLATE" ;; esac
+isolate_option
 # prio: the command prefix that gives the server and the measuring clients their priority.
 prio() {
     if [ -n "$RT_PRIO" ]; then echo chrt -f "$RT_PRIO"; else echo nice -n "$NICE"; fi
@@ -89,13 +93,15 @@ CONFIG="$WORK/overload.toml"
 {
     echo "# bench/overload.sh: $BASE_CONFIG with room for the attack."
     grep -v '^#' "$BASE_CONFIG" |
-        sed "s/^port = .*/port = $PORT/; s/^threads = 1/threads = 1\nconnections_per_thread_max = $CONNECTIONS/; s#\"\.\./profiles/#\"$PWD/profiles/#"
+        sed "s/^port = .*/port = $PORT/; s/^threads = 1/threads = 1\nconnections_per_thread_max = $CONNECTIONS/; s#\"\.\./profiles/#\"$PWD/profiles/#" |
+        if [ "$POLL" = on ]; then sed "s/^threads = 1/threads = 1\npoll = true/"; else cat; fi
     if [ "$CALIBRATION" = on ]; then
         printf '\n[qos_config.calibration]\nenabled = true\n'
     fi
     printf '\n[admin]\nlisten = "127.0.0.1:%s"\n' "$ADMIN_PORT"
 } >"$CONFIG"
 grep -q "connections_per_thread_max = $CONNECTIONS" "$CONFIG" || die "could not write $CONFIG"
+[ "$POLL" = off ] || grep -q "^poll = true" "$CONFIG" || die "could not write poll = true to $CONFIG"
 SECONDS_SCENARIO=$(awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$SCENARIO")
 
 SERVER_PID=""
@@ -113,7 +119,7 @@ trap cleanup EXIT
 # Niceness counts only inside a scheduler autogroup (a session): give ours NICE too.
 [ "$NICE" -ge 0 ] || autogroup_nice "$NICE"
 # The server's CPU is its own: every other task that may run elsewhere moves off it.
-[ "$ISOLATE" = off ] || isolate_cpu "$SERVER_CPU"
+isolate_cpu "$SERVER_CPU"
 AUTOGROUP=$(cat /proc/self/autogroup 2>/dev/null || echo none)
 
 start_server() {
@@ -219,9 +225,9 @@ DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitt
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
-COMMAND="REPS=$REPS BASE_CONFIG=$BASE_CONFIG CALIBRATION=$CALIBRATION ISOLATE=$ISOLATE${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
+COMMAND="REPS=$REPS BASE_CONFIG=$BASE_CONFIG CALIBRATION=$CALIBRATION POLL=$POLL ISOLATE=$ISOLATE${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
 PRIORITY=$(if [ -n "$RT_PRIO" ]; then echo "SCHED_FIFO priority $RT_PRIO"; else echo "niceness $NICE"; fi)
-export BASE_CONFIG ISOLATE AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU PRIORITY \
+export BASE_CONFIG POLL ISOLATE AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU PRIORITY \
     IDLE SLOWLORIS NON_READERS CONNECTIONS CONNECT_RATE SOURCE FRESH_INTERVAL SCENARIO RAW CONFIG
 mkdir -p "$(dirname "$OUT")"
 python3 bench/lib/overload_report.py "$RUNS" "$OUT"

@@ -29,8 +29,7 @@ BIN=${BIN:-target/release}
 WORK=${WORK:-target/qos-real}
 MODES=${MODES:-"on off"}
 STEP_SLACK=${STEP_SLACK:-20}
-ISOLATE=${ISOLATE:-on}
-case "$ISOLATE" in on | off) ;; *) die "ISOLATE must be on or off, not $ISOLATE" ;; esac
+isolate_option
 mkdir -p "$WORK/raw"
 
 server_pid=""
@@ -42,7 +41,7 @@ stop_server() {
     server_pid=""
 }
 trap 'stop_server; isolate_restore' EXIT
-[ "$ISOLATE" = off ] || isolate_cpu "$SERVER_CPU"
+isolate_cpu "$SERVER_CPU"
 
 seconds_of() { # scenario file -> warm-up + duration in whole seconds
     awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$1"

@@ -29,8 +29,7 @@ SETTLE_MS=${SETTLE_MS:-11500}
 WORK=${WORK:-target/bench-slowdown}
 OUT=${OUT:-docs/results/slowdown.md}
 SCENARIO=scenarios/fig5-small-scenario1-slowdown.toml
-export ISOLATE=${ISOLATE:-on}
-case "$ISOLATE" in on | off) ;; *) die "ISOLATE must be on or off, not $ISOLATE" ;; esac
+isolate_option
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 
 require taskset python3 curl
@@ -39,7 +38,7 @@ BIN="$CARGO_TARGET_DIR/release"
 mkdir -p "$WORK/raw"
 rm -f "$WORK"/raw/*
 trap 'stop_tracked; isolate_restore' EXIT
-[ "$ISOLATE" = off ] || isolate_cpu "$SERVER_CPU"
+isolate_cpu "$SERVER_CPU"
 wait_quiet 20 30 || note "the machine stayed busy; measuring anyway"
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 SECONDS_SCENARIO=$(awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$SCENARIO")

@@ -165,8 +165,17 @@ autogroup_restore() {
     AUTOGROUP_NICE_BEFORE=""
 }
 
+# isolate_option: reads ISOLATE from the environment (on, the default, or off), checks it and
+# exports it (reports print it).
+isolate_option() {
+    export ISOLATE=${ISOLATE:-on}
+    case "$ISOLATE" in on | off) ;; *) die "ISOLATE must be on or off, not $ISOLATE" ;; esac
+}
+# isolate_cpu CPU: with ISOLATE on, moves every other task that can run elsewhere off CPU
+# (bench/lib/isolate.py) until isolate_restore; with ISOLATE off, does nothing.
 ISOLATE_STATE=""
 isolate_cpu() {
+    [ "${ISOLATE:-on}" = on ] || return 0
     ISOLATE_STATE=$(mktemp)
     /usr/bin/python3 "$(dirname "${BASH_SOURCE[0]}")/isolate.py" isolate "$1" "$ISOLATE_STATE"
 }

@@ -74,8 +74,9 @@ add(f"- command: `{env['COMMAND']}`")
 base = env.get("BASE_CONFIG", "configs/reflexd-small-headroom.toml")
 margin = ("`slo_headroom_us = 100`" if base.endswith("reflexd-small-headroom.toml") else
           "no hand-set headroom" + (", online self-calibration on" if "calibrated" in base else ""))
-add(f"- server: reflexd as `{base}` (one dataplane thread, blocking "
-    f"mode, `emu:device-a-small` with its profile, {margin}) with "
+mode = ("polling mode (`poll = true`: the dataplane spins on its CPU)"
+        if env.get("POLL") == "on" else "blocking mode")
+add(f"- server: reflexd as `{base}` (one dataplane thread, {mode}, `emu:device-a-small` with its profile, {margin}) with "
     f"`connections_per_thread_max = {connections}` (written to `{env['CONFIG']}`), other limits and "
     f"timeouts at their defaults (handshake 10 s, receive 30 s, send 60 s, park after 1 s). "
     + (f"Pinned to CPU {env['SERVER_CPU']} at {env['PRIORITY']}. Every other "
