@@ -146,6 +146,29 @@ for mode in modes:
     label = "scenario alone" if mode == "none" else "scenario + attack"
     add(f"| {label} | {' | '.join(cells)} |")
 add("")
+if len(modes) == 2:
+    # A repetition's two runs follow each other: a miss in both is the machine's state at
+    # that time, a miss under attack only is the attack's.
+    add("Per repetition, client p95 / server p95 in µs, the scenario alone and then attacked:")
+    add("")
+    lc = [t for t in tenants if slo[t]]
+    add("| repetition | " + " | ".join(f"{t} alone | {t} attacked" for t in lc) + " |")
+    add("|---:|" + "---:|" * (2 * len(lc)))
+    for rep in sorted({r["rep"] for r in runs}):
+        pair = {r["mode"]: r for r in runs if r["rep"] == rep}
+        cells = []
+        for name in lc:
+            index = tenants.index(name)
+            for mode in modes:
+                r = pair.get(mode)
+                if r is None:
+                    cells.append("—")
+                    continue
+                client = r["scenario"]["tenants"][index]["read"]["p95_us"]
+                server = server_p95(r, name)
+                cells.append(f"{client:.0f} / {server:.0f}" if server is not None else f"{client:.0f} / —")
+        add(f"| {rep} | {' | '.join(cells)} |")
+    add("")
 add("## A fresh client: connect, HELLO, first 4 KiB READ answered")
 add("")
 add("| run | attempts | failures | connect p99 µs | HELLO answered p99 µs | READ answered p50 µs | **READ answered p99 µs** | **max µs** |")
