@@ -1,13 +1,13 @@
 //! Raw bytes as a server's receive buffer of pipelined native requests: every header that
 //! decodes re-encodes to the same bytes, validation never panics, and payloads are skipped by
 //! the length the codec announces, exactly as the server does; tenant bodies (REGISTER,
-//! UNREGISTER, BIND) that decode re-encode to the same bytes.
+//! UNREGISTER, BIND, REPORT) that decode re-encode to the same bytes.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use reflex_proto::native::{
-    ControlOp, HelloBody, Namespace, RegisterBody, ServerLimits, ValidatedRequest, decode_handle,
-    decode_request, encode_handle, validate_request,
+    ControlOp, HelloBody, Namespace, RegisterBody, ReportBody, ServerLimits, ValidatedRequest,
+    decode_handle, decode_request, encode_handle, validate_request,
 };
 
 const NAMESPACES: [Namespace; 2] = [
@@ -61,6 +61,11 @@ fuzz_target!(|data: &[u8]| {
                     ControlOp::Unregister | ControlOp::Bind => {
                         if let Ok(handle) = decode_handle(payload) {
                             assert_eq!(encode_handle(handle)[..], payload[..]);
+                        }
+                    }
+                    ControlOp::Report => {
+                        if let Ok(report) = ReportBody::decode(payload) {
+                            assert_eq!(report.to_bytes()[..], payload[..]);
                         }
                     }
                 }

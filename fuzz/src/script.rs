@@ -498,11 +498,12 @@ pub enum Step {
     /// Send these bytes (at most 255).
     Raw { socket: u8, bytes: Vec<u8> },
     /// A native request header: `opcode` (< 0xf0: HELLO, READ, WRITE, FLUSH, TRIM, REGISTER,
-    /// UNREGISTER, BIND, RENEGOTIATE by `% 9`; otherwise that raw unknown opcode), `flags`
+    /// UNREGISTER, BIND, RENEGOTIATE by `% 9`; 0xf0: REPORT; otherwise that raw unknown
+    /// opcode), `flags`
     /// (bit 0 FUA, 1 an unknown flag, 2 a wrong version, bits 3–4 [`payload_mode`]),
     /// `namespace` (`% 6`: ids 1, 2, 3, 0, 4, u32::MAX), `offset` ([`offset_bytes`]),
     /// `length` ([`length_bytes`]; 0 gives a control request its proper body length), and
-    /// `body`, the HELLO, REGISTER or handle body's fields ([`native_body`]). Its payload
+    /// `body`, the HELLO, REGISTER, handle or REPORT body's fields ([`native_body`]). Its payload
     /// follows as `flags` says.
     Native {
         socket: u8,
@@ -950,6 +951,9 @@ const NATIVE_OPCODES: [native::Opcode; 9] = [
     native::Opcode::Bind,
     native::Opcode::Renegotiate,
 ];
+/// The script byte that sends a REPORT (added after the findings' inputs were recorded: the
+/// other bytes keep the opcodes they had, so every recorded input replays as it was found).
+const NATIVE_REPORT_BYTE: u8 = 0xf0;
 
 /// A native control or HELLO body from four selector bytes.
 /// - HELLO: `version_max` = `body[0]`, `io_priority` = `body[1] << 8 | body[2]`, non-zero
@@ -960,6 +964,8 @@ const NATIVE_OPCODES: [native::Opcode; 9] = [
 ///   reserved bytes if bit 7.
 /// - UNREGISTER, BIND: handle selector `body[0]` ([`tenant_handle`]), or u64::MAX if
 ///   `body[1]` bit 0.
+/// - REPORT: `reads` = `body[0]` (u32::MAX if 255), `read_p95_us` = `body[1..4]` as a
+///   little-endian 24-bit number (u32::MAX if all three are 255).
 pub fn native_body(opcode: u8, namespace_id: u32, body: [u8; 4]) -> Vec<u8> {
     match native::Opcode::from_u8(opcode) {
         Ok(native::Opcode::Hello) => {
@@ -1005,6 +1011,19 @@ pub fn native_body(opcode: u8, namespace_id: u32, body: [u8; 4]) -> Vec<u8> {
             };
             native::encode_handle(handle).to_vec()
         }
+        Ok(native::Opcode::Report) => {
+            let reads = match body[0] {
+                255 => u32::MAX,
+                reads => u32::from(reads),
+            };
+            let read_p95_us = match u32::from_le_bytes([body[1], body[2], body[3], 0]) {
+                0x00ff_ffff => u32::MAX,
+                p95 => p95,
+            };
+            native::ReportBody { reads, read_p95_us }
+                .to_bytes()
+                .to_vec()
+        }
         _ => Vec::new(),
     }
 }
@@ -1023,6 +1042,8 @@ pub fn native_request(
     const NAMESPACES: [u32; 6] = [1, 2, 3, 0, 4, u32::MAX];
     let opcode_raw = if opcode < 0xf0 {
         NATIVE_OPCODES[usize::from(opcode % 9)].as_u8()
+    } else if opcode == NATIVE_REPORT_BYTE {
+        native::Opcode::Report.as_u8()
     } else {
         opcode
     };
@@ -3769,7 +3790,13 @@ impl Run {
                 // 9: none (the composite namespace, 4, is the NVMe/TCP hosts' private
                 // regions in this mode).
                 const NAMESPACES: [u32; 4] = [1, 2, 3, 9];
-                let opcode = OPCODES[usize::from(opcode % 8)];
+                // NATIVE_REPORT_BYTE: a REPORT (the other bytes as when the findings were
+                // recorded).
+                let opcode = if opcode == NATIVE_REPORT_BYTE {
+                    Report
+                } else {
+                    OPCODES[usize::from(opcode % 8)]
+                };
                 let namespace_id = NAMESPACES[usize::from(namespace % 4)];
                 let id = self.next_id(index);
                 let control_body = native_body(opcode.as_u8(), namespace_id, body);

@@ -29,7 +29,7 @@ enum Command {
     /// The admin API of a running reflexd: tenants, namespaces, live statistics.
     Admin(admin::Args),
     /// Open- or closed-loop load generator against a ReFlex server or a local file.
-    Bench(bench::Args),
+    Bench(Box<bench::Args>),
     /// Raw TCP ping-pong on loopback: the latency floor of remote access.
     Pingpong(bench::pingpong::Args),
     /// Measure a device and write its QoS profile.
@@ -64,7 +64,7 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => bench::run(*args),
         Command::Pingpong(args) => bench::pingpong::run(args),
         Command::Calibrate(args) => calibrate::run(args),
         Command::Model(args) => model::run(args),

@@ -27,7 +27,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use reflex_proto::native::{
-    NO_TENANT_HANDLE, NOTICE_REQUEST_ID, RegisterBody, RenegotiateBody, TenantClassRequest,
+    NO_TENANT_HANDLE, NOTICE_REQUEST_ID, RegisterBody, RenegotiateBody, ReportBody,
+    TenantClassRequest,
 };
 
 use crate::call::{Call, Work};
@@ -215,6 +216,15 @@ impl Client {
     /// registered on (I/O elsewhere gets PERMISSION).
     pub fn bind(&mut self, handle: u64) -> Result<(), ClientError> {
         self.call(Work::Bind(handle)).map(|_| ())
+    }
+
+    /// Tells the server what this connection's latency-critical tenant measured over its last
+    /// interval: `reads` answered, their p95 in µs, end to end (`docs/PROTOCOL.md` §1.9). The
+    /// server's self-calibration learns from it the share of the SLO spent outside the server;
+    /// on a connection not bound to an LC tenant it is answered OK and ignored.
+    pub fn report(&mut self, reads: u32, read_p95_us: u32) -> Result<(), ClientError> {
+        let report = ReportBody { reads, read_p95_us };
+        self.call(Work::Report(report)).map(|_| ())
     }
 
     /// The server's address; after a reconnect, the one reached last.

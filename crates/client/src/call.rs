@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use reflex_proto::native::RegisterBody;
+use reflex_proto::native::{RegisterBody, ReportBody};
 
 use crate::core::{Completion, ConnectionCore, InterruptedRequest};
 use crate::error::ClientError;
@@ -44,6 +44,7 @@ pub(crate) enum Work<'a> {
     Register(&'a RegisterBody),
     Unregister(u64),
     Bind(u64),
+    Report(ReportBody),
     /// No request: waiting for notices.
     Nothing,
 }
@@ -199,6 +200,7 @@ impl<'a> Call<'a> {
             Work::Register(body) => core.submit_register(request_id, body)?,
             Work::Unregister(handle) => core.submit_unregister(request_id, *handle)?,
             Work::Bind(handle) => core.submit_bind(request_id, *handle)?,
+            Work::Report(report) => core.submit_report(request_id, report)?,
             Work::Nothing => panic!("a call without requests submits nothing"),
         }
         Ok(())

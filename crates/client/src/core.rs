@@ -40,7 +40,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use reflex_proto::native::{
     BodyError, CAPABILITIES_SIZE_MAX, CONTROL_BODY_MAX_BYTES, HANDLE_BODY_SIZE, HELLO_BODY_SIZE,
     HelloBody, IO_SIZE_MAX_BYTES_DEFAULT, NOTICE_REQUEST_ID, Opcode, REQUEST_HEADER_SIZE,
-    RESPONSE_HEADER_SIZE, RegisterBody, RenegotiateBody, RequestFlags, RequestHeader,
+    RESPONSE_HEADER_SIZE, RegisterBody, RenegotiateBody, ReportBody, RequestFlags, RequestHeader,
     ResponseHeader, Status, UnknownStatus, VERSION, decode_handle, encode_handle,
 };
 
@@ -200,6 +200,8 @@ impl InterruptedRequest {
             | Opcode::Register
             | Opcode::Unregister
             | Opcode::Hello
+            // A report is stale once interrupted: the next interval's replaces it.
+            | Opcode::Report
             | Opcode::Renegotiate => false,
         }
     }
@@ -464,7 +466,7 @@ impl ConnectionCore {
         Ok(())
     }
 
-    /// Queues a control request (REGISTER, UNREGISTER, BIND) with its body.
+    /// Queues a control request (REGISTER, UNREGISTER, BIND, REPORT) with its body.
     pub fn submit_control(
         &mut self,
         request_id: u64,
@@ -473,7 +475,7 @@ impl ConnectionCore {
     ) -> Result<(), SubmitError> {
         assert!(matches!(
             opcode,
-            Opcode::Register | Opcode::Unregister | Opcode::Bind
+            Opcode::Register | Opcode::Unregister | Opcode::Bind | Opcode::Report
         ));
         let length = u32::try_from(body.len())
             .ok()
@@ -514,6 +516,17 @@ impl ConnectionCore {
     /// Queues a BIND: this connection's I/O is charged to tenant `handle` (0: the default).
     pub fn submit_bind(&mut self, request_id: u64, handle: u64) -> Result<(), SubmitError> {
         self.submit_control(request_id, Opcode::Bind, &encode_handle(handle))
+    }
+
+    /// Queues a REPORT: what this connection's latency-critical tenant measured over its last
+    /// interval (`docs/PROTOCOL.md` §1.9; the server answers OK, and ignores it unless the
+    /// connection is bound to an LC tenant).
+    pub fn submit_report(
+        &mut self,
+        request_id: u64,
+        report: &ReportBody,
+    ) -> Result<(), SubmitError> {
+        self.submit_control(request_id, Opcode::Report, &report.to_bytes())
     }
 
     /// Queues an interrupted request again, under the same id, on the new connection this
@@ -827,6 +840,7 @@ impl ConnectionCore {
             | Opcode::Trim
             | Opcode::Unregister
             | Opcode::Bind
+            | Opcode::Report
             | Opcode::Renegotiate => check_length(opcode, length, 0, 0)?,
         }
         Ok(opcode)

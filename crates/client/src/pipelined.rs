@@ -249,6 +249,15 @@ impl PipelinedClient {
         self.driver.core.submit_bind(request_id, handle)
     }
 
+    /// A REPORT of what this connection's latency-critical tenant measured (answered OK).
+    pub fn submit_report(
+        &mut self,
+        request_id: u64,
+        report: &reflex_proto::native::ReportBody,
+    ) -> Result<(), SubmitError> {
+        self.driver.core.submit_report(request_id, report)
+    }
+
     // ----- I/O and completions -----
 
     /// Sends what the socket takes and receives what has arrived, without blocking (except

@@ -23,6 +23,9 @@ pub struct DeviceCalibration {
     last: Option<WindowObservation>,
     /// The learned network share (µs), smoothed over windows; `None` before the first sample.
     network_share_us: Option<f64>,
+    /// The share outside the server learned from clients' REPORTs (µs), smoothed over
+    /// windows; `None` before the first window with a report.
+    reported_share_us: Option<f64>,
 }
 
 /// What an operator sees of a device's calibration.
@@ -39,6 +42,7 @@ impl DeviceCalibration {
             window: TelemetryWindow::default(),
             last: None,
             network_share_us: None,
+            reported_share_us: None,
         })
     }
 
@@ -72,26 +76,39 @@ impl DeviceCalibration {
         let lc_share = 1.0 - config.best_effort_floor;
         let lc_fit_scale = (plan.lc_tenants > 0 && device > 0.0 && plan.rate_scale > 0.0)
             .then(|| reserved / (lc_share * device / plan.rate_scale));
+        let weight = config.network_share_weight;
         // The network's share of what LC tenants see: a quantile of the sampled round trips,
         // smoothed over windows (a window without samples keeps the estimate: its reads had
         // no answer to sample yet).
-        let learned_network_us = if config.learn_network_rtt {
-            let rtt = &self.window.network_rtt;
-            if rtt.count() > 0 {
-                let sample = rtt.quantile_us(config.network_share_quantile) as f64;
-                let weight = config.network_share_weight;
-                self.network_share_us = Some(match self.network_share_us {
-                    Some(estimate) => estimate + weight * (sample - estimate),
-                    None => sample,
-                });
-            }
-            let cap = plan
-                .latency_us_p95
-                .map_or(0.0, |slo| slo as f64 * config.network_share_max);
-            self.network_share_us.unwrap_or(0.0).min(cap).round() as u64
-        } else {
-            0
+        let rtt = &self.window.network_rtt;
+        if config.learn_network_rtt && rtt.count() > 0 {
+            let sample = rtt.quantile_us(config.network_share_quantile) as f64;
+            smooth(&mut self.network_share_us, sample, weight);
+        }
+        // What clients report supersedes the round trips: it holds the network too, and what
+        // no socket shows (the client's wake-ups, its CPU's other work). A window's sample is
+        // the share that would have put the worst-off tenant's p95 exactly at its SLO: the
+        // strictest SLO less the server's p95 of the window plus the largest reported excess
+        // (for one SLO: the client's p95 less the server's).
+        let service = &self.window.lc_reads_service;
+        if let (true, Some(excess_us), Some(slo_us), true) = (
+            config.learn_client_reports,
+            self.window.client_excess_us,
+            plan.latency_us_p95,
+            service.count() > 0,
+        ) {
+            let sample = slo_us as f64 - service.quantile_us(0.95) as f64 + excess_us as f64;
+            smooth(&mut self.reported_share_us, sample.max(0.0), weight);
+        }
+        let learned = match (self.reported_share_us, self.network_share_us) {
+            (Some(reported), _) if config.learn_client_reports => reported,
+            (_, Some(network)) if config.learn_network_rtt => network,
+            _ => 0.0,
         };
+        let cap = plan
+            .latency_us_p95
+            .map_or(0.0, |slo| slo as f64 * config.network_share_max);
+        let learned_outside_us = learned.min(cap).round() as u64;
         let tokens_spent = self.window.tokens_spent.as_tokens_f64().max(0.0);
         let seconds = now.saturating_since(window_start).as_secs_f64();
         let profile_p95_at_load_us = (seconds > 0.0).then(|| {
@@ -101,7 +118,7 @@ impl DeviceCalibration {
             lc_reads: self.window.lc_reads_service.count(),
             lc_read_latency_us_p95: self.window.lc_reads_service.quantile_us(0.95),
             slo_latency_us_p95: plan.latency_us_p95,
-            client_share_us: config.client_share_us + learned_network_us,
+            client_share_us: config.client_share_us + learned_outside_us,
             tokens_per_sec_in_use: device,
             tokens_spent,
             lc_fit_scale,
@@ -119,4 +136,9 @@ impl DeviceCalibration {
             last: self.last,
         }
     }
+}
+
+/// Moves a smoothed estimate towards `sample` by `weight` (the first sample sets it).
+fn smooth(estimate: &mut Option<f64>, sample: f64, weight: f64) {
+    *estimate = Some(estimate.map_or(sample, |e| e + weight * (sample - e)));
 }

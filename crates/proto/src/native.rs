@@ -66,6 +66,8 @@ pub enum Opcode {
     Register = 0x10,
     Unregister = 0x11,
     Bind = 0x12,
+    /// A latency-critical tenant's client tells the server what it measured (§1.9).
+    Report = 0x13,
     /// Server to client only.
     Renegotiate = 0x20,
 }
@@ -87,6 +89,7 @@ impl Opcode {
             0x10 => Opcode::Register,
             0x11 => Opcode::Unregister,
             0x12 => Opcode::Bind,
+            0x13 => Opcode::Report,
             0x20 => Opcode::Renegotiate,
             _ => return Err(UnknownOpcode(value)),
         })
@@ -102,7 +105,12 @@ impl Opcode {
     pub const fn has_request_payload(self) -> bool {
         matches!(
             self,
-            Opcode::Write | Opcode::Hello | Opcode::Register | Opcode::Unregister | Opcode::Bind
+            Opcode::Write
+                | Opcode::Hello
+                | Opcode::Register
+                | Opcode::Unregister
+                | Opcode::Bind
+                | Opcode::Report
         )
     }
 }
@@ -785,12 +793,15 @@ pub const REGISTER_BODY_SIZE: usize = 32;
 pub const HANDLE_BODY_SIZE: usize = 8;
 /// Bytes of a RENEGOTIATE notice body.
 pub const RENEGOTIATE_BODY_SIZE: usize = 56;
+/// Bytes of a REPORT request body.
+pub const REPORT_BODY_SIZE: usize = 8;
 /// The handle that names no tenant: in REGISTER, "a new tenant"; in BIND, "back to the
 /// connection's default tenant". The server never hands it out.
 pub const NO_TENANT_HANDLE: u64 = 0;
 
 const _: () = assert!(REGISTER_BODY_SIZE as u32 <= CONTROL_BODY_MAX_BYTES);
 const _: () = assert!(RENEGOTIATE_BODY_SIZE as u32 <= CONTROL_BODY_MAX_BYTES);
+const _: () = assert!(REPORT_BODY_SIZE as u32 <= CONTROL_BODY_MAX_BYTES);
 
 /// REGISTER flag bit 0: the tenant may only read (WRITE and TRIM are answered PERMISSION).
 const REGISTER_FLAG_READ_ONLY: u16 = 1;
@@ -924,6 +935,44 @@ pub fn decode_handle(body: &[u8]) -> Result<u64, BodyError> {
         found_bytes: body.len(),
     })?;
     Ok(u64::from_le_bytes(bytes))
+}
+
+/// The body of a REPORT request (§1.9): the read latency a latency-critical tenant's client
+/// measured over its last report interval, end to end (from when each read was due to its
+/// answer arriving). The server's online self-calibration learns from it what the network
+/// and the client add to the server's own time, which no socket statistic shows (a client's
+/// wake-ups, its CPU's other work).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ReportBody {
+    /// Reads answered in the interval.
+    pub reads: u32,
+    /// Their p95 latency, µs.
+    pub read_p95_us: u32,
+}
+
+impl ReportBody {
+    pub fn to_bytes(&self) -> [u8; REPORT_BODY_SIZE] {
+        let mut body = [0u8; REPORT_BODY_SIZE];
+        body[0..4].copy_from_slice(&self.reads.to_le_bytes());
+        body[4..8].copy_from_slice(&self.read_p95_us.to_le_bytes());
+        body
+    }
+
+    /// Decodes a REPORT body (exactly [`REPORT_BODY_SIZE`] bytes).
+    pub fn decode(body: &[u8]) -> Result<ReportBody, BodyError> {
+        let bytes: [u8; REPORT_BODY_SIZE] =
+            body.try_into().map_err(|_| BodyError::WrongLength {
+                expected_bytes: REPORT_BODY_SIZE,
+                found_bytes: body.len(),
+            })?;
+        let word = |at: usize| {
+            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+        };
+        Ok(ReportBody {
+            reads: word(0),
+            read_p95_us: word(4),
+        })
+    }
 }
 
 /// Why a RENEGOTIATE notice was sent (§1.9).
@@ -1150,6 +1199,7 @@ pub enum ControlOp {
     Register,
     Unregister,
     Bind,
+    Report,
 }
 
 /// A request that passed validation.
@@ -1207,14 +1257,15 @@ pub fn validate_request<T: NamespaceTable + ?Sized>(
             }
             return Ok(ValidatedRequest::Hello);
         }
-        Opcode::Register | Opcode::Unregister | Opcode::Bind => {
+        Opcode::Register | Opcode::Unregister | Opcode::Bind | Opcode::Report => {
             if header.length_bytes > CONTROL_BODY_MAX_BYTES {
                 return Err(Status::TooLarge);
             }
             let op = match opcode {
                 Opcode::Register => ControlOp::Register,
                 Opcode::Unregister => ControlOp::Unregister,
-                _ => ControlOp::Bind,
+                Opcode::Bind => ControlOp::Bind,
+                _ => ControlOp::Report,
             };
             return Ok(ValidatedRequest::Control {
                 op,

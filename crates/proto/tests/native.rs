@@ -388,7 +388,7 @@ fn enums_convert_both_ways_and_refuse_unknown_values() {
         .collect();
     assert_eq!(
         known,
-        [0x01, 0x02, 0x03, 0x04, 0x05, 0x10, 0x11, 0x12, 0x20]
+        [0x01, 0x02, 0x03, 0x04, 0x05, 0x10, 0x11, 0x12, 0x13, 0x20]
     );
     for value in 0..=u16::MAX {
         match Status::from_u16(value) {
@@ -420,7 +420,7 @@ fn payload_length_follows_the_opcode_whatever_the_validity() {
     };
     for opcode_raw in 0..=u8::MAX {
         let expected = match opcode_raw {
-            0x01 | 0x03 | 0x10 | 0x11 | 0x12 => 777,
+            0x01 | 0x03 | 0x10 | 0x11 | 0x12 | 0x13 => 777,
             _ => 0,
         };
         assert_eq!(
@@ -962,6 +962,59 @@ fn handle_and_renegotiate_bodies() {
         Err(BodyError::InvalidTenant { .. })
     ));
     assert!(RenegotiateBody::decode(&notice.to_bytes()[..55]).is_err());
+}
+
+#[test]
+fn report_bodies_round_trip_and_refuse_other_lengths() {
+    for report in [
+        ReportBody::default(),
+        ReportBody {
+            reads: 612,
+            read_p95_us: 487,
+        },
+        ReportBody {
+            reads: u32::MAX,
+            read_p95_us: u32::MAX,
+        },
+    ] {
+        assert_eq!(ReportBody::decode(&report.to_bytes()), Ok(report));
+    }
+    assert_eq!(
+        ReportBody {
+            reads: 1,
+            read_p95_us: 0x0102_0304
+        }
+        .to_bytes(),
+        [1, 0, 0, 0, 4, 3, 2, 1]
+    );
+    for length in [0, 7, 9] {
+        assert_eq!(
+            ReportBody::decode(&vec![0; length]),
+            Err(BodyError::WrongLength {
+                expected_bytes: REPORT_BODY_SIZE,
+                found_bytes: length
+            })
+        );
+    }
+    let header = RequestHeader {
+        length_bytes: REPORT_BODY_SIZE as u32,
+        ..RequestHeader::new(Opcode::Report, 4)
+    };
+    assert_eq!(
+        validate_request(&header, &ServerLimits::default(), &NAMESPACES[..]),
+        Ok(ValidatedRequest::Control {
+            op: ControlOp::Report,
+            body_length_bytes: 8
+        })
+    );
+    let oversized = RequestHeader {
+        length_bytes: CONTROL_BODY_MAX_BYTES + 1,
+        ..header
+    };
+    assert_eq!(
+        validate_request(&oversized, &ServerLimits::default(), &NAMESPACES[..]),
+        Err(Status::TooLarge)
+    );
 }
 
 #[test]

@@ -76,6 +76,12 @@ pub struct CalibratorConfig {
     /// Learn the network's share: add the window's p95 of the smoothed TCP round-trip times
     /// of connections carrying LC reads (sampled by the dataplane) to `client_share_us`.
     pub learn_network_rtt: bool,
+    /// Learn the whole share outside the server from what latency-critical tenants' clients
+    /// report (native REPORT, `docs/PROTOCOL.md` §1.9): a window's sample is a client's
+    /// reported p95 less the server's own p95 of the same window (normalised to the strictest
+    /// SLO). It includes what round trips cannot show (a client's wake-ups and its CPU's other
+    /// work) and, where reports come, takes the place of the round-trip estimate.
+    pub learn_client_reports: bool,
     /// The learned network share is at most this share of the SLO: a round trip longer than
     /// that is the client's or the network's trouble, which no device rate cures (connections
     /// just opened reported 495 µs on loopback, which left a 500 µs SLO a 5 µs target).
@@ -147,6 +153,7 @@ impl Default for CalibratorConfig {
             best_effort_floor: 0.05,
             client_share_us: 0,
             learn_network_rtt: true,
+            learn_client_reports: true,
             network_share_max: 0.5,
             network_share_quantile: 0.5,
             network_share_weight: 0.2,

@@ -1129,6 +1129,18 @@ impl ServerHandle {
         self.control.plan(index)
     }
 
+    /// A namespace's online self-calibration: its statistics and last window (`None`: no
+    /// such namespace, or not calibrated).
+    pub fn calibration(
+        &self,
+        namespace_id: u32,
+    ) -> Option<reflex_dataplane::self_calibration::CalibrationInfo> {
+        self.control
+            .calibration()
+            .into_iter()
+            .find_map(|(id, info)| (id == namespace_id).then_some(info))
+    }
+
     /// The namespaces served now.
     pub fn namespaces(&self) -> Arc<NamespaceSet> {
         self.manager

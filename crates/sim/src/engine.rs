@@ -43,6 +43,8 @@ pub const FOLLOW_MARGIN: f64 = 0.9;
 pub const NAMESPACE_ID: u32 = 1;
 /// How long the setup (REGISTER and BIND over the network) may take in virtual time.
 const SETUP_TIME_MAX: Nanos = Nanos(1_000_000_000);
+/// The request id of every REPORT (I/O requests use small ids, notices `u64::MAX`).
+const REPORT_REQUEST_ID: u64 = u64::MAX - 1;
 
 /// How a simulated tenant's clients send.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -101,6 +103,8 @@ pub struct SimConfig {
     pub duration: Nanos,
     pub tenants: Vec<SimTenant>,
     pub network: NetworkModel,
+    /// What the clients add to what they measure, and whether they report it.
+    pub client: ClientModel,
     /// The threads' CPU (`None`: their work is free).
     pub cpu: Option<crate::CpuModel>,
     /// Report each tenant's IOPS and read p95 per interval of this length (measured time only).
@@ -129,6 +133,21 @@ enum Event {
     WarmupEnd,
     /// The end of a timeline interval.
     Tick,
+    /// A latency-critical tenant's client reports its last interval's read p95.
+    Report {
+        tenant: u32,
+    },
+}
+
+/// The simulated clients' side of what a tenant sees.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientModel {
+    /// Added to every answer's measured latency: the client's wake-up, which the server's
+    /// TCP round-trip samples do not show.
+    pub wakeup: Nanos,
+    /// How often each latency-critical tenant's client sends a REPORT of its reads' p95 in
+    /// the interval (`None`: never).
+    pub report_interval: Option<Nanos>,
 }
 
 /// A request sent and not answered yet.
@@ -169,6 +188,9 @@ struct TenantState {
     /// The current timeline interval: read latencies (by completion) and completions.
     interval_reads_ns: Histogram<u64>,
     interval_completed: u64,
+    /// Read latencies since the tenant's last REPORT (every read, warm-up included: the
+    /// server learns from the start).
+    report_reads_ns: Histogram<u64>,
 }
 
 /// Runs one simulation against `device` (the namespace's storage) and reports per tenant.
@@ -344,6 +366,8 @@ impl<'c> Sim<'c> {
                 interval_reads_ns: Histogram::new_with_bounds(1_000, 60_000_000_000, 2)
                     .map_err(|e| SimError::Config(e.to_string()))?,
                 interval_completed: 0,
+                report_reads_ns: Histogram::new_with_bounds(1_000, 60_000_000_000, 2)
+                    .map_err(|e| SimError::Config(e.to_string()))?,
             });
         }
         Ok(Sim {
@@ -529,6 +553,14 @@ impl<'c> Sim<'c> {
                 continue;
             }
             let tenant_start = start + self.tenants[index].sim.start;
+            let latency_critical = matches!(
+                self.tenants[index].sim.spec,
+                TenantSpec::LatencyCritical { .. }
+            );
+            if let (true, Some(interval)) = (latency_critical, self.config.client.report_interval) {
+                let tenant = index as u32;
+                self.push(tenant_start + interval, Event::Report { tenant });
+            }
             match self.tenants[index].sim.load {
                 Load::Open { iops, .. } => {
                     let gap = exponential(&mut self.tenants[index].rng, iops as f64);
@@ -612,6 +644,39 @@ impl<'c> Sim<'c> {
                 }
             }
             Event::Tick => self.tick(now),
+            Event::Report { tenant } => self.report_latency(tenant as usize, now),
+        }
+    }
+
+    /// A latency-critical tenant's client sends a REPORT of the reads answered since its
+    /// last one, on its first connection, and schedules the next.
+    fn report_latency(&mut self, index: usize, now: Nanos) {
+        if let Some(interval) = self.config.client.report_interval {
+            self.push(
+                now + interval,
+                Event::Report {
+                    tenant: index as u32,
+                },
+            );
+        }
+        let tenant = &mut self.tenants[index];
+        let reads = &mut tenant.report_reads_ns;
+        if reads.is_empty() {
+            return;
+        }
+        let report = reflex_proto::native::ReportBody {
+            reads: u32::try_from(reads.len()).unwrap_or(u32::MAX),
+            read_p95_us: u32::try_from(reads.value_at_quantile(0.95) / 1_000).unwrap_or(u32::MAX),
+        };
+        let connection = tenant.connections[0];
+        // A full window or the last REPORT still unanswered: the reads count in the next.
+        if self.connections[connection]
+            .core
+            .submit_report(REPORT_REQUEST_ID, &report)
+            .is_ok()
+        {
+            self.tenants[index].report_reads_ns.reset();
+            self.transmit(connection);
         }
     }
 
@@ -727,6 +792,9 @@ impl<'c> Sim<'c> {
                 granted,
             }));
         }
+        if completion.opcode == Opcode::Report {
+            return Ok(Some(Answer::Report));
+        }
         Ok(Some(Answer::Io {
             id: completion.request_id,
             ok: completion.is_ok() && completion.opcode != Opcode::Renegotiate,
@@ -765,6 +833,7 @@ impl<'c> Sim<'c> {
                 return;
             }
             Answer::Io { id, ok } => (id, ok),
+            Answer::Report => return,
         };
         let Some(pending) = self.pending.get_mut(id as usize).and_then(Option::take) else {
             panic!("an answer to unknown request {id}");
@@ -780,10 +849,14 @@ impl<'c> Sim<'c> {
             tenant.completed_in_window += 1;
             tenant.interval_completed += 1;
         }
-        if pending.read && pending.due >= self.warmup_end {
-            let latency = now.saturating_since(pending.due).0.max(1_000);
-            tenant.read_latency_ns.saturating_record(latency);
-            tenant.interval_reads_ns.saturating_record(latency);
+        if pending.read {
+            let measured = now + self.config.client.wakeup;
+            let latency = measured.saturating_since(pending.due).0.max(1_000);
+            tenant.report_reads_ns.saturating_record(latency);
+            if pending.due >= self.warmup_end {
+                tenant.read_latency_ns.saturating_record(latency);
+                tenant.interval_reads_ns.saturating_record(latency);
+            }
         }
         match tenant.sim.load {
             Load::Closed { .. } => self.send(index, now),
@@ -972,6 +1045,8 @@ impl<'c> Sim<'c> {
 }
 
 enum Answer {
+    /// The OK to a REPORT (nothing to do).
+    Report,
     Io {
         id: u64,
         ok: bool,

@@ -23,7 +23,7 @@ pub mod server;
 use reflex_qos::{Nanos, Policy, TenantSpec};
 
 pub use device::{EmuSimDevice, FixedDevice, ModelFlash, SimDevice, SimDone, SimIo};
-pub use engine::{Load, SimConfig, SimError, SimTenant};
+pub use engine::{ClientModel, Load, SimConfig, SimError, SimTenant};
 pub use network::NetworkModel;
 pub use report::{PointReport, ScenarioReport, TenantReport};
 pub use scenario::{LoadedScenario, Scenario, ScenarioError};
@@ -125,6 +125,7 @@ pub fn sim_config(
         duration: Nanos::from_millis(options.duration_ms.unwrap_or(scenario.duration_ms)),
         tenants,
         network: scenario.network.model(),
+        client: scenario.client.model(),
         cpu: scenario.cpu.map(|cpu| cpu.model()),
         timeline: scenario.timeline_ms.map(Nanos::from_millis),
     }

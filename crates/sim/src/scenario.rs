@@ -22,6 +22,11 @@
 //! latency_us = 10                  # one-way delay (default 0)
 //! gbit_per_sec = 10                # bandwidth per direction (default 0: unlimited)
 //!
+//! [client]                         # optional: the clients' side
+//! wakeup_us = 0                    # added to every answer a client measures (its wake-up;
+//!                                  # no TCP round trip shows it)
+//! report_interval_ms = 0           # LC tenants REPORT their read p95 this often (0: never)
+//!
 //! [cpu]                            # optional: the dataplane threads' work takes time
 //! per_answer_ns = 2000             # per answered request, on its connection's thread
 //! per_device_completion_ns = 1000  # per device completion, on the thread that served it
@@ -76,6 +81,29 @@ impl NetworkSpec {
     }
 }
 
+/// `[client]`: what the simulated clients add and tell.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientSpec {
+    /// Added to every answer's latency a client measures (its own wake-up), in µs.
+    #[serde(default)]
+    pub wakeup_us: u64,
+    /// Every this many ms, each latency-critical tenant's client sends a REPORT of its reads'
+    /// p95 in the interval; 0: never.
+    #[serde(default)]
+    pub report_interval_ms: u64,
+}
+
+impl ClientSpec {
+    pub fn model(&self) -> crate::ClientModel {
+        crate::ClientModel {
+            wakeup: reflex_qos::Nanos::from_micros(self.wakeup_us),
+            report_interval: (self.report_interval_ms > 0)
+                .then(|| reflex_qos::Nanos::from_millis(self.report_interval_ms)),
+        }
+    }
+}
+
 /// `[cpu]`: what the dataplane threads' work costs in virtual time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -120,6 +148,8 @@ pub struct Scenario {
     pub qos_config: Option<QosConfig>,
     #[serde(default)]
     pub network: NetworkSpec,
+    #[serde(default)]
+    pub client: ClientSpec,
     /// The threads' CPU ([`crate::CpuModel`]); absent, their work is free.
     #[serde(default)]
     pub cpu: Option<CpuSpec>,

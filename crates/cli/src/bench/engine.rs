@@ -27,12 +27,13 @@ use anyhow::{Context, Result, anyhow, bail};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
 use reflex_client::{ClientOptions, ConnectionCore, PipelinedClient};
+use reflex_proto::native::ReportBody;
 
 use super::nbd;
 use super::pattern::{self, Mismatch};
 use super::stats::Latency;
 use super::uring::{self, Event, Reactor};
-use super::wire::Wire;
+use super::wire::{REPORT_REQUEST_ID, Wire};
 use super::workload::{Arrivals, FillGenerator, Op, OpGenerator, OpKind, WorkloadSpec};
 
 /// Longest wait for outstanding answers after issuing stopped.
@@ -127,6 +128,10 @@ pub struct EngineConfig {
     pub follow_notices: bool,
     /// Record the measured operations and read latencies per interval of this length.
     pub timeline: Option<Duration>,
+    /// Native target, a latency-critical tenant: every this long, REPORT the p95 of the reads
+    /// answered since the last report (warm-up included) on the first connection, so the
+    /// server's self-calibration learns what the network and this client add.
+    pub report_interval: Option<Duration>,
 }
 
 /// A client following a notice sends this share of its grant: a Poisson source at exactly its
@@ -430,6 +435,10 @@ struct ThreadRun<'a> {
     last_measured_ns: u64,
     events: Vec<Event>,
     remote: bool,
+    /// Read latencies since the last REPORT.
+    report_reads: Latency,
+    /// When the next REPORT is due (`None`: the run does not report).
+    next_report_ns: Option<u64>,
 }
 
 impl<'a> ThreadRun<'a> {
@@ -465,8 +474,10 @@ impl<'a> ThreadRun<'a> {
                 )
             }
         };
+        // A REPORT is one request beyond the slots.
+        let reserved = queue_depth + usize::from(config.report_interval.is_some());
         for (_, core) in &mut connections {
-            core.reserve(queue_depth, io_size_max);
+            core.reserve(reserved, io_size_max);
         }
         let entries = (channel_count * (queue_depth + 2) + 8) as u32;
         let mut reactor =
@@ -503,6 +514,10 @@ impl<'a> ThreadRun<'a> {
             last_measured_ns: 0,
             events: Vec::with_capacity(entries as usize * 2),
             remote,
+            report_reads: Latency::new(),
+            next_report_ns: config
+                .report_interval
+                .map(|interval| interval.as_nanos() as u64),
         })
     }
 
@@ -573,6 +588,7 @@ impl<'a> ThreadRun<'a> {
             for channel_index in 0..self.channels.len() {
                 self.issue_due(channel_index, now, warmup_ns, end_ns)?;
             }
+            self.report_due(now);
             let outstanding: usize = self.channels.iter().map(|c| c.in_flight).sum();
             let all_finished = self.channels.iter().all(|c| c.finished);
             if all_finished && outstanding == 0 {
@@ -602,11 +618,13 @@ impl<'a> ThreadRun<'a> {
             }
             // Sleep until an answer arrives, the next arrival is due, the run ends or
             // progress is due; spinning only submits.
-            let mut wake_ns = next_progress_ns.min(if all_finished {
-                drain_deadline_ns
-            } else {
-                end_ns
-            });
+            let mut wake_ns = next_progress_ns
+                .min(if all_finished {
+                    drain_deadline_ns
+                } else {
+                    end_ns
+                })
+                .min(self.next_report_ns.unwrap_or(u64::MAX));
             for channel in &self.channels {
                 let waiting_for_arrival =
                     !channel.finished && channel.in_flight < channel.queue_depth;
@@ -818,6 +836,9 @@ impl<'a> ThreadRun<'a> {
                 }
                 continue;
             }
+            if answer.request_id == REPORT_REQUEST_ID {
+                continue;
+            }
             let Some(slot) = usize::try_from(answer.request_id)
                 .ok()
                 .and_then(|index| channel.slots.get(index))
@@ -835,6 +856,10 @@ impl<'a> ThreadRun<'a> {
                 _ => None,
             };
             let failure = answer.failure;
+            if slot.op.kind == OpKind::Read && failure.is_none() {
+                self.report_reads
+                    .record(now.saturating_sub(slot.intended_ns));
+            }
             channel.free_slots.push(answer.request_id as u32);
             channel.in_flight -= 1;
             let measured = record(
@@ -854,6 +879,30 @@ impl<'a> ThreadRun<'a> {
             arrivals.set_rate_factor(factor);
         }
         Ok(())
+    }
+
+    /// Sends a REPORT when one is due and reads were answered since the last; one that cannot
+    /// go now (full window) leaves its reads to the next.
+    fn report_due(&mut self, now: u64) {
+        let (Some(due_ns), Some(interval)) = (self.next_report_ns, self.config.report_interval)
+        else {
+            return;
+        };
+        if now < due_ns || !self.remote {
+            return;
+        }
+        self.next_report_ns = Some(now + interval.as_nanos() as u64);
+        let reads = self.report_reads.count();
+        if reads == 0 {
+            return;
+        }
+        let report = ReportBody {
+            reads: u32::try_from(reads).unwrap_or(u32::MAX),
+            read_p95_us: self.report_reads.quantile_us(0.95).round() as u32,
+        };
+        if self.reactor.core(0).submit_report(&report) {
+            self.report_reads.reset();
+        }
     }
 
     fn complete_local(&mut self, slot_global: usize, result: i32, now: u64) -> Result<()> {

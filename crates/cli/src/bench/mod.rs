@@ -172,6 +172,11 @@ pub struct Args {
     /// With --scenario: seed instead of the file's.
     #[arg(long, requires = "scenario")]
     scenario_seed: Option<u64>,
+    /// With --scenario: every latency-critical tenant REPORTs the p95 of its reads to the
+    /// server this often (docs/PROTOCOL.md §1.9; the server's self-calibration learns from it
+    /// what the network and this client add); 0s: never.
+    #[arg(long, value_parser = parse_duration, default_value = "25ms", requires = "scenario")]
+    report_interval: Duration,
     /// With --scenario: first run each tenant alone (same warm-up and duration) and take its
     /// mean response time as RT_alone (instead of the file's `rt_alone_us`), for slowdowns and F.
     #[arg(long, requires = "scenario")]
@@ -365,6 +370,7 @@ pub fn run(args: Args) -> Result<()> {
             warmup: args.scenario_warmup,
             seed: args.scenario_seed,
             alone: args.scenario_alone,
+            report_interval: (!args.report_interval.is_zero()).then_some(args.report_interval),
             spin: args.spin,
             cpus: args.cpus.clone(),
             json: args.json,
@@ -519,6 +525,7 @@ pub fn run(args: Args) -> Result<()> {
         },
         follow_notices: false,
         timeline: None,
+        report_interval: None,
     };
 
     let fill = match verify_seed {

@@ -139,6 +139,7 @@ pub fn run(spec: &PointSpec, progress: &mut dyn FnMut(u64)) -> Result<PointOutco
         measure_hooks: Default::default(),
         follow_notices: false,
         timeline: None,
+        report_interval: None,
     };
     let (sender, receiver) = mpsc::channel::<engine::Progress>();
     let outcome = std::thread::scope(|scope| {

@@ -108,6 +108,8 @@ pub struct ScenarioOptions {
     pub seed: Option<u64>,
     /// Run each tenant alone first: its mean response time becomes its RT_alone.
     pub alone: bool,
+    /// How often latency-critical tenants REPORT their reads' p95 (`None`: never).
+    pub report_interval: Option<Duration>,
     pub spin: bool,
     pub cpus: Vec<usize>,
     pub json: bool,
@@ -492,6 +494,9 @@ fn prepare(
             measure_hooks: Default::default(),
             follow_notices: tenant.load.follow_notices,
             timeline: scenario.timeline_ms.map(Duration::from_millis),
+            report_interval: options
+                .report_interval
+                .filter(|_| tenant.class == Class::Lc),
         };
         prepared.push(Prepared {
             handle,
@@ -782,6 +787,8 @@ mod tests {
             warmup: None,
             seed: None,
             alone: false,
+            // The LC tenants report (answered OK and ignored: calibration is off here).
+            report_interval: Some(Duration::from_millis(25)),
             spin: false,
             cpus: Vec::new(),
             json: true,

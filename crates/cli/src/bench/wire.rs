@@ -14,6 +14,9 @@ use reflex_client::ConnectionCore;
 
 use super::nbd_core::NbdCore;
 
+/// The request id of REPORTs: the engine's slots use small ids, notices `u64::MAX`.
+pub const REPORT_REQUEST_ID: u64 = u64::MAX - 1;
+
 /// One connection's protocol state.
 pub enum Wire {
     /// Native protocol v1 on namespace `namespace`.
@@ -61,6 +64,15 @@ impl Wire {
             Wire::Nbd(core) => core
                 .submit_read(request_id, offset_bytes, length_bytes)
                 .context("bench READ refused by the NBD core"),
+        }
+    }
+
+    /// Queues a REPORT of what the connection's latency-critical tenant measured (native
+    /// only); false when it cannot go now (NBD, a full window, the last one unanswered).
+    pub fn submit_report(&mut self, report: &reflex_proto::native::ReportBody) -> bool {
+        match self {
+            Wire::Native { core, .. } => core.submit_report(REPORT_REQUEST_ID, report).is_ok(),
+            Wire::Nbd(_) => false,
         }
     }
 

@@ -113,6 +113,9 @@ pub struct TelemetryWindow {
     /// Smoothed TCP round-trip times of connections carrying LC reads ([`rtt`]): the network's
     /// share of what LC tenants see.
     pub network_rtt: LatencyHistogram,
+    /// The largest excess of a latency-critical tenant's client-reported p95 over its SLO
+    /// (µs; negative: under it) among the window's REPORTs; `None`: no report.
+    pub client_excess_us: Option<i64>,
     /// The share of the interval the publishing thread spent working or waiting for a CPU
     /// (merged: the busiest thread's). Near 1, the server's CPU, not the device, is slow.
     pub server_busy: f64,
@@ -128,7 +131,18 @@ impl TelemetryWindow {
         self.lc_reads_service.merge(&other.lc_reads_service);
         self.tokens_spent += other.tokens_spent;
         self.network_rtt.merge(&other.network_rtt);
+        if let Some(excess_us) = other.client_excess_us {
+            self.note_client_excess(excess_us);
+        }
         self.server_busy = self.server_busy.max(other.server_busy);
+    }
+
+    /// A client reported a p95 `excess_us` over its tenant's SLO.
+    pub fn note_client_excess(&mut self, excess_us: i64) {
+        self.client_excess_us = Some(
+            self.client_excess_us
+                .map_or(excess_us, |e| e.max(excess_us)),
+        );
     }
 
     pub fn clear(&mut self) {
@@ -136,6 +150,7 @@ impl TelemetryWindow {
         self.lc_reads_service.clear();
         self.tokens_spent = reflex_qos::Tokens::ZERO;
         self.network_rtt.clear();
+        self.client_excess_us = None;
         self.server_busy = 0.0;
     }
 }

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use reflex_qos::{Admitted, Nanos, SchedulerEvent};
+use reflex_qos::{Admitted, Nanos, SchedulerEvent, TenantSpec};
 
 use super::Dataplane;
 use super::connection::{Bound, Charge};
@@ -23,11 +23,16 @@ use crate::control::{
 };
 use crate::frontend::{Answer, ControlRequest, Frontend, IoKind, IoRequest};
 use reflex_proto::kv::Status as KvStatus;
+use reflex_proto::native::ReportBody;
 use reflex_proto::native::Status as NativeStatus;
 
 /// RENEGOTIATE notices a connection holds while it cannot send them (window full); beyond
 /// it the oldest is dropped (counted in `CoreStats::notices_dropped`).
 pub const NOTICES_PENDING_MAX: usize = 4;
+
+/// Fewest reads a client's REPORT must cover to count: below it, its "p95" is one of a
+/// handful of reads.
+pub const CLIENT_REPORT_READS_MIN: u32 = 20;
 
 /// One tenant's work on one dataplane thread.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -652,6 +657,7 @@ impl Dataplane {
                 ControlRequest::Bind { handle } => {
                     self.bind_identified(connection_index, handle, now)
                 }
+                ControlRequest::Report(report) => self.client_report(connection_index, report),
                 ControlRequest::Register(_) | ControlRequest::Unregister { .. } => {
                     ControlAnswer::permission()
                 }
@@ -676,7 +682,39 @@ impl Dataplane {
                 })
             }
             ControlRequest::Bind { handle } => self.bind(connection_index, handle, now),
+            ControlRequest::Report(report) => self.client_report(connection_index, report),
         }
+    }
+
+    /// REPORT: what the client of the connection's latency-critical tenant measured end to
+    /// end over its last interval. Its excess over the tenant's SLO goes into the device's
+    /// telemetry window, where self-calibration learns the share of the SLO spent outside the
+    /// server. It is advice, not a command: from a connection not bound to a live LC tenant,
+    /// or with too few reads to have a p95, it is answered OK and ignored.
+    fn client_report(&mut self, connection_index: u32, report: ReportBody) -> ControlAnswer {
+        if report.reads < CLIENT_REPORT_READS_MIN {
+            return ControlAnswer::ok();
+        }
+        let Some(bound) = self.connections[connection_index as usize].bound else {
+            return ControlAnswer::ok();
+        };
+        if bound.revoked {
+            return ControlAnswer::ok();
+        }
+        let slo_us = match self
+            .control
+            .tenant(bound.tenant.handle)
+            .map(|info| info.spec)
+        {
+            Some(TenantSpec::LatencyCritical { latency_us_p95, .. }) => latency_us_p95,
+            _ => return ControlAnswer::ok(),
+        };
+        if let Some(telemetry) = self.telemetry.get_mut(usize::from(bound.namespace_index)) {
+            let excess_us =
+                i64::from(report.read_p95_us) - i64::try_from(slo_us).unwrap_or(i64::MAX);
+            telemetry.window.note_client_excess(excess_us);
+        }
+        ControlAnswer::ok()
     }
 
     /// The connection as the control plane knows it.

@@ -281,6 +281,8 @@ pub enum ControlRequest {
     Bind {
         handle: u64,
     },
+    /// What a latency-critical tenant's client measured (advice for self-calibration).
+    Report(native::ReportBody),
 }
 
 /// How a request ended, before any protocol shaped it into a status or an errno.

@@ -64,6 +64,7 @@ pub(super) fn decode(input: &[u8], namespaces: &NamespaceSet) -> Decoded {
                 ControlOp::Bind => {
                     native::decode_handle(body).map(|handle| ControlRequest::Bind { handle })
                 }
+                ControlOp::Report => native::ReportBody::decode(body).map(ControlRequest::Report),
             };
             let action = match request {
                 Ok(request) => Action::Control(request),

@@ -1,0 +1,123 @@
+//! REPORT (`docs/PROTOCOL.md` §1.9) on a real server: what a latency-critical tenant's client
+//! measured reaches the device's self-calibration as the share of the SLO spent outside the
+//! server; from anyone else it is answered OK and changes nothing.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{config, namespace, start};
+use reflex_client::Client;
+use reflex_server::ServerHandle;
+
+const SLO_US: u32 = 500;
+
+/// One thread, `emu:device-a-small` with its profile, self-calibration on with 20 ms windows
+/// that count from 10 reads, round trips not learned (a connection just opened on loopback
+/// may report a round trip of half the SLO): only reports can move the share.
+fn calibrated_server() -> ServerHandle {
+    let profile = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/device-a-small.toml");
+    let mut device = namespace(1, "emu:device-a-small", Some(64 << 20));
+    device.profile = Some(profile.to_string_lossy().into_owned());
+    let mut server_config = config(vec![device]);
+    server_config.threads = 1;
+    server_config.qos = true;
+    let calibration = &mut server_config.qos_config.calibration;
+    calibration.enabled = true;
+    calibration.window_us = 20_000;
+    calibration.samples_min = 10;
+    calibration.learn_network_rtt = false;
+    start(server_config)
+}
+
+fn connect(server: &ServerHandle) -> Client {
+    Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("connect: {e}"))
+}
+
+/// Reads and REPORTs `read_p95_us` on `client` until the calibrator's last window shows a
+/// client share of `expected_us`, or 10 s pass; returns the last share seen.
+fn report_until(
+    server: &ServerHandle,
+    client: &mut Client,
+    read_p95_us: u32,
+    expected_us: u64,
+) -> Option<u64> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut buf = vec![0u8; 4096];
+    let mut seen = None;
+    while Instant::now() < deadline {
+        for block in 0..40u64 {
+            client.read(1, block * 4096, &mut buf).expect("read");
+        }
+        client
+            .report(40, read_p95_us)
+            .expect("REPORT is answered OK");
+        seen = server
+            .calibration(1)
+            .and_then(|info| info.last)
+            .map(|last| last.client_share_us);
+        if seen == Some(expected_us) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    seen
+}
+
+#[test]
+fn an_lc_clients_report_becomes_the_share_outside_the_server() {
+    let server = calibrated_server();
+    let mut client = connect(&server);
+    let handle = client
+        .register_lc(1, SLO_US, 2_000, 100)
+        .expect("register LC");
+    client.bind(handle).expect("bind");
+    // A p95 of 4 ms at the client: whatever the server's own p95, the learned share is
+    // capped at network_share_max (half the SLO).
+    let capped = u64::from(SLO_US) / 2;
+    assert_eq!(
+        report_until(&server, &mut client, 4_000, capped),
+        Some(capped)
+    );
+    drop(client);
+    server.shutdown().expect("shutdown");
+}
+
+#[test]
+fn reports_from_anyone_but_an_lc_client_are_answered_and_ignored() {
+    let server = calibrated_server();
+    // Unbound, then bound to a best-effort tenant; a report of too few reads from an LC one.
+    let mut unbound = connect(&server);
+    unbound.report(1_000, 4_000).expect("OK when unbound");
+    let mut best_effort = connect(&server);
+    let be = best_effort.register_be(1).expect("register BE");
+    best_effort.bind(be).expect("bind");
+    let mut lc = connect(&server);
+    let handle = lc.register_lc(1, SLO_US, 2_000, 100).expect("register LC");
+    lc.bind(handle).expect("bind");
+    let mut buf = vec![0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut windows = 0;
+    while Instant::now() < deadline && windows < 20 {
+        for block in 0..40u64 {
+            lc.read(1, block * 4096, &mut buf).expect("read");
+        }
+        best_effort
+            .report(1_000, 4_000)
+            .expect("OK from best effort");
+        lc.report(19, 4_000)
+            .expect("OK below the reads a p95 needs");
+        if let Some(last) = server.calibration(1).and_then(|info| info.last) {
+            windows += 1;
+            assert_eq!(
+                last.client_share_us, 0,
+                "an ignored report moved the share: {last:?}"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(windows > 0, "no calibration window closed in 10 s");
+    drop((unbound, best_effort, lc));
+    server.shutdown().expect("shutdown");
+}
