@@ -12,7 +12,9 @@
 #     bench/qos-real.sh
 # Environment: REPS (3), SCENARIOS, SERVER_CONFIG (configs/reflexd-small.toml),
 #   SERVER_CPU (1), CLIENT_CPU (0), PORT (17070), BIN (target/release), WORK
-#   (target/qos-real), MODES ("on off"), STEP_SLACK (20), ISOLATE (on: every other task that
+#   (target/qos-real), MODES ("on off"; also "silent": QoS on, but the LC tenants' clients
+#   send no REPORT of their latency, as before PROTOCOL.md §1.9 existed), STEP_SLACK (20),
+#   ISOLATE (on: every other task that
 #   can leaves SERVER_CPU for the run, as an operator dedicates a core to a dataplane thread,
 #   bench/lib/isolate.py; off: the CPU is shared as the scheduler likes).
 set -euo pipefail
@@ -52,7 +54,9 @@ for rep in $(seq 1 "$REPS"); do
         name=$(basename "$scenario" .toml)
         for mode in $MODES; do
             flags=()
+            bench_flags=()
             [[ "$mode" == off ]] && flags+=(--no-qos)
+            [[ "$mode" == silent ]] && bench_flags+=(--report-interval 0s)
             log="$WORK/raw/$name-$mode-$rep.log"
             taskset -c "$SERVER_CPU" "$BIN/reflexd" --config "$SERVER_CONFIG" --port "$PORT" \
                 "${flags[@]}" 2>"$log" &
@@ -65,7 +69,7 @@ for rep in $(seq 1 "$REPS"); do
             echo "== $name QoS $mode, run $rep (load $(cut -d' ' -f1 /proc/loadavg))" >&2
             timeout $(( $(seconds_of "$scenario") + STEP_SLACK )) \
                 taskset -c "$CLIENT_CPU" "$BIN/reflex" bench --server "127.0.0.1:$PORT" \
-                --scenario "$scenario" --cpus "$CLIENT_CPU" --json -q \
+                --scenario "$scenario" --cpus "$CLIENT_CPU" --json -q "${bench_flags[@]}" \
                 >"$WORK/raw/$name-$mode-$rep.json"
             stop_server
         done

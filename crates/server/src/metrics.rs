@@ -633,7 +633,7 @@ impl Collector for SamplerCollector {
         gauges(
             &mut encoder,
             "device_client_share_seconds",
-            "Online calibration's last window: the part of the strictest LC SLO left to the network and clients (configured client_share_us plus the learned p95 TCP round trip of LC connections).",
+            "Online calibration's last window: the part of the strictest LC SLO left to the network and clients (configured client_share_us plus the learned share: from LC clients' REPORTs where they come, else from the TCP round trips of LC connections).",
             &client_shares,
         )?;
         gauges(
