@@ -1086,3 +1086,17 @@ fn a_kv_request_stuck_at_the_owner_does_not_keep_its_connection_past_the_shutdow
     assert!(outcome.stalled_devices > 0, "{outcome:?}");
     assert!(outcome.abandoned_device_operations > 0, "{outcome:?}");
 }
+
+/// Finding 22 (fuzzer, run 63, `dataplane_protocol`; the harness's, not reflexd's): a
+/// well-formed client registered a latency-critical tenant of 1 IOPS and sent it 512 KiB
+/// reads. At one token a second the tenant waits for its own tokens by contract, so its
+/// answers came minutes apart (the last after 650 s of virtual time) and the harness, which
+/// expects every answer within 60 s of the one before, called them lost. Well-formed clients
+/// now reserve at least 1,000 IOPS (the raw targets still register every reservation); the
+/// input replays to the end with every request answered.
+#[test]
+fn a_tenant_waiting_for_its_own_tokens_is_not_a_lost_answer() {
+    let bytes = include_bytes!("data/finding-22-lc-tenant-of-one-iops.bin");
+    let outcome = script::run_mode(&Script::decode(bytes), Mode::WellFormed, false);
+    assert!(outcome.requests_answered > 0, "{outcome:?}");
+}
