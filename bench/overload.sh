@@ -39,6 +39,8 @@
 #   OUT (docs/results/overload.md)
 #   BASE_CONFIG (configs/reflexd-small-headroom.toml; configs/reflexd-small-calibrated.toml is
 #   the shipped configuration that learns its margin instead of a hand-set headroom)
+#   REPORTS (on: the LC tenants' clients REPORT their p95 every 25 ms, docs/PROTOCOL.md §1.9,
+#   which self-calibration learns the share outside the server from; off: they do not)
 #   POLL (off: blocking mode, the dataplane sleeps in its ring when idle; on: `poll = true`, it
 #   spins on its own CPU, as the paper's IX dataplane does, and no wake-up of a halted vCPU
 #   lies between a request's arrival and its handling)
@@ -53,6 +55,10 @@ BASE_CONFIG=${BASE_CONFIG:-configs/reflexd-small-headroom.toml}
 case "$CALIBRATION" in on | off) ;; *) die "CALIBRATION must be on or off, not $CALIBRATION" ;; esac
 POLL=${POLL:-off}
 case "$POLL" in on | off) ;; *) die "POLL must be on or off, not $POLL" ;; esac
+REPORTS=${REPORTS:-on}
+case "$REPORTS" in on | off) ;; *) die "REPORTS must be on or off, not $REPORTS" ;; esac
+REPORT_FLAGS=()
+[ "$REPORTS" = on ] || REPORT_FLAGS=(--report-interval 0s)
 SCENARIO=${SCENARIO:-scenarios/fig5-small-scenario2.toml}
 IDLE=${IDLE:-10000}
 SLOWLORIS=${SLOWLORIS:-2000}
@@ -190,7 +196,7 @@ one_run() {
     # shellcheck disable=SC2046
     timeout $((SECONDS_SCENARIO + STEP_SLACK_S)) $(prio) taskset -c "$CLIENT_CPU" \
         "$REFLEX" bench -s "127.0.0.1:$PORT" --scenario "$SCENARIO" --cpus "$CLIENT_CPU" \
-        --json -q >"$RAW/$name-scenario.json" 2>"$RAW/$name-scenario.err" ||
+        --json -q "${REPORT_FLAGS[@]}" >"$RAW/$name-scenario.json" 2>"$RAW/$name-scenario.err" ||
         { cat "$RAW/$name-scenario.err" >&2; die "the scenario failed ($name)"; }
     end=$(now_ns)
     cpu_after=$(cpu_ns "$SERVER_PID")
@@ -225,7 +231,7 @@ DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitt
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
-COMMAND="REPS=$REPS BASE_CONFIG=$BASE_CONFIG CALIBRATION=$CALIBRATION POLL=$POLL ISOLATE=$ISOLATE${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
+COMMAND="REPS=$REPS BASE_CONFIG=$BASE_CONFIG CALIBRATION=$CALIBRATION POLL=$POLL REPORTS=$REPORTS ISOLATE=$ISOLATE${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
 PRIORITY=$(if [ -n "$RT_PRIO" ]; then echo "SCHED_FIFO priority $RT_PRIO"; else echo "niceness $NICE"; fi)
 export BASE_CONFIG POLL ISOLATE AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU PRIORITY \
     IDLE SLOWLORIS NON_READERS CONNECTIONS CONNECT_RATE SOURCE FRESH_INTERVAL SCENARIO RAW CONFIG
