@@ -205,7 +205,7 @@ CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 mkdir -p "$(dirname "$OUT")"
 export RUN_DATE MACHINE COMMIT DIRTY COMMAND DURATION WARMUP SERVER_CPU CLIENT_CPU FILE_SIZE_MIB FS_TYPE SPIN NICE RT_PRIO LOAD_BEFORE
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
-MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
+MACHINE="$(nproc --all) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
 COMMAND="REPS=$REPS DURATION=$DURATION WARMUP=$WARMUP SPIN=$SPIN NICE=$NICE${RT_PRIO:+ RT_PRIO=$RT_PRIO} bench/dataplane.sh"
 python3 - "$RAW" "$REPS" "$OUT" <<'PY'
 import json, statistics, sys, glob, os

@@ -88,7 +88,7 @@ mkdir -p "$(dirname "$OUT")"
     echo "# io_uring vs epoll driver"
     echo
     echo "\`REPS=$REPS DURATION=$DURATION NICE=$NICE${RT_PRIO:+ RT_PRIO=$RT_PRIO} bench/drivers.sh\` at $COMMIT, $(date -u +"%Y-%m-%d %H:%M UTC");"
-    echo "$(nproc) vCPU, kernel $(uname -r); load average $LOAD_BEFORE before, $LOAD_AFTER after."
+    echo "$(nproc --all) vCPU, kernel $(uname -r); load average $LOAD_BEFORE before, $LOAD_AFTER after."
     echo "reflexd \`-n 1=mem:1G --threads 1\` on CPU $SERVER_CPU, \`reflex bench --qd 32 --connections 4"
     echo "--read-ratio $READ_RATIO\` (4 KiB random) on CPU $CLIENT_CPU; medians of $REPS, IOPS range in brackets."
     echo

@@ -199,7 +199,7 @@ CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 export RUN_DATE MACHINE COMMIT DIRTY COMMAND DURATION SERVER_CPU CLIENT_CPU NICE RT_PRIO \
     LOAD_BEFORE LOAD_AFTER CLK_TCK
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
-MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
+MACHINE="$(nproc --all) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
 COMMAND="REPS=$REPS DURATION=$DURATION NICE=$NICE${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S RETRIES=$RETRIES OTHERS_MAX_PERCENT=$OTHERS_MAX_PERCENT bench/limit.sh"
 CLK_TCK=$(getconf CLK_TCK)
 mkdir -p "$(dirname "$OUT")"

@@ -230,7 +230,7 @@ COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
-MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
+MACHINE="$(nproc --all) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
 COMMAND="REPS=$REPS BASE_CONFIG=$BASE_CONFIG CALIBRATION=$CALIBRATION POLL=$POLL REPORTS=$REPORTS ISOLATE=$ISOLATE${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
 PRIORITY=$(if [ -n "$RT_PRIO" ]; then echo "SCHED_FIFO priority $RT_PRIO"; else echo "niceness $NICE"; fi)
 export BASE_CONFIG POLL ISOLATE AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU PRIORITY \

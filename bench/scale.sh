@@ -380,7 +380,7 @@ export AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SE
     DURATION WARMUP IDLE ACTIVE ACTIVE_THREADS ACTIVE_PER_THREAD QD TENANTS TENANTS_PER_CONNECTION \
     PARK_WAIT_S RAW
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
-MACHINE="$(nproc) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
+MACHINE="$(nproc --all) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
 COMMAND="REPS=$REPS PARTS=\"$PARTS\" DURATION=$DURATION WARMUP=$WARMUP QUIET_WAIT_S=$QUIET_WAIT_S"
 # Sizes that differ from their defaults, so the command reruns the same run.
 [ "$IDLE" = 9000 ] || COMMAND+=" IDLE=$IDLE"
