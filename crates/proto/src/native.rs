@@ -37,7 +37,7 @@ pub const NAMESPACE_COUNT_MAX: usize = 256;
 /// Largest capabilities body: the fixed part plus [`NAMESPACE_COUNT_MAX`] entries.
 pub const CAPABILITIES_SIZE_MAX: usize =
     CAPABILITIES_FIXED_SIZE + NAMESPACE_ENTRY_SIZE * NAMESPACE_COUNT_MAX;
-/// Largest body of a control request (REGISTER, UNREGISTER, BIND) the server buffers; a longer
+/// Largest body of a control request (REGISTER, UNREGISTER, BIND, REPORT) the server buffers; a longer
 /// one is answered `TOO_LARGE` and its payload skipped. Bodies go into a small per-connection
 /// buffer, never into the I/O buffer arena, so this bound sizes that buffer.
 pub const CONTROL_BODY_MAX_BYTES: u32 = 4096;
@@ -340,7 +340,7 @@ impl RequestHeader {
     }
 
     /// Bytes of payload that follow this header on the wire, whether or not the request is
-    /// valid: `length` for WRITE, HELLO, REGISTER, UNREGISTER and BIND, zero for every other
+    /// valid: `length` for WRITE, HELLO, REGISTER, UNREGISTER, BIND and REPORT, zero for every other
     /// opcode, known or not (§1.1, §1.3). A server that rejects the request still consumes this
     /// many bytes so the stream stays in step.
     #[inline]
@@ -785,7 +785,7 @@ impl Iterator for NamespaceEntries<'_> {
 impl ExactSizeIterator for NamespaceEntries<'_> {}
 
 // ---------------------------------------------------------------------------------------------
-// Tenant bodies (§1.9): REGISTER, UNREGISTER, BIND and the RENEGOTIATE notice.
+// Tenant bodies (§1.9): REGISTER, UNREGISTER, BIND, REPORT and the RENEGOTIATE notice.
 
 /// Bytes of a REGISTER request body.
 pub const REGISTER_BODY_SIZE: usize = 32;

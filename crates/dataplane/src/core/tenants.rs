@@ -1,5 +1,5 @@
 //! Tenants on one dataplane: whom each request is charged to, what each tenant did here, the
-//! control requests of native connections (REGISTER, UNREGISTER, BIND), and the messages and
+//! control requests of native connections (REGISTER, UNREGISTER, BIND, REPORT), and the messages and
 //! scheduler events exchanged with the control plane (`crate::control`).
 //!
 //! Every I/O is charged to a tenant: the one the connection BINDs to, else the NBD export's or
@@ -640,7 +640,7 @@ impl Dataplane {
         tenant
     }
 
-    /// A control request of a native connection (REGISTER, UNREGISTER, BIND).
+    /// A control request of a native connection (REGISTER, UNREGISTER, BIND, REPORT).
     pub(super) fn control_request(
         &mut self,
         connection_index: u32,

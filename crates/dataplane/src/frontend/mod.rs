@@ -35,7 +35,7 @@
 //! Tenants: an [`IoRequest`] carries the tenant the protocol chose for it (an NBD export's or
 //! an original-protocol port's configured tenant), or [`TenantRef::NONE`]; the dataplane
 //! resolves the rest (a native connection's BIND, the namespace's default tenant). Native
-//! control requests (REGISTER, UNREGISTER, BIND) arrive whole, body included, as
+//! control requests (REGISTER, UNREGISTER, BIND, REPORT) arrive whole, body included, as
 //! [`Action::Control`]: their bodies are small and are never received into the I/O arena.
 
 use std::sync::Arc;
