@@ -49,6 +49,10 @@ use crate::stream_buffers::StreamBuffers;
 use crate::types::Capabilities;
 
 /// Largest `max_io_size` the client accepts from a server: it bounds the receive buffer.
+/// A request id for REPORTs (`submit_report`) that callers numbering their requests from 0,
+/// as `reflex bench` and the simulator do, never reach; notices use `u64::MAX`.
+pub const REPORT_REQUEST_ID: u64 = u64::MAX - 1;
+
 pub const IO_SIZE_MAX_BYTES_LIMIT: u32 = 16 << 20;
 /// Largest window the client accepts from a server: it bounds the outstanding table.
 pub const WINDOW_REQUESTS_LIMIT: u32 = 65_536;

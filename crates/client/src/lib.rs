@@ -66,7 +66,7 @@ mod types;
 pub use crate::blocking::{Client, NOTICES_BUFFERED_MAX};
 pub use crate::core::{
     Completion, ConnectionCore, CoreOptions, IO_SIZE_MAX_BYTES_LIMIT, InterruptedRequest,
-    RECEIVE_BUFFER_MIN, WINDOW_REQUESTS_LIMIT,
+    RECEIVE_BUFFER_MIN, REPORT_REQUEST_ID, WINDOW_REQUESTS_LIMIT,
 };
 pub use crate::driver::{ClientOptions, HELLO_REQUEST_ID};
 pub use crate::error::{ClientError, ProtocolError, SubmitError};

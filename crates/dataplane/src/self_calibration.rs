@@ -90,14 +90,15 @@ impl DeviceCalibration {
         // the share that would have put the worst-off tenant's p95 exactly at its SLO: the
         // strictest SLO less the server's p95 of the window plus the largest reported excess
         // (for one SLO: the client's p95 less the server's).
-        let service = &self.window.lc_reads_service;
+        let service_reads = self.window.lc_reads_service.count();
+        let service_p95_us = self.window.lc_reads_service.quantile_us(0.95);
         if let (true, Some(excess_us), Some(slo_us), true) = (
             config.learn_client_reports,
             self.window.client_excess_us,
             plan.latency_us_p95,
-            service.count() > 0,
+            service_reads > 0,
         ) {
-            let sample = slo_us as f64 - service.quantile_us(0.95) as f64 + excess_us as f64;
+            let sample = slo_us as f64 - service_p95_us as f64 + excess_us as f64;
             smooth(&mut self.reported_share_us, sample.max(0.0), weight);
         }
         let learned = match (self.reported_share_us, self.network_share_us) {
@@ -115,8 +116,8 @@ impl DeviceCalibration {
             profile.latency_at(tokens_spent / seconds, matches!(mode, LoadMode::ReadOnly))
         });
         let observation = WindowObservation {
-            lc_reads: self.window.lc_reads_service.count(),
-            lc_read_latency_us_p95: self.window.lc_reads_service.quantile_us(0.95),
+            lc_reads: service_reads,
+            lc_read_latency_us_p95: service_p95_us,
             slo_latency_us_p95: plan.latency_us_p95,
             client_share_us: config.client_share_us + learned_outside_us,
             tokens_per_sec_in_use: device,

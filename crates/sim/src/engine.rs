@@ -20,7 +20,7 @@ use std::sync::Arc;
 use hdrhistogram::Histogram;
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
-use reflex_client::{ConnectionCore, CoreOptions, SubmitError};
+use reflex_client::{ConnectionCore, CoreOptions, REPORT_REQUEST_ID, SubmitError};
 use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
 use reflex_dataplane::{Limits, TenantStats};
 use reflex_flash::Device;
@@ -43,8 +43,6 @@ pub const FOLLOW_MARGIN: f64 = 0.9;
 pub const NAMESPACE_ID: u32 = 1;
 /// How long the setup (REGISTER and BIND over the network) may take in virtual time.
 const SETUP_TIME_MAX: Nanos = Nanos(1_000_000_000);
-/// The request id of every REPORT (I/O requests use small ids, notices `u64::MAX`).
-const REPORT_REQUEST_ID: u64 = u64::MAX - 1;
 
 /// How a simulated tenant's clients send.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -26,14 +26,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
-use reflex_client::{ClientOptions, ConnectionCore, PipelinedClient};
+use reflex_client::{ClientOptions, ConnectionCore, PipelinedClient, REPORT_REQUEST_ID};
 use reflex_proto::native::ReportBody;
 
 use super::nbd;
 use super::pattern::{self, Mismatch};
 use super::stats::Latency;
 use super::uring::{self, Event, Reactor};
-use super::wire::{REPORT_REQUEST_ID, Wire};
+use super::wire::Wire;
 use super::workload::{Arrivals, FillGenerator, Op, OpGenerator, OpKind, WorkloadSpec};
 
 /// Longest wait for outstanding answers after issuing stopped.

@@ -10,12 +10,9 @@
 //! its own core.
 
 use anyhow::{Context, Result};
-use reflex_client::ConnectionCore;
+use reflex_client::{ConnectionCore, REPORT_REQUEST_ID};
 
 use super::nbd_core::NbdCore;
-
-/// The request id of REPORTs: the engine's slots use small ids, notices `u64::MAX`.
-pub const REPORT_REQUEST_ID: u64 = u64::MAX - 1;
 
 /// One connection's protocol state.
 pub enum Wire {
