@@ -1193,8 +1193,24 @@ impl ControlPlane {
                     return;
                 }
             };
+            let spare_before = namespace.registry.spare_share();
+            if decision.spare_share != spare_before {
+                match namespace.registry.set_spare_share(decision.spare_share) {
+                    Ok(()) => tracing::debug!(
+                        namespace = namespace.namespace_id,
+                        spare_share_before = spare_before,
+                        spare_share = decision.spare_share,
+                        "self-calibration: best-effort share of unused reservations changed"
+                    ),
+                    Err(error) => tracing::error!(%error, "spare share refused"),
+                }
+            }
             let before = namespace.registry.rate_scale();
-            if matches!(decision.action, Action::Held(_)) || decision.scale == before {
+            if !matches!(
+                decision.action,
+                Action::Increased { .. } | Action::Decreased { .. }
+            ) || decision.scale == before
+            {
                 return;
             }
             let over_before = namespace.registry.lc_tenants_over();

@@ -42,6 +42,18 @@
 //! kept (`Hold::DeviceAsProfiled`); after a squeeze, such windows let the scale return to
 //! where LC reservations fit.
 //!
+//! # Unused reservations at the line (`withhold_spare`)
+//!
+//! At the line where LC reservations just fit, the device rate is theirs, less the best-effort
+//! floor; what an LC tenant leaves unused is donated, and best-effort tenants spend it (the
+//! paper's work conservation), so the device is driven at the whole rate whatever LC tenants
+//! send. When the target is still missed there, what they leave is not spare: every window
+//! over the target at or below the line also cuts the *spare share* (the share of donations
+//! best-effort tenants may spend, [`crate::TenantRegistry::set_spare_share`]) by the same
+//! proportional law, to zero below [`SPARE_SHARE_SNAP`]. It comes back by `spare_release_step`
+//! on the comfortable windows that would otherwise raise the scale (except those returning a
+//! squeezed scale to the line, which come first), and all at once when no LC tenant is left.
+//!
 //! For a fixed state, the new scale never increases with `p` (tested).
 
 use std::collections::VecDeque;
@@ -55,6 +67,9 @@ pub const RECENT_WINDOWS_MAX: usize = 32;
 
 /// The largest ceiling a configuration may set (twice the profile's rate).
 pub const SCALE_CEILING_MAX: f64 = 2.0;
+
+/// A spare share cut below this withholds everything (a multiplicative cut never reaches 0).
+pub const SPARE_SHARE_SNAP: f64 = 0.05;
 
 /// The calibrator's knobs; every field optional in TOML. Defaults in `docs/QOS.md` §11.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -144,6 +159,12 @@ pub struct CalibratorConfig {
     /// that profile: best-effort tenants stay at their floor and LC reservations are kept
     /// (the real-server collapse of docs/QOS.md §11 was such squeezes, on noise).
     pub device_slower_ratio: f64,
+    /// Over the target at the line where LC reservations fit, withhold what LC tenants leave
+    /// unused from best-effort tenants (module documentation); off: they spend it all, as in
+    /// the paper.
+    pub withhold_spare: bool,
+    /// How much of the donations a comfortable step gives back to best-effort tenants.
+    pub spare_release_step: f64,
 }
 
 impl Default for CalibratorConfig {
@@ -172,6 +193,8 @@ impl Default for CalibratorConfig {
             increase_load_min: 0.5,
             server_busy_max: 0.9,
             device_slower_ratio: 2.0,
+            withhold_spare: true,
+            spare_release_step: 0.1,
         }
     }
 }
@@ -258,6 +281,9 @@ impl CalibratorConfig {
         }
         if !(self.device_slower_ratio.is_finite() && self.device_slower_ratio >= 1.0) {
             return invalid("device_slower_ratio", "must be at least 1");
+        }
+        if !share(self.spare_release_step) {
+            return invalid("spare_release_step", "must be above 0 and at most 1");
         }
         Ok(())
     }
@@ -360,13 +386,20 @@ pub enum Action {
     Increased {
         from: f64,
     },
+    /// The scale held, and the spare share was raised from `from` (`spare_release_step`).
+    Released {
+        from: f64,
+    },
     Held(Hold),
 }
 
-/// The answer to one window: the scale to apply from now on and why.
+/// The answer to one window: the scale and the spare share to apply from now on, and why.
+/// (A window over the target at the line cuts the spare share whatever its action says.)
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Decision {
     pub scale: f64,
+    /// The share of donated tokens best-effort tenants may spend (module documentation).
+    pub spare_share: f64,
     pub action: Action,
 }
 
@@ -380,6 +413,7 @@ pub struct WindowRecord {
     pub target_us: Option<u64>,
     pub action: Action,
     pub scale_after: f64,
+    pub spare_share_after: f64,
 }
 
 /// Counters for metrics.
@@ -395,6 +429,11 @@ pub struct CalibratorStats {
     pub increases: u64,
     /// The lowest scale reached so far.
     pub scale_min: f64,
+    /// The share of donations best-effort tenants may spend.
+    pub spare_share: f64,
+    /// Windows that lowered the spare share, and that raised it.
+    pub spare_withholds: u64,
+    pub spare_releases: u64,
 }
 
 /// The online calibrator of one device (control-plane state, like the registry).
@@ -402,6 +441,7 @@ pub struct CalibratorStats {
 pub struct Calibrator {
     config: CalibratorConfig,
     scale: f64,
+    spare_share: f64,
     /// End of the previous window (start of the current one).
     window_start: Nanos,
     comfortable_windows: u32,
@@ -426,6 +466,7 @@ impl Calibrator {
         Ok(Calibrator {
             config,
             scale,
+            spare_share: 1.0,
             window_start: now,
             comfortable_windows: 0,
             windows_since_decrease: None,
@@ -440,6 +481,9 @@ impl Calibrator {
                 decreases: 0,
                 increases: 0,
                 scale_min: scale,
+                spare_share: 1.0,
+                spare_withholds: 0,
+                spare_releases: 0,
             },
             recent: VecDeque::with_capacity(RECENT_WINDOWS_MAX),
         })
@@ -452,6 +496,11 @@ impl Calibrator {
     /// The scale in force: the device rate is the profile's rate × this.
     pub fn scale(&self) -> f64 {
         self.scale
+    }
+
+    /// The share of donated tokens best-effort tenants may spend.
+    pub fn spare_share(&self) -> f64 {
+        self.spare_share
     }
 
     /// When the current window started (the previous one's end).
@@ -502,7 +551,17 @@ impl Calibrator {
             *windows = windows.saturating_add(1);
         }
         let before = self.scale;
+        let spare_before = self.spare_share;
         let action = self.decide(duration, observation);
+        assert!(
+            (0.0..=1.0).contains(&self.spare_share),
+            "spare share {}",
+            self.spare_share
+        );
+        assert!(
+            self.config.withhold_spare || self.spare_share == 1.0,
+            "spare withheld while withholding is off"
+        );
         assert!(
             self.scale >= self.config.scale_floor && self.scale <= self.config.scale_ceiling,
             "scale {} outside [{}, {}]",
@@ -519,8 +578,21 @@ impl Calibrator {
                 assert!(self.scale > before, "an increase raises the scale");
                 self.stats.increases += 1;
             }
+            Action::Released { from } => {
+                assert!(self.scale == before, "a release keeps the scale");
+                assert!(
+                    from == spare_before && self.spare_share > from,
+                    "a release raises"
+                );
+            }
             Action::Held(_) => assert!(self.scale == before, "a hold keeps the scale"),
         }
+        if self.spare_share < spare_before {
+            self.stats.spare_withholds += 1;
+        } else if self.spare_share > spare_before {
+            self.stats.spare_releases += 1;
+        }
+        self.stats.spare_share = self.spare_share;
         self.stats.scale = self.scale;
         self.stats.scale_min = self.stats.scale_min.min(self.scale);
         if self.recent.len() == RECENT_WINDOWS_MAX {
@@ -533,11 +605,24 @@ impl Calibrator {
             target_us: observation.target_us(),
             action,
             scale_after: self.scale,
+            spare_share_after: self.spare_share,
         });
         Ok(Decision {
             scale: self.scale,
+            spare_share: self.spare_share,
             action,
         })
+    }
+
+    /// Cuts the spare share by `cut` (a share of it), to zero below [`SPARE_SHARE_SNAP`]; a
+    /// cut starts the settling hold like a decrease of the scale.
+    fn withhold_spare(&mut self, cut: f64) {
+        if !self.config.withhold_spare || self.spare_share == 0.0 {
+            return;
+        }
+        let share = self.spare_share * (1.0 - cut);
+        self.spare_share = if share < SPARE_SHARE_SNAP { 0.0 } else { share };
+        self.windows_since_decrease = Some(0);
     }
 
     fn reset_squeeze(&mut self) {
@@ -550,6 +635,8 @@ impl Calibrator {
         let config = &self.config.clone();
         let Some(target_us) = observation.target_us() else {
             self.comfortable_windows = 0;
+            // No LC tenant: nobody's unused reservation to keep back.
+            self.spare_share = 1.0;
             return Action::Held(Hold::NoTarget);
         };
         if observation.lc_reads < config.samples_min {
@@ -575,6 +662,10 @@ impl Calibrator {
             if let Some(fit) = observation.lc_fit_scale {
                 // A relative margin: the scale arrives at `fit` by a clamp, not exactly.
                 let at_or_below_fit = self.scale <= fit * (1.0 + 1e-9);
+                if at_or_below_fit {
+                    // What LC tenants leave unused is not spare while they miss the target.
+                    self.withhold_spare(cut);
+                }
                 if !at_or_below_fit {
                     // Best-effort tenants first: stop where LC reservations still fit.
                     scale = scale.max(fit.min(config.scale_ceiling));
@@ -641,6 +732,15 @@ impl Calibrator {
             });
         }
         self.comfortable_windows = 0;
+        if !returning && self.spare_share < 1.0 {
+            // A device back to its profile returns to the line first; otherwise what LC
+            // tenants leave comes back before any rise of the scale.
+            let from = self.spare_share;
+            let next = from + config.spare_release_step;
+            // Ten steps of 0.1 add up to 0.999…: whole within rounding.
+            self.spare_share = if next >= 1.0 - 1e-9 { 1.0 } else { next };
+            return Action::Released { from };
+        }
         let mut scale = (self.scale + config.increase_step).min(config.scale_ceiling);
         if returning && p95_us as f64 >= config.comfort_ratio * target_us as f64 {
             // Returning in the band: up to the line, not past it.

@@ -141,7 +141,9 @@ pub use migration::{
     ThreadLoad,
 };
 pub use profile::{DeviceProfile, TokenLimit};
-pub use rates::{DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates};
+pub use rates::{
+    DeviceRates, RatePerMode, RateUpdate, SPARE_SHARE_ALL, TenantClass, TenantId, TenantRates,
+};
 pub use rebalance::{REBALANCE_STEP_MAX, RebalanceMove, ThreadConnections, plan_rebalance};
 pub use registry::{AdmissionError, Notice, Plan, TenantRegistry, TenantSpec};
 pub use scaling::{

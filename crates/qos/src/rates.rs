@@ -53,7 +53,16 @@ pub struct DeviceRates {
     pub bucket_max: Tokens,
     /// How far the global bucket may lend to LC tenants at their deficit limit.
     pub loan_max: Tokens,
+    /// The share of this thread's donations that reaches the global bucket, in parts per
+    /// million ([`SPARE_SHARE_ALL`]: all of it, as in the paper). Self-calibration lowers it
+    /// when LC tenants miss their target where their reservations just fit: what they leave
+    /// unused is then not spare, and best-effort tenants must not spend it
+    /// ([`crate::calibrator`]). What repays the bucket's loans always goes in.
+    pub spare_share_ppm: u32,
 }
+
+/// [`DeviceRates::spare_share_ppm`] when every donated token is spare.
+pub const SPARE_SHARE_ALL: u32 = 1_000_000;
 
 /// One tenant on one thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -45,7 +45,9 @@ use std::fmt;
 use crate::config::{ConfigError, QosConfig, THREADS_MAX};
 use crate::cost::{CostModel, LoadMode};
 use crate::profile::{Clamp, DeviceProfile};
-use crate::rates::{DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates};
+use crate::rates::{
+    DeviceRates, RatePerMode, RateUpdate, SPARE_SHARE_ALL, TenantClass, TenantId, TenantRates,
+};
 use crate::scheduler::SchedulerEvent;
 use crate::tokens::{HumanRate, TokenRate, Tokens};
 
@@ -201,6 +203,9 @@ pub struct Plan {
     pub be_tenants_bound: u32,
     /// The device rate's share of the profile's rate ([`TenantRegistry::set_rate_scale`]).
     pub rate_scale: f64,
+    /// The share of donated tokens best-effort tenants may spend
+    /// ([`TenantRegistry::set_spare_share`]; 1.0: all, as in the paper).
+    pub spare_share: f64,
     /// What LC reservations may take of the device rate, per mode: all of it, or with
     /// self-calibration on, all but the best-effort floor
     /// ([`crate::calibrator::CalibratorConfig::best_effort_floor`]).
@@ -296,6 +301,8 @@ pub struct TenantRegistry {
     admissions: u64,
     /// The device rate's share of the profile's rate.
     rate_scale: f64,
+    /// [`DeviceRates::spare_share_ppm`] for every thread.
+    spare_share_ppm: u32,
     /// LC tenants that no longer fit the scaled rate (empty unless overcommitted).
     over: BTreeSet<TenantId>,
     /// Per mode: Σ of the reservations of the tenants `over`, and the part of it the
@@ -342,6 +349,7 @@ impl TenantRegistry {
             next_id: 0,
             admissions: 0,
             rate_scale: 1.0,
+            spare_share_ppm: SPARE_SHARE_ALL,
             over: BTreeSet::new(),
             over_reserved: [0; 2],
             over_granted: [0; 2],
@@ -356,6 +364,7 @@ impl TenantRegistry {
                 lc_tenants: 0,
                 be_tenants_bound: 0,
                 rate_scale: 1.0,
+                spare_share: 1.0,
                 lc_budget_tokens_per_sec: [TokenRate::ZERO; 2],
                 overcommitted: false,
                 lc_tenants_over: 0,
@@ -469,6 +478,32 @@ impl TenantRegistry {
     /// The device rate's share of the profile's rate.
     pub fn rate_scale(&self) -> f64 {
         self.rate_scale
+    }
+
+    /// Sets the share (0 ..= 1) of donated tokens (what LC tenants leave unused, and
+    /// reservations nobody serves yet) that reaches the global bucket, where best-effort
+    /// tenants spend it; the rest is withheld. Self-calibration lowers it when LC tenants
+    /// miss their target at the rate where their reservations just fit
+    /// ([`crate::calibrator`]). Admission and every tenant's own rate are unchanged.
+    pub fn set_spare_share(&mut self, share: f64) -> Result<(), ConfigError> {
+        if !(share.is_finite() && (0.0..=1.0).contains(&share)) {
+            return Err(ConfigError::Invalid {
+                field: "spare_share",
+                reason: "must be between 0 and 1",
+            });
+        }
+        self.spare_share_ppm = (share * f64::from(SPARE_SHARE_ALL)).round() as u32;
+        let strictest = self.lc_latencies.keys().next().copied();
+        match self.plan_for_latency(self.totals, None, strictest) {
+            Ok(plan) => self.commit(plan, None),
+            Err(error) => unreachable_plan(&error),
+        }
+        Ok(())
+    }
+
+    /// The share of donated tokens best-effort tenants may spend.
+    pub fn spare_share(&self) -> f64 {
+        self.plan.spare_share
     }
 
     /// The share of the device rate kept from LC reservations for best-effort tenants: the
@@ -850,6 +885,7 @@ impl TenantRegistry {
             lc_tenants: totals.lc_count,
             be_tenants_bound: totals.be_bound,
             rate_scale: self.rate_scale,
+            spare_share: f64::from(self.spare_share_ppm) / f64::from(SPARE_SHARE_ALL),
             lc_budget_tokens_per_sec: lc_budget,
             overcommitted: excess > 0,
             lc_tenants_over: 0,
@@ -1008,6 +1044,7 @@ impl TenantRegistry {
                 unbound_tokens_per_sec: [TokenRate(unbound_mixed), TokenRate(unbound_read_only)],
                 bucket_max,
                 loan_max: self.config.loan_max(),
+                spare_share_ppm: self.spare_share_ppm,
             };
             if self.sent_device[thread] != Some(device) {
                 self.sent_device[thread] = Some(device);

@@ -38,7 +38,8 @@
 //!   the bucket ([`DeviceShared`]).
 //!
 //! Invariant (asserted in debug builds after every round, and by [`Scheduler::check`]):
-//! tokens generated + taken from the bucket = spent + given to the bucket + written off + held.
+//! tokens generated + taken from the bucket = spent + given to the bucket + withheld + written
+//! off + held.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -47,7 +48,8 @@ use crate::config::{ConfigError, QosConfig, ROUND_HISTORY_MAX};
 use crate::cost::{CostModel, IoKind, LoadMode, REQUEST_BYTES_MAX};
 use crate::queue::{List, Node, Pool};
 use crate::rates::{
-    DeviceRates, RatePerMode, RateUpdate, TenantClass, TenantId, TenantRates, effective_rates,
+    DeviceRates, RatePerMode, RateUpdate, SPARE_SHARE_ALL, TenantClass, TenantId, TenantRates,
+    effective_rates,
 };
 use crate::shared::DeviceShared;
 use crate::time::Nanos;
@@ -145,6 +147,8 @@ pub struct Ledger {
     pub from_bucket: Tokens,
     pub spent: Tokens,
     pub to_bucket: Tokens,
+    /// Donations kept out of the bucket ([`DeviceRates::spare_share_ppm`]): unused, not spare.
+    pub withheld: Tokens,
     /// Balances of tenants that left the thread.
     pub written_off: Tokens,
     /// Tenant balances plus donations not yet handed to the bucket.
@@ -295,6 +299,8 @@ pub struct Scheduler {
     idle_stamp: Nanos,
     idle_frac: u32,
     pending_donation: i64,
+    /// [`DeviceRates::spare_share_ppm`] in force.
+    spare_share_ppm: u32,
     last_round: Nanos,
     round_times: [Nanos; ROUND_HISTORY_MAX],
     rounds_recorded: usize,
@@ -350,6 +356,7 @@ impl Scheduler {
             idle_stamp: now,
             idle_frac: 0,
             pending_donation: 0,
+            spare_share_ppm: SPARE_SHARE_ALL,
             last_round: now,
             round_times: [now; ROUND_HISTORY_MAX],
             rounds_recorded: 0,
@@ -387,6 +394,12 @@ impl Scheduler {
         self.costs = rates.costs;
         self.lending = rates.loan_max.0 > 0;
         self.shared.set_limits(rates.bucket_max, rates.loan_max);
+        assert!(
+            rates.spare_share_ppm <= SPARE_SHARE_ALL,
+            "spare share {} ppm",
+            rates.spare_share_ppm
+        );
+        self.spare_share_ppm = rates.spare_share_ppm;
         let unbound = [
             rates.unbound_tokens_per_sec[0].q32(),
             rates.unbound_tokens_per_sec[1].q32(),
@@ -1129,11 +1142,25 @@ impl Scheduler {
         add_rates(&mut self.idle_rate_q32, slot.rate_q32);
     }
 
+    /// Hands this round's donations to the bucket: what repays its loans in full, the rest at
+    /// the spare share (the remainder is withheld: nobody spends it).
     fn flush_donations(&mut self) {
         if self.pending_donation > 0 {
-            let amount = Tokens(self.pending_donation);
-            self.shared.deposit(amount);
-            self.ledger.to_bucket += amount;
+            let amount = self.pending_donation;
+            let kept = if self.spare_share_ppm == SPARE_SHARE_ALL {
+                amount
+            } else {
+                let repay = self.shared.debt().0.min(amount);
+                let spare = (i128::from(amount - repay) * i128::from(self.spare_share_ppm)
+                    / i128::from(SPARE_SHARE_ALL)) as i64;
+                repay + spare
+            };
+            debug_assert!((0..=amount).contains(&kept));
+            if kept > 0 {
+                self.shared.deposit(Tokens(kept));
+            }
+            self.ledger.to_bucket += Tokens(kept);
+            self.ledger.withheld += Tokens(amount - kept);
             self.pending_donation = 0;
         }
     }
@@ -1268,7 +1295,7 @@ impl Scheduler {
         let ledger = self.ledger();
         assert_eq!(
             ledger.generated + ledger.from_bucket,
-            ledger.spent + ledger.to_bucket + ledger.written_off + ledger.held,
+            ledger.spent + ledger.to_bucket + ledger.withheld + ledger.written_off + ledger.held,
             "token conservation broken: {ledger:?}"
         );
         let mut idle = self.unbound_rate_q32;

@@ -329,6 +329,62 @@ fn idle_lc_reservation_flows_to_best_effort_tenants() {
     assert!(rate <= 420_000.0 + 100.0, "C used {rate} tokens/s");
 }
 
+/// Self-calibration's spare share ([`TenantRegistry::set_spare_share`]): what an idle LC
+/// tenant leaves reaches best-effort tenants only in that share; the rest is withheld, and
+/// every token is still accounted for.
+#[test]
+fn a_withheld_reservation_does_not_reach_best_effort_tenants() {
+    let best_effort_rate = |share: f64| {
+        let mut s = Setup::new(1, QosConfig::default(), Policy::Tokens);
+        s.add(
+            TenantSpec::LatencyCritical {
+                latency_us_p95: 500,
+                iops: 200_000,
+                read_percent: 100,
+            },
+            &[0],
+            Nanos::ZERO,
+        );
+        let c = s.add(TenantSpec::BestEffort, &[0], Nanos::ZERO);
+        s.registry.set_spare_share(share).unwrap();
+        assert_eq!(s.registry.plan().spare_share, share);
+        s.sync(Nanos::ZERO);
+        let mut token = 0;
+        let mut now = Nanos::ZERO;
+        for _ in 0..10_000 {
+            while s.threads[0].queued(c) < 64 {
+                token += 1;
+                s.threads[0].enqueue(c, write(token), now).unwrap();
+            }
+            s.round(0, now);
+            now += us(5);
+        }
+        let used = s.threads[0].tenant_stats(c).unwrap().submitted_tokens;
+        let withheld = s.threads[0].ledger().withheld.as_tokens_f64() / now.as_secs_f64();
+        (used.as_tokens_f64() / now.as_secs_f64(), withheld)
+    };
+    // C's own 220K tokens/s, plus none, half or all of A's 200K.
+    let (none, withheld_all) = best_effort_rate(0.0);
+    assert!(
+        (215_000.0..=220_100.0).contains(&none),
+        "C used {none} tokens/s"
+    );
+    assert!(withheld_all > 190_000.0, "withheld {withheld_all} tokens/s");
+    let (half, _) = best_effort_rate(0.5);
+    assert!(
+        (310_000.0..=320_100.0).contains(&half),
+        "C used {half} tokens/s"
+    );
+    let (all, withheld_none) = best_effort_rate(1.0);
+    assert!(all > 400_000.0, "C used {all} tokens/s");
+    assert_eq!(withheld_none, 0.0);
+    let mut s = Setup::new(1, QosConfig::default(), Policy::Tokens);
+    for bad in [-0.1, 1.5, f64::NAN] {
+        assert!(s.registry.set_spare_share(bad).is_err(), "{bad}");
+    }
+    assert_eq!(s.registry.spare_share(), 1.0);
+}
+
 #[test]
 fn full_queues_push_back_and_report_room_later() {
     let config = QosConfig {

@@ -553,6 +553,7 @@ impl Collector for SamplerCollector {
         let mut rates = Vec::new();
         let mut reserved_rates = Vec::new();
         let mut scales = Vec::new();
+        let mut spare_shares = Vec::new();
         let mut client_shares = Vec::new();
         let mut server_busy = Vec::new();
         let calibrations = control.calibration();
@@ -578,6 +579,7 @@ impl Collector for SamplerCollector {
                     plan.lc_reserved_tokens_per_sec[0].as_tokens_per_sec_f64(),
                 ));
                 scales.push((labels.clone(), plan.rate_scale));
+                spare_shares.push((labels.clone(), plan.spare_share));
             }
             let observed = calibrations
                 .iter()
@@ -629,6 +631,12 @@ impl Collector for SamplerCollector {
             "device_rate_scale",
             "The device rate's share of its profile's rate (online calibration).",
             &scales,
+        )?;
+        gauges(
+            &mut encoder,
+            "device_spare_share",
+            "The share of what latency-critical tenants leave unused that best-effort tenants may spend (online calibration withholds the rest while LC tenants miss their target where their reservations just fit).",
+            &spare_shares,
         )?;
         gauges(
             &mut encoder,

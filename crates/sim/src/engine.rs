@@ -891,14 +891,15 @@ impl<'c> Sim<'c> {
                 point
             })
             .collect();
-        let rate_scale = self
+        let (rate_scale, spare_share) = self
             .server
             .control()
             .plan(0)
-            .map_or(1.0, |plan| plan.rate_scale);
+            .map_or((1.0, 1.0), |plan| (plan.rate_scale, plan.spare_share));
         self.timeline.push(TimelinePoint {
             end_ms: now.saturating_since(self.warmup_end).0 / 1_000_000,
             rate_scale,
+            spare_share,
             tenants,
         });
         if now + interval <= self.end {

@@ -90,6 +90,8 @@ pub struct TimelinePoint {
     pub end_ms: u64,
     /// The device rate's share of the profile's at the interval's end.
     pub rate_scale: f64,
+    /// The share of donated tokens best-effort tenants may spend at the interval's end.
+    pub spare_share: f64,
     /// In the report's tenant order.
     pub tenants: Vec<TimelineTenant>,
 }
@@ -209,15 +211,19 @@ impl PointReport {
 
     /// The timeline: one row per interval, each tenant's IOPS and read p95.
     pub fn timeline_table(&self) -> String {
-        let mut out = String::from("\n| t ms | scale |");
-        let mut rule = String::from("|---:|---:|");
+        let mut out = String::from("\n| t ms | scale | spare |");
+        let mut rule = String::from("|---:|---:|---:|");
         for t in &self.tenants {
             let _ = write!(out, " {} IOPS | {} p95 µs |", t.name, t.name);
             rule.push_str("---:|---:|");
         }
         let _ = writeln!(out, "\n{rule}");
         for point in &self.timeline {
-            let _ = write!(out, "| {} | {:.2} |", point.end_ms, point.rate_scale);
+            let _ = write!(
+                out,
+                "| {} | {:.2} | {:.2} |",
+                point.end_ms, point.rate_scale, point.spare_share
+            );
             for t in &point.tenants {
                 let _ = write!(out, " {:.1}K | {:.0} |", t.iops / 1e3, t.read_p95_us);
             }

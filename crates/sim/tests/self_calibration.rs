@@ -212,8 +212,11 @@ fn best_effort_tenants_keep_their_floor_through_a_cut() {
             "the floor gave best effort no more; {}",
             context()
         );
+        // The floor alone (5 % of a rate cut to about 0.3, D mostly writes): what LC tenants
+        // leave unused is withheld while they miss their target (172 and 140 IOPS in the
+        // worst interval for seeds 1 and 2; 150+ when best effort also spent that).
         assert!(
-            worst_floor >= 150.0,
+            worst_floor >= 100.0,
             "with the floor, best effort fell to {worst_floor:.0} IOPS in an interval; {}",
             context()
         );
@@ -419,5 +422,59 @@ fn learning_the_round_trip_meets_figure_5_scenario_2_at_the_client_without_headr
         assert!(timeline.len() >= 40, "{report}");
         let lowest = timeline.into_iter().fold(f64::INFINITY, f64::min);
         assert!(lowest >= 0.9, "squeezed into LC reservations: {report}");
+    }
+}
+
+/// Figure 5 scenario 2 behind 50 µs each way, with clients that add `wakeup_us` to every
+/// answer and report their p95 every 50 ms; what B leaves of its reservation withheld from
+/// best-effort tenants while LC tenants miss their target, or not.
+fn scenario2_with_a_slow_client(wakeup_us: u64, withhold: bool, seed: u64) -> PointReport {
+    let mut loaded = common::load("fig5-small-scenario2");
+    loaded.scenario.seed = seed;
+    loaded.scenario.timeline_ms = Some(250);
+    loaded.scenario.client = reflex_sim::scenario::ClientSpec {
+        wakeup_us,
+        report_interval_ms: 50,
+    };
+    run_calibrated(loaded, 50, |calibration| {
+        calibration.enabled = true;
+        calibration.withhold_spare = withhold;
+    })
+}
+
+/// At the line where LC reservations fit the device answers as profiled, so LC reservations
+/// are kept; but B leaves 2.5K of its 7K IOPS and best-effort tenants spend them, so the
+/// device runs at the whole rate and, with 100 µs of client wake-ups on top of the round trip,
+/// A and B miss 500 µs at the client. Withholding what B leaves while they miss brings them
+/// under it, best-effort tenants paying.
+#[test]
+fn withholding_unused_reservations_meets_scenario_2_where_the_line_is_not_enough() {
+    for seed in SEEDS {
+        let spent = scenario2_with_a_slow_client(100, false, seed);
+        let withheld = scenario2_with_a_slow_client(100, true, seed);
+        let p95 = |point: &PointReport, name: &str| point.tenant(name).unwrap().read_p95_us;
+        let report = format!(
+            "seed {seed}: spent A/B p95 {:.0}/{:.0} µs, scale {:.3}, BE {:.0} IOPS; withheld \
+             {:.0}/{:.0} µs, scale {:.3}, BE {:.0} IOPS\n{}",
+            p95(&spent, "A"),
+            p95(&spent, "B"),
+            spent.rate_scale,
+            best_effort_total_iops(&spent),
+            p95(&withheld, "A"),
+            p95(&withheld, "B"),
+            withheld.rate_scale,
+            best_effort_total_iops(&withheld),
+            withheld.timeline_table()
+        );
+        println!("{report}");
+        for name in ["A", "B"] {
+            assert!(p95(&spent, name) > SLO_US, "{name}: {report}");
+            assert!(p95(&withheld, name) <= SLO_US, "{name}: {report}");
+            assert!(withheld.tenant(name).unwrap().iops >= 0.99 * spent.tenant(name).unwrap().iops);
+        }
+        assert!(
+            best_effort_total_iops(&withheld) < best_effort_total_iops(&spent),
+            "{report}"
+        );
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use reflex_qos::{
     CostModel, DeviceRates, DeviceShared, IoKind, Nanos, Policy, QosConfig, RateUpdate, Request,
-    Scheduler, TenantClass, TenantId, TenantRates, TokenRate, Tokens,
+    SPARE_SHARE_ALL, Scheduler, TenantClass, TenantId, TenantRates, TokenRate, Tokens,
 };
 
 pub const IOPS_TOTAL: u64 = 100_000;
@@ -53,6 +53,7 @@ pub fn scheduler(tenants: u32) -> Scheduler {
             unbound_tokens_per_sec: [TokenRate::ZERO; 2],
             bucket_max: Tokens::from_tokens(285),
             loan_max: Tokens::from_tokens(50),
+            spare_share_ppm: SPARE_SHARE_ALL,
         }),
         Nanos::ZERO,
     );

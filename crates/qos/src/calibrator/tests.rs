@@ -611,6 +611,13 @@ fn configurations_are_validated() {
             },
             "device_slower_ratio",
         ),
+        (
+            CalibratorConfig {
+                spare_release_step: 0.0,
+                ..base()
+            },
+            "spare_release_step",
+        ),
     ] {
         let error = refused(config);
         assert!(error.contains(field), "{field}: {error}");
@@ -846,4 +853,112 @@ fn a_device_back_to_its_profile_returns_to_where_lc_reservations_fit() {
     for decision in feed(&mut squeezed, &slow) {
         assert_eq!(decision.action, Action::Held(Hold::InBand));
     }
+}
+
+/// At the line where LC reservations fit, a device that answers as profiled keeps LC
+/// reservations, but what LC tenants leave unused is not spare while they miss the target:
+/// each window over it cuts the spare share (to zero below the snap), falling windows let a
+/// cut settle, and comfortable windows give it back in `spare_release_step`s before the
+/// scale rises above the line.
+#[test]
+fn unused_reservations_are_withheld_at_the_line_and_given_back_first() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let window = |p95_us, load| WindowObservation {
+        lc_fit_scale: Some(0.9),
+        profile_p95_at_load_us: Some(SLO_US),
+        ..observation(1_000, p95_us, load)
+    };
+    // Above the line: the scale pays, the spare share is untouched.
+    let decisions = feed(&mut calibrator, &[window(2 * SLO_US, 1.0)]);
+    assert!(matches!(decisions[0].action, Action::Decreased { .. }));
+    assert_eq!((calibrator.scale(), calibrator.spare_share()), (0.9, 1.0));
+    // At the line, rising p95s at 1.2 targets (a sixth over): LC is kept, and each window
+    // withholds a sixth of what is left, until the share snaps to zero.
+    // (The first is still the scale's cut draining: p95 fell since.)
+    let rising: Vec<_> = (0..21).map(|i| window(6 * SLO_US / 5 + i, 1.0)).collect();
+    let decisions = feed(&mut calibrator, &rising);
+    assert_eq!(decisions[0].action, Action::Held(Hold::Settling));
+    let decisions = &decisions[1..];
+    let shares: Vec<f64> = decisions.iter().map(|d| d.spare_share).collect();
+    for decision in decisions {
+        assert_eq!(decision.action, Action::Held(Hold::DeviceAsProfiled));
+        assert_eq!(decision.scale, 0.9);
+    }
+    assert!(
+        (shares[0] - (1.0 - 101.0 / 601.0)).abs() < 1e-9,
+        "{shares:?}"
+    );
+    assert!(shares.windows(2).all(|w| w[1] <= w[0]), "{shares:?}");
+    assert_eq!(*shares.last().unwrap(), 0.0, "{shares:?}");
+    assert_eq!(calibrator.stats().spare_withholds, 16, "{shares:?}");
+    // Comfortable at the line: one release every `increase_windows` (3), ten to all, and only
+    // then does the scale rise.
+    let comfortable: Vec<_> = (0..33).map(|_| window(SLO_US / 2, 0.9)).collect();
+    let decisions = feed(&mut calibrator, &comfortable);
+    let releases = decisions
+        .iter()
+        .filter(|d| matches!(d.action, Action::Released { .. }))
+        .count();
+    assert_eq!(releases, 10, "{decisions:?}");
+    assert!(matches!(
+        decisions.last().unwrap().action,
+        Action::Increased { from } if from == 0.9
+    ));
+    assert!((calibrator.spare_share() - 1.0).abs() < 1e-9);
+    assert_eq!(calibrator.stats().spare_releases, 10);
+}
+
+/// A cut of the spare share settles like a cut of the scale: a p95 still over the target
+/// but falling does not cut again within `decrease_hold_windows`.
+#[test]
+fn a_spare_cut_settles_before_the_next() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let window = |p95_us| WindowObservation {
+        lc_fit_scale: Some(1.0),
+        profile_p95_at_load_us: Some(SLO_US),
+        ..observation(1_000, p95_us, 1.0)
+    };
+    let decisions = feed(
+        &mut calibrator,
+        &[
+            window(2 * SLO_US),
+            window(19 * SLO_US / 10),
+            window(2 * SLO_US),
+        ],
+    );
+    assert_eq!(decisions[0].action, Action::Held(Hold::DeviceAsProfiled));
+    assert!((decisions[0].spare_share - 0.7).abs() < 1e-9);
+    assert_eq!(decisions[1].action, Action::Held(Hold::Settling));
+    assert!((decisions[1].spare_share - 0.7).abs() < 1e-9);
+    assert!(decisions[2].spare_share < 0.7);
+}
+
+/// Withholding off keeps the paper's work conservation; no LC tenant left gives everything
+/// back at once.
+#[test]
+fn the_spare_share_is_whole_without_withholding_or_without_lc_tenants() {
+    let window = |p95_us| WindowObservation {
+        lc_fit_scale: Some(1.0),
+        profile_p95_at_load_us: Some(SLO_US),
+        ..observation(1_000, p95_us, 1.0)
+    };
+    let off = CalibratorConfig {
+        withhold_spare: false,
+        ..CalibratorConfig::default()
+    };
+    let mut calibrator = Calibrator::new(off, Nanos::ZERO).unwrap();
+    let over: Vec<_> = (0..10).map(|i| window(2 * SLO_US + i)).collect();
+    for decision in feed(&mut calibrator, &over) {
+        assert_eq!(decision.spare_share, 1.0);
+    }
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    feed(&mut calibrator, &over);
+    assert_eq!(calibrator.spare_share(), 0.0);
+    let gone = WindowObservation {
+        slo_latency_us_p95: None,
+        ..window(SLO_US)
+    };
+    let decisions = feed(&mut calibrator, &[gone]);
+    assert_eq!(decisions[0].action, Action::Held(Hold::NoTarget));
+    assert_eq!(decisions[0].spare_share, 1.0);
 }

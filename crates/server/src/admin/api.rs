@@ -309,6 +309,8 @@ pub struct PlanView {
     pub lc_tenants: u32,
     pub be_tenants_bound: u32,
     pub rate_scale: f64,
+    /// The share of LC tenants' unused tokens that best-effort tenants may spend.
+    pub spare_share: f64,
     pub overcommitted: bool,
     pub read_only_admission: bool,
 }
@@ -326,6 +328,7 @@ impl PlanView {
             lc_tenants: plan.lc_tenants,
             be_tenants_bound: plan.be_tenants_bound,
             rate_scale: plan.rate_scale,
+            spare_share: plan.spare_share,
             overcommitted: plan.overcommitted,
             read_only_admission: plan.read_only_admission,
         }
