@@ -13,7 +13,9 @@
 # Environment: REPS (3), SCENARIOS, SERVER_CONFIG (configs/reflexd-small.toml),
 #   SERVER_CPU (1), CLIENT_CPU (0), PORT (17070), BIN (target/release), WORK
 #   (target/qos-real), MODES ("on off"; also "silent": QoS on, but the LC tenants' clients
-#   send no REPORT of their latency, as before PROTOCOL.md §1.9 existed), STEP_SLACK (20),
+#   send no REPORT of their latency, as before PROTOCOL.md §1.9 existed; "spent": QoS on, but
+#   SERVER_CONFIG's calibration with withhold_spare = false, so best-effort tenants spend all
+#   that LC tenants leave unused, as before QOS.md §11's spare share existed), STEP_SLACK (20),
 #   ISOLATE (on: every other task that
 #   can leaves SERVER_CPU for the run, as an operator dedicates a core to a dataplane thread,
 #   bench/lib/isolate.py; off: the CPU is shared as the scheduler likes).
@@ -42,8 +44,17 @@ stop_server() {
     fi
     server_pid=""
 }
-trap 'stop_server; isolate_restore' EXIT
+trap 'stop_server; isolate_restore; rm -f "$(dirname "$SERVER_CONFIG")/.spent-$(basename "$SERVER_CONFIG")"' EXIT
 isolate_cpu "$SERVER_CPU"
+
+spent_config() { # SERVER_CONFIG with withhold_spare = false, beside it (its relative paths hold)
+    local spent
+    spent="$(dirname "$SERVER_CONFIG")/.spent-$(basename "$SERVER_CONFIG")"
+    grep -q '^\[qos_config.calibration\]' "$SERVER_CONFIG" \
+        || { echo "spent: $SERVER_CONFIG has no [qos_config.calibration] table" >&2; exit 1; }
+    sed '/^\[qos_config.calibration\]/a withhold_spare = false' "$SERVER_CONFIG" >"$spent"
+    echo "$spent"
+}
 
 seconds_of() { # scenario file -> warm-up + duration in whole seconds
     awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$1"
@@ -57,8 +68,10 @@ for rep in $(seq 1 "$REPS"); do
             bench_flags=()
             [[ "$mode" == off ]] && flags+=(--no-qos)
             [[ "$mode" == silent ]] && bench_flags+=(--report-interval 0s)
+            config="$SERVER_CONFIG"
+            [[ "$mode" == spent ]] && config=$(spent_config)
             log="$WORK/raw/$name-$mode-$rep.log"
-            taskset -c "$SERVER_CPU" "$BIN/reflexd" --config "$SERVER_CONFIG" --port "$PORT" \
+            taskset -c "$SERVER_CPU" "$BIN/reflexd" --config "$config" --port "$PORT" \
                 "${flags[@]}" 2>"$log" &
             server_pid=$!
             for _ in $(seq 1 100); do

@@ -68,6 +68,13 @@ pub const RECENT_WINDOWS_MAX: usize = 32;
 /// The largest ceiling a configuration may set (twice the profile's rate).
 pub const SCALE_CEILING_MAX: f64 = 2.0;
 
+/// How near the line where LC reservations fit counts as on it, relative. The scale arrives at
+/// the line by a clamp, and the line is derived from integer token rates, so it moves by about
+/// 1e-8 from one window to the next: with a margin of 1e-9, reflexd "returned" to the line by
+/// steps of 6e-9 every few windows (a log line and a rate update each, and no spare share given
+/// back meanwhile).
+const FIT_MARGIN: f64 = 1e-6;
+
 /// A spare share cut below this withholds everything (a multiplicative cut never reaches 0).
 pub const SPARE_SHARE_SNAP: f64 = 0.05;
 
@@ -660,8 +667,7 @@ impl Calibrator {
             let cut = (config.decrease_gain * overshoot).min(config.decrease_step_max);
             let mut scale = (self.scale * (1.0 - cut)).max(config.scale_floor);
             if let Some(fit) = observation.lc_fit_scale {
-                // A relative margin: the scale arrives at `fit` by a clamp, not exactly.
-                let at_or_below_fit = self.scale <= fit * (1.0 + 1e-9);
+                let at_or_below_fit = self.scale <= fit * (1.0 + FIT_MARGIN);
                 if at_or_below_fit {
                     // What LC tenants leave unused is not spare while they miss the target.
                     self.withhold_spare(cut);
@@ -708,7 +714,7 @@ impl Calibrator {
         // load there, and the tenants cut are owed their reservations.
         let squeezed = observation
             .lc_fit_scale
-            .is_some_and(|fit| self.scale < fit.min(config.scale_ceiling) * (1.0 - 1e-9));
+            .is_some_and(|fit| self.scale < fit.min(config.scale_ceiling) * (1.0 - FIT_MARGIN));
         let returning =
             squeezed && observation.device_as_profiled(p95_us, config.device_slower_ratio);
         if !returning && p95_us as f64 >= config.comfort_ratio * target_us as f64 {

@@ -962,3 +962,24 @@ fn the_spare_share_is_whole_without_withholding_or_without_lc_tenants() {
     assert_eq!(decisions[0].action, Action::Held(Hold::NoTarget));
     assert_eq!(decisions[0].spare_share, 1.0);
 }
+
+/// The line is derived from integer token rates and moves by about 1e-8 between windows; a
+/// scale clamped to it is on it, not squeezed below it (reflexd returned "to the line" by steps
+/// of 6e-9, a log line and a rate update each).
+#[test]
+fn a_line_that_moves_by_rounding_is_not_a_squeeze() {
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let window = |p95_us, fit| WindowObservation {
+        lc_fit_scale: Some(fit),
+        profile_p95_at_load_us: Some(SLO_US),
+        ..observation(1_000, p95_us, 1.0)
+    };
+    feed(&mut calibrator, &[window(2 * SLO_US, 0.9)]);
+    assert_eq!(calibrator.scale(), 0.9);
+    let in_band: Vec<_> = (0..10)
+        .map(|i| window(SLO_US * 9 / 10, 0.9 * (1.0 + 1e-8 * f64::from(i % 3))))
+        .collect();
+    for decision in feed(&mut calibrator, &in_band) {
+        assert_eq!(decision.action, Action::Held(Hold::InBand));
+    }
+}
