@@ -340,3 +340,66 @@ fn kv_fillrandom_then_readrandom_counts_every_operation() {
     assert!(found > 0 && found <= 800, "{report}");
     server.shutdown().expect("shutdown");
 }
+
+/// `reflex bench --scenario` with an LC tenant that REPORTs: a REPORT takes one request of
+/// the server's window, so the tenant's I/O gets the rest. (With all of it, a due READ found
+/// the window full behind a REPORT in flight and the run stopped: "window full: 128 requests
+/// outstanding", 2026-11-29, when a VM stall backed A up to its window.) Without reports the
+/// tenant has the whole window.
+#[test]
+fn a_reporting_lc_tenant_leaves_the_report_room_in_the_window() {
+    let profile =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/device-a-small.toml");
+    let mut namespace = NamespaceConfig::new(1, "mem:16M");
+    namespace.profile = Some(profile.to_string_lossy().into_owned());
+    let server = common::start_server(Config {
+        window: 2,
+        qos: true,
+        ..Config::loopback(vec![namespace])
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let scenario = dir.path().join("reporting.toml");
+    let scenario_text = format!(
+        r#"
+name = "reporting"
+threads = 1
+qos = true
+warmup_ms = 0
+duration_ms = 300
+
+[device]
+emulated = "device-a-small"
+profile = {profile:?}
+
+[[tenant]]
+name = "A"
+class = "lc"
+latency_us_p95 = 2000
+iops = 1000
+read_percent = 100
+load = {{ open_iops = 1000 }}
+"#,
+        profile = profile.to_string_lossy()
+    );
+    std::fs::write(&scenario, scenario_text).expect("scenario");
+    let address = server.native_addr().to_string();
+    for (interval, queue_depth) in [("1ms", 1), ("0s", 2)] {
+        let report = bench_ok(&[
+            "-s",
+            &address,
+            "--scenario",
+            scenario.to_str().expect("utf-8 path"),
+            "--report-interval",
+            interval,
+        ]);
+        let tenant = &report["tenants"][0];
+        assert_eq!(tenant["name"], "A", "{report}");
+        assert_eq!(tenant["errors"], 0, "{report}");
+        assert!(tenant["iops"].as_f64().unwrap_or(0.0) > 0.0, "{report}");
+        assert_eq!(
+            tenant["queue_depth"], queue_depth,
+            "reports every {interval}"
+        );
+    }
+    server.shutdown().expect("shutdown");
+}

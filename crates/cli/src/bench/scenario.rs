@@ -331,6 +331,11 @@ pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<Sce
             duration.as_secs_f64()
         );
     }
+    // What each tenant's engine may keep in flight (the server's window, less one for REPORTs).
+    let queue_depths: Vec<u32> = prepared
+        .iter()
+        .map(|tenant| tenant.config.load.queue_depth_max())
+        .collect();
     let outcomes: Vec<Result<Outcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = prepared
             .into_iter()
@@ -353,15 +358,16 @@ pub fn execute(scenario: &ScenarioFile, options: &ScenarioOptions) -> Result<Sce
     });
     unregister_all(&mut control, &handles);
     let mut rows = Vec::new();
-    for (((tenant, handle), outcome), &(namespace, _)) in scenario
+    for ((((tenant, handle), outcome), &(namespace, _)), &queue_depth) in scenario
         .tenants
         .iter()
         .zip(&handles)
         .zip(outcomes)
         .zip(&targets)
+        .zip(&queue_depths)
     {
         let outcome = outcome.with_context(|| format!("tenant {}", tenant.name))?;
-        let mut row = row(tenant, *handle, &outcome, capabilities.window_requests);
+        let mut row = row(tenant, *handle, &outcome, queue_depth);
         row.namespace = namespace;
         if let Some(alone) = tenant.rt_alone_us {
             row.rt_alone_us = Some(alone);
@@ -455,7 +461,13 @@ fn prepare(
             bail!("namespace {namespace} holds no I/O of {io_size_bytes} bytes");
         }
         let read_percent = tenant.load.read_percent.unwrap_or(tenant.read_percent);
-        let window = window.min(engine::QUEUE_DEPTH_MAX);
+        // A REPORT takes one request of the server's window: I/O gets the rest (with all of
+        // it, a REPORT in flight left a due READ no room, and the run stopped). A window of
+        // one has no room for both: no REPORT then.
+        let report_interval = options
+            .report_interval
+            .filter(|_| tenant.class == Class::Lc && window >= 2);
+        let window = (window - u32::from(report_interval.is_some())).min(engine::QUEUE_DEPTH_MAX);
         let load = match (tenant.load.open_iops, tenant.load.closed_depth) {
             (Some(rate), _) => Load::Open {
                 rate_per_sec: rate as f64,
@@ -494,9 +506,7 @@ fn prepare(
             measure_hooks: Default::default(),
             follow_notices: tenant.load.follow_notices,
             timeline: scenario.timeline_ms.map(Duration::from_millis),
-            report_interval: options
-                .report_interval
-                .filter(|_| tenant.class == Class::Lc),
+            report_interval,
         };
         prepared.push(Prepared {
             handle,
@@ -507,7 +517,7 @@ fn prepare(
     Ok(prepared)
 }
 
-fn row(tenant: &TenantSpecToml, handle: u64, outcome: &Outcome, window: u32) -> TenantRow {
+fn row(tenant: &TenantSpecToml, handle: u64, outcome: &Outcome, queue_depth: u32) -> TenantRow {
     let measured_sec = (outcome.measured_ns as f64 / 1e9).max(1e-9);
     let read = outcome.read.summary();
     let write = outcome.write.summary();
@@ -527,11 +537,6 @@ fn row(tenant: &TenantSpecToml, handle: u64, outcome: &Outcome, window: u32) -> 
             Some(read.p95_us <= latency_us_p95 as f64 && answered_enough && outcome.errors == 0)
         }
         _ => None,
-    };
-    let queue_depth = match (tenant.load.open_iops, tenant.load.closed_depth) {
-        (Some(_), _) => tenant.load.window.min(window),
-        (None, Some(depth)) => depth.min(window),
-        (None, None) => 0,
     };
     TenantRow {
         name: tenant.name.clone(),
