@@ -669,7 +669,8 @@ impl Calibrator {
             if let Some(fit) = observation.lc_fit_scale {
                 let at_or_below_fit = self.scale <= fit * (1.0 + FIT_MARGIN);
                 if at_or_below_fit {
-                    // What LC tenants leave unused is not spare while they miss the target.
+                    // What LC tenants leave unused is not spare while they miss the target
+                    // (whatever happens to the scale below).
                     self.withhold_spare(cut);
                 }
                 if !at_or_below_fit {

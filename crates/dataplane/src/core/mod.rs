@@ -615,6 +615,7 @@ impl Dataplane {
                 from_bucket = ledger.from_bucket.as_tokens_f64(),
                 spent = ledger.spent.as_tokens_f64(),
                 to_bucket = ledger.to_bucket.as_tokens_f64(),
+                withheld = ledger.withheld.as_tokens_f64(),
                 written_off = ledger.written_off.as_tokens_f64(),
                 iterations = self.stats.iterations,
                 "scheduler tokens"

@@ -103,6 +103,7 @@ impl Totals {
                 total.ledger.from_bucket.0 += ledger.from_bucket.0;
                 total.ledger.spent.0 += ledger.spent.0;
                 total.ledger.to_bucket.0 += ledger.to_bucket.0;
+                total.ledger.withheld.0 += ledger.withheld.0;
                 total.ledger.written_off.0 += ledger.written_off.0;
                 total.ledger.held.0 += ledger.held.0;
                 total
