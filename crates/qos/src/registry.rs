@@ -463,11 +463,7 @@ impl TenantRegistry {
         }
         let over_before = self.over.clone();
         self.rate_scale = scale;
-        let strictest = self.lc_latencies.keys().next().copied();
-        match self.plan_for_latency(self.totals, None, strictest) {
-            Ok(plan) => self.commit(plan, None),
-            Err(error) => unreachable_plan(&error),
-        }
+        self.replan(None);
         assert!(
             (self.plan.rate_scale - scale).abs() < f64::EPSILON,
             "the plan carries the scale"
@@ -493,11 +489,7 @@ impl TenantRegistry {
             });
         }
         self.spare_share_ppm = (share * f64::from(SPARE_SHARE_ALL)).round() as u32;
-        let strictest = self.lc_latencies.keys().next().copied();
-        match self.plan_for_latency(self.totals, None, strictest) {
-            Ok(plan) => self.commit(plan, None),
-            Err(error) => unreachable_plan(&error),
-        }
+        self.replan(None);
         Ok(())
     }
 
@@ -669,11 +661,7 @@ impl TenantRegistry {
                 .plus(self.contribution(&spec, bound_after));
             self.totals = totals;
         }
-        let strictest = self.lc_latencies.keys().next().copied();
-        match self.plan_for_latency(self.totals, None, strictest) {
-            Ok(plan) => self.commit(plan, Some(tenant)),
-            Err(error) => unreachable_plan(&error),
-        }
+        self.replan(Some(tenant));
         Ok(())
     }
 
@@ -964,6 +952,16 @@ impl TenantRegistry {
                 self.over_granted[m] as f64 / self.over_reserved[m] as f64
             }
         })
+    }
+
+    /// Recomputes the plan for the registered tenants as they stand (a scale, a spare share or
+    /// a tenant's connections changed) and commits it.
+    fn replan(&mut self, changed: Option<TenantId>) {
+        let strictest = self.lc_latencies.keys().next().copied();
+        match self.plan_for_latency(self.totals, None, strictest) {
+            Ok(plan) => self.commit(plan, changed),
+            Err(error) => unreachable_plan(&error),
+        }
     }
 
     /// Adopts `plan` and queues the updates: device rates where they changed (one message per
