@@ -31,6 +31,12 @@
 # Environment: REPS (3) SCENARIO (scenarios/fig5-small-scenario2.toml) IDLE (10000)
 #   SLOWLORIS (2000) NON_READERS (1) CONNECTIONS (12000) CONNECT_RATE (1000) SOURCE (127.0.0.2)
 #   FRESH_INTERVAL (20ms) SERVER_CPU (0) CLIENT_CPU (1) PORT (17280) ADMIN_PORT (17281)
+#   ATTACK_CPU (CLIENT_CPU; SERVER_CPU puts the attacker beside the server instead: on loopback
+#   a packet's receive path runs on the sender's CPU, so with the attacker on the clients' CPU
+#   the kernel's work for the attack's SYNs, FINs and data lands on the LC client's CPU, where
+#   a remote attacker's never would; beside the server it lands where a remote attacker's
+#   lands, on the server's machine, and the attacker's own user-space work competes with the
+#   server at niceness 19)
 #   NICE (-20 as root) RT_PRIO ISOLATE (on: every other task that can leaves SERVER_CPU for the
 #   run, bench/lib/isolate.py; off: it is shared as the scheduler likes)
 #   QUIET_MAX_PERCENT (20) QUIET_WAIT_S (30) WORK (target/bench-overload)
@@ -69,6 +75,7 @@ SOURCE=${SOURCE:-127.0.0.2}
 FRESH_INTERVAL=${FRESH_INTERVAL:-20ms}
 SERVER_CPU=${SERVER_CPU:-0}
 CLIENT_CPU=${CLIENT_CPU:-1}
+ATTACK_CPU=${ATTACK_CPU:-$CLIENT_CPU}
 PORT=${PORT:-17280}
 ADMIN_PORT=${ADMIN_PORT:-17281}
 if [ "$(id -u)" = 0 ]; then NICE=${NICE:--20}; else NICE=${NICE:-0}; fi
@@ -86,6 +93,8 @@ STEP_SLACK_S=${STEP_SLACK_S:-60}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 
 [ "$SERVER_CPU" != "$CLIENT_CPU" ] || die "SERVER_CPU and CLIENT_CPU must differ"
+[ "$ATTACK_CPU" = "$SERVER_CPU" ] || [ "$ATTACK_CPU" = "$CLIENT_CPU" ] ||
+    die "ATTACK_CPU must be SERVER_CPU ($SERVER_CPU) or CLIENT_CPU ($CLIENT_CPU), not $ATTACK_CPU"
 require taskset python3 awk
 raise_fd_limit $((IDLE + SLOWLORIS + 256)) "$((IDLE + SLOWLORIS)) connections"
 build_release
@@ -167,7 +176,7 @@ one_run() {
     done) >"$RAW/$name-rss.txt" &
     sampler=$!
     if [ "$mode" = attack ]; then
-        timeout $((SECONDS_SCENARIO + STEP_SLACK_S + 120)) nice -n 19 taskset -c "$CLIENT_CPU" \
+        timeout $((SECONDS_SCENARIO + STEP_SLACK_S + 120)) nice -n 19 taskset -c "$ATTACK_CPU" \
             "$REFLEX" flood -s "127.0.0.1:$PORT" --source "$SOURCE" --idle "$IDLE" \
             --slowloris "$SLOWLORIS" --reconnect --non-reader "$NON_READERS" \
             --connect-rate 5000 --reconnect-rate "$CONNECT_RATE" --duration 900s --ready-file "$ready" --stop-file "$stop" \
@@ -231,9 +240,9 @@ DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitt
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 MACHINE="$(nproc --all) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
-COMMAND="REPS=$REPS BASE_CONFIG=$BASE_CONFIG CALIBRATION=$CALIBRATION POLL=$POLL REPORTS=$REPORTS ISOLATE=$ISOLATE${RT_PRIO:+ RT_PRIO=$RT_PRIO} QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
+COMMAND="REPS=$REPS BASE_CONFIG=$BASE_CONFIG CALIBRATION=$CALIBRATION POLL=$POLL REPORTS=$REPORTS ISOLATE=$ISOLATE${RT_PRIO:+ RT_PRIO=$RT_PRIO}$([ "$ATTACK_CPU" = "$CLIENT_CPU" ] || echo " ATTACK_CPU=$ATTACK_CPU") QUIET_WAIT_S=$QUIET_WAIT_S bench/overload.sh"
 PRIORITY=$(if [ -n "$RT_PRIO" ]; then echo "SCHED_FIFO priority $RT_PRIO"; else echo "niceness $NICE"; fi)
-export BASE_CONFIG POLL ISOLATE AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU PRIORITY \
+export BASE_CONFIG POLL ISOLATE AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU ATTACK_CPU PRIORITY \
     IDLE SLOWLORIS NON_READERS CONNECTIONS CONNECT_RATE SOURCE FRESH_INTERVAL SCENARIO RAW CONFIG
 mkdir -p "$(dirname "$OUT")"
 python3 bench/lib/overload_report.py "$RUNS" "$OUT"

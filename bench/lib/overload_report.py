@@ -85,12 +85,18 @@ add(f"- server: reflexd as `{base}` (one dataplane thread, {mode}, `emu:device-a
        if env.get("ISOLATE") == "on" else
        f"The whole process pinned to CPU {env['SERVER_CPU']} at {env['PRIORITY']}, a CPU shared "
        "with every other task on the machine (`ISOLATE=off`)."))
-add(f"- clients, all pinned to CPU {env['CLIENT_CPU']} (2 vCPUs: the attack competes with the "
-    f"LC client for that CPU, never with the server for its own): `reflex bench --scenario "
+beside_server = env.get("ATTACK_CPU", env["CLIENT_CPU"]) == env["SERVER_CPU"]
+add(f"- clients pinned to CPU {env['CLIENT_CPU']}: `reflex bench --scenario "
     f"{env['SCENARIO']}` (LC A 12K IOPS, LC B 7K reserved / 4.5K sent, p95 ≤ 500 µs; BE C and D "
     f"saturating; 2 s warm-up + 10 s) and the fresh client (`reflex flood --fresh-interval "
     f"{env['FRESH_INTERVAL']}`: connect, HELLO, one 4 KiB READ, close, over and over during the "
-    f"scenario) at {env['PRIORITY']}; the attacker at niceness 19.")
+    f"scenario) at {env['PRIORITY']}; "
+    + (f"the attacker pinned to the server's CPU {env['SERVER_CPU']} at niceness 19 (`ATTACK_CPU`: "
+       "the kernel's work for the attack's packets lands on the server's CPU, as a remote "
+       "attacker's lands on the server's machine, and none of it on the LC client's)."
+       if beside_server else
+       f"the attacker on the clients' CPU at niceness 19 (2 vCPUs: the attack competes with the "
+       "LC client for that CPU, never with the server for its own)."))
 add(f"- the attack (`reflex flood --source {env['SOURCE']}`): (a) {env['IDLE']} idle connections "
     f"that each completed a HELLO (established, then parked); (b) {env['SLOWLORIS']} slowloris "
     f"connections (2 bytes of a header, then nothing), each replaced when the server closes it, "
