@@ -15,11 +15,10 @@
 #   (target/qos-real), MODES ("on off"; also "silent": QoS on, but the LC tenants' clients
 #   send no REPORT of their latency, as before PROTOCOL.md §1.9 existed; "spent": QoS on, but
 #   SERVER_CONFIG's calibration with withhold_spare = false, so best-effort tenants spend all
-#   that LC tenants leave unused, as before QOS.md §11's spare share existed; "spin": QoS on,
-#   the clients busy-poll their ring (`reflex bench --spin`) instead of sleeping in it, so no
-#   wake-up of a halted vCPU lies between a reply's arrival and its timestamp; "poll": QoS on,
-#   reflexd `--poll`, its dataplane thread spins instead of sleeping; "pollspin": both),
-#   STEP_SLACK (20),
+#   that LC tenants leave unused, as before QOS.md §11's spare share existed; "poll": QoS on,
+#   reflexd `--poll`, its dataplane thread spins instead of sleeping. There is no spinning
+#   client mode: a scenario runs one bench thread per tenant, all on CLIENT_CPU, and four
+#   threads spinning on one CPU send in bursts of a time slice each), STEP_SLACK (20),
 #   ISOLATE (on: every other task that
 #   can leaves SERVER_CPU for the run, as an operator dedicates a core to a dataplane thread,
 #   bench/lib/isolate.py; off: the CPU is shared as the scheduler likes).
@@ -72,8 +71,7 @@ for rep in $(seq 1 "$REPS"); do
             bench_flags=()
             [[ "$mode" == off ]] && flags+=(--no-qos)
             [[ "$mode" == silent ]] && bench_flags+=(--report-interval 0s)
-            [[ "$mode" == spin || "$mode" == pollspin ]] && bench_flags+=(--spin)
-            [[ "$mode" == poll || "$mode" == pollspin ]] && flags+=(--poll)
+            [[ "$mode" == poll ]] && flags+=(--poll)
             config="$SERVER_CONFIG"
             [[ "$mode" == spent ]] && config=$(spent_config)
             log="$WORK/raw/$name-$mode-$rep.log"
