@@ -59,6 +59,13 @@ pub struct DeviceRates {
     /// unused is then not spare, and best-effort tenants must not spend it
     /// ([`crate::calibrator`]). What repays the bucket's loans always goes in.
     pub spare_share_ppm: u32,
+    /// The part of each best-effort tenant's fresh tokens that never repays loans to LC
+    /// tenants, in parts per million: the best-effort floor's part of their rate while
+    /// self-calibration has cut LC reservations, else 0 (as in the paper). LC tenants
+    /// backlogged beyond what they are granted borrow every time the bucket allows; without
+    /// this, the repayments take the floor from best-effort tenants and a cut that squeezes LC
+    /// tenants starves them.
+    pub be_floor_ppm: u32,
 }
 
 /// [`DeviceRates::spare_share_ppm`] when every donated token is spare.

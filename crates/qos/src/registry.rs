@@ -1031,6 +1031,7 @@ impl TenantRegistry {
         let max_rate = plan.device_tokens_per_sec[0].max(plan.device_tokens_per_sec[1]);
         let window_ns = u128::from(self.config.bucket_window().0);
         let bucket_max = Tokens((u128::from(max_rate.0) * window_ns / 1_000_000_000) as i64);
+        let be_floor_ppm = be_floor_ppm(&plan, self.best_effort_floor(), granted_total);
         let per_thread = unbound_shares[0].iter().zip(&unbound_shares[1]).enumerate();
         for (thread, (&unbound_mixed, &unbound_read_only)) in per_thread {
             let device = DeviceRates {
@@ -1043,6 +1044,7 @@ impl TenantRegistry {
                 bucket_max,
                 loan_max: self.config.loan_max(),
                 spare_share_ppm: self.spare_share_ppm,
+                be_floor_ppm,
             };
             if self.sent_device[thread] != Some(device) {
                 self.sent_device[thread] = Some(device);
@@ -1117,6 +1119,32 @@ fn share_of(value: u64, part: u64, whole: u64) -> u64 {
         return value;
     }
     (u128::from(value) * u128::from(part) / u128::from(whole)) as u64
+}
+
+/// The best-effort floor's part of what best-effort tenants earn (the device rate less what
+/// LC tenants are granted), in parts per million for [`DeviceRates::be_floor_ppm`], while LC
+/// reservations are cut (the plan overcommitted): then the LC tenants over send beyond their
+/// grant and borrow whenever the bucket lets them, for good, and repaying them from the floor
+/// would starve best effort. Otherwise none: LC tenants whose reservations fit borrow for a
+/// burst and repay it, and lending them best effort's tokens for it is the paper's priority
+/// (Figure 5 scenario 1's B, sending exactly its reservation, needs those loans at the line).
+fn be_floor_ppm(plan: &Plan, floor_share: f64, lc_granted: [u64; 2]) -> u32 {
+    if floor_share <= 0.0 || !plan.overcommitted {
+        return 0;
+    }
+    let m = if plan.read_only_admission {
+        LoadMode::ReadOnly
+    } else {
+        LoadMode::Mixed
+    }
+    .index();
+    let device = plan.device_tokens_per_sec[m].0 as f64;
+    let best_effort = device - lc_granted[m] as f64;
+    if best_effort <= 0.0 {
+        return SPARE_SHARE_ALL;
+    }
+    let share = (device * floor_share / best_effort).min(1.0);
+    (share * f64::from(SPARE_SHARE_ALL)).round() as u32
 }
 
 /// How far Σ LC reservations exceed the device rate in `plan`'s admission mode (0: they fit).
@@ -1560,6 +1588,10 @@ mod tests {
         view.apply(r.take_updates());
         assert!(!r.plan().overcommitted);
         assert_eq!(view.rate(0, c), 0, "nothing is left");
+        assert_eq!(
+            view.device[&0].be_floor_ppm, 0,
+            "no floor: loans repaid as in the paper"
+        );
         // 90 % (378K): LC may take 340.2K of it, C keeps 37.8K; B is over and gets what A
         // leaves of the budget.
         assert_eq!(r.set_rate_scale(0.9), Ok(vec![b]));
@@ -1573,8 +1605,15 @@ mod tests {
         );
         assert_eq!(view.rate(0, c), 37_800_000);
         assert_eq!(view.rate(0, b), 220_200_000);
+        // C earns the floor and nothing more: none of it repays LC tenants' loans.
+        assert_eq!(view.device[&0].be_floor_ppm, 1_000_000);
         // While cut, admission leaves the floor too.
         r.reregister(b, lc(500, 200_000, 100)).unwrap();
+        // A and B now reserve 320K of 378K and fit: C earns 58K, and the loans of bursts
+        // are repaid from all of it again.
+        view.apply(r.take_updates());
+        assert!(!r.plan().overcommitted);
+        assert_eq!(view.device[&0].be_floor_ppm, 0);
         let error = r.register(lc(500, 30_000, 100)).unwrap_err();
         assert_eq!(error.to_string(), "needs 30K tokens/s, 20K left at 500 µs");
         // A near miss reads exactly.
@@ -1591,6 +1630,7 @@ mod tests {
         assert_eq!(view.rate(0, c), 21_000_000);
         assert_eq!(view.rate(0, a), 120_000_000);
         assert_eq!(view.rate(0, b), 69_000_000);
+        assert_eq!(view.device[&0].be_floor_ppm, 1_000_000);
         // A newcomer, best effort, is still admitted while the plan is overcommitted.
         let d = r.register(TenantSpec::BestEffort).unwrap();
         r.connect(d, 0).unwrap();

@@ -301,6 +301,8 @@ pub struct Scheduler {
     pending_donation: i64,
     /// [`DeviceRates::spare_share_ppm`] in force.
     spare_share_ppm: u32,
+    /// [`DeviceRates::be_floor_ppm`] in force.
+    be_floor_ppm: u32,
     last_round: Nanos,
     round_times: [Nanos; ROUND_HISTORY_MAX],
     rounds_recorded: usize,
@@ -357,6 +359,7 @@ impl Scheduler {
             idle_frac: 0,
             pending_donation: 0,
             spare_share_ppm: SPARE_SHARE_ALL,
+            be_floor_ppm: 0,
             last_round: now,
             round_times: [now; ROUND_HISTORY_MAX],
             rounds_recorded: 0,
@@ -400,6 +403,12 @@ impl Scheduler {
             rates.spare_share_ppm
         );
         self.spare_share_ppm = rates.spare_share_ppm;
+        assert!(
+            rates.be_floor_ppm <= SPARE_SHARE_ALL,
+            "best-effort floor {} ppm",
+            rates.be_floor_ppm
+        );
+        self.be_floor_ppm = rates.be_floor_ppm;
         let unbound = [
             rates.unbound_tokens_per_sec[0].q32(),
             rates.unbound_tokens_per_sec[1].q32(),
@@ -1044,10 +1053,14 @@ impl Scheduler {
         slot.stamp = round.now;
         slot.stats.generated_tokens += Tokens(earned);
         self.ledger.generated += Tokens(earned);
-        // Loans to LC tenants are repaid from BE tenants' fresh tokens first.
+        // Loans to LC tenants are repaid from BE tenants' fresh tokens first, except the
+        // best-effort floor's part of them.
         let debt = self.shared.debt().0;
-        if debt > 0 && earned > 0 {
-            let repay = debt.min(earned);
+        let owed = earned
+            - (i128::from(earned) * i128::from(self.be_floor_ppm) / i128::from(SPARE_SHARE_ALL))
+                as i64;
+        if debt > 0 && owed > 0 {
+            let repay = debt.min(owed);
             self.shared.deposit(Tokens(repay));
             self.ledger.to_bucket += Tokens(repay);
             slot.stats.donated_tokens += Tokens(repay);

@@ -480,3 +480,55 @@ fn withholding_unused_reservations_meets_scenario_2_where_the_line_is_not_enough
         );
     }
 }
+
+/// Figure 5 scenario 1 on a device that becomes three times slower than its profile at 2 s,
+/// with LC tenants that do not follow their notices: the calibrator squeezes their
+/// reservations, they stay backlogged beyond what they are granted and borrow from the global
+/// bucket whenever it lets them. Best-effort tenants must still get their floor (5 % of the
+/// cut rate): the loans' repayments used to take all of it (0 IOPS for C and D, in the
+/// simulator as on the real server's VM disk, 2026-11-29), because they came out of
+/// best-effort tenants' fresh tokens, floor included.
+#[test]
+fn best_effort_tenants_keep_their_floor_while_squeezed_lc_tenants_borrow() {
+    for seed in SEEDS {
+        let mut loaded = common::load("fig5-small-scenario1-slowdown");
+        let scenario = &mut loaded.scenario;
+        scenario.device.emulated = Some("emu(slow=3x@2s;origin=zero):device-a-small".into());
+        scenario.duration_ms = 10_000;
+        for tenant in &mut scenario.tenants {
+            tenant.load.follow_notices = false;
+        }
+        let qos = scenario
+            .qos_config
+            .as_mut()
+            .unwrap_or_else(|| panic!("the scenario sets qos_config"));
+        qos.deficit_limit_us = 100_000;
+        qos.calibration.lc_squeeze_windows = 5;
+        qos.calibration.lc_squeeze_overshoot = 50.0;
+        let options = reflex_sim::RunOptions {
+            seed: Some(seed),
+            ..reflex_sim::RunOptions::default()
+        };
+        let report = reflex_sim::run_scenario(&loaded, &options).unwrap_or_else(|e| panic!("{e}"));
+        let point = &report.points[0].1;
+        let context = || format!("seed {seed}\n{}", point.timeline_table());
+        let over = point.tenants[index(point, "A")].device_notices
+            + point.tenants[index(point, "B")].device_notices;
+        assert!(
+            over >= 1,
+            "the LC tenants were never squeezed; {}",
+            context()
+        );
+        // The floor is 5 % of the cut rate (the scale at its 0.2 floor: ~1,800 tokens/s, so
+        // ~350 tokens/s: C's reads cost ~1.5 tokens, D's mostly writes ~8).
+        let (mean, worst) = best_effort_iops(point, 4_000, 12_000);
+        eprintln!(
+            "seed {seed}: best effort after the cut, mean / worst 250 ms interval: {mean:.0} / {worst:.0} IOPS"
+        );
+        assert!(
+            mean >= 100.0,
+            "best effort got {mean:.0} IOPS on average after the cut; {}",
+            context()
+        );
+    }
+}

@@ -54,6 +54,7 @@ pub fn scheduler(tenants: u32) -> Scheduler {
             bucket_max: Tokens::from_tokens(285),
             loan_max: Tokens::from_tokens(50),
             spare_share_ppm: SPARE_SHARE_ALL,
+            be_floor_ppm: 0,
         }),
         Nanos::ZERO,
     );
