@@ -63,11 +63,7 @@ impl DeviceCalibration {
     ) -> Result<Decision, ObservationError> {
         let window_start = self.calibrator.window_start();
         let config = self.calibrator.config();
-        let mode = if plan.read_only_admission {
-            LoadMode::ReadOnly
-        } else {
-            LoadMode::Mixed
-        };
+        let mode = plan.admission_mode();
         let m = mode.index();
         let device = plan.device_tokens_per_sec[m].as_tokens_per_sec_f64();
         let reserved = plan.lc_reserved_tokens_per_sec[m].as_tokens_per_sec_f64();

@@ -217,6 +217,18 @@ pub struct Plan {
     pub lc_tenants_over: u32,
 }
 
+impl Plan {
+    /// The load mode admission judged the plan in: read-only when only reading LC tenants
+    /// exist, else mixed.
+    pub fn admission_mode(&self) -> LoadMode {
+        if self.read_only_admission {
+            LoadMode::ReadOnly
+        } else {
+            LoadMode::Mixed
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Entry {
     spec: TenantSpec,
@@ -887,11 +899,7 @@ impl TenantRegistry {
         if !plan.overcommitted {
             return BTreeSet::new();
         }
-        let mode = if plan.read_only_admission {
-            LoadMode::ReadOnly
-        } else {
-            LoadMode::Mixed
-        };
+        let mode = plan.admission_mode();
         let budget = plan.lc_budget_tokens_per_sec[mode.index()].0;
         let mut lc: Vec<(u64, TenantId, u64)> = self
             .tenants
@@ -1132,12 +1140,7 @@ fn be_floor_ppm(plan: &Plan, floor_share: f64, lc_granted: [u64; 2]) -> u32 {
     if floor_share <= 0.0 || !plan.overcommitted {
         return 0;
     }
-    let m = if plan.read_only_admission {
-        LoadMode::ReadOnly
-    } else {
-        LoadMode::Mixed
-    }
-    .index();
+    let m = plan.admission_mode().index();
     let device = plan.device_tokens_per_sec[m].0 as f64;
     let best_effort = device - lc_granted[m] as f64;
     if best_effort <= 0.0 {
@@ -1149,11 +1152,7 @@ fn be_floor_ppm(plan: &Plan, floor_share: f64, lc_granted: [u64; 2]) -> u32 {
 
 /// How far Σ LC reservations exceed the device rate in `plan`'s admission mode (0: they fit).
 fn plan_excess(plan: &Plan) -> u64 {
-    let m = if plan.read_only_admission {
-        LoadMode::ReadOnly.index()
-    } else {
-        LoadMode::Mixed.index()
-    };
+    let m = plan.admission_mode().index();
     plan.lc_reserved_tokens_per_sec[m]
         .0
         .saturating_sub(plan.lc_budget_tokens_per_sec[m].0)

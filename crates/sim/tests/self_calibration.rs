@@ -519,8 +519,8 @@ fn best_effort_tenants_keep_their_floor_while_squeezed_lc_tenants_borrow() {
             "the LC tenants were never squeezed; {}",
             context()
         );
-        // The floor is 5 % of the cut rate (the scale at its 0.2 floor: ~1,800 tokens/s, so
-        // ~350 tokens/s: C's reads cost ~1.5 tokens, D's mostly writes ~8).
+        // The floor is 5 % of the cut rate (the scale at its 0.2 floor: ~7,300 tokens/s, so
+        // ~370 tokens/s: C's reads cost ~1.5 tokens, D's mostly writes ~8).
         let (mean, worst) = best_effort_iops(point, 4_000, 12_000);
         eprintln!(
             "seed {seed}: best effort after the cut, mean / worst 250 ms interval: {mean:.0} / {worst:.0} IOPS"
