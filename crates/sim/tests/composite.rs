@@ -27,6 +27,10 @@ const STRIPED_IOPS: u64 = 6_000;
 const MS: u64 = 1_000_000;
 /// The BIND's request id (the reads count from 0).
 const BIND_ID: u64 = 1 << 40;
+/// The REPORTs' request ids (one every [`REPORT_EVERY`] reads) start here.
+const REPORT_ID: u64 = 1 << 41;
+/// Reads between two REPORTs of the striped tenant's client (25 ms at 4,000 a second).
+const REPORT_EVERY: u64 = 100;
 /// Reads the striped tenant sends, one every 250 µs (4,000 a second).
 const READS: u64 = 1_600;
 
@@ -185,6 +189,9 @@ struct Run {
     /// Each member device's self-calibration windows with enough LC reads to judge (S's
     /// reads are measured on the member they land on).
     evidence_windows: [u64; 2],
+    /// Each member device's share of the SLO left to the network and the client in its last
+    /// window (µs; configured plus learned).
+    client_share_us: [Option<u64>; 2],
 }
 
 /// The striped tenant S sends [`READS`] 4 KiB reads at 4,000 a second, stripe `k` for read
@@ -192,10 +199,12 @@ struct Run {
 /// stripe `k + 1`); with `flood`, an unbound connection keeps
 /// 64 reads in flight on namespace 1, member 1's own namespace.
 fn run(flood: bool) -> Run {
-    run_on(server(), flood)
+    run_on(server(), flood, None)
 }
 
-fn run_on(mut server: VirtualServer, flood: bool) -> Run {
+/// As [`run`] on `server`; with `report_p95_us`, the striped tenant's client REPORTs that p95
+/// over the last [`REPORT_EVERY`] reads after each of them.
+fn run_on(mut server: VirtualServer, flood: bool, report_p95_us: Option<u32>) -> Run {
     let striped = server.qos()[2]
         .tenants
         .iter()
@@ -275,6 +284,18 @@ fn run_on(mut server: VirtualServer, flood: bool) -> Run {
                 .core
                 .submit_read(id, COMPOSITE, offset, length)
                 .unwrap_or_else(|e| panic!("{e}"));
+            if let Some(read_p95_us) = report_p95_us
+                && id % REPORT_EVERY == REPORT_EVERY - 1
+            {
+                let report = reflex_proto::native::ReportBody {
+                    reads: REPORT_EVERY as u32,
+                    read_p95_us,
+                };
+                client
+                    .core
+                    .submit_report(REPORT_ID + id, &report)
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
             client.transmit(&mut server);
             sent_at.push(now);
             member_of.push(member);
@@ -283,8 +304,8 @@ fn run_on(mut server: VirtualServer, flood: bool) -> Run {
             drain_until = now + Nanos(2_000 * MS);
         }
         for done in client.answers(&mut server) {
-            if done == BIND_ID {
-                continue; // the BIND
+            if done == BIND_ID || done >= REPORT_ID {
+                continue; // the BIND or a REPORT
             }
             result.answered += 1;
             if let Some(member) = member_of[done as usize] {
@@ -313,6 +334,8 @@ fn run_on(mut server: VirtualServer, flood: bool) -> Run {
     for (namespace_id, info) in server.control().calibration() {
         if (1..=2).contains(&namespace_id) {
             result.evidence_windows[namespace_id as usize - 1] = info.stats.windows_with_evidence;
+            result.client_share_us[namespace_id as usize - 1] =
+                info.last.map(|last| last.client_share_us);
         }
     }
     let stats = server.stats();
@@ -550,7 +573,7 @@ fn a_member_devices_deficit_notice_reaches_the_composite_tenants_connection() {
     // deficit limit, and the notice names S, the handle S's client knows.
     let server = server_on("stripe:64K:1,2", vec![("S".into(), reads(400))])
         .unwrap_or_else(|e| panic!("{e}"));
-    let run = run_on(server, true);
+    let run = run_on(server, true, None);
     println!("{run:?}");
     assert!(run.notices >= 1, "no notice reached S: {run:?}");
     assert_eq!(run.notices_for_others, 0, "a notice named a member tenant");
@@ -638,5 +661,29 @@ fn a_tenant_registered_over_the_wire_on_the_composite_lives_on_every_member() {
             server.control().tenant(member.handle).is_none(),
             "{member:?} left"
         );
+    }
+}
+
+#[test]
+fn the_composite_tenants_client_reports_reach_every_member_devices_calibrator() {
+    // S's client reports a p95 of 900 µs against its 500 µs SLO: each member's calibrator
+    // learns that much of the SLO is spent outside the server (capped at half the SLO,
+    // `network_share_max`). Before, a REPORT on a composite namespace went to the composite's
+    // own window, which calibrates nothing, and the members learnt only the round trips.
+    let cap_us = 250;
+    let quiet = run_on(server(), false, None);
+    let reported = run_on(server(), false, Some(900));
+    println!(
+        "without: {:?}, with: {:?}",
+        quiet.client_share_us, reported.client_share_us
+    );
+    for member in 0..2 {
+        assert_eq!(
+            reported.client_share_us[member],
+            Some(cap_us),
+            "{reported:?}"
+        );
+        let without = quiet.client_share_us[member].unwrap_or_else(|| panic!("{quiet:?}"));
+        assert!(without < cap_us, "{quiet:?}");
     }
 }

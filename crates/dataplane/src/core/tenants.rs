@@ -689,7 +689,8 @@ impl Dataplane {
     /// REPORT: what the client of the connection's latency-critical tenant measured end to
     /// end over its last interval. Its excess over the tenant's SLO goes into the device's
     /// telemetry window, where self-calibration learns the share of the SLO spent outside the
-    /// server. It is advice, not a command: from a connection not bound to a live LC tenant,
+    /// server (of every member device, for a composite namespace). It is advice, not a
+    /// command: from a connection not bound to a live LC tenant,
     /// or with too few reads to have a p95, it is answered OK and ignored.
     fn client_report(&mut self, connection_index: u32, report: ReportBody) -> ControlAnswer {
         if report.reads < CLIENT_REPORT_READS_MIN {
@@ -709,10 +710,21 @@ impl Dataplane {
             Some(TenantSpec::LatencyCritical { latency_us_p95, .. }) => latency_us_p95,
             _ => return ControlAnswer::ok(),
         };
-        if let Some(telemetry) = self.telemetry.get_mut(usize::from(bound.namespace_index)) {
-            let excess_us =
-                i64::from(report.read_p95_us) - i64::try_from(slo_us).unwrap_or(i64::MAX);
-            telemetry.window.note_client_excess(excess_us);
+        let excess_us = i64::from(report.read_p95_us) - i64::try_from(slo_us).unwrap_or(i64::MAX);
+        // A composite namespace calibrates nothing itself: its tenant's reads are measured on
+        // the members they land on, so what its client saw end to end is every member's
+        // evidence (each member's p95 is part of it).
+        let mut note = |namespace_index: u16| {
+            if let Some(telemetry) = self.telemetry.get_mut(usize::from(namespace_index)) {
+                telemetry.window.note_client_excess(excess_us);
+            }
+        };
+        match self.namespaces.composite(bound.namespace_index) {
+            Some(composite) => composite
+                .members()
+                .iter()
+                .for_each(|member| note(member.namespace_index)),
+            None => note(bound.namespace_index),
         }
         ControlAnswer::ok()
     }
