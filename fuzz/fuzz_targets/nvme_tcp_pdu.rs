@@ -20,7 +20,12 @@ fuzz_target!(|data: &[u8]| {
         }
         if let Pdu::CapsuleCmd(sqe) = decoded.pdu {
             let command = Command(sqe);
-            let _ = (command.sgl(), command.connect(), command.slba(), command.block_count());
+            let _ = (
+                command.sgl(),
+                command.connect(),
+                command.slba(),
+                command.block_count(),
+            );
             let body = &input[decoded.header_bytes.min(input.len())..];
             let _ = ConnectData::decode(body);
             for chunk in body.chunks_exact(DSM_RANGE_SIZE) {

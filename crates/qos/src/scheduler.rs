@@ -1056,9 +1056,7 @@ impl Scheduler {
         // Loans to LC tenants are repaid from BE tenants' fresh tokens first, except the
         // best-effort floor's part of them.
         let debt = self.shared.debt().0;
-        let owed = earned
-            - (i128::from(earned) * i128::from(self.be_floor_ppm) / i128::from(SPARE_SHARE_ALL))
-                as i64;
+        let owed = earned - parts_per_million(earned, self.be_floor_ppm);
         if debt > 0 && owed > 0 {
             let repay = debt.min(owed);
             self.shared.deposit(Tokens(repay));
@@ -1164,9 +1162,7 @@ impl Scheduler {
                 amount
             } else {
                 let repay = self.shared.debt().0.min(amount);
-                let spare = (i128::from(amount - repay) * i128::from(self.spare_share_ppm)
-                    / i128::from(SPARE_SHARE_ALL)) as i64;
-                repay + spare
+                repay + parts_per_million(amount - repay, self.spare_share_ppm)
             };
             debug_assert!((0..=amount).contains(&kept));
             if kept > 0 {
@@ -1375,6 +1371,12 @@ impl Drop for Scheduler {
 }
 
 /// Adds per-mode Q32 rates (the idle aggregate is such a sum).
+/// `ppm` parts per million of `tokens` (0 to [`SPARE_SHARE_ALL`]), rounded down.
+fn parts_per_million(tokens: i64, ppm: u32) -> i64 {
+    debug_assert!(ppm <= SPARE_SHARE_ALL);
+    (i128::from(tokens) * i128::from(ppm) / i128::from(SPARE_SHARE_ALL)) as i64
+}
+
 fn add_rates(sum: &mut [u64; 2], rates: [u64; 2]) {
     for (total, rate) in sum.iter_mut().zip(rates) {
         *total += rate;

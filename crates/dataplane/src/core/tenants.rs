@@ -690,8 +690,8 @@ impl Dataplane {
     /// end over its last interval. Its excess over the tenant's SLO goes into the device's
     /// telemetry window, where self-calibration learns the share of the SLO spent outside the
     /// server (of every member device, for a composite namespace). It is advice, not a
-    /// command: from a connection not bound to a live LC tenant,
-    /// or with too few reads to have a p95, it is answered OK and ignored.
+    /// command: from a connection not bound to a live LC tenant, or with too few reads to
+    /// have a p95, it is answered OK and ignored.
     fn client_report(&mut self, connection_index: u32, report: ReportBody) -> ControlAnswer {
         if report.reads < CLIENT_REPORT_READS_MIN {
             return ControlAnswer::ok();
