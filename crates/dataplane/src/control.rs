@@ -1208,7 +1208,7 @@ impl ControlPlane {
             let before = namespace.registry.rate_scale();
             if !matches!(
                 decision.action,
-                Action::Increased { .. } | Action::Decreased { .. }
+                Action::Increased { .. } | Action::Decreased { .. } | Action::Restored { .. }
             ) || decision.scale == before
             {
                 return;

@@ -54,6 +54,17 @@
 //! on the comfortable windows that would otherwise raise the scale (except those returning a
 //! squeezed scale to the line, which come first), and all at once when no LC tenant is left.
 //!
+//! # A squeeze that does not help (`squeeze_futile_windows`, off by default)
+//!
+//! Cutting into LC reservations is worth it only if the device's latency follows its rate. On a
+//! device that stalls whatever it is given (the VM disk of `docs/QOS.md` §10), a squeeze leaves
+//! the p95 where it was and only queues LC requests, so QoS ends up worse than FIFO for them.
+//! With the check on, once the last `squeeze_futile_windows` evidence windows below the line
+//! (leaving out those still draining a cut, `decrease_hold_windows`) have a median p95 of at
+//! least `squeeze_futile_ratio` × the (smoothed) p95 at the line, the scale returns to
+//! the line (`Action::Restored`) and no squeeze is tried for `squeeze_futile_hold_windows`
+//! evidence windows (`Hold::SqueezeFutile`); best-effort tenants stay at their floor meanwhile.
+//!
 //! For a fixed state, the new scale never increases with `p` (tested).
 
 use std::collections::VecDeque;
@@ -74,6 +85,12 @@ pub const SCALE_CEILING_MAX: f64 = 2.0;
 /// steps of 6e-9 every few windows (a log line and a rate update each, and no spare share given
 /// back meanwhile).
 const FIT_MARGIN: f64 = 1e-6;
+
+/// Most windows the futility check may judge a squeeze over.
+pub const SQUEEZE_FUTILE_WINDOWS_MAX: u32 = 100;
+
+/// Weight of a window at the line in the smoothed p95 there (the futility check's reference).
+const LINE_P95_WEIGHT: f64 = 0.25;
 
 /// A spare share cut below this withholds everything (a multiplicative cut never reaches 0).
 pub const SPARE_SHARE_SNAP: f64 = 0.05;
@@ -172,6 +189,14 @@ pub struct CalibratorConfig {
     pub withhold_spare: bool,
     /// How much of the donations a comfortable step gives back to best-effort tenants.
     pub spare_release_step: f64,
+    /// Evidence windows below the line where LC reservations fit after which a squeeze that
+    /// did not lower the p95 is given up (module documentation); 0: never (the default).
+    pub squeeze_futile_windows: u32,
+    /// A squeeze is futile when its windows' mean p95 is at least this share of the smoothed
+    /// p95 at the line.
+    pub squeeze_futile_ratio: f64,
+    /// After a futile squeeze, evidence windows in which none is tried again.
+    pub squeeze_futile_hold_windows: u32,
 }
 
 impl Default for CalibratorConfig {
@@ -202,6 +227,9 @@ impl Default for CalibratorConfig {
             device_slower_ratio: 2.0,
             withhold_spare: true,
             spare_release_step: 0.1,
+            squeeze_futile_windows: 0,
+            squeeze_futile_ratio: 0.8,
+            squeeze_futile_hold_windows: 50,
         }
     }
 }
@@ -292,6 +320,15 @@ impl CalibratorConfig {
         if !share(self.spare_release_step) {
             return invalid("spare_release_step", "must be above 0 and at most 1");
         }
+        if self.squeeze_futile_windows > SQUEEZE_FUTILE_WINDOWS_MAX {
+            return invalid("squeeze_futile_windows", "must be at most 100");
+        }
+        if !(self.squeeze_futile_ratio.is_finite()
+            && self.squeeze_futile_ratio > 0.0
+            && self.squeeze_futile_ratio <= 2.0)
+        {
+            return invalid("squeeze_futile_ratio", "must be above 0 and at most 2");
+        }
         Ok(())
     }
 }
@@ -375,6 +412,9 @@ pub enum Hold {
     /// Over the target where LC reservations just fit, but the device answered as its profile
     /// predicts for the load (`device_slower_ratio`): LC reservations are kept.
     DeviceAsProfiled,
+    /// A squeeze into LC reservations was due, but the last one did not lower the p95
+    /// (`squeeze_futile_windows`): `remaining` more windows before one is tried again.
+    SqueezeFutile { remaining: u32 },
     /// A decrease was due but the scale is at the floor.
     AtFloor,
     /// An increase was due but the scale is at the ceiling.
@@ -391,6 +431,11 @@ pub enum Action {
     },
     /// Additive increase.
     Increased {
+        from: f64,
+    },
+    /// Back up to the line where LC reservations fit from `from`: the squeeze below it did
+    /// not lower the p95 (`squeeze_futile_windows`).
+    Restored {
         from: f64,
     },
     /// The scale held, and the spare share was raised from `from` (`spare_release_step`).
@@ -441,6 +486,8 @@ pub struct CalibratorStats {
     /// Windows that lowered the spare share, and that raised it.
     pub spare_withholds: u64,
     pub spare_releases: u64,
+    /// Squeezes given up as futile (`squeeze_futile_windows`).
+    pub futile_squeezes: u64,
 }
 
 /// The online calibrator of one device (control-plane state, like the registry).
@@ -460,6 +507,13 @@ pub struct Calibrator {
     squeeze_overshoot: f64,
     /// The p95 of the previous evidence window.
     p95_previous_us: Option<u64>,
+    /// The smoothed p95 of evidence windows at the line where LC reservations fit.
+    line_p95_us: Option<f64>,
+    /// The p95s of the last `squeeze_futile_windows` evidence windows below that line that
+    /// were not draining a cut (oldest first).
+    squeezed_p95_us: VecDeque<u64>,
+    /// Evidence windows left in which no squeeze is tried (after a futile one).
+    futile_hold: u32,
     stats: CalibratorStats,
     recent: VecDeque<WindowRecord>,
 }
@@ -480,6 +534,9 @@ impl Calibrator {
             squeeze_windows: 0,
             squeeze_overshoot: 0.0,
             p95_previous_us: None,
+            line_p95_us: None,
+            squeezed_p95_us: VecDeque::new(),
+            futile_hold: 0,
             stats: CalibratorStats {
                 scale,
                 windows: 0,
@@ -491,6 +548,7 @@ impl Calibrator {
                 spare_share: 1.0,
                 spare_withholds: 0,
                 spare_releases: 0,
+                futile_squeezes: 0,
             },
             recent: VecDeque::with_capacity(RECENT_WINDOWS_MAX),
         })
@@ -585,6 +643,13 @@ impl Calibrator {
                 assert!(self.scale > before, "an increase raises the scale");
                 self.stats.increases += 1;
             }
+            Action::Restored { from } => {
+                assert!(
+                    from == before && self.scale > before,
+                    "a restore raises the scale"
+                );
+                self.stats.futile_squeezes += 1;
+            }
             Action::Released { from } => {
                 assert!(self.scale == before, "a release keeps the scale");
                 assert!(
@@ -632,6 +697,68 @@ impl Calibrator {
         self.windows_since_decrease = Some(0);
     }
 
+    /// The futility check (module documentation): tracks the p95 at the line where LC
+    /// reservations fit and below it, and returns the scale to the line when a squeeze did
+    /// not lower it.
+    fn give_up_futile_squeeze(
+        &mut self,
+        p95_us: u64,
+        observation: &WindowObservation,
+    ) -> Option<Action> {
+        let config = &self.config;
+        let windows = config.squeeze_futile_windows as usize;
+        if windows == 0 {
+            return None;
+        }
+        self.futile_hold = self.futile_hold.saturating_sub(1);
+        let Some(fit) = observation
+            .lc_fit_scale
+            .map(|fit| fit.min(config.scale_ceiling))
+        else {
+            self.squeezed_p95_us.clear();
+            return None;
+        };
+        if self.scale >= fit * (1.0 - FIT_MARGIN) {
+            // At the line (or above it, where best-effort tenants pay): no squeeze to judge.
+            if self.scale <= fit * (1.0 + FIT_MARGIN) {
+                let line = self.line_p95_us.get_or_insert(p95_us as f64);
+                *line += LINE_P95_WEIGHT * (p95_us as f64 - *line);
+            }
+            self.squeezed_p95_us.clear();
+            return None;
+        }
+        // A window still draining the backlog of the rate before a cut says nothing about the
+        // rate after it.
+        let draining = self
+            .windows_since_decrease
+            .is_some_and(|since| since <= config.decrease_hold_windows);
+        if draining {
+            return None;
+        }
+        if self.squeezed_p95_us.len() == windows {
+            self.squeezed_p95_us.pop_front();
+        }
+        self.squeezed_p95_us.push_back(p95_us);
+        let line = self.line_p95_us?;
+        if self.squeezed_p95_us.len() < windows {
+            return None;
+        }
+        // The median: one stall (or one quiet window) must not decide.
+        let mut sorted: Vec<u64> = self.squeezed_p95_us.iter().copied().collect();
+        sorted.sort_unstable();
+        let median = sorted[sorted.len() / 2] as f64;
+        if median < config.squeeze_futile_ratio * line {
+            return None;
+        }
+        let from = self.scale;
+        self.scale = fit;
+        self.futile_hold = config.squeeze_futile_hold_windows;
+        self.comfortable_windows = 0;
+        self.squeezed_p95_us.clear();
+        self.reset_squeeze();
+        Some(Action::Restored { from })
+    }
+
     fn reset_squeeze(&mut self) {
         self.squeeze_windows = 0;
         self.squeeze_overshoot = 0.0;
@@ -653,6 +780,9 @@ impl Calibrator {
         self.stats.windows_with_evidence += 1;
         let p95_us = observation.lc_read_latency_us_p95;
         let p95_previous_us = self.p95_previous_us.replace(p95_us);
+        if let Some(action) = self.give_up_futile_squeeze(p95_us, observation) {
+            return action;
+        }
         if p95_us > target_us {
             self.stats.windows_over_target += 1;
             self.comfortable_windows = 0;
@@ -684,6 +814,11 @@ impl Calibrator {
                 } else if observation.device_as_profiled(p95_us, config.device_slower_ratio) {
                     self.reset_squeeze();
                     return Action::Held(Hold::DeviceAsProfiled);
+                } else if self.futile_hold > 0 {
+                    self.reset_squeeze();
+                    return Action::Held(Hold::SqueezeFutile {
+                        remaining: self.futile_hold,
+                    });
                 } else {
                     self.squeeze_windows += 1;
                     self.squeeze_overshoot += p95_us as f64 / target_us as f64;

@@ -76,6 +76,8 @@ struct Step {
 struct Loop {
     calibrator: Calibrator,
     plant: Plant,
+    /// The scale at which LC reservations just fit (`None`: no LC reservation).
+    lc_fit_scale: Option<f64>,
     now: Nanos,
     steps: Vec<Step>,
 }
@@ -85,6 +87,7 @@ impl Loop {
         Loop {
             calibrator: Calibrator::new(config, Nanos::ZERO).unwrap(),
             plant: Plant::new(SEED),
+            lc_fit_scale: None,
             now: Nanos::ZERO,
             steps: Vec::new(),
         }
@@ -105,7 +108,7 @@ impl Loop {
                 client_share_us: 0,
                 tokens_per_sec_in_use: rate,
                 tokens_spent: served,
-                lc_fit_scale: None,
+                lc_fit_scale: self.lc_fit_scale,
                 server_busy: 0.0,
                 profile_p95_at_load_us: None,
             };
@@ -492,6 +495,27 @@ fn configurations_are_validated() {
     };
     let base = CalibratorConfig::default;
     for (config, field) in [
+        (
+            CalibratorConfig {
+                squeeze_futile_windows: 101,
+                ..base()
+            },
+            "squeeze_futile_windows",
+        ),
+        (
+            CalibratorConfig {
+                squeeze_futile_ratio: 0.0,
+                ..base()
+            },
+            "squeeze_futile_ratio",
+        ),
+        (
+            CalibratorConfig {
+                squeeze_futile_ratio: f64::NAN,
+                ..base()
+            },
+            "squeeze_futile_ratio",
+        ),
         (
             CalibratorConfig {
                 window_us: 0,
@@ -982,4 +1006,114 @@ fn a_line_that_moves_by_rounding_is_not_a_squeeze() {
     for decision in feed(&mut calibrator, &in_band) {
         assert_eq!(decision.action, Action::Held(Hold::InBand));
     }
+}
+
+/// The futility check on (`squeeze_futile_windows`), as in `configs/reflexd-file-calibrated.toml`.
+fn futility_on() -> CalibratorConfig {
+    CalibratorConfig {
+        squeeze_futile_windows: 5,
+        squeeze_futile_hold_windows: 20,
+        ..CalibratorConfig::default()
+    }
+}
+
+/// A device that stalls whatever it is given (docs/QOS.md §10, the VM disk): its p95 does
+/// not follow its rate. Squeezing LC reservations there only queues their requests: with the
+/// check on, the calibrator returns to the line where they fit and stays there for the hold;
+/// without it, it squeezes to the floor.
+#[test]
+fn a_squeeze_that_does_not_lower_the_p95_is_given_up() {
+    let mut noise = Noise(SEED);
+    let stalling: Vec<WindowObservation> = (0..60)
+        .map(|_| WindowObservation {
+            lc_fit_scale: Some(0.6),
+            ..observation(
+                1_000,
+                (3.0 * SLO_US as f64 * (0.8 + 0.4 * noise.uniform())) as u64,
+                1.0,
+            )
+        })
+        .collect();
+    let mut calibrator = Calibrator::new(futility_on(), Nanos::ZERO).unwrap();
+    let decisions = feed(&mut calibrator, &stalling);
+    let trace: Vec<String> = decisions
+        .iter()
+        .map(|d| format!("{:.3} {:?}", d.scale, d.action))
+        .collect();
+    let restored = decisions
+        .iter()
+        .position(|d| matches!(d.action, Action::Restored { .. }))
+        .unwrap_or_else(|| panic!("never restored: {trace:#?}"));
+    // Best-effort tenants paid first (1.0 -> 0.6), then the squeeze cut to the floor (0.2)
+    // and was judged over `squeeze_futile_windows` windows that were not draining a cut.
+    assert!(restored <= 30, "restored at window {restored}: {trace:#?}");
+    assert!(
+        decisions[..restored].iter().any(|d| d.scale == 0.2),
+        "{trace:#?}"
+    );
+    assert_eq!(decisions[restored].scale, 0.6, "{trace:#?}");
+    // Held at the line for the hold (20 evidence windows), whatever the p95.
+    for (i, decision) in decisions[restored + 1..restored + 20].iter().enumerate() {
+        assert_eq!(
+            decision.scale,
+            0.6,
+            "window {}: {trace:#?}",
+            restored + 1 + i
+        );
+        assert!(
+            matches!(
+                decision.action,
+                Action::Held(Hold::SqueezeFutile { .. } | Hold::Settling)
+            ),
+            "window {}: {trace:#?}",
+            restored + 1 + i
+        );
+    }
+    assert!(calibrator.stats().futile_squeezes >= 1);
+
+    // Off (the default): squeezed to the floor and kept there.
+    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let decisions = feed(&mut calibrator, &stalling);
+    assert!(
+        decisions
+            .iter()
+            .all(|d| !matches!(d.action, Action::Restored { .. }))
+    );
+    assert_eq!(calibrator.scale(), CalibratorConfig::default().scale_floor);
+}
+
+/// The check must not undo a squeeze that works: a device at half speed with LC reservations
+/// that fit at 0.9 of the profile (more than the device now gives) is squeezed below the line
+/// exactly as without the check, and ends under the SLO.
+#[test]
+fn a_squeeze_that_lowers_the_p95_is_kept() {
+    let runs = [CalibratorConfig::default(), futility_on()].map(|config| {
+        let mut run = Loop::new(config);
+        run.lc_fit_scale = Some(0.9);
+        run.run(1.0, secs(10));
+        run.run(0.5, secs(30));
+        run
+    });
+    let scales = runs.each_ref().map(|run| {
+        run.between(secs(0), secs(30))
+            .map(|s| s.decision.scale)
+            .collect::<Vec<f64>>()
+    });
+    assert_eq!(
+        scales[0],
+        scales[1],
+        "\n{}",
+        runs[1].dump(secs(10), secs(14))
+    );
+    assert_eq!(runs[1].calibrator.stats().futile_squeezes, 0);
+    assert!(
+        scales[1].last().is_some_and(|&scale| scale < 0.5),
+        "\n{}",
+        runs[1].dump(secs(10), secs(14))
+    );
+    assert_eq!(
+        over_slo(&runs[1], secs(12), secs(30)),
+        Vec::<String>::new(),
+        "seed {SEED}"
+    );
 }
