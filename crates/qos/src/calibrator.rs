@@ -61,9 +61,11 @@
 //! the p95 where it was and only queues LC requests, so QoS ends up worse than FIFO for them.
 //! With the check on, once the last `squeeze_futile_windows` evidence windows below the line
 //! (leaving out those still draining a cut, `decrease_hold_windows`) have a median p95 of at
-//! least `squeeze_futile_ratio` × the (smoothed) p95 at the line, the scale returns to
-//! the line (`Action::Restored`) and no squeeze is tried for `squeeze_futile_hold_windows`
-//! evidence windows (`Hold::SqueezeFutile`); best-effort tenants stay at their floor meanwhile.
+//! least `squeeze_futile_ratio` × the (smoothed) p95 at or above the line, cutting buys
+//! nothing here: the scale returns to the ceiling with the whole spare share
+//! (`Action::Restored`) and no cut at all is made for `squeeze_futile_hold_windows` evidence
+//! windows (`Hold::SqueezeFutile`). LC tenants keep their tokens' priority and get as much of
+//! the device as FIFO would give them.
 //!
 //! For a fixed state, the new scale never increases with `p` (tested).
 
@@ -412,7 +414,7 @@ pub enum Hold {
     /// Over the target where LC reservations just fit, but the device answered as its profile
     /// predicts for the load (`device_slower_ratio`): LC reservations are kept.
     DeviceAsProfiled,
-    /// A squeeze into LC reservations was due, but the last one did not lower the p95
+    /// A cut was due, but the last squeeze into LC reservations did not lower the p95
     /// (`squeeze_futile_windows`): `remaining` more windows before one is tried again.
     SqueezeFutile { remaining: u32 },
     /// A decrease was due but the scale is at the floor.
@@ -433,8 +435,8 @@ pub enum Action {
     Increased {
         from: f64,
     },
-    /// Back up to the line where LC reservations fit from `from`: the squeeze below it did
-    /// not lower the p95 (`squeeze_futile_windows`).
+    /// Back up to the ceiling from `from`, the spare share given back: a squeeze below the
+    /// line where LC reservations fit did not lower the p95 (`squeeze_futile_windows`).
     Restored {
         from: f64,
     },
@@ -719,11 +721,9 @@ impl Calibrator {
             return None;
         };
         if self.scale >= fit * (1.0 - FIT_MARGIN) {
-            // At the line (or above it, where best-effort tenants pay): no squeeze to judge.
-            if self.scale <= fit * (1.0 + FIT_MARGIN) {
-                let line = self.line_p95_us.get_or_insert(p95_us as f64);
-                *line += LINE_P95_WEIGHT * (p95_us as f64 - *line);
-            }
+            // At the line or above it (where best-effort tenants pay): no squeeze to judge.
+            let line = self.line_p95_us.get_or_insert(p95_us as f64);
+            *line += LINE_P95_WEIGHT * (p95_us as f64 - *line);
             self.squeezed_p95_us.clear();
             return None;
         }
@@ -750,8 +750,14 @@ impl Calibrator {
         if median < config.squeeze_futile_ratio * line {
             return None;
         }
+        // Cutting buys nothing on this device: the whole profile rate again, what LC tenants
+        // leave is spare again, and no cut at all for the hold. LC tenants keep their priority
+        // (their tokens) and get as much of the device as FIFO would give them, or more.
         let from = self.scale;
-        self.scale = fit;
+        self.scale = config.scale_ceiling;
+        if config.withhold_spare {
+            self.spare_share = 1.0;
+        }
         self.futile_hold = config.squeeze_futile_hold_windows;
         self.comfortable_windows = 0;
         self.squeezed_p95_us.clear();
@@ -793,6 +799,12 @@ impl Calibrator {
             if settling {
                 return Action::Held(Hold::Settling);
             }
+            if self.futile_hold > 0 {
+                self.reset_squeeze();
+                return Action::Held(Hold::SqueezeFutile {
+                    remaining: self.futile_hold,
+                });
+            }
             let overshoot = (p95_us - target_us) as f64 / p95_us as f64;
             let cut = (config.decrease_gain * overshoot).min(config.decrease_step_max);
             let mut scale = (self.scale * (1.0 - cut)).max(config.scale_floor);
@@ -814,11 +826,6 @@ impl Calibrator {
                 } else if observation.device_as_profiled(p95_us, config.device_slower_ratio) {
                     self.reset_squeeze();
                     return Action::Held(Hold::DeviceAsProfiled);
-                } else if self.futile_hold > 0 {
-                    self.reset_squeeze();
-                    return Action::Held(Hold::SqueezeFutile {
-                        remaining: self.futile_hold,
-                    });
                 } else {
                     self.squeeze_windows += 1;
                     self.squeeze_overshoot += p95_us as f64 / target_us as f64;

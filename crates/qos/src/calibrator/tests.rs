@@ -1019,8 +1019,8 @@ fn futility_on() -> CalibratorConfig {
 
 /// A device that stalls whatever it is given (docs/QOS.md §10, the VM disk): its p95 does
 /// not follow its rate. Squeezing LC reservations there only queues their requests: with the
-/// check on, the calibrator returns to the line where they fit and stays there for the hold;
-/// without it, it squeezes to the floor.
+/// check on, the calibrator gives the device back whole (the ceiling, the whole spare share)
+/// and cuts nothing for the hold; without it, it squeezes to the floor.
 #[test]
 fn a_squeeze_that_does_not_lower_the_p95_is_given_up() {
     let mut noise = Noise(SEED);
@@ -1051,12 +1051,13 @@ fn a_squeeze_that_does_not_lower_the_p95_is_given_up() {
         decisions[..restored].iter().any(|d| d.scale == 0.2),
         "{trace:#?}"
     );
-    assert_eq!(decisions[restored].scale, 0.6, "{trace:#?}");
-    // Held at the line for the hold (20 evidence windows), whatever the p95.
+    assert_eq!(decisions[restored].scale, 1.0, "{trace:#?}");
+    assert_eq!(decisions[restored].spare_share, 1.0, "{trace:#?}");
+    // Held at the ceiling for the hold (20 evidence windows), whatever the p95.
     for (i, decision) in decisions[restored + 1..restored + 20].iter().enumerate() {
         assert_eq!(
             decision.scale,
-            0.6,
+            1.0,
             "window {}: {trace:#?}",
             restored + 1 + i
         );
