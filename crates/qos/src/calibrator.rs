@@ -67,7 +67,8 @@
 //! windows (`Hold::SqueezeFutile`). LC tenants keep their tokens' priority and get as much of
 //! the device as FIFO would give them.
 //!
-//! For a fixed state, the new scale never increases with `p` (tested).
+//! For a fixed state, the new scale never increases with `p` (tested, with the futility check
+//! off: on, a p95 that shows a squeeze futile gives the device back).
 
 use std::collections::VecDeque;
 
@@ -91,7 +92,8 @@ const FIT_MARGIN: f64 = 1e-6;
 /// Most windows the futility check may judge a squeeze over.
 pub const SQUEEZE_FUTILE_WINDOWS_MAX: u32 = 100;
 
-/// Weight of a window at the line in the smoothed p95 there (the futility check's reference).
+/// Weight of a window at or above the line in the smoothed p95 there (the futility check's
+/// reference).
 const LINE_P95_WEIGHT: f64 = 0.25;
 
 /// A spare share cut below this withholds everything (a multiplicative cut never reaches 0).
@@ -194,10 +196,10 @@ pub struct CalibratorConfig {
     /// Evidence windows below the line where LC reservations fit after which a squeeze that
     /// did not lower the p95 is given up (module documentation); 0: never (the default).
     pub squeeze_futile_windows: u32,
-    /// A squeeze is futile when its windows' mean p95 is at least this share of the smoothed
-    /// p95 at the line.
+    /// A squeeze is futile when its windows' median p95 is at least this share of the smoothed
+    /// p95 at or above the line.
     pub squeeze_futile_ratio: f64,
-    /// After a futile squeeze, evidence windows in which none is tried again.
+    /// After a futile squeeze, evidence windows in which no cut is made.
     pub squeeze_futile_hold_windows: u32,
 }
 
@@ -509,12 +511,12 @@ pub struct Calibrator {
     squeeze_overshoot: f64,
     /// The p95 of the previous evidence window.
     p95_previous_us: Option<u64>,
-    /// The smoothed p95 of evidence windows at the line where LC reservations fit.
+    /// The smoothed p95 of evidence windows at or above the line where LC reservations fit.
     line_p95_us: Option<f64>,
     /// The p95s of the last `squeeze_futile_windows` evidence windows below that line that
     /// were not draining a cut (oldest first).
     squeezed_p95_us: VecDeque<u64>,
-    /// Evidence windows left in which no squeeze is tried (after a futile one).
+    /// Evidence windows left in which no cut is made (after a futile squeeze).
     futile_hold: u32,
     stats: CalibratorStats,
     recent: VecDeque<WindowRecord>,
@@ -699,9 +701,9 @@ impl Calibrator {
         self.windows_since_decrease = Some(0);
     }
 
-    /// The futility check (module documentation): tracks the p95 at the line where LC
-    /// reservations fit and below it, and returns the scale to the line when a squeeze did
-    /// not lower it.
+    /// The futility check (module documentation): tracks the p95 at or above the line where
+    /// LC reservations fit and below it, and gives the device back whole (the ceiling, the
+    /// whole spare share) when a squeeze did not lower it.
     fn give_up_futile_squeeze(
         &mut self,
         p95_us: u64,
