@@ -731,10 +731,7 @@ impl Calibrator {
         }
         // A window still draining the backlog of the rate before a cut says nothing about the
         // rate after it.
-        let draining = self
-            .windows_since_decrease
-            .is_some_and(|since| since <= config.decrease_hold_windows);
-        if draining {
+        if self.within_decrease_hold() {
             return None;
         }
         if self.squeezed_p95_us.len() == windows {
@@ -767,6 +764,13 @@ impl Calibrator {
         Some(Action::Restored { from })
     }
 
+    /// Whether the last cut (of the scale or the spare share) is at most
+    /// `decrease_hold_windows` windows old: its backlog may still be draining.
+    fn within_decrease_hold(&self) -> bool {
+        self.windows_since_decrease
+            .is_some_and(|windows| windows <= self.config.decrease_hold_windows)
+    }
+
     fn reset_squeeze(&mut self) {
         self.squeeze_windows = 0;
         self.squeeze_overshoot = 0.0;
@@ -794,9 +798,7 @@ impl Calibrator {
         if p95_us > target_us {
             self.stats.windows_over_target += 1;
             self.comfortable_windows = 0;
-            let settling = self
-                .windows_since_decrease
-                .is_some_and(|windows| windows <= config.decrease_hold_windows)
+            let settling = self.within_decrease_hold()
                 && p95_previous_us.is_some_and(|previous| p95_us < previous);
             if settling {
                 return Action::Held(Hold::Settling);
