@@ -4,9 +4,11 @@
 # LC A 12K IOPS and LC B 7K, p95 <= 500 us, both following RENEGOTIATE notices; BE C and D
 # saturating) against reflexd on `emu(slow=2x@12s):device-a-small`, whose device halves its
 # speed 12 s after the server starts (about 10 s into the measurement, after the 2 s warm-up).
-# Two modes, each on a fresh server per repetition, alternating:
-#   cal   - configs/reflexd-small-slowdown.toml (online self-calibration on, 50 ms windows);
-#   nocal - configs/reflexd-small-slowdown-nocal.toml (the profile alone).
+# Modes (MODES, default "cal nocal"), each on a fresh server per repetition, alternating:
+#   cal       - configs/reflexd-small-slowdown.toml (online self-calibration on, 50 ms windows);
+#   nocal     - configs/reflexd-small-slowdown-nocal.toml (the profile alone);
+#   cal-nohyst - cal with `device_recovered_ratio = 2.0` (no hysteresis between cutting into LC
+#               reservations and returning to the line, as before 2026-11-29 evening).
 # Per run: each tenant's IOPS and read p95 per 250 ms interval (the bench's timeline), and the
 # server's device rate scale at the end and its last calibration window's server busy share
 # (`reflex_device_rate_scale`, `reflex_device_server_busy_ratio` from /metrics).
@@ -15,7 +17,7 @@
 # every later interval, BE IOPS before and after, and the final scale.
 #
 # Usage: bench/slowdown.sh
-# Environment: REPS (3) SERVER_CPU (1) CLIENT_CPU (0) SETTLE_MS (11500: from 1.5 s after the
+# Environment: REPS (3) MODES ("cal nocal") SERVER_CPU (1) CLIENT_CPU (0) SETTLE_MS (11500: from 1.5 s after the
 #   slowdown) WORK (target/bench-slowdown) OUT (docs/results/slowdown.md) ISOLATE (on: every
 #   other task that can leaves SERVER_CPU for the run, bench/lib/isolate.py; off: shared)
 set -euo pipefail
@@ -23,6 +25,7 @@ cd "$(dirname "$0")/.."
 source bench/lib/common.sh
 
 REPS=${REPS:-3}
+MODES=${MODES:-cal nocal}
 SERVER_CPU=${SERVER_CPU:-1}
 CLIENT_CPU=${CLIENT_CPU:-0}
 SETTLE_MS=${SETTLE_MS:-11500}
@@ -43,10 +46,21 @@ wait_quiet 20 30 || note "the machine stayed busy; measuring anyway"
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 SECONDS_SCENARIO=$(awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$SCENARIO")
 
+# cal-nohyst: the shipped calibrated config with the hysteresis band closed.
+sed 's/^window_us = 50000$/window_us = 50000\ndevice_recovered_ratio = 2.0/' \
+    configs/reflexd-small-slowdown.toml >"$WORK/reflexd-small-slowdown-nohyst.toml"
+grep -q '^device_recovered_ratio = 2.0$' "$WORK/reflexd-small-slowdown-nohyst.toml" \
+    || die "could not derive the cal-nohyst config"
+sed -i 's#"\.\./profiles/#"'"$PWD"'/profiles/#' "$WORK/reflexd-small-slowdown-nohyst.toml"
+
 for rep in $(seq 1 "$REPS"); do
-    for mode in cal nocal; do
-        config=configs/reflexd-small-slowdown.toml
-        [ "$mode" = nocal ] && config=configs/reflexd-small-slowdown-nocal.toml
+    for mode in $MODES; do
+        case "$mode" in
+            cal) config=configs/reflexd-small-slowdown.toml ;;
+            nocal) config=configs/reflexd-small-slowdown-nocal.toml ;;
+            cal-nohyst) config="$WORK/reflexd-small-slowdown-nohyst.toml" ;;
+            *) die "unknown mode $mode (cal, nocal, cal-nohyst)" ;;
+        esac
         port=$(free_port)
         admin=$(free_port)
         log="$WORK/raw/$mode-$rep.log"
@@ -67,9 +81,9 @@ for rep in $(seq 1 "$REPS"); do
 done
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 
-python3 - "$WORK/raw" "$REPS" "$SETTLE_MS" "$OUT" "$LOAD_BEFORE" "$LOAD_AFTER" "$(git rev-parse --short HEAD)" <<'EOF'
+python3 - "$WORK/raw" "$REPS" "$SETTLE_MS" "$OUT" "$LOAD_BEFORE" "$LOAD_AFTER" "$(git rev-parse --short HEAD)" "$MODES" <<'EOF'
 import json, os, statistics, sys, datetime
-raw, reps, settle, out, before, after, commit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
+raw, reps, settle, out, before, after, commit, modes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7], sys.argv[8].split()
 SLO = 500.0
 SLOW_MS = 10_000  # the device slows 12 s after the server starts: about 10 s into the measurement
 def tenant(run, name):
@@ -99,12 +113,12 @@ def p95_after(run, name):
 lines = [f"# A device 2x slower than its profile from t = 10 s, on the real server (bench/slowdown.sh)", "",
          f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}; load average before {before}, after {after}",
          f"- `{reps}` repetitions per mode, alternating, each on a fresh reflexd; scenario `scenarios/fig5-small-scenario1-slowdown.toml` (A 12K IOPS, B 7K, p95 ≤ 500 µs, both follow notices; C and D saturating), 250 ms intervals",
-         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; intervals counted from {settle} ms",
+         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; cal-nohyst: cal with `device_recovered_ratio = 2.0`; intervals counted from {settle} ms",
          f"- server CPU: " + ("every other task that could run elsewhere moved off it for the run (`ISOLATE=on`, `bench/lib/isolate.py`)" if os.environ.get("ISOLATE") == "on" else "shared with every other task (`ISOLATE=off`)"), "",
          "| mode | run | A intervals met | B intervals met | A held from (ms) | B held from (ms) | A / B median interval p95 after (µs) | BE IOPS 5–10 s | BE IOPS 12–20 s | A / B IOPS after | final scale |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 summary = {}
-for mode in ("cal", "nocal"):
+for mode in modes:
     rows = []
     for rep in range(1, reps + 1):
         with open(f"{raw}/{mode}-{rep}.json") as f:

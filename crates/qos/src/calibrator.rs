@@ -39,8 +39,10 @@
 //! And it needs the device to be slower than its profile: when its p95 is within
 //! `device_slower_ratio` of what the profile predicts for the load it was driven at, the
 //! device keeps the promise admission made against that profile, and LC reservations are
-//! kept (`Hold::DeviceAsProfiled`); after a squeeze, such windows let the scale return to
-//! where LC reservations fit.
+//! kept (`Hold::DeviceAsProfiled`); after a squeeze, windows within the tighter
+//! `device_recovered_ratio` let the scale return to where LC reservations fit (hysteresis: a
+//! device that sits near `device_slower_ratio`, such as one exactly twice as slow, must not
+//! probe back towards the line on every lucky window).
 //!
 //! # Unused reservations at the line (`withhold_spare`)
 //!
@@ -187,6 +189,13 @@ pub struct CalibratorConfig {
     /// that profile: best-effort tenants stay at their floor and LC reservations are kept
     /// (the real-server collapse of docs/QOS.md §11 was such squeezes, on noise).
     pub device_slower_ratio: f64,
+    /// After a squeeze, the scale returns towards the line where LC reservations fit only on
+    /// windows whose p95 is at most this multiple of the profile's prediction (and under the
+    /// target). Tighter than `device_slower_ratio` (the smaller of the two is used), so the
+    /// two thresholds make a hysteresis band: a device exactly twice as slow as its profile
+    /// answers within 2× of it on some windows, and each such window used to start a probe
+    /// back up that cost its LC tenants an interval or two over the SLO.
+    pub device_recovered_ratio: f64,
     /// Over the target at the line where LC reservations fit, withhold what LC tenants leave
     /// unused from best-effort tenants (module documentation); off: they spend it all, as in
     /// the paper.
@@ -229,6 +238,7 @@ impl Default for CalibratorConfig {
             increase_load_min: 0.5,
             server_busy_max: 0.9,
             device_slower_ratio: 2.0,
+            device_recovered_ratio: 1.5,
             withhold_spare: true,
             spare_release_step: 0.1,
             squeeze_futile_windows: 0,
@@ -320,6 +330,9 @@ impl CalibratorConfig {
         }
         if !(self.device_slower_ratio.is_finite() && self.device_slower_ratio >= 1.0) {
             return invalid("device_slower_ratio", "must be at least 1");
+        }
+        if !(self.device_recovered_ratio.is_finite() && self.device_recovered_ratio >= 1.0) {
+            return invalid("device_recovered_ratio", "must be at least 1");
         }
         if !share(self.spare_release_step) {
             return invalid("spare_release_step", "must be above 0 and at most 1");
@@ -862,8 +875,10 @@ impl Calibrator {
         let squeezed = observation
             .lc_fit_scale
             .is_some_and(|fit| self.scale < fit.min(config.scale_ceiling) * (1.0 - FIT_MARGIN));
-        let returning =
-            squeezed && observation.device_as_profiled(p95_us, config.device_slower_ratio);
+        let recovered_ratio = config
+            .device_recovered_ratio
+            .min(config.device_slower_ratio);
+        let returning = squeezed && observation.device_as_profiled(p95_us, recovered_ratio);
         if !returning && p95_us as f64 >= config.comfort_ratio * target_us as f64 {
             self.comfortable_windows = 0;
             return Action::Held(Hold::InBand);

@@ -51,7 +51,7 @@ fn scales(point: &PointReport, from_ms: u64, to_ms: u64) -> Vec<f64> {
 }
 
 #[test]
-fn a_device_twice_as_slow_is_found_and_lc_slos_hold_again_within_a_second_and_a_half() {
+fn a_device_twice_as_slow_is_found_and_lc_slos_hold_again_within_a_second() {
     for seed in SEEDS {
         let point = run("fig5-small-scenario1-slowdown", seed);
         let context = || format!("seed {seed}\n{}", point.timeline_table());
@@ -69,9 +69,31 @@ fn a_device_twice_as_slow_is_found_and_lc_slos_hold_again_within_a_second_and_a_
             point.rate_scale,
             context()
         );
+        // While the device stays slow, the scale does not climb back towards the line: a
+        // device exactly twice as slow answers within `device_slower_ratio` (2x) of its
+        // profile on its lucky windows, and before the hysteresis band
+        // (`device_recovered_ratio`, 1.5x) each such run of windows started a probe back up
+        // that cost B an interval or two over the SLO (seeds 1 and 2: 0.29 -> 0.34 and
+        // 0.31 -> 0.32; now never, nor in seeds 3-5).
+        let slow = scales(&point, 11_000, 20_000);
+        assert!(
+            slow.windows(2).all(|pair| pair[1] <= pair[0]),
+            "the scale climbed while the device stayed slow: {slow:?}; {}",
+            context()
+        );
+        // A is back under its SLO within a second of the slowdown (10 s) and stays there.
+        assert_eq!(
+            slo_share(&point, "A", 11_000, 20_000),
+            1.0,
+            "A missed its SLO after 11 s; {}",
+            context()
+        );
         // Per 250 ms interval (A: ~750 reads, B: ~400), p95 is noisy: B's writes interfere
-        // with its own reads in bursts, before the slowdown as after it.
-        for (tenant, share_min) in [("A", 0.9), ("B", 0.75)] {
+        // with its own reads in bursts, before the slowdown as after it, and B, sending 0.9 of
+        // its grant, now and then waits at its 50-token deficit limit (seed 2: 5-9 ms in four
+        // intervals at 14.5-16.75 s; `deficit_limit_us` gives it burst room, at the price of
+        // a longer drain after the cut).
+        for (tenant, share_min) in [("A", 1.0), ("B", 0.8)] {
             let share = slo_share(&point, tenant, 11_500, 20_000);
             assert!(
                 share >= share_min,
@@ -133,10 +155,7 @@ fn when_the_device_recovers_the_rate_and_the_reservations_come_back() {
             .collect();
         let mean = a_iops.iter().sum::<f64>() / a_iops.len() as f64;
         assert!(mean >= 11_500.0, "A at {mean:.0} IOPS; {}", context());
-        // While slow, the calibrator now and then probes back towards the line (+0.05): the
-        // device, exactly `device_slower_ratio` (2x) slower, answers within 2x of its profile
-        // at the squeezed load, and each probe costs an interval or two (seed 1: 19 of 23
-        // intervals met since the spare share changed the trajectory; 0.9 before).
+        // While slow, A keeps its SLO (seeds 1 and 2: every interval).
         let slow_share = slo_share(&point, "A", 6_500, 12_000);
         println!("seed {seed}: A met its SLO in {slow_share:.2} of the slow intervals");
         assert!(slow_share >= 0.8, "{}", context());

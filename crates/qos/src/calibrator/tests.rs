@@ -637,6 +637,13 @@ fn configurations_are_validated() {
         ),
         (
             CalibratorConfig {
+                device_recovered_ratio: 0.5,
+                ..base()
+            },
+            "device_recovered_ratio",
+        ),
+        (
+            CalibratorConfig {
                 spare_release_step: 0.0,
                 ..base()
             },
@@ -877,6 +884,69 @@ fn a_device_back_to_its_profile_returns_to_where_lc_reservations_fit() {
     for decision in feed(&mut squeezed, &slow) {
         assert_eq!(decision.action, Action::Held(Hold::InBand));
     }
+}
+
+/// The two device ratios make a hysteresis band: after a squeeze, a window between
+/// `device_recovered_ratio` (1.5) and `device_slower_ratio` (2) of the profile's prediction
+/// neither cuts further (the device is not slower than allowed) nor starts a return to the
+/// line (it is not back to its profile either); within 1.5× it returns. A device exactly
+/// twice as slow lands in that band on its lucky windows.
+#[test]
+fn a_device_near_the_slower_ratio_does_not_probe_back_to_the_line() {
+    let window = |p95_us, predicted_us| WindowObservation {
+        lc_fit_scale: Some(0.9),
+        profile_p95_at_load_us: Some(predicted_us),
+        ..observation(1_000, p95_us, 1.0)
+    };
+    let squeezed = || {
+        let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+        feed(
+            &mut calibrator,
+            &[
+                window(10 * SLO_US, SLO_US / 2),
+                window(11 * SLO_US, SLO_US / 2),
+                window(12 * SLO_US, SLO_US / 2),
+            ],
+        );
+        assert!((calibrator.scale() - 0.63).abs() < 1e-9);
+        calibrator
+    };
+    // 0.9 T in the band, 1.8× the prediction: held, whatever the number of windows.
+    let mut near_slower = squeezed();
+    let lucky: Vec<_> = (0..30)
+        .map(|_| window(SLO_US * 9 / 10, SLO_US / 2))
+        .collect();
+    for decision in feed(&mut near_slower, &lucky) {
+        assert_eq!(decision.action, Action::Held(Hold::InBand));
+    }
+    // 1.2× the prediction: back to the line, a step every three windows.
+    let mut recovered = squeezed();
+    let back: Vec<_> = (0..30)
+        .map(|_| window(SLO_US * 9 / 10, SLO_US * 3 / 4))
+        .collect();
+    feed(&mut recovered, &back);
+    assert!(
+        (recovered.scale() - 0.9).abs() < 1e-9,
+        "{}",
+        recovered.scale()
+    );
+    // The recovered ratio never exceeds the slower ratio: with both at 2, 1.8× returns again
+    // (the behaviour before the band).
+    let config = CalibratorConfig {
+        device_recovered_ratio: 2.0,
+        ..CalibratorConfig::default()
+    };
+    let mut without_band = Calibrator::new(config, Nanos::ZERO).unwrap();
+    feed(
+        &mut without_band,
+        &[
+            window(10 * SLO_US, SLO_US / 2),
+            window(11 * SLO_US, SLO_US / 2),
+            window(12 * SLO_US, SLO_US / 2),
+        ],
+    );
+    feed(&mut without_band, &lucky);
+    assert!((without_band.scale() - 0.9).abs() < 1e-9);
 }
 
 /// At the line where LC reservations fit, a device that answers as profiled keeps LC
