@@ -73,13 +73,17 @@ impl DeviceCalibration {
         let lc_fit_scale = (plan.lc_tenants > 0 && device > 0.0 && plan.rate_scale > 0.0)
             .then(|| reserved / (lc_share * device / plan.rate_scale));
         let weight = config.network_share_weight;
+        // Either share counts for at most this; a sample is capped before it is smoothed.
+        let cap = plan
+            .latency_us_p95
+            .map_or(0.0, |slo| slo as f64 * config.network_share_max);
         // The network's share of what LC tenants see: a quantile of the sampled round trips,
         // smoothed over windows (a window without samples keeps the estimate: its reads had
         // no answer to sample yet).
         let rtt = &self.window.network_rtt;
         if config.learn_network_rtt && rtt.count() > 0 {
             let sample = rtt.quantile_us(config.network_share_quantile) as f64;
-            smooth(&mut self.network_share_us, sample, weight);
+            smooth_capped(&mut self.network_share_us, sample, weight, cap);
         }
         // What clients report supersedes the round trips: it holds the network too, and what
         // no socket shows (the client's wake-ups, its CPU's other work). A window's sample is
@@ -95,16 +99,13 @@ impl DeviceCalibration {
             service_reads > 0,
         ) {
             let sample = slo_us as f64 - service_p95_us as f64 + excess_us as f64;
-            smooth(&mut self.reported_share_us, sample.max(0.0), weight);
+            smooth_capped(&mut self.reported_share_us, sample, weight, cap);
         }
         let learned = match (self.reported_share_us, self.network_share_us) {
             (Some(reported), _) if config.learn_client_reports => reported,
             (_, Some(network)) if config.learn_network_rtt => network,
             _ => 0.0,
         };
-        let cap = plan
-            .latency_us_p95
-            .map_or(0.0, |slo| slo as f64 * config.network_share_max);
         let learned_outside_us = learned.min(cap).round() as u64;
         let tokens_spent = self.window.tokens_spent.as_tokens_f64().max(0.0);
         let seconds = now.saturating_since(window_start).as_secs_f64();
@@ -135,7 +136,37 @@ impl DeviceCalibration {
     }
 }
 
-/// Moves a smoothed estimate towards `sample` by `weight` (the first sample sets it).
-fn smooth(estimate: &mut Option<f64>, sample: f64, weight: f64) {
+/// Moves a smoothed estimate towards `sample`, first brought into `0..=cap`, by `weight` (the
+/// first sample sets it). Capping first matters after a backlog: while a slowed device's
+/// queue drains, clients report p95s of tens of milliseconds, and smoothed as they are such
+/// samples held the estimate above the cap (the target at its strictest) for a second or more
+/// after the queue was gone.
+fn smooth_capped(estimate: &mut Option<f64>, sample: f64, weight: f64, cap: f64) {
+    let sample = sample.clamp(0.0, cap);
     *estimate = Some(estimate.map_or(sample, |e| e + weight * (sample - e)));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::smooth_capped;
+
+    /// One window of a drained backlog (a client p95 of 50 ms) leaves the learned share at
+    /// the cap, not 200 times above it: ten ordinary windows later it is back near what the
+    /// clients see.
+    #[test]
+    fn a_backlog_window_does_not_hold_the_learned_share_above_its_cap() {
+        let mut share = None;
+        smooth_capped(&mut share, 75.0, 0.2, 250.0);
+        smooth_capped(&mut share, 50_000.0, 0.2, 250.0);
+        assert_eq!(share, Some(75.0 + 0.2 * 175.0));
+        for _ in 0..10 {
+            smooth_capped(&mut share, 75.0, 0.2, 250.0);
+        }
+        let share = share.unwrap();
+        assert!((75.0..100.0).contains(&share), "{share}");
+        // Negative samples (a client under its SLO by more than the server's p95) count as 0.
+        let mut negative = None;
+        smooth_capped(&mut negative, -30.0, 0.2, 250.0);
+        assert_eq!(negative, Some(0.0));
+    }
 }
