@@ -67,7 +67,9 @@
 //! nothing here: the scale returns to the ceiling with the whole spare share
 //! (`Action::Restored`) and no cut at all is made for `squeeze_futile_hold_windows` evidence
 //! windows (`Hold::SqueezeFutile`). LC tenants keep their tokens' priority and get as much of
-//! the device as FIFO would give them.
+//! the device as FIFO would give them. Sooner still, each step into LC reservations is judged
+//! when the next is due: a step that left the p95 within that ratio of the line's (neither
+//! lower nor a growing backlog) in every window since gives the device back the same way.
 //!
 //! For a fixed state, the new scale never increases with `p` (tested, with the futility check
 //! off: on, a p95 that shows a squeeze futile gives the device back).
@@ -531,6 +533,10 @@ pub struct Calibrator {
     squeezed_p95_us: VecDeque<u64>,
     /// Evidence windows left in which no cut is made (after a futile squeeze).
     futile_hold: u32,
+    /// The lowest and highest p95 of the evidence windows since the last cut below the line
+    /// where LC reservations fit (`None`: no such cut to judge): the next squeeze is made
+    /// only if this one moved the p95 ([`Calibrator::last_squeeze_futile`]).
+    since_squeeze_p95_us: Option<(u64, u64)>,
     stats: CalibratorStats,
     recent: VecDeque<WindowRecord>,
 }
@@ -554,6 +560,7 @@ impl Calibrator {
             line_p95_us: None,
             squeezed_p95_us: VecDeque::new(),
             futile_hold: 0,
+            since_squeeze_p95_us: None,
             stats: CalibratorStats {
                 scale,
                 windows: 0,
@@ -733,6 +740,7 @@ impl Calibrator {
             .map(|fit| fit.min(config.scale_ceiling))
         else {
             self.squeezed_p95_us.clear();
+            self.since_squeeze_p95_us = None;
             return None;
         };
         if self.scale >= fit * (1.0 - FIT_MARGIN) {
@@ -740,6 +748,7 @@ impl Calibrator {
             let line = self.line_p95_us.get_or_insert(p95_us as f64);
             *line += LINE_P95_WEIGHT * (p95_us as f64 - *line);
             self.squeezed_p95_us.clear();
+            self.since_squeeze_p95_us = None;
             return None;
         }
         // A window still draining the backlog of the rate before a cut says nothing about the
@@ -762,19 +771,46 @@ impl Calibrator {
         if median < config.squeeze_futile_ratio * line {
             return None;
         }
-        // Cutting buys nothing on this device: the whole profile rate again, what LC tenants
-        // leave is spare again, and no cut at all for the hold. LC tenants keep their priority
-        // (their tokens) and get as much of the device as FIFO would give them, or more.
+        Some(self.restore())
+    }
+
+    /// Cutting buys nothing on this device: the whole profile rate again, what LC tenants
+    /// leave is spare again, and no cut at all for the hold. LC tenants keep their priority
+    /// (their tokens) and get as much of the device as FIFO would give them, or more.
+    fn restore(&mut self) -> Action {
         let from = self.scale;
-        self.scale = config.scale_ceiling;
-        if config.withhold_spare {
+        self.scale = self.config.scale_ceiling;
+        if self.config.withhold_spare {
             self.spare_share = 1.0;
         }
-        self.futile_hold = config.squeeze_futile_hold_windows;
+        self.futile_hold = self.config.squeeze_futile_hold_windows;
         self.comfortable_windows = 0;
         self.squeezed_p95_us.clear();
+        self.since_squeeze_p95_us = None;
         self.reset_squeeze();
-        Some(Action::Restored { from })
+        Action::Restored { from }
+    }
+
+    /// Whether the last squeeze step (a cut below the line) left the p95 where it was: in no
+    /// window since below `squeeze_futile_ratio` × the line's, and in none above the line's
+    /// divided by that ratio either (a p95 that kept growing is a backlog the step was too
+    /// small to stop, as on a device that became much slower, and the next step is due). Then
+    /// the next step would not help either. Judged when the next squeeze is due, so a device
+    /// whose latency does not follow its rate is given back after one step into LC
+    /// reservations, not after the squeeze has reached the floor (the median check, which
+    /// needs windows not draining a cut, found none while every over-target window cut the
+    /// spare share or the scale).
+    fn last_squeeze_futile(&self) -> bool {
+        if self.config.squeeze_futile_windows == 0 {
+            return false;
+        }
+        let ratio = self.config.squeeze_futile_ratio;
+        match (self.since_squeeze_p95_us, self.line_p95_us) {
+            (Some((lowest, highest)), Some(line)) => {
+                lowest as f64 >= ratio * line && highest as f64 <= line / ratio
+            }
+            _ => false,
+        }
     }
 
     /// Whether the last cut (of the scale or the spare share) is at most
@@ -805,6 +841,10 @@ impl Calibrator {
         self.stats.windows_with_evidence += 1;
         let p95_us = observation.lc_read_latency_us_p95;
         let p95_previous_us = self.p95_previous_us.replace(p95_us);
+        if let Some((lowest, highest)) = self.since_squeeze_p95_us.as_mut() {
+            *lowest = (*lowest).min(p95_us);
+            *highest = (*highest).max(p95_us);
+        }
         if let Some(action) = self.give_up_futile_squeeze(p95_us, observation) {
             return action;
         }
@@ -853,6 +893,15 @@ impl Calibrator {
                         return Action::Held(Hold::ProtectingLc {
                             count: self.squeeze_windows,
                         });
+                    }
+                    let below_line =
+                        self.scale < fit.min(config.scale_ceiling) * (1.0 - FIT_MARGIN);
+                    if below_line && self.last_squeeze_futile() {
+                        return self.restore();
+                    }
+                    if scale < self.scale {
+                        // A step into LC reservations: the next one is judged by what it does.
+                        self.since_squeeze_p95_us = Some((u64::MAX, 0));
                     }
                 }
             }
