@@ -122,6 +122,7 @@ impl DeviceCalibration {
             lc_fit_scale,
             server_busy: self.window.server_busy,
             profile_p95_at_load_us,
+            lc_queued_requests: self.window.lc_queued_requests,
         };
         self.window.clear();
         self.last = Some(observation);

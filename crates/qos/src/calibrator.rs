@@ -100,6 +100,18 @@ pub const SQUEEZE_FUTILE_WINDOWS_MAX: u32 = 100;
 /// reference).
 const LINE_P95_WEIGHT: f64 = 0.25;
 
+/// Windows in a row after a step into LC reservations in which the LC tenants' queue stayed
+/// grown and did not shrink before the step is judged ignored.
+const STEP_IGNORED_WINDOWS: u32 = 2;
+
+/// LC tenants' queue at the schedulers since the last step into their reservations.
+#[derive(Clone, Copy, Debug)]
+struct StepQueue {
+    at_step: u64,
+    last: u64,
+    windows_not_shrinking: u32,
+}
+
 /// A spare share cut below this withholds everything (a multiplicative cut never reaches 0).
 pub const SPARE_SHARE_SNAP: f64 = 0.05;
 
@@ -382,6 +394,11 @@ pub struct WindowObservation {
     /// (µs; `None` without a profile): LC reservations are cut only when the device is
     /// slower than this (`device_slower_ratio`).
     pub profile_p95_at_load_us: Option<u64>,
+    /// Requests of latency-critical tenants waiting at the schedulers for tokens when the
+    /// window ended (the largest any thread reported; `None` where nobody counts them). After
+    /// a step into LC reservations, a queue that keeps growing says the tenants over the new
+    /// grant did not slow down when told.
+    pub lc_queued_requests: Option<u64>,
 }
 
 impl WindowObservation {
@@ -537,6 +554,9 @@ pub struct Calibrator {
     /// where LC reservations fit (`None`: no such cut to judge): the next squeeze is made
     /// only if this one moved the p95 ([`Calibrator::last_squeeze_futile`]).
     since_squeeze_p95_us: Option<(u64, u64)>,
+    /// LC tenants' queue after the last step into their reservations
+    /// ([`Calibrator::lc_tenants_ignore_the_squeeze`]).
+    step_lc_queued: Option<StepQueue>,
     stats: CalibratorStats,
     recent: VecDeque<WindowRecord>,
 }
@@ -561,6 +581,7 @@ impl Calibrator {
             squeezed_p95_us: VecDeque::new(),
             futile_hold: 0,
             since_squeeze_p95_us: None,
+            step_lc_queued: None,
             stats: CalibratorStats {
                 scale,
                 windows: 0,
@@ -729,18 +750,18 @@ impl Calibrator {
         p95_us: u64,
         observation: &WindowObservation,
     ) -> Option<Action> {
-        let config = &self.config;
-        let windows = config.squeeze_futile_windows as usize;
+        let windows = self.config.squeeze_futile_windows as usize;
         if windows == 0 {
             return None;
         }
         self.futile_hold = self.futile_hold.saturating_sub(1);
         let Some(fit) = observation
             .lc_fit_scale
-            .map(|fit| fit.min(config.scale_ceiling))
+            .map(|fit| fit.min(self.config.scale_ceiling))
         else {
             self.squeezed_p95_us.clear();
             self.since_squeeze_p95_us = None;
+            self.step_lc_queued = None;
             return None;
         };
         if self.scale >= fit * (1.0 - FIT_MARGIN) {
@@ -749,7 +770,11 @@ impl Calibrator {
             *line += LINE_P95_WEIGHT * (p95_us as f64 - *line);
             self.squeezed_p95_us.clear();
             self.since_squeeze_p95_us = None;
+            self.step_lc_queued = None;
             return None;
+        }
+        if self.lc_tenants_ignore_the_squeeze(observation) {
+            return Some(self.restore());
         }
         // A window still draining the backlog of the rate before a cut says nothing about the
         // rate after it.
@@ -768,7 +793,7 @@ impl Calibrator {
         let mut sorted: Vec<u64> = self.squeezed_p95_us.iter().copied().collect();
         sorted.sort_unstable();
         let median = sorted[sorted.len() / 2] as f64;
-        if median < config.squeeze_futile_ratio * line {
+        if median < self.config.squeeze_futile_ratio * line {
             return None;
         }
         Some(self.restore())
@@ -787,8 +812,34 @@ impl Calibrator {
         self.comfortable_windows = 0;
         self.squeezed_p95_us.clear();
         self.since_squeeze_p95_us = None;
+        self.step_lc_queued = None;
         self.reset_squeeze();
         Action::Restored { from }
+    }
+
+    /// Whether the LC tenants over the grant of the last step into their reservations kept
+    /// sending as before: their queue at the schedulers grew since the step and holds a tenth
+    /// of the window's LC reads or more. A squeeze is worth it only for tenants that slow down
+    /// when told (RENEGOTIATE); for the others, a grant below their rate turns a saving at the
+    /// device into a queue that grows without bound (the VM disk, docs/QOS.md §11: the disk's
+    /// p95 fell to 130–250 µs while the tenants waited seconds), so the device is given back.
+    fn lc_tenants_ignore_the_squeeze(&mut self, observation: &WindowObservation) -> bool {
+        let (Some(step), Some(now)) =
+            (self.step_lc_queued.as_mut(), observation.lc_queued_requests)
+        else {
+            return false;
+        };
+        // Grown by a tenth of the window's reads since the step and not shrinking: one window
+        // may grow while the notices are on their way (tenants that follow them shrink it in
+        // the next), and a queue at its limit stops growing without shrinking.
+        let grown = now >= step.at_step + (observation.lc_reads / 10).max(1);
+        step.windows_not_shrinking = if grown && now >= step.last {
+            step.windows_not_shrinking + 1
+        } else {
+            0
+        };
+        step.last = now;
+        step.windows_not_shrinking >= STEP_IGNORED_WINDOWS
     }
 
     /// Whether the last squeeze step (a cut below the line) left the p95 where it was: in no
@@ -900,8 +951,15 @@ impl Calibrator {
                         return self.restore();
                     }
                     if scale < self.scale {
-                        // A step into LC reservations: the next one is judged by what it does.
+                        // A step into LC reservations: the next one is judged by what it does,
+                        // and the tenants by how they answer it.
                         self.since_squeeze_p95_us = Some((u64::MAX, 0));
+                        self.step_lc_queued =
+                            observation.lc_queued_requests.map(|queued| StepQueue {
+                                at_step: queued,
+                                last: queued,
+                                windows_not_shrinking: 0,
+                            });
                     }
                 }
             }

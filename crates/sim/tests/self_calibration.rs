@@ -551,3 +551,58 @@ fn best_effort_tenants_keep_their_floor_while_squeezed_lc_tenants_borrow() {
         );
     }
 }
+
+/// The slowdown scenario with the futility check on (`squeeze_futile_windows`, as in
+/// `configs/reflexd-file-calibrated.toml`) and the LC tenants following their notices or not.
+fn run_with_the_futility_check(
+    squeeze_futile_windows: u32,
+    follow: bool,
+    seed: u64,
+) -> PointReport {
+    let mut loaded = common::load("fig5-small-scenario1-slowdown");
+    let qos = loaded
+        .scenario
+        .qos_config
+        .as_mut()
+        .unwrap_or_else(|| panic!("the scenario sets qos_config"));
+    qos.calibration.squeeze_futile_windows = squeeze_futile_windows;
+    for tenant in &mut loaded.scenario.tenants {
+        tenant.load.follow_notices &= follow;
+    }
+    let options = reflex_sim::RunOptions {
+        seed: Some(seed),
+        ..reflex_sim::RunOptions::default()
+    };
+    let report = reflex_sim::run_scenario(&loaded, &options).unwrap_or_else(|e| panic!("{e}"));
+    report.points[0].1.clone()
+}
+
+/// The futility check gives a squeeze up when it does not help: when the device's p95 does
+/// not move, or when the tenants squeezed keep sending as before (their queue at the scheduler
+/// grows). A device that really became twice as slow, with tenants that follow their notices,
+/// must be squeezed exactly as without the check (every interval of seeds 1-3 alike: queues
+/// that grow for a window while the notices are on their way, then shrink, are not ignored
+/// squeezes); with tenants that ignore their notices, the squeeze only queues them, and the
+/// device is given back.
+#[test]
+fn the_futility_check_keeps_a_squeeze_that_tenants_follow_and_gives_back_one_they_ignore() {
+    for seed in [1, 2, 3] {
+        let off = run_with_the_futility_check(0, true, seed);
+        let on = run_with_the_futility_check(5, true, seed);
+        assert_eq!(
+            off.timeline_table(),
+            on.timeline_table(),
+            "seed {seed}: the check changed a squeeze that worked"
+        );
+        // Ignored: one step into LC reservations (the line is at 0.91, the step to 0.64), given
+        // back, tried again when the hold (`squeeze_futile_hold_windows`, 50 windows) ends.
+        let ignored = run_with_the_futility_check(5, false, seed);
+        let scales = scales(&ignored, 11_000, 20_000);
+        let whole = scales.iter().filter(|&&scale| scale == 1.0).count();
+        assert!(
+            whole * 10 >= scales.len() * 8 && scales.iter().all(|&scale| scale > 0.6),
+            "seed {seed}: a squeeze the tenants ignore was kept: {scales:?}\n{}",
+            ignored.timeline_table()
+        );
+    }
+}

@@ -119,6 +119,10 @@ pub struct TelemetryWindow {
     /// The share of the interval the publishing thread spent working or waiting for a CPU
     /// (merged: the busiest thread's). Near 1, the server's CPU, not the device, is slow.
     pub server_busy: f64,
+    /// Latency-critical tenants' requests waiting at the scheduler for tokens when the thread
+    /// published (merged: the largest); `None` before the first publication. Self-calibration
+    /// sees from it whether tenants slowed down when a squeeze told them to.
+    pub lc_queued_requests: Option<u64>,
 }
 
 impl TelemetryWindow {
@@ -135,6 +139,10 @@ impl TelemetryWindow {
             self.note_client_excess(excess_us);
         }
         self.server_busy = self.server_busy.max(other.server_busy);
+        self.lc_queued_requests = match (self.lc_queued_requests, other.lc_queued_requests) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
     }
 
     /// A client reported a p95 `excess_us` over its tenant's SLO.
@@ -152,6 +160,7 @@ impl TelemetryWindow {
         self.network_rtt.clear();
         self.client_excess_us = None;
         self.server_busy = 0.0;
+        self.lc_queued_requests = None;
     }
 }
 

@@ -111,6 +111,7 @@ impl Loop {
                 lc_fit_scale: self.lc_fit_scale,
                 server_busy: 0.0,
                 profile_p95_at_load_us: None,
+                lc_queued_requests: None,
             };
             let decision = self
                 .calibrator
@@ -285,6 +286,7 @@ fn observation(lc_reads: u64, p95_us: u64, load: f64) -> WindowObservation {
         lc_fit_scale: None,
         server_busy: 0.0,
         profile_p95_at_load_us: None,
+        lc_queued_requests: None,
     }
 }
 
@@ -1190,4 +1192,55 @@ fn a_squeeze_that_lowers_the_p95_is_kept() {
         Vec::<String>::new(),
         "seed {SEED}"
     );
+}
+
+/// The VM disk of docs/QOS.md §11: one step into LC reservations lowers the device's p95 (below
+/// the target, even), but the tenants over the new grant keep sending as before and queue at
+/// the scheduler. With the futility check on, the device is given back once two windows show
+/// the queue grown and not shrinking; tenants that slow down when told keep the squeeze.
+#[test]
+fn a_squeeze_the_tenants_ignore_is_given_back() {
+    let window = |p95_us, queued| WindowObservation {
+        lc_fit_scale: Some(0.6),
+        lc_queued_requests: Some(queued),
+        ..observation(1_000, p95_us, 1.0)
+    };
+    let run = |queued_after_step: &[u64]| {
+        let mut calibrator = Calibrator::new(futility_on(), Nanos::ZERO).unwrap();
+        // Over the target: best-effort tenants pay down to the line (0.6), then one step into
+        // LC reservations (0.42) once the evidence persists.
+        let mut decisions = Vec::new();
+        while calibrator.scale() > 0.5 {
+            decisions.extend(feed(&mut calibrator, &[window(3 * SLO_US, 0)]));
+            assert!(decisions.len() < 20, "{decisions:?}");
+        }
+        assert!((calibrator.scale() - 0.42).abs() < 1e-9, "{decisions:?}");
+        // After the step the device is fast (a third of the SLO) and the queue is what the
+        // tenants make of their notices.
+        let after: Vec<_> = queued_after_step
+            .iter()
+            .map(|&queued| window(SLO_US / 3, queued))
+            .collect();
+        feed(&mut calibrator, &after)
+    };
+    // Two windows grown and not shrinking (the first alone may be the notices on their way).
+    let ignored = run(&[1_500; 6]);
+    assert_eq!(ignored[0].scale, 0.42, "{ignored:?}");
+    assert_eq!(
+        ignored[1].action,
+        Action::Restored { from: 0.42 },
+        "{ignored:?}"
+    );
+    assert!(ignored[2..].iter().all(|d| d.scale == 1.0), "{ignored:?}");
+    // Followed: a few requests wait now and then (bursts), under a tenth of a window's reads;
+    // or the queue grows in the first window, before the notices arrive, and then shrinks.
+    for queued in [&[40; 6][..], &[300, 200, 120, 60, 40, 40]] {
+        let followed = run(queued);
+        assert!(
+            followed
+                .iter()
+                .all(|d| !matches!(d.action, Action::Restored { .. }) && d.scale < 0.6),
+            "{queued:?}: {followed:?}"
+        );
+    }
 }
