@@ -1233,6 +1233,8 @@ impl ControlPlane {
                     .as_tokens_per_sec_f64()
                     .round(),
                 lc_tenants_over = plan.lc_tenants_over,
+                lc_queued_requests = last.and_then(|o| o.lc_queued_requests),
+                action = ?decision.action,
                 "self-calibration: device rate scaled"
             );
             let over_now = namespace.registry.lc_tenants_over();
