@@ -818,8 +818,9 @@ impl Calibrator {
     }
 
     /// Whether the LC tenants over the grant of the last step into their reservations kept
-    /// sending as before: their queue at the schedulers grew since the step and holds a tenth
-    /// of the window's LC reads or more. A squeeze is worth it only for tenants that slow down
+    /// sending as before: for [`STEP_IGNORED_WINDOWS`] windows in a row, their queue at the
+    /// schedulers stood at least a tenth of the window's LC reads above where it was at the
+    /// step and did not shrink. A squeeze is worth it only for tenants that slow down
     /// when told (RENEGOTIATE); for the others, a grant below their rate turns a saving at the
     /// device into a queue that grows without bound (the VM disk, docs/QOS.md §11: the disk's
     /// p95 fell to 130–250 µs while the tenants waited seconds), so the device is given back.
@@ -832,7 +833,10 @@ impl Calibrator {
         // Grown by a tenth of the window's reads since the step and not shrinking: one window
         // may grow while the notices are on their way (tenants that follow them shrink it in
         // the next), and a queue at its limit stops growing without shrinking.
-        let grown = now >= step.at_step + (observation.lc_reads / 10).max(1);
+        let grown = now
+            >= step
+                .at_step
+                .saturating_add((observation.lc_reads / 10).max(1));
         step.windows_not_shrinking = if grown && now >= step.last {
             step.windows_not_shrinking + 1
         } else {
