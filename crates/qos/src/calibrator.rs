@@ -755,22 +755,15 @@ impl Calibrator {
             return None;
         }
         self.futile_hold = self.futile_hold.saturating_sub(1);
-        let Some(fit) = observation
-            .lc_fit_scale
-            .map(|fit| fit.min(self.config.scale_ceiling))
-        else {
-            self.squeezed_p95_us.clear();
-            self.since_squeeze_p95_us = None;
-            self.step_lc_queued = None;
+        let Some(fit) = observation.lc_fit_scale else {
+            self.forget_squeeze_evidence();
             return None;
         };
-        if self.scale >= fit * (1.0 - FIT_MARGIN) {
+        if !self.squeezed_below(fit) {
             // At the line or above it (where best-effort tenants pay): no squeeze to judge.
             let line = self.line_p95_us.get_or_insert(p95_us as f64);
             *line += LINE_P95_WEIGHT * (p95_us as f64 - *line);
-            self.squeezed_p95_us.clear();
-            self.since_squeeze_p95_us = None;
-            self.step_lc_queued = None;
+            self.forget_squeeze_evidence();
             return None;
         }
         if self.lc_tenants_ignore_the_squeeze(observation) {
@@ -810,11 +803,23 @@ impl Calibrator {
         }
         self.futile_hold = self.config.squeeze_futile_hold_windows;
         self.comfortable_windows = 0;
+        self.forget_squeeze_evidence();
+        self.reset_squeeze();
+        Action::Restored { from }
+    }
+
+    /// Whether the scale is below the line where LC reservations fit (`fit`, capped at the
+    /// ceiling): LC tenants are squeezed.
+    fn squeezed_below(&self, fit: f64) -> bool {
+        self.scale < fit.min(self.config.scale_ceiling) * (1.0 - FIT_MARGIN)
+    }
+
+    /// Drops what the futility check gathered about the squeeze in force (there is none, or it
+    /// ended).
+    fn forget_squeeze_evidence(&mut self) {
         self.squeezed_p95_us.clear();
         self.since_squeeze_p95_us = None;
         self.step_lc_queued = None;
-        self.reset_squeeze();
-        Action::Restored { from }
     }
 
     /// Whether the LC tenants over the grant of the last step into their reservations kept
@@ -949,9 +954,7 @@ impl Calibrator {
                             count: self.squeeze_windows,
                         });
                     }
-                    let below_line =
-                        self.scale < fit.min(config.scale_ceiling) * (1.0 - FIT_MARGIN);
-                    if below_line && self.last_squeeze_futile() {
+                    if self.squeezed_below(fit) && self.last_squeeze_futile() {
                         return self.restore();
                     }
                     if scale < self.scale {
@@ -985,7 +988,7 @@ impl Calibrator {
         // load there, and the tenants cut are owed their reservations.
         let squeezed = observation
             .lc_fit_scale
-            .is_some_and(|fit| self.scale < fit.min(config.scale_ceiling) * (1.0 - FIT_MARGIN));
+            .is_some_and(|fit| self.squeezed_below(fit));
         let recovered_ratio = config
             .device_recovered_ratio
             .min(config.device_slower_ratio);

@@ -1263,6 +1263,16 @@ impl Scheduler {
         }
     }
 
+    /// Requests this thread holds for the tenants of `class` (self-calibration's view of
+    /// whether squeezed LC tenants slowed down).
+    pub fn queued_in_class(&self, class: TenantClass) -> u64 {
+        self.slots
+            .iter()
+            .filter(|slot| slot.class == class)
+            .map(|slot| u64::from(slot.queued))
+            .sum()
+    }
+
     /// Requests this thread holds for `tenant`.
     pub fn queued(&self, tenant: TenantId) -> u32 {
         self.slots

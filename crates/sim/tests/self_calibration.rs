@@ -171,21 +171,32 @@ fn when_the_device_recovers_the_rate_and_the_reservations_come_back() {
     }
 }
 
-/// The slowdown scenario with the best-effort floor set to `floor`.
-fn run_with_floor(floor: f64, seed: u64) -> PointReport {
+/// The slowdown scenario with seed `seed`, its calibrator and tenants changed by `configure`.
+fn run_slowdown(
+    seed: u64,
+    configure: impl FnOnce(
+        &mut reflex_qos::CalibratorConfig,
+        &mut [reflex_sim::scenario::TenantSpecToml],
+    ),
+) -> PointReport {
     let mut loaded = common::load("fig5-small-scenario1-slowdown");
     let qos = loaded
         .scenario
         .qos_config
         .as_mut()
         .unwrap_or_else(|| panic!("the scenario sets qos_config"));
-    qos.calibration.best_effort_floor = floor;
+    configure(&mut qos.calibration, &mut loaded.scenario.tenants);
     let options = reflex_sim::RunOptions {
         seed: Some(seed),
         ..reflex_sim::RunOptions::default()
     };
     let report = reflex_sim::run_scenario(&loaded, &options).unwrap_or_else(|e| panic!("{e}"));
     report.points[0].1.clone()
+}
+
+/// The slowdown scenario with the best-effort floor set to `floor`.
+fn run_with_floor(floor: f64, seed: u64) -> PointReport {
+    run_slowdown(seed, |calibration, _| calibration.best_effort_floor = floor)
 }
 
 /// Mean completions per second of the best-effort tenants C and D together over the timeline
@@ -559,22 +570,12 @@ fn run_with_the_futility_check(
     follow: bool,
     seed: u64,
 ) -> PointReport {
-    let mut loaded = common::load("fig5-small-scenario1-slowdown");
-    let qos = loaded
-        .scenario
-        .qos_config
-        .as_mut()
-        .unwrap_or_else(|| panic!("the scenario sets qos_config"));
-    qos.calibration.squeeze_futile_windows = squeeze_futile_windows;
-    for tenant in &mut loaded.scenario.tenants {
-        tenant.load.follow_notices &= follow;
-    }
-    let options = reflex_sim::RunOptions {
-        seed: Some(seed),
-        ..reflex_sim::RunOptions::default()
-    };
-    let report = reflex_sim::run_scenario(&loaded, &options).unwrap_or_else(|e| panic!("{e}"));
-    report.points[0].1.clone()
+    run_slowdown(seed, |calibration, tenants| {
+        calibration.squeeze_futile_windows = squeeze_futile_windows;
+        for tenant in tenants {
+            tenant.load.follow_notices &= follow;
+        }
+    })
 }
 
 /// The futility check gives a squeeze up when it does not help: when the device's p95 does

@@ -86,7 +86,11 @@ impl Dataplane {
             }
             let mut window = std::mem::take(&mut self.telemetry[index].window);
             window.server_busy = server_busy;
-            window.lc_queued_requests = Some(self.qos.get(index).map_or(0, lc_queued_requests));
+            window.lc_queued_requests = Some(self.qos.get(index).map_or(0, |namespace| {
+                namespace
+                    .scheduler
+                    .queued_in_class(reflex_qos::TenantClass::LatencyCritical)
+            }));
             self.with_control(now, |control, thread, own| {
                 control.publish_window(thread, index as u16, &window, now, own);
             });
@@ -95,18 +99,6 @@ impl Dataplane {
             self.telemetry[index].window = window;
         }
     }
-}
-
-/// Requests of the namespace's latency-critical tenants waiting for tokens at this thread.
-fn lc_queued_requests(namespace: &super::tenants::NamespaceQos) -> u64 {
-    (0..namespace.accounts.len())
-        .map(|id| reflex_qos::TenantId(id as u32))
-        .filter(|&tenant| {
-            namespace.scheduler.tenant_class(tenant)
-                == Some(reflex_qos::TenantClass::LatencyCritical)
-        })
-        .map(|tenant| u64::from(namespace.scheduler.queued(tenant)))
-        .sum()
 }
 
 #[cfg(test)]

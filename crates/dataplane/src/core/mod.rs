@@ -139,10 +139,8 @@ impl TelemetryWindow {
             self.note_client_excess(excess_us);
         }
         self.server_busy = self.server_busy.max(other.server_busy);
-        self.lc_queued_requests = match (self.lc_queued_requests, other.lc_queued_requests) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        };
+        // `None` orders below every `Some`.
+        self.lc_queued_requests = self.lc_queued_requests.max(other.lc_queued_requests);
     }
 
     /// A client reported a p95 `excess_us` over its tenant's SLO.

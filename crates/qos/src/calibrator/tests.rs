@@ -832,23 +832,26 @@ fn a_growing_backlog_is_cut_into_sooner_than_a_run_of_high_windows() {
     assert!(matches!(decisions[1].action, Action::Decreased { .. }));
 }
 
-/// After a squeeze, a device back to its profile returns the scale to the line where LC
-/// reservations fit, in `increase_step`s, even with its p95 in the band (not comfortably
-/// under it), and no further while it is in the band.
-#[test]
-fn a_device_back_to_its_profile_returns_to_where_lc_reservations_fit() {
-    let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
-    let window = |p95_us, predicted_us| WindowObservation {
+/// A window with LC reservations fitting at 0.9 of the profile and the profile predicting
+/// `predicted_us` for the load driven.
+fn fit_at_0_9(p95_us: u64, predicted_us: u64) -> WindowObservation {
+    WindowObservation {
         lc_fit_scale: Some(0.9),
         profile_p95_at_load_us: Some(predicted_us),
         ..observation(1_000, p95_us, 1.0)
-    };
+    }
+}
+
+/// A calibrator with `config` after three windows 20–24× over what the profile predicts: one
+/// cut to the line (0.9), then one step into LC reservations (0.63).
+fn squeezed_to_0_63(config: CalibratorConfig) -> Calibrator {
+    let mut calibrator = Calibrator::new(config, Nanos::ZERO).unwrap();
     feed(
         &mut calibrator,
         &[
-            window(10 * SLO_US, SLO_US / 2),
-            window(11 * SLO_US, SLO_US / 2),
-            window(12 * SLO_US, SLO_US / 2),
+            fit_at_0_9(10 * SLO_US, SLO_US / 2),
+            fit_at_0_9(11 * SLO_US, SLO_US / 2),
+            fit_at_0_9(12 * SLO_US, SLO_US / 2),
         ],
     );
     assert!(
@@ -856,6 +859,16 @@ fn a_device_back_to_its_profile_returns_to_where_lc_reservations_fit() {
         "{}",
         calibrator.scale()
     );
+    calibrator
+}
+
+/// After a squeeze, a device back to its profile returns the scale to the line where LC
+/// reservations fit, in `increase_step`s, even with its p95 in the band (not comfortably
+/// under it), and no further while it is in the band.
+#[test]
+fn a_device_back_to_its_profile_returns_to_where_lc_reservations_fit() {
+    let mut calibrator = squeezed_to_0_63(CalibratorConfig::default());
+    let window = fit_at_0_9;
     // In the band (0.9 T), the device within its profile's prediction: +0.05 every three
     // windows up to the line, then it stays there.
     let in_band: Vec<_> = (0..30).map(|_| window(SLO_US * 9 / 10, SLO_US)).collect();
@@ -871,15 +884,7 @@ fn a_device_back_to_its_profile_returns_to_where_lc_reservations_fit() {
         calibrator.scale()
     );
     // In the band but slower than the profile allows: no return.
-    let mut squeezed = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
-    feed(
-        &mut squeezed,
-        &[
-            window(10 * SLO_US, SLO_US / 2),
-            window(11 * SLO_US, SLO_US / 2),
-            window(12 * SLO_US, SLO_US / 2),
-        ],
-    );
+    let mut squeezed = squeezed_to_0_63(CalibratorConfig::default());
     let slow: Vec<_> = (0..9)
         .map(|_| window(SLO_US * 9 / 10, SLO_US / 4))
         .collect();
@@ -895,24 +900,8 @@ fn a_device_back_to_its_profile_returns_to_where_lc_reservations_fit() {
 /// twice as slow lands in that band on its lucky windows.
 #[test]
 fn a_device_near_the_slower_ratio_does_not_probe_back_to_the_line() {
-    let window = |p95_us, predicted_us| WindowObservation {
-        lc_fit_scale: Some(0.9),
-        profile_p95_at_load_us: Some(predicted_us),
-        ..observation(1_000, p95_us, 1.0)
-    };
-    let squeezed = || {
-        let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
-        feed(
-            &mut calibrator,
-            &[
-                window(10 * SLO_US, SLO_US / 2),
-                window(11 * SLO_US, SLO_US / 2),
-                window(12 * SLO_US, SLO_US / 2),
-            ],
-        );
-        assert!((calibrator.scale() - 0.63).abs() < 1e-9);
-        calibrator
-    };
+    let window = fit_at_0_9;
+    let squeezed = || squeezed_to_0_63(CalibratorConfig::default());
     // 0.9 T in the band, 1.8× the prediction: held, whatever the number of windows.
     let mut near_slower = squeezed();
     let lucky: Vec<_> = (0..30)
@@ -938,15 +927,7 @@ fn a_device_near_the_slower_ratio_does_not_probe_back_to_the_line() {
         device_recovered_ratio: 2.0,
         ..CalibratorConfig::default()
     };
-    let mut without_band = Calibrator::new(config, Nanos::ZERO).unwrap();
-    feed(
-        &mut without_band,
-        &[
-            window(10 * SLO_US, SLO_US / 2),
-            window(11 * SLO_US, SLO_US / 2),
-            window(12 * SLO_US, SLO_US / 2),
-        ],
-    );
+    let mut without_band = squeezed_to_0_63(config);
     feed(&mut without_band, &lucky);
     assert!((without_band.scale() - 0.9).abs() < 1e-9);
 }
