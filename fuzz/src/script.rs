@@ -1020,9 +1020,18 @@ pub fn native_body(opcode: u8, namespace_id: u32, body: [u8; 4]) -> Vec<u8> {
                 0x00ff_ffff => u32::MAX,
                 p95 => p95,
             };
-            native::ReportBody { reads, read_p95_us }
-                .to_bytes()
-                .to_vec()
+            // The p95's middle byte also picks the backlog: none, some, the most.
+            let backlog = match body[2] {
+                255 => u32::MAX,
+                byte => u32::from(byte) * 100,
+            };
+            native::ReportBody {
+                reads,
+                read_p95_us,
+                backlog,
+            }
+            .to_bytes()
+            .to_vec()
         }
         _ => Vec::new(),
     }

@@ -219,11 +219,11 @@ impl Client {
     }
 
     /// Tells the server what this connection's latency-critical tenant measured over its last
-    /// interval: `reads` answered, their p95 in µs, end to end (`docs/PROTOCOL.md` §1.9). The
-    /// server's self-calibration learns from it the share of the SLO spent outside the server;
-    /// on a connection not bound to an LC tenant it is answered OK and ignored.
-    pub fn report(&mut self, reads: u32, read_p95_us: u32) -> Result<(), ClientError> {
-        let report = ReportBody { reads, read_p95_us };
+    /// interval: reads answered, their p95 in µs end to end, and the requests due and not yet
+    /// sent (`docs/PROTOCOL.md` §1.9). The server's self-calibration learns from it the share
+    /// of the SLO spent outside the server, and whether the tenant slowed down when told; on a
+    /// connection not bound to an LC tenant it is answered OK and ignored.
+    pub fn report(&mut self, report: ReportBody) -> Result<(), ClientError> {
         self.call(Work::Report(report)).map(|_| ())
     }
 

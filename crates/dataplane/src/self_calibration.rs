@@ -26,7 +26,14 @@ pub struct DeviceCalibration {
     /// The share outside the server learned from clients' REPORTs (µs), smoothed over
     /// windows; `None` before the first window with a report.
     reported_share_us: Option<f64>,
+    /// The last backlog clients reported, and how many windows ago.
+    client_backlog: Option<(u64, u32)>,
 }
+
+/// Windows a reported client backlog stands for when no report arrives (clients report every
+/// 25 ms by default, windows are 50–100 ms; one report may miss a window): after that the
+/// client is taken to have none.
+const CLIENT_BACKLOG_WINDOWS: u32 = 2;
 
 /// What an operator sees of a device's calibration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,6 +50,7 @@ impl DeviceCalibration {
             last: None,
             network_share_us: None,
             reported_share_us: None,
+            client_backlog: None,
         })
     }
 
@@ -122,11 +130,28 @@ impl DeviceCalibration {
             lc_fit_scale,
             server_busy: self.window.server_busy,
             profile_p95_at_load_us,
-            lc_queued_requests: self.window.lc_queued_requests,
+            lc_queued_requests: self
+                .window
+                .lc_queued_requests
+                .map(|queued| queued + self.client_backlog()),
         };
         self.window.clear();
         self.last = Some(observation);
         self.calibrator.handle_window(now, &observation)
+    }
+
+    /// The backlog clients reported (the window's, else the last for
+    /// [`CLIENT_BACKLOG_WINDOWS`] windows): LC requests waiting to be sent, which the server
+    /// cannot see. Called once per window.
+    fn client_backlog(&mut self) -> u64 {
+        self.client_backlog = match (self.window.client_backlog, self.client_backlog) {
+            (Some(backlog), _) => Some((backlog, 0)),
+            (None, Some((backlog, age))) if age < CLIENT_BACKLOG_WINDOWS => {
+                Some((backlog, age + 1))
+            }
+            (None, _) => None,
+        };
+        self.client_backlog.map_or(0, |(backlog, _)| backlog)
     }
 
     pub fn info(&self) -> CalibrationInfo {

@@ -794,7 +794,9 @@ pub const HANDLE_BODY_SIZE: usize = 8;
 /// Bytes of a RENEGOTIATE notice body.
 pub const RENEGOTIATE_BODY_SIZE: usize = 56;
 /// Bytes of a REPORT request body.
-pub const REPORT_BODY_SIZE: usize = 8;
+pub const REPORT_BODY_SIZE: usize = 16;
+/// Bytes of the first REPORT body, without the backlog: still accepted (as a backlog of 0).
+pub const REPORT_BODY_SIZE_WITHOUT_BACKLOG: usize = 8;
 /// The handle that names no tenant: in REGISTER, "a new tenant"; in BIND, "back to the
 /// connection's default tenant". The server never hands it out.
 pub const NO_TENANT_HANDLE: u64 = 0;
@@ -939,15 +941,20 @@ pub fn decode_handle(body: &[u8]) -> Result<u64, BodyError> {
 
 /// The body of a REPORT request (§1.9): the read latency a latency-critical tenant's client
 /// measured over its last report interval, end to end (from when each read was due to its
-/// answer arriving). The server's online self-calibration learns from it what the network
-/// and the client add to the server's own time, which no socket statistic shows (a client's
-/// wake-ups, its CPU's other work).
+/// answer arriving), and the requests it has waiting to be sent. The server's online
+/// self-calibration learns from it what the network and the client add to the server's own
+/// time, which no socket statistic shows (a client's wake-ups, its CPU's other work), and
+/// whether a tenant kept sending after a squeeze (a backlog the server cannot see: a client
+/// with a full window holds its due requests).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ReportBody {
     /// Reads answered in the interval.
     pub reads: u32,
     /// Their p95 latency, µs.
     pub read_p95_us: u32,
+    /// Requests that were due (their intended send time passed) and not yet sent when the
+    /// report was made: they wait in the client because its window is full.
+    pub backlog: u32,
 }
 
 impl ReportBody {
@@ -955,22 +962,31 @@ impl ReportBody {
         let mut body = [0u8; REPORT_BODY_SIZE];
         body[0..4].copy_from_slice(&self.reads.to_le_bytes());
         body[4..8].copy_from_slice(&self.read_p95_us.to_le_bytes());
+        body[8..12].copy_from_slice(&self.backlog.to_le_bytes());
         body
     }
 
-    /// Decodes a REPORT body (exactly [`REPORT_BODY_SIZE`] bytes).
+    /// Decodes a REPORT body: [`REPORT_BODY_SIZE`] bytes with zero reserved bytes, or the
+    /// first body's [`REPORT_BODY_SIZE_WITHOUT_BACKLOG`] (a backlog of 0).
     pub fn decode(body: &[u8]) -> Result<ReportBody, BodyError> {
-        let bytes: [u8; REPORT_BODY_SIZE] =
-            body.try_into().map_err(|_| BodyError::WrongLength {
+        if body.len() != REPORT_BODY_SIZE && body.len() != REPORT_BODY_SIZE_WITHOUT_BACKLOG {
+            return Err(BodyError::WrongLength {
                 expected_bytes: REPORT_BODY_SIZE,
                 found_bytes: body.len(),
-            })?;
+            });
+        }
         let word = |at: usize| {
-            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+            body.get(at..at + 4).map_or(0, |bytes| {
+                u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
+            })
         };
+        if word(12) != 0 {
+            return Err(BodyError::ReservedNotZero);
+        }
         Ok(ReportBody {
             reads: word(0),
             read_p95_us: word(4),
+            backlog: word(8),
         })
     }
 }

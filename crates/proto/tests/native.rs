@@ -971,10 +971,12 @@ fn report_bodies_round_trip_and_refuse_other_lengths() {
         ReportBody {
             reads: 612,
             read_p95_us: 487,
+            backlog: 35,
         },
         ReportBody {
             reads: u32::MAX,
             read_p95_us: u32::MAX,
+            backlog: u32::MAX,
         },
     ] {
         assert_eq!(ReportBody::decode(&report.to_bytes()), Ok(report));
@@ -982,12 +984,28 @@ fn report_bodies_round_trip_and_refuse_other_lengths() {
     assert_eq!(
         ReportBody {
             reads: 1,
-            read_p95_us: 0x0102_0304
+            read_p95_us: 0x0102_0304,
+            backlog: 0x0a0b_0c0d,
         }
         .to_bytes(),
-        [1, 0, 0, 0, 4, 3, 2, 1]
+        [1, 0, 0, 0, 4, 3, 2, 1, 0x0d, 0x0c, 0x0b, 0x0a, 0, 0, 0, 0]
     );
-    for length in [0, 7, 9] {
+    // The first body, without the backlog, is still understood: a backlog of 0.
+    assert_eq!(
+        ReportBody::decode(&[1, 0, 0, 0, 4, 3, 2, 1]),
+        Ok(ReportBody {
+            reads: 1,
+            read_p95_us: 0x0102_0304,
+            backlog: 0,
+        })
+    );
+    let mut reserved = ReportBody::default().to_bytes();
+    reserved[15] = 1;
+    assert_eq!(
+        ReportBody::decode(&reserved),
+        Err(BodyError::ReservedNotZero)
+    );
+    for length in [0, 7, 9, 15, 17] {
         assert_eq!(
             ReportBody::decode(&vec![0; length]),
             Err(BodyError::WrongLength {
@@ -1004,7 +1022,7 @@ fn report_bodies_round_trip_and_refuse_other_lengths() {
         validate_request(&header, &ServerLimits::default(), &NAMESPACES[..]),
         Ok(ValidatedRequest::Control {
             op: ControlOp::Report,
-            body_length_bytes: 8
+            body_length_bytes: 16
         })
     );
     let oversized = RequestHeader {

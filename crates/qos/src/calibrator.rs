@@ -394,10 +394,11 @@ pub struct WindowObservation {
     /// (µs; `None` without a profile): LC reservations are cut only when the device is
     /// slower than this (`device_slower_ratio`).
     pub profile_p95_at_load_us: Option<u64>,
-    /// Requests of latency-critical tenants waiting at the schedulers for tokens when the
-    /// window ended (the largest any thread reported; `None` where nobody counts them). After
-    /// a step into LC reservations, a queue that keeps growing says the tenants over the new
-    /// grant did not slow down when told.
+    /// Requests of latency-critical tenants waiting when the window ended: at the schedulers
+    /// for tokens (the largest any thread reported) plus, in their clients, due and not yet
+    /// sent (the largest backlog a REPORT gave); `None` where nobody counts them. After a step
+    /// into LC reservations, a queue that keeps growing says the tenants over the new grant
+    /// did not slow down when told.
     pub lc_queued_requests: Option<u64>,
 }
 
@@ -823,9 +824,9 @@ impl Calibrator {
     }
 
     /// Whether the LC tenants over the grant of the last step into their reservations kept
-    /// sending as before: for [`STEP_IGNORED_WINDOWS`] windows in a row, their queue at the
-    /// schedulers stood at least a tenth of the window's LC reads above where it was at the
-    /// step and did not shrink. A squeeze is worth it only for tenants that slow down
+    /// sending as before: for [`STEP_IGNORED_WINDOWS`] windows in a row, their queue (at the
+    /// schedulers, and in their clients as they REPORT it) stood at least a tenth of the
+    /// window's LC reads above where it was at the step and did not shrink. A squeeze is worth it only for tenants that slow down
     /// when told (RENEGOTIATE); for the others, a grant below their rate turns a saving at the
     /// device into a queue that grows without bound (the VM disk, docs/QOS.md §11: the disk's
     /// p95 fell to 130–250 µs while the tenants waited seconds), so the device is given back.

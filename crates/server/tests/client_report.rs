@@ -9,9 +9,16 @@ use std::time::{Duration, Instant};
 
 use common::{config, namespace, start};
 use reflex_client::Client;
+use reflex_proto::native::ReportBody;
 use reflex_server::ServerHandle;
 
 const SLO_US: u32 = 500;
+/// A report far over the SLO, of enough reads to count.
+const SLOW: ReportBody = ReportBody {
+    reads: 1_000,
+    read_p95_us: 4_000,
+    backlog: 0,
+};
 
 /// One thread, `emu:device-a-small` with its profile, self-calibration on with 20 ms windows
 /// that count from 10 reads, round trips not learned (a connection just opened on loopback
@@ -51,7 +58,11 @@ fn report_until(
             client.read(1, block * 4096, &mut buf).expect("read");
         }
         client
-            .report(40, read_p95_us)
+            .report(ReportBody {
+                reads: 40,
+                read_p95_us,
+                backlog: 0,
+            })
             .expect("REPORT is answered OK");
         seen = server
             .calibration(1)
@@ -84,12 +95,50 @@ fn an_lc_clients_report_becomes_the_share_outside_the_server() {
     server.shutdown().expect("shutdown");
 }
 
+/// The backlog an LC client REPORTs (requests due and not yet sent) reaches the calibrator as
+/// LC requests waiting, beside those at the scheduler: the evidence that tenants kept sending
+/// after a squeeze when their window is full and the server's queue cannot grow.
+#[test]
+fn an_lc_clients_reported_backlog_counts_as_waiting_requests() {
+    const BACKLOG: u32 = 5_000;
+    let server = calibrated_server();
+    let mut client = connect(&server);
+    let handle = client
+        .register_lc(1, SLO_US, 2_000, 100)
+        .expect("register LC");
+    client.bind(handle).expect("bind");
+    let mut buf = vec![0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut waiting = None;
+    while Instant::now() < deadline && waiting < Some(u64::from(BACKLOG)) {
+        for block in 0..40u64 {
+            client.read(1, block * 4096, &mut buf).expect("read");
+        }
+        client
+            .report(ReportBody {
+                reads: 40,
+                read_p95_us: 300,
+                backlog: BACKLOG,
+            })
+            .expect("REPORT is answered OK");
+        waiting = server
+            .calibration(1)
+            .and_then(|info| info.last)
+            .and_then(|last| last.lc_queued_requests);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Nothing waits at the scheduler of an idle device: all of it is the client's.
+    assert_eq!(waiting, Some(u64::from(BACKLOG)));
+    drop(client);
+    server.shutdown().expect("shutdown");
+}
+
 #[test]
 fn reports_from_anyone_but_an_lc_client_are_answered_and_ignored() {
     let server = calibrated_server();
     // Unbound, then bound to a best-effort tenant; a report of too few reads from an LC one.
     let mut unbound = connect(&server);
-    unbound.report(1_000, 4_000).expect("OK when unbound");
+    unbound.report(SLOW).expect("OK when unbound");
     let mut best_effort = connect(&server);
     let be = best_effort.register_be(1).expect("register BE");
     best_effort.bind(be).expect("bind");
@@ -103,10 +152,8 @@ fn reports_from_anyone_but_an_lc_client_are_answered_and_ignored() {
         for block in 0..40u64 {
             lc.read(1, block * 4096, &mut buf).expect("read");
         }
-        best_effort
-            .report(1_000, 4_000)
-            .expect("OK from best effort");
-        lc.report(19, 4_000)
+        best_effort.report(SLOW).expect("OK from best effort");
+        lc.report(ReportBody { reads: 19, ..SLOW })
             .expect("OK below the reads a p95 needs");
         if let Some(last) = server.calibration(1).and_then(|info| info.last) {
             windows += 1;

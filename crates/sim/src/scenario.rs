@@ -25,7 +25,8 @@
 //! [client]                         # optional: the clients' side
 //! wakeup_us = 0                    # added to every answer a client measures (its wake-up;
 //!                                  # no TCP round trip shows it)
-//! report_interval_ms = 0           # LC tenants REPORT their read p95 this often (0: never)
+//! report_interval_ms = 0           # LC tenants REPORT their read p95 and backlog this often
+//!                                  # (0: never)
 //!
 //! [cpu]                            # optional: the dataplane threads' work takes time
 //! per_answer_ns = 2000             # per answered request, on its connection's thread
@@ -89,7 +90,7 @@ pub struct ClientSpec {
     #[serde(default)]
     pub wakeup_us: u64,
     /// Every this many ms, each latency-critical tenant's client sends a REPORT of its reads'
-    /// p95 in the interval; 0: never.
+    /// p95 in the interval and its backlog (arrivals due and not sent); 0: never.
     #[serde(default)]
     pub report_interval_ms: u64,
 }

@@ -290,6 +290,7 @@ fn run_on(mut server: VirtualServer, flood: bool, report_p95_us: Option<u32>) ->
                 let report = reflex_proto::native::ReportBody {
                     reads: REPORT_EVERY as u32,
                     read_p95_us,
+                    backlog: 0,
                 };
                 client
                     .core

@@ -881,8 +881,9 @@ impl<'a> ThreadRun<'a> {
         Ok(())
     }
 
-    /// Sends a REPORT when one is due and reads were answered since the last; one that cannot
-    /// go now (full window) leaves its reads to the next.
+    /// Sends a REPORT when one is due and reads were answered since the last, with the
+    /// requests due and not yet sent; one that cannot go now (full window) leaves its reads to
+    /// the next.
     fn report_due(&mut self, now: u64) {
         let (Some(due_ns), Some(interval)) = (self.next_report_ns, self.config.report_interval)
         else {
@@ -896,9 +897,16 @@ impl<'a> ThreadRun<'a> {
         if reads == 0 {
             return;
         }
+        let backlog: u64 = self
+            .channels
+            .iter()
+            .filter_map(|channel| channel.arrivals.as_ref())
+            .map(|arrivals| arrivals.due_by(now))
+            .sum();
         let report = ReportBody {
             reads: u32::try_from(reads).unwrap_or(u32::MAX),
             read_p95_us: self.report_reads.quantile_us(0.95).round() as u32,
+            backlog: u32::try_from(backlog).unwrap_or(u32::MAX),
         };
         if self.reactor.core(0).submit_report(&report) {
             self.report_reads.reset();

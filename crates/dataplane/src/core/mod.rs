@@ -116,6 +116,9 @@ pub struct TelemetryWindow {
     /// The largest excess of a latency-critical tenant's client-reported p95 over its SLO
     /// (µs; negative: under it) among the window's REPORTs; `None`: no report.
     pub client_excess_us: Option<i64>,
+    /// The largest backlog a latency-critical tenant's client reported in the window: requests
+    /// due and not yet sent, waiting in the client behind its full window; `None`: no report.
+    pub client_backlog: Option<u64>,
     /// The share of the interval the publishing thread spent working or waiting for a CPU
     /// (merged: the busiest thread's). Near 1, the server's CPU, not the device, is slow.
     pub server_busy: f64,
@@ -138,6 +141,7 @@ impl TelemetryWindow {
         if let Some(excess_us) = other.client_excess_us {
             self.note_client_excess(excess_us);
         }
+        self.client_backlog = self.client_backlog.max(other.client_backlog);
         self.server_busy = self.server_busy.max(other.server_busy);
         // `None` orders below every `Some`.
         self.lc_queued_requests = self.lc_queued_requests.max(other.lc_queued_requests);
@@ -151,12 +155,18 @@ impl TelemetryWindow {
         );
     }
 
+    /// A client reported `backlog` requests due and not yet sent.
+    pub fn note_client_backlog(&mut self, backlog: u64) {
+        self.client_backlog = Some(self.client_backlog.map_or(backlog, |b| b.max(backlog)));
+    }
+
     pub fn clear(&mut self) {
         self.lc_reads.clear();
         self.lc_reads_service.clear();
         self.tokens_spent = reflex_qos::Tokens::ZERO;
         self.network_rtt.clear();
         self.client_excess_us = None;
+        self.client_backlog = None;
         self.server_busy = 0.0;
         self.lc_queued_requests = None;
     }

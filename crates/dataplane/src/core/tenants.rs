@@ -687,15 +687,13 @@ impl Dataplane {
     }
 
     /// REPORT: what the client of the connection's latency-critical tenant measured end to
-    /// end over its last interval. Its excess over the tenant's SLO goes into the device's
-    /// telemetry window, where self-calibration learns the share of the SLO spent outside the
-    /// server (of every member device, for a composite namespace). It is advice, not a
-    /// command: from a connection not bound to a live LC tenant, or with too few reads to
-    /// have a p95, it is answered OK and ignored.
+    /// end over its last interval, and the requests it holds due and unsent. The p95's excess
+    /// over the tenant's SLO and the backlog go into the device's telemetry window, where
+    /// self-calibration learns the share of the SLO spent outside the server and whether the
+    /// tenant slowed down when a squeeze told it to (of every member device, for a composite
+    /// namespace). It is advice, not a command: from a connection not bound to a live LC
+    /// tenant it is answered OK and ignored, and a p95 of too few reads is not counted.
     fn client_report(&mut self, connection_index: u32, report: ReportBody) -> ControlAnswer {
-        if report.reads < CLIENT_REPORT_READS_MIN {
-            return ControlAnswer::ok();
-        }
         let Some(bound) = self.connections[connection_index as usize].bound else {
             return ControlAnswer::ok();
         };
@@ -710,13 +708,19 @@ impl Dataplane {
             Some(TenantSpec::LatencyCritical { latency_us_p95, .. }) => latency_us_p95,
             _ => return ControlAnswer::ok(),
         };
-        let excess_us = i64::from(report.read_p95_us) - i64::try_from(slo_us).unwrap_or(i64::MAX);
+        let excess_us = (report.reads >= CLIENT_REPORT_READS_MIN)
+            .then(|| i64::from(report.read_p95_us) - i64::try_from(slo_us).unwrap_or(i64::MAX));
         // A composite namespace calibrates nothing itself: its tenant's reads are measured on
         // the members they land on, so what its client saw end to end is every member's
         // evidence (each member's p95 is part of it).
         let mut note = |namespace_index: u16| {
             if let Some(telemetry) = self.telemetry.get_mut(usize::from(namespace_index)) {
-                telemetry.window.note_client_excess(excess_us);
+                if let Some(excess_us) = excess_us {
+                    telemetry.window.note_client_excess(excess_us);
+                }
+                telemetry
+                    .window
+                    .note_client_backlog(u64::from(report.backlog));
             }
         };
         match self.namespaces.composite(bound.namespace_index) {
