@@ -64,10 +64,10 @@
 //! With the check on, once the last `squeeze_futile_windows` evidence windows below the line
 //! (leaving out those still draining a cut, `decrease_hold_windows`) have a median p95 of at
 //! least `squeeze_futile_ratio` × the (smoothed) p95 at or above the line, cutting buys
-//! nothing here: the scale returns to the ceiling with the whole spare share
-//! (`Action::Restored`) and no cut at all is made for `squeeze_futile_hold_windows` evidence
-//! windows (`Hold::SqueezeFutile`). LC tenants keep their tokens' priority and get as much of
-//! the device as FIFO would give them. Sooner still, each step into LC reservations is judged
+//! nothing here: the scale returns to the line where LC reservations fit, with the whole spare
+//! share (`Action::Restored`), and no cut at all is made for `squeeze_futile_hold_windows`
+//! evidence windows (`Hold::SqueezeFutile`). Best-effort tenants stay cut to the line, so LC
+//! tenants get more of the device than FIFO would give them. Sooner still, each step into LC reservations is judged
 //! when the next is due: a step that left the p95 within that ratio of the line's (neither
 //! lower nor a growing backlog) in every window since gives the device back the same way.
 //!
@@ -470,8 +470,9 @@ pub enum Action {
     Increased {
         from: f64,
     },
-    /// Back up to the ceiling from `from`, the spare share given back: a squeeze below the
-    /// line where LC reservations fit did not lower the p95 (`squeeze_futile_windows`).
+    /// Back up to the line where LC reservations fit from `from`, the spare share given back:
+    /// a squeeze below that line did not lower the p95, or the tenants squeezed kept sending
+    /// (`squeeze_futile_windows`).
     Restored {
         from: f64,
     },
@@ -744,8 +745,8 @@ impl Calibrator {
     }
 
     /// The futility check (module documentation): tracks the p95 at or above the line where
-    /// LC reservations fit and below it, and gives the device back whole (the ceiling, the
-    /// whole spare share) when a squeeze did not lower it.
+    /// LC reservations fit and below it, and gives the device back to that line (with the
+    /// whole spare share) when a squeeze did not lower it or the tenants ignored it.
     fn give_up_futile_squeeze(
         &mut self,
         p95_us: u64,
@@ -768,7 +769,7 @@ impl Calibrator {
             return None;
         }
         if self.lc_tenants_ignore_the_squeeze(observation) {
-            return Some(self.restore());
+            return Some(self.restore(fit));
         }
         // A window still draining the backlog of the rate before a cut says nothing about the
         // rate after it.
@@ -790,15 +791,17 @@ impl Calibrator {
         if median < self.config.squeeze_futile_ratio * line {
             return None;
         }
-        Some(self.restore())
+        Some(self.restore(fit))
     }
 
-    /// Cutting buys nothing on this device: the whole profile rate again, what LC tenants
-    /// leave is spare again, and no cut at all for the hold. LC tenants keep their priority
-    /// (their tokens) and get as much of the device as FIFO would give them, or more.
-    fn restore(&mut self) -> Action {
+    /// Cutting into LC reservations buys nothing on this device: back to the line where they
+    /// fit (`fit`, capped at the ceiling), what LC tenants leave is spare again, and no cut
+    /// at all for the hold. Best-effort tenants stay cut to the line: they pay first, so LC
+    /// tenants get more of the device than FIFO would give them (the whole device, as the
+    /// first version gave back, let best effort take from them as under FIFO).
+    fn restore(&mut self, fit: f64) -> Action {
         let from = self.scale;
-        self.scale = self.config.scale_ceiling;
+        self.scale = fit.min(self.config.scale_ceiling);
         if self.config.withhold_spare {
             self.spare_share = 1.0;
         }
@@ -956,7 +959,7 @@ impl Calibrator {
                         });
                     }
                     if self.squeezed_below(fit) && self.last_squeeze_futile() {
-                        return self.restore();
+                        return self.restore(fit);
                     }
                     if scale < self.scale {
                         // A step into LC reservations: the next one is judged by what it does,
