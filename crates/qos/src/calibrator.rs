@@ -67,9 +67,11 @@
 //! nothing here: the scale returns to the line where LC reservations fit, with the whole spare
 //! share (`Action::Restored`), and no cut at all is made for `squeeze_futile_hold_windows`
 //! evidence windows (`Hold::SqueezeFutile`). Best-effort tenants stay cut to the line, so LC
-//! tenants get more of the device than FIFO would give them. Sooner still, each step into LC reservations is judged
-//! when the next is due: a step that left the p95 within that ratio of the line's (neither
-//! lower nor a growing backlog) in every window since gives the device back the same way.
+//! tenants get more of the device than FIFO would give them. Sooner still, each step into LC
+//! reservations is judged when the next is due: a step that left the p95 within that ratio of
+//! the line's (neither lower nor a growing backlog) in every window since gives the device
+//! back the same way, and so does a step the tenants ignored (their queue, at the schedulers
+//! and in their clients as they REPORT it, kept growing).
 //!
 //! For a fixed state, the new scale never increases with `p` (tested, with the futility check
 //! off: on, a p95 that shows a squeeze futile gives the device back).
@@ -829,10 +831,11 @@ impl Calibrator {
     /// Whether the LC tenants over the grant of the last step into their reservations kept
     /// sending as before: for [`STEP_IGNORED_WINDOWS`] windows in a row, their queue (at the
     /// schedulers, and in their clients as they REPORT it) stood at least a tenth of the
-    /// window's LC reads above where it was at the step and did not shrink. A squeeze is worth it only for tenants that slow down
-    /// when told (RENEGOTIATE); for the others, a grant below their rate turns a saving at the
-    /// device into a queue that grows without bound (the VM disk, docs/QOS.md §11: the disk's
-    /// p95 fell to 130–250 µs while the tenants waited seconds), so the device is given back.
+    /// window's LC reads above where it was at the step and did not shrink. A squeeze is worth
+    /// it only for tenants that slow down when told (RENEGOTIATE); for the others, a grant
+    /// below their rate turns a saving at the device into a queue that grows without bound
+    /// (the VM disk, docs/QOS.md §11: the disk's p95 fell to 130–250 µs while the tenants
+    /// waited seconds), so the device is given back.
     fn lc_tenants_ignore_the_squeeze(&mut self, observation: &WindowObservation) -> bool {
         let (Some(step), Some(now)) =
             (self.step_lc_queued.as_mut(), observation.lc_queued_requests)
