@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use common::{config, namespace, start};
 use reflex_client::Client;
 use reflex_proto::native::ReportBody;
+use reflex_qos::WindowObservation;
 use reflex_server::ServerHandle;
 
 const SLO_US: u32 = 500;
@@ -42,14 +43,24 @@ fn connect(server: &ServerHandle) -> Client {
     Client::connect(server.native_addr()).unwrap_or_else(|e| panic!("connect: {e}"))
 }
 
-/// Reads and REPORTs `read_p95_us` on `client` until the calibrator's last window shows a
-/// client share of `expected_us`, or 10 s pass; returns the last share seen.
+/// A client bound to a new latency-critical tenant (2,000 IOPS of reads at the SLO).
+fn lc_client(server: &ServerHandle) -> Client {
+    let mut client = connect(server);
+    let handle = client
+        .register_lc(1, SLO_US, 2_000, 100)
+        .expect("register LC");
+    client.bind(handle).expect("bind");
+    client
+}
+
+/// Reads and REPORTs `report` on `client` until the calibrator's last window satisfies
+/// `done`, or 10 s pass; returns the last window seen.
 fn report_until(
     server: &ServerHandle,
     client: &mut Client,
-    read_p95_us: u32,
-    expected_us: u64,
-) -> Option<u64> {
+    report: ReportBody,
+    done: impl Fn(&WindowObservation) -> bool,
+) -> Option<WindowObservation> {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut buf = vec![0u8; 4096];
     let mut seen = None;
@@ -57,18 +68,9 @@ fn report_until(
         for block in 0..40u64 {
             client.read(1, block * 4096, &mut buf).expect("read");
         }
-        client
-            .report(ReportBody {
-                reads: 40,
-                read_p95_us,
-                backlog: 0,
-            })
-            .expect("REPORT is answered OK");
-        seen = server
-            .calibration(1)
-            .and_then(|info| info.last)
-            .map(|last| last.client_share_us);
-        if seen == Some(expected_us) {
+        client.report(report).expect("REPORT is answered OK");
+        seen = server.calibration(1).and_then(|info| info.last);
+        if seen.as_ref().is_some_and(&done) {
             break;
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -79,18 +81,19 @@ fn report_until(
 #[test]
 fn an_lc_clients_report_becomes_the_share_outside_the_server() {
     let server = calibrated_server();
-    let mut client = connect(&server);
-    let handle = client
-        .register_lc(1, SLO_US, 2_000, 100)
-        .expect("register LC");
-    client.bind(handle).expect("bind");
+    let mut client = lc_client(&server);
     // A p95 of 4 ms at the client: whatever the server's own p95, the learned share is
     // capped at network_share_max (half the SLO).
     let capped = u64::from(SLO_US) / 2;
-    assert_eq!(
-        report_until(&server, &mut client, 4_000, capped),
-        Some(capped)
-    );
+    let report = ReportBody {
+        reads: 40,
+        read_p95_us: 4_000,
+        backlog: 0,
+    };
+    let seen = report_until(&server, &mut client, report, |last| {
+        last.client_share_us == capped
+    });
+    assert_eq!(seen.map(|last| last.client_share_us), Some(capped));
     drop(client);
     server.shutdown().expect("shutdown");
 }
@@ -102,33 +105,20 @@ fn an_lc_clients_report_becomes_the_share_outside_the_server() {
 fn an_lc_clients_reported_backlog_counts_as_waiting_requests() {
     const BACKLOG: u32 = 5_000;
     let server = calibrated_server();
-    let mut client = connect(&server);
-    let handle = client
-        .register_lc(1, SLO_US, 2_000, 100)
-        .expect("register LC");
-    client.bind(handle).expect("bind");
-    let mut buf = vec![0u8; 4096];
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut waiting = None;
-    while Instant::now() < deadline && waiting < Some(u64::from(BACKLOG)) {
-        for block in 0..40u64 {
-            client.read(1, block * 4096, &mut buf).expect("read");
-        }
-        client
-            .report(ReportBody {
-                reads: 40,
-                read_p95_us: 300,
-                backlog: BACKLOG,
-            })
-            .expect("REPORT is answered OK");
-        waiting = server
-            .calibration(1)
-            .and_then(|info| info.last)
-            .and_then(|last| last.lc_queued_requests);
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let mut client = lc_client(&server);
+    let report = ReportBody {
+        reads: 40,
+        read_p95_us: 300,
+        backlog: BACKLOG,
+    };
+    let seen = report_until(&server, &mut client, report, |last| {
+        last.lc_queued_requests >= Some(u64::from(BACKLOG))
+    });
     // Nothing waits at the scheduler of an idle device: all of it is the client's.
-    assert_eq!(waiting, Some(u64::from(BACKLOG)));
+    assert_eq!(
+        seen.and_then(|last| last.lc_queued_requests),
+        Some(u64::from(BACKLOG))
+    );
     drop(client);
     server.shutdown().expect("shutdown");
 }
@@ -142,9 +132,7 @@ fn reports_from_anyone_but_an_lc_client_are_answered_and_ignored() {
     let mut best_effort = connect(&server);
     let be = best_effort.register_be(1).expect("register BE");
     best_effort.bind(be).expect("bind");
-    let mut lc = connect(&server);
-    let handle = lc.register_lc(1, SLO_US, 2_000, 100).expect("register LC");
-    lc.bind(handle).expect("bind");
+    let mut lc = lc_client(&server);
     let mut buf = vec![0u8; 4096];
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut windows = 0;

@@ -157,7 +157,8 @@ impl TelemetryWindow {
 
     /// A client reported `backlog` requests due and not yet sent.
     pub fn note_client_backlog(&mut self, backlog: u64) {
-        self.client_backlog = Some(self.client_backlog.map_or(backlog, |b| b.max(backlog)));
+        // `None` orders below every `Some`, as in `merge`.
+        self.client_backlog = self.client_backlog.max(Some(backlog));
     }
 
     pub fn clear(&mut self) {
