@@ -176,8 +176,10 @@ fn main() -> anyhow::Result<()> {
     let answered: u64 = stats.iter().map(|s| s.requests_answered).sum();
     let notices: u64 = stats.iter().map(|s| s.notices_sent).sum();
     let queue_full_waits: u64 = stats.iter().map(|s| s.tenant_queue_full_waits).sum();
+    let sends: u64 = stats.iter().map(|s| s.sends).sum();
     tracing::info!(
         requests_answered = answered,
+        sends,
         renegotiate_notices = notices,
         tenant_queue_full_waits = queue_full_waits,
         "reflexd stopped"

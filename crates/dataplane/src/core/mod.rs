@@ -476,6 +476,16 @@ impl Dataplane {
     /// timeouts, step one (parse), scheduling rounds, and sends. Its operations come out of
     /// [`Self::poll_op`].
     pub fn process(&mut self, now: Nanos) {
+        self.process_without_sends(now);
+        self.start_sends(now);
+    }
+
+    /// [`Self::process`] up to the sends: answers queue on their connections. A driver whose
+    /// device answered during this pass runs another at once, and the answers of every pass
+    /// leave in one gathered send per connection (a send started after the first pass would
+    /// still be in flight, so the later answers would wait for the next iteration). The
+    /// driver calls [`Self::start_sends`] after its last pass.
+    pub fn process_without_sends(&mut self, now: Nanos) {
         self.last_now = now;
         if self.control.has_messages(self.thread_index) {
             self.apply_control_messages(now);
@@ -487,6 +497,12 @@ impl Dataplane {
         self.parse_step(now);
         self.dispatch_step(now);
         self.handle_scheduler_events(now);
+    }
+
+    /// The rest of [`Self::process`]: sends of the queued answers, connection handoffs, and
+    /// the shutdown checks that wait for them.
+    pub fn start_sends(&mut self, now: Nanos) {
+        self.last_now = now;
         self.send_step(now);
         self.advance_handoffs(now);
         self.check_drained(now);

@@ -288,6 +288,13 @@ impl Request {
     }
 
     /// Bytes of the response: header, body and trailer.
+    /// The non-empty slices its response takes in a gathered send: header, body, trailer.
+    pub(super) fn response_segments(&self) -> usize {
+        usize::from(self.header_len > 0)
+            + usize::from(self.work.body().is_some())
+            + usize::from(self.trailer_len > 0)
+    }
+
     pub(super) fn response_len(&self) -> usize {
         let body_bytes = self.work.body().map_or(0, |(_, _, bytes)| bytes as usize);
         usize::from(self.header_len) + body_bytes + usize::from(self.trailer_len)

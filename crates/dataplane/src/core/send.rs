@@ -19,7 +19,8 @@ use super::request::{NONE, RequestState, Work};
 use crate::buffers::PageRun;
 use crate::frontend::{Answer, Tag};
 
-/// Segments in one gathered send: a header, a body and a trailer per response.
+/// Slices in one gathered send: 64 responses of a header and a body (the scheduler's batch),
+/// fewer with trailers.
 pub const SEND_SEGMENTS_MAX: usize = 129;
 /// Segments one response may take: its header, its body and its trailer (NVMe/TCP: a read's
 /// data digest and the response capsule after the data).
@@ -154,10 +155,15 @@ impl Dataplane {
         let mut segments = 0;
         let mut sending_count = 0;
         let mut cursor = connection.send_head;
-        while cursor != NONE && segments + SEGMENTS_PER_RESPONSE <= SEND_SEGMENTS_MAX {
+        while cursor != NONE {
             let request = &mut self.requests[cursor as usize];
             assert_eq!(request.state, RequestState::Completed);
-            segments += SEGMENTS_PER_RESPONSE;
+            let request_segments = request.response_segments();
+            debug_assert!(request_segments <= SEGMENTS_PER_RESPONSE);
+            if segments + request_segments > SEND_SEGMENTS_MAX {
+                break;
+            }
+            segments += request_segments;
             request.state = RequestState::Sending;
             self.stats.requests_per_state[RequestState::Completed as usize] -= 1;
             self.stats.requests_per_state[RequestState::Sending as usize] += 1;

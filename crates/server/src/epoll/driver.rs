@@ -278,7 +278,7 @@ impl EpollDriver {
             }
             for _ in 0..PASSES_PER_ITERATION_MAX {
                 self.finished_synchronously = false;
-                self.dataplane.process(now);
+                self.dataplane.process_without_sends(now);
                 self.issue_ops(now);
                 if let Some(links) = &self.migration {
                     links.send(&mut self.dataplane);
@@ -286,6 +286,12 @@ impl EpollDriver {
                 if !self.finished_synchronously {
                     break;
                 }
+            }
+            // Every pass's answers in one gathered send per connection.
+            self.dataplane.start_sends(now);
+            self.issue_ops(now);
+            if let Some(links) = &self.migration {
+                links.send(&mut self.dataplane);
             }
             if self.dataplane.is_finished() {
                 // Nothing of the driver's is in flight: every socket is closed, and

@@ -320,7 +320,7 @@ impl UringDriver {
             if !nothing_new {
                 for _ in 0..PASSES_PER_ITERATION_MAX {
                     self.finished_synchronously = false;
-                    self.dataplane.process(now);
+                    self.dataplane.process_without_sends(now);
                     self.issue_ops(now);
                     if let Some(links) = &self.migration {
                         links.send(&mut self.dataplane);
@@ -328,6 +328,12 @@ impl UringDriver {
                     if !self.finished_synchronously {
                         break;
                     }
+                }
+                // Every pass's answers in one gathered send per connection.
+                self.dataplane.start_sends(now);
+                self.issue_ops(now);
+                if let Some(links) = &self.migration {
+                    links.send(&mut self.dataplane);
                 }
             }
             if self.dataplane.is_finished() {
