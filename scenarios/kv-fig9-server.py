@@ -16,6 +16,8 @@ Modes (QoS off, as scenarios/fig9-server.py):
   inter     that stage with inter-core migration of every flow's reads, KV bucket and value
             reads included (docs/FAIRNESS.md)
   hybrid    the stage in backwarding (B = 2, be_device_depth_max 8) with that migration
+  fair_share  the stage in fair_share (be_device_depth_max 8), no migration: the mode that
+            made the block flows fair (docs/FAIRNESS.md)
 The two flows are two best-effort tenants, `sparse` and `dense`, created through the admin
 API on each fresh server; every connection of a flow BINDs to its tenant first
 (`reflex bench --kv --kv-tenant`, docs/KV.md §1.3), so the stage and the migrator see two
@@ -27,8 +29,10 @@ Each figure is the median of RUNS runs. Every bench is bounded by its operation 
 Usage (from the repository root, after
 `cargo build --release -p reflex-server -p reflex-cli`):
     scenarios/kv-fig9-server.py              # a markdown table to stdout, progress to stderr
-Environment: RUNS (2), DENSE (8), OPS (1000), KEYS (2000),
-MODES ("baseline stage inter hybrid"),
+Environment: RUNS (2), DENSE (8), OPS (1000), KEYS (2000), DEPTH (8: the stage's
+be_device_depth_max per thread in every mode with a stage), SETTLE_S (2: the wait after the
+fill, before the first measured run),
+MODES ("baseline stage fair_share inter hybrid"),
 REFLEXD, REFLEX (target/release/...)
 """
 import json
@@ -48,7 +52,9 @@ RUNS = int(os.environ.get("RUNS", "2"))
 DENSE = int(os.environ.get("DENSE", "8"))
 OPS = int(os.environ.get("OPS", "1000"))
 KEYS = int(os.environ.get("KEYS", "2000"))
-MODES = os.environ.get("MODES", "baseline stage inter hybrid").split()
+DEPTH = int(os.environ.get("DEPTH", "8"))
+SETTLE_S = float(os.environ.get("SETTLE_S", "2"))
+MODES = os.environ.get("MODES", "baseline stage fair_share inter hybrid").split()
 SPARSE = 2
 BENCH_TIMEOUT_S = 60
 PROFILE = os.path.abspath("profiles/device-a-small.toml")
@@ -61,9 +67,11 @@ def fairness_table(mode):
     if mode == "baseline":
         return None
     if mode in ("stage", "inter"):
-        return {"mode": "fifo", "be_device_depth_max": 8}
+        return {"mode": "fifo", "be_device_depth_max": DEPTH}
+    if mode == "fair_share":
+        return {"mode": "fair_share", "be_device_depth_max": DEPTH}
     if mode == "hybrid":
-        return {"mode": "backwarding", "backwardings": 2, "be_device_depth_max": 8}
+        return {"mode": "backwarding", "backwardings": 2, "be_device_depth_max": DEPTH}
     raise SystemExit(f"unknown mode {mode}")
 
 
@@ -107,7 +115,7 @@ profile = "{PROFILE}"
             text += "[qos_config.fairness]\n"
             for key, value in fairness.items():
                 text += f"{key} = {json.dumps(value)}\n"
-            if mode != "stage":
+            if mode in ("inter", "hybrid"):
                 text += "[qos_config.fairness.migration]\n"
                 for key, value in MIGRATION.items():
                     text += f"{key} = {json.dumps(value)}\n"
@@ -174,6 +182,10 @@ def run_once(mode):
         fill = subprocess.Popen(bench_command(server, "fillrandom", 4, KEYS // 4),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         rows_of(fill)
+        # The emulated device is still programming the fill's writes for a while after it
+        # answered them; reads measured then are slower (a sparse flow's RT_alone measured
+        # right after the fill came out above its shared RT, S < 1).
+        time.sleep(SETTLE_S)
         tenants = {name: create_tenant(server, name) for name in ("sparse", "dense")}
         alone = {}
         for name, threads in (("sparse", SPARSE), ("dense", DENSE)):
