@@ -239,6 +239,28 @@ fn read_latency_is_measured_from_arrival_to_the_answer_leaving() {
     assert!((100..=107).contains(&median), "median {median} µs");
 }
 
+/// A window of 64 reads that arrive together leaves in one gathered send: each answer takes
+/// the slices it needs (header and data), not three, so 64 fit the send's 129 (43 did before).
+#[test]
+fn sixty_four_pipelined_reads_are_answered_in_one_send() {
+    let mut server = server(mem(), limits(), NetworkModel::default());
+    let mut client = Client::connect(&mut server);
+    run_until(&mut server, Nanos(MS));
+    let sends_before = server.dataplane(0).stats().sends;
+    for id in 0..64 {
+        client
+            .core
+            .submit_read(id, NAMESPACE, id * 4096, 4096)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    client.transmit(&mut server);
+    run_until(&mut server, Nanos(2 * MS));
+    client.take_answers(&mut server);
+    assert_eq!(client.answered.len(), 64);
+    assert!(client.answered.iter().all(|&(_, ok)| ok));
+    assert_eq!(server.dataplane(0).stats().sends - sends_before, 1);
+}
+
 /// Finding 8 at the dataplane: with a 1 MiB arena (one maximal run, which one connection may
 /// hold), a client pipelining 1 MiB READs and reading its answers slowly took every freed run
 /// ahead of another client's small READ that had waited longer, for as long as it kept

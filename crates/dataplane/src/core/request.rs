@@ -287,7 +287,6 @@ impl Request {
         }
     }
 
-    /// Bytes of the response: header, body and trailer.
     /// The non-empty slices its response takes in a gathered send: header, body, trailer.
     pub(super) fn response_segments(&self) -> usize {
         usize::from(self.header_len > 0)
@@ -295,6 +294,7 @@ impl Request {
             + usize::from(self.trailer_len > 0)
     }
 
+    /// Bytes of the response: header, body and trailer.
     pub(super) fn response_len(&self) -> usize {
         let body_bytes = self.work.body().map_or(0, |(_, _, bytes)| bytes as usize);
         usize::from(self.header_len) + body_bytes + usize::from(self.trailer_len)

@@ -159,7 +159,7 @@ impl Dataplane {
             let request = &mut self.requests[cursor as usize];
             assert_eq!(request.state, RequestState::Completed);
             let request_segments = request.response_segments();
-            debug_assert!(request_segments <= SEGMENTS_PER_RESPONSE);
+            assert!((1..=SEGMENTS_PER_RESPONSE).contains(&request_segments));
             if segments + request_segments > SEND_SEGMENTS_MAX {
                 break;
             }
