@@ -163,7 +163,7 @@ impl StripedRegion {
         };
         if len >= HUGE_PAGE_BYTES {
             // Reads land at random across the region, so with 4 KiB pages nearly every one
-            // misses the TLB and walks the page tables: transparent huge pages gave `mem` 10 %
+            // misses the TLB and walks the page tables: transparent huge pages gave `mem` 5-10 %
             // more replies per server core (docs/BENCHMARKS.md). Advice only: where the kernel
             // has them off, the region keeps 4 KiB pages and the result is ignored.
             // SAFETY: the range is the mapping just created, owned by this region.
