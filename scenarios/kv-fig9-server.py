@@ -160,6 +160,21 @@ def create_tenant(server, name):
         return json.load(answer)["tenant"]["handle"]
 
 
+def wait_placement(server, connections):
+    """Each flow's connections per dataplane thread once all of them are open (GET
+    /v1/tenants), as "sparse 1+1 dense 4+4"; "?" if they did not all show within 5 s."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.admin_port}/v1/tenants",
+                                    timeout=10) as answer:
+            tenants = {t["name"]: t["connections_per_thread"] for t in json.load(answer)}
+        if all(sum(tenants.get(name, [])) == count for name, count in connections.items()):
+            return " ".join(f"{name} " + "+".join(str(n) for n in tenants[name])
+                            for name in connections)
+        time.sleep(0.01)
+    return "?"
+
+
 def bench_command(server, workload, threads, ops, tenant=None):
     command = [REFLEX, "bench", "--kv", f"127.0.0.1:{server.kv_port}", "--kv-workload",
                workload, "--threads", str(threads), "--qd", "1", "--kv-ops", str(ops),
@@ -200,6 +215,9 @@ def run_once(mode):
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for name, threads in (("sparse", SPARSE), ("dense", DENSE))
         }
+        # Where the kernel put each flow's connections (SO_REUSEPORT), read while they are
+        # open: the stage orders only the flows that meet on one thread.
+        placement = wait_placement(server, {"sparse": SPARSE, "dense": DENSE})
         shared = {name: rows_of(process) for name, process in processes.items()}
     slowdown = {name: shared[name]["latency"]["avg_us"] / alone[name] for name in alone}
     return {
@@ -209,6 +227,7 @@ def run_once(mode):
         "total_ops": shared["sparse"]["ops_per_sec"] + shared["dense"]["ops_per_sec"],
         "sparse_S": slowdown["sparse"],
         "dense_S": slowdown["dense"],
+        "placement": placement,
     }
 
 
@@ -218,7 +237,8 @@ def main():
         for mode in MODES:
             figures = run_once(mode)
             print(f"run {run + 1} {mode}: " + ", ".join(
-                f"{key} {value:.3f}" for key, value in figures.items()), file=sys.stderr)
+                f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
+                for key, value in figures.items()), file=sys.stderr)
             results[mode].append(figures)
     keys = ["F", "sparse_S", "dense_S", "sparse_ops", "dense_ops", "total_ops"]
     print(f"| mode | " + " | ".join(keys) + " |")
@@ -230,6 +250,11 @@ def main():
             for key, value in zip(keys, cells)) + " |")
     print(f"\n{SPARSE} vs {DENSE} client threads, {OPS} readrandom operations per thread, "
           f"{KEYS} keys, medians of {RUNS} runs.")
+    print("\nEvery run, with each flow's connections per dataplane thread:\n")
+    for mode in MODES:
+        for number, run in enumerate(results[mode], 1):
+            print(f"- {mode}, run {number}: F {run['F']:.3f}, total {run['total_ops']:,.0f} "
+                  f"ops/s, {run['placement']}")
 
 
 if __name__ == "__main__":

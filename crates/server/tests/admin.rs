@@ -312,6 +312,22 @@ fn live_stats_and_metrics_follow_real_io_and_a_deleted_tenants_connections_are_r
     );
     assert_eq!(reader["totals"]["connections"], 1);
     assert_eq!(reader["slo_latency_us_p95"], 2000);
+    // Where its one connection is: one count per dataplane thread.
+    let tenants = api.get("/v1/tenants").json();
+    let listed = tenant(&tenants, "reader").unwrap_or_else(|| panic!("{tenants}"));
+    let per_thread = listed["connections_per_thread"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{listed}"));
+    assert_eq!(
+        Some(per_thread.len()),
+        stats["threads"].as_array().map(Vec::len),
+        "{listed}"
+    );
+    assert_eq!(
+        per_thread.iter().filter_map(|n| n.as_u64()).sum::<u64>(),
+        1,
+        "{listed}"
+    );
     assert!(
         stats["threads"]
             .as_array()

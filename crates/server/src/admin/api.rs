@@ -293,6 +293,9 @@ pub struct TenantView {
     /// tenant), `admin` (this API) or `wire` (a client's REGISTER).
     pub origin: &'static str,
     pub connections: u32,
+    /// Its connections on each dataplane thread, in thread order: whether two flows meet at
+    /// one thread's fairness stage depends on where the kernel placed them.
+    pub connections_per_thread: Vec<u32>,
     pub renegotiation_notices: u64,
     pub in_deficit_episode: bool,
     /// RT_alone set for the fairness monitors (µs); `null`: learned from the windows.
@@ -436,6 +439,7 @@ impl AdminState {
             read_only: info.read_only,
             origin: self.origin(info),
             connections: info.connections_per_thread.iter().sum(),
+            connections_per_thread: info.connections_per_thread.clone(),
             renegotiation_notices: info.deficit_episodes,
             in_deficit_episode: info.in_deficit_episode,
             rt_alone_us: info.rt_alone_us,
