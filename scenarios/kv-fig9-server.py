@@ -227,6 +227,10 @@ def run_once(mode):
         "total_ops": shared["sparse"]["ops_per_sec"] + shared["dense"]["ops_per_sec"],
         "sparse_S": slowdown["sparse"],
         "dense_S": slowdown["dense"],
+        "sparse_alone_us": alone["sparse"],
+        "sparse_shared_us": shared["sparse"]["latency"]["avg_us"],
+        "dense_alone_us": alone["dense"],
+        "dense_shared_us": shared["dense"]["latency"]["avg_us"],
         "placement": placement,
     }
 
@@ -254,7 +258,9 @@ def main():
     for mode in MODES:
         for number, run in enumerate(results[mode], 1):
             print(f"- {mode}, run {number}: F {run['F']:.3f}, total {run['total_ops']:,.0f} "
-                  f"ops/s, {run['placement']}")
+                  f"ops/s, mean RT alone / shared µs: sparse {run['sparse_alone_us']:.0f} / "
+                  f"{run['sparse_shared_us']:.0f}, dense {run['dense_alone_us']:.0f} / "
+                  f"{run['dense_shared_us']:.0f}; {run['placement']}")
 
 
 if __name__ == "__main__":
