@@ -12,7 +12,9 @@
 //!    the scheduling round of every namespace, and sends;
 //! 3. [`Dataplane::poll_op`] until it returns `None`, issuing each [`Op`] (a device that
 //!    finishes synchronously is reported at once through `handle_device`, after which the
-//!    driver calls `process` again so the answers go out in the same iteration);
+//!    driver calls `process` again so the answers go out in the same iteration; reflexd's
+//!    drivers split each pass into [`Dataplane::process_without_sends`] and, after the last,
+//!    [`Dataplane::start_sends`], so every pass's answers leave in one send per connection);
 //! 4. it sleeps (blocking mode) no longer than [`Dataplane::next_deadline`] and only when
 //!    [`Dataplane::has_pending_work`] is false, after [`Dataplane::will_sleep`].
 //!
