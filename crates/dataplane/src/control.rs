@@ -329,7 +329,7 @@ pub struct NamespaceQosSetup {
     pub tenants: Vec<(String, TenantRef)>,
 }
 
-/// A tenant as the operator sees it ([`crate::ServerHandle::tenant`]).
+/// A tenant as the operator sees it (reflexd's `ServerHandle::tenant`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TenantInfo {
     pub handle: u64,

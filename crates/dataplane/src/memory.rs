@@ -84,7 +84,7 @@ impl Arena {
 
 /// A run lent to another dataplane thread: a key-value request's run, which the thread that
 /// owns the table reads and writes while it runs one of the request's table steps
-/// (`core/kv_owner.rs`). Only [`Arena::lend`] makes one, so it always names a whole run.
+/// (`core/kv_owner.rs`). Only `Arena::lend` makes one, so it always names a whole run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LentRun {
     address: usize,

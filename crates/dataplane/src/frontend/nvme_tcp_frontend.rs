@@ -99,7 +99,7 @@ pub enum NvmeTag {
     Io { cid: u16, opcode: u8 },
     /// An R2T asking for a command's data.
     R2t { cid: u16, ttag: u16, length: u32 },
-    /// One part of a command answered once for all its parts ([`Transfer`] `slot`).
+    /// One part of a command answered once for all its parts (`Transfer` `slot`).
     Part { slot: u16, generation: u16 },
 }
 
