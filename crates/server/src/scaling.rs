@@ -2,7 +2,7 @@
 //! [`reflex_qos::ScalingPolicy`] decides, this module carries it out.
 //!
 //! - New connections are steered onto the active threads by a classic BPF program on each
-//!   port's `SO_REUSEPORT` group ([`crate::sys::steer_reuseport`]): a parked thread's
+//!   port's `SO_REUSEPORT` group (`sys::steer_reuseport`): a parked thread's
 //!   listener stays open (closing a member of the group would reset the connections queued on
 //!   it), it just gets no new ones; what was queued before is accepted and moved on.
 //! - Each thread's driver looks at its request ([`ThreadScaling::apply`]) every iteration and
