@@ -112,8 +112,8 @@ pub struct TelemetryWindow {
     pub lc_reads_service: LatencyHistogram,
     /// Tokens the namespace's scheduler charged (all tenants): how hard the device was driven.
     pub tokens_spent: reflex_qos::Tokens,
-    /// Smoothed TCP round-trip times of connections carrying LC reads (`core/rtt.rs`): the network's
-    /// share of what LC tenants see.
+    /// Smoothed TCP round-trip times of connections carrying LC reads (`core/rtt.rs`): the
+    /// network's share of what LC tenants see.
     pub network_rtt: LatencyHistogram,
     /// The largest excess of a latency-critical tenant's client-reported p95 over its SLO
     /// (µs; negative: under it) among the window's REPORTs; `None`: no report.

@@ -279,20 +279,14 @@ impl EpollDriver {
             for _ in 0..PASSES_PER_ITERATION_MAX {
                 self.finished_synchronously = false;
                 self.dataplane.process_without_sends(now);
-                self.issue_ops(now);
-                if let Some(links) = &self.migration {
-                    links.send(&mut self.dataplane);
-                }
+                self.issue_and_migrate(now);
                 if !self.finished_synchronously {
                     break;
                 }
             }
             // Every pass's answers in one gathered send per connection.
             self.dataplane.start_sends(now);
-            self.issue_ops(now);
-            if let Some(links) = &self.migration {
-                links.send(&mut self.dataplane);
-            }
+            self.issue_and_migrate(now);
             if self.dataplane.is_finished() {
                 // Nothing of the driver's is in flight: every socket is closed, and
                 // operations waiting for readiness were cancelled before that.
@@ -641,6 +635,14 @@ impl EpollDriver {
     }
 
     // ----- Issuing the dataplane's operations ------------------------------------------
+
+    /// Issues the dataplane's operations, then hands the reads it migrates to their threads.
+    fn issue_and_migrate(&mut self, now: Nanos) {
+        self.issue_ops(now);
+        if let Some(links) = &self.migration {
+            links.send(&mut self.dataplane);
+        }
+    }
 
     fn issue_ops(&mut self, now: Nanos) {
         while let Some(op) = self.dataplane.poll_op() {

@@ -321,20 +321,14 @@ impl UringDriver {
                 for _ in 0..PASSES_PER_ITERATION_MAX {
                     self.finished_synchronously = false;
                     self.dataplane.process_without_sends(now);
-                    self.issue_ops(now);
-                    if let Some(links) = &self.migration {
-                        links.send(&mut self.dataplane);
-                    }
+                    self.issue_and_migrate(now);
                     if !self.finished_synchronously {
                         break;
                     }
                 }
                 // Every pass's answers in one gathered send per connection.
                 self.dataplane.start_sends(now);
-                self.issue_ops(now);
-                if let Some(links) = &self.migration {
-                    links.send(&mut self.dataplane);
-                }
+                self.issue_and_migrate(now);
             }
             if self.dataplane.is_finished() {
                 if self.wake_in_flight && !self.wake_cancelled {
@@ -579,6 +573,14 @@ impl UringDriver {
     }
 
     // ----- Issuing the dataplane's operations ----------------------------------------------
+
+    /// Issues the dataplane's operations, then hands the reads it migrates to their threads.
+    fn issue_and_migrate(&mut self, now: Nanos) {
+        self.issue_ops(now);
+        if let Some(links) = &self.migration {
+            links.send(&mut self.dataplane);
+        }
+    }
 
     fn issue_ops(&mut self, now: Nanos) {
         while let Some(op) = self.dataplane.poll_op() {
