@@ -11,12 +11,12 @@ response time is RT_alone), then both at once; slowdown S = RT_shared / RT_alone
 fairness F = min S / max S, per-flow and total operations per second.
 Modes (QoS off, as scenarios/fig9-server.py):
   baseline  no fairness stage (ReFlex's behaviour)
-  stage     the stage in fifo (be_device_depth_max 8 per thread), no migration: what the
+  stage     the stage in fifo (be_device_depth_max DEPTH per thread), no migration: what the
             stage alone costs, for the two below
   inter     that stage with inter-core migration of every flow's reads, KV bucket and value
             reads included (docs/FAIRNESS.md)
-  hybrid    the stage in backwarding (B = 2, be_device_depth_max 8) with that migration
-  fair_share  the stage in fair_share (be_device_depth_max 8), no migration: the mode that
+  hybrid    the stage in backwarding (B = 2, be_device_depth_max DEPTH) with that migration
+  fair_share  the stage in fair_share (be_device_depth_max DEPTH), no migration: the mode that
             made the block flows fair (docs/FAIRNESS.md)
 The two flows are two best-effort tenants, `sparse` and `dense`, created through the admin
 API on each fresh server; every connection of a flow BINDs to its tenant first
