@@ -8,7 +8,9 @@
 #   cal       - configs/reflexd-small-slowdown.toml (online self-calibration on, 50 ms windows);
 #   nocal     - configs/reflexd-small-slowdown-nocal.toml (the profile alone);
 #   cal-nohyst - cal with `device_recovered_ratio = 2.0` (no hysteresis between cutting into LC
-#               reservations and returning to the line, as before 2026-11-29 evening).
+#               reservations and returning to the line, as before 2026-11-29 evening);
+#   cal-floor - cal with `scale_floor = $SCALE_FLOOR` (0.1: the calibrator may cut the rate to a
+#               tenth of the profile's instead of a fifth).
 # Per run: each tenant's IOPS and read p95 per 250 ms interval (the bench's timeline), and the
 # server's device rate scale at the end and its last calibration window's server busy share
 # (`reflex_device_rate_scale`, `reflex_device_server_busy_ratio` from /metrics).
@@ -17,7 +19,7 @@
 # every later interval, BE IOPS before and after, and the final scale.
 #
 # Usage: bench/slowdown.sh
-# Environment: REPS (3) MODES ("cal nocal") SERVER_CPU (1) CLIENT_CPU (0) SETTLE_MS (11500: from 1.5 s after the
+# Environment: REPS (3) MODES ("cal nocal") SCALE_FLOOR (0.1, cal-floor) SERVER_CPU (1) CLIENT_CPU (0) SETTLE_MS (11500: from 1.5 s after the
 #   slowdown) WORK (target/bench-slowdown) OUT (docs/results/slowdown.md) ISOLATE (on: every
 #   other task that can leaves SERVER_CPU for the run, bench/lib/isolate.py; off: shared)
 set -euo pipefail
@@ -29,6 +31,7 @@ MODES=${MODES:-cal nocal}
 SERVER_CPU=${SERVER_CPU:-1}
 CLIENT_CPU=${CLIENT_CPU:-0}
 SETTLE_MS=${SETTLE_MS:-11500}
+export SCALE_FLOOR=${SCALE_FLOOR:-0.1}
 WORK=${WORK:-target/bench-slowdown}
 OUT=${OUT:-docs/results/slowdown.md}
 SCENARIO=scenarios/fig5-small-scenario1-slowdown.toml
@@ -52,6 +55,12 @@ sed 's/^window_us = 50000$/window_us = 50000\ndevice_recovered_ratio = 2.0/' \
 grep -q '^device_recovered_ratio = 2.0$' "$WORK/reflexd-small-slowdown-nohyst.toml" \
     || die "could not derive the cal-nohyst config"
 sed -i 's#"\.\./profiles/#"'"$PWD"'/profiles/#' "$WORK/reflexd-small-slowdown-nohyst.toml"
+# cal-floor: the shipped calibrated config with a lower scale floor.
+sed 's/^window_us = 50000$/window_us = 50000\nscale_floor = '"$SCALE_FLOOR"'/' \
+    configs/reflexd-small-slowdown.toml >"$WORK/reflexd-small-slowdown-floor.toml"
+grep -q "^scale_floor = $SCALE_FLOOR\$" "$WORK/reflexd-small-slowdown-floor.toml" \
+    || die "could not derive the cal-floor config"
+sed -i 's#"\.\./profiles/#"'"$PWD"'/profiles/#' "$WORK/reflexd-small-slowdown-floor.toml"
 
 for rep in $(seq 1 "$REPS"); do
     for mode in $MODES; do
@@ -59,7 +68,8 @@ for rep in $(seq 1 "$REPS"); do
             cal) config=configs/reflexd-small-slowdown.toml ;;
             nocal) config=configs/reflexd-small-slowdown-nocal.toml ;;
             cal-nohyst) config="$WORK/reflexd-small-slowdown-nohyst.toml" ;;
-            *) die "unknown mode $mode (cal, nocal, cal-nohyst)" ;;
+            cal-floor) config="$WORK/reflexd-small-slowdown-floor.toml" ;;
+            *) die "unknown mode $mode (cal, nocal, cal-nohyst, cal-floor)" ;;
         esac
         port=$(free_port)
         admin=$(free_port)
@@ -113,7 +123,7 @@ def p95_after(run, name):
 lines = [f"# A device 2x slower than its profile from t = 10 s, on the real server (bench/slowdown.sh)", "",
          f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}; load average before {before}, after {after}",
          f"- `{reps}` repetitions per mode, alternating, each on a fresh reflexd; scenario `scenarios/fig5-small-scenario1-slowdown.toml` (A 12K IOPS, B 7K, p95 ≤ 500 µs, both follow notices; C and D saturating), 250 ms intervals",
-         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; cal-nohyst: cal with `device_recovered_ratio = 2.0`; intervals counted from {settle} ms",
+         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; cal-nohyst: cal with `device_recovered_ratio = 2.0`; cal-floor: cal with `scale_floor = {os.environ.get('SCALE_FLOOR', '0.1')}`; intervals counted from {settle} ms",
          f"- server CPU: " + ("every other task that could run elsewhere moved off it for the run (`ISOLATE=on`, `bench/lib/isolate.py`)" if os.environ.get("ISOLATE") == "on" else "shared with every other task (`ISOLATE=off`)"), "",
          "| mode | run | A intervals met | B intervals met | A held from (ms) | B held from (ms) | A / B median interval p95 after (µs) | BE IOPS 5–10 s | BE IOPS 12–20 s | A / B IOPS after | final scale |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

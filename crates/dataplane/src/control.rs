@@ -1228,7 +1228,7 @@ impl ControlPlane {
                 scale_before = before,
                 scale = decision.scale,
                 lc_read_service_p95_us = last.map(|o| o.lc_read_latency_us_p95),
-                target_us = last.and_then(|o| o.target_us()),
+                target_us = calibration.last_target_us(),
                 device_tokens_per_sec = plan.device_tokens_per_sec[LoadMode::Mixed.index()]
                     .as_tokens_per_sec_f64()
                     .round(),

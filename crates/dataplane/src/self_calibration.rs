@@ -154,6 +154,14 @@ impl DeviceCalibration {
         self.client_backlog.map_or(0, |(backlog, _)| backlog)
     }
 
+    /// The target the last window was held to (µs; the calibrator's, `target_ratio`
+    /// included).
+    pub fn last_target_us(&self) -> Option<u64> {
+        self.last
+            .as_ref()
+            .and_then(|observation| self.calibrator.target_us(observation))
+    }
+
     pub fn info(&self) -> CalibrationInfo {
         CalibrationInfo {
             stats: self.calibrator.stats(),

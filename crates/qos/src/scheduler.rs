@@ -480,7 +480,16 @@ impl Scheduler {
             slot.class = rates.class;
         }
         slot.terms = rates;
+        let floor_before = slot.deficit_floor;
         slot.deficit_floor = -rates.deficit_limit.0.max(0);
+        if !new_tenant && slot.deficit_floor > floor_before && slot.balance < slot.deficit_floor {
+            // Burst room is time (`deficit_limit_us` of the tenant's own reservation): when a
+            // cut shrinks the reservation, a debt run up at the old rate would hold the tenant
+            // far longer than its room at the new one (seconds, after the slowdown of
+            // docs/QOS.md §11). The part beyond the new limit is written off.
+            self.ledger.written_off += Tokens(slot.balance - slot.deficit_floor);
+            slot.balance = slot.deficit_floor;
+        }
         if new_tenant {
             // A new tenant may borrow its full allowance at once.
             slot.loan_allowance = -slot.deficit_floor;

@@ -223,6 +223,57 @@ fn lc_tenant_with_burst_room_bursts_100_ms_of_its_reservation() {
     assert_eq!(next.iter().filter(|x| x.tenant == a).count(), 10);
 }
 
+/// Burst room is time: a tenant that spent 100 ms of a 10K-IOPS reservation and is then cut to
+/// 1K IOPS owes 100 ms of the new one, not a second of it (the debt beyond is written off, and
+/// the token books still balance).
+#[test]
+fn a_cut_reservation_keeps_the_burst_room_debt_to_its_new_limit() {
+    let config = QosConfig {
+        deficit_limit_us: 100_000,
+        ..no_lending()
+    };
+    let mut s = Setup::new(1, config, Policy::Tokens);
+    let start = s.make_mixed(0);
+    let spec = |iops| TenantSpec::LatencyCritical {
+        latency_us_p95: 500,
+        iops,
+        read_percent: 100,
+    };
+    let a = s.add(spec(10_000), &[0], start);
+    for token in 0..1_024 {
+        s.threads[0].enqueue(a, read(token), start).unwrap();
+    }
+    assert_eq!(s.round(0, start).len(), 1_000);
+    let debt = s.threads[0].tenant_stats(a).unwrap().balance;
+    assert!(debt <= Tokens::from_tokens(-999), "{debt:?}");
+    let written_off_before = s.threads[0].ledger().written_off;
+
+    s.registry.reregister(a, spec(1_000)).unwrap();
+    s.sync(start);
+    s.threads[0].check();
+    let balance = s.threads[0].tenant_stats(a).unwrap().balance;
+    assert_eq!(
+        balance,
+        Tokens::from_tokens(-100),
+        "the new limit: 100 ms of 1K IOPS"
+    );
+    assert_eq!(
+        s.threads[0].ledger().written_off - written_off_before,
+        debt - balance
+    );
+    // Served again after 100 ms of its new rate (at 1K IOPS, one read per millisecond), not
+    // after the whole old debt (a second).
+    let later = s.round(0, start + us(101_000));
+    assert!(later.iter().any(|x| x.tenant == a), "{later:?}");
+
+    // Raising the reservation back moves the limit down again and writes nothing off.
+    let written_off = s.threads[0].ledger().written_off;
+    s.registry.reregister(a, spec(10_000)).unwrap();
+    s.sync(start + us(101_000));
+    s.threads[0].check();
+    assert_eq!(s.threads[0].ledger().written_off, written_off);
+}
+
 #[test]
 fn lending_lets_an_lc_tenant_past_its_limit_and_best_effort_tenants_repay() {
     let mut s = Setup::new(1, QosConfig::default(), Policy::Tokens);

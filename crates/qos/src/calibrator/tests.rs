@@ -444,6 +444,37 @@ fn the_target_is_the_slo_minus_the_client_share() {
 }
 
 #[test]
+fn target_ratio_aims_the_windows_below_the_target() {
+    // 470 µs is in the band for a 500 µs target, over it when windows aim at 0.9 of it.
+    let aimed = CalibratorConfig {
+        target_ratio: 0.9,
+        ..CalibratorConfig::default()
+    };
+    let mut at_target = Calibrator::new(CalibratorConfig::default(), Nanos::ZERO).unwrap();
+    let mut below = Calibrator::new(aimed, Nanos::ZERO).unwrap();
+    let window = observation(1_000, 470, 1.0);
+    assert_eq!(at_target.target_us(&window), Some(500));
+    assert_eq!(below.target_us(&window), Some(450));
+    assert_eq!(
+        feed(&mut at_target, &[window])[0].action,
+        Action::Held(Hold::InBand)
+    );
+    assert!(matches!(
+        feed(&mut below, &[window])[0].action,
+        Action::Decreased { .. }
+    ));
+    // The record operators see carries the target the window was held to.
+    assert_eq!(below.recent().last().map(|r| r.target_us), Some(Some(450)));
+    for ratio in [0.0, -0.5, 1.5, f64::NAN] {
+        let config = CalibratorConfig {
+            target_ratio: ratio,
+            ..CalibratorConfig::default()
+        };
+        assert!(config.validate().is_err(), "{ratio}");
+    }
+}
+
+#[test]
 fn bad_observations_are_refused_and_change_nothing() {
     let mut calibrator = Calibrator::new(CalibratorConfig::default(), Nanos::from_secs(1)).unwrap();
     assert_eq!(calibrator.next_deadline(), Nanos::from_millis(1_100));
