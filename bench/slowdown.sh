@@ -10,7 +10,9 @@
 #   cal-nohyst - cal with `device_recovered_ratio = 2.0` (no hysteresis between cutting into LC
 #               reservations and returning to the line, as before 2026-11-29 evening);
 #   cal-floor - cal with `scale_floor = $SCALE_FLOOR` (0.1: the calibrator may cut the rate to a
-#               tenth of the profile's instead of a fifth).
+#               tenth of the profile's instead of a fifth);
+#   cal-plain - cal without burst room and with windows aimed at the SLO itself
+#               (`target_ratio = 1.0`), as shipped before 2026-11-30.
 # Per run: each tenant's IOPS and read p95 per 250 ms interval (the bench's timeline), and the
 # server's device rate scale at the end and its last calibration window's server busy share
 # (`reflex_device_rate_scale`, `reflex_device_server_busy_ratio` from /metrics).
@@ -61,6 +63,13 @@ sed 's/^window_us = 50000$/window_us = 50000\nscale_floor = '"$SCALE_FLOOR"'/' \
 grep -q "^scale_floor = $SCALE_FLOOR\$" "$WORK/reflexd-small-slowdown-floor.toml" \
     || die "could not derive the cal-floor config"
 sed -i 's#"\.\./profiles/#"'"$PWD"'/profiles/#' "$WORK/reflexd-small-slowdown-floor.toml"
+# cal-plain: the shipped calibrated config without burst room, aimed at the SLO itself.
+sed '/^\[qos_config\]$/d; /^deficit_limit_us = 100000$/d; s/^target_ratio = 0.9$/target_ratio = 1.0/' \
+    configs/reflexd-small-slowdown.toml >"$WORK/reflexd-small-slowdown-plain.toml"
+grep -q '^target_ratio = 1.0$' "$WORK/reflexd-small-slowdown-plain.toml" \
+    && ! grep -q '^deficit_limit_us' "$WORK/reflexd-small-slowdown-plain.toml" \
+    || die "could not derive the cal-plain config"
+sed -i 's#"\.\./profiles/#"'"$PWD"'/profiles/#' "$WORK/reflexd-small-slowdown-plain.toml"
 
 for rep in $(seq 1 "$REPS"); do
     for mode in $MODES; do
@@ -69,7 +78,8 @@ for rep in $(seq 1 "$REPS"); do
             nocal) config=configs/reflexd-small-slowdown-nocal.toml ;;
             cal-nohyst) config="$WORK/reflexd-small-slowdown-nohyst.toml" ;;
             cal-floor) config="$WORK/reflexd-small-slowdown-floor.toml" ;;
-            *) die "unknown mode $mode (cal, nocal, cal-nohyst, cal-floor)" ;;
+            cal-plain) config="$WORK/reflexd-small-slowdown-plain.toml" ;;
+            *) die "unknown mode $mode (cal, nocal, cal-nohyst, cal-floor, cal-plain)" ;;
         esac
         port=$(free_port)
         admin=$(free_port)
@@ -123,7 +133,7 @@ def p95_after(run, name):
 lines = [f"# A device 2x slower than its profile from t = 10 s, on the real server (bench/slowdown.sh)", "",
          f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}; load average before {before}, after {after}",
          f"- `{reps}` repetitions per mode, alternating, each on a fresh reflexd; scenario `scenarios/fig5-small-scenario1-slowdown.toml` (A 12K IOPS, B 7K, p95 ≤ 500 µs, both follow notices; C and D saturating), 250 ms intervals",
-         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; cal-nohyst: cal with `device_recovered_ratio = 2.0`; cal-floor: cal with `scale_floor = {os.environ.get('SCALE_FLOOR', '0.1')}`; intervals counted from {settle} ms",
+         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; cal-nohyst: cal with `device_recovered_ratio = 2.0`; cal-floor: cal with `scale_floor = {os.environ.get('SCALE_FLOOR', '0.1')}`; cal-plain: cal without `deficit_limit_us` and with `target_ratio = 1.0`; intervals counted from {settle} ms",
          f"- server CPU: " + ("every other task that could run elsewhere moved off it for the run (`ISOLATE=on`, `bench/lib/isolate.py`)" if os.environ.get("ISOLATE") == "on" else "shared with every other task (`ISOLATE=off`)"), "",
          "| mode | run | A intervals met | B intervals met | A held from (ms) | B held from (ms) | A / B median interval p95 after (µs) | BE IOPS 5–10 s | BE IOPS 12–20 s | A / B IOPS after | final scale |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
