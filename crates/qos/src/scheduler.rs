@@ -149,7 +149,8 @@ pub struct Ledger {
     pub to_bucket: Tokens,
     /// Donations kept out of the bucket ([`DeviceRates::spare_share_ppm`]): unused, not spare.
     pub withheld: Tokens,
-    /// Balances of tenants that left the thread.
+    /// Balances of tenants that left the thread or turned best effort, and debt beyond a
+    /// deficit limit that a cut reservation shrank.
     pub written_off: Tokens,
     /// Tenant balances plus donations not yet handed to the bucket.
     pub held: Tokens,
