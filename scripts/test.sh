@@ -59,6 +59,8 @@ echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 echo "==> cargo clippy -D warnings"
 cargo clippy --workspace --all-targets -q -- -D warnings
+echo "==> cargo doc -D warnings (every intra-doc link resolves, private items included)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --document-private-items -q
 echo "==> cargo build --release (binaries the end-to-end tests run)"
 cargo build --release --workspace -q
 echo "==> cargo test"

@@ -4,8 +4,8 @@
 //! registered once with the kernel (io_uring fixed buffer 0), and while the kernel writes a
 //! READ into one run the dataplane copies a WRITE payload into another. A `&mut` to the whole
 //! allocation would claim exclusive access to memory the kernel is writing, so the arena keeps
-//! only its base pointer and hands out slices of single runs ([`Arena::run_mut`]) or raw
-//! addresses for the driver's operations ([`Arena::run_ptr`]).
+//! only its base pointer and hands out slices of single runs ([`Arena::run_mut`]) or the
+//! base address the driver computes its operations' addresses from ([`Arena::base_ptr`]).
 //!
 //! Contract (kept by the request state machine in `core`, asserted on every transition): a
 //! run belongs to exactly one request; while a driver operation (receive, send, device I/O) uses

@@ -16,7 +16,7 @@ pub mod calibrate;
 pub mod device;
 pub mod emu;
 pub mod error;
-/// Fault injection wraps any device; it needs no io_uring, so the simulator can use it.
+// Fault injection wraps any device; it needs no io_uring, so the simulator can use it.
 pub mod fault;
 /// Files and block devices are driven through io_uring entries: only with the `uring` feature.
 #[cfg(feature = "uring")]
@@ -30,7 +30,7 @@ pub mod null;
 pub mod pool;
 pub mod queueing;
 pub mod size;
-/// Opening devices from specs needs the file device, hence the `uring` feature.
+// Opening devices from specs needs the file device, hence the `uring` feature.
 #[cfg(feature = "uring")]
 pub mod spec;
 

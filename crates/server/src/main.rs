@@ -14,6 +14,9 @@ use reflex_server::{
 };
 
 /// ReFlex server: remote NVMe Flash over TCP.
+// The doc comments are clap's help, in command-line syntax: `[,ro]` is an optional part, not
+// a link.
+#[allow(rustdoc::broken_intra_doc_links)]
 #[derive(Debug, Parser)]
 #[command(name = "reflexd", version, about)]
 struct Args {

@@ -6,7 +6,8 @@
 //!   `undocumented_unsafe_blocks` checks the comment; this checks the place);
 //! - the sans-IO crates (`proto`, `qos`, `flash`, `dataplane`) never read a clock: time is a
 //!   parameter;
-//! - every relative link in the Markdown documents points to a file that exists;
+//! - every relative link in the Markdown documents points to a file that exists (rustdoc's
+//!   intra-doc links are `scripts/test.sh`'s `cargo doc -D warnings`);
 //! - no absolute path of a developer's machine is written in the tree.
 
 use std::path::{Path, PathBuf};

@@ -74,6 +74,9 @@ const OPEN_QUEUE_DEPTH_DEFAULT: u32 = 256;
 /// Largest NBD request the bench sends, whatever the server allows: the spec's safe maximum.
 const NBD_IO_SIZE_MAX_BYTES: u32 = 32 << 20;
 
+// The doc comments are clap's help, in command-line syntax: `[,ro]` is an optional part, not
+// a link.
+#[allow(rustdoc::broken_intra_doc_links)]
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Server address (native protocol), or nbd://HOST[:PORT][/EXPORT] for an NBD server

@@ -9,7 +9,7 @@
 //! 1. optionally precondition (sequential fill, then random writes to steady state);
 //! 2. [`sweep`]: for each read ratio (100, 99, 95, 90, 75, 50 %) and size, run open-loop
 //!    Poisson load at rising rates and record p95 read latency per point;
-//! 3. [`fit`]: choose `write_cost` so the p95-versus-(reads + w·writes) curves of the mixed
+//! 3. [`fit()`]: choose `write_cost` so the p95-versus-(reads + w·writes) curves of the mixed
 //!    ratios coincide, `read_only_read_cost` so the read-only curve lands on them too, and the
 //!    table {p95 SLO → max mixed token rate, max read-only read rate}, made monotone.
 //!

@@ -5,7 +5,7 @@
 //! decodes everything up to the PDU's data (the common header, the PDU-specific header, the
 //! header digest and the padding) and returns where the data lies in the stream
 //! ([`DataSpan`]); the caller moves the data itself (into a device buffer), then checks the
-//! data digest with [`crc32c`]. `Ok(None)` means "need more bytes"; every malformed header
+//! data digest with [`crc32c()`]. `Ok(None)` means "need more bytes"; every malformed header
 //! is a [`PduError`] carrying the fatal error status and the offset of the field in error,
 //! which is what a C2HTermReq or H2CTermReq reports.
 //!

@@ -23,7 +23,7 @@
 //!   subsystem NQN || " " || "NVMe-over-Fabrics")), 44 characters for SHA-256, 64 for
 //!   SHA-384 (the Linux kernel's `nvme_auth_generate_digest`, libnvme's `derive_psk_digest`);
 //! - TLS PSK = HKDF(the same hash, retained PSK, salt empty, info = HkdfLabel(length = hash
-//!   length, "tls13 nvme-tls-psk", "0C <PSK digest>")) (`nvme_auth_derive_tls_psk`: the
+//!   length, `"tls13 nvme-tls-psk"`, `"0C <PSK digest>"`)) (`nvme_auth_derive_tls_psk`: the
 //!   context is the identity's hash digits, a space and the digest, not the whole identity).
 //!
 //! The retained and TLS PSK lengths equal the hash length here (a key's cipher follows from
