@@ -51,25 +51,32 @@ wait_quiet 20 30 || note "the machine stayed busy; measuring anyway"
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 SECONDS_SCENARIO=$(awk -F'=' '/^warmup_ms/ {w=$2} /^duration_ms/ {d=$2} END {print int((w + d) / 1000) + 1}' "$SCENARIO")
 
-# cal-nohyst: the shipped calibrated config with the hysteresis band closed.
-sed 's/^window_us = 50000$/window_us = 50000\ndevice_recovered_ratio = 2.0/' \
-    configs/reflexd-small-slowdown.toml >"$WORK/reflexd-small-slowdown-nohyst.toml"
-grep -q '^device_recovered_ratio = 2.0$' "$WORK/reflexd-small-slowdown-nohyst.toml" \
-    || die "could not derive the cal-nohyst config"
-sed -i 's#"\.\./profiles/#"'"$PWD"'/profiles/#' "$WORK/reflexd-small-slowdown-nohyst.toml"
-# cal-floor: the shipped calibrated config with a lower scale floor.
-sed 's/^window_us = 50000$/window_us = 50000\nscale_floor = '"$SCALE_FLOOR"'/' \
-    configs/reflexd-small-slowdown.toml >"$WORK/reflexd-small-slowdown-floor.toml"
-grep -q "^scale_floor = $SCALE_FLOOR\$" "$WORK/reflexd-small-slowdown-floor.toml" \
-    || die "could not derive the cal-floor config"
-sed -i 's#"\.\./profiles/#"'"$PWD"'/profiles/#' "$WORK/reflexd-small-slowdown-floor.toml"
-# cal-plain: the shipped calibrated config without burst room, aimed at the SLO itself.
-sed '/^\[qos_config\]$/d; /^deficit_limit_us = 100000$/d; s/^target_ratio = 0.9$/target_ratio = 1.0/' \
-    configs/reflexd-small-slowdown.toml >"$WORK/reflexd-small-slowdown-plain.toml"
-grep -q '^target_ratio = 1.0$' "$WORK/reflexd-small-slowdown-plain.toml" \
-    && ! grep -q '^deficit_limit_us' "$WORK/reflexd-small-slowdown-plain.toml" \
-    || die "could not derive the cal-plain config"
-sed -i 's#"\.\./profiles/#"'"$PWD"'/profiles/#' "$WORK/reflexd-small-slowdown-plain.toml"
+# derive NAME SED_SCRIPT PATTERN...: $WORK/reflexd-small-slowdown-NAME.toml, the shipped
+# calibrated config edited by SED_SCRIPT, its profile path made absolute; every grep -E
+# PATTERN must match it (one with a leading '!' must not), or the edit missed and the run would
+# measure the shipped config under another name.
+derive() {
+    local name=$1 script=$2 out="$WORK/reflexd-small-slowdown-$1.toml" pattern
+    shift 2
+    sed "$script" configs/reflexd-small-slowdown.toml >"$out"
+    for pattern in "$@"; do
+        if [ "${pattern:0:1}" = "!" ]; then
+            ! grep -Eq "${pattern:1}" "$out" || die "could not derive the cal-$name config"
+        else
+            grep -Eq "$pattern" "$out" || die "could not derive the cal-$name config"
+        fi
+    done
+    sed -i 's#"\.\./profiles/#"'"$PWD"'/profiles/#' "$out"
+}
+# cal-nohyst: the hysteresis band closed.
+derive nohyst 's/^window_us = 50000$/window_us = 50000\ndevice_recovered_ratio = 2.0/' \
+    '^device_recovered_ratio = 2.0$'
+# cal-floor: a lower scale floor.
+derive floor 's/^window_us = 50000$/window_us = 50000\nscale_floor = '"$SCALE_FLOOR"'/' \
+    "^scale_floor = $SCALE_FLOOR\$"
+# cal-plain: no burst room, windows aimed at the SLO itself.
+derive plain '/^\[qos_config\]$/d; /^deficit_limit_us = 100000$/d; s/^target_ratio = 0.9$/target_ratio = 1.0/' \
+    '^target_ratio = 1.0$' '!^deficit_limit_us'
 
 for rep in $(seq 1 "$REPS"); do
     for mode in $MODES; do
@@ -133,7 +140,7 @@ def p95_after(run, name):
 lines = [f"# A device 2x slower than its profile from t = 10 s, on the real server (bench/slowdown.sh)", "",
          f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}; load average before {before}, after {after}",
          f"- `{reps}` repetitions per mode, alternating, each on a fresh reflexd; scenario `scenarios/fig5-small-scenario1-slowdown.toml` (A 12K IOPS, B 7K, p95 ≤ 500 µs, both follow notices; C and D saturating), 250 ms intervals",
-         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; cal-nohyst: cal with `device_recovered_ratio = 2.0`; cal-floor: cal with `scale_floor = {os.environ.get('SCALE_FLOOR', '0.1')}`; cal-plain: cal without `deficit_limit_us` and with `target_ratio = 1.0`; intervals counted from {settle} ms",
+         f"- cal: `configs/reflexd-small-slowdown.toml`; nocal: `configs/reflexd-small-slowdown-nocal.toml`; cal-nohyst: cal with `device_recovered_ratio = 2.0`; cal-floor: cal with `scale_floor = {os.environ['SCALE_FLOOR']}`; cal-plain: cal without `deficit_limit_us` and with `target_ratio = 1.0`; intervals counted from {settle} ms",
          f"- server CPU: " + ("every other task that could run elsewhere moved off it for the run (`ISOLATE=on`, `bench/lib/isolate.py`)" if os.environ.get("ISOLATE") == "on" else "shared with every other task (`ISOLATE=off`)"), "",
          "| mode | run | A intervals met | B intervals met | A held from (ms) | B held from (ms) | A / B median interval p95 after (µs) | BE IOPS 5–10 s | BE IOPS 12–20 s | A / B IOPS after | final scale |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
