@@ -483,7 +483,7 @@ impl Scheduler {
         slot.terms = rates;
         let floor_before = slot.deficit_floor;
         slot.deficit_floor = -rates.deficit_limit.0.max(0);
-        if !new_tenant && slot.deficit_floor > floor_before && slot.balance < slot.deficit_floor {
+        if slot.deficit_floor > floor_before && slot.balance < slot.deficit_floor {
             // Burst room is time (`deficit_limit_us` of the tenant's own reservation): when a
             // cut shrinks the reservation, a debt run up at the old rate would hold the tenant
             // far longer than its room at the new one (seconds, after the slowdown of
