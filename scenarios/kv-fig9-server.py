@@ -18,6 +18,9 @@ Modes (QoS off, as scenarios/fig9-server.py):
   hybrid    the stage in backwarding (B = 2, be_device_depth_max DEPTH) with that migration
   fair_share  the stage in fair_share (be_device_depth_max DEPTH), no migration: the mode that
             made the block flows fair (docs/FAIRNESS.md)
+  MODE+spread  any of these with `[scaling] spread_tenants = true`: each flow's connections
+            are spread over the two threads after their BIND instead of left where the
+            kernel's SO_REUSEPORT hash put them (docs/FAIRNESS.md, "Spreading each flow")
 The two flows are two best-effort tenants, `sparse` and `dense`, created through the admin
 API on each fresh server; every connection of a flow BINDs to its tenant first
 (`reflex bench --kv --kv-tenant`, docs/KV.md §1.3), so the stage and the migrator see two
@@ -64,6 +67,7 @@ MIGRATION = {"enabled": True, "flows": "all", "requires_imbalance": False}
 
 def fairness_table(mode):
     """The [qos_config.fairness] keys of a mode (None: no stage)."""
+    mode = mode.split("+")[0]
     if mode == "baseline":
         return None
     if mode in ("stage", "inter"):
@@ -110,12 +114,14 @@ backend = "emu:device-a-small"
 size_bytes = "1G"
 profile = "{PROFILE}"
 '''
+        if mode.endswith("+spread"):
+            text += "[scaling]\nspread_tenants = true\n"
         fairness = fairness_table(mode)
         if fairness is not None:
             text += "[qos_config.fairness]\n"
             for key, value in fairness.items():
                 text += f"{key} = {json.dumps(value)}\n"
-            if mode in ("inter", "hybrid"):
+            if mode.split("+")[0] in ("inter", "hybrid"):
                 text += "[qos_config.fairness.migration]\n"
                 for key, value in MIGRATION.items():
                     text += f"{key} = {json.dumps(value)}\n"

@@ -420,6 +420,19 @@ struct State {
     grants: BTreeMap<String, Grant>,
     /// RT_alone of configured tenants, by name ([`ControlPlane::set_configured_alone`]).
     alone: BTreeMap<String, u32>,
+    /// Connections a spreading decision sent to another thread that has not adopted them yet
+    /// ([`ControlPlane::spread_target`]): the registry counts them on their old thread until
+    /// then, so the next decisions count them where they go.
+    spreading: Vec<SpreadMove>,
+}
+
+/// A connection on its way to another thread to spread its tenant's connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SpreadMove {
+    key: ConnectionKey,
+    handle: u64,
+    from: u16,
+    to: u16,
 }
 
 /// What the threads serve: the namespace slots and the NBD export table.
@@ -550,6 +563,7 @@ impl ControlPlane {
             qos_enabled: setup.qos_enabled,
             grants: BTreeMap::new(),
             alone: BTreeMap::new(),
+            spreading: Vec::new(),
         };
         let mut setups = Vec::new();
         for (index, namespace) in setup.namespaces.iter().enumerate() {
@@ -889,6 +903,37 @@ impl ControlPlane {
         })
     }
 
+    /// Spreading tenants' connections (`[scaling] spread_tenants`): the thread connection
+    /// `key`, just bound to `handle` on its thread, should move to among the threads in
+    /// `active`, from the tenant's connections per thread with those on their way counted
+    /// where they go (`reflex_qos::spread_target`). A move named is on its way from now until
+    /// [`Self::connection_moved`] or [`Self::spread_abandoned`] for `key`.
+    pub fn spread_target(&self, key: ConnectionKey, handle: u64, active: u64) -> Option<u16> {
+        let mut state = self.lock();
+        let entry = state.tenants.get(&handle)?;
+        let namespace = state.namespaces.get(usize::from(entry.namespace_index))?;
+        let mut counts = namespace.registry.connections(entry.id)?.to_vec();
+        for on_its_way in state.spreading.iter().filter(|m| m.handle == handle) {
+            let from = &mut counts[usize::from(on_its_way.from)];
+            *from = from.saturating_sub(1);
+            counts[usize::from(on_its_way.to)] += 1;
+        }
+        let to = reflex_qos::spread_target(&counts, key.thread, active)?;
+        state.spreading.push(SpreadMove {
+            key,
+            handle,
+            from: key.thread,
+            to,
+        });
+        Some(to)
+    }
+
+    /// A connection a spreading decision named stays where it is after all (it closed, or its
+    /// peer ended, before it could move).
+    pub fn spread_abandoned(&self, key: ConnectionKey) {
+        self.lock().spreading.retain(|m| m.key != key);
+    }
+
     /// Which tenant and namespace `handle` names, without counting a connection.
     pub fn peek_binding(&self, handle: u64) -> Option<Binding> {
         let state = self.lock();
@@ -1057,6 +1102,7 @@ impl ControlPlane {
     ) -> Vec<u64> {
         let (old_key, new_key) = keys;
         self.change(to, own, |state| {
+            state.spreading.retain(|m| m.key != old_key);
             let mut gone = Vec::new();
             for handle in handles {
                 let Some(entry) = state.tenants.get(&handle) else {

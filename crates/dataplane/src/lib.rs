@@ -42,7 +42,7 @@ pub use crate::core::{
     DEVICE_IN_FLIGHT_PER_THREAD_MAX, DRAIN_TIMEOUT_DEFAULT, Dataplane, DataplaneSetup,
     DeviceCommand, DeviceOpId, DeviceOpKind, GENERATION_MASK, HOUSEKEEPING_INTERVAL, KvMessage,
     KvNext, KvRequestRef, KvSetup, Limits, MIGRATED_TOKEN, MigratedRead, MigrationMessage,
-    MovedConnection, NOTICES_PENDING_MAX, Op, PskError, PskKeys, RECV_BUFFERS_SPARE_MAX,
+    MoveCause, MovedConnection, NOTICES_PENDING_MAX, Op, PskError, PskKeys, RECV_BUFFERS_SPARE_MAX,
     REQUEST_STATE_COUNT, RequestState, SEND_SEGMENTS_MAX, SetupError, TelemetryWindow, TenantStats,
     TlsCurrent, TlsKeys, TlsSetup, exchange_queue_capacity, policy_for,
 };

@@ -144,7 +144,9 @@ pub use profile::{DeviceProfile, TokenLimit};
 pub use rates::{
     DeviceRates, RatePerMode, RateUpdate, SPARE_SHARE_ALL, TenantClass, TenantId, TenantRates,
 };
-pub use rebalance::{REBALANCE_STEP_MAX, RebalanceMove, ThreadConnections, plan_rebalance};
+pub use rebalance::{
+    REBALANCE_STEP_MAX, RebalanceMove, ThreadConnections, plan_rebalance, spread_target,
+};
 pub use registry::{AdmissionError, Notice, Plan, TenantRegistry, TenantSpec};
 pub use scaling::{
     ScalingConfig, ScalingConfigError, ScalingDecision, ScalingPolicy, ScalingReason, ThreadBusy,

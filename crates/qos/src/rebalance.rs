@@ -97,6 +97,34 @@ pub fn plan_rebalance(
     moves
 }
 
+/// Spreading a tenant's connections over the threads (`[scaling] spread_tenants`): where
+/// a connection of a tenant that has `counts[t]` connections on thread `t` (this one
+/// included, on `here`) should move, if anywhere. Without it, where a tenant's connections
+/// land is the kernel's `SO_REUSEPORT` hash of their ports: a flow of two connections has
+/// both on one of two threads half the time, and then competes with the other flows for
+/// one thread's CPU while the other thread's share goes to the others
+/// (`docs/FAIRNESS.md`, "Spreading each flow").
+///
+/// The target is the active thread (`active`: bit `t` set for thread `t`) holding the
+/// fewest of the tenant's connections, the lowest index on a tie; the connection moves only
+/// when that leaves both threads within one of each other where they were two or more
+/// apart, so repeated decisions converge and never move a connection back and forth.
+pub fn spread_target(counts: &[u32], here: u16, active: u64) -> Option<u16> {
+    let here_count = *counts.get(usize::from(here))?;
+    assert!(
+        here_count >= 1,
+        "the deciding connection is counted on its thread"
+    );
+    let (target, fewest) = counts
+        .iter()
+        .enumerate()
+        .take(64)
+        .filter(|&(thread, _)| thread != usize::from(here) && active & (1u64 << thread) != 0)
+        .min_by_key(|&(thread, &count)| (count, thread))
+        .map(|(thread, &count)| (thread as u16, count))?;
+    (here_count >= fewest + 2).then_some(target)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,6 +286,52 @@ mod tests {
                 let active_open = &open[..usize::from(active)];
                 let max = active_open.iter().max().copied().unwrap_or(0);
                 assert!(open[usize::from(woken)] + 1 >= max, "{loads:?} {moves:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_tenants_second_connection_on_a_thread_goes_to_the_thread_without_one() {
+        assert_eq!(spread_target(&[2, 0], 0, 0b11), Some(1));
+        assert_eq!(spread_target(&[1, 1], 1, 0b11), None);
+        assert_eq!(spread_target(&[1, 0], 0, 0b11), None);
+    }
+
+    #[test]
+    fn only_active_threads_take_a_spread_connection() {
+        assert_eq!(spread_target(&[3, 0, 1], 0, 0b101), Some(2));
+        assert_eq!(spread_target(&[3, 0, 0], 0, 0b001), None);
+        assert_eq!(spread_target(&[5], 0, 0b1), None);
+    }
+
+    #[test]
+    fn the_fewest_then_the_lowest_index_is_the_target() {
+        assert_eq!(spread_target(&[4, 2, 1, 1], 0, 0b1111), Some(2));
+        assert_eq!(spread_target(&[1, 4, 2, 3], 1, 0b1111), Some(0));
+        // A thread the counts do not know of is not a target.
+        assert_eq!(spread_target(&[2, 0], 5, 0b11), None);
+    }
+
+    #[test]
+    fn connections_binding_one_after_another_end_within_one_per_thread() {
+        // Each binds wherever the kernel put it, then moves if told: the counts never differ
+        // by more than one, for any arrival pattern.
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        for threads in 1..=8usize {
+            let active = (1u64 << threads) - 1;
+            let mut counts = vec![0u32; threads];
+            for _ in 0..200 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let here = (state % threads as u64) as usize;
+                counts[here] += 1;
+                if let Some(to) = spread_target(&counts, here as u16, active) {
+                    counts[here] -= 1;
+                    counts[usize::from(to)] += 1;
+                }
+                let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+                assert!(max - min <= 1, "{counts:?}");
             }
         }
     }

@@ -40,6 +40,11 @@ pub struct ScalingConfig {
     pub active_min: u16,
     /// Threads that may be active at once; 0: every thread started (`--threads`).
     pub active_max: u16,
+    /// A connection that BINDs to a tenant moves to the active thread holding the fewest of
+    /// that tenant's connections when its own holds two more
+    /// ([`crate::rebalance::spread_target`]): each flow gets every thread's share, whatever
+    /// the kernel's hash did. Works with `enabled` off too.
+    pub spread_tenants: bool,
 }
 
 impl Default for ScalingConfig {
@@ -53,6 +58,7 @@ impl Default for ScalingConfig {
             dwell_ms: 5_000,
             active_min: 1,
             active_max: 0,
+            spread_tenants: false,
         }
     }
 }
@@ -306,6 +312,7 @@ mod tests {
             dwell_ms: 1_000,
             active_min: 1,
             active_max: 0,
+            spread_tenants: false,
         }
     }
 

@@ -442,18 +442,23 @@ impl Collector for SamplerCollector {
             counters(
                 &mut encoder,
                 "scaling_connections_moved",
-                "Connections handed from one thread to another: by a parked thread (park) or to a woken one (rebalance).",
+                "Connections handed from one thread to another: by a parked thread (park), to a woken one (rebalance), or after a BIND to spread a tenant's connections over the threads (spread).",
                 &[
                     (
                         vec![("cause", "park".to_string())],
                         scaling
                             .connections_moved()
                             .saturating_sub(scaling.connections_rebalanced())
+                            .saturating_sub(scaling.connections_spread())
                             as f64,
                     ),
                     (
                         vec![("cause", "rebalance".to_string())],
                         scaling.connections_rebalanced() as f64,
+                    ),
+                    (
+                        vec![("cause", "spread".to_string())],
+                        scaling.connections_spread() as f64,
                     ),
                 ],
             )?;

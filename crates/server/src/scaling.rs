@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam::queue::ArrayQueue;
 use reflex_dataplane::control::ControlPlane;
-use reflex_dataplane::{ConnectionId, Dataplane, MovedConnection};
+use reflex_dataplane::{ConnectionId, Dataplane, MoveCause, MovedConnection};
 use reflex_qos::{
     Nanos, REBALANCE_STEP_MAX, ScalingConfig, ScalingDecision, ScalingPolicy, ThreadBusy,
     ThreadConnections, plan_rebalance,
@@ -71,6 +71,8 @@ pub struct ScalingShared {
     moved: AtomicU64,
     /// Of `moved`, those a rebalancing onto a woken thread moved.
     rebalanced: AtomicU64,
+    /// Of `moved`, those moved to spread their tenant's connections (`spread_tenants`).
+    spread: AtomicU64,
     /// Per thread: its open connections, as its driver last saw them.
     connections: Vec<AtomicU32>,
     /// Per thread: a rebalancing request, `(to + 1) << 32 | count` (0: none), taken by its
@@ -110,6 +112,7 @@ impl ScalingControl {
             wakers: wakers.to_vec(),
             moved: AtomicU64::new(0),
             rebalanced: AtomicU64::new(0),
+            spread: AtomicU64::new(0),
             connections: (0..threads).map(|_| AtomicU32::new(0)).collect(),
             shed: (0..threads).map(|_| AtomicU64::new(0)).collect(),
         });
@@ -132,6 +135,7 @@ impl ScalingControl {
             thread_index,
             shared: Arc::clone(&self.shared),
             applied: ACTIVE,
+            spread_tenants: self.config.spread_tenants,
             backlog: VecDeque::new(),
         }
     }
@@ -152,7 +156,8 @@ impl ScalingControl {
         self.wakes.load(Ordering::Relaxed)
     }
 
-    /// Connections adopted by another thread so far (a park's and a rebalancing's).
+    /// Connections adopted by another thread so far (a park's, a rebalancing's and
+    /// spreading's).
     pub fn connections_moved(&self) -> u64 {
         self.shared.moved.load(Ordering::Relaxed)
     }
@@ -160,6 +165,12 @@ impl ScalingControl {
     /// Of [`Self::connections_moved`], those a rebalancing onto a woken thread moved.
     pub fn connections_rebalanced(&self) -> u64 {
         self.shared.rebalanced.load(Ordering::Relaxed)
+    }
+
+    /// Of [`Self::connections_moved`], those moved to spread their tenant's connections over
+    /// the threads (`[scaling] spread_tenants`).
+    pub fn connections_spread(&self) -> u64 {
+        self.shared.spread.load(Ordering::Relaxed)
     }
 
     /// Per thread: its open connections (as of its last loop iteration).
@@ -357,6 +368,15 @@ impl ScalingControl {
 }
 
 impl ScalingShared {
+    /// The threads serving now, bit `t` for thread `t` (at most 64 threads, `THREADS_MAX`).
+    fn active_mask(&self) -> u64 {
+        self.requested
+            .iter()
+            .enumerate()
+            .filter(|(_, request)| request.load(Ordering::Relaxed) == ACTIVE)
+            .fold(0, |mask, (thread, _)| mask | 1u64 << thread)
+    }
+
     fn wake(&self, thread: usize) {
         // An eventfd write fails only when its counter would overflow (already woken).
         let _ = (&*self.wakers[thread]).write(&1u64.to_ne_bytes());
@@ -369,6 +389,8 @@ pub struct ThreadScaling {
     shared: Arc<ScalingShared>,
     /// The request last applied to the dataplane.
     applied: u32,
+    /// `[scaling] spread_tenants`: the dataplane learns the active threads every iteration.
+    spread_tenants: bool,
     /// Connections handed off whose destination queue was full, oldest first.
     backlog: VecDeque<(u16, TcpStream, MovedConnection)>,
 }
@@ -379,6 +401,9 @@ impl ThreadScaling {
     pub fn apply(&mut self, dataplane: &mut Dataplane) -> bool {
         self.shared.connections[self.thread_index]
             .store(dataplane.connections_open(), Ordering::Relaxed);
+        if self.spread_tenants {
+            dataplane.set_spread_threads(self.shared.active_mask());
+        }
         let shed = self.shared.shed[self.thread_index].swap(0, Ordering::Acquire);
         let mut changed = false;
         if let Some(to) = (shed >> 32).checked_sub(1) {
@@ -423,11 +448,17 @@ impl ThreadScaling {
                 self.apply_request(dataplane);
             }
             received += 1;
-            let rebalance = moved.is_rebalance();
+            let cause = moved.cause();
             match dataplane.adopt(moved, now) {
                 Ok(id) => {
-                    if rebalance {
-                        self.shared.rebalanced.fetch_add(1, Ordering::Relaxed);
+                    match cause {
+                        MoveCause::Park => {}
+                        MoveCause::Rebalance => {
+                            self.shared.rebalanced.fetch_add(1, Ordering::Relaxed);
+                        }
+                        MoveCause::Spread => {
+                            self.shared.spread.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                     self.shared.moved.fetch_add(1, Ordering::Relaxed);
                     register(dataplane, id, stream);

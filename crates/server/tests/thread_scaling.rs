@@ -93,6 +93,26 @@ impl Client {
         }
     }
 
+    /// Connects and binds the connection to `tenant`, registered by another connection.
+    fn bound_to(addr: std::net::SocketAddr, index: u64, tenant: u64) -> Client {
+        let mut connection = Connection::connect(addr);
+        let id = index << 32;
+        connection
+            .core
+            .submit_bind(id, tenant)
+            .unwrap_or_else(|e| panic!("{e}"));
+        connection.outstanding.insert(id, Expect::Control);
+        connection.transmit();
+        connection.drain();
+        Client {
+            connection,
+            tenant,
+            first_block: index * OWNED_BLOCKS,
+            versions: vec![0; OWNED_BLOCKS as usize],
+            next_id: id + 1,
+        }
+    }
+
     fn round(&mut self) {
         self.queue_round();
         self.connection.transmit();
@@ -882,6 +902,7 @@ fn the_load_parks_an_idle_thread_when_scaling_is_enabled() {
         dwell_ms: 0,
         active_min: 1,
         active_max: 0,
+        spread_tenants: false,
     };
     let server = start(server_config);
     let Some(scaling) = server.scaling() else {
@@ -913,4 +934,66 @@ fn the_load_parks_an_idle_thread_when_scaling_is_enabled() {
     );
     assert!(events[0].mean_busy_share.is_some_and(|share| share < 0.99));
     assert_eq!(scaling.active_per_thread(), vec![true, false]);
+}
+
+/// `[scaling] spread_tenants`: connections of one tenant, opened one after another wherever
+/// the kernel's hash puts them, end spread over the two threads (within one of each other
+/// after every connection), while another tenant's single connection stays where it landed;
+/// each connection's requests are answered, in order, on the thread it moved to.
+fn tenants_spread(driver: DriverChoice) {
+    let mut server_config = config(vec![profiled_memory()]);
+    server_config.driver = driver;
+    server_config.scaling.spread_tenants = true;
+    let server = start(server_config);
+    let addr = server.native_addr();
+    let Some(scaling) = server.scaling() else {
+        panic!("two threads and no thread scaling");
+    };
+    let mut first = Client::new(addr, 0);
+    first.round();
+    let tenant = first.tenant;
+    let mut clients = vec![first];
+    for index in 1..10 {
+        let mut client = Client::bound_to(addr, index, tenant);
+        // Its requests are parsed on the thread it moved to, after the move counted it there.
+        client.round();
+        clients.push(client);
+        let Some(info) = server.tenant(tenant) else {
+            panic!("tenant {tenant} gone");
+        };
+        let counts = info.connections_per_thread;
+        assert_eq!(counts.iter().sum::<u32>(), index as u32 + 1, "{counts:?}");
+        assert!(counts[0].abs_diff(counts[1]) <= 1, "{counts:?}");
+    }
+    let mut single = Client::new(addr, 10);
+    single.round();
+    for _ in 0..2 {
+        for client in clients.iter_mut().chain(std::iter::once(&mut single)) {
+            client.round();
+        }
+    }
+    let Some(info) = server.tenant(tenant) else {
+        panic!("tenant {tenant} gone");
+    };
+    assert_eq!(info.connections_per_thread, vec![5, 5]);
+    assert_eq!(scaling.connections_per_thread().iter().sum::<u32>(), 11);
+    assert_eq!(scaling.connections_spread(), scaling.connections_moved());
+    assert_eq!(scaling.connections_rebalanced(), 0);
+    drop(clients);
+    drop(single);
+    let stats = server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+    let spread: u64 = stats.iter().map(|s| s.connections_spread).sum();
+    let moved: u64 = stats.iter().map(|s| s.connections_moved_out).sum();
+    eprintln!("{driver:?}: connections spread: {spread}");
+    assert_eq!(spread, moved, "only spreading moved connections");
+}
+
+#[test]
+fn a_tenants_connections_spread_over_the_threads_on_io_uring() {
+    tenants_spread(common::io_uring_driver());
+}
+
+#[test]
+fn a_tenants_connections_spread_over_the_threads_on_epoll() {
+    tenants_spread(DriverChoice::Epoll);
 }

@@ -535,6 +535,22 @@ impl VirtualServer {
         self.threads[usize::from(thread)].dataplane.park_thread(to);
     }
 
+    /// `[scaling] spread_tenants` on every thread, over all of them (`on` false: off), as
+    /// reflexd's drivers set it.
+    pub fn set_spread_tenants(&mut self, on: bool) {
+        let threads = self.threads.len();
+        let all = if threads >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << threads) - 1
+        };
+        for thread in &mut self.threads {
+            thread
+                .dataplane
+                .set_spread_threads(if on { all } else { 0 });
+        }
+    }
+
     /// Wakes a parked thread.
     pub fn wake_thread(&mut self, thread: u16) {
         self.threads[usize::from(thread)].dataplane.wake_thread();

@@ -133,6 +133,8 @@ pub(super) struct Connection {
     pub(super) tls_starting: bool,
     /// Its thread is parked: it moves to another once between requests (`handoff`).
     pub(super) moving: bool,
+    /// Moving to spread its tenant's connections (`[scaling] spread_tenants`).
+    pub(super) spreading: bool,
     /// Its read side was cancelled for the move.
     pub(super) move_cancelled: bool,
 }
@@ -182,6 +184,7 @@ impl Connection {
             tls: None,
             tls_starting: false,
             moving: false,
+            spreading: false,
             move_cancelled: false,
         }
     }
@@ -665,10 +668,16 @@ impl Dataplane {
         if self.tls_outer_busy(index) {
             return; // Its completion comes back here.
         }
+        if self.connections[index as usize].spreading {
+            // A spreading move that will not happen.
+            self.control
+                .spread_abandoned(self.requester(index).connection);
+        }
         let connection = &mut self.connections[index as usize];
         connection.tls = None;
         connection.tls_starting = false;
         connection.moving = false;
+        connection.spreading = false;
         connection.move_cancelled = false;
         assert!(connection.payload.is_none());
         assert!(connection.stalled.is_none());

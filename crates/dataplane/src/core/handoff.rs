@@ -60,8 +60,8 @@ pub struct MovedConnection {
     device_queue: u16,
     accepted_at: Nanos,
     established: bool,
-    /// Handed over by a rebalancing onto a woken thread, not by a park (for the counters).
-    rebalance: bool,
+    /// Why it moved (for the counters).
+    cause: MoveCause,
     /// Its TLS session with the link's buffers (nothing of it in flight).
     tls: Option<Box<super::tls::TlsLink>>,
 }
@@ -86,10 +86,21 @@ impl MovedConnection {
         self.unparsed.len()
     }
 
-    /// Whether a rebalancing onto a woken thread moved it (otherwise its thread parked).
-    pub fn is_rebalance(&self) -> bool {
-        self.rebalance
+    /// Why it moved.
+    pub fn cause(&self) -> MoveCause {
+        self.cause
     }
+}
+
+/// Why a connection moved to another thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoveCause {
+    /// Its thread parked.
+    Park,
+    /// A rebalancing onto a woken thread.
+    Rebalance,
+    /// Spreading its tenant's connections over the threads after its BIND.
+    Spread,
 }
 
 // The state crosses threads in the driver's queues.
@@ -107,6 +118,9 @@ pub(super) struct Handoff {
     moving: Vec<(u32, u16)>,
     /// Released slots whose state waits for the driver ([`Dataplane::take_moved`]).
     released: Vec<(ConnectionId, MovedConnection)>,
+    /// Spreading tenants' connections (`[scaling] spread_tenants`): the threads a connection
+    /// may move to after its BIND, bit `t` for thread `t` (0: off).
+    spread_threads: u64,
 }
 
 impl Dataplane {
@@ -141,7 +155,8 @@ impl Dataplane {
         };
         let moving = std::mem::take(&mut self.handoff.moving);
         for (index, to) in moving {
-            if to != parked_to {
+            if to != parked_to || self.connections[index as usize].spreading {
+                // A rebalancing's or a spreading's move still goes.
                 self.handoff.moving.push((index, to));
                 continue;
             }
@@ -182,6 +197,40 @@ impl Dataplane {
             "rebalancing: handing connections to a woken thread"
         );
         marked
+    }
+
+    /// Spreads tenants' connections over the threads in `active` (bit `t` for thread `t`; 0
+    /// turns it off): from now on a connection that BINDs to a tenant moves, once between
+    /// requests, to the thread `reflex_qos::spread_target` names.
+    pub fn set_spread_threads(&mut self, active: u64) {
+        self.handoff.spread_threads = active;
+    }
+
+    /// After a BIND to `handle`: marks the connection for moving to another thread if its
+    /// tenant's connections are unevenly spread (`ControlPlane::spread_target`; a parked
+    /// thread moves it anyway).
+    pub(super) fn spread_bound(&mut self, index: u32, handle: u64) {
+        let active = self.handoff.spread_threads;
+        if active == 0 || self.handoff.parked_to.is_some() || !self.can_move(index) {
+            return;
+        }
+        if self.connections[index as usize].moving {
+            return;
+        }
+        let key = self.requester(index).connection;
+        let Some(to) = self.control.spread_target(key, handle, active) else {
+            return;
+        };
+        let marked = self.mark_moving_to(index, to);
+        assert!(marked, "a movable connection not moving yet is marked");
+        self.connections[index as usize].spreading = true;
+        self.stats.connections_spread += 1;
+        tracing::debug!(
+            thread = self.thread_index,
+            connection = index,
+            to,
+            "spreading a tenant's connections: moving one"
+        );
     }
 
     /// Open connections that could move now and are not moving yet (what a rebalancing may
@@ -270,6 +319,10 @@ impl Dataplane {
             let (index, to) = self.handoff.moving[position];
             if !self.can_move(index) {
                 // Closing, or its peer ended: it finishes here.
+                if std::mem::take(&mut self.connections[index as usize].spreading) {
+                    self.control
+                        .spread_abandoned(self.requester(index).connection);
+                }
                 self.connections[index as usize].moving = false;
                 self.handoff.moving.swap_remove(position);
                 continue;
@@ -330,6 +383,7 @@ impl Dataplane {
         assert_eq!(connection.outstanding, 0);
         assert!(!connection.recv_in_flight && !connection.send_in_flight);
         let id = connection.id(index);
+        let spread = std::mem::take(&mut connection.spreading);
         let unparsed = connection.recv_buffer[connection.recv_start..connection.recv_end].to_vec();
         let moved = MovedConnection {
             from_thread: self.thread_index as u16,
@@ -344,7 +398,13 @@ impl Dataplane {
             device_queue: connection.device_queue,
             accepted_at: connection.accepted_at,
             established: connection.established,
-            rebalance: self.handoff.parked_to != Some(to),
+            cause: if self.handoff.parked_to == Some(to) {
+                MoveCause::Park
+            } else if spread {
+                MoveCause::Spread
+            } else {
+                MoveCause::Rebalance
+            },
             tls: connection.tls.take(),
         };
         let (listener, source) = (connection.listener, connection.source);

@@ -72,7 +72,7 @@ mod tls;
 
 use connection::{Connection, Listener};
 use errors::DeviceErrorLog;
-pub use handoff::MovedConnection;
+pub use handoff::{MoveCause, MovedConnection};
 use io::GateWaits;
 pub use kv::KvSetup;
 pub use kv_owner::{KvMessage, KvNext, KvRequestRef};

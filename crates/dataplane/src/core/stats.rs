@@ -21,6 +21,9 @@ pub struct CoreStats {
     /// Thread scaling: connections this thread handed to another, and adopted from others.
     pub connections_moved_out: u64,
     pub connections_moved_in: u64,
+    /// Of `connections_moved_out`, those moved after a BIND to spread their tenant's
+    /// connections over the threads (`[scaling] spread_tenants`).
+    pub connections_spread: u64,
     /// Connections whose framing broke (closed after their answers).
     pub framing_errors: u64,
     /// TLS sessions started, and those that failed (handshake refused, bad records).

@@ -832,6 +832,7 @@ impl Dataplane {
         if self.namespaces.composite(binding.namespace_index).is_some() {
             self.learn_member_tenants(binding.namespace_index, binding.tenant.handle, now);
         }
+        self.spread_bound(connection_index, handle);
         ControlAnswer::ok()
     }
 

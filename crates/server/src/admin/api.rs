@@ -1022,10 +1022,13 @@ pub struct ScalingView {
     pub connections_per_thread: Vec<u32>,
     pub parks_total: u64,
     pub wakes_total: u64,
-    /// Connections handed from one thread to another (parks and rebalancings).
+    /// Connections handed from one thread to another (parks, rebalancings, spreading).
     pub connections_moved_total: u64,
     /// Of those, the ones a rebalancing onto a woken thread moved.
     pub connections_rebalanced_total: u64,
+    /// Of those, the ones moved after a BIND to spread their tenant's connections over the
+    /// threads (`[scaling] spread_tenants`).
+    pub connections_spread_total: u64,
     /// The newest events, oldest first.
     pub events: Vec<crate::scaling::ScalingEvent>,
 }
@@ -1051,6 +1054,7 @@ impl AdminState {
                 wakes_total: scaling.wakes(),
                 connections_moved_total: scaling.connections_moved(),
                 connections_rebalanced_total: scaling.connections_rebalanced(),
+                connections_spread_total: scaling.connections_spread(),
                 events: scaling.events(),
             },
             None => ScalingView {
@@ -1063,6 +1067,7 @@ impl AdminState {
                 wakes_total: 0,
                 connections_moved_total: 0,
                 connections_rebalanced_total: 0,
+                connections_spread_total: 0,
                 events: Vec::new(),
             },
         }
