@@ -160,6 +160,9 @@ struct Flow {
     latency_sum_ns: u64,
     /// It completed a request in the previous window (it counts as present).
     recent: bool,
+    /// The stage's release count when it last released one of this flow's requests (0:
+    /// never): ties in the fewest-in-flight modes go to the flow served least recently.
+    last_released: u64,
 }
 
 impl Flow {
@@ -410,6 +413,7 @@ impl FairQueue {
             self.active.swap_remove(position);
         }
         flow.in_flight += 1;
+        flow.last_released = self.stats.released_total + 1;
         assert!(self.held > 0);
         self.held -= 1;
         if self.in_flight == 0 {
@@ -625,7 +629,22 @@ impl FairQueue {
             .iter()
             .map(|&index| self.flows[index as usize].in_flight)
             .min()?;
-        (fewest < share).then(|| self.oldest_head(|flow| flow.in_flight == fewest))
+        if fewest >= share {
+            return None;
+        }
+        // Among the flows with the fewest in flight, the one served least recently, then the
+        // oldest head: with one place, the flows take turns instead of the oldest head (nearly
+        // always a dense flow's) taking every place.
+        let served_longest_ago = self
+            .active
+            .iter()
+            .map(|&index| &self.flows[index as usize])
+            .filter(|flow| flow.in_flight == fewest)
+            .map(|flow| flow.last_released)
+            .min()?;
+        Some(self.oldest_head(|flow| {
+            flow.in_flight == fewest && flow.last_released == served_longest_ago
+        }))
     }
 
     /// Checks the counts in O(flows + held). Panics with the broken invariant.

@@ -319,6 +319,32 @@ fn fair_share_caps_each_present_flow_at_its_share() {
     assert_eq!(release_all(&mut stage, now), vec![(1, 6)]);
 }
 
+/// One place at the device: both flows are at their share whenever it frees, and the turn
+/// goes to the flow served least recently, not to the oldest head (nearly always the dense
+/// flow's, which would make the stage first in, first out).
+#[test]
+fn with_one_place_the_flows_take_turns() {
+    let mut stage = stage(FairMode::FairShare, 1, None);
+    let now = Nanos::from_micros(1);
+    for token in 0..4 {
+        stage.hold(DENSE, token).unwrap();
+    }
+    assert_eq!(release_all(&mut stage, now), vec![(1, 0)]);
+    stage.hold(SPARSE, 10).unwrap();
+    stage.hold(SPARSE, 11).unwrap();
+    let mut order = Vec::new();
+    let mut at_device = DENSE;
+    for _ in 0..5 {
+        stage.completed(at_device, 1_000, now);
+        let released = release_all(&mut stage, now);
+        assert_eq!(released.len(), 1, "{released:?}");
+        at_device = FlowId(released[0].0);
+        order.push(released[0]);
+    }
+    // Dense 1, 2 and 3 are older than either sparse request.
+    assert_eq!(order, vec![(0, 10), (1, 1), (0, 11), (1, 2), (1, 3)]);
+}
+
 #[test]
 fn flows_lists_held_and_in_flight_per_flow_for_the_metrics() {
     let mut stage = stage(FairMode::FairShare, 2, None);
