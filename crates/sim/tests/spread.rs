@@ -60,14 +60,6 @@ struct Client {
 }
 
 impl Client {
-    fn transmit(&mut self, server: &mut VirtualServer) {
-        while let Some(bytes) = self.core.transmit_start() {
-            let length = bytes.len();
-            server.client_send(self.socket, bytes);
-            self.core.transmit_done(length);
-        }
-    }
-
     fn take_answers(&mut self, server: &mut VirtualServer) {
         let answered = &mut self.answered;
         common::take_completions(
@@ -133,7 +125,7 @@ fn bind_at_once(spread: bool) -> Vec<u32> {
             .core
             .submit_read(2, NAMESPACE, 0, 4096)
             .unwrap_or_else(|e| panic!("{e}"));
-        client.transmit(&mut server);
+        common::transmit_all(&mut server, client.socket, &mut client.core);
     }
     let now = server.now();
     server.run_instant(Nanos(now.0 + 1));

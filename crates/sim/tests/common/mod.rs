@@ -107,3 +107,16 @@ pub fn take_completions(
         }
     }
 }
+
+/// Sends everything `core` has queued on `socket`: the send loop of a virtual client.
+pub fn transmit_all(
+    server: &mut VirtualServer,
+    socket: reflex_sim::SocketId,
+    core: &mut reflex_client::ConnectionCore,
+) {
+    while let Some(bytes) = core.transmit_start() {
+        let length = bytes.len();
+        server.client_send(socket, bytes);
+        core.transmit_done(length);
+    }
+}
