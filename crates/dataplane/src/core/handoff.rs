@@ -224,7 +224,6 @@ impl Dataplane {
         let marked = self.mark_moving_to(index, to);
         assert!(marked, "a movable connection not moving yet is marked");
         self.connections[index as usize].spreading = true;
-        self.stats.connections_spread += 1;
         tracing::debug!(
             thread = self.thread_index,
             connection = index,
@@ -398,10 +397,10 @@ impl Dataplane {
             device_queue: connection.device_queue,
             accepted_at: connection.accepted_at,
             established: connection.established,
-            cause: if self.handoff.parked_to == Some(to) {
-                MoveCause::Park
-            } else if spread {
+            cause: if spread {
                 MoveCause::Spread
+            } else if self.handoff.parked_to == Some(to) {
+                MoveCause::Park
             } else {
                 MoveCause::Rebalance
             },
@@ -419,6 +418,9 @@ impl Dataplane {
         self.return_recv_buffer(recv_buffer);
         self.uncount_connection(listener, source);
         self.stats.connections_moved_out += 1;
+        if spread {
+            self.stats.connections_spread += 1;
+        }
         tracing::debug!(
             thread = self.thread_index,
             connection = index,
