@@ -8,7 +8,8 @@
 #
 # Usage: bench/kv-fig9.sh
 # Environment: OUT (docs/results/kv-fig9.md), and the script's own: RUNS (2), DENSE (8),
-#   OPS (1000), KEYS (2000), MODES ("baseline stage fair_share inter hybrid")
+#   OPS (1000), KEYS (2000), DEPTH (8), BACKWARDINGS (2), MODES ("baseline stage fair_share
+#   inter hybrid"; also intra, and any mode with +spread, e.g. "fair_share+spread")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib/common.sh

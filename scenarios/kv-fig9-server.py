@@ -15,7 +15,10 @@ Modes (QoS off, as scenarios/fig9-server.py):
             stage alone costs, for the two below
   inter     that stage with inter-core migration of every flow's reads, KV bucket and value
             reads included (docs/FAIRNESS.md)
-  hybrid    the stage in backwarding (B = 2, be_device_depth_max DEPTH) with that migration
+  intra     the stage in backwarding (B = BACKWARDINGS, be_device_depth_max DEPTH), no
+            migration: OctoFAS's intra-core scheduling alone (Figure 8 sweeps B)
+  hybrid    the stage in backwarding (B = BACKWARDINGS, be_device_depth_max DEPTH) with that
+            migration
   fair_share  the stage in fair_share (be_device_depth_max DEPTH), no migration: the mode that
             made the block flows fair (docs/FAIRNESS.md)
   MODE+spread  any of these with `[scaling] spread_tenants = true`: each flow's connections
@@ -34,7 +37,7 @@ Usage (from the repository root, after
     scenarios/kv-fig9-server.py              # a markdown table to stdout, progress to stderr
 Environment: RUNS (2), DENSE (8), OPS (1000), KEYS (2000), DEPTH (8: the stage's
 be_device_depth_max per thread in every mode with a stage), SETTLE_S (2: the wait after the
-fill, before the first measured run),
+fill, before the first measured run), BACKWARDINGS (2: B in intra and hybrid),
 MODES ("baseline stage fair_share inter hybrid"),
 REFLEXD, REFLEX (target/release/...)
 """
@@ -57,6 +60,7 @@ OPS = int(os.environ.get("OPS", "1000"))
 KEYS = int(os.environ.get("KEYS", "2000"))
 DEPTH = int(os.environ.get("DEPTH", "8"))
 SETTLE_S = float(os.environ.get("SETTLE_S", "2"))
+BACKWARDINGS = int(os.environ.get("BACKWARDINGS", "2"))
 MODES = os.environ.get("MODES", "baseline stage fair_share inter hybrid").split()
 SPARSE = 2
 BENCH_TIMEOUT_S = 60
@@ -74,8 +78,9 @@ def fairness_table(mode):
         return {"mode": "fifo", "be_device_depth_max": DEPTH}
     if mode == "fair_share":
         return {"mode": "fair_share", "be_device_depth_max": DEPTH}
-    if mode == "hybrid":
-        return {"mode": "backwarding", "backwardings": 2, "be_device_depth_max": DEPTH}
+    if mode in ("intra", "hybrid"):
+        return {"mode": "backwarding", "backwardings": BACKWARDINGS,
+                "be_device_depth_max": DEPTH}
     raise SystemExit(f"unknown mode {mode}")
 
 
