@@ -426,12 +426,12 @@ struct State {
     spreading: Vec<SpreadMove>,
 }
 
-/// A connection on its way to another thread to spread its tenant's connections.
+/// A connection on its way to another thread to spread its tenant's connections (from
+/// `key.thread`, the thread it was on).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct SpreadMove {
     key: ConnectionKey,
     handle: u64,
-    from: u16,
     to: u16,
 }
 
@@ -914,17 +914,12 @@ impl ControlPlane {
         let namespace = state.namespaces.get(usize::from(entry.namespace_index))?;
         let mut counts = namespace.registry.connections(entry.id)?.to_vec();
         for on_its_way in state.spreading.iter().filter(|m| m.handle == handle) {
-            let from = &mut counts[usize::from(on_its_way.from)];
+            let from = &mut counts[usize::from(on_its_way.key.thread)];
             *from = from.saturating_sub(1);
             counts[usize::from(on_its_way.to)] += 1;
         }
         let to = reflex_qos::spread_target(&counts, key.thread, active)?;
-        state.spreading.push(SpreadMove {
-            key,
-            handle,
-            from: key.thread,
-            to,
-        });
+        state.spreading.push(SpreadMove { key, handle, to });
         Some(to)
     }
 

@@ -668,16 +668,11 @@ impl Dataplane {
         if self.tls_outer_busy(index) {
             return; // Its completion comes back here.
         }
-        if self.connections[index as usize].spreading {
-            // A spreading move that will not happen.
-            self.control
-                .spread_abandoned(self.requester(index).connection);
-        }
+        self.abandon_spread(index);
         let connection = &mut self.connections[index as usize];
         connection.tls = None;
         connection.tls_starting = false;
         connection.moving = false;
-        connection.spreading = false;
         connection.move_cancelled = false;
         assert!(connection.payload.is_none());
         assert!(connection.stalled.is_none());

@@ -232,6 +232,15 @@ impl Dataplane {
         );
     }
 
+    /// A connection marked for a spreading move stays where it is after all (it closes, or
+    /// its peer ended): the control plane stops counting it where it was going.
+    pub(super) fn abandon_spread(&mut self, index: u32) {
+        if std::mem::take(&mut self.connections[index as usize].spreading) {
+            self.control
+                .spread_abandoned(self.requester(index).connection);
+        }
+    }
+
     /// Open connections that could move now and are not moving yet (what a rebalancing may
     /// ask this thread for).
     pub fn connections_movable(&self) -> u32 {
@@ -318,10 +327,7 @@ impl Dataplane {
             let (index, to) = self.handoff.moving[position];
             if !self.can_move(index) {
                 // Closing, or its peer ended: it finishes here.
-                if std::mem::take(&mut self.connections[index as usize].spreading) {
-                    self.control
-                        .spread_abandoned(self.requester(index).connection);
-                }
+                self.abandon_spread(index);
                 self.connections[index as usize].moving = false;
                 self.handoff.moving.swap_remove(position);
                 continue;
