@@ -634,17 +634,16 @@ impl FairQueue {
         }
         // Among the flows with the fewest in flight, the one served least recently, then the
         // oldest head: with one place, the flows take turns instead of the oldest head (nearly
-        // always a dense flow's) taking every place.
-        let served_longest_ago = self
-            .active
-            .iter()
-            .map(|&index| &self.flows[index as usize])
-            .filter(|flow| flow.in_flight == fewest)
-            .map(|flow| flow.last_released)
-            .min()?;
-        Some(self.oldest_head(|flow| {
-            flow.in_flight == fewest && flow.last_released == served_longest_ago
-        }))
+        // always a dense flow's) taking every place. (An active flow always has a head.)
+        (0..self.active.len())
+            .filter(|&position| self.flows[self.active[position] as usize].in_flight == fewest)
+            .min_by_key(|&position| {
+                let flow = &self.flows[self.active[position] as usize];
+                (
+                    flow.last_released,
+                    flow.queue.front().map(|head| head.sequence),
+                )
+            })
     }
 
     /// Checks the counts in O(flows + held). Panics with the broken invariant.
