@@ -17,7 +17,8 @@
 #
 # Usage: bench/nvme-tcp.sh
 # Environment: SPDK_DIR (required: an SPDK v24.01 source tree built as docs/NVME-TCP.md says) REPS (5) DURATION (5, seconds) TARGET_CPU (0)
-#   CLIENT_CPU (1) WORK (target/bench-nvme-tcp) OUT (docs/results/nvme-tcp.md)
+#   CLIENT_CPU (1) WORK (target/bench-nvme-tcp) OUT (docs/results/nvme-tcp.md) ISOLATE (on:
+#   every other task that can leaves TARGET_CPU for the run, bench/lib/isolate.py; off: shared)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib/common.sh
@@ -33,6 +34,7 @@ NQN_SPDK=nqn.2016-06.io.spdk:bench
 NQN_REFLEX=nqn.2026-01.io.reflex:default
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 export PATH=/usr/bin:$PATH # SPDK's rpc.py wants Debian's python3
+isolate_option
 
 require taskset python3
 PERF="$SPDK_DIR/build/bin/spdk_nvme_perf"
@@ -44,7 +46,8 @@ cargo build --release -q -p reflex-server --bin reflexd
 REFLEXD="$CARGO_TARGET_DIR/release/reflexd"
 mkdir -p "$WORK/raw"
 rm -f "$WORK"/raw/*
-trap stop_tracked EXIT
+trap 'stop_tracked; isolate_restore' EXIT
+isolate_cpu "$TARGET_CPU"
 wait_quiet 30 30 || note "the machine stayed busy; measuring anyway"
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 
@@ -123,9 +126,10 @@ done
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 
 mkdir -p "$(dirname "$OUT")"
-python3 - "$WORK/results.txt" "$REPS" "$DURATION" "$LOAD_BEFORE" "$LOAD_AFTER" >"$OUT" <<'EOF'
-import statistics, sys
-path, reps, duration, load_before, load_after = sys.argv[1:6]
+COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates bench || echo "+dirty")
+python3 - "$WORK/results.txt" "$REPS" "$DURATION" "$LOAD_BEFORE" "$LOAD_AFTER" "$ISOLATE" "$COMMIT" >"$OUT" <<'EOF'
+import datetime, statistics, sys
+path, reps, duration, load_before, load_after, isolate, commit = sys.argv[1:8]
 rows = [line.split() for line in open(path) if line.strip()]
 cells = {}
 for name, workload, rep, iops, latency, cores in rows:
@@ -134,7 +138,10 @@ labels = {"spdk": "SPDK nvmf_tgt (malloc, spins)", "reflexd": "reflexd (mem, blo
           "reflexd-poll": "reflexd --poll (mem, spins)"}
 print(f"# NVMe/TCP: SPDK nvmf_tgt vs reflexd (bench/nvme-tcp.sh)\n")
 print(f"spdk_nvme_perf, 4 KiB, {duration} s per run, medians of {reps} runs; each target on one core,"
-      f" perf on another. Load average before {load_before}, after {load_after}.\n")
+      f" perf on another. Load average before {load_before}, after {load_after}. Commit {commit},"
+      f" {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (end). Target CPU "
+      + ("kept for the target (`ISOLATE=on`: every other task that could run elsewhere moved off it)"
+         if isolate == "on" else "shared with every other task (`ISOLATE=off`)") + ".\n")
 for workload in ["randread-qd32", "randrw50-qd32", "randread-qd1"]:
     print(f"## {workload}\n")
     print("| target | IOPS | mean latency (us) | target cores busy | IOPS per target core | best run's IOPS per target core | IOPS of each run |")
