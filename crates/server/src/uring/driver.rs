@@ -179,6 +179,9 @@ pub struct UringDriver {
     polled: Vec<Completion>,
     /// Synchronous device results reported while issuing (then `process` runs again).
     finished_synchronously: bool,
+    /// Receives the dataplane asked for in this iteration, pushed after its sends (see
+    /// [`Self::push_deferred_recvs`]).
+    deferred_recvs: Vec<ConnectionId>,
 }
 
 impl UringDriver {
@@ -231,6 +234,7 @@ impl UringDriver {
             cqes: Box::new([Cqe::default(); BATCH_MAX]),
             polled: Vec::new(),
             finished_synchronously: false,
+            deferred_recvs: Vec::new(),
         })
     }
 
@@ -330,6 +334,7 @@ impl UringDriver {
                 self.dataplane.start_sends(now);
                 self.issue_and_migrate(now);
             }
+            self.push_deferred_recvs();
             if self.dataplane.is_finished() {
                 if self.wake_in_flight && !self.wake_cancelled {
                     self.wake_cancelled = true;
@@ -584,6 +589,11 @@ impl UringDriver {
 
     fn issue_ops(&mut self, now: Nanos) {
         while let Some(op) = self.dataplane.poll_op() {
+            if !matches!(op, Op::Recv { .. } | Op::Send { .. } | Op::Device(_)) {
+                // It may close or cancel what a deferred receive names: those go first, in
+                // the order the dataplane asked.
+                self.push_deferred_recvs();
+            }
             match op {
                 Op::Accept { listener } => self.push_accept(listener),
                 Op::CloseListener { listener } => {
@@ -595,7 +605,7 @@ impl UringDriver {
                         slot.socket = None;
                     }
                 }
-                Op::Recv { connection } => self.push_recv(connection),
+                Op::Recv { connection } => self.deferred_recvs.push(connection),
                 Op::Send { connection } => self.push_send(connection),
                 Op::WaitReadable { connection } => {
                     let fd = self.fd(connection);
@@ -664,6 +674,18 @@ impl UringDriver {
                 }
             }
         }
+    }
+
+    /// Pushes the receives deferred in this iteration. The kernel runs a submission's entries
+    /// in order, and a receive on a drained socket tries it and arms a poll: behind the
+    /// answers' sends it no longer delays them (a queue-depth-1 client waits for exactly that
+    /// send).
+    fn push_deferred_recvs(&mut self) {
+        let mut deferred = std::mem::take(&mut self.deferred_recvs);
+        for connection in deferred.drain(..) {
+            self.push_recv(connection);
+        }
+        self.deferred_recvs = deferred;
     }
 
     fn fd(&self, connection: ConnectionId) -> types::Fd {
