@@ -738,6 +738,57 @@ fn discovery_log(
 }
 
 #[test]
+fn the_temperature_thresholds_start_at_the_warning_temperature_and_keep_what_is_set() {
+    use reflex_proto::nvme_tcp::admin::WARNING_TEMPERATURE_KELVIN;
+    use reflex_proto::nvme_tcp::command::{admin_opcode, feature};
+    let server = nvme_server();
+    let mut controller = attach(&server, NvmeTcpOptions::new(HOST, NQN), 1);
+    let mut execute = |opcode: u8, dword11: u32| {
+        let mut command = reflex_proto::nvme_tcp::Command::zeroed();
+        command
+            .set_opcode(opcode)
+            .set_cdw(10, u32::from(feature::TEMPERATURE_THRESHOLD))
+            .set_cdw(11, dword11);
+        controller
+            .admin()
+            .execute(command, Transfer::None)
+            .map(|(completion, _)| completion.dw0)
+    };
+    const UNDER: u32 = 1 << 20;
+    const SENSOR_1: u32 = 1 << 16;
+    const EVERY_SENSOR: u32 = 0xF << 16;
+    // Composite sensor, over-temperature: the warning temperature (WCTEMP), so a controller
+    // at room temperature is below its threshold; under-temperature: 0 K.
+    let get = admin_opcode::GET_FEATURES;
+    assert_eq!(
+        execute(get, 0).unwrap_or_else(|e| panic!("{e}")),
+        u32::from(WARNING_TEMPERATURE_KELVIN)
+    );
+    assert_eq!(execute(get, UNDER).unwrap_or_else(|e| panic!("{e}")), UNDER);
+    let set = admin_opcode::SET_FEATURES;
+    execute(set, 350).unwrap_or_else(|e| panic!("{e}"));
+    execute(set, UNDER | 270).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(execute(get, 0).unwrap_or_else(|e| panic!("{e}")), 350);
+    assert_eq!(
+        execute(get, UNDER).unwrap_or_else(|e| panic!("{e}")),
+        UNDER | 270
+    );
+    // "Every sensor" is the composite one here; a sensor that does not exist and a reserved
+    // threshold type are invalid fields.
+    execute(set, EVERY_SENSOR | 345).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(execute(get, 0).unwrap_or_else(|e| panic!("{e}")), 345);
+    assert_eq!(status_of(execute(get, SENSOR_1)), Status::INVALID_FIELD);
+    assert_eq!(
+        status_of(execute(set, SENSOR_1 | 300)),
+        Status::INVALID_FIELD
+    );
+    assert_eq!(status_of(execute(get, 2 << 20)), Status::INVALID_FIELD);
+    assert_eq!(status_of(execute(get, EVERY_SENSOR)), Status::INVALID_FIELD);
+    drop(controller);
+    server.shutdown().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
 fn an_io_queue_connects_with_a_fresh_host_identifier() {
     // The TrueNAS Python initiator sends a new host identifier on each Connect; the
     // controller is found by its id, subsystem and host NQN, as the Linux target does.

@@ -450,10 +450,18 @@ impl NvmeTcpFrontend {
                 zero_based | (zero_based << 16)
             }
             feature::VOLATILE_WRITE_CACHE => 1,
-            feature::ARBITRATION
-            | feature::POWER_MANAGEMENT
-            | feature::TEMPERATURE_THRESHOLD
-            | feature::ERROR_RECOVERY => admin.plain_features[usize::from(fid)],
+            feature::TEMPERATURE_THRESHOLD => {
+                match TemperatureSelection::decode(command.cdw11(), false) {
+                    Some(selection) => {
+                        let threshold = admin.temperature_thresholds[selection.threshold];
+                        u32::from(threshold) | (command.cdw11() & SELECTION_BITS)
+                    }
+                    None => return Outcome::status(cid, Status::INVALID_FIELD),
+                }
+            }
+            feature::ARBITRATION | feature::POWER_MANAGEMENT | feature::ERROR_RECOVERY => {
+                admin.plain_features[usize::from(fid)]
+            }
             _ => return Outcome::status(cid, Status::INVALID_FIELD),
         };
         Outcome::success(cid, value)
@@ -506,14 +514,38 @@ impl NvmeTcpFrontend {
                 Outcome::status(cid, Status::SUCCESS)
             }
             feature::VOLATILE_WRITE_CACHE => Outcome::status(cid, Status::FEATURE_NOT_CHANGEABLE),
-            feature::ARBITRATION
-            | feature::POWER_MANAGEMENT
-            | feature::TEMPERATURE_THRESHOLD
-            | feature::ERROR_RECOVERY => {
+            feature::TEMPERATURE_THRESHOLD => match TemperatureSelection::decode(value, true) {
+                Some(selection) => {
+                    admin.temperature_thresholds[selection.threshold] = (value & 0xFFFF) as u16;
+                    Outcome::status(cid, Status::SUCCESS)
+                }
+                None => Outcome::status(cid, Status::INVALID_FIELD),
+            },
+            feature::ARBITRATION | feature::POWER_MANAGEMENT | feature::ERROR_RECOVERY => {
                 admin.plain_features[usize::from(fid)] = value;
                 Outcome::status(cid, Status::SUCCESS)
             }
             _ => Outcome::status(cid, Status::INVALID_FIELD),
         }
+    }
+}
+
+/// Temperature Threshold's TMPSEL (bits 19:16) and THSEL (bits 21:20) in Dword 11.
+const SELECTION_BITS: u32 = 0x003F_0000;
+
+/// Which threshold a Temperature Threshold command names: only the composite sensor exists.
+struct TemperatureSelection {
+    /// 0: over-temperature, 1: under-temperature.
+    threshold: usize,
+}
+
+impl TemperatureSelection {
+    /// `None` for a sensor this controller lacks or a reserved THSEL (Invalid Field). A Set
+    /// may name every sensor (TMPSEL Fh), which here is the composite one.
+    fn decode(dword11: u32, set: bool) -> Option<TemperatureSelection> {
+        let sensor = (dword11 >> 16) & 0xF;
+        let threshold = ((dword11 >> 20) & 0x3) as usize;
+        let sensor_known = sensor == 0 || (set && sensor == 0xF);
+        (sensor_known && threshold <= 1).then_some(TemperatureSelection { threshold })
     }
 }

@@ -139,9 +139,11 @@ pub(super) struct AdminState {
     pub(super) alive_noted: bool,
     pub(super) alive_at: Option<Nanos>,
     pub(super) async_event_config: u32,
-    /// Features without effect here, as last set (arbitration, power, temperature, error
-    /// recovery), by feature id.
+    /// Features without effect here, as last set (arbitration, power, error recovery), by
+    /// feature id.
     pub(super) plain_features: [u32; 16],
+    /// The composite sensor's over- and under-temperature thresholds (kelvin), as last set.
+    pub(super) temperature_thresholds: [u16; 2],
     /// CIDs of Asynchronous Event Requests held until an event.
     pub(super) events_held: Vec<u16>,
     /// Namespaces that left (or joined) the active list, and their event.
@@ -817,6 +819,10 @@ impl NvmeTcpFrontend {
                 alive_at: None,
                 async_event_config: 0,
                 plain_features: [0; 16],
+                temperature_thresholds: [
+                    reflex_proto::nvme_tcp::admin::WARNING_TEMPERATURE_KELVIN,
+                    0,
+                ],
                 events_held: Vec::new(),
                 namespace_changes: NamespaceChanges::default(),
             };

@@ -115,8 +115,8 @@ impl IdentifyController {
         f.put_u8::<261>(self.lpa);
         f.put_u8::<262>(self.elpe);
         // Composite temperature thresholds (kelvin): warning and critical.
-        f.put_u16_le::<266>(343);
-        f.put_u16_le::<268>(353);
+        f.put_u16_le::<266>(WARNING_TEMPERATURE_KELVIN);
+        f.put_u16_le::<268>(CRITICAL_TEMPERATURE_KELVIN);
         f.put_u16_le::<320>(self.kas);
         f.put_u8::<512>(0x66); // SQES: 64-byte entries.
         f.put_u8::<513>(0x44); // CQES: 16-byte entries.
@@ -275,6 +275,12 @@ pub fn decode_namespace_descriptors(bytes: &[u8; IDENTIFY_SIZE]) -> Vec<(u8, Vec
     }
     found
 }
+
+/// The composite temperature above which the controller warns (WCTEMP), and the default of
+/// its over-temperature threshold (Temperature Threshold feature).
+pub const WARNING_TEMPERATURE_KELVIN: u16 = 343;
+/// The composite temperature above which the controller is critical (CCTEMP).
+pub const CRITICAL_TEMPERATURE_KELVIN: u16 = 353;
 
 /// The SMART / health log page: no warning, a temperature, full spare, and the counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
