@@ -911,9 +911,19 @@ fn check_blocks(blocks: u32, length: usize) -> Result<(), NvmeTcpError> {
 
 /// A Set Features command for `feature` with CDW11 `value`.
 pub fn set_features(feature: u8, value: u32) -> Command {
+    features_command(admin_opcode::SET_FEATURES, feature, value)
+}
+
+/// A Get Features command for `feature` (current value) with CDW11 `value` (the selection
+/// some features take, such as Temperature Threshold's sensor and threshold type).
+pub fn get_features(feature: u8, value: u32) -> Command {
+    features_command(admin_opcode::GET_FEATURES, feature, value)
+}
+
+fn features_command(opcode: u8, feature: u8, value: u32) -> Command {
     let mut command = Command::zeroed();
     command
-        .set_opcode(admin_opcode::SET_FEATURES)
+        .set_opcode(opcode)
         .set_cdw(10, u32::from(feature))
         .set_cdw(11, value);
     command

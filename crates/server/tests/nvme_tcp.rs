@@ -739,19 +739,18 @@ fn discovery_log(
 
 #[test]
 fn the_temperature_thresholds_start_at_the_warning_temperature_and_keep_what_is_set() {
+    use reflex_client::nvme_tcp::{get_features, set_features};
     use reflex_proto::nvme_tcp::admin::WARNING_TEMPERATURE_KELVIN;
-    use reflex_proto::nvme_tcp::command::{admin_opcode, feature};
+    use reflex_proto::nvme_tcp::command::feature;
     let server = nvme_server();
     let mut controller = attach(&server, NvmeTcpOptions::new(HOST, NQN), 1);
-    let mut execute = |opcode: u8, dword11: u32| {
-        let mut command = reflex_proto::nvme_tcp::Command::zeroed();
-        command
-            .set_opcode(opcode)
-            .set_cdw(10, u32::from(feature::TEMPERATURE_THRESHOLD))
-            .set_cdw(11, dword11);
+    let mut execute = |command: fn(u8, u32) -> reflex_proto::nvme_tcp::Command, dword11: u32| {
         controller
             .admin()
-            .execute(command, Transfer::None)
+            .execute(
+                command(feature::TEMPERATURE_THRESHOLD, dword11),
+                Transfer::None,
+            )
             .map(|(completion, _)| completion.dw0)
     };
     const UNDER: u32 = 1 << 20;
@@ -759,13 +758,13 @@ fn the_temperature_thresholds_start_at_the_warning_temperature_and_keep_what_is_
     const EVERY_SENSOR: u32 = 0xF << 16;
     // Composite sensor, over-temperature: the warning temperature (WCTEMP), so a controller
     // at room temperature is below its threshold; under-temperature: 0 K.
-    let get = admin_opcode::GET_FEATURES;
+    let get = get_features;
     assert_eq!(
         execute(get, 0).unwrap_or_else(|e| panic!("{e}")),
         u32::from(WARNING_TEMPERATURE_KELVIN)
     );
     assert_eq!(execute(get, UNDER).unwrap_or_else(|e| panic!("{e}")), UNDER);
-    let set = admin_opcode::SET_FEATURES;
+    let set = set_features;
     execute(set, 350).unwrap_or_else(|e| panic!("{e}"));
     execute(set, UNDER | 270).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(execute(get, 0).unwrap_or_else(|e| panic!("{e}")), 350);
