@@ -3,12 +3,12 @@
 # benchmark, not a test): builds the release binaries and runs scenarios/kv-fig9-server.py
 # (a sparse and a dense db_bench readrandom flow against reflexd with two dataplane threads,
 # KV connections on both, the table's steps on thread 0; modes baseline, stage, inter,
-# hybrid), bounded by its operation counts. The markdown table goes to OUT, progress and
+# hybrid), each readrandom phase lasting WINDOW. The markdown table goes to OUT, progress and
 # every run's figures to stderr.
 #
 # Usage: bench/kv-fig9.sh
 # Environment: OUT (docs/results/kv-fig9.md), and the script's own: RUNS (2), DENSE (8),
-#   OPS (1000), KEYS (2000), DEPTH (8), BACKWARDINGS (2), MODES ("baseline stage fair_share
+#   WINDOW (1s; "" for OPS operations per thread instead), OPS (1000), KEYS (2000), DEPTH (8), BACKWARDINGS (2), MODES ("baseline stage fair_share
 #   inter hybrid"; also intra, and any mode with +spread, e.g. "fair_share+spread")
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -341,6 +341,54 @@ fn kv_fillrandom_then_readrandom_counts_every_operation() {
     server.shutdown().expect("shutdown");
 }
 
+/// `reflex bench --kv --kv-duration`: each thread stops sending when the duration is up,
+/// long before its operation bound, and every operation it sent is answered and counted.
+#[test]
+fn kv_duration_ends_each_workload_at_its_deadline() {
+    let server = common::start_server(Config {
+        kv: reflex_server::config::KvConfig {
+            enabled: true,
+            port: 0,
+            ..reflex_server::config::KvConfig::default()
+        },
+        ..Config::loopback(vec![NamespaceConfig::new(1, "mem:64M")])
+    });
+    let address = server
+        .kv_addr()
+        .unwrap_or_else(|| panic!("no KV listener"))
+        .to_string();
+    let report = bench_ok(&[
+        "--kv",
+        &address,
+        "--threads",
+        "2",
+        "--qd",
+        "2",
+        "--kv-ops",
+        "1000000000",
+        "--kv-keys",
+        "500",
+        "--kv-duration",
+        "300ms",
+        "--key-size",
+        "4",
+        "--value-size",
+        "1k",
+    ]);
+    let rows = report
+        .as_array()
+        .unwrap_or_else(|| panic!("rows: {report}"));
+    assert_eq!(rows.len(), 2, "{report}");
+    for row in rows {
+        let ops = row["ops"].as_u64().unwrap_or(0);
+        assert!(ops > 0 && ops < 2_000_000_000, "{row}");
+        assert_eq!(row["latency"]["count"], ops, "{row}");
+        let seconds = row["seconds"].as_f64().unwrap_or(0.0);
+        assert!(seconds >= 0.3, "{row}");
+    }
+    server.shutdown().expect("shutdown");
+}
+
 /// `reflex bench --scenario` with an LC tenant that REPORTs: a REPORT takes one request of
 /// the server's window, so the tenant's I/O gets the rest. (With all of it, a due READ found
 /// the window full behind a REPORT in flight and the run stopped: "window full: 128 requests

@@ -46,6 +46,10 @@ pub struct KvOptions {
     pub threads: usize,
     pub queue_depth: u32,
     pub ops_per_thread: u64,
+    /// Stop sending after this long instead of after `ops_per_thread` (which stays a bound):
+    /// two flows started together are then measured over the same window, neither finishing
+    /// early and leaving the other alone for the rest of its run.
+    pub duration: Option<Duration>,
     pub keys: u64,
     pub key_size_bytes: usize,
     pub value_size_bytes: usize,
@@ -106,8 +110,12 @@ fn run_thread(options: &KvOptions, workload: Workload, thread: usize) -> Result<
     let mut latency = Latency::new();
     let mut sent_at: HashMap<u64, (Instant, u64)> = HashMap::new();
     let (mut sent, mut answered, mut found) = (0u64, 0u64, 0u64);
-    while answered < options.ops_per_thread {
-        while sent < options.ops_per_thread && sent_at.len() < options.queue_depth as usize {
+    let deadline = options.duration.map(|duration| Instant::now() + duration);
+    let mut sending = true;
+    while sending || !sent_at.is_empty() {
+        sending = sent < options.ops_per_thread
+            && deadline.is_none_or(|deadline| Instant::now() < deadline);
+        while sending && sent_at.len() < options.queue_depth as usize {
             // Uniform enough: the key space is far below 2^64.
             let number = rng.next_u64() % options.keys;
             let key = key_bytes(number, options.key_size_bytes);
@@ -123,6 +131,10 @@ fn run_thread(options: &KvOptions, workload: Workload, thread: usize) -> Result<
             };
             sent_at.insert(request_id, (Instant::now(), number));
             sent += 1;
+            sending = sent < options.ops_per_thread;
+        }
+        if sent_at.is_empty() {
+            break;
         }
         let response = client.receive()?;
         let Some((at, number)) = sent_at.remove(&response.request_id) else {
@@ -206,6 +218,9 @@ pub fn run(options: &KvOptions) -> Result<()> {
     }
     if options.keys == 0 || options.ops_per_thread == 0 {
         bail!("--kv-keys and --kv-ops must be at least 1");
+    }
+    if options.duration.is_some_and(|duration| duration.is_zero()) {
+        bail!("--kv-duration must be longer than zero");
     }
     if options.key_size_bytes < 8 && options.keys > 1 << (8 * options.key_size_bytes) {
         bail!(

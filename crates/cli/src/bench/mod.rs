@@ -217,6 +217,10 @@ pub struct Args {
     /// With --kv: operations per thread and workload.
     #[arg(long, default_value_t = 10_000, requires = "kv")]
     kv_ops: u64,
+    /// With --kv: each thread stops sending after this long (--kv-ops stays a bound), so
+    /// flows started together are measured over the same window.
+    #[arg(long, value_parser = parse_duration, requires = "kv")]
+    kv_duration: Option<Duration>,
     /// With --kv: keys are drawn from 0 .. this (default: threads × kv_ops).
     #[arg(long, requires = "kv")]
     kv_keys: Option<u64>,
@@ -349,6 +353,7 @@ pub fn run(args: Args) -> Result<()> {
             threads: args.threads,
             queue_depth: args.qd.first().copied().unwrap_or(1),
             ops_per_thread: args.kv_ops,
+            duration: args.kv_duration,
             keys: args.kv_keys.unwrap_or(args.threads as u64 * args.kv_ops),
             key_size_bytes: args.key_size,
             value_size_bytes: usize::try_from(args.value_size).unwrap_or(usize::MAX),
