@@ -294,11 +294,8 @@ fn pingpong_reports_every_size() {
     }
 }
 
-/// `reflex bench --kv`: fillrandom then readrandom against a real KV port; every operation
-/// is counted, every value readrandom finds is checked by the bench (a mismatch fails it),
-/// and it finds keys that fillrandom stored.
-#[test]
-fn kv_fillrandom_then_readrandom_counts_every_operation() {
+/// A server with a KV port on a `mem` namespace, and that port's address.
+fn kv_server() -> (ServerHandle, String) {
     let server = common::start_server(Config {
         kv: reflex_server::config::KvConfig {
             enabled: true,
@@ -311,6 +308,15 @@ fn kv_fillrandom_then_readrandom_counts_every_operation() {
         .kv_addr()
         .unwrap_or_else(|| panic!("no KV listener"))
         .to_string();
+    (server, address)
+}
+
+/// `reflex bench --kv`: fillrandom then readrandom against a real KV port; every operation
+/// is counted, every value readrandom finds is checked by the bench (a mismatch fails it),
+/// and it finds keys that fillrandom stored.
+#[test]
+fn kv_fillrandom_then_readrandom_counts_every_operation() {
+    let (server, address) = kv_server();
     let report = bench_ok(&[
         "--kv",
         &address,
@@ -345,18 +351,7 @@ fn kv_fillrandom_then_readrandom_counts_every_operation() {
 /// long before its operation bound, and every operation it sent is answered and counted.
 #[test]
 fn kv_duration_ends_each_workload_at_its_deadline() {
-    let server = common::start_server(Config {
-        kv: reflex_server::config::KvConfig {
-            enabled: true,
-            port: 0,
-            ..reflex_server::config::KvConfig::default()
-        },
-        ..Config::loopback(vec![NamespaceConfig::new(1, "mem:64M")])
-    });
-    let address = server
-        .kv_addr()
-        .unwrap_or_else(|| panic!("no KV listener"))
-        .to_string();
+    let (server, address) = kv_server();
     let report = bench_ok(&[
         "--kv",
         &address,
