@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
-use reflex_client::{ConnectionCore, CoreOptions};
+use reflex_client::ConnectionCore;
 use reflex_dataplane::Limits;
 use reflex_dataplane::composite::CompositeSpec;
 use reflex_dataplane::control::{
@@ -121,25 +121,17 @@ struct Client {
 
 impl Client {
     fn connect(server: &mut VirtualServer) -> Client {
-        let socket = server
-            .connect(0, 0, None)
-            .unwrap_or_else(|e| panic!("connect: {e}"));
+        let (socket, core) = common::connect_native(server, 0);
         Client {
             socket,
-            core: ConnectionCore::new(CoreOptions {
-                window_assumed: 128,
-            }),
+            core,
             received: Vec::new(),
             notices: Vec::new(),
         }
     }
 
     fn transmit(&mut self, server: &mut VirtualServer) {
-        if let Some(bytes) = self.core.transmit_start() {
-            let length = bytes.len();
-            server.client_send(self.socket, bytes);
-            self.core.transmit_done(length);
-        }
+        common::transmit_all(server, self.socket, &mut self.core);
     }
 
     /// The ids of the answers that arrived (each must be OK).

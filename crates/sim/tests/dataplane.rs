@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
-use reflex_client::{ConnectionCore, CoreOptions};
+use reflex_client::ConnectionCore;
 use reflex_dataplane::{Limits, RECV_BUFFERS_SPARE_MAX, RequestState};
 use reflex_flash::Device;
 use reflex_qos::Nanos;
@@ -44,14 +44,10 @@ struct Client {
 
 impl Client {
     fn connect(server: &mut VirtualServer) -> Client {
-        let socket = server
-            .connect(0, 0, None)
-            .unwrap_or_else(|e| panic!("connect: {e}"));
+        let (socket, core) = common::connect_native(server, 0);
         Client {
             socket,
-            core: ConnectionCore::new(CoreOptions {
-                window_assumed: 128,
-            }),
+            core,
             answered: Vec::new(),
             received: Vec::new(),
         }
@@ -76,11 +72,7 @@ impl Client {
     }
 
     fn transmit(&mut self, server: &mut VirtualServer) {
-        if let Some(bytes) = self.core.transmit_start() {
-            let length = bytes.len();
-            server.client_send(self.socket, bytes);
-            self.core.transmit_done(length);
-        }
+        common::transmit_all(server, self.socket, &mut self.core);
     }
 
     /// Takes what reached this client and records each answer (id, ok).
@@ -96,20 +88,6 @@ impl Client {
     }
 }
 
-/// Runs virtual time until `until` (or nothing more happens).
-fn run_until(server: &mut VirtualServer, until: Nanos) {
-    server.run_instant(server.now());
-    while let Some(next) = server.next_event() {
-        if next > until {
-            break;
-        }
-        server.run_instant(next);
-    }
-    if server.now() < until {
-        server.run_instant(until);
-    }
-}
-
 const MS: u64 = 1_000_000;
 
 #[test]
@@ -121,7 +99,7 @@ fn idle_connections_park_without_a_buffer_and_wake_on_their_next_request() {
     for (index, client) in clients.iter_mut().enumerate() {
         client.read(&mut server, 1, (index as u64) * 4096, 4096);
     }
-    run_until(&mut server, Nanos(10 * MS));
+    common::run_until(&mut server, Nanos(10 * MS));
     for client in &mut clients {
         client.take_answers(&mut server);
         assert_eq!(client.answered, vec![(1, true)]);
@@ -133,7 +111,7 @@ fn idle_connections_park_without_a_buffer_and_wake_on_their_next_request() {
         "every active connection holds a receive buffer"
     );
     // Idle for a second: every connection parks and the buffers go (but a few spares).
-    run_until(&mut server, Nanos(1_000 * MS));
+    common::run_until(&mut server, Nanos(1_000 * MS));
     let (parked, allocated) = server.dataplane(0).recv_buffer_usage();
     assert_eq!(parked, 300);
     assert!(
@@ -144,7 +122,7 @@ fn idle_connections_park_without_a_buffer_and_wake_on_their_next_request() {
     for client in &mut clients {
         client.read(&mut server, 2, 0, 4096);
     }
-    run_until(&mut server, Nanos(1_010 * MS));
+    common::run_until(&mut server, Nanos(1_010 * MS));
     for client in &mut clients {
         client.take_answers(&mut server);
         assert_eq!(client.answered, vec![(1, true), (2, true)]);
@@ -164,7 +142,7 @@ fn a_client_that_never_reads_its_answers_does_not_stall_the_others() {
     for id in 0..128 {
         hog.read(&mut server, id, 0, 1 << 20);
     }
-    run_until(&mut server, Nanos(50 * MS));
+    common::run_until(&mut server, Nanos(50 * MS));
     // The hog holds what its share of the arena allows, nothing more.
     let held = server
         .dataplane(0)
@@ -177,7 +155,7 @@ fn a_client_that_never_reads_its_answers_does_not_stall_the_others() {
     }
     // The polite client reads as its answers arrive.
     for step in 51..=60 {
-        run_until(&mut server, Nanos(step * MS));
+        common::run_until(&mut server, Nanos(step * MS));
         polite.take_answers(&mut server);
     }
     assert_eq!(polite.answered.len(), 100);
@@ -194,9 +172,9 @@ fn shutdown_answers_the_requests_in_flight_then_finishes() {
         }
     }
     // 80 reads at 100 µs each, one at a time: about 8 ms of work; shut down after 1 ms.
-    run_until(&mut server, Nanos(MS));
+    common::run_until(&mut server, Nanos(MS));
     server.begin_shutdown();
-    run_until(&mut server, Nanos(100 * MS));
+    common::run_until(&mut server, Nanos(100 * MS));
     assert!(server.is_finished());
     for client in &mut clients {
         client.take_answers(&mut server);
@@ -229,7 +207,7 @@ fn read_latency_is_measured_from_arrival_to_the_answer_leaving() {
     let mut client = Client::connect(&mut server);
     for id in 0..10 {
         client.read(&mut server, id, id * 4096, 4096);
-        run_until(&mut server, Nanos((id + 1) * 2 * MS));
+        common::run_until(&mut server, Nanos((id + 1) * 2 * MS));
         client.take_answers(&mut server);
     }
     assert_eq!(client.answered.len(), 10);
@@ -245,7 +223,7 @@ fn read_latency_is_measured_from_arrival_to_the_answer_leaving() {
 fn sixty_four_pipelined_reads_are_answered_in_one_send() {
     let mut server = server(mem(), limits(), NetworkModel::default());
     let mut client = Client::connect(&mut server);
-    run_until(&mut server, Nanos(MS));
+    common::run_until(&mut server, Nanos(MS));
     let sends_before = server.dataplane(0).stats().sends;
     for id in 0..64 {
         client
@@ -254,7 +232,7 @@ fn sixty_four_pipelined_reads_are_answered_in_one_send() {
             .unwrap_or_else(|e| panic!("{e}"));
     }
     client.transmit(&mut server);
-    run_until(&mut server, Nanos(2 * MS));
+    common::run_until(&mut server, Nanos(2 * MS));
     client.take_answers(&mut server);
     assert_eq!(client.answered.len(), 64);
     assert!(client.answered.iter().all(|&(_, ok)| ok));
@@ -276,12 +254,12 @@ fn a_connection_pipelining_large_reads_does_not_take_every_freed_buffer() {
     for id in 0..8 {
         hog.read(&mut server, id, 0, 1 << 20);
     }
-    run_until(&mut server, Nanos(MS));
+    common::run_until(&mut server, Nanos(MS));
     let mut polite = Client::connect(&mut server);
     polite.read(&mut server, 100, 0, 4096);
     // The hog takes 64 KiB per millisecond; the polite client reads as its answer arrives.
     for step in 2..=1_000 {
-        run_until(&mut server, Nanos(step * MS));
+        common::run_until(&mut server, Nanos(step * MS));
         hog.take_answers(&mut server);
         polite.take_answers(&mut server);
         if !polite.answered.is_empty() {
@@ -321,7 +299,7 @@ fn a_namespace_added_then_removed_under_load_finishes_its_admitted_requests() {
     }
     // Two reads take 200 µs: the others wait in the device and the scheduler.
     let until = server.now() + Nanos(250_000);
-    run_until(&mut server, until);
+    common::run_until(&mut server, until);
     client.take_answers(&mut server);
     let early = client.answered.len();
     assert!((1..10).contains(&early), "{:?}", client.answered);
@@ -334,7 +312,7 @@ fn a_namespace_added_then_removed_under_load_finishes_its_admitted_requests() {
     client.read_from(&mut server, 2, 11, 0, 4096);
     client.read(&mut server, 12, 0, 4096);
     let until = server.now() + Nanos(10 * MS);
-    run_until(&mut server, until);
+    common::run_until(&mut server, until);
     client.take_answers(&mut server);
     let mut answers = client.answered.clone();
     answers.sort_unstable();
@@ -364,7 +342,7 @@ fn a_full_table_evicts_the_oldest_connection_still_waiting_for_its_first_request
     let mut clients: Vec<Client> = Vec::new();
     let later = |server: &mut VirtualServer, by: u64| {
         let until = Nanos(server.now().0 + by);
-        run_until(server, until);
+        common::run_until(server, until);
     };
     let connect = |server: &mut VirtualServer, clients: &mut Vec<Client>| {
         later(server, MS);
@@ -412,7 +390,7 @@ fn eviction_stays_oldest_first_after_many_connections_came_and_went() {
     let mut server = server(mem(), limits, NetworkModel::default());
     let later = |server: &mut VirtualServer, by: u64| {
         let until = Nanos(server.now().0 + by);
-        run_until(server, until);
+        common::run_until(server, until);
     };
     let oldest = Client::connect(&mut server);
     later(&mut server, MS);

@@ -15,7 +15,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use reflex_client::{ConnectionCore, CoreOptions};
+use reflex_client::ConnectionCore;
 use reflex_dataplane::Limits;
 use reflex_dataplane::control::{ControlSetup, HandleKeys, NamespaceControl, TenantLimits};
 use reflex_flash::Device;
@@ -277,14 +277,10 @@ struct Client {
 
 impl Client {
     fn connect(server: &mut VirtualServer, thread: u16, owned_first: u64) -> Client {
-        let socket = server
-            .connect(thread, 0, None)
-            .unwrap_or_else(|e| panic!("connect: {e}"));
+        let (socket, core) = common::connect_native(server, thread);
         Client {
             socket,
-            core: ConnectionCore::new(CoreOptions {
-                window_assumed: 128,
-            }),
+            core,
             outstanding: HashMap::new(),
             received: Vec::new(),
             answered: 0,
@@ -297,11 +293,7 @@ impl Client {
     }
 
     fn transmit(&mut self, server: &mut VirtualServer) {
-        while let Some(bytes) = self.core.transmit_start() {
-            let length = bytes.len();
-            server.client_send(self.socket, bytes);
-            self.core.transmit_done(length);
-        }
+        common::transmit_all(server, self.socket, &mut self.core);
     }
 
     fn read(&mut self, id: u64, offset: u64, expected: Vec<u8>) {
@@ -369,19 +361,6 @@ fn rewrite_id(socket: SocketId, block: u64, version: u32) -> u64 {
     (1 << 62) | (u64::from(socket.0) << 40) | (block << 20) | u64::from(version)
 }
 
-fn run_until(server: &mut VirtualServer, until: Nanos) {
-    server.run_instant(server.now());
-    while let Some(next) = server.next_event() {
-        if next > until {
-            break;
-        }
-        server.run_instant(next);
-    }
-    if server.now() < until {
-        server.run_instant(until);
-    }
-}
-
 /// Every answer of a migrating server checked: reads of shared blocks (1 to 4 blocks, at
 /// 512-byte offsets, so some take several device reads), and each connection rewriting its
 /// own blocks and reading each back once the write was answered (a read after a completed
@@ -410,7 +389,7 @@ fn every_migrated_answer_is_the_right_one_exactly_once() {
         clients[4].transmit(&mut server);
         while !clients[4].outstanding.is_empty() {
             now += Nanos::from_micros(200);
-            run_until(&mut server, now);
+            common::run_until(&mut server, now);
             clients[4].take_answers(&mut server);
             clients[4].transmit(&mut server);
         }
@@ -471,7 +450,7 @@ fn every_migrated_answer_is_the_right_one_exactly_once() {
             break;
         }
         now += Nanos::from_micros(50);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
         assert!(
             now < Nanos::from_millis(60_000),
             "no progress: {:?}",
@@ -512,7 +491,7 @@ fn every_migrated_answer_is_the_right_one_exactly_once() {
             break;
         }
         now += Nanos::from_millis(1);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
     }
     assert!(server.is_finished());
 }
@@ -536,7 +515,7 @@ fn a_shutdown_with_reads_migrated_answers_each_once_and_finishes() {
         clients[4].transmit(&mut server);
         while !clients[4].outstanding.is_empty() {
             now += Nanos::from_micros(200);
-            run_until(&mut server, now);
+            common::run_until(&mut server, now);
             clients[4].take_answers(&mut server);
         }
     }
@@ -556,7 +535,7 @@ fn a_shutdown_with_reads_migrated_answers_each_once_and_finishes() {
             client.transmit(&mut server);
         }
         now += Nanos::from_micros(150);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
         for client in &mut clients {
             client.take_answers(&mut server);
         }
@@ -575,7 +554,7 @@ fn a_shutdown_with_reads_migrated_answers_each_once_and_finishes() {
             break;
         }
         now += Nanos::from_micros(200);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
         for client in &mut clients {
             client.take_answers(&mut server);
         }

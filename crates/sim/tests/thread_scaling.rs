@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use common::{NAMESPACE, one_namespace_server_on};
-use reflex_client::{ConnectionCore, CoreOptions};
+use reflex_client::ConnectionCore;
 use reflex_dataplane::Limits;
 use reflex_flash::Device;
 use reflex_qos::Nanos;
@@ -81,14 +81,10 @@ impl Client {
     }
 
     fn new(server: &mut VirtualServer, thread: u16, index: u64) -> Client {
-        let socket = server
-            .connect(thread, 0, None)
-            .unwrap_or_else(|e| panic!("connect: {e}"));
+        let (socket, core) = common::connect_native(server, thread);
         Client {
             socket,
-            core: ConnectionCore::new(CoreOptions {
-                window_assumed: 128,
-            }),
+            core,
             outstanding: HashMap::new(),
             received: Vec::new(),
             held: Vec::new(),
@@ -229,19 +225,6 @@ fn wake_thread_1_with_all_on_thread_0(
     assert_eq!(plan.iter().map(|m| m.count).sum::<u32>(), 3, "seed {seed}");
 }
 
-fn run_until(server: &mut VirtualServer, until: Nanos) {
-    server.run_instant(server.now());
-    while let Some(next) = server.next_event() {
-        if next > until {
-            break;
-        }
-        server.run_instant(next);
-    }
-    if server.now() < until {
-        server.run_instant(until);
-    }
-}
-
 fn run(seed: u64) {
     let device = delayed_memory(16 << 20, "delay=100us");
     let mut server = one_namespace_server_on(
@@ -316,7 +299,7 @@ fn run(seed: u64) {
             server.park_thread(1, 0);
         }
         now += Nanos::from_micros(50);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
     }
     // Drain: everything sent and answered.
     for _ in 0..10_000 {
@@ -331,7 +314,7 @@ fn run(seed: u64) {
             break;
         }
         now += Nanos::from_micros(50);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
     }
     for client in &clients {
         assert!(
@@ -513,7 +496,7 @@ fn run_kv(seed: u64) {
             assert_eq!(on_thread_1, 3, "seed {seed}");
         }
         now += Nanos::from_micros(50);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
     }
     for _ in 0..10_000 {
         for (index, client) in clients.iter_mut().enumerate() {
@@ -523,7 +506,7 @@ fn run_kv(seed: u64) {
             break;
         }
         now += Nanos::from_micros(50);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
     }
     for client in &clients {
         assert!(
@@ -759,7 +742,7 @@ fn run_tls(seed: u64) {
             assert_eq!(on_thread_1, 3, "seed {seed}");
         }
         now += Nanos::from_micros(50);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
     }
     for _ in 0..10_000 {
         for client in &mut clients {
@@ -769,7 +752,7 @@ fn run_tls(seed: u64) {
             break;
         }
         now += Nanos::from_micros(50);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
     }
     for client in &clients {
         assert!(
@@ -867,7 +850,7 @@ fn run_random_changes(seed: u64) {
             change_at = now + Nanos::from_micros(500 + next(15_000));
         }
         now += Nanos::from_micros(50);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
     }
     // Every thread active again (what was parked hands nothing more), then drain.
     while active < 3 {
@@ -886,7 +869,7 @@ fn run_random_changes(seed: u64) {
             break;
         }
         now += Nanos::from_micros(50);
-        run_until(&mut server, now);
+        common::run_until(&mut server, now);
     }
     for client in &clients {
         assert!(

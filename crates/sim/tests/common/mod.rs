@@ -120,3 +120,32 @@ pub fn transmit_all(
         core.transmit_done(length);
     }
 }
+
+/// A native-protocol client connection to `thread`: its virtual socket and a fresh client
+/// core (a 128-request window assumed until the server says).
+pub fn connect_native(
+    server: &mut VirtualServer,
+    thread: u16,
+) -> (reflex_sim::SocketId, reflex_client::ConnectionCore) {
+    let socket = server
+        .connect(thread, 0, None)
+        .unwrap_or_else(|e| panic!("connect: {e}"));
+    let core = reflex_client::ConnectionCore::new(reflex_client::CoreOptions {
+        window_assumed: 128,
+    });
+    (socket, core)
+}
+
+/// Runs virtual time until `until` (or until nothing more happens before it).
+pub fn run_until(server: &mut VirtualServer, until: reflex_qos::Nanos) {
+    server.run_instant(server.now());
+    while let Some(next) = server.next_event() {
+        if next > until {
+            break;
+        }
+        server.run_instant(next);
+    }
+    if server.now() < until {
+        server.run_instant(until);
+    }
+}
