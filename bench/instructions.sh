@@ -136,8 +136,7 @@ callgrind_annotate --inclusive=yes --threshold=100 "${DUMP[reflexd]}" \
 callgrind_annotate --inclusive=yes --threshold=100 "${DUMP[limit-server]}" \
     >"$WORK/limit-server-inclusive.txt" 2>/dev/null
 
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
+set_revision
 export RUN_DATE COMMIT DIRTY VALGRIND REQUESTS CONNECTIONS DEPTH TOP WORK IDLE_S
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 VALGRIND=$(valgrind --version)

@@ -22,6 +22,7 @@
 #   REPS (3)  DURATION (5s)  SERVER_CPU (0)  CLIENT_CPU (another CPU)
 #   PORT (17080: limit-server; PORT+1: reflexd's original-protocol port)
 #   WORK (target/bench-limit)  OUT (docs/results/limit.md)
+#   REFLEXD (the release build of this tree): another reflexd binary, to compare builds
 #   NICE (0): niceness of servers and client (negative, as root, shields them from other work)
 #   RT_PRIO (unset): run blocking servers and the client SCHED_FIFO at this priority; polling
 #   servers then keep the normal policy (a spinning real-time task would starve the machine)
@@ -56,7 +57,7 @@ require taskset python3 awk
 
 note "building release binaries"
 cargo build --release -q -p reflex-server -p reflex-limit
-REFLEXD="$CARGO_TARGET_DIR/release/reflexd"
+REFLEXD=${REFLEXD:-"$CARGO_TARGET_DIR/release/reflexd"}
 LIMIT_SERVER="$CARGO_TARGET_DIR/release/limit-server"
 LIMIT_CLIENT="$CARGO_TARGET_DIR/release/limit-client"
 
@@ -193,8 +194,7 @@ done
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 
 note "writing $OUT"
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
+set_revision
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 export RUN_DATE MACHINE COMMIT DIRTY COMMAND DURATION SERVER_CPU CLIENT_CPU NICE RT_PRIO \
     LOAD_BEFORE LOAD_AFTER CLK_TCK

@@ -126,8 +126,7 @@ done
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 
 mkdir -p "$(dirname "$OUT")"
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
+set_revision
 python3 - "$WORK/results.txt" "$REPS" "$DURATION" "$LOAD_BEFORE" "$LOAD_AFTER" "$ISOLATE" "$COMMIT$DIRTY" >"$OUT" <<'EOF'
 import datetime, statistics, sys
 path, reps, duration, load_before, load_after, isolate, commit = sys.argv[1:8]

@@ -235,8 +235,7 @@ done
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 
 note "writing $OUT"
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
+set_revision
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 MACHINE="$(nproc --all) vCPU ${CPU_MODEL}, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"

@@ -373,8 +373,7 @@ case " $PARTS " in *" threads "*) reservation_check ;; esac
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 
 note "writing $OUT"
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
+set_revision
 CPU_MODEL=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 export AUTOGROUP RUN_DATE MACHINE COMMIT DIRTY COMMAND LOAD_BEFORE LOAD_AFTER SERVER_CPU CLIENT_CPU NICE \
     DURATION WARMUP IDLE ACTIVE ACTIVE_THREADS ACTIVE_PER_THREAD QD TENANTS TENANTS_PER_CONNECTION \

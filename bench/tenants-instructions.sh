@@ -206,8 +206,7 @@ for mode in $MODES; do
     SERVER_PID=""
 done
 
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
+set_revision
 RUN_DATE=$(date -u +"%Y-%m-%d %H:%M UTC")
 VALGRIND=$(valgrind --version)
 # The command as run: every setting that differs from its default.

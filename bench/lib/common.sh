@@ -195,3 +195,10 @@ wait_file() {
     done
     return 1
 }
+
+# The commit a result comes from, for its header: sets COMMIT (the short hash, "unknown"
+# outside git) and DIRTY (" (with uncommitted changes)" when the tree differs, else empty).
+set_revision() {
+    COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+    DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
+}
