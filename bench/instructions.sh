@@ -69,6 +69,18 @@ stop_valgrind() {
 }
 
 # dump_total PID FILE_PREFIX: dumps PID's counters and prints the new dump's total Ir.
+# zero_counters PID: callgrind_control -z, tried three times (once on 2026-11-30 the first
+# attempt after a start failed and the next run went through), with its output on failure.
+zero_counters() {
+    local pid=$1 attempt output
+    for attempt in 1 2 3; do
+        output=$(timeout 60 callgrind_control -z "$pid" 2>&1) && return 0
+        note "callgrind_control -z $pid failed (attempt $attempt): $output"
+        sleep 1
+    done
+    die "callgrind_control -z $pid failed three times"
+}
+
 dump_total() {
     local pid=$1 prefix=$2 before after file i
     before=$(ls "$prefix".* 2>/dev/null | wc -l)
@@ -106,14 +118,14 @@ measure() {
             { cat "$WORK/$name.log" >&2; die "$name did not start under valgrind"; }
         sleep 0.5
     done
-    timeout 60 callgrind_control -z "$SERVER_PID" >/dev/null 2>&1 || die "callgrind_control -z failed"
+    zero_counters "$SERVER_PID"
     timeout $((CLIENT_TIMEOUT_S + 10)) "$LIMIT_CLIENT" --addr "127.0.0.1:$PORT" \
         --requests "$REQUESTS" --connections "$CONNECTIONS" --depth "$DEPTH" \
         --timeout "${CLIENT_TIMEOUT_S}s" --json >"$WORK/$name.json" ||
         die "limit-client failed against $name under valgrind"
     LOADED_IR=$(dump_total "$SERVER_PID" "$prefix")
     LOADED_DUMP=$(ls -t "$prefix".* | head -1)
-    timeout 60 callgrind_control -z "$SERVER_PID" >/dev/null 2>&1 || die "callgrind_control -z failed"
+    zero_counters "$SERVER_PID"
     sleep "$IDLE_S"
     IDLE_IR=$(dump_total "$SERVER_PID" "$prefix")
     stop_server
