@@ -2,7 +2,8 @@
 //! key-value port (`docs/KV.md`), as the OctoFAS paper loads its hash engine.
 //!
 //! Each workload runs `threads` client threads (one connection each, `qd` requests in flight,
-//! pipelined), each doing `ops` operations on keys drawn uniformly from `0 .. keys`:
+//! pipelined), each doing `ops` operations (or, with a duration, sending until it is up and
+//! then collecting the answers still due) on keys drawn uniformly from `0 .. keys`:
 //! `fillrandom` PUTs a value of `value_size` bytes, `readrandom` GETs and checks the value it
 //! finds (every value is derived from its key, so a wrong or torn value is a mismatch and
 //! fails the run; a key never filled reads as not found and is counted). Keys are the key
