@@ -112,11 +112,12 @@ fn run_thread(options: &KvOptions, workload: Workload, thread: usize) -> Result<
     let mut sent_at: HashMap<u64, (Instant, u64)> = HashMap::new();
     let (mut sent, mut answered, mut found) = (0u64, 0u64, 0u64);
     let deadline = options.duration.map(|duration| Instant::now() + duration);
-    let mut sending = true;
-    while sending || !sent_at.is_empty() {
-        sending = sent < options.ops_per_thread
-            && deadline.is_none_or(|deadline| Instant::now() < deadline);
-        while sending && sent_at.len() < options.queue_depth as usize {
+    loop {
+        let in_time = deadline.is_none_or(|deadline| Instant::now() < deadline);
+        while in_time
+            && sent < options.ops_per_thread
+            && sent_at.len() < options.queue_depth as usize
+        {
             // Uniform enough: the key space is far below 2^64.
             let number = rng.next_u64() % options.keys;
             let key = key_bytes(number, options.key_size_bytes);
@@ -132,8 +133,8 @@ fn run_thread(options: &KvOptions, workload: Workload, thread: usize) -> Result<
             };
             sent_at.insert(request_id, (Instant::now(), number));
             sent += 1;
-            sending = sent < options.ops_per_thread;
         }
+        // Nothing left to answer: the operations are all sent (or the time is up) and answered.
         if sent_at.is_empty() {
             break;
         }
