@@ -69,18 +69,6 @@ stop_valgrind() {
 }
 
 # dump_total PID FILE_PREFIX: dumps PID's counters and prints the new dump's total Ir.
-# zero_counters PID: callgrind_control -z, tried three times (once on 2026-11-30 the first
-# attempt after a start failed and the next run went through), with its output on failure.
-zero_counters() {
-    local pid=$1 attempt output
-    for attempt in 1 2 3; do
-        output=$(timeout 60 callgrind_control -z "$pid" 2>&1) && return 0
-        note "callgrind_control -z $pid failed (attempt $attempt): $output"
-        sleep 1
-    done
-    die "callgrind_control -z $pid failed three times"
-}
-
 dump_total() {
     local pid=$1 prefix=$2 before after file i
     before=$(ls "$prefix".* 2>/dev/null | wc -l)

@@ -149,7 +149,7 @@ load() {
 setup() {
     local mode=$1 bind=()
     [ "$mode" != bound ] || bind=(--bind-handles "$WORK/handles.txt")
-    timeout 60 callgrind_control -z "$SERVER_PID" >/dev/null 2>&1 || die "callgrind_control -z failed"
+    zero_counters "$SERVER_PID"
     timeout "$CLIENT_TIMEOUT_S" "$REFLEX" bench -s "127.0.0.1:$PORT" --threads "$ACTIVE_THREADS" \
         --connections "$ACTIVE_PER_THREAD" --qd 1 --ops "$SETUP_OPS" --warmup 0 --duration 600s \
         "${bind[@]}" --json -q >"$WORK/$mode-setup.json" || die "bench failed ($mode setup)"

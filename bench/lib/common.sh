@@ -202,3 +202,15 @@ set_revision() {
     COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
     DIRTY=$(git status --porcelain 2>/dev/null | grep -q . && echo " (with uncommitted changes)" || true)
 }
+
+# zero_counters PID: callgrind_control -z, tried three times (once on 2026-11-30 the first
+# attempt after a start failed and the next run went through), with its output on failure.
+zero_counters() {
+    local pid=$1 attempt output
+    for attempt in 1 2 3; do
+        output=$(timeout 60 callgrind_control -z "$pid" 2>&1) && return 0
+        note "callgrind_control -z $pid failed (attempt $attempt): $output"
+        sleep 1
+    done
+    die "callgrind_control -z $pid failed three times"
+}
