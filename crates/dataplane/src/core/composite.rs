@@ -16,6 +16,7 @@
 use reflex_flash::FlashError;
 
 use super::Dataplane;
+use crate::composite::Composite;
 use crate::steps::Operation;
 
 /// Where a request's current piece goes: the device of its namespace, or for a composite
@@ -46,19 +47,26 @@ impl Dataplane {
         placed
     }
 
-    /// The current piece of the request's current step.
+    /// The current piece of the request's current step. Inlined: a plain namespace's is
+    /// the step's operation, found with one branch.
+    #[inline]
     pub(super) fn placed(&self, index: u32) -> Placed {
-        let request = &self.requests[index as usize];
-        let namespace_index = request.io().namespace_index;
+        let namespace_index = self.requests[index as usize].io().namespace_index;
         let operation = self.operation(index);
-        let Some(composite) = self.namespaces.composite(namespace_index) else {
-            return Placed {
+        match self.namespaces.composite(namespace_index) {
+            None => Placed {
                 namespace_index,
                 member: None,
                 operation,
-            };
-        };
-        let done = request.piece_done;
+            },
+            Some(composite) => self.composite_piece(index, composite, operation),
+        }
+    }
+
+    /// [`Self::placed`] for a composite namespace: the member the next piece lands on.
+    #[inline(never)]
+    fn composite_piece(&self, index: u32, composite: &Composite, operation: Operation) -> Placed {
+        let done = self.requests[index as usize].piece_done;
         let (piece, operation) = match operation {
             Operation::Flush => {
                 let member = (done as usize).min(composite.members().len() - 1);

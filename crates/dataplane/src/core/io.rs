@@ -157,10 +157,17 @@ impl Dataplane {
 
     /// The sectors a request writes, with its edge sectors if it reads them first; `None`
     /// for requests that write nothing.
+    #[inline]
     fn write_range(&self, io: IoRequest, layout: &Layout) -> Option<WriteRange> {
         if let IoKind::Read = io.kind {
-            return None; // (The common case, answered before any layout arithmetic.)
+            return None; // (The common case, answered inline, before any layout arithmetic.)
         }
+        self.write_range_of_non_read(io, layout)
+    }
+
+    /// [`Self::write_range`] of a request that is not a READ.
+    #[inline(never)]
+    fn write_range_of_non_read(&self, io: IoRequest, layout: &Layout) -> Option<WriteRange> {
         let sector_bytes = self.namespaces.info(io.namespace_index).block_size;
         let edges = [Edge::Head, Edge::Tail].map(|edge| {
             layout
@@ -205,7 +212,10 @@ impl Dataplane {
         }
     }
 
-    /// [`Self::leave_gate`] for a request that has a place (or waits for one).
+    /// [`Self::leave_gate`] for a request that has a place (or waits for one). Kept out of
+    /// line so that `leave_gate` stays one comparison where it is inlined.
+    #[cold]
+    #[inline(never)]
     fn release_gate_place(&mut self, index: u32) {
         let request = &mut self.requests[index as usize];
         let place = std::mem::replace(&mut request.gate, GatePlace::Outside);
