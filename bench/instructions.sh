@@ -72,7 +72,7 @@ stop_valgrind() {
 dump_total() {
     local pid=$1 prefix=$2 before after file i
     before=$(ls "$prefix".* 2>/dev/null | wc -l)
-    timeout 60 callgrind_control -d "$pid" >/dev/null 2>&1 || die "callgrind_control -d $pid failed"
+    dump_counters "$pid" "$prefix"
     for ((i = 0; i < 100; i++)); do
         after=$(ls "$prefix".* 2>/dev/null | wc -l)
         [ "$after" -gt "$before" ] && break

@@ -124,7 +124,7 @@ new_dump_ir() {
 dump_total() {
     local pid=$1 prefix=$2 before
     before=$(dumps "$prefix")
-    timeout 60 callgrind_control -d "$pid" >/dev/null 2>&1 || die "callgrind_control -d $pid failed"
+    dump_counters "$pid" "$prefix"
     new_dump_ir "$prefix" "$before"
 }
 

@@ -214,3 +214,22 @@ zero_counters() {
     done
     die "callgrind_control -z $pid failed three times"
 }
+
+# dump_counters PID PREFIX: callgrind_control -d, tried three times like zero_counters (once
+# on 2026-11-30 a dump after a loaded window failed and the rerun went through). An attempt
+# that reported an error but left a new PREFIX.* file within 2 s counts as done, so no
+# window is dumped twice.
+dump_counters() {
+    local pid=$1 prefix=$2 before attempt output i
+    before=$(ls "$prefix".* 2>/dev/null | wc -l)
+    for attempt in 1 2 3; do
+        output=$(timeout 60 callgrind_control -d "$pid" 2>&1) && return 0
+        for ((i = 0; i < 20; i++)); do # (a dump may still be being written)
+            [ "$(ls "$prefix".* 2>/dev/null | wc -l)" -gt "$before" ] && return 0
+            sleep 0.1
+        done
+        note "callgrind_control -d $pid failed (attempt $attempt): $output"
+        sleep 1
+    done
+    die "callgrind_control -d $pid failed three times"
+}
