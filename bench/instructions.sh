@@ -68,22 +68,6 @@ stop_valgrind() {
     wait "$pid" 2>/dev/null || true
 }
 
-# dump_total PID FILE_PREFIX: dumps PID's counters and prints the new dump's total Ir.
-dump_total() {
-    local pid=$1 prefix=$2 before after file i
-    before=$(ls "$prefix".* 2>/dev/null | wc -l)
-    dump_counters "$pid" "$prefix"
-    for ((i = 0; i < 100; i++)); do
-        after=$(ls "$prefix".* 2>/dev/null | wc -l)
-        [ "$after" -gt "$before" ] && break
-        sleep 0.1
-    done
-    file=$(ls -t "$prefix".* 2>/dev/null | head -1)
-    [ -n "$file" ] || die "no callgrind dump $prefix.*"
-    # callgrind writes the file whole before it appears; the totals line has the Ir count.
-    awk '/^(totals|summary):/ { print $2; exit }' "$file"
-}
-
 # measure NAME: one callgrind run of server NAME; sets LOADED_IR, IDLE_IR and LOADED_DUMP.
 measure() {
     local name=$1 prefix command

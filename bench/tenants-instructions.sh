@@ -96,38 +96,6 @@ stop_valgrind() {
     wait "$pid" 2>/dev/null || true
 }
 
-# dumps PREFIX: how many dumps PREFIX.N exist (the base file PREFIX is written at start).
-dumps() {
-    local count=0 file
-    for file in "$1".*; do
-        [ -e "$file" ] && count=$((count + 1))
-    done
-    echo "$count"
-}
-
-# new_dump_ir PREFIX BEFORE: waits (at most 30 s) for dump number BEFORE + 1 of PREFIX to be
-# complete and prints its total Ir; fails if it never appears.
-new_dump_ir() {
-    local prefix=$1 before=$2 file="$1.$(($2 + 1))" ir="" i
-    for ((i = 0; i < 300; i++)); do
-        if [ "$(dumps "$prefix")" -gt "$before" ] && [ -e "$file" ]; then
-            ir=$(awk '/^(totals|summary):/ { print $2; exit }' "$file")
-            [ -z "$ir" ] || break
-        fi
-        sleep 0.1
-    done
-    [[ "$ir" =~ ^[0-9,]+$ ]] || die "no complete callgrind dump $file (dumps: $(dumps "$prefix"))"
-    echo "$ir"
-}
-
-# dump_total PID PREFIX: dumps PID's counters and prints the new dump's total Ir.
-dump_total() {
-    local pid=$1 prefix=$2 before
-    before=$(dumps "$prefix")
-    dump_counters "$pid" "$prefix"
-    new_dump_ir "$prefix" "$before"
-}
-
 # load MODE: the load with the counters zeroed and dumped by the bench around its
 # measurement; prints "Ir requests".
 load() {

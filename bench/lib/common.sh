@@ -221,15 +221,47 @@ zero_counters() {
 # window is dumped twice.
 dump_counters() {
     local pid=$1 prefix=$2 before attempt output i
-    before=$(ls "$prefix".* 2>/dev/null | wc -l)
+    before=$(dumps "$prefix")
     for attempt in 1 2 3; do
         output=$(timeout 60 callgrind_control -d "$pid" 2>&1) && return 0
         for ((i = 0; i < 20; i++)); do # (a dump may still be being written)
-            [ "$(ls "$prefix".* 2>/dev/null | wc -l)" -gt "$before" ] && return 0
+            [ "$(dumps "$prefix")" -gt "$before" ] && return 0
             sleep 0.1
         done
         note "callgrind_control -d $pid failed (attempt $attempt): $output"
         sleep 1
     done
     die "callgrind_control -d $pid failed three times"
+}
+
+# dumps PREFIX: how many dumps PREFIX.N exist (the base file PREFIX is written at start).
+dumps() {
+    local count=0 file
+    for file in "$1".*; do
+        [ -e "$file" ] && count=$((count + 1))
+    done
+    echo "$count"
+}
+
+# new_dump_ir PREFIX BEFORE: waits (at most 30 s) for dump number BEFORE + 1 of PREFIX to be
+# complete and prints its total Ir; fails if it never appears.
+new_dump_ir() {
+    local prefix=$1 before=$2 file="$1.$(($2 + 1))" ir="" i
+    for ((i = 0; i < 300; i++)); do
+        if [ "$(dumps "$prefix")" -gt "$before" ] && [ -e "$file" ]; then
+            ir=$(awk '/^(totals|summary):/ { print $2; exit }' "$file")
+            [ -z "$ir" ] || break
+        fi
+        sleep 0.1
+    done
+    [[ "$ir" =~ ^[0-9,]+$ ]] || die "no complete callgrind dump $file (dumps: $(dumps "$prefix"))"
+    echo "$ir"
+}
+
+# dump_total PID PREFIX: dumps PID's counters and prints the new dump's total Ir.
+dump_total() {
+    local pid=$1 prefix=$2 before
+    before=$(dumps "$prefix")
+    dump_counters "$pid" "$prefix"
+    new_dump_ir "$prefix" "$before"
 }
