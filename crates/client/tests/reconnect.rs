@@ -196,6 +196,7 @@ fn forward_requests(state: &ProxyState, mut client: TcpStream, mut server: TcpSt
     let mut buffer = vec![0u8; 256 * 1024];
     loop {
         let received = match client.read(&mut buffer) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Ok(0) | Err(_) => break,
             Ok(received) => received,
         };

@@ -40,10 +40,13 @@ fn receive_header(stream: &mut TcpStream) -> Header {
 
 fn closed_by_server(stream: &mut TcpStream) -> bool {
     let mut byte = [0u8; 1];
-    match stream.read(&mut byte) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    loop {
+        return match stream.read(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        };
     }
 }
 

@@ -886,15 +886,13 @@ fn a_wrong_key_or_an_unknown_identity_is_refused_and_others_are_served() {
         stream
             .set_read_timeout(Some(Duration::from_secs(20)))
             .unwrap();
-        let served = psk_connector(identity, key)
-            .connect("localhost", stream)
-            .is_ok_and(|mut session| {
-                let mut response = [0u8; native::RESPONSE_HEADER_SIZE];
-                session
-                    .write_all(&RequestHeader::read(1, 1, 0, 4096).to_bytes())
-                    .and_then(|()| session.read_exact(&mut response))
-                    .is_ok()
-            });
+        let served = ssl_connect(psk_connector(identity, key), stream).is_ok_and(|mut session| {
+            let mut response = [0u8; native::RESPONSE_HEADER_SIZE];
+            session
+                .write_all(&RequestHeader::read(1, 1, 0, 4096).to_bytes())
+                .and_then(|()| session.read_exact(&mut response))
+                .is_ok()
+        });
         assert!(!served, "{identity} with a wrong key was served");
     }
     let a_keys = psk_file(dir, "a.psk", &[("A", KEY_A)]);
@@ -935,9 +933,32 @@ fn native_psk(
     stream
         .set_read_timeout(Some(Duration::from_secs(20)))
         .unwrap();
-    psk_connector(identity, key)
-        .connect("localhost", stream)
-        .expect("PSK handshake")
+    ssl_connect(psk_connector(identity, key), stream).expect("PSK handshake")
+}
+
+/// An OpenSSL client handshake that goes on after an interrupted system call: a blocking
+/// socket with a read timeout fails with EINTR when the process is stopped and resumed
+/// (signal(7)), which a busy CI machine does; std's `read_exact` retries, OpenSSL's
+/// handshake does not.
+fn ssl_connect(
+    configuration: openssl::ssl::ConnectConfiguration,
+    stream: TcpStream,
+) -> Result<openssl::ssl::SslStream<TcpStream>, openssl::ssl::HandshakeError<TcpStream>> {
+    use openssl::ssl::HandshakeError;
+    let mut attempt = configuration.connect("localhost", stream);
+    loop {
+        match attempt {
+            Err(HandshakeError::Failure(mid))
+                if mid
+                    .error()
+                    .io_error()
+                    .is_some_and(|e| e.kind() == std::io::ErrorKind::Interrupted) =>
+            {
+                attempt = mid.handshake();
+            }
+            other => return other,
+        }
+    }
 }
 
 #[test]
