@@ -110,9 +110,11 @@ pub fn connect(
         if let Some(negotiated) = handshake.outcome() {
             break negotiated;
         }
-        let received = stream
-            .read(&mut buffer)
-            .with_context(|| format!("NBD handshake with {address}"))?;
+        let received = match stream.read(&mut buffer) {
+            // A socket with a timeout fails with EINTR when the process is stopped and resumed.
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+            received => received.with_context(|| format!("NBD handshake with {address}"))?,
+        };
         if received == 0 {
             return Err(handshake.handle_eof())
                 .with_context(|| format!("NBD handshake with {address}"));
