@@ -14,6 +14,8 @@
 #   GAP=0.003      seconds the process runs between two stops (each stop lasts 1 ms)
 #   ONLY="nbd tls" only the test targets with these names
 #   LIMIT=400      seconds after which a binary is killed (and counted as failed)
+#   GROUP=1        stop the whole process group: the test process and every reflexd, nbdinfo,
+#                  qemu-img... it starts (as a cgroup freezer or a paused container would)
 # Exit status: 0 when every run passed; 1 otherwise, with each failed run's output kept in
 # target/stop-resume/ and its first panic printed.
 set -euo pipefail
@@ -22,6 +24,7 @@ PASSES=${PASSES:-3}
 GAP=${GAP:-0.003}
 ONLY=${ONLY:-}
 LIMIT=${LIMIT:-400}
+GROUP=${GROUP:-}
 out=target/stop-resume
 mkdir -p "$out"
 rm -f "$out"/*.out
@@ -49,13 +52,25 @@ run_stopped() {
     local name=$1 executable=$2 package=$3 pass=$4
     local log="$out/$name.$(basename "$package").$pass.out"
     local start=$SECONDS
-    (cd "$package" && exec "$executable" -q) >"$log" 2>&1 &
+    # In a process group of its own (setsid), so that GROUP=1 stops its children too.
+    (cd "$package" && exec setsid "$executable" -q) >"$log" 2>&1 &
     local test_pid=$!
+    local target=$test_pid
+    if [ -n "$GROUP" ]; then
+        target=-$test_pid
+        sleep 0.05
+        local group
+        group=$(ps -o pgid= -p "$test_pid" | tr -d ' ' || true)
+        if [ -n "$group" ] && [ "$group" != "$test_pid" ]; then
+            echo "stop-resume: $name is not the leader of its process group ($group)" >&2
+            exit 2
+        fi
+    fi
     (
         while kill -0 "$test_pid" 2>/dev/null; do
-            kill -STOP "$test_pid" 2>/dev/null || break
+            kill -STOP -- "$target" 2>/dev/null || break
             sleep 0.001
-            kill -CONT "$test_pid" 2>/dev/null || break
+            kill -CONT -- "$target" 2>/dev/null || break
             sleep "$GAP"
             if ((SECONDS - start > LIMIT)); then
                 echo "killed after ${LIMIT} s" >>"$log"
@@ -66,7 +81,7 @@ run_stopped() {
     local stopper=$!
     local status=0
     wait "$test_pid" || status=$?
-    kill -CONT "$test_pid" 2>/dev/null || true
+    kill -CONT -- "$target" 2>/dev/null || true
     wait "$stopper" || true
     local result
     result=$(grep -h "test result" "$log" | tail -1 || true)

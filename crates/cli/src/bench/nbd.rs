@@ -110,11 +110,11 @@ pub fn connect(
         if let Some(negotiated) = handshake.outcome() {
             break negotiated;
         }
-        let received = match stream.read(&mut buffer) {
-            // A socket with a timeout fails with EINTR when the process is stopped and resumed.
-            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
-            received => received.with_context(|| format!("NBD handshake with {address}"))?,
-        };
+        let received = stream.read(&mut buffer);
+        if is_interrupted(&received) {
+            continue;
+        }
+        let received = received.with_context(|| format!("NBD handshake with {address}"))?;
         if received == 0 {
             return Err(handshake.handle_eof())
                 .with_context(|| format!("NBD handshake with {address}"));
@@ -136,6 +136,14 @@ pub fn connect(
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
     Ok((stream, NbdCore::new(), negotiated))
+}
+
+/// A call on a socket with a timeout fails with EINTR when the process is stopped and resumed
+/// (signal(7)); it moved no byte and is made again.
+fn is_interrupted(result: &std::io::Result<usize>) -> bool {
+    result
+        .as_ref()
+        .is_err_and(|error| error.kind() == std::io::ErrorKind::Interrupted)
 }
 
 /// One request at a time over a blocking socket: the latency probe's NBD client.
@@ -175,6 +183,9 @@ impl BlockingNbd {
             let written = self.stream.write(bytes);
             self.core
                 .transmit_done(written.as_ref().map_or(0, |count| *count));
+            if is_interrupted(&written) {
+                continue;
+            }
             if written.context("sending to the NBD server")? == 0 {
                 bail!("the NBD server closed the connection");
             }
@@ -195,6 +206,9 @@ impl BlockingNbd {
             let received = self.stream.read(space);
             self.core
                 .receive_done(received.as_ref().map_or(0, |count| *count));
+            if is_interrupted(&received) {
+                continue;
+            }
             if received.context("receiving from the NBD server")? == 0 {
                 bail!("the NBD server closed the connection");
             }
