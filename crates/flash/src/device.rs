@@ -36,6 +36,7 @@ use reflex_qos::Nanos;
 use crate::FlashError;
 use crate::emu::EmuControls;
 use crate::fault::FaultControls;
+use crate::pages::Lent;
 
 /// What one request asks of the device.
 #[derive(Debug)]
@@ -213,6 +214,17 @@ pub trait DeviceQueue {
     /// Start one operation. Offsets and lengths have been validated against
     /// [`DeviceInfo`] by the caller (asserted inside).
     fn submit(&mut self, op: DeviceOp<'_>, now: Nanos) -> Submit;
+
+    /// A read of `[offset, offset + len)` answered by lending the device's own memory instead
+    /// of copying it into a buffer: `Some` when this device can (the `mem` device, for one
+    /// whole 4 KiB block). The bytes stay as they were when lent until the [`Lent`] is
+    /// dropped, whatever is written meanwhile, so a send may go straight from them. The range
+    /// was validated as for [`Self::submit`]. The default lends nothing; a device that wraps
+    /// another (fault injection) lends nothing either, so every read goes through it.
+    fn lend(&mut self, offset: u64, len: u32) -> Option<Lent> {
+        let _ = (offset, len);
+        None
+    }
 
     /// Turn the CQE of a [`Submit::Ring`] operation, arrived at `now`, into its outcome.
     ///

@@ -23,6 +23,9 @@ pub mod fault;
 pub mod file;
 pub mod mem;
 pub mod null;
+// Reference-counted blocks lent to sends: the `mem` device's memory.
+#[allow(unsafe_code)]
+pub mod pages;
 // Ring-less file I/O on a thread pool (with `aligned`, where the crate's `unsafe` code lives,
 // besides the calls of the unsafe `Device::queue_without_ring`).
 #[cfg(feature = "uring")]
@@ -40,3 +43,4 @@ pub use device::{
 };
 pub use error::FlashError;
 pub use fault::{FaultControls, FaultDevice, FaultPlan};
+pub use pages::Lent;

@@ -1,10 +1,13 @@
 //! `mem:SIZE`: a RAM-backed device shared by all dataplane threads.
 //!
-//! The memory is a [`StripedRegion`]: bytes are copied with `memcpy` under one of many
+//! The memory is a [`LendingRegion`]: bytes are copied with `memcpy` under one of many
 //! reader-writer locks (one per 64 KiB chunk, modulo the lock count), so two threads touching
 //! the same block concurrently is defined behaviour (each chunk of a request is read or
-//! written whole, as a device makes a sector atomic) rather than a Rust data race, and a 4 KiB
-//! read costs one uncontended lock and one vectorised copy instead of 512 atomic loads. Every operation finishes synchronously ([`Submit::Done`]).
+//! written whole, as a device makes a sector atomic). A read of one whole 4 KiB block may
+//! instead be lent ([`DeviceQueue::lend`]): the dataplane then sends the device's own bytes,
+//! which stay as they were until the send is done, whatever is written meanwhile (a write to
+//! a lent block moves it out of the region). Every operation finishes synchronously
+//! ([`Submit::Done`]).
 //! A read-only device ([`MemDevice::with_read_only`]) refuses writes and trims with `EROFS`,
 //! as the file device does.
 //!
@@ -20,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use reflex_qos::Nanos;
 
-use crate::aligned::StripedRegion;
+use crate::pages::{BLOCK_BYTES, LendingRegion, Lent, RegionHandle};
 use crate::{
     Allocation, Device, DeviceInfo, DeviceOp, DeviceQueue, Extent, FlashError, OpKind, Submit,
     push_extent,
@@ -82,7 +85,7 @@ impl AllocationMap {
 
 #[derive(Debug)]
 pub struct MemDevice {
-    region: Arc<StripedRegion>,
+    region: Arc<LendingRegion>,
     allocation: Arc<AllocationMap>,
     info: DeviceInfo,
 }
@@ -103,10 +106,13 @@ impl MemDevice {
                 reason: format!("size above the {MEM_BYTES_MAX} bytes a memory device may have"),
             });
         }
-        let region = StripedRegion::new(size_bytes).map_err(|e| FlashError::Open {
-            spec,
-            reason: format!("cannot map {size_bytes} bytes: {e}"),
-        })?;
+        let region = usize::try_from(size_bytes)
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::ENOMEM))
+            .and_then(LendingRegion::new)
+            .map_err(|e| FlashError::Open {
+                spec,
+                reason: format!("cannot map {size_bytes} bytes: {e}"),
+            })?;
         Ok(MemDevice {
             region: Arc::new(region),
             allocation: Arc::new(AllocationMap::new(size_bytes)),
@@ -135,7 +141,7 @@ impl Device for MemDevice {
 
     fn queue(&self) -> Box<dyn DeviceQueue> {
         Box::new(MemQueue {
-            region: Arc::clone(&self.region),
+            region: RegionHandle::new(Arc::clone(&self.region)),
             allocation: Arc::clone(&self.allocation),
             size_bytes: self.info.size_bytes,
             read_only: self.info.read_only,
@@ -182,7 +188,8 @@ impl Device for MemDevice {
 }
 
 struct MemQueue {
-    region: Arc<StripedRegion>,
+    /// This queue's own handle: loans keep it, and with it the region, alive.
+    region: Arc<RegionHandle>,
     allocation: Arc<AllocationMap>,
     size_bytes: u64,
     read_only: bool,
@@ -197,7 +204,7 @@ impl MemQueue {
         assert!(
             offset
                 .checked_add(len)
-                .is_some_and(|end| end <= self.region.len()),
+                .is_some_and(|end| end <= self.region.region().len()),
             "mem range beyond the device"
         );
         (offset, len)
@@ -205,6 +212,15 @@ impl MemQueue {
 }
 
 impl DeviceQueue for MemQueue {
+    fn lend(&mut self, offset: u64, len: u32) -> Option<Lent> {
+        let whole_block = offset.is_multiple_of(BLOCK_BYTES as u64) && len as usize == BLOCK_BYTES;
+        if !whole_block {
+            return None;
+        }
+        let (offset, _) = self.range(offset, u64::from(len));
+        Some(self.region.lend(offset))
+    }
+
     fn submit(&mut self, op: DeviceOp<'_>, _now: Nanos) -> Submit {
         if self.read_only && matches!(op.kind, OpKind::Write { .. } | OpKind::Trim { .. }) {
             return Submit::Done(Err(FlashError::Io { errno: libc::EROFS }));
@@ -212,12 +228,12 @@ impl DeviceQueue for MemQueue {
         match op.kind {
             OpKind::Read { offset, buf } => {
                 let (offset, _) = self.range(offset, buf.len() as u64);
-                self.region.read(offset, buf);
+                self.region.region().read(offset, buf);
                 Submit::Done(Ok(buf.len() as u32))
             }
             OpKind::Write { offset, buf, .. } => {
                 let (offset, _) = self.range(offset, buf.len() as u64);
-                self.region.write(offset, buf);
+                self.region.region().write(offset, buf);
                 self.allocation.set(offset as u64, buf.len() as u64);
                 Submit::Done(Ok(buf.len() as u32))
             }
@@ -226,7 +242,7 @@ impl DeviceQueue for MemQueue {
             OpKind::Trim { offset, len } => {
                 self.allocation.clear_covered(offset, len, self.size_bytes);
                 let (offset, len) = self.range(offset, len);
-                self.region.zero(offset, len);
+                self.region.region().zero(offset, len);
                 Submit::Done(Ok(0))
             }
         }

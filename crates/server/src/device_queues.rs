@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use reflex_dataplane::namespaces::NamespaceSet;
-use reflex_dataplane::{DeviceOpId, GENERATION_MASK};
-use reflex_flash::{Device, DeviceQueue};
+use reflex_dataplane::{DeviceCommand, DeviceOpId, GENERATION_MASK};
+use reflex_flash::{Device, DeviceQueue, Lent};
 use reflex_qos::Nanos;
 
 /// Token kinds of device operations, the same in both drivers' `Kind` enums.
@@ -103,6 +103,15 @@ impl DeviceQueues {
         self.queues
             .get_mut(namespace_index)
             .and_then(Option::as_mut)
+    }
+
+    /// A loan of device memory that answers `command`, a READ that allows one, when its
+    /// device lends ([`DeviceQueue::lend`]); the driver then gives it to
+    /// `Dataplane::handle_device_lent` instead of submitting the read.
+    pub fn lend(&mut self, command: &DeviceCommand) -> Option<Lent> {
+        let (offset_bytes, length_bytes) = command.lendable_read()?;
+        self.get_mut(usize::from(command.namespace_index))?
+            .lend(offset_bytes, length_bytes)
     }
 
     pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Box<dyn DeviceQueue>> {

@@ -180,9 +180,11 @@ fn main() -> anyhow::Result<()> {
     let notices: u64 = stats.iter().map(|s| s.notices_sent).sum();
     let queue_full_waits: u64 = stats.iter().map(|s| s.tenant_queue_full_waits).sum();
     let sends: u64 = stats.iter().map(|s| s.sends).sum();
+    let reads_lent: u64 = stats.iter().map(|s| s.reads_lent).sum();
     tracing::info!(
         requests_answered = answered,
         sends,
+        reads_lent,
         renegotiate_notices = notices,
         tenant_queue_full_waits = queue_full_waits,
         "reflexd stopped"

@@ -1000,6 +1000,12 @@ impl VirtualServer {
             }
             Op::Device(command) => {
                 let state = &mut self.threads[thread];
+                if let Some(lent) = lend_device_memory(&mut state.queues, &command) {
+                    state.finished_synchronously = true;
+                    state.dataplane.handle_device_lent(command.id, lent, now);
+                    self.charge_device_completion(thread);
+                    return;
+                }
                 let user_data = device_user_data(command.id);
                 let op = state.dataplane.device_op(&command, user_data, None);
                 if let Some(result) = submit_device_op(&mut state.queues, &command, op, now) {
@@ -1092,6 +1098,19 @@ impl VirtualServer {
             self.charge_device_completion(thread);
         }
     }
+}
+
+/// A loan of device memory that answers `command` (a READ that allows one), when the
+/// namespace's device lends (the `mem` device does).
+fn lend_device_memory(
+    queues: &mut [Option<Box<dyn DeviceQueue>>],
+    command: &reflex_dataplane::DeviceCommand,
+) -> Option<reflex_flash::Lent> {
+    let (offset_bytes, length_bytes) = command.lendable_read()?;
+    queues
+        .get_mut(usize::from(command.namespace_index))?
+        .as_mut()?
+        .lend(offset_bytes, length_bytes)
 }
 
 /// Submits `op` (the operation of `command`) on a thread's queue of its namespace's device;

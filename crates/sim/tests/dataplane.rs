@@ -239,6 +239,97 @@ fn sixty_four_pipelined_reads_are_answered_in_one_send() {
     assert_eq!(server.dataplane(0).stats().sends - sends_before, 1);
 }
 
+/// A `mem` READ of one whole block is answered with a loan of the device's memory, not a
+/// copy: its answer must still carry the data as it was when read, however late it is sent.
+/// A reader that does not take its answers keeps them queued at the server (its receive
+/// window is full) while another client overwrites the blocks; the queued answers then
+/// arrive with the old bytes, and a later READ sees the new ones.
+#[test]
+fn a_lent_read_keeps_its_data_when_a_write_lands_before_it_is_sent() {
+    let network = NetworkModel {
+        latency: Nanos(10_000),
+        client_buffer_bytes: 16 << 10,
+        ..NetworkModel::default()
+    };
+    let mut server = server(mem(), limits(), network);
+    let mut writer = Client::connect(&mut server);
+    let old: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+    for block in 0..16u64 {
+        writer
+            .core
+            .submit_write(block, NAMESPACE, block * 4096, &old, false)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    writer.transmit(&mut server);
+    common::run_until(&mut server, Nanos(MS));
+    writer.take_answers(&mut server);
+    assert_eq!(writer.answered.len(), 16);
+    // 16 reads of 4 KiB against a 16 KiB receive window: most answers wait at the server.
+    let mut reader = Client::connect(&mut server);
+    for block in 0..16u64 {
+        reader
+            .core
+            .submit_read(block, NAMESPACE, block * 4096, 4096)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    reader.transmit(&mut server);
+    common::run_until(&mut server, Nanos(2 * MS));
+    let lent = server.dataplane(0).stats().reads_lent;
+    assert_eq!(lent, 16, "every read was answered with a loan");
+    let waiting = server
+        .dataplane(0)
+        .requests_in_state(RequestState::Completed)
+        + server.dataplane(0).requests_in_state(RequestState::Sending);
+    assert!(waiting >= 8, "only {waiting} answers wait to be sent");
+    let new = vec![0xEE; 4096];
+    for block in 0..16u64 {
+        writer
+            .core
+            .submit_write(100 + block, NAMESPACE, block * 4096, &new, false)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    writer.transmit(&mut server);
+    common::run_until(&mut server, Nanos(3 * MS));
+    writer.take_answers(&mut server);
+    assert_eq!(writer.answered.len(), 32);
+    assert!(writer.answered.iter().all(|&(_, ok)| ok));
+    // The reader takes its answers now: every one has the data of its read.
+    let mut data = Vec::new();
+    for step in 4..=20 {
+        common::run_until(&mut server, Nanos(step * MS));
+        common::take_completions(
+            &mut server,
+            reader.socket,
+            &mut reader.core,
+            &mut reader.received,
+            |completion| {
+                assert!(completion.is_ok());
+                data.push((completion.request_id, completion.data.to_vec()));
+            },
+        );
+    }
+    assert_eq!(data.len(), 16);
+    for (id, bytes) in &data {
+        assert_eq!(bytes, &old, "read {id} changed after it was answered");
+    }
+    // The blocks hold the new data.
+    reader
+        .core
+        .submit_read(99, NAMESPACE, 5 * 4096, 4096)
+        .unwrap_or_else(|e| panic!("{e}"));
+    reader.transmit(&mut server);
+    common::run_until(&mut server, Nanos(21 * MS));
+    let mut last = Vec::new();
+    common::take_completions(
+        &mut server,
+        reader.socket,
+        &mut reader.core,
+        &mut reader.received,
+        |completion| last.push(completion.data.to_vec()),
+    );
+    assert_eq!(last, vec![new]);
+}
+
 /// Finding 8 at the dataplane: with a 1 MiB arena (one maximal run, which one connection may
 /// hold), a client pipelining 1 MiB READs and reading its answers slowly took every freed run
 /// ahead of another client's small READ that had waited longer, for as long as it kept

@@ -11,7 +11,7 @@
 //! request is orphaned: the slot and its buffer stay with the device until it returns them,
 //! and the answer goes out in a fresh slot.
 
-use reflex_flash::{DeviceOp, FlashError, OpKind};
+use reflex_flash::{DeviceOp, FlashError, Lent, OpKind};
 use reflex_qos::{Admitted, EnqueueError, Nanos};
 
 use reflex_proto::nbd::Errno;
@@ -327,10 +327,13 @@ impl Dataplane {
             Operation::Read {
                 offset_bytes,
                 length_bytes,
-                ..
+                buffer_start,
             } => DeviceOpKind::Read {
                 offset_bytes,
                 length_bytes,
+                lend: placed.member.is_none()
+                    && buffer_start == 0
+                    && self.answers_whole_read(index, length_bytes),
             },
             Operation::Write {
                 offset_bytes,
@@ -372,6 +375,47 @@ impl Dataplane {
         }
     }
 
+    /// Whether the request is a READ in one part whose device read of `length_bytes` is
+    /// exactly its data: then the answer may carry the device's bytes as they are (lent).
+    fn answers_whole_read(&self, index: u32, length_bytes: u32) -> bool {
+        let request = &self.requests[index as usize];
+        let Work::Io {
+            io,
+            step: IoStep::Transfer { part: 0 },
+            ..
+        } = request.work
+        else {
+            return false;
+        };
+        if io.kind != IoKind::Read || request.layout.part_count() != 1 {
+            return false;
+        }
+        let part = request.layout.part(0);
+        part.data_start == 0 && part.data_bytes == length_bytes
+    }
+
+    /// A READ whose command allowed lending was answered with the device's own bytes
+    /// (`lent`, [`reflex_flash::DeviceQueue::lend`]) instead of being submitted: it completes
+    /// as if read into its run, and its answer is sent from `lent`, which lives until the
+    /// request is freed (after its send).
+    pub fn handle_device_lent(&mut self, id: DeviceOpId, lent: Lent, now: Nanos) {
+        let DeviceOpId::Request { index, generation } = id else {
+            panic!("a loan for {id:?}, which never allows one");
+        };
+        let request = &self.requests[index as usize];
+        assert_eq!(request.generation, generation, "stale device loan");
+        assert_eq!(request.state, RequestState::Submitted);
+        let Operation::Read { length_bytes, .. } = self.submitted_placed(index).operation else {
+            panic!("a loan for a request that is not reading");
+        };
+        assert!(lent.bytes().len() >= length_bytes as usize, "a short loan");
+        let slot = &mut self.lent[index as usize];
+        assert!(slot.is_none(), "two loans for one request");
+        *slot = Some(lent);
+        self.stats.reads_lent += 1;
+        self.complete_io(index, Ok(length_bytes), now);
+    }
+
     /// The device operation `command` names, with its memory, for the driver to submit:
     /// `user_data` is passed through, `buf_index` names the registered buffer (the arena)
     /// when the driver registered it.
@@ -398,6 +442,7 @@ impl Dataplane {
                 DeviceOpKind::Read {
                     offset_bytes,
                     length_bytes,
+                    ..
                 },
             ) => {
                 let (run, start) = self.submitted_buffer(index);

@@ -505,7 +505,10 @@ impl Dataplane {
         let exclusive = frontend.read_pieces_exclusive();
         let request = &mut self.requests[index as usize];
         let data_end = (data.data_start + data.data_bytes) as usize;
-        let body = &self.arena.run(run, data_end)[data.data_start as usize..];
+        let body = match &self.lent[index as usize] {
+            Some(lent) => &lent.bytes()[data.data_start as usize..data_end],
+            None => &self.arena.run(run, data_end)[data.data_start as usize..],
+        };
         let Some((header_len, trailer_len)) = frontend.encode_read_answer(
             &request.tag,
             piece,

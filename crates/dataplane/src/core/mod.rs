@@ -216,6 +216,10 @@ pub struct Dataplane {
     arena: Arena,
     pages: PageAllocator,
     requests: Box<[request::Request]>,
+    /// Per request: the device memory its READ answer is sent from, when the device lent it
+    /// instead of reading into the run ([`Self::handle_device_lent`]); dropped when the
+    /// request is freed, after its send.
+    lent: Box<[Option<reflex_flash::Lent>]>,
     free_requests: Vec<u32>,
     connections: Box<[Connection]>,
     /// Slots free for a new connection: a closed one's slot joins when the driver takes its
@@ -395,6 +399,7 @@ impl Dataplane {
             arena,
             pages: PageAllocator::new(page_count),
             free_requests: (0..limits.requests_max).rev().collect(),
+            lent: (0..requests.len()).map(|_| None).collect(),
             requests,
             free_connections: (0..table_size).rev().collect(),
             connections,
@@ -585,6 +590,8 @@ impl Dataplane {
     /// Operations may still use the arena when the dataplane is dropped: never free it.
     pub fn leak_arena_on_drop(&mut self) {
         self.arena.leak_on_drop();
+        // Lent device memory may be in a send too.
+        std::mem::forget(std::mem::take(&mut self.lent));
     }
 
     pub fn thread_index(&self) -> usize {

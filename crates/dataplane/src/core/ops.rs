@@ -93,11 +93,35 @@ pub struct DeviceCommand {
     pub kind: DeviceOpKind,
 }
 
+impl DeviceCommand {
+    /// Where a READ that may be answered with a loan of device memory reads (offset, length):
+    /// `Some` only for this thread's own request (a read migrated here lands in its home's
+    /// run) whose command allows it.
+    pub fn lendable_read(&self) -> Option<(u64, u32)> {
+        match (self.id, self.kind) {
+            (
+                DeviceOpId::Request { .. },
+                DeviceOpKind::Read {
+                    offset_bytes,
+                    length_bytes,
+                    lend: true,
+                },
+            ) => Some((offset_bytes, length_bytes)),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceOpKind {
     Read {
         offset_bytes: u64,
         length_bytes: u32,
+        /// The data may be lent instead of read into the request's run (a whole READ answered
+        /// from one device read, its data sent as it is): a driver whose device lends
+        /// ([`reflex_flash::DeviceQueue::lend`]) hands the loan to
+        /// [`crate::Dataplane::handle_device_lent`] instead of submitting the read.
+        lend: bool,
     },
     Write {
         offset_bytes: u64,

@@ -381,6 +381,8 @@ impl Dataplane {
         if let Some(run) = run {
             self.release_run(connection_index, run, orphaned);
         }
+        // Its answer is sent (or never will be): the device may have the loan back.
+        self.lent[index as usize] = None;
         self.free_requests.push(index);
         self.resources_freed = true;
         if orphaned {

@@ -226,7 +226,11 @@ impl Dataplane {
             if let Some((run, body_start, body_bytes)) = request.work.body() {
                 if skip < body_bytes as usize {
                     let end = (body_start + body_bytes) as usize;
-                    segment(&self.arena.run(run, end)[body_start as usize + skip..]);
+                    let body = match &self.lent[cursor as usize] {
+                        Some(lent) => &lent.bytes()[..end],
+                        None => self.arena.run(run, end),
+                    };
+                    segment(&body[body_start as usize + skip..]);
                     skip = 0;
                 } else {
                     skip -= body_bytes as usize;

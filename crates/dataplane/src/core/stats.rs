@@ -33,6 +33,9 @@ pub struct CoreStats {
     pub requests_per_state: [u32; REQUEST_STATE_COUNT],
     pub transitions: u64,
     pub bytes_read: u64,
+    /// READs answered with a loan of the device's memory instead of a copy
+    /// ([`crate::Dataplane::handle_device_lent`]).
+    pub reads_lent: u64,
     pub bytes_written: u64,
     pub bytes_received: u64,
     pub bytes_sent: u64,

@@ -770,6 +770,11 @@ impl EpollDriver {
     }
 
     fn submit_device(&mut self, command: &DeviceCommand, now: Nanos) {
+        if let Some(lent) = self.queues.lend(command) {
+            self.reported();
+            self.dataplane.handle_device_lent(command.id, lent, now);
+            return;
+        }
         let user_data = device_token(command.id);
         let op = match crate::migration::migrated_device_op(&self.dataplane, command, user_data) {
             Some(op) => op,

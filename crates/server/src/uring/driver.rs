@@ -800,6 +800,11 @@ impl UringDriver {
     }
 
     fn submit_device(&mut self, command: &DeviceCommand, now: Nanos) {
+        if let Some(lent) = self.queues.lend(command) {
+            self.finished_synchronously = true;
+            self.dataplane.handle_device_lent(command.id, lent, now);
+            return;
+        }
         let user_data = device_token(command.id);
         let buf_index = if self.registered { Some(0) } else { None };
         let op = match crate::migration::migrated_device_op(&self.dataplane, command, user_data) {
