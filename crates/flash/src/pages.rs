@@ -1,6 +1,6 @@
 //! The memory of a `mem` device: one region that every dataplane thread reads and writes, and
 //! that a read may *lend* to the socket that sends it instead of copying it
-//! ([`LendingRegion::lend`]).
+//! ([`RegionHandle::lend`]).
 //!
 //! Why: a `mem` read used to be copied into the dataplane's arena, then copied again by the
 //! kernel into the socket. The first copy is what a real device's DMA does for free, and it
