@@ -412,10 +412,10 @@ impl LendingRegion {
         piece: usize,
         change: impl FnOnce(&mut [u8]),
     ) -> Arc<Moved> {
-        let mut bytes = Box::new(*current);
+        let mut bytes = *current;
         change(&mut bytes[within..within + piece]);
         Arc::new(Moved {
-            bytes: UnsafeCell::new(*bytes),
+            bytes: UnsafeCell::new(bytes),
         })
     }
 
