@@ -413,7 +413,72 @@ impl Dataplane {
         assert!(slot.is_none(), "two loans for one request");
         *slot = Some(lent);
         self.stats.reads_lent += 1;
-        self.complete_io(index, Ok(length_bytes), now);
+        self.complete_lent_read(index, length_bytes, now);
+    }
+
+    /// [`Self::complete_io`] of a lent READ, the common 4 KiB read of a `mem` namespace,
+    /// without the step machine: a loan is only allowed for a READ in one part, not on a
+    /// composite namespace, whose device read is exactly its data ([`Self::answers_whole_read`]),
+    /// and a loan is a whole transfer, so the only outcome is its successful answer (or the
+    /// free of a request whose connection closed).
+    fn complete_lent_read(&mut self, index: u32, length_bytes: u32, now: Nanos) {
+        self.device_done(index, now);
+        let request = &self.requests[index as usize];
+        assert!(
+            matches!(
+                request.work,
+                Work::Io {
+                    io: IoRequest {
+                        kind: IoKind::Read,
+                        ..
+                    },
+                    step: IoStep::Transfer { part: 0 },
+                    ..
+                }
+            ) && request.layout.part_count() == 1,
+            "a loan for a request that is not a one-part READ"
+        );
+        debug_assert_eq!(request.gate, super::request::GatePlace::Outside);
+        let connection_index = request.connection_index;
+        if !self.connections[connection_index as usize].is_open() {
+            self.free_request(index);
+            self.maybe_finish_close(connection_index);
+            return;
+        }
+        self.stats.bytes_read += u64::from(length_bytes);
+        self.respond_read(index, 0, true);
+    }
+
+    /// A device operation of the request is over: its place at the device is free and its
+    /// time is counted (the device's, and the tenant's on that device).
+    fn device_done(&mut self, index: u32, now: Nanos) {
+        assert!(self.device_in_flight > 0);
+        self.device_in_flight -= 1;
+        let live_index = usize::from(self.requests[index as usize].submitted.namespace_index);
+        self.live.device_in_flight[live_index] -= 1;
+        if let Some(flow) = self.requests[index as usize].fair_flow.take() {
+            // Its place at the device is free, even for an orphan (the device is done with it).
+            let latency_ns = now
+                .saturating_since(self.requests[index as usize].queued_at)
+                .0;
+            self.qos[live_index].fair.completed(
+                reflex_qos::FlowId(u64::from(flow)),
+                latency_ns,
+                now,
+            );
+        }
+        let request = &self.requests[index as usize];
+        if request.state == RequestState::Orphaned {
+            return; // Answered when it timed out: its time is not the device's answer.
+        }
+        let device_ns = now.saturating_since(request.submitted_at).0;
+        self.live.device_operations[live_index] += 1;
+        self.live.device_ns[live_index] += device_ns;
+        // The device's time is the tenant's on that device (a composite's member tenant).
+        let tenant_id = request.piece_tenant;
+        if let Some(account) = self.qos[live_index].accounts.get_mut(tenant_id as usize) {
+            account.stats.device_ns += device_ns;
+        }
     }
 
     /// The device operation `command` names, with its memory, for the driver to submit:
@@ -549,21 +614,7 @@ impl Dataplane {
 
     /// Step two: a device result becomes the next step or the answer.
     pub(super) fn complete_io(&mut self, index: u32, result: Result<u32, FlashError>, now: Nanos) {
-        assert!(self.device_in_flight > 0);
-        self.device_in_flight -= 1;
-        let live_index = usize::from(self.requests[index as usize].submitted.namespace_index);
-        self.live.device_in_flight[live_index] -= 1;
-        if let Some(flow) = self.requests[index as usize].fair_flow.take() {
-            // Its place at the device is free, even for an orphan (the device is done with it).
-            let latency_ns = now
-                .saturating_since(self.requests[index as usize].queued_at)
-                .0;
-            self.qos[live_index].fair.completed(
-                reflex_qos::FlowId(u64::from(flow)),
-                latency_ns,
-                now,
-            );
-        }
+        self.device_done(index, now);
         let state = self.requests[index as usize].state;
         if state == RequestState::Orphaned {
             // Answered with an error when it timed out; the device has given the buffer back.
@@ -575,15 +626,6 @@ impl Dataplane {
         let Work::Io { io, run, step, .. } = request.work else {
             panic!("completing a request without I/O");
         };
-        let device_ns = now.saturating_since(request.submitted_at).0;
-        self.live.device_operations[live_index] += 1;
-        self.live.device_ns[live_index] += device_ns;
-        // The device's time is the tenant's on that device (a composite's member tenant).
-        let tenant_id = request.piece_tenant;
-        let namespace = &mut self.qos[live_index];
-        if let Some(account) = namespace.accounts.get_mut(tenant_id as usize) {
-            account.stats.device_ns += device_ns;
-        }
         let connection_index = request.connection_index;
         if let IoKind::Kv { .. } = io.kind {
             self.kv_complete(index, result, now);
