@@ -129,8 +129,9 @@ point() {
     for ((attempt = 0; attempt <= RETRIES; attempt++)); do
         local cpu_before cpu_after soft_server_before soft_server_after soft_client_before
         local soft_client_after server_busy_before server_busy_after client_busy_before
-        local client_busy_after start end
+        local client_busy_after start end ticks_before ticks_after
         cpu_before=$(cpu_ns "$SERVER_PID")
+        ticks_before=$(cpu_user_sys_ticks "$SERVER_PID")
         soft_server_before=$(ksoftirqd_ns "$KSOFTIRQD_SERVER")
         soft_client_before=$(ksoftirqd_ns "$KSOFTIRQD_CLIENT")
         server_busy_before=$(cpu_busy_ticks "$SERVER_CPU")
@@ -145,18 +146,22 @@ point() {
         fi
         end=$(now_ns)
         cpu_after=$(cpu_ns "$SERVER_PID")
+        ticks_after=$(cpu_user_sys_ticks "$SERVER_PID")
         soft_server_after=$(ksoftirqd_ns "$KSOFTIRQD_SERVER")
         soft_client_after=$(ksoftirqd_ns "$KSOFTIRQD_CLIENT")
         server_busy_after=$(cpu_busy_ticks "$SERVER_CPU")
         client_busy_after=$(cpu_busy_ticks "$CLIENT_CPU")
         kill -0 "$SERVER_PID" 2>/dev/null || die "$name exited during the run"
         local row
-        row=$(printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s' "$rep" "$name" "$shape" \
+        local user_ticks sys_ticks
+        user_ticks=$((${ticks_after% *} - ${ticks_before% *}))
+        sys_ticks=$((${ticks_after#* } - ${ticks_before#* }))
+        row=$(printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s' "$rep" "$name" "$shape" \
             "$json" "$((cpu_after - cpu_before))" "$((end - start))" \
             "$((server_busy_after - server_busy_before))" \
             "$((client_busy_after - client_busy_before))" \
             "$((soft_server_after - soft_server_before))" \
-            "$((soft_client_after - soft_client_before))" "$attempt")
+            "$((soft_client_after - soft_client_before))" "$attempt" "$user_ticks" "$sys_ticks")
         if ! python3 - "$row" "$OTHERS_MAX_PERCENT" "$(getconf CLK_TCK)" <<'PY'
 import json, sys
 row, limit, clk_tck = sys.argv[1].split("\t"), float(sys.argv[2]), int(sys.argv[3])
@@ -211,7 +216,7 @@ clk_tck = int(os.environ["CLK_TCK"])
 points = {}
 for line in open(runs_path):
     (rep, name, shape, path, cpu_ns, wall_ns, server_busy, client_busy, soft_server, soft_client,
-     attempt) = line.rstrip("\n").split("\t")
+     attempt, user_ticks, sys_ticks) = line.rstrip("\n").split("\t")
     report = json.load(open(path))
     wall_s = int(wall_ns) / 1e9
     server_cpu_s = int(cpu_ns) / 1e9
@@ -228,6 +233,8 @@ for line in open(runs_path):
         "others_server_cpu": max(0.0, (int(server_busy) / clk_tck - server_cpu_s - int(soft_server) / 1e9) / wall_s),
         "others_client_cpu": max(0.0, (int(client_busy) / clk_tck - client_cpu_s - int(soft_client) / 1e9) / wall_s),
         "attempt": int(attempt),
+        # Tick-sampled split of the server's CPU time: the share spent in user space.
+        "user_share": int(user_ticks) / max(1, int(user_ticks) + int(sys_ticks)),
         "p50_us": report["latency"]["p50_us"],
         "p99_us": report["latency"]["p99_us"],
     })
@@ -271,8 +278,8 @@ add(f"- {prio}; load average before {env['LOAD_BEFORE']}, after {env['LOAD_AFTER
 add("")
 add("## Throughput per server core")
 add("")
-add("| server | mode | client shape | replies/s | server CPU (cores) | replies per server core-second | range over runs | client CPU (cores) | ksoftirqd on server CPU (cores) | others on server / client CPU |")
-add("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+add("| server | mode | client shape | replies/s | server CPU (cores) | replies per server core-second | range over runs | server CPU in user space | client CPU (cores) | ksoftirqd on server CPU (cores) | others on server / client CPU |")
+add("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 labels = {"limit": ("limit-server", "blocking"), "limit-poll": ("limit-server", "--poll"),
           "reflexd": ("reflexd", "blocking"), "reflexd-poll": ("reflexd", "--poll")}
 shapes = {"c16d32": "16 × 32", "c4d32": "4 × 32"}
@@ -283,7 +290,8 @@ for mode in ("", "-poll"):
             label, mode_label = labels[name]
             add(f"| {label} | {mode_label} | {shapes[shape]} | {med(name, shape, 'replies_per_sec')/1e3:.0f}K | "
                 f"{med(name, shape, 'server_cores'):.2f} | **{med(name, shape, 'per_core')/1e3:.0f}K** | "
-                f"{spread(name, shape, 'per_core')} | {med(name, shape, 'client_cores'):.2f} | "
+                f"{spread(name, shape, 'per_core')} | {med(name, shape, 'user_share')*100:.0f} % | "
+                f"{med(name, shape, 'client_cores'):.2f} | "
                 f"{med(name, shape, 'ksoftirqd_server_cores'):.2f} | "
                 f"{med(name, shape, 'others_server_cpu')*100:.0f} % / {med(name, shape, 'others_client_cpu')*100:.0f} % |")
 add("")
@@ -297,6 +305,11 @@ for mode, label in (("", "blocking"), ("-poll", "--poll")):
         ratio = med("reflexd" + mode, shape, "per_core") / med("limit" + mode, shape, "per_core")
         cells.append(f"**{ratio*100:.0f} %**")
     add(f"| {label} | {' | '.join(cells)} |")
+add("")
+add("Server CPU in user space: utime over utime + stime of the server's threads "
+    "(`/proc/PID/task/*/stat`, clock ticks, so a split rather than a measure); the rest is the kernel "
+    "(system calls, TCP, the copy into the socket, loopback delivery). Its kernel time per reply, "
+    "(1 − share) / replies per core-second, compares the two servers' kernel work.")
 add("")
 add("A polling server is busy 100 % of the time whatever its load, so with `--poll` replies per "
     "core-second equal replies per second and measure the *pair*: when the client's CPU column is "

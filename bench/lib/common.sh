@@ -13,6 +13,9 @@
 #   tick samples; steal time excluded). Read it before and after a run: the difference is
 #   the server's core-seconds × 1e9 (threads that exit in between are lost, so use it on
 #   servers whose threads live for the whole run). Prints 0 if PID is gone.
+# - cpu_user_sys_ticks PID: "USER SYS", the clock ticks PID's live threads spent in user space
+#   and in the kernel (utime and stime of /proc/PID/task/*/stat). Tick-sampled, so only for
+#   the split of a run's CPU time between the two, next to cpu_ns's exact total.
 # - listener_pid PORT: the process listening on loopback TCP PORT (for daemons that fork).
 # - cpu_busy_ticks CPU: ticks CPU spent running processes (user + nice + system, any process;
 #   interrupt time left out), from /proc/stat.
@@ -107,6 +110,13 @@ cpu_ns() {
     # A thread may exit between the glob and the read: skip it rather than fail.
     { cat /proc/"$1"/task/*/schedstat 2>/dev/null || true; } |
         awk '{ total += $1 } END { printf "%.0f\n", total }'
+}
+
+cpu_user_sys_ticks() {
+    # The comm field may hold spaces: fields are counted after its closing parenthesis, where
+    # utime and stime are the 12th and 13th.
+    { cat /proc/"$1"/task/*/stat 2>/dev/null || true; } |
+        awk '{ sub(/^.*\) /, ""); user += $12; sys += $13 } END { printf "%d %d\n", user, sys }'
 }
 
 listener_pid() {
