@@ -226,6 +226,13 @@ pub trait DeviceQueue {
         None
     }
 
+    /// A hint that [`Self::lend`] of this range comes soon: a device that lends may bring
+    /// what lending reads into the cache, so that a batch's lends do not each wait for memory
+    /// in turn. The default does nothing; so may any device, at any time.
+    fn prefetch_lend(&self, offset: u64, len: u32) {
+        let _ = (offset, len);
+    }
+
     /// Turn the CQE of a [`Submit::Ring`] operation, arrived at `now`, into its outcome.
     ///
     /// `Some(result)`: the operation is complete. `None`: the device deferred the outcome

@@ -126,6 +126,11 @@ impl MemDevice {
         })
     }
 
+    /// Loans of its memory to sends not given back yet ([`LendingRegion::loans_outstanding`]).
+    pub fn loans_outstanding(&self) -> u64 {
+        self.region.loans_outstanding()
+    }
+
     /// Marks the device read-only (in its [`DeviceInfo`]); its queues then refuse writes and
     /// trims.
     pub fn with_read_only(mut self, read_only: bool) -> MemDevice {
@@ -219,6 +224,14 @@ impl DeviceQueue for MemQueue {
         }
         let (offset, _) = self.range(offset, u64::from(len));
         Some(self.region.lend(offset))
+    }
+
+    fn prefetch_lend(&self, offset: u64, len: u32) {
+        if len as usize == BLOCK_BYTES
+            && let Ok(offset) = usize::try_from(offset)
+        {
+            self.region.prefetch_lend(offset);
+        }
     }
 
     fn submit(&mut self, op: DeviceOp<'_>, _now: Nanos) -> Submit {

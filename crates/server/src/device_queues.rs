@@ -114,6 +114,18 @@ impl DeviceQueues {
             .lend(offset_bytes, length_bytes)
     }
 
+    /// Hints to the devices that the lendable READs among `commands` will be lent soon
+    /// ([`DeviceQueue::prefetch_lend`]): their cache misses then overlap.
+    pub fn prefetch_lends<'a>(&self, commands: impl Iterator<Item = &'a DeviceCommand>) {
+        for command in commands {
+            if let Some((offset_bytes, length_bytes)) = command.lendable_read()
+                && let Some(Some(queue)) = self.queues.get(usize::from(command.namespace_index))
+            {
+                queue.prefetch_lend(offset_bytes, length_bytes);
+            }
+        }
+    }
+
     pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Box<dyn DeviceQueue>> {
         self.queues.iter_mut().flatten()
     }

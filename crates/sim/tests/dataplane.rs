@@ -251,7 +251,9 @@ fn a_lent_read_keeps_its_data_when_a_write_lands_before_it_is_sent() {
         client_buffer_bytes: 16 << 10,
         ..NetworkModel::default()
     };
-    let mut server = server(mem(), limits(), network);
+    let device =
+        Arc::new(reflex_flash::mem::MemDevice::new(256 << 20).unwrap_or_else(|e| panic!("{e}")));
+    let mut server = server(device.clone(), limits(), network);
     let mut writer = Client::connect(&mut server);
     let old: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
     for block in 0..16u64 {
@@ -281,6 +283,8 @@ fn a_lent_read_keeps_its_data_when_a_write_lands_before_it_is_sent() {
         .requests_in_state(RequestState::Completed)
         + server.dataplane(0).requests_in_state(RequestState::Sending);
     assert!(waiting >= 8, "only {waiting} answers wait to be sent");
+    // An answer that waits holds its loan.
+    assert!(device.loans_outstanding() >= waiting as u64);
     let new = vec![0xEE; 4096];
     for block in 0..16u64 {
         writer
@@ -309,6 +313,9 @@ fn a_lent_read_keeps_its_data_when_a_write_lands_before_it_is_sent() {
         );
     }
     assert_eq!(data.len(), 16);
+    // Every loan went back once its answer was sent (the last ones when that send
+    // completed, in one batch).
+    assert_eq!(device.loans_outstanding(), 0);
     for (id, bytes) in &data {
         assert_eq!(bytes, &old, "read {id} changed after it was answered");
     }

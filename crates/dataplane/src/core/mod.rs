@@ -178,6 +178,10 @@ impl TelemetryWindow {
 /// Completions a driver handles per iteration (the paper's adaptive batching cap).
 pub const BATCH_MAX: usize = 64;
 
+/// Loans of freed requests given back in one go at most ([`Dataplane::return_loans`]): a
+/// send's worth, so their cache lines fit in the cache together.
+const LOANS_RETURNED_TOGETHER_MAX: usize = 2 * BATCH_MAX;
+
 /// What a dataplane needs to start.
 pub struct DataplaneSetup {
     pub thread_index: usize,
@@ -220,6 +224,10 @@ pub struct Dataplane {
     /// instead of reading into the run ([`Self::handle_device_lent`]); dropped when the
     /// request is freed, after its send.
     lent: Box<[Option<reflex_flash::Lent>]>,
+    /// Loans of freed requests, given back together by [`Self::return_loans`] (at the end of
+    /// each input and before it grows past [`LOANS_RETURNED_TOGETHER_MAX`]): each return is an
+    /// atomic on a cold line, and prefetching a batch's lines first overlaps their misses.
+    loans_to_return: Vec<reflex_flash::Lent>,
     free_requests: Vec<u32>,
     connections: Box<[Connection]>,
     /// Slots free for a new connection: a closed one's slot joins when the driver takes its
@@ -400,6 +408,7 @@ impl Dataplane {
             pages: PageAllocator::new(page_count),
             free_requests: (0..limits.requests_max).rev().collect(),
             lent: (0..requests.len()).map(|_| None).collect(),
+            loans_to_return: Vec::with_capacity(LOANS_RETURNED_TOGETHER_MAX),
             requests,
             free_connections: (0..table_size).rev().collect(),
             connections,
@@ -504,6 +513,7 @@ impl Dataplane {
         self.parse_step(now);
         self.dispatch_step(now);
         self.handle_scheduler_events(now);
+        self.return_loans();
     }
 
     /// The rest of [`Self::process`]: sends of the queued answers, connection handoffs, and
@@ -514,6 +524,7 @@ impl Dataplane {
         self.advance_handoffs(now);
         self.check_drained(now);
         self.advance_phase(now);
+        self.return_loans();
     }
 
     /// The next operation for the driver.
@@ -524,6 +535,15 @@ impl Dataplane {
             self.free_connections.push(connection.index);
         }
         Some(op)
+    }
+
+    /// The device commands among the operations [`Self::poll_op`] will return, in order: a
+    /// driver may look ahead at them (to prefetch what lending the reads touches).
+    pub fn queued_device_commands(&self) -> impl Iterator<Item = &DeviceCommand> {
+        self.ops.iter().filter_map(|op| match op {
+            Op::Device(command) => Some(command),
+            _ => None,
+        })
     }
 
     /// Whether `process` has work to do without any new completion (the driver must not
@@ -590,8 +610,9 @@ impl Dataplane {
     /// Operations may still use the arena when the dataplane is dropped: never free it.
     pub fn leak_arena_on_drop(&mut self) {
         self.arena.leak_on_drop();
-        // Lent device memory may be in a send too.
+        // Lent device memory may be in a send too (the loans of freed requests are not).
         std::mem::forget(std::mem::take(&mut self.lent));
+        self.return_loans();
     }
 
     pub fn thread_index(&self) -> usize {

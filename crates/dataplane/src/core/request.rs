@@ -16,8 +16,8 @@
 
 use reflex_qos::Nanos;
 
-use super::Dataplane;
 use super::composite::Placed;
+use super::{Dataplane, LOANS_RETURNED_TOGETHER_MAX};
 use crate::buffers::PageRun;
 use crate::buffers::RUN_SIZE_MAX;
 use crate::frontend::IoKind;
@@ -360,6 +360,15 @@ impl Dataplane {
         index
     }
 
+    /// Gives the device back the loans of the requests freed since the last call: their
+    /// lines first, then the returns, so that their cache misses overlap.
+    pub(super) fn return_loans(&mut self) {
+        for lent in &self.loans_to_return {
+            lent.prefetch_return();
+        }
+        self.loans_to_return.clear();
+    }
+
     /// Frees a request no operation uses: its run goes back to the arena, its window place to
     /// its connection.
     pub(super) fn free_request(&mut self, index: u32) {
@@ -382,7 +391,12 @@ impl Dataplane {
             self.release_run(connection_index, run, orphaned);
         }
         // Its answer is sent (or never will be): the device may have the loan back.
-        self.lent[index as usize] = None;
+        if let Some(lent) = self.lent[index as usize].take() {
+            if self.loans_to_return.len() == LOANS_RETURNED_TOGETHER_MAX {
+                self.return_loans();
+            }
+            self.loans_to_return.push(lent);
+        }
         self.free_requests.push(index);
         self.resources_freed = true;
         if orphaned {

@@ -281,6 +281,7 @@ impl Dataplane {
         } else {
             self.plain_handle_sent(index, result, now);
         }
+        self.return_loans();
     }
 
     /// [`Self::handle_sent`] of the plaintext stream.

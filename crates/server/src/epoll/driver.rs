@@ -645,6 +645,8 @@ impl EpollDriver {
     }
 
     fn issue_ops(&mut self, now: Nanos) {
+        self.queues
+            .prefetch_lends(self.dataplane.queued_device_commands());
         while let Some(op) = self.dataplane.poll_op() {
             match op {
                 Op::Accept { listener } => {

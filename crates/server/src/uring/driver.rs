@@ -588,6 +588,8 @@ impl UringDriver {
     }
 
     fn issue_ops(&mut self, now: Nanos) {
+        self.queues
+            .prefetch_lends(self.dataplane.queued_device_commands());
         while let Some(op) = self.dataplane.poll_op() {
             if !matches!(op, Op::Recv { .. } | Op::Send { .. } | Op::Device(_)) {
                 // It may close or cancel what a deferred receive names: those go first, in
