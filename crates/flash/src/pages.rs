@@ -111,9 +111,7 @@ impl Lent {
             Source::Moved(block) => unsafe { block.bytes() },
         }
     }
-}
 
-impl Lent {
     /// Brings the line that giving the loan back changes into the cache. A server returns the
     /// loans of one send together: after a whole batch has gone through the socket the block
     /// states are cold, and each return is an atomic that waits for its line, so returning
@@ -121,7 +119,7 @@ impl Lent {
     /// them all first overlaps those round trips.
     pub fn prefetch_return(&self) {
         if let Source::Region { state, .. } = &self.source {
-            prefetch_line(state.as_ptr().cast());
+            prefetch_line::<HINT_ALL_CACHES>(state.as_ptr().cast());
         }
     }
 }
@@ -168,9 +166,9 @@ impl RegionHandle {
         if offset >= region.len {
             return;
         }
-        prefetch_line((region.lock(offset) as *const RwLock<()>).cast());
+        prefetch_line::<HINT_ALL_CACHES>((region.lock(offset) as *const RwLock<()>).cast());
         if let Some(state) = region.state(offset) {
-            prefetch_line((state as *const BlockState).cast());
+            prefetch_line::<HINT_ALL_CACHES>((state as *const BlockState).cast());
         }
     }
 
@@ -501,27 +499,28 @@ impl LendingRegion {
 /// Asks the CPU to bring a lent block into its caches: the kernel copies it into the socket
 /// only when the send runs, after the rest of the batch, and a cold block would stall it.
 fn prefetch_block(bytes: NonNull<u8>) {
-    #[cfg(target_arch = "x86_64")]
     for line in (0..BLOCK_BYTES).step_by(64) {
-        // SAFETY: a prefetch is a hint: it reads nothing the program can observe, and the
-        // address is inside the lent block.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                bytes.as_ptr().add(line).cast::<i8>(),
-            )
-        };
+        prefetch_line::<HINT_OUTER_CACHES>(bytes.as_ptr().wrapping_add(line));
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
 }
 
-/// Asks the CPU to bring the cache line at `address` into its caches (a hint).
-fn prefetch_line(address: *const u8) {
+#[cfg(target_arch = "x86_64")]
+const HINT_ALL_CACHES: i32 = std::arch::x86_64::_MM_HINT_T0;
+#[cfg(target_arch = "x86_64")]
+const HINT_OUTER_CACHES: i32 = std::arch::x86_64::_MM_HINT_T1;
+#[cfg(not(target_arch = "x86_64"))]
+const HINT_ALL_CACHES: i32 = 0;
+#[cfg(not(target_arch = "x86_64"))]
+const HINT_OUTER_CACHES: i32 = 0;
+
+/// Asks the CPU to bring the cache line at `address` into its caches, those `HINT` names (a
+/// hint; nothing on other architectures).
+fn prefetch_line<const HINT: i32>(address: *const u8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch is a hint: it reads nothing the program can observe, and it does not
     // fault, whatever the address.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(address.cast::<i8>())
+        std::arch::x86_64::_mm_prefetch::<HINT>(address.cast::<i8>())
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = address;
