@@ -119,7 +119,7 @@ impl Lent {
     /// them all first overlaps those round trips.
     pub fn prefetch_return(&self) {
         if let Source::Region { state, .. } = &self.source {
-            prefetch_line::<HINT_ALL_CACHES>(state.as_ptr().cast());
+            prefetch_line(state.as_ptr().cast());
         }
     }
 }
@@ -166,9 +166,9 @@ impl RegionHandle {
         if offset >= region.len {
             return;
         }
-        prefetch_line::<HINT_ALL_CACHES>((region.lock(offset) as *const RwLock<()>).cast());
+        prefetch_line((region.lock(offset) as *const RwLock<()>).cast());
         if let Some(state) = region.state(offset) {
-            prefetch_line::<HINT_ALL_CACHES>((state as *const BlockState).cast());
+            prefetch_line((state as *const BlockState).cast());
         }
     }
 
@@ -206,7 +206,8 @@ impl RegionHandle {
         state.lends.fetch_add(1, Ordering::Relaxed);
         // SAFETY: `offset` is inside the mapping (asserted above).
         let bytes = unsafe { region.base.add(offset) };
-        prefetch_block(bytes);
+        // Its bytes are not prefetched: the kernel's copy into the socket streams them, and
+        // hinting the block's 64 lines here cost more than it saved (`docs/BENCHMARKS.md`).
         Lent {
             source: Source::Region {
                 bytes,
@@ -496,31 +497,14 @@ impl LendingRegion {
     }
 }
 
-/// Asks the CPU to bring a lent block into its caches: the kernel copies it into the socket
-/// only when the send runs, after the rest of the batch, and a cold block would stall it.
-fn prefetch_block(bytes: NonNull<u8>) {
-    for line in (0..BLOCK_BYTES).step_by(64) {
-        prefetch_line::<HINT_OUTER_CACHES>(bytes.as_ptr().wrapping_add(line));
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-const HINT_ALL_CACHES: i32 = std::arch::x86_64::_MM_HINT_T0;
-#[cfg(target_arch = "x86_64")]
-const HINT_OUTER_CACHES: i32 = std::arch::x86_64::_MM_HINT_T1;
-#[cfg(not(target_arch = "x86_64"))]
-const HINT_ALL_CACHES: i32 = 0;
-#[cfg(not(target_arch = "x86_64"))]
-const HINT_OUTER_CACHES: i32 = 0;
-
-/// Asks the CPU to bring the cache line at `address` into its caches, those `HINT` names (a
-/// hint; nothing on other architectures).
-fn prefetch_line<const HINT: i32>(address: *const u8) {
+/// Asks the CPU to bring the cache line at `address` into all its caches (a hint; nothing on
+/// other architectures).
+fn prefetch_line(address: *const u8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch is a hint: it reads nothing the program can observe, and it does not
     // fault, whatever the address.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<HINT>(address.cast::<i8>())
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(address.cast::<i8>())
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = address;
