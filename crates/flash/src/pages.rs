@@ -710,6 +710,56 @@ mod tests {
     }
 
     #[test]
+    fn lenders_and_writers_on_many_threads_never_see_a_loan_change() {
+        // Two chunks (two stripes) of one state directory; lenders on two threads, each with
+        // its own handle as device queues have, race writers of whole-block patterns.
+        let region =
+            Arc::new(LendingRegion::new(2 * STRIPE_BYTES).unwrap_or_else(|e| panic!("{e}")));
+        let blocks = [0, BLOCK_BYTES, STRIPE_BYTES, STRIPE_BYTES + BLOCK_BYTES];
+        let writers: Vec<_> = (0..2u8)
+            .map(|seed| {
+                let region = Arc::clone(&region);
+                std::thread::spawn(move || {
+                    for round in 0..3000usize {
+                        let value = seed.wrapping_mul(101).wrapping_add(round as u8);
+                        region.write(blocks[round % blocks.len()], &[value; BLOCK_BYTES]);
+                    }
+                })
+            })
+            .collect();
+        let lenders: Vec<_> = (0..2usize)
+            .map(|first| {
+                let handle = RegionHandle::new(Arc::clone(&region));
+                std::thread::spawn(move || {
+                    let mut held = std::collections::VecDeque::new();
+                    for round in 0..6000usize {
+                        let lent = handle.lend(blocks[(round + first) % blocks.len()]);
+                        let value = lent.bytes()[0];
+                        assert!(lent.bytes().iter().all(|&b| b == value), "a torn loan");
+                        held.push_back((value, lent));
+                        if held.len() > 6 {
+                            let (value, lent) = held.pop_front().unwrap_or_else(|| unreachable!());
+                            assert!(lent.bytes().iter().all(|&b| b == value), "a loan changed");
+                        }
+                    }
+                })
+            })
+            .collect();
+        for thread in writers.into_iter().chain(lenders) {
+            thread
+                .join()
+                .unwrap_or_else(|_| panic!("a thread panicked"));
+        }
+        assert_eq!(region.loans_outstanding(), 0);
+        // What the writers left is what reads and new loans see.
+        let handle = RegionHandle::new(Arc::clone(&region));
+        for block in blocks {
+            let lent = handle.lend(block);
+            assert_eq!(lent.bytes(), read(&region, block, BLOCK_BYTES).as_slice());
+        }
+    }
+
+    #[test]
     fn chunks_are_written_whole_under_many_threads() {
         let region =
             Arc::new(LendingRegion::new(4 * STRIPE_BYTES).unwrap_or_else(|e| panic!("{e}")));
