@@ -62,6 +62,7 @@ trap cleanup EXIT
 
 flags=()
 [ "$POLL" = 0 ] || flags+=(--poll)
+LABEL="$SERVER${flags[*]:+ ${flags[*]}}"
 if [ "$SERVER" = reflexd ]; then
     command=("$REFLEXD" --port 0 --no-nbd --original-port "$PORT=1" -n 1=mem:1G --threads 1
         "${flags[@]}")
@@ -75,7 +76,7 @@ wait_port "$PORT" "$SERVER_PID" 20 || { cat "$WORK/server.log" >&2; die "$SERVER
 client_args=(--addr "127.0.0.1:$PORT" --connections "$CONNECTIONS" --depth "$DEPTH" --json)
 [ -z "$LBA_RANGE" ] || client_args+=(--lba-range "$LBA_RANGE")
 CLIENT_S=$(python3 -c "print(f'{$DURATION_S + 2:g}s')")
-note "$SERVER ${flags[*]}: limit-client $CONNECTIONS x $DEPTH for $CLIENT_S, perf over $DURATION"
+note "$LABEL: limit-client $CONNECTIONS x $DEPTH for $CLIENT_S, perf over $DURATION"
 taskset -c "$CLIENT_CPU" "$LIMIT_CLIENT" "${client_args[@]}" --duration "$CLIENT_S" \
     >"$WORK/client.json" 2>"$WORK/client.err" &
 CLIENT_PID=$!
@@ -109,7 +110,7 @@ for line in open(path):
 user = sum(r[0] for r in rows if r[2] == "user")
 kernel = sum(r[0] for r in rows if r[2] == "kernel")
 print("# Where the server's CPU goes (issue 10)\n")
-print("- server: $SERVER ${flags[*]}; commit: $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (with uncommitted changes)'); date: $(date -u '+%Y-%m-%d %H:%M UTC')")
+print("- server: $LABEL; commit: $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (with uncommitted changes)'); date: $(date -u '+%Y-%m-%d %H:%M UTC')")
 print("- command: \`SERVER=$SERVER CONNECTIONS=$CONNECTIONS DEPTH=$DEPTH DURATION=$DURATION POLL=$POLL${LBA_RANGE:+ LBA_RANGE=$LBA_RANGE} bench/profile.sh\`")
 print("- server pinned to CPU $SERVER_CPU, limit-client ($CONNECTIONS x $DEPTH, 4 KiB random reads) to CPU $CLIENT_CPU; \`perf record -e cpu-clock -F $PERF_FREQ\` of the server for $DURATION after 1 s of load")
 print("- replies per second during the run: ${REPLIES_PER_S:-unknown}; server CPU ticks in user space / kernel over the recording: $user_ticks / $sys_ticks")
