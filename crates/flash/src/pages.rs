@@ -567,6 +567,22 @@ mod tests {
         out
     }
 
+    /// Lends `blocks` round robin from `first` for `rounds` loans, holding the last 8 while
+    /// writers may run: each loan must be whole when made and unchanged when given back.
+    fn lend_and_check(handle: &Arc<RegionHandle>, blocks: &[usize], first: usize, rounds: usize) {
+        let mut held = std::collections::VecDeque::new();
+        for round in 0..rounds {
+            let lent = handle.lend(blocks[(round + first) % blocks.len()]);
+            let value = lent.bytes()[0];
+            assert!(lent.bytes().iter().all(|&b| b == value), "a torn loan");
+            held.push_back((value, lent));
+            if held.len() > 8 {
+                let (value, lent) = held.pop_front().unwrap_or_else(|| unreachable!());
+                assert!(lent.bytes().iter().all(|&b| b == value), "a loan changed");
+            }
+        }
+    }
+
     #[test]
     fn reads_back_what_was_written_across_blocks_and_chunks() {
         let handle = handle(4 << 20);
@@ -692,16 +708,8 @@ mod tests {
                 })
             })
             .collect();
-        let mut held = std::collections::VecDeque::new();
-        for round in 0..4000usize {
-            let lent = handle.lend(BLOCK_BYTES * (round % 4));
-            let first = lent.bytes()[0];
-            held.push_back((first, lent));
-            if held.len() > 8 {
-                let (first, lent) = held.pop_front().unwrap_or_else(|| unreachable!());
-                assert!(lent.bytes().iter().all(|&b| b == first), "a loan changed");
-            }
-        }
+        let blocks = [0, BLOCK_BYTES, 2 * BLOCK_BYTES, 3 * BLOCK_BYTES];
+        lend_and_check(&handle, &blocks, 0, 4000);
         for writer in writers {
             writer
                 .join()
@@ -730,19 +738,7 @@ mod tests {
         let lenders: Vec<_> = (0..2usize)
             .map(|first| {
                 let handle = RegionHandle::new(Arc::clone(&region));
-                std::thread::spawn(move || {
-                    let mut held = std::collections::VecDeque::new();
-                    for round in 0..6000usize {
-                        let lent = handle.lend(blocks[(round + first) % blocks.len()]);
-                        let value = lent.bytes()[0];
-                        assert!(lent.bytes().iter().all(|&b| b == value), "a torn loan");
-                        held.push_back((value, lent));
-                        if held.len() > 6 {
-                            let (value, lent) = held.pop_front().unwrap_or_else(|| unreachable!());
-                            assert!(lent.bytes().iter().all(|&b| b == value), "a loan changed");
-                        }
-                    }
-                })
+                std::thread::spawn(move || lend_and_check(&handle, &blocks, first, 6000))
             })
             .collect();
         for thread in writers.into_iter().chain(lenders) {
