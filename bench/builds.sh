@@ -105,8 +105,8 @@ for ((round = 1; round <= ROUNDS; round++)); do
         for build in "${BUILDS[@]}"; do
             for shape in "${SHAPES[@]}"; do
                 read -r connections depth <<<"$shape"
-                taskset -c "$SERVER_CPU" "$build" --port "$NATIVE_PORT" --no-nbd \
-                    --original-port "$PORT=1" -n 1=mem:1G --threads 1 >"$WORK/server.log" 2>&1 &
+                reflexd_mem_command "$build" "$PORT" "$NATIVE_PORT"
+                taskset -c "$SERVER_CPU" "${SERVER_COMMAND[@]}" >"$WORK/server.log" 2>&1 &
                 SERVER_PID=$!
                 wait_listening "$PORT" && wait_listening "$NATIVE_PORT" ||
                     { cat "$WORK/server.log" >&2; die "$build did not start"; }
@@ -127,8 +127,8 @@ for ((round = 1; round <= ROUNDS; round++)); do
     done
     for shape in "${SHAPES[@]}"; do
         read -r connections depth <<<"$shape"
-        taskset -c "$SERVER_CPU" "$LIMIT_SERVER" --port "$PORT" --connections-max 64 \
-            >"$WORK/limit.log" 2>&1 &
+        limit_server_command "$LIMIT_SERVER" "$PORT"
+        taskset -c "$SERVER_CPU" "${SERVER_COMMAND[@]}" >"$WORK/limit.log" 2>&1 &
         SERVER_PID=$!
         wait_listening "$PORT" || { cat "$WORK/limit.log" >&2; die "limit-server did not start"; }
         measure limit-server limit "${connections}x$depth" "$round" \

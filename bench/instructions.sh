@@ -70,17 +70,14 @@ stop_valgrind() {
 
 # measure NAME: one callgrind run of server NAME; sets LOADED_IR, IDLE_IR and LOADED_DUMP.
 measure() {
-    local name=$1 prefix command
+    local name=$1 prefix
     prefix="$WORK/callgrind.$name.out"
     case "$name" in
-        reflexd)
-            command=("$REFLEXD" --port 0 --no-nbd --original-port "$PORT=1" -n 1=mem:1G --threads 1)
-            ;;
-        limit-server)
-            command=("$LIMIT_SERVER" --port "$PORT" --connections-max 64)
-            ;;
+        reflexd) reflexd_mem_command "$REFLEXD" "$PORT" 0 ;;
+        limit-server) limit_server_command "$LIMIT_SERVER" "$PORT" ;;
     esac
-    valgrind --tool=callgrind --callgrind-out-file="$prefix" "${command[@]}" >"$WORK/$name.log" 2>&1 &
+    valgrind --tool=callgrind --callgrind-out-file="$prefix" "${SERVER_COMMAND[@]}" \
+        >"$WORK/$name.log" 2>&1 &
     SERVER_PID=$!
     # Ready once it answers a request: a listening port is not enough (reflexd binds its ports
     # before opening the namespace, which takes a while under valgrind).

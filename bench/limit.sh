@@ -85,19 +85,18 @@ trap stop_server EXIT
 
 # start_server NAME: limit, limit-poll, reflexd or reflexd-poll, pinned to SERVER_CPU.
 start_server() {
-    local name=$1 port polling=0 flags=() command
+    local name=$1 port polling=0 flags=()
     case "$name" in
         *-poll) polling=1; flags+=(--poll) ;;
     esac
     case "$name" in
         limit*)
             port=$PORT
-            command=("$LIMIT_SERVER" --port "$port" --connections-max 64 "${flags[@]}")
+            limit_server_command "$LIMIT_SERVER" "$port" "${flags[@]}"
             ;;
         reflexd*)
             port=$((PORT + 1))
-            command=("$REFLEXD" --port 0 --no-nbd --original-port "$port=1" -n 1=mem:1G
-                --threads 1 "${flags[@]}")
+            reflexd_mem_command "$REFLEXD" "$port" 0 "${flags[@]}"
             ;;
     esac
     if [ "$QUIET_WAIT_S" -gt 0 ] && ! wait_quiet "$QUIET_MAX_PERCENT" "$QUIET_WAIT_S"; then
@@ -106,7 +105,7 @@ start_server() {
     fi
     # nice/chrt and taskset exec the server: $! is the server's own pid.
     # shellcheck disable=SC2046
-    $(prio "$polling") taskset -c "$SERVER_CPU" "${command[@]}" >"$RAW/$name.log" 2>&1 &
+    $(prio "$polling") taskset -c "$SERVER_CPU" "${SERVER_COMMAND[@]}" >"$RAW/$name.log" 2>&1 &
     SERVER_PID=$!
     wait_port "$port" "$SERVER_PID" 20 || { cat "$RAW/$name.log" >&2; die "$name did not start"; }
     SERVER_PORT=$port

@@ -64,12 +64,11 @@ flags=()
 [ "$POLL" = 0 ] || flags+=(--poll)
 LABEL="$SERVER${flags[*]:+ ${flags[*]}}"
 if [ "$SERVER" = reflexd ]; then
-    command=("$REFLEXD" --port 0 --no-nbd --original-port "$PORT=1" -n 1=mem:1G --threads 1
-        "${flags[@]}")
+    reflexd_mem_command "$REFLEXD" "$PORT" 0 "${flags[@]}"
 else
-    command=("$LIMIT_SERVER" --port "$PORT" --connections-max 64 "${flags[@]}")
+    limit_server_command "$LIMIT_SERVER" "$PORT" "${flags[@]}"
 fi
-taskset -c "$SERVER_CPU" "${command[@]}" >"$WORK/server.log" 2>&1 &
+taskset -c "$SERVER_CPU" "${SERVER_COMMAND[@]}" >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 wait_port "$PORT" "$SERVER_PID" 20 || { cat "$WORK/server.log" >&2; die "$SERVER did not start"; }
 

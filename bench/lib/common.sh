@@ -160,6 +160,24 @@ build_release() {
     REFLEX="${CARGO_TARGET_DIR:-target}/release/reflex"
 }
 
+# The two servers that the issue-10 dataplane benchmarks (limit.sh, builds.sh, profile.sh,
+# instructions.sh) compare, spelled once so every script measures the same thing: each sets
+# SERVER_COMMAND to a command line.
+# reflexd_mem_command BINARY ORIGINAL_PORT NATIVE_PORT [FLAG...]: one dataplane thread, a
+# 1 GiB `mem` namespace behind an original-protocol port, no NBD (NATIVE_PORT 0: any port).
+reflexd_mem_command() {
+    local binary=$1 original_port=$2 native_port=$3
+    shift 3
+    SERVER_COMMAND=("$binary" --port "$native_port" --no-nbd --original-port "$original_port=1"
+        -n 1=mem:1G --threads 1 "$@")
+}
+# limit_server_command BINARY PORT [FLAG...]: bench/limit's server, room for 64 connections.
+limit_server_command() {
+    local binary=$1 port=$2
+    shift 2
+    SERVER_COMMAND=("$binary" --port "$port" --connections-max 64 "$@")
+}
+
 now_ns() { date +%s%N; }
 
 fs_type() { findmnt -n -o FSTYPE --target "$1"; }
