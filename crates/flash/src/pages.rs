@@ -567,6 +567,26 @@ mod tests {
         out
     }
 
+    /// Two writer threads, each writing `rounds` whole blocks of one byte value (a different
+    /// sequence per thread) to `blocks` round robin.
+    fn spawn_writers(
+        region: &Arc<LendingRegion>,
+        blocks: [usize; 4],
+        rounds: usize,
+    ) -> Vec<std::thread::JoinHandle<()>> {
+        (0..2u8)
+            .map(|seed| {
+                let region = Arc::clone(region);
+                std::thread::spawn(move || {
+                    for round in 0..rounds {
+                        let value = seed.wrapping_mul(101).wrapping_add(round as u8);
+                        region.write(blocks[round % blocks.len()], &[value; BLOCK_BYTES]);
+                    }
+                })
+            })
+            .collect()
+    }
+
     /// Lends `blocks` round robin from `first` for `rounds` loans, holding the last 8 while
     /// writers may run: each loan must be whole when made and unchanged when given back.
     fn lend_and_check(handle: &Arc<RegionHandle>, blocks: &[usize], first: usize, rounds: usize) {
@@ -695,20 +715,8 @@ mod tests {
     #[test]
     fn threads_lending_and_writing_see_whole_blocks() {
         let handle = handle(64 << 10);
-        let writers: Vec<_> = (0..2u8)
-            .map(|seed| {
-                let handle = Arc::clone(&handle);
-                std::thread::spawn(move || {
-                    for round in 0..2000u32 {
-                        let value = seed.wrapping_mul(100).wrapping_add(round as u8);
-                        handle
-                            .region()
-                            .write(BLOCK_BYTES * (round as usize % 4), &[value; BLOCK_BYTES]);
-                    }
-                })
-            })
-            .collect();
         let blocks = [0, BLOCK_BYTES, 2 * BLOCK_BYTES, 3 * BLOCK_BYTES];
+        let writers = spawn_writers(&handle.region, blocks, 2000);
         lend_and_check(&handle, &blocks, 0, 4000);
         for writer in writers {
             writer
@@ -724,17 +732,7 @@ mod tests {
         let region =
             Arc::new(LendingRegion::new(2 * STRIPE_BYTES).unwrap_or_else(|e| panic!("{e}")));
         let blocks = [0, BLOCK_BYTES, STRIPE_BYTES, STRIPE_BYTES + BLOCK_BYTES];
-        let writers: Vec<_> = (0..2u8)
-            .map(|seed| {
-                let region = Arc::clone(&region);
-                std::thread::spawn(move || {
-                    for round in 0..3000usize {
-                        let value = seed.wrapping_mul(101).wrapping_add(round as u8);
-                        region.write(blocks[round % blocks.len()], &[value; BLOCK_BYTES]);
-                    }
-                })
-            })
-            .collect();
+        let writers = spawn_writers(&region, blocks, 3000);
         let lenders: Vec<_> = (0..2usize)
             .map(|first| {
                 let handle = RegionHandle::new(Arc::clone(&region));
